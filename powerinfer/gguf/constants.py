@@ -1,0 +1,122 @@
+"""GGUF constants: magics, value types, metadata keys, tensor-name templates, quant types.
+
+The quant-type enum and block-size table come from the `gguf` package so that there is one source of truth.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+GGUF_MAGIC = b"GGUF"
+PWRI_MAGIC = b"PWRI"
+GGUF_VERSION = 3
+GGUF_DEFAULT_ALIGNMENT = 32
+
+GGMLType = GGMLQuantizationType
+QUANT_SIZES: dict[GGMLType, tuple[int, int]] = dict(GGML_QUANT_SIZES)  # type -> (block elems, block bytes)
+
+# PowerInfer's ggml predates the IQ types: in PWRI files ids 16-18 are I8, I16, I32 (today 24-26)
+PWRI_LEGACY_TYPES: dict[int, GGMLType] = {16: GGMLType.I8, 17: GGMLType.I16, 18: GGMLType.I32}
+PWRI_LEGACY_IDS: dict[GGMLType, int] = {v: k for k, v in PWRI_LEGACY_TYPES.items()}
+
+
+class ValueType(IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+# numpy dtype string of each scalar value type (STRING and ARRAY are handled separately)
+VALUE_DTYPES: dict[ValueType, str] = {
+    ValueType.UINT8: "<u1",
+    ValueType.INT8: "<i1",
+    ValueType.UINT16: "<u2",
+    ValueType.INT16: "<i2",
+    ValueType.UINT32: "<u4",
+    ValueType.INT32: "<i4",
+    ValueType.FLOAT32: "<f4",
+    ValueType.BOOL: "<u1",
+    ValueType.UINT64: "<u8",
+    ValueType.INT64: "<i8",
+    ValueType.FLOAT64: "<f8",
+}
+
+
+class Keys:
+    """Metadata keys; `{arch}` is filled with general.architecture."""
+
+    ARCHITECTURE = "general.architecture"
+    NAME = "general.name"
+    ALIGNMENT = "general.alignment"
+    FILE_TYPE = "general.file_type"
+    QUANTIZATION_VERSION = "general.quantization_version"
+
+    CONTEXT_LENGTH = "{arch}.context_length"
+    EMBEDDING_LENGTH = "{arch}.embedding_length"
+    BLOCK_COUNT = "{arch}.block_count"
+    FEED_FORWARD_LENGTH = "{arch}.feed_forward_length"
+    HEAD_COUNT = "{arch}.attention.head_count"
+    HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
+    LAYERNORM_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+    ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
+    ROPE_FREQ_BASE = "{arch}.rope.freq_base"
+    ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
+    ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+    VOCAB_SIZE = "{arch}.vocab_size"
+
+    SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
+
+    TOKENIZER_MODEL = "tokenizer.ggml.model"
+    TOKENIZER_PRE = "tokenizer.ggml.pre"
+    TOKENIZER_TOKENS = "tokenizer.ggml.tokens"
+    TOKENIZER_SCORES = "tokenizer.ggml.scores"
+    TOKENIZER_TOKEN_TYPE = "tokenizer.ggml.token_type"
+    TOKENIZER_MERGES = "tokenizer.ggml.merges"
+    TOKENIZER_BOS_ID = "tokenizer.ggml.bos_token_id"
+    TOKENIZER_EOS_ID = "tokenizer.ggml.eos_token_id"
+    TOKENIZER_EOT_ID = "tokenizer.ggml.eot_token_id"
+    TOKENIZER_UNK_ID = "tokenizer.ggml.unknown_token_id"
+    TOKENIZER_PAD_ID = "tokenizer.ggml.padding_token_id"
+    TOKENIZER_ADD_BOS = "tokenizer.ggml.add_bos_token"
+    TOKENIZER_ADD_EOS = "tokenizer.ggml.add_eos_token"
+    TOKENIZER_ADD_SPACE_PREFIX = "tokenizer.ggml.add_space_prefix"
+    CHAT_TEMPLATE = "tokenizer.chat_template"
+
+    GPU_INDEX_ARCH = "generic.gpu_index"
+    GPU_INDEX_BLOCK_COUNT = "generic.gpu_index.block_count"
+    VRAM_CAPACITY = "split.vram_capacity"
+
+
+class TensorNames:
+    """Tensor-name templates, defined once; `{bid}` is the block index."""
+
+    TOKEN_EMBD = "token_embd.weight"
+    OUTPUT_NORM = "output_norm.weight"
+    OUTPUT = "output.weight"
+    ROPE_FREQS = "rope_freqs.weight"
+    ATTN_NORM = "blk.{bid}.attn_norm.weight"
+    ATTN_Q = "blk.{bid}.attn_q.weight"
+    ATTN_K = "blk.{bid}.attn_k.weight"
+    ATTN_V = "blk.{bid}.attn_v.weight"
+    ATTN_OUT = "blk.{bid}.attn_output.weight"
+    FFN_NORM = "blk.{bid}.ffn_norm.weight"
+    FFN_GATE = "blk.{bid}.ffn_gate.weight"
+    FFN_UP = "blk.{bid}.ffn_up.weight"
+    FFN_DOWN = "blk.{bid}.ffn_down.weight"
+    FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"
+    PRED_FC1 = "blk.{bid}.fc1.weight"
+    PRED_FC2 = "blk.{bid}.fc2.weight"
+    GPU_IDX = "blk.{bid}.gpu_idx"
+    GPU_BUCKET = "blk.{bid}.gpu_bucket"

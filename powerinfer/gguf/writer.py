@@ -1,0 +1,173 @@
+"""GGUF / PWRI writer. Writes to a temporary file in the target folder and renames it into place."""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from powerinfer.errors import FormatError
+from powerinfer.gguf.constants import (
+    GGUF_DEFAULT_ALIGNMENT,
+    GGUF_MAGIC,
+    GGUF_VERSION,
+    PWRI_LEGACY_IDS,
+    PWRI_MAGIC,
+    QUANT_SIZES,
+    VALUE_DTYPES,
+    GGMLType,
+    Keys,
+    ValueType,
+)
+
+_NUMPY_TO_VALUE = {np.dtype(v): k for k, v in VALUE_DTYPES.items() if k != ValueType.BOOL}
+
+
+def _infer_type(value: Any) -> ValueType:
+    if isinstance(value, bool):
+        return ValueType.BOOL
+    if isinstance(value, (int, np.integer)):
+        return ValueType.UINT32 if 0 <= int(value) < 2**32 else ValueType.INT64
+    if isinstance(value, (float, np.floating)):
+        return ValueType.FLOAT32
+    if isinstance(value, str):
+        return ValueType.STRING
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return ValueType.ARRAY
+    raise FormatError(f"cannot store a {type(value).__name__} in GGUF metadata")
+
+
+def _array_elem_type(value: Any) -> ValueType:
+    if isinstance(value, np.ndarray):
+        if value.dtype == np.bool_:
+            return ValueType.BOOL
+        if value.dtype.newbyteorder("<") in _NUMPY_TO_VALUE:
+            return _NUMPY_TO_VALUE[value.dtype.newbyteorder("<")]
+        raise FormatError(f"cannot store a numpy array of {value.dtype} in GGUF metadata")
+    if len(value) == 0:
+        return ValueType.INT32
+    first = value[0]
+    if isinstance(first, str):
+        return ValueType.STRING
+    if isinstance(first, bool):
+        return ValueType.BOOL
+    if isinstance(first, (int, np.integer)):
+        return ValueType.INT32
+    if isinstance(first, (float, np.floating)):
+        return ValueType.FLOAT32
+    raise FormatError(f"cannot store an array of {type(first).__name__} in GGUF metadata")
+
+
+def _encode_string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _encode_value(value: Any, vtype: ValueType, elem_type: ValueType | None = None) -> bytes:
+    if vtype == ValueType.STRING:
+        return _encode_string(value)
+    if vtype == ValueType.ARRAY:
+        et = elem_type if elem_type is not None else _array_elem_type(value)
+        head = struct.pack("<IQ", int(et), len(value))
+        if et == ValueType.STRING:
+            return head + b"".join(_encode_string(s) for s in value)
+        if et == ValueType.ARRAY:
+            return head + b"".join(_encode_value(v, ValueType.ARRAY) for v in value)
+        return head + np.asarray(value).astype(VALUE_DTYPES[et]).tobytes()
+    return np.asarray(value).astype(VALUE_DTYPES[vtype]).tobytes()
+
+
+class GGUFWriter:
+    """Collects metadata and tensors, then writes a GGUF (or PWRI) v3 file atomically.
+
+    Tensors are given row-major; `data` is either a float array stored as F32/F16/BF16 or the raw bytes
+    (uint8) of an already quantized tensor together with its row-major `shape`.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, sparse: bool = False,
+                 alignment: int = GGUF_DEFAULT_ALIGNMENT) -> None:
+        self.path = os.fspath(path)
+        self.magic = PWRI_MAGIC if sparse else GGUF_MAGIC
+        self.alignment = alignment
+        self.kv: list[tuple[str, bytes]] = []
+        self.keys: set[str] = set()
+        self.tensors: list[tuple[str, tuple[int, ...], GGMLType, np.ndarray]] = []
+        if alignment != GGUF_DEFAULT_ALIGNMENT:
+            self.add(Keys.ALIGNMENT, alignment, ValueType.UINT32)
+
+    def add(self, key: str, value: Any, vtype: ValueType | None = None,
+            elem_type: ValueType | None = None) -> None:
+        """Add one metadata key; the value type is inferred unless given."""
+        if key in self.keys:
+            raise FormatError(f"duplicate metadata key {key}")
+        vt = vtype if vtype is not None else _infer_type(value)
+        self.kv.append((key, _encode_string(key) + struct.pack("<I", int(vt)) + _encode_value(value, vt, elem_type)))
+        self.keys.add(key)
+
+    def add_tensor(self, name: str, data: np.ndarray, ggml_type: GGMLType | None = None,
+                   shape: tuple[int, ...] | None = None) -> None:
+        """Add a tensor. Float data is converted to `ggml_type` (F32 by default; F16/BF16 allowed)."""
+        if ggml_type is None:
+            ggml_type = GGMLType.F32
+        if data.dtype == np.uint8 and ggml_type not in (GGMLType.I8,):
+            if shape is None:
+                raise FormatError(f"tensor {name}: raw bytes need an explicit shape")
+            raw = np.ascontiguousarray(data).reshape(-1)
+        else:
+            shape = tuple(int(s) for s in data.shape)
+            raw = _float_to_raw(np.ascontiguousarray(data), ggml_type, name)
+        block_elems, block_bytes = QUANT_SIZES[ggml_type]
+        n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if (shape and shape[-1] % block_elems) or raw.nbytes != n // block_elems * block_bytes:
+            raise FormatError(f"tensor {name}: {raw.nbytes} bytes do not fit shape {shape} of {ggml_type.name}")
+        self.tensors.append((name, tuple(shape), ggml_type, raw))
+
+    def write(self) -> None:
+        """Write the file to a temp file beside the target, then rename it into place."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(folder):
+            raise FormatError(f"{self.path}: output folder {folder} does not exist")
+        header = bytearray()
+        header += self.magic + struct.pack("<IQQ", GGUF_VERSION, len(self.tensors), len(self.kv))
+        for _, encoded in self.kv:
+            header += encoded
+        offset = 0
+        offsets = []
+        for name, shape, ggml_type, raw in self.tensors:
+            header += _encode_string(name) + struct.pack("<I", len(shape))
+            header += b"".join(struct.pack("<Q", d) for d in reversed(shape))
+            type_id = PWRI_LEGACY_IDS.get(ggml_type, int(ggml_type)) if self.magic == PWRI_MAGIC else int(ggml_type)
+            header += struct.pack("<IQ", type_id, offset)
+            offsets.append(offset)
+            offset += raw.nbytes + (-raw.nbytes) % self.alignment
+        header += b"\0" * ((-len(header)) % self.alignment)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=folder)
+        except OSError as e:
+            raise FormatError(f"{self.path}: cannot write: {e.strerror}") from None
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                for _, _, _, raw in self.tensors:
+                    f.write(raw.tobytes())
+                    f.write(b"\0" * ((-raw.nbytes) % self.alignment))
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+
+def _float_to_raw(data: np.ndarray, ggml_type: GGMLType, name: str) -> np.ndarray:
+    if ggml_type == GGMLType.F32:
+        return data.astype("<f4").view(np.uint8).reshape(-1)
+    if ggml_type == GGMLType.F16:
+        return data.astype("<f2").view(np.uint8).reshape(-1)
+    if ggml_type == GGMLType.I32:
+        return data.astype("<i4").view(np.uint8).reshape(-1)
+    from powerinfer.quant import quantize
+
+    return quantize(data.astype(np.float32), ggml_type).reshape(-1)

@@ -1,0 +1,61 @@
+"""Block formats: one registry of ggml types with reference (de)quantisation.
+
+The reference implementations are the `gguf` package's quantizers (the same maths as ggml-quants.c),
+so there is a single block decoder per format on the Python side.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import quants as _gguf_quants
+
+from powerinfer.errors import FormatError
+from powerinfer.gguf.constants import QUANT_SIZES, GGMLType
+
+# types whose blocks the gguf package can produce
+QUANTIZABLE = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1,
+                         GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
+# types our CPU kernels compute on directly (no dequantised copy)
+KERNEL_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+
+
+def block_size(ggml_type: GGMLType) -> tuple[int, int]:
+    """(elements per block, bytes per block) of a ggml type."""
+    try:
+        return QUANT_SIZES[ggml_type]
+    except KeyError:
+        raise FormatError(f"unsupported ggml type {ggml_type!r}") from None
+
+
+def row_bytes(ggml_type: GGMLType, n_cols: int) -> int:
+    """Bytes of one row of `n_cols` elements."""
+    block_elems, block_bytes = block_size(ggml_type)
+    if n_cols % block_elems:
+        raise FormatError(f"row length {n_cols} is not a multiple of the {ggml_type.name} block size {block_elems}")
+    return n_cols // block_elems * block_bytes
+
+
+def dequantize(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...]) -> np.ndarray:
+    """Decode raw tensor bytes (any layout view of them) into a float32 array of row-major `shape`."""
+    rb = row_bytes(ggml_type, shape[-1])
+    rows = raw.reshape(-1).view(np.uint8).reshape(-1, rb)
+    if ggml_type == GGMLType.F32:
+        out = rows.view("<f4")
+    elif ggml_type == GGMLType.F16:
+        out = rows.view("<f2").astype(np.float32)
+    elif ggml_type in (GGMLType.I32,):
+        out = rows.view("<i4").astype(np.float32)
+    else:
+        out = _gguf_quants.dequantize(rows, ggml_type).astype(np.float32, copy=False)
+    return out.reshape(shape)
+
+
+def quantize(data: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """Encode a float array into raw blocks (uint8, shape (rows, row_bytes)), bit-exact with ggml."""
+    if ggml_type not in QUANTIZABLE:
+        raise FormatError(f"quantizing to {ggml_type.name} is not supported")
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    flat = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
+    row_bytes(ggml_type, flat.shape[-1])
+    out = _gguf_quants.quantize(flat, ggml_type)
+    return np.ascontiguousarray(out).view(np.uint8).reshape(flat.shape[0], -1)
