@@ -1,0 +1,79 @@
+/* Shared definitions of the CPU kernels: ggml block layouts, fp16 decoding, error codes.
+ *
+ * All formats are little endian; fp16 is IEEE binary16. Blocks hold 32 elements (QK).
+ *
+ *   Q4_0  {fp16 d; uint8 qs[16]}          18 bytes  x[i] = ((qs[i] & 15) - 8) * d, x[i+16] = ((qs[i] >> 4) - 8) * d
+ *   Q4_1  {fp16 d; fp16 m; uint8 qs[16]}  20 bytes  x[i] = (qs[i] & 15) * d + m,   x[i+16] = (qs[i] >> 4) * d + m
+ *   Q8_0  {fp16 d; int8 qs[32]}           34 bytes  x[i] = qs[i] * d
+ *
+ * Kernel ABI: every exported function takes sized integers, explicit row counts and strides, and the thread
+ * count, and returns 0 or one of the PI_ERR_* codes below. No function keeps state between calls.
+ */
+#ifndef POWERINFER_KERNELS_COMMON_H
+#define POWERINFER_KERNELS_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define PI_EXPORT __attribute__((visibility("default")))
+
+#define QK 32 /* elements per quant block */
+
+enum pi_status {
+    PI_OK = 0,
+    PI_ERR_SHAPE = 1, /* K is not a multiple of the block size, or a negative count */
+    PI_ERR_ALLOC = 2, /* scratch allocation failed */
+    PI_ERR_INDEX = 3, /* a row id is outside [0, N) */
+};
+
+typedef struct {
+    uint16_t d;
+    uint8_t qs[QK / 2];
+} block_q4_0;
+
+typedef struct {
+    uint16_t d;
+    uint16_t m;
+    uint8_t qs[QK / 2];
+} block_q4_1;
+
+typedef struct {
+    uint16_t d;
+    int8_t qs[QK];
+} block_q8_0;
+
+_Static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must be 18 bytes");
+_Static_assert(sizeof(block_q4_1) == 20, "block_q4_1 must be 20 bytes");
+_Static_assert(sizeof(block_q8_0) == 34, "block_q8_0 must be 34 bytes");
+
+/* Exact IEEE half -> float conversion (subnormals, inf and nan included). */
+static inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    const uint32_t exponent = (h >> 10) & 0x1Fu;
+    const uint32_t mantissa = h & 0x3FFu;
+    uint32_t bits;
+    if (exponent == 0) {
+        /* zero or subnormal: mantissa * 2^-24, exact in float */
+        const float value = (float)mantissa * 5.9604644775390625e-8f;
+        memcpy(&bits, &value, sizeof bits);
+        bits |= sign;
+    } else if (exponent == 31) {
+        bits = sign | 0x7F800000u | (mantissa << 13);
+    } else {
+        bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+    }
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
+static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Threads actually used: small problems run on one thread (the fork/join costs more than it saves).
+ * The split never changes results: each output element is computed by exactly one thread. */
+static inline int32_t threads_for_work(int32_t n_threads, int64_t work) {
+    if (n_threads < 1 || work < (1 << 15)) return 1;
+    return n_threads;
+}
+
+#endif

@@ -1,0 +1,76 @@
+/* get_rows: decode selected rows (token ids) of a ggml tensor into float32 (embedding lookup).
+ *
+ * The arithmetic matches the reference dequantiser bit for bit: each element is one float product
+ * (plus one separately rounded add for Q4_1); the build uses -ffp-contract=off so no FMA is formed.
+ * This op moves a few rows per call, so a scalar loop (auto-vectorised by the compiler) is enough.
+ */
+#include "common.h"
+
+static void row_decode_f32(const uint8_t *row, int64_t K, float *out) { memcpy(out, row, (size_t)K * sizeof(float)); }
+
+static void row_decode_f16(const uint8_t *row, int64_t K, float *out) {
+    for (int64_t k = 0; k < K; k++) {
+        uint16_t h;
+        memcpy(&h, row + 2 * k, sizeof h);
+        out[k] = fp16_to_fp32(h);
+    }
+}
+
+static void row_decode_q4_0(const uint8_t *row, int64_t K, float *out) {
+    const block_q4_0 *blocks = (const block_q4_0 *)row;
+    for (int64_t i = 0; i < K / QK; i++) {
+        const float d = fp16_to_fp32(blocks[i].d);
+        for (int j = 0; j < QK / 2; j++) {
+            out[i * QK + j] = (float)((blocks[i].qs[j] & 0x0F) - 8) * d;
+            out[i * QK + j + QK / 2] = (float)((blocks[i].qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
+static void row_decode_q4_1(const uint8_t *row, int64_t K, float *out) {
+    const block_q4_1 *blocks = (const block_q4_1 *)row;
+    for (int64_t i = 0; i < K / QK; i++) {
+        const float d = fp16_to_fp32(blocks[i].d);
+        const float m = fp16_to_fp32(blocks[i].m);
+        for (int j = 0; j < QK / 2; j++) {
+            out[i * QK + j] = d * (float)(blocks[i].qs[j] & 0x0F) + m;
+            out[i * QK + j + QK / 2] = d * (float)(blocks[i].qs[j] >> 4) + m;
+        }
+    }
+}
+
+static void row_decode_q8_0(const uint8_t *row, int64_t K, float *out) {
+    const block_q8_0 *blocks = (const block_q8_0 *)row;
+    for (int64_t i = 0; i < K / QK; i++) {
+        const float d = fp16_to_fp32(blocks[i].d);
+        for (int j = 0; j < QK; j++) out[i * QK + j] = (float)blocks[i].qs[j] * d;
+    }
+}
+
+typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *out);
+
+/* y[r, :] = decode(W[ids[r], :]) for r < n_ids; W has N rows of K elements, w_stride bytes apart. */
+static int32_t get_rows(row_decode_fn decode, int64_t block_elems, const uint8_t *w, int64_t w_stride, int64_t N,
+                        int64_t K, const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride, int32_t n_threads) {
+    if (N < 0 || K < 0 || n_ids < 0 || K % block_elems != 0) return PI_ERR_SHAPE;
+    for (int64_t r = 0; r < n_ids; r++) {
+        if (ids[r] < 0 || ids[r] >= N) return PI_ERR_INDEX;
+    }
+    const int32_t nt = threads_for_work(n_threads, n_ids * K);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t r = 0; r < n_ids; r++) decode(w + ids[r] * w_stride, K, y + r * y_stride);
+    return PI_OK;
+}
+
+#define DEFINE_GET_ROWS(type, block_elems)                                                                     \
+    PI_EXPORT int32_t pi_get_rows_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,              \
+                                         const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride,         \
+                                         int32_t n_threads) {                                                   \
+        return get_rows(row_decode_##type, block_elems, w, w_stride, N, K, ids, n_ids, y, y_stride, n_threads); \
+    }
+
+DEFINE_GET_ROWS(f32, 1)
+DEFINE_GET_ROWS(f16, 1)
+DEFINE_GET_ROWS(q4_0, QK)
+DEFINE_GET_ROWS(q4_1, QK)
+DEFINE_GET_ROWS(q8_0, QK)

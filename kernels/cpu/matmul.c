@@ -1,0 +1,271 @@
+/* matmul: y[t, n] = sum_k W[n, k] * x[t, k] for T tokens, W given as raw ggml rows.
+ *
+ * Quant types (Q4_0, Q4_1, Q8_0) quantise the activations once per call into int8 blocks of 32
+ * (x ~= d * q, |q| <= 127, plus sum(q) per block) and compute integer block dot products scaled per block:
+ *   Q4_0:  d_w * d_x * (q_w . q_x - 8 * sum(q_x))
+ *   Q4_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
+ *   Q8_0:  d_w * d_x * (q_w . q_x)
+ * F32 and F16 weights use float FMA directly.
+ *
+ * Work is split over blocks of TILE_N rows; inside a block, tokens are taken TILE_T at a time, and each weight
+ * block is decoded once per token tile and used for all its tokens (T = 1 is the decode matvec).
+ *
+ * The SIMD variant (scalar, AVX2+FMA+F16C, AVX-512+VNNI) is chosen once when the library is loaded.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+
+#include "common.h"
+
+#define TILE_T 4  /* tokens per tile */
+#define TILE_N 16 /* rows per parallel work item */
+
+/* Activations quantised per call; arrays indexed [t * K + k] and [t * nb + block]. */
+typedef struct {
+    int8_t *qs;
+    float *d;      /* block scale */
+    float *s;      /* d * sum(qs) over the block */
+    int32_t *isum; /* sum(qs) over the block */
+    int64_t K;
+    int64_t nb;
+} act_q8;
+
+typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *d, float *s, int32_t *isum);
+typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
+typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
+
+enum matmul_isa { MATMUL_ISA_SCALAR = 0, MATMUL_ISA_AVX2 = 1, MATMUL_ISA_AVX512 = 2 };
+
+typedef struct {
+    quantize_act_fn quantize_act;
+    tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
+    tile_float_fn tile_f32, tile_f16;
+} matmul_table;
+
+/* ---- scalar fallback ---------------------------------------------------------------------------------------- */
+
+static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *d, float *s, int32_t *isum) {
+    for (int64_t i = 0; i < nb; i++) {
+        const float *xb = x + i * QK;
+        float am = 0.0f;
+        for (int j = 0; j < QK; j++) am = fmaxf(am, fabsf(xb[j]));
+        const float inv = am != 0.0f ? 127.0f / am : 0.0f;
+        int32_t total = 0;
+        for (int j = 0; j < QK; j++) {
+            const int32_t q = (int32_t)rintf(xb[j] * inv);
+            qs[i * QK + j] = (int8_t)q;
+            total += q;
+        }
+        d[i] = am / 127.0f;
+        isum[i] = total;
+        s[i] = d[i] * (float)total;
+    }
+}
+
+static void tile_q4_0_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    const block_q4_0 *b = (const block_q4_0 *)row;
+    for (int t = 0; t < ntok; t++) {
+        const int8_t *xq = a->qs + (t0 + t) * a->K;
+        const float *xd = a->d + (t0 + t) * a->nb;
+        const int32_t *xi = a->isum + (t0 + t) * a->nb;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < a->nb; i++) {
+            int32_t dot = 0;
+            for (int j = 0; j < QK / 2; j++)
+                dot += (b[i].qs[j] & 0x0F) * xq[i * QK + j] + (b[i].qs[j] >> 4) * xq[i * QK + j + QK / 2];
+            acc += (float)(dot - 8 * xi[i]) * (fp16_to_fp32(b[i].d) * xd[i]);
+        }
+        out[t] = acc;
+    }
+}
+
+static void tile_q4_1_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    const block_q4_1 *b = (const block_q4_1 *)row;
+    for (int t = 0; t < ntok; t++) {
+        const int8_t *xq = a->qs + (t0 + t) * a->K;
+        const float *xd = a->d + (t0 + t) * a->nb;
+        const float *xs = a->s + (t0 + t) * a->nb;
+        float acc = 0.0f, bias = 0.0f;
+        for (int64_t i = 0; i < a->nb; i++) {
+            int32_t dot = 0;
+            for (int j = 0; j < QK / 2; j++)
+                dot += (b[i].qs[j] & 0x0F) * xq[i * QK + j] + (b[i].qs[j] >> 4) * xq[i * QK + j + QK / 2];
+            acc += (float)dot * (fp16_to_fp32(b[i].d) * xd[i]);
+            bias += fp16_to_fp32(b[i].m) * xs[i];
+        }
+        out[t] = acc + bias;
+    }
+}
+
+static void tile_q8_0_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    const block_q8_0 *b = (const block_q8_0 *)row;
+    for (int t = 0; t < ntok; t++) {
+        const int8_t *xq = a->qs + (t0 + t) * a->K;
+        const float *xd = a->d + (t0 + t) * a->nb;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < a->nb; i++) {
+            int32_t dot = 0;
+            for (int j = 0; j < QK; j++) dot += b[i].qs[j] * xq[i * QK + j];
+            acc += (float)dot * (fp16_to_fp32(b[i].d) * xd[i]);
+        }
+        out[t] = acc;
+    }
+}
+
+static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    const float *w = (const float *)row;
+    for (int t = 0; t < ntok; t++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) acc += w[k] * x[t * x_stride + k];
+        out[t] = acc;
+    }
+}
+
+static void tile_f16_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    const uint16_t *w = (const uint16_t *)row;
+    for (int t = 0; t < ntok; t++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) acc += fp16_to_fp32(w[k]) * x[t * x_stride + k];
+        out[t] = acc;
+    }
+}
+
+/* ---- SIMD variants ------------------------------------------------------------------------------------------- */
+
+#define SIMD_SUFFIX avx2
+#define SIMD_TARGET "avx2,fma,f16c"
+#define SIMD_AVX512 0
+#include "matmul_x86.h"
+#undef SIMD_SUFFIX
+#undef SIMD_TARGET
+#undef SIMD_AVX512
+
+#define SIMD_SUFFIX avx512
+#define SIMD_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
+#define SIMD_AVX512 1
+#include "matmul_x86.h"
+#undef SIMD_SUFFIX
+#undef SIMD_TARGET
+#undef SIMD_AVX512
+
+/* ---- dispatch: chosen once at load ------------------------------------------------------------------------ */
+
+static const matmul_table matmul_tables[] = {
+    [MATMUL_ISA_SCALAR] = {quantize_act_scalar, tile_q4_0_scalar, tile_q4_1_scalar, tile_q8_0_scalar, tile_f32_scalar,
+                           tile_f16_scalar},
+    [MATMUL_ISA_AVX2] = {quantize_act_avx2, tile_q4_0_avx2, tile_q4_1_avx2, tile_q8_0_avx2, tile_f32_avx2,
+                         tile_f16_avx2},
+    [MATMUL_ISA_AVX512] = {quantize_act_avx512, tile_q4_0_avx512, tile_q4_1_avx512, tile_q8_0_avx512,
+                           tile_f32_avx512, tile_f16_avx512},
+};
+
+static const char *const matmul_isa_names[] = {"scalar", "avx2", "avx512"};
+
+static int32_t matmul_isa_best = MATMUL_ISA_SCALAR;
+static const matmul_table *matmul_active = &matmul_tables[MATMUL_ISA_SCALAR];
+
+__attribute__((constructor)) static void matmul_init(void) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        matmul_isa_best = MATMUL_ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+            __builtin_cpu_supports("avx512vnni"))
+            matmul_isa_best = MATMUL_ISA_AVX512;
+    }
+    matmul_active = &matmul_tables[matmul_isa_best];
+}
+
+/* Name of the active variant ("scalar", "avx2", "avx512"). */
+PI_EXPORT const char *pi_kernels_isa(void) { return matmul_isa_names[matmul_active - matmul_tables]; }
+
+/* Testing hook: select variant `level` (0 scalar, 1 avx2, 2 avx512), capped at what the CPU supports.
+ * Not thread safe against running kernels; returns the level now active. */
+PI_EXPORT int32_t pi_kernels_set_isa(int32_t level) {
+    if (level < 0) level = 0;
+    if (level > matmul_isa_best) level = matmul_isa_best;
+    matmul_active = &matmul_tables[level];
+    return level;
+}
+
+/* ---- drivers ------------------------------------------------------------------------------------------------- */
+
+static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                            const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                            int32_t n_threads) {
+    if (N < 0 || T < 0 || K < 0 || K % QK != 0) return PI_ERR_SHAPE;
+    if (N == 0 || T == 0) return PI_OK;
+    const int64_t nb = K / QK;
+    /* one scratch buffer: int8 quants first, then the three per-block arrays (4-byte aligned) */
+    const size_t qs_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
+    const size_t block_bytes = (size_t)(T * nb) * 4;
+    uint8_t *scratch = malloc(qs_bytes + 3 * block_bytes);
+    if (scratch == NULL) return PI_ERR_ALLOC;
+    const act_q8 a = {
+        .qs = (int8_t *)scratch,
+        .d = (float *)(scratch + qs_bytes),
+        .s = (float *)(scratch + qs_bytes + block_bytes),
+        .isum = (int32_t *)(scratch + qs_bytes + 2 * block_bytes),
+        .K = K,
+        .nb = nb,
+    };
+    const matmul_table *table = matmul_active;
+    const int32_t nt = threads_for_work(n_threads, N * K * T);
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            table->quantize_act(x + t * x_stride, nb, a.qs + t * K, a.d + t * nb, a.s + t * nb, a.isum + t * nb);
+#pragma omp for schedule(static)
+        for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
+            const int64_t n1 = min_i64(n0 + TILE_N, N);
+            for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+                const int ntok = (int)min_i64(TILE_T, T - t0);
+                for (int64_t n = n0; n < n1; n++) {
+                    float out[TILE_T];
+                    tile(w + n * w_stride, &a, t0, ntok, out);
+                    for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
+                }
+            }
+        }
+    }
+    free(scratch);
+    return PI_OK;
+}
+
+static int32_t matmul_float(tile_float_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                            const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                            int32_t n_threads) {
+    if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
+    if (N == 0 || T == 0) return PI_OK;
+    const int32_t nt = threads_for_work(n_threads, N * K * T);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
+        const int64_t n1 = min_i64(n0 + TILE_N, N);
+        for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+            const int ntok = (int)min_i64(TILE_T, T - t0);
+            for (int64_t n = n0; n < n1; n++) {
+                float out[TILE_T];
+                tile(w + n * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
+                for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
+            }
+        }
+    }
+    return PI_OK;
+}
+
+/* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
+ * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k]. */
+#define DEFINE_MATMUL(type, driver)                                                                          \
+    PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
+                                       int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
+                                       int32_t n_threads) {                                                   \
+        return driver(matmul_active->tile_##type, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads); \
+    }
+
+DEFINE_MATMUL(f32, matmul_float)
+DEFINE_MATMUL(f16, matmul_float)
+DEFINE_MATMUL(q4_0, matmul_quant)
+DEFINE_MATMUL(q4_1, matmul_quant)
+DEFINE_MATMUL(q8_0, matmul_quant)

@@ -1,0 +1,237 @@
+/* SIMD bodies of the matmul kernels, included twice by matmul.c:
+ *   SIMD_SUFFIX avx2,   SIMD_TARGET "avx2,fma,f16c",                 SIMD_AVX512 0
+ *   SIMD_SUFFIX avx512, SIMD_TARGET "...,avx512f,avx512bw,avx512vl,avx512vnni", SIMD_AVX512 1
+ *
+ * Quant types work on 256-bit vectors, one block of 32 per step, in both variants. They differ only in the
+ * u8 x s8 dot product: AVX2 uses maddubs+madd, AVX-512 uses VNNI dpbusd. The integer results are equal (no
+ * int16 saturation is reachable: |u| <= 128, |s| <= 127) and the float accumulation is the same, so both
+ * variants give bit-identical output. F32/F16 use 512-bit vectors in the AVX-512 variant.
+ *
+ * Each output is accumulated in two vector accumulators (even and odd blocks) and one fixed horizontal sum,
+ * whatever the token tile size, so a token's result does not depend on T or on the thread count.
+ */
+
+#define SIMD_CAT_(a, b) a##_##b
+#define SIMD_CAT(a, b) SIMD_CAT_(a, b)
+#define FN(name) SIMD_CAT(name, SIMD_SUFFIX)
+#define TARGET __attribute__((target(SIMD_TARGET)))
+#define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
+
+TARGET_INLINE float FN(hsum256)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc + sum over each group of 4 bytes of u (unsigned) * s (signed), as 8 int32 lanes */
+TARGET_INLINE __m256i FN(dot_u8s8)(__m256i acc, __m256i u, __m256i s) {
+#if SIMD_AVX512
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* ---- activation quantisation: 32 floats -> 32 int8 with scale d = amax / 127 ------------------------ */
+
+TARGET static void FN(quantize_act)(const float *x, int64_t nb, int8_t *qs, float *d, float *s, int32_t *isum) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < nb; i++) {
+        const float *xb = x + i * QK;
+        const __m256 v0 = _mm256_loadu_ps(xb), v1 = _mm256_loadu_ps(xb + 8);
+        const __m256 v2 = _mm256_loadu_ps(xb + 16), v3 = _mm256_loadu_ps(xb + 24);
+        __m256 amax = _mm256_max_ps(_mm256_andnot_ps(sign_bit, v0), _mm256_andnot_ps(sign_bit, v1));
+        amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_andnot_ps(sign_bit, v2), _mm256_andnot_ps(sign_bit, v3)));
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float am = _mm_cvtss_f32(m);
+        const __m256 inv = _mm256_set1_ps(am != 0.0f ? 127.0f / am : 0.0f);
+        /* cvtps rounds half to even, like rintf in the scalar path */
+        const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv));
+        const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+        const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv));
+        const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+        /* packs interleave 128-bit lanes: 32-bit groups come out as i0a i1a i2a i3a | i0b i1b i2b i3b */
+        __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+        packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(qs + i * QK), packed);
+        const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
+        const int32_t total = _mm_cvtsi128_si32(s4);
+        d[i] = am / 127.0f;
+        isum[i] = total;
+        s[i] = d[i] * (float)total;
+    }
+}
+
+/* ---- quantised weight x quantised activation tiles ------------------------------------------------------ */
+
+/* 32 weights of a Q4 block as unsigned bytes 0..15 in element order */
+TARGET_INLINE __m256i FN(unpack_q4)(const uint8_t *qs) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+/* One block step for ntok tokens; KIND 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; ACC/BIAS are the parity accumulators. */
+#define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
+    do {                                                                                                     \
+        __m256i w, wabs = _mm256_setzero_si256();                                                            \
+        float dw, mw = 0.0f;                                                                                 \
+        if ((KIND) == 0) {                                                                                   \
+            w = FN(unpack_q4)(b0[i].qs);                                                                     \
+            dw = _cvtsh_ss(b0[i].d);                                                                         \
+        } else if ((KIND) == 1) {                                                                            \
+            w = FN(unpack_q4)(b1[i].qs);                                                                     \
+            dw = _cvtsh_ss(b1[i].d);                                                                         \
+            mw = _cvtsh_ss(b1[i].m);                                                                         \
+        } else {                                                                                             \
+            w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
+            wabs = _mm256_sign_epi8(w, w);                                                                   \
+            dw = _cvtsh_ss(b8[i].d);                                                                         \
+        }                                                                                                    \
+        for (int t = 0; t < ntok; t++) {                                                                     \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[t] + (i) * QK));                      \
+            __m256i p;                                                                                       \
+            if ((KIND) == 0) /* (q - 8) . x = q . x - 8 sum(x): subtract sum(x) from each of the 8 lanes */ \
+                p = FN(dot_u8s8)(_mm256_set1_epi32(-xi[t][i]), w, xv);                                       \
+            else if ((KIND) == 1)                                                                            \
+                p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
+            else                                                                                             \
+                p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
+            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[t][i]), ACC[t]);          \
+            if ((KIND) == 1) BIAS[t] += mw * xs[t][i];                                                       \
+        }                                                                                                    \
+    } while (0)
+
+TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok,
+                                    float *out) {
+    const block_q4_0 *b0 = (const block_q4_0 *)row;
+    const block_q4_1 *b1 = (const block_q4_1 *)row;
+    const block_q8_0 *b8 = (const block_q8_0 *)row;
+    const int64_t nb = a->nb;
+    const int8_t *xq[TILE_T];
+    const float *xd[TILE_T], *xs[TILE_T];
+    const int32_t *xi[TILE_T];
+    __m256 acc0[TILE_T], acc1[TILE_T];
+    float bias0[TILE_T], bias1[TILE_T];
+    for (int t = 0; t < ntok; t++) {
+        xq[t] = a->qs + (t0 + t) * a->K;
+        xd[t] = a->d + (t0 + t) * nb;
+        xs[t] = a->s + (t0 + t) * nb;
+        xi[t] = a->isum + (t0 + t) * nb;
+        acc0[t] = acc1[t] = _mm256_setzero_ps();
+        bias0[t] = bias1[t] = 0.0f;
+    }
+    int64_t i = 0;
+    for (; i + 1 < nb; i += 2) {
+        QUANT_STEP(kind, i, acc0, bias0);
+        QUANT_STEP(kind, i + 1, acc1, bias1);
+    }
+    if (i < nb) QUANT_STEP(kind, i, acc0, bias0);
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(_mm256_add_ps(acc0[t], acc1[t])) + (bias0[t] + bias1[t]);
+}
+
+#undef QUANT_STEP
+
+#define DEFINE_TILE_QUANT(type, kind)                                                                     \
+    TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
+        switch (ntok) {                                                                                   \
+            case 1: FN(tile_quant_n)(kind, row, a, t0, 1, out); break;                                    \
+            case 2: FN(tile_quant_n)(kind, row, a, t0, 2, out); break;                                    \
+            case 3: FN(tile_quant_n)(kind, row, a, t0, 3, out); break;                                    \
+            default: FN(tile_quant_n)(kind, row, a, t0, 4, out); break;                                   \
+        }                                                                                                 \
+    }
+
+DEFINE_TILE_QUANT(q4_0, 0)
+DEFINE_TILE_QUANT(q4_1, 1)
+DEFINE_TILE_QUANT(q8_0, 2)
+
+#undef DEFINE_TILE_QUANT
+
+/* ---- float weight x float activation tiles ------------------------------------------------------------- */
+
+#if SIMD_AVX512
+#define VF __m512
+#define VF_N 16
+#define VF_ZERO() _mm512_setzero_ps()
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_HSUM(v) \
+    FN(hsum256)(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
+#define VF_ADD(a, b) _mm512_add_ps(a, b)
+#else
+#define VF __m256
+#define VF_N 8
+#define VF_ZERO() _mm256_setzero_ps()
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+#define VF_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_HSUM(v) FN(hsum256)(v)
+#define VF_ADD(a, b) _mm256_add_ps(a, b)
+#endif
+
+TARGET_INLINE void FN(tile_float_n)(const int is_f16, const uint8_t *row, int64_t K, const float *x,
+                                    int64_t x_stride, const int ntok, float *out) {
+    const uint16_t *w16 = (const uint16_t *)row;
+    const float *w32 = (const float *)row;
+    VF acc0[TILE_T], acc1[TILE_T];
+    float tail[TILE_T];
+    for (int t = 0; t < ntok; t++) {
+        acc0[t] = acc1[t] = VF_ZERO();
+        tail[t] = 0.0f;
+    }
+    int64_t k = 0;
+    for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
+        const VF w0 = is_f16 ? VF_LOAD_F16(w16 + k) : VF_LOAD(w32 + k);
+        const VF w1 = is_f16 ? VF_LOAD_F16(w16 + k + VF_N) : VF_LOAD(w32 + k + VF_N);
+        for (int t = 0; t < ntok; t++) {
+            acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
+            acc1[t] = VF_FMA(w1, VF_LOAD(x + t * x_stride + k + VF_N), acc1[t]);
+        }
+    }
+    if (k + VF_N <= K) {
+        const VF w0 = is_f16 ? VF_LOAD_F16(w16 + k) : VF_LOAD(w32 + k);
+        for (int t = 0; t < ntok; t++) acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
+        k += VF_N;
+    }
+    for (; k < K; k++) {
+        const float wk = is_f16 ? _cvtsh_ss(w16[k]) : w32[k];
+        for (int t = 0; t < ntok; t++) tail[t] += wk * x[t * x_stride + k];
+    }
+    for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
+}
+
+#define DEFINE_TILE_FLOAT(type, is_f16)                                                                     \
+    TARGET static void FN(tile_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,      \
+                                       int ntok, float *out) {                                               \
+        switch (ntok) {                                                                                     \
+            case 1: FN(tile_float_n)(is_f16, row, K, x, x_stride, 1, out); break;                           \
+            case 2: FN(tile_float_n)(is_f16, row, K, x, x_stride, 2, out); break;                           \
+            case 3: FN(tile_float_n)(is_f16, row, K, x, x_stride, 3, out); break;                           \
+            default: FN(tile_float_n)(is_f16, row, K, x, x_stride, 4, out); break;                          \
+        }                                                                                                   \
+    }
+
+DEFINE_TILE_FLOAT(f32, 0)
+DEFINE_TILE_FLOAT(f16, 1)
+
+#undef DEFINE_TILE_FLOAT
+#undef VF
+#undef VF_N
+#undef VF_ZERO
+#undef VF_LOAD
+#undef VF_LOAD_F16
+#undef VF_FMA
+#undef VF_HSUM
+#undef VF_ADD
+#undef TARGET
+#undef TARGET_INLINE
+#undef FN
+#undef SIMD_CAT
+#undef SIMD_CAT_

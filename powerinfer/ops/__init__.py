@@ -1,0 +1,233 @@
+"""The Python face of the CPU kernels: the only module that names a kernel.
+
+The C kernels are built by setup.py as the extension `powerinfer._kernels` and called through ctypes. When the
+extension is missing (plain checkout, no build) or a weight type has no kernel, every op falls back to the
+pure-torch reference in `powerinfer.ops.reference`, which is also the oracle in tests.
+
+Kernel types (`supported_types()` while the kernels are on) are always computed from the raw bytes. Other
+types (BF16, K-quants, Q5_x, ...) are decoded to a float32 copy on first use, cached on the QWeight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import logging
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.ops import reference
+from powerinfer.quant import KERNEL_TYPES, row_bytes
+
+__all__ = [
+    "QWeight",
+    "get_num_threads",
+    "get_rows",
+    "kernels_available",
+    "linear",
+    "set_num_threads",
+    "supported_types",
+    "use_kernels",
+]
+
+log = logging.getLogger(__name__)
+
+# ggml type -> suffix of the C symbols pi_matmul_<suffix> and pi_get_rows_<suffix>
+_C_NAMES: dict[GGMLType, str] = {
+    GGMLType.F32: "f32",
+    GGMLType.F16: "f16",
+    GGMLType.Q4_0: "q4_0",
+    GGMLType.Q4_1: "q4_1",
+    GGMLType.Q8_0: "q8_0",
+}
+assert frozenset(_C_NAMES) == KERNEL_TYPES
+
+_PI_ERR_SHAPE, _PI_ERR_ALLOC, _PI_ERR_INDEX = 1, 2, 3
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+# (w, w_stride_bytes, N, K, x, x_stride, T, y, y_stride, n_threads)
+_MATMUL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
+# (w, w_stride_bytes, N, K, ids, n_ids, y, y_stride, n_threads)
+_GET_ROWS_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32]
+
+
+class _Kernels:
+    """ctypes handles of the built library, resolved once."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.matmul: dict[GGMLType, Any] = {}
+        self.get_rows: dict[GGMLType, Any] = {}
+        for ggml_type, name in _C_NAMES.items():
+            matmul = getattr(lib, f"pi_matmul_{name}")
+            matmul.argtypes, matmul.restype = _MATMUL_ARGTYPES, _i32
+            self.matmul[ggml_type] = matmul
+            rows = getattr(lib, f"pi_get_rows_{name}")
+            rows.argtypes, rows.restype = _GET_ROWS_ARGTYPES, _i32
+            self.get_rows[ggml_type] = rows
+        self.isa = lib.pi_kernels_isa
+        self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
+        self.set_isa = lib.pi_kernels_set_isa
+        self.set_isa.argtypes, self.set_isa.restype = [_i32], _i32
+
+
+def _load_kernels() -> _Kernels | None:
+    try:
+        spec = importlib.util.find_spec("powerinfer._kernels")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        log.debug("powerinfer._kernels is not built; ops use the torch reference")
+        return None
+    try:
+        kernels = _Kernels(ctypes.CDLL(spec.origin))
+    except (OSError, AttributeError) as exc:
+        log.debug("cannot load %s (%s); ops use the torch reference", spec.origin, exc)
+        return None
+    log.debug("loaded kernels from %s (%s)", spec.origin, kernels.isa().decode())
+    return kernels
+
+
+_KERNELS = _load_kernels()
+
+
+@dataclass
+class _Settings:
+    n_threads: int
+    enabled: bool
+
+
+_settings = _Settings(n_threads=torch.get_num_threads(), enabled=True)
+
+
+def kernels_available() -> bool:
+    """True when the C kernels are built and loaded."""
+    return _KERNELS is not None
+
+
+def use_kernels(enabled: bool) -> bool:
+    """Switch the C kernels on or off (off forces the torch reference); returns the previous setting."""
+    previous, _settings.enabled = _settings.enabled, bool(enabled)
+    return previous
+
+
+def supported_types() -> frozenset[GGMLType]:
+    """ggml types computed by the C kernels right now (empty when they are missing or switched off)."""
+    return frozenset(_C_NAMES) if _KERNELS is not None and _settings.enabled else frozenset()
+
+
+def set_num_threads(n: int) -> None:
+    """Threads used by the kernels and by torch."""
+    if n < 1:
+        raise ValueError(f"thread count must be >= 1, got {n}")
+    _settings.n_threads = int(n)
+    torch.set_num_threads(int(n))
+
+
+def get_num_threads() -> int:
+    """Threads used by the kernels."""
+    return _settings.n_threads
+
+
+def _set_isa(name: str) -> str:
+    """Testing hook: pick the kernel variant ("scalar", "avx2", "avx512"), capped at what the CPU has."""
+    if _KERNELS is None:
+        raise RuntimeError("kernels are not built")
+    _KERNELS.set_isa(("scalar", "avx2", "avx512").index(name))
+    return _KERNELS.isa().decode()
+
+
+@dataclass(frozen=True, eq=False)
+class QWeight:
+    """A 2-D ggml weight kept as its raw bytes.
+
+    raw: uint8 tensor (N, row_bytes), usually a zero-copy view of the memory-mapped model file.
+    shape: (N, K) in elements. Only non-kernel types ever get a dequantised copy (`_dense`, built lazily).
+    """
+
+    raw: torch.Tensor
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    _dense: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ggml_type", GGMLType(self.ggml_type))
+        object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
+        n_rows, n_cols = self.shape
+        expected = (n_rows, row_bytes(self.ggml_type, n_cols))
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != expected or self.raw.device.type != "cpu":
+            raise ValueError(
+                f"raw must be a CPU uint8 tensor of shape {expected} for a {self.ggml_type.name} weight of "
+                f"shape {self.shape}, got {self.raw.dtype} {tuple(self.raw.shape)} on {self.raw.device}"
+            )
+        if n_rows > 1 and self.raw.stride(1) != 1:
+            raise ValueError("raw rows must be contiguous")
+
+    @classmethod
+    def from_numpy(cls, raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, int]) -> QWeight:
+        """Wrap raw tensor bytes (e.g. a read-only memmap) without copying."""
+        ggml_type = GGMLType(ggml_type)
+        rows = raw.reshape(-1).view(np.uint8).reshape(int(shape[0]), row_bytes(ggml_type, int(shape[1])))
+        with warnings.catch_warnings():
+            # memmaps are read-only; the ops never write to weights
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(rows)
+        return cls(tensor, ggml_type, (int(shape[0]), int(shape[1])))
+
+
+def _dense_cached(w: QWeight) -> torch.Tensor:
+    dense = w._dense.get("f32")
+    if dense is None:
+        dense = w._dense["f32"] = reference.dense(w)
+    return dense
+
+
+def _check_status(status: int, op: str) -> None:
+    if status == _PI_ERR_INDEX:
+        raise IndexError(f"{op}: row id out of range")
+    if status == _PI_ERR_ALLOC:
+        raise MemoryError(f"{op}: scratch allocation failed")
+    raise ValueError(f"{op}: kernel rejected the arguments (status {status})")
+
+
+def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    """y = x @ W.T for x of shape (..., K) float32; returns (..., N) float32 (T = 1 is the decode matvec)."""
+    n_rows, n_cols = w.shape
+    if x.shape[-1] != n_cols:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
+    kernel = _KERNELS.matmul.get(w.ggml_type) if _KERNELS is not None and _settings.enabled else None
+    if kernel is None or x.device.type != "cpu":
+        if w.ggml_type in KERNEL_TYPES:
+            return reference.linear(x, w)
+        return x.to(torch.float32) @ _dense_cached(w).to(x.device).T
+    x2 = x.reshape(-1, n_cols)  # (T, K)
+    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
+        x2 = x2.to(torch.float32).contiguous()
+    n_tokens = x2.shape[0]
+    y = torch.empty((n_tokens, n_rows), dtype=torch.float32)
+    status = kernel(w.raw.data_ptr(), w.raw.stride(0), n_rows, n_cols, x2.data_ptr(), x2.stride(0), n_tokens,
+                    y.data_ptr(), n_rows, _settings.n_threads)
+    if status:
+        _check_status(status, "linear")
+    return y.view(*x.shape[:-1], n_rows)
+
+
+def get_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 token ids) of W decoded to float32: shape ids.shape + (K,)."""
+    kernel = _KERNELS.get_rows.get(w.ggml_type) if _KERNELS is not None and _settings.enabled else None
+    if kernel is None:
+        if w.ggml_type in KERNEL_TYPES:
+            return reference.get_rows(w, ids.reshape(-1)).view(*ids.shape, w.shape[1])
+        return _dense_cached(w)[ids.to(torch.int64)]
+    flat = ids.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()  # (n_ids,)
+    n_cols = w.shape[1]
+    y = torch.empty((flat.shape[0], n_cols), dtype=torch.float32)
+    status = kernel(w.raw.data_ptr(), w.raw.stride(0), w.shape[0], n_cols, flat.data_ptr(), flat.shape[0],
+                    y.data_ptr(), n_cols, _settings.n_threads)
+    if status:
+        _check_status(status, "get_rows")
+    return y.view(*ids.shape, n_cols)
