@@ -1,0 +1,3 @@
+from powerinfer.cli import app
+
+app(prog_name="powerinfer")

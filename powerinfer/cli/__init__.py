@@ -1,0 +1,21 @@
+"""The `powerinfer` command line: one Typer app, one module per command."""
+
+from __future__ import annotations
+
+import typer
+
+from powerinfer.cli.main import main
+
+app = typer.Typer(
+    name="powerinfer",
+    help="CPU/GPU hybrid LLM inference with activation sparsity (llama.cpp / PowerInfer compatible).",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+app.command("main", help="Generate text from a prompt (llama.cpp main).")(main)
+
+
+@app.callback()
+def _root() -> None:
+    """powerinfer: run llama.cpp and PowerInfer GGUF models."""

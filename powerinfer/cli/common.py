@@ -1,0 +1,73 @@
+"""Options shared by several commands, defined once, and the error edge of the CLI."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+
+from powerinfer.errors import PowerInferError
+
+err_console = Console(stderr=True, highlight=False)
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models"
+
+ModelOpt = Annotated[Path | None, typer.Option("-m", "--model", help="Model file (GGUF or PowerInfer GGUF).",
+                                               envvar="POWERINFER_MODEL", show_default=False)]
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = from the model).")]
+BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")]
+ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (<= 0: all cores).")]
+SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]
+VramOpt = Annotated[float, typer.Option("--vram-budget", help="VRAM budget in GiB for the GPU pool (-1 = all free).")]
+NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", help="Layers to offload (dense GGUF only).")]
+ResetIdxOpt = Annotated[bool, typer.Option("--reset-gpu-index", help="Regenerate the cached GPU index.")]
+DisableIdxOpt = Annotated[bool, typer.Option("--disable-gpu-index", help="Keep every FFN neuron on the CPU.")]
+LogDisableOpt = Annotated[bool, typer.Option("--log-disable", help="Print no log lines, only results.")]
+
+T = TypeVar("T")
+
+
+def resolve_model(path: Path | None) -> Path:
+    """The -m path, or the bundled default model when -m is not given."""
+    if path is not None:
+        return path
+    candidates = sorted(DEFAULT_MODEL_DIR.glob("*.gguf")) if DEFAULT_MODEL_DIR.is_dir() else []
+    if not candidates:
+        raise PowerInferError("no model given: pass -m MODEL.gguf")
+    return candidates[0]
+
+
+def threads(n: int) -> int:
+    import os
+
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
+def setup_logging(disabled: bool) -> None:
+    level = logging.CRITICAL + 1 if disabled else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s", force=True,
+                        handlers=[RichHandler(console=err_console, show_time=False, show_path=False)])
+
+
+def run_guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Run a command body; project errors become one line on stderr and exit code 1."""
+    try:
+        return fn(*args, **kwargs)
+    except PowerInferError as e:
+        err_console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        raise typer.Exit(code=130) from None
+    except BrokenPipeError:
+        sys.stderr.close()
+        raise typer.Exit(code=0) from None
+    except MemoryError:
+        err_console.print("[bold red]error:[/] out of memory")
+        raise typer.Exit(code=1) from None

@@ -1,0 +1,192 @@
+"""`powerinfer main`: generate text from a prompt, as llama.cpp's `main` does."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from powerinfer import ops
+from powerinfer.cli.common import (
+    BatchOpt,
+    CtxOpt,
+    DisableIdxOpt,
+    LogDisableOpt,
+    ModelOpt,
+    NglOpt,
+    ResetIdxOpt,
+    SeedOpt,
+    ThreadsOpt,
+    VramOpt,
+    err_console,
+    resolve_model,
+    run_guarded,
+    setup_logging,
+    threads,
+)
+from powerinfer.errors import InputError
+from powerinfer.runtime.engine import Engine, EngineOptions, Timings
+from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.tokenizer import StreamDecoder
+
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\", "a": "\a", "b": "\b",
+            "f": "\f", "v": "\v", "?": "?"}
+
+
+def process_escapes(text: str) -> str:
+    """Turn \\n, \\t, \\xNN ... into the characters they name (llama.cpp's -e)."""
+
+    def sub(m: re.Match[str]) -> str:
+        s = m.group(1)
+        if s[0] == "x":
+            return chr(int(s[1:], 16))
+        return _ESCAPES.get(s, "\\" + s)
+
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", sub, text)
+
+
+@dataclass(frozen=True)
+class MainOptions:
+    model: Path
+    prompt: str
+    n_predict: int
+    ignore_eos: bool
+    verbose_prompt: bool
+    display_prompt: bool
+    engine: EngineOptions
+    sampling: SamplingParams
+
+
+def format_timings(tm: Timings) -> list[str]:
+    """The llama_print_timings block."""
+
+    def rate(ms: float, n: int, unit: str) -> str:
+        per = ms / n if n else float("nan")
+        tps = 1e3 * n / ms if ms > 0 else float("nan")
+        return f"{ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+    total = (time.perf_counter() - tm.start) * 1e3
+    return [
+        f"llama_print_timings:        load time = {tm.load_ms:10.2f} ms",
+        f"llama_print_timings:      sample time = {rate(tm.sample_ms, tm.n_sample, 'runs  ')}",
+        f"llama_print_timings: prompt eval time = {rate(tm.prompt_ms, tm.n_prompt, 'tokens')}",
+        f"llama_print_timings:        eval time = {rate(tm.eval_ms, tm.n_eval, 'runs  ')}",
+        f"llama_print_timings:       total time = {total:10.2f} ms",
+    ]
+
+
+def run_main(opts: MainOptions) -> None:
+    """Load the model, stream the continuation of the prompt to stdout and timings to stderr."""
+    engine = Engine(opts.model, opts.engine)
+    tok = engine.tokenizer
+    c = engine.config
+    sampler = Sampler(opts.sampling)
+    err = err_console
+    err.print(f"main: seed  = {sampler.seed}")
+    err.print(f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if c.sparse else 'dense'}, "
+              f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
+              f"file = {engine.weight_bytes / 2**20:.2f} MiB")
+    prompt_ids = tok.encode(opts.prompt, add_bos=None, parse_special=True)
+    if not prompt_ids:
+        prompt_ids = [tok.bos_id] if tok.bos_id is not None else []
+    if not prompt_ids:
+        raise InputError("empty prompt and the vocabulary has no BOS token to start from")
+    if opts.verbose_prompt:
+        err.print(f"main: prompt: '{opts.prompt}'")
+        err.print(f"main: number of tokens in prompt = {len(prompt_ids)}")
+        for t in prompt_ids:
+            err.print(f"{t:6d} -> '{tok.token_bytes(t).decode('utf-8', errors='replace')}'", markup=False)
+    p = opts.sampling
+    err.print(f"sampling: repeat_last_n = {p.repeat_last_n}, repeat_penalty = {p.repeat_penalty:.3f}, "
+              f"frequency_penalty = {p.frequency_penalty:.3f}, presence_penalty = {p.presence_penalty:.3f}, "
+              f"top_k = {p.top_k}, top_p = {p.top_p:.3f}, min_p = {p.min_p:.3f}, temp = {p.temp:.3f}",
+              markup=False)
+    err.print(f"generate: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
+              f"n_predict = {opts.n_predict}, n_threads = {ops.get_num_threads()}")
+    out = sys.stdout
+    if opts.display_prompt:
+        out.write(opts.prompt)
+        out.flush()
+    decoder = StreamDecoder(tok)
+    for token in engine.generate(prompt_ids, sampler, opts.n_predict, opts.ignore_eos):
+        piece = decoder.feed(token)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(decoder.flush())
+    out.write("\n")
+    out.flush()
+    tm = engine.timings
+    for line in format_timings(tm):
+        err.print(line, markup=False)
+    if tm.n_eval and tm.eval_ms > 0:
+        gbs = engine.weight_bytes * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
+        err.print(f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)", markup=False)
+
+
+def main(
+    model: ModelOpt = None,
+    prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "",
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
+    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until EOS).")] = -1,
+    ctx_size: CtxOpt = 512,
+    batch_size: BatchOpt = 512,
+    threads_: ThreadsOpt = 0,
+    seed: SeedOpt = -1,
+    temp: Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")] = 0.8,
+    top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (<= 0: off).")] = 40,
+    top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")] = 0.95,
+    min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling.")] = 0.05,
+    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty.")] = 1.1,
+    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")] = 64,
+    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
+    escape: Annotated[bool, typer.Option("-e", "--escape", help="Process \\n, \\t ... in the prompt.")] = False,
+    vram_budget: VramOpt = -1.0,
+    n_gpu_layers: NglOpt = 0,
+    reset_gpu_index: ResetIdxOpt = False,
+    disable_gpu_index: DisableIdxOpt = False,
+    verbose_prompt: Annotated[bool, typer.Option("--verbose-prompt", help="Print the prompt tokens.")] = False,
+    no_display_prompt: Annotated[bool, typer.Option("--no-display-prompt", help="Do not echo the prompt.")] = False,
+    log_disable: LogDisableOpt = False,
+) -> None:
+    """Generate text from a prompt (llama.cpp `main`)."""
+    setup_logging(log_disable)
+    if log_disable:
+        err_console.quiet = True
+
+    def body() -> None:
+        text = prompt
+        if file is not None:
+            try:
+                text = file.read_text(encoding="utf-8")
+            except OSError as e:
+                raise InputError(f"cannot read prompt file {file}: {e.strerror}") from None
+            text = text[:-1] if text.endswith("\n") else text
+        if escape:
+            text = process_escapes(text)
+        opts = MainOptions(
+            model=resolve_model(model),
+            prompt=text,
+            n_predict=n_predict,
+            ignore_eos=ignore_eos,
+            verbose_prompt=verbose_prompt,
+            display_prompt=not no_display_prompt,
+            engine=EngineOptions(n_ctx=ctx_size, n_batch=batch_size, n_threads=threads(threads_),
+                                 vram_budget_gib=vram_budget if vram_budget >= 0 else None,
+                                 n_gpu_layers=n_gpu_layers, reset_gpu_index=reset_gpu_index,
+                                 disable_gpu_index=disable_gpu_index),
+            sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
+                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                    seed=seed),
+        )
+        run_main(opts)
+
+    run_guarded(body)

