@@ -353,9 +353,9 @@ def test_synthetic_spm():
 
 def test_synthetic_bpe_pre_tokenizers():
     # byte-level vocab with all single bytes plus a few merges; checks each pre-tokenizer family is constructible
-    from powerinfer.tokenizer import _BYTE_TO_CHAR
+    from powerinfer.tokenizer.pretokenize import BYTE_TO_CHAR
 
-    chars = [_BYTE_TO_CHAR[b] for b in range(256)]
+    chars = [BYTE_TO_CHAR[b] for b in range(256)]
     tokens = ["<|endoftext|>"] + chars + ["Ġt", "he", "Ġthe", "12"]
     merges = ["Ġ t", "h e", "Ġt he", "1 2"]
     for pre in ["default", "gpt2", "gpt-2", "llama3", "llama-bpe", "smollm", "qwen2", "starcoder", "refact", "falcon",
@@ -411,3 +411,74 @@ def test_other_bad_metadata():
         Tokenizer.from_metadata(md)
     with pytest.raises(ConfigError, match="merges"):
         Tokenizer.from_metadata({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b"]})
+
+
+# ------------------------------------------------------------------------------------------------ randomized
+_ALPHABET = list("ab cdeE  \n\t\r'.,!?0123456789_-<>|") + ["é", "ß", "日", "本", "한", "🙂", "\u2581", "\u00a0", "²",
+                                                         "\u200d", "<s>", "</s>", "<|im_end|>", "ing", " the", "'s"]
+
+
+def _random_strings(n: int, seed: int) -> list[str]:
+    import random
+
+    rng = random.Random(seed)
+    return ["".join(rng.choice(_ALPHABET) for _ in range(rng.randint(0, 30))) for _ in range(n)]
+
+
+def _reference_spm(tok: Tokenizer, scores: list[float], text: str) -> list[int]:
+    """A direct statement of llama.cpp's SPM algorithm (merge the best-scoring adjacent pair that is a vocabulary
+    entry, leftmost first on ties; leftover characters become byte tokens), independent of sentencepiece."""
+    import heapq
+
+    syms = list(text.replace(" ", "\u2581"))
+    alive = [True] * len(syms)
+    nxt = list(range(1, len(syms))) + [-1]
+    prv = list(range(-1, len(syms) - 1))
+    heap: list[tuple[float, int, int, str]] = []
+
+    def push(left: int, right: int) -> None:
+        if left < 0 or right < 0:
+            return
+        tid = tok.token_id(syms[left] + syms[right])
+        if tid is not None:
+            heapq.heappush(heap, (-scores[tid], left, right, syms[left] + syms[right]))
+
+    for i in range(len(syms) - 1):
+        push(i, i + 1)
+    while heap:
+        _, left, right, merged = heapq.heappop(heap)
+        if not (alive[left] and alive[right]) or syms[left] + syms[right] != merged or nxt[left] != right:
+            continue
+        syms[left] = merged
+        alive[right] = False
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prv[nxt[right]] = left
+        push(prv[left], left)
+        push(left, nxt[left])
+    out: list[int] = []
+    i = 0 if syms else -1
+    while i >= 0:
+        tid = tok.token_id(syms[i])
+        out.extend([tid] if tid is not None else [tok.token_id(f"<0x{b:02X}>") for b in syms[i].encode()])
+        i = nxt[i]
+    return out
+
+
+def test_tiny_random_against_reference_spm(tiny):
+    tok, _ = tiny
+    scores = [float(x) for x in read_gguf(str(FIXTURE / "tiny.powerinfer.gguf")).metadata["tokenizer.ggml.scores"]]
+    for s in STRINGS + _random_strings(300, seed=1):
+        ref = _reference_spm(tok, scores, " " + s) if s else []
+        assert tok.encode(s, add_bos=False, parse_special=False) == ref, repr(s)
+        # a literal U+2581 in the text reads back as a space (it is SentencePiece's space mark)
+        assert tok.decode(tok.encode(s, parse_special=False)) == s.replace("\u2581", " "), repr(s)
+
+
+def test_smollm2_random_against_transformers(smollm2):
+    tok, oracle = smollm2
+    fixed = _oracle_with_digit_split(oracle)
+    for s in _random_strings(300, seed=2):
+        expected = fixed.encode(s, add_special_tokens=False).ids
+        assert tok.encode(s, add_bos=False, parse_special=True) == expected, repr(s)
+        assert tok.decode(tok.encode(s, add_bos=False, parse_special=False)) == s, repr(s)
