@@ -97,11 +97,21 @@ _KERNELS = _load_kernels()
 
 @dataclass
 class _Settings:
+    """Thread count and the kernels in use (empty dicts while switched off or not built)."""
+
     n_threads: int
-    enabled: bool
+    enabled: bool = True
+    matmul: dict[GGMLType, Any] = field(default_factory=dict)
+    get_rows: dict[GGMLType, Any] = field(default_factory=dict)
+
+    def select(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.matmul = dict(_KERNELS.matmul) if enabled and _KERNELS is not None else {}
+        self.get_rows = dict(_KERNELS.get_rows) if enabled and _KERNELS is not None else {}
 
 
-_settings = _Settings(n_threads=torch.get_num_threads(), enabled=True)
+_settings = _Settings(n_threads=torch.get_num_threads())
+_settings.select(True)
 
 
 def kernels_available() -> bool:
@@ -111,13 +121,14 @@ def kernels_available() -> bool:
 
 def use_kernels(enabled: bool) -> bool:
     """Switch the C kernels on or off (off forces the torch reference); returns the previous setting."""
-    previous, _settings.enabled = _settings.enabled, bool(enabled)
+    previous = _settings.enabled
+    _settings.select(bool(enabled))
     return previous
 
 
 def supported_types() -> frozenset[GGMLType]:
     """ggml types computed by the C kernels right now (empty when they are missing or switched off)."""
-    return frozenset(_C_NAMES) if _KERNELS is not None and _settings.enabled else frozenset()
+    return frozenset(_settings.matmul)
 
 
 def set_num_threads(n: int) -> None:
@@ -153,19 +164,27 @@ class QWeight:
     ggml_type: GGMLType
     shape: tuple[int, int]
     _dense: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _raw_ptr: int = field(init=False, repr=False)  # address and row stride (bytes) of raw, for the kernels
+    _raw_stride: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ggml_type", GGMLType(self.ggml_type))
         object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
         n_rows, n_cols = self.shape
         expected = (n_rows, row_bytes(self.ggml_type, n_cols))
-        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != expected or self.raw.device.type != "cpu":
+        if (
+            self.raw.dtype != torch.uint8
+            or tuple(self.raw.shape) != expected
+            or self.raw.device.type != "cpu"
+        ):
             raise ValueError(
                 f"raw must be a CPU uint8 tensor of shape {expected} for a {self.ggml_type.name} weight of "
                 f"shape {self.shape}, got {self.raw.dtype} {tuple(self.raw.shape)} on {self.raw.device}"
             )
         if n_rows > 1 and self.raw.stride(1) != 1:
             raise ValueError("raw rows must be contiguous")
+        object.__setattr__(self, "_raw_ptr", self.raw.data_ptr())
+        object.__setattr__(self, "_raw_stride", self.raw.stride(0))
 
     @classmethod
     def from_numpy(cls, raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, int]) -> QWeight:
@@ -194,40 +213,73 @@ def _check_status(status: int, op: str) -> None:
     raise ValueError(f"{op}: kernel rejected the arguments (status {status})")
 
 
+def _linear_fallback(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    if w.ggml_type in KERNEL_TYPES:
+        return reference.linear(x, w)
+    return x.to(torch.float32) @ _dense_cached(w).to(x.device).T
+
+
 def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     """y = x @ W.T for x of shape (..., K) float32; returns (..., N) float32 (T = 1 is the decode matvec)."""
+    # lean path: about 200 calls per token, so every attribute access here counts
     n_rows, n_cols = w.shape
+    kernel = _settings.matmul.get(w.ggml_type)
+    if kernel is None or not x.is_cpu:
+        if x.shape[-1] != n_cols:
+            raise ValueError(f"linear: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
+        return _linear_fallback(x, w)
+    ndim = x.dim()
+    if x.dtype is not torch.float32 or not x.is_contiguous() or ndim > 2:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # (T, K)
+        return linear(x2, w).view(*x.shape[:-1], n_rows)
     if x.shape[-1] != n_cols:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
-    kernel = _KERNELS.matmul.get(w.ggml_type) if _KERNELS is not None and _settings.enabled else None
-    if kernel is None or x.device.type != "cpu":
-        if w.ggml_type in KERNEL_TYPES:
-            return reference.linear(x, w)
-        return x.to(torch.float32) @ _dense_cached(w).to(x.device).T
-    x2 = x.reshape(-1, n_cols)  # (T, K)
-    if x2.dtype != torch.float32 or x2.stride(-1) != 1:
-        x2 = x2.to(torch.float32).contiguous()
-    n_tokens = x2.shape[0]
-    y = torch.empty((n_tokens, n_rows), dtype=torch.float32)
-    status = kernel(w.raw.data_ptr(), w.raw.stride(0), n_rows, n_cols, x2.data_ptr(), x2.stride(0), n_tokens,
-                    y.data_ptr(), n_rows, _settings.n_threads)
+    if ndim == 2:
+        n_tokens = x.shape[0]
+        y = torch.empty(n_tokens, n_rows, dtype=torch.float32)
+    else:
+        n_tokens = 1
+        y = torch.empty(n_rows, dtype=torch.float32)
+    status = kernel(
+        w._raw_ptr,
+        w._raw_stride,
+        n_rows,
+        n_cols,
+        x.data_ptr(),
+        n_cols,
+        n_tokens,
+        y.data_ptr(),
+        n_rows,
+        _settings.n_threads,
+    )
     if status:
         _check_status(status, "linear")
-    return y.view(*x.shape[:-1], n_rows)
+    return y
 
 
 def get_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64 token ids) of W decoded to float32: shape ids.shape + (K,)."""
-    kernel = _KERNELS.get_rows.get(w.ggml_type) if _KERNELS is not None and _settings.enabled else None
+    kernel = _settings.get_rows.get(w.ggml_type)
     if kernel is None:
         if w.ggml_type in KERNEL_TYPES:
             return reference.get_rows(w, ids.reshape(-1)).view(*ids.shape, w.shape[1])
         return _dense_cached(w)[ids.to(torch.int64)]
-    flat = ids.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()  # (n_ids,)
-    n_cols = w.shape[1]
-    y = torch.empty((flat.shape[0], n_cols), dtype=torch.float32)
-    status = kernel(w.raw.data_ptr(), w.raw.stride(0), w.shape[0], n_cols, flat.data_ptr(), flat.shape[0],
-                    y.data_ptr(), n_cols, _settings.n_threads)
+    flat = ids
+    if ids.dtype is not torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or not ids.is_cpu:
+        flat = ids.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()  # (n_ids,)
+    n_ids, n_cols = flat.shape[0], w.shape[1]
+    y = torch.empty(n_ids, n_cols, dtype=torch.float32)
+    status = kernel(
+        w._raw_ptr,
+        w._raw_stride,
+        w.shape[0],
+        n_cols,
+        flat.data_ptr(),
+        n_ids,
+        y.data_ptr(),
+        n_cols,
+        _settings.n_threads,
+    )
     if status:
         _check_status(status, "get_rows")
-    return y.view(*ids.shape, n_cols)
+    return y if ids.dim() == 1 else y.view(*ids.shape, n_cols)

@@ -1,0 +1,173 @@
+"""C kernels against the torch reference (powerinfer.ops.reference), per type and shape.
+
+Tolerances:
+- F32, F16: max|y - ref| <= 1e-5 * (|x| @ |W|.T), the float32 rounding scale of each output.
+- Q4_0, Q4_1, Q8_0: the kernels quantise x to int8 blocks of 32 (scale amax/127), as ggml does.
+  Against the plain reference: |y - ref| <= 1e-2 * ||x_t|| * ||W_n|| per output and NMSE <= 1e-3.
+  Against the reference fed the same int8-rounded x: max|y - ref| <= 1e-5 * (|x_q| @ |W|.T), i.e. the
+  integer block arithmetic is exact and only float summation order differs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer import ops
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.ops import reference
+from powerinfer.quant import dequantize, quantize
+
+KERNEL_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
+SHAPES_K = [32, 64, 576, 1536]
+SHAPES_N = [1, 7, 64, 300]
+SHAPES_T = [1, 3, 17]
+
+needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="powerinfer._kernels is not built")
+
+
+def make_weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
+    rng = np.random.default_rng(seed)
+    data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    data[:, :3] = 0.0  # an all-zero-ish start exercises zero scales in the first block
+    return ops.QWeight.from_numpy(quantize(data, ggml_type), ggml_type, (n_rows, n_cols))
+
+
+def make_x(n_tokens: int, n_cols: int, seed: int = 1) -> torch.Tensor:
+    x = torch.from_numpy(np.random.default_rng(seed).standard_normal((n_tokens, n_cols)).astype(np.float32))
+    if n_cols >= 64:
+        x[0, 32:64] = 0.0  # an all-zero block: activation scale 0
+    return x
+
+
+def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the kernels round activations: per 32-block, round(x * 127 / amax) * amax / 127."""
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings():
+    threads = ops.get_num_threads()
+    yield
+    ops.use_kernels(True)
+    ops.set_num_threads(threads)
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    """Run a kernel test on each SIMD variant the CPU has (higher ones collapse to the best available)."""
+    if not ops.kernels_available():
+        pytest.skip("powerinfer._kernels is not built")
+    chosen = ops._set_isa(request.param)
+    yield chosen
+    ops._set_isa("avx512")
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_linear_matches_reference(ggml_type, isa):
+    for n_cols, n_rows in itertools.product(SHAPES_K, SHAPES_N):
+        w = make_weight(ggml_type, n_rows, n_cols)
+        dense = reference.dense(w).double()
+        for n_tokens in SHAPES_T:
+            x = make_x(n_tokens, n_cols)
+            y = ops.linear(x, w)
+            assert y.shape == (n_tokens, n_rows) and y.dtype == torch.float32
+            where = f"{ggml_type.name} {isa} N={n_rows} K={n_cols} T={n_tokens}"
+            if ggml_type in QUANT_TYPES:
+                ref = reference.linear(x, w).double()
+                diff = (y.double() - ref).abs()
+                norms = x.double().norm(dim=1, keepdim=True) * dense.norm(dim=1)  # (T, N)
+                assert (diff <= 1e-2 * norms).all(), where
+                assert (diff.square().sum() / ref.square().sum()) <= 1e-3, where
+                x = fake_quant_act(x)
+            exact = x.double() @ dense.T
+            scale = x.double().abs() @ dense.abs().T
+            assert ((y.double() - exact).abs() <= 1e-5 * scale + 1e-30).all(), where
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_linear_independent_of_threads_and_batch(ggml_type):
+    w = make_weight(ggml_type, 300, 576)
+    x = make_x(17, 576)
+    ops.set_num_threads(1)
+    one = ops.linear(x, w)
+    ops.set_num_threads(2)
+    two = ops.linear(x, w)
+    assert torch.equal(one, two)
+    # a token's result does not depend on the batch it is computed in (decode == prefill row)
+    single = torch.stack([ops.linear(x[t], w) for t in range(x.shape[0])])
+    assert torch.equal(single, two)
+
+
+@needs_kernels
+def test_simd_variants_agree_on_quant_types():
+    # AVX2 and AVX-512 use the same integer dot products and float accumulation order
+    for ggml_type in QUANT_TYPES:
+        w = make_weight(ggml_type, 64, 576)
+        x = make_x(5, 576)
+        ops._set_isa("avx2")
+        avx2 = ops.linear(x, w)
+        ops._set_isa("avx512")
+        best = ops.linear(x, w)
+        assert torch.equal(avx2, best), ggml_type.name
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_get_rows_exact(ggml_type):
+    w = make_weight(ggml_type, 300, 576)
+    ids = torch.tensor([0, 299, 17, 17, 150], dtype=torch.int64)
+    rows = ops.get_rows(w, ids)
+    expected = dequantize(w.raw.numpy(), ggml_type, w.shape)[ids.numpy()]
+    assert rows.dtype == torch.float32 and rows.shape == (5, 576)
+    assert np.array_equal(rows.numpy(), expected)
+    with pytest.raises(IndexError):
+        ops.get_rows(w, torch.tensor([300]))
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_fallback_matches_kernels(ggml_type):
+    w = make_weight(ggml_type, 64, 576)
+    x = make_x(3, 576)
+    ids = torch.tensor([5, 1, 63])
+    assert ggml_type in ops.supported_types()
+    kernel_y, kernel_rows = ops.linear(x, w), ops.get_rows(w, ids)
+    ops.use_kernels(False)
+    assert ops.supported_types() == frozenset()
+    fallback_y, fallback_rows = ops.linear(x, w), ops.get_rows(w, ids)
+    assert torch.equal(kernel_rows, fallback_rows)
+    tol = 2e-2 if ggml_type in QUANT_TYPES else 1e-5
+    assert (kernel_y - fallback_y).abs().max() <= tol * fallback_y.abs().max()
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.BF16, GGMLType.Q5_0, GGMLType.Q5_1], ids=lambda t: t.name)
+def test_non_kernel_types_use_cached_dense_copy(ggml_type):
+    w = make_weight(ggml_type, 7, 64)
+    x = make_x(3, 64)
+    y = ops.linear(x, w)
+    torch.testing.assert_close(y, reference.linear(x, w), rtol=1e-5, atol=1e-5)
+    assert "f32" in w._dense  # decoded once, reused by the next call
+    ids = torch.tensor([6, 0])
+    assert torch.equal(ops.get_rows(w, ids), reference.get_rows(w, ids))
+
+
+def test_linear_shapes_and_validation():
+    w = make_weight(GGMLType.Q4_1, 7, 64)
+    assert ops.linear(make_x(1, 64)[0], w).shape == (7,)
+    assert ops.linear(make_x(6, 64).reshape(2, 3, 64), w).shape == (2, 3, 7)
+    with pytest.raises(ValueError):
+        ops.linear(make_x(1, 32), w)
+    with pytest.raises(ValueError):
+        ops.QWeight(w.raw[:, :-1], GGMLType.Q4_1, (7, 64))
+    ops.set_num_threads(3)
+    assert ops.get_num_threads() == 3 and torch.get_num_threads() == 3
