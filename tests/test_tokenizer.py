@@ -383,6 +383,22 @@ def test_synthetic_bpe_pre_tokenizers():
 
 
 # ------------------------------------------------------------------------------------------------ bad metadata
+def test_unknown_pre_falls_back_to_gpt2(caplog):
+    from powerinfer.tokenizer.pretokenize import BYTE_TO_CHAR
+
+    md = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "brand-new-pre",
+        "tokenizer.ggml.tokens": [BYTE_TO_CHAR[b] for b in range(256)],
+        "tokenizer.ggml.merges": [],
+    }
+    with caplog.at_level("WARNING", logger="powerinfer.tokenizer"):
+        tok = Tokenizer.from_metadata(md)
+    assert tok.pre == "brand-new-pre"
+    assert "brand-new-pre" in caplog.text and "gpt2" in caplog.text
+    assert tok.decode(tok.encode("x y", add_bos=False)) == "x y"
+
+
 def test_missing_tokens_raises():
     md = _spm_metadata()
     del md["tokenizer.ggml.tokens"]
@@ -414,8 +430,9 @@ def test_other_bad_metadata():
 
 
 # ------------------------------------------------------------------------------------------------ randomized
-_ALPHABET = list("ab cdeE  \n\t\r'.,!?0123456789_-<>|") + ["é", "ß", "日", "本", "한", "🙂", "\u2581", "\u00a0", "²",
-                                                         "\u200d", "<s>", "</s>", "<|im_end|>", "ing", " the", "'s"]
+_ALPHABET = list("ab cdeE  \n\t\r'.,!?0123456789_-<>|") + [
+    "é", "ß", "日", "本", "한", "🙂", "\u2581", "\u00a0", "²", "\u200d", "<s>", "</s>", "<|im_end|>", "ing", " the", "'s",
+]
 
 
 def _random_strings(n: int, seed: int) -> list[str]:
