@@ -21,17 +21,16 @@
 #define TILE_T 4  /* tokens per tile */
 #define TILE_N 16 /* rows per parallel work item */
 
-/* Activations quantised per call; arrays indexed [t * K + k] and [t * nb + block]. */
+/* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
     int8_t *qs;
-    float *d;      /* block scale */
-    float *s;      /* d * sum(qs) over the block */
+    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term Q4_1 needs, side by side */
     int32_t *isum; /* sum(qs) over the block */
     int64_t K;
     int64_t nb;
 } act_q8;
 
-typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *d, float *s, int32_t *isum);
+typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
 typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
 
@@ -45,7 +44,7 @@ typedef struct {
 
 /* ---- scalar fallback ---------------------------------------------------------------------------------------- */
 
-static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *d, float *s, int32_t *isum) {
+static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum) {
     for (int64_t i = 0; i < nb; i++) {
         const float *xb = x + i * QK;
         float am = 0.0f;
@@ -57,9 +56,9 @@ static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *d
             qs[i * QK + j] = (int8_t)q;
             total += q;
         }
-        d[i] = am / 127.0f;
+        ds[2 * i] = am / 127.0f;
+        ds[2 * i + 1] = ds[2 * i] * (float)total;
         isum[i] = total;
-        s[i] = d[i] * (float)total;
     }
 }
 
@@ -67,14 +66,14 @@ static void tile_q4_0_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, in
     const block_q4_0 *b = (const block_q4_0 *)row;
     for (int t = 0; t < ntok; t++) {
         const int8_t *xq = a->qs + (t0 + t) * a->K;
-        const float *xd = a->d + (t0 + t) * a->nb;
+        const float *xds = a->ds + (t0 + t) * a->nb * 2;
         const int32_t *xi = a->isum + (t0 + t) * a->nb;
         float acc = 0.0f;
         for (int64_t i = 0; i < a->nb; i++) {
             int32_t dot = 0;
             for (int j = 0; j < QK / 2; j++)
                 dot += (b[i].qs[j] & 0x0F) * xq[i * QK + j] + (b[i].qs[j] >> 4) * xq[i * QK + j + QK / 2];
-            acc += (float)(dot - 8 * xi[i]) * (fp16_to_fp32(b[i].d) * xd[i]);
+            acc += (float)(dot - 8 * xi[i]) * (fp16_to_fp32(b[i].d) * xds[2 * i]);
         }
         out[t] = acc;
     }
@@ -84,15 +83,14 @@ static void tile_q4_1_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, in
     const block_q4_1 *b = (const block_q4_1 *)row;
     for (int t = 0; t < ntok; t++) {
         const int8_t *xq = a->qs + (t0 + t) * a->K;
-        const float *xd = a->d + (t0 + t) * a->nb;
-        const float *xs = a->s + (t0 + t) * a->nb;
-        float acc = 0.0f, bias = 0.0f;
+        const float *xds = a->ds + (t0 + t) * a->nb * 2;
+                float acc = 0.0f, bias = 0.0f;
         for (int64_t i = 0; i < a->nb; i++) {
             int32_t dot = 0;
             for (int j = 0; j < QK / 2; j++)
                 dot += (b[i].qs[j] & 0x0F) * xq[i * QK + j] + (b[i].qs[j] >> 4) * xq[i * QK + j + QK / 2];
-            acc += (float)dot * (fp16_to_fp32(b[i].d) * xd[i]);
-            bias += fp16_to_fp32(b[i].m) * xs[i];
+            acc += (float)dot * (fp16_to_fp32(b[i].d) * xds[2 * i]);
+            bias += fp16_to_fp32(b[i].m) * xds[2 * i + 1];
         }
         out[t] = acc + bias;
     }
@@ -102,12 +100,12 @@ static void tile_q8_0_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, in
     const block_q8_0 *b = (const block_q8_0 *)row;
     for (int t = 0; t < ntok; t++) {
         const int8_t *xq = a->qs + (t0 + t) * a->K;
-        const float *xd = a->d + (t0 + t) * a->nb;
+        const float *xds = a->ds + (t0 + t) * a->nb * 2;
         float acc = 0.0f;
         for (int64_t i = 0; i < a->nb; i++) {
             int32_t dot = 0;
             for (int j = 0; j < QK; j++) dot += b[i].qs[j] * xq[i * QK + j];
-            acc += (float)dot * (fp16_to_fp32(b[i].d) * xd[i]);
+            acc += (float)dot * (fp16_to_fp32(b[i].d) * xds[2 * i]);
         }
         out[t] = acc;
     }
@@ -197,15 +195,14 @@ static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stri
     if (N < 0 || T < 0 || K < 0 || K % QK != 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int64_t nb = K / QK;
-    /* one scratch buffer: int8 quants first, then the three per-block arrays (4-byte aligned) */
+    /* one scratch buffer: int8 quants first, then the per-block arrays (8-byte aligned) */
     const size_t qs_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
     const size_t block_bytes = (size_t)(T * nb) * 4;
     uint8_t *scratch = malloc(qs_bytes + 3 * block_bytes);
     if (scratch == NULL) return PI_ERR_ALLOC;
     const act_q8 a = {
         .qs = (int8_t *)scratch,
-        .d = (float *)(scratch + qs_bytes),
-        .s = (float *)(scratch + qs_bytes + block_bytes),
+        .ds = (float *)(scratch + qs_bytes),
         .isum = (int32_t *)(scratch + qs_bytes + 2 * block_bytes),
         .K = K,
         .nb = nb,
@@ -216,7 +213,7 @@ static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stri
     {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            table->quantize_act(x + t * x_stride, nb, a.qs + t * K, a.d + t * nb, a.s + t * nb, a.isum + t * nb);
+            table->quantize_act(x + t * x_stride, nb, a.qs + t * K, a.ds + t * nb * 2, a.isum + t * nb);
 #pragma omp for schedule(static)
         for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
             const int64_t n1 = min_i64(n0 + TILE_N, N);

@@ -35,7 +35,7 @@ TARGET_INLINE __m256i FN(dot_u8s8)(__m256i acc, __m256i u, __m256i s) {
 
 /* ---- activation quantisation: 32 floats -> 32 int8 with scale d = amax / 127 ------------------------ */
 
-TARGET static void FN(quantize_act)(const float *x, int64_t nb, int8_t *qs, float *d, float *s, int32_t *isum) {
+TARGET static void FN(quantize_act)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t i = 0; i < nb; i++) {
         const float *xb = x + i * QK;
@@ -62,9 +62,9 @@ TARGET static void FN(quantize_act)(const float *x, int64_t nb, int8_t *qs, floa
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(2, 3, 0, 1)));
         const int32_t total = _mm_cvtsi128_si32(s4);
-        d[i] = am / 127.0f;
+        ds[2 * i] = am / 127.0f;
+        ds[2 * i + 1] = ds[2 * i] * (float)total;
         isum[i] = total;
-        s[i] = d[i] * (float)total;
     }
 }
 
@@ -80,21 +80,24 @@ TARGET_INLINE __m256i FN(unpack_q4)(const uint8_t *qs) {
 #define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
     do {                                                                                                     \
         __m256i w, wabs = _mm256_setzero_si256();                                                            \
-        float dw, mw = 0.0f;                                                                                 \
+        __m128 dm; /* {d_w, m_w, 0, 0} */                                                                    \
         if ((KIND) == 0) {                                                                                   \
             w = FN(unpack_q4)(b0[i].qs);                                                                     \
-            dw = _cvtsh_ss(b0[i].d);                                                                         \
+            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b0[i].d));                                                   \
         } else if ((KIND) == 1) {                                                                            \
+            uint32_t dm_bits;                                                                                \
+            memcpy(&dm_bits, &b1[i].d, sizeof dm_bits);                                                      \
             w = FN(unpack_q4)(b1[i].qs);                                                                     \
-            dw = _cvtsh_ss(b1[i].d);                                                                         \
-            mw = _cvtsh_ss(b1[i].m);                                                                         \
+            dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
         } else {                                                                                             \
             w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
             wabs = _mm256_sign_epi8(w, w);                                                                   \
-            dw = _cvtsh_ss(b8[i].d);                                                                         \
+            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b8[i].d));                                                   \
         }                                                                                                    \
         for (int t = 0; t < ntok; t++) {                                                                     \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[t] + (i) * QK));                      \
+            /* {d_w * d_x, m_w * d_x * sum(q_x)} */                                                          \
+            const __m128 scale = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(xds[t] + 2 * (i))))); \
             __m256i p;                                                                                       \
             if ((KIND) == 0) /* (q - 8) . x = q . x - 8 sum(x): subtract sum(x) from each of the 8 lanes */ \
                 p = FN(dot_u8s8)(_mm256_set1_epi32(-xi[t][i]), w, xv);                                       \
@@ -102,8 +105,8 @@ TARGET_INLINE __m256i FN(unpack_q4)(const uint8_t *qs) {
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
             else                                                                                             \
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
-            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[t][i]), ACC[t]);          \
-            if ((KIND) == 1) BIAS[t] += mw * xs[t][i];                                                       \
+            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), ACC[t]);           \
+            if ((KIND) == 1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                                           \
         }                                                                                                    \
     } while (0)
 
@@ -114,17 +117,16 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     const block_q8_0 *b8 = (const block_q8_0 *)row;
     const int64_t nb = a->nb;
     const int8_t *xq[TILE_T];
-    const float *xd[TILE_T], *xs[TILE_T];
+    const float *xds[TILE_T];
     const int32_t *xi[TILE_T];
     __m256 acc0[TILE_T], acc1[TILE_T];
-    float bias0[TILE_T], bias1[TILE_T];
+    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q4_1 m terms */
     for (int t = 0; t < ntok; t++) {
         xq[t] = a->qs + (t0 + t) * a->K;
-        xd[t] = a->d + (t0 + t) * nb;
-        xs[t] = a->s + (t0 + t) * nb;
+        xds[t] = a->ds + (t0 + t) * nb * 2;
         xi[t] = a->isum + (t0 + t) * nb;
         acc0[t] = acc1[t] = _mm256_setzero_ps();
-        bias0[t] = bias1[t] = 0.0f;
+        bias0[t] = bias1[t] = _mm_setzero_ps();
     }
     int64_t i = 0;
     for (; i + 1 < nb; i += 2) {
@@ -132,7 +134,10 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
         QUANT_STEP(kind, i + 1, acc1, bias1);
     }
     if (i < nb) QUANT_STEP(kind, i, acc0, bias0);
-    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(_mm256_add_ps(acc0[t], acc1[t])) + (bias0[t] + bias1[t]);
+    for (int t = 0; t < ntok; t++) {
+        const __m128 bias = _mm_add_ps(bias0[t], bias1[t]);
+        out[t] = FN(hsum256)(_mm256_add_ps(acc0[t], acc1[t])) + _mm_cvtss_f32(_mm_movehdup_ps(bias));
+    }
 }
 
 #undef QUANT_STEP
