@@ -14,7 +14,7 @@ from rich.logging import RichHandler
 
 from powerinfer.errors import PowerInferError
 
-err_console = Console(stderr=True, highlight=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models"
 

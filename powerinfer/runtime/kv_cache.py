@@ -11,8 +11,9 @@ class KVCache:
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int,
                  dtype: torch.dtype = torch.float32) -> None:
         self.n_ctx = n_ctx
-        self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
-        self.v = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
+        # empty, not zeros: pages are committed as positions fill; attention only reads 0..pos+T-1
+        self.k = torch.empty(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
+        self.v = torch.empty(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
 
     @property
     def n_bytes(self) -> int:
