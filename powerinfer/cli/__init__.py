@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from powerinfer.cli.main import main
+from powerinfer.cli.main import main as main_command
 
 app = typer.Typer(
     name="powerinfer",
@@ -13,7 +13,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
     add_completion=False,
 )
-app.command("main", help="Generate text from a prompt (llama.cpp main).")(main)
+app.command("main", help="Generate text from a prompt (llama.cpp main).")(main_command)
 
 
 @app.callback()

@@ -154,9 +154,14 @@ class GGUFFile:
 
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, ValueType] = {}
+        self.array_types: dict[str, ValueType] = {}  # element type of array values
         for i in range(n_kv):
             key = cur.string(f"metadata key {i}")
             vtype = cur.unpack("<I", f"type of {key}")
+            if vtype == ValueType.ARRAY and cur.pos + 4 <= len(self.mmap):
+                elem = struct.unpack_from("<I", cur.mv, cur.pos)[0]
+                if elem in ValueType._value2member_map_:
+                    self.array_types[key] = ValueType(elem)
             self.metadata[key] = cur.value(vtype, key)
             self.value_types[key] = ValueType(vtype)
 
@@ -203,6 +208,12 @@ class GGUFFile:
             if name in self.tensors:
                 raise FormatError(f"{self.path}: duplicate tensor name {name}")
             self.tensors[name] = TensorInfo(name, shape, ggml_type, start, self.mmap[start : start + n_bytes])
+
+    def copy_metadata(self, writer: Any, skip: frozenset[str] = frozenset()) -> None:
+        """Add every metadata key (with its stored value type) to a GGUFWriter, except `skip`."""
+        for key, value in self.metadata.items():
+            if key not in skip:
+                writer.add(key, value, self.value_types[key], self.array_types.get(key))
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
