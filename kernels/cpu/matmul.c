@@ -7,6 +7,11 @@
  *   Q8_0:  d_w * d_x * (q_w . q_x)
  * F32 and F16 weights use float FMA directly.
  *
+ * Exact mode (pi_matmul_<type>_f, quant types only): the activations stay float32. Each weight block is decoded
+ * in registers to exactly the floats of the reference dequantiser and multiplied with x in float32 (FMA), so the
+ * result equals x @ dequant(W).T up to float summation order, like F32/F16 (and like transformers). Nothing is
+ * dequantised to memory. Token tiles are TILE_TQ wide there: the block decode is shared by more tokens.
+ *
  * Work is split over blocks of TILE_N rows; inside a block, tokens are taken TILE_T at a time, and each weight
  * block is decoded once per token tile and used for all its tokens (T = 1 is the decode matvec).
  *
@@ -20,6 +25,7 @@
 
 #define TILE_T 4  /* tokens per tile */
 #define TILE_N 16 /* rows per parallel work item */
+#define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
 
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
@@ -40,6 +46,7 @@ typedef struct {
     quantize_act_fn quantize_act;
     tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
     tile_float_fn tile_f32, tile_f16;
+    tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f; /* float activations, ntok <= TILE_TQ */
 } matmul_table;
 
 /* ---- scalar fallback ---------------------------------------------------------------------------------------- */
@@ -129,6 +136,56 @@ static void tile_f16_scalar(const uint8_t *row, int64_t K, const float *x, int64
     }
 }
 
+/* Exact mode: one block decoded as get_rows does (same float operations), then a plain float dot product. */
+static void decode_block_scalar(int kind, const uint8_t *blk, float *w) {
+    if (kind == 0) {
+        const block_q4_0 *b = (const block_q4_0 *)blk;
+        const float d = fp16_to_fp32(b->d);
+        for (int j = 0; j < QK / 2; j++) {
+            w[j] = (float)((b->qs[j] & 0x0F) - 8) * d;
+            w[j + QK / 2] = (float)((b->qs[j] >> 4) - 8) * d;
+        }
+    } else if (kind == 1) {
+        const block_q4_1 *b = (const block_q4_1 *)blk;
+        const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
+        for (int j = 0; j < QK / 2; j++) {
+            w[j] = d * (float)(b->qs[j] & 0x0F) + m;
+            w[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
+        }
+    } else {
+        const block_q8_0 *b = (const block_q8_0 *)blk;
+        const float d = fp16_to_fp32(b->d);
+        for (int j = 0; j < QK; j++) w[j] = (float)b->qs[j] * d;
+    }
+}
+
+static inline void tile_qf_scalar(int kind, size_t block_bytes, const uint8_t *row, int64_t K, const float *x,
+                                  int64_t x_stride, int ntok, float *out) {
+    float acc[TILE_TQ];
+    for (int t = 0; t < ntok; t++) acc[t] = 0.0f;
+    for (int64_t i = 0; i < K / QK; i++) {
+        float w[QK];
+        decode_block_scalar(kind, row + i * block_bytes, w);
+        for (int t = 0; t < ntok; t++) {
+            const float *xb = x + t * x_stride + i * QK;
+            float a = acc[t];
+            for (int j = 0; j < QK; j++) a += w[j] * xb[j];
+            acc[t] = a;
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = acc[t];
+}
+
+static void tile_q4_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    tile_qf_scalar(0, sizeof(block_q4_0), row, K, x, x_stride, ntok, out);
+}
+static void tile_q4_1_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    tile_qf_scalar(1, sizeof(block_q4_1), row, K, x, x_stride, ntok, out);
+}
+static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    tile_qf_scalar(2, sizeof(block_q8_0), row, K, x, x_stride, ntok, out);
+}
+
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
 
 #define SIMD_SUFFIX avx2
@@ -151,11 +208,12 @@ static void tile_f16_scalar(const uint8_t *row, int64_t K, const float *x, int64
 
 static const matmul_table matmul_tables[] = {
     [MATMUL_ISA_SCALAR] = {quantize_act_scalar, tile_q4_0_scalar, tile_q4_1_scalar, tile_q8_0_scalar, tile_f32_scalar,
-                           tile_f16_scalar},
+                           tile_f16_scalar, tile_q4_0_f_scalar, tile_q4_1_f_scalar, tile_q8_0_f_scalar},
     [MATMUL_ISA_AVX2] = {quantize_act_avx2, tile_q4_0_avx2, tile_q4_1_avx2, tile_q8_0_avx2, tile_f32_avx2,
-                         tile_f16_avx2},
+                         tile_f16_avx2, tile_q4_0_f_avx2, tile_q4_1_f_avx2, tile_q8_0_f_avx2},
     [MATMUL_ISA_AVX512] = {quantize_act_avx512, tile_q4_0_avx512, tile_q4_1_avx512, tile_q8_0_avx512,
-                           tile_f32_avx512, tile_f16_avx512},
+                           tile_f32_avx512, tile_f16_avx512, tile_q4_0_f_avx512, tile_q4_1_f_avx512,
+                           tile_q8_0_f_avx512},
 };
 
 static const char *const matmul_isa_names[] = {"scalar", "avx2", "avx512"};
@@ -231,25 +289,39 @@ static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stri
     return PI_OK;
 }
 
-static int32_t matmul_float(tile_float_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
-                            const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                            int32_t n_threads) {
+static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_t, const uint8_t *w,
+                                         int64_t w_stride, int64_t N, int64_t K, const float *x, int64_t x_stride,
+                                         int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
     if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
         const int64_t n1 = min_i64(n0 + TILE_N, N);
-        for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-            const int ntok = (int)min_i64(TILE_T, T - t0);
+        for (int64_t t0 = 0; t0 < T; t0 += tile_t) {
+            const int ntok = (int)min_i64(tile_t, T - t0);
             for (int64_t n = n0; n < n1; n++) {
-                float out[TILE_T];
+                float out[TILE_TQ > TILE_T ? TILE_TQ : TILE_T];
                 tile(w + n * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
                 for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
             }
         }
     }
     return PI_OK;
+}
+
+static int32_t matmul_float(tile_float_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                            const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                            int32_t n_threads) {
+    return matmul_float_tiled(tile, TILE_T, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads);
+}
+
+/* exact mode of the quant types: float activations, weight blocks decoded in registers */
+static int32_t matmul_quant_f(tile_float_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                              const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                              int32_t n_threads) {
+    if (K < 0 || K % QK != 0) return PI_ERR_SHAPE;
+    return matmul_float_tiled(tile, TILE_TQ, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
@@ -266,3 +338,6 @@ DEFINE_MATMUL(f16, matmul_float)
 DEFINE_MATMUL(q4_0, matmul_quant)
 DEFINE_MATMUL(q4_1, matmul_quant)
 DEFINE_MATMUL(q8_0, matmul_quant)
+DEFINE_MATMUL(q4_0_f, matmul_quant_f)
+DEFINE_MATMUL(q4_1_f, matmul_quant_f)
+DEFINE_MATMUL(q8_0_f, matmul_quant_f)

@@ -227,6 +227,147 @@ DEFINE_TILE_FLOAT(f32, 0)
 DEFINE_TILE_FLOAT(f16, 1)
 
 #undef DEFINE_TILE_FLOAT
+
+/* ---- quantised weight x float activation tiles (exact mode) -------------------------------------------- */
+
+/* Each weight block is decoded in registers to exactly the floats of the reference dequantiser (same products
+ * and separately rounded adds: Q4_0 (q - 8) * d, Q4_1 d * q + m, Q8_0 q * d), then FMA'd with float x for
+ * every token of the tile. Per token: QF_V vectors per block, vector j of the block goes to accumulator j & 1,
+ * one fixed horizontal sum at the end: the result depends neither on the tile size nor on the thread count.
+ *
+ * AVX-512: 16 floats per vector, the 16 possible values of a Q4 block are built as one vector (table) and
+ * picked with vpermps, which reads only the low 4 bits of each index: no masking of the nibbles is needed.
+ * AVX2: 8 floats per vector; nibbles are masked and converted.
+ */
+#if SIMD_AVX512
+#define QF_V 2      /* vectors per block */
+#define QF_TILE 8   /* tokens per call to the inner tile (register budget: 2 * QF_TILE accumulators) */
+#else
+#define QF_V 4
+#define QF_TILE 4
+#endif
+
+TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
+#if SIMD_AVX512
+    if (kind == 2) {
+        const block_q8_0 *b = (const block_q8_0 *)blk;
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d));
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->qs))), d);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + 16)))), d);
+        return;
+    }
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 table;
+    const uint8_t *qs;
+    if (kind == 0) {
+        const block_q4_0 *b = (const block_q4_0 *)blk;
+        table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), _mm512_set1_ps(_cvtsh_ss(b->d)));
+        qs = b->qs;
+    } else {
+        const block_q4_1 *b = (const block_q4_1 *)blk;
+        uint32_t dm_bits;
+        memcpy(&dm_bits, &b->d, sizeof dm_bits);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
+        table = _mm512_add_ps(_mm512_mul_ps(_mm512_broadcastss_ps(dm), iota),
+                              _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
+        qs = b->qs;
+    }
+    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)); /* bytes 0..255 */
+    w[0] = _mm512_permutexvar_ps(idx, table);                                          /* low nibbles */
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);                     /* high nibbles */
+#else
+    if (kind == 2) {
+        const block_q8_0 *b = (const block_q8_0 *)blk;
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
+        for (int j = 0; j < 4; j++) {
+            const __m128i q8 = _mm_loadl_epi64((const __m128i *)(b->qs + 8 * j));
+            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+        }
+        return;
+    }
+    __m256 d, m = _mm256_setzero_ps();
+    const uint8_t *qs;
+    if (kind == 0) {
+        const block_q4_0 *b = (const block_q4_0 *)blk;
+        d = _mm256_set1_ps(_cvtsh_ss(b->d));
+        qs = b->qs;
+    } else {
+        const block_q4_1 *b = (const block_q4_1 *)blk;
+        uint32_t dm_bits;
+        memcpy(&dm_bits, &b->d, sizeof dm_bits);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
+        d = _mm256_broadcastss_ps(dm);
+        m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        qs = b->qs;
+    }
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    for (int h = 0; h < 2; h++) {
+        /* bytes 8h..8h+7: low nibbles are elements 8h.., high nibbles elements 16+8h.. */
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+        const __m256i lo = _mm256_and_si256(idx, mask), hi = _mm256_srli_epi32(idx, 4);
+        if (kind == 0) {
+            const __m256i eight = _mm256_set1_epi32(8);
+            w[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight)), d);
+            w[2 + h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, eight)), d);
+        } else {
+            w[h] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)), m);
+            w[2 + h] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)), m);
+        }
+    }
+#endif
+}
+
+TARGET_INLINE void FN(tile_qf_n)(const int kind, const int64_t block_bytes, const uint8_t *row, int64_t K,
+                                 const float *x, int64_t x_stride, const int ntok, float *out) {
+    const int64_t nb = K / QK;
+    VF acc0[QF_TILE], acc1[QF_TILE];
+    for (int t = 0; t < ntok; t++) acc0[t] = acc1[t] = VF_ZERO();
+    for (int64_t i = 0; i < nb; i++) {
+        VF w[QF_V];
+        FN(decode_qf)(kind, row + i * block_bytes, w);
+        const float *xb = x + i * QK;
+        for (int t = 0; t < ntok; t++) {
+            for (int j = 0; j < QF_V; j += 2) {
+                acc0[t] = VF_FMA(w[j], VF_LOAD(xb + t * x_stride + j * VF_N), acc0[t]);
+                acc1[t] = VF_FMA(w[j + 1], VF_LOAD(xb + t * x_stride + (j + 1) * VF_N), acc1[t]);
+            }
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t]));
+}
+
+/* ntok <= TILE_TQ (8) tokens, taken QF_TILE at a time */
+#define DEFINE_TILE_QF(type, kind, block_t)                                                                  \
+    TARGET static void FN(tile_##type##_f)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,   \
+                                           int ntok, float *out) {                                            \
+        for (int t0 = 0; t0 < ntok; t0 += QF_TILE, x += QF_TILE * x_stride, out += QF_TILE) {                 \
+            switch (ntok - t0) {                                                                              \
+                case 1: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 1, out); break;            \
+                case 2: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 2, out); break;            \
+                case 3: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 3, out); break;            \
+                QF_CASES(kind, block_t)                                                                       \
+                default: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, QF_TILE, out); break;     \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+#if SIMD_AVX512
+#define QF_CASES(kind, block_t)                                                                  \
+    case 4: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 4, out); break;            \
+    case 5: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 5, out); break;            \
+    case 6: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 6, out); break;            \
+    case 7: FN(tile_qf_n)(kind, sizeof(block_t), row, K, x, x_stride, 7, out); break;
+#else
+#define QF_CASES(kind, block_t)
+#endif
+
+DEFINE_TILE_QF(q4_0, 0, block_q4_0)
+DEFINE_TILE_QF(q4_1, 1, block_q4_1)
+DEFINE_TILE_QF(q8_0, 2, block_q8_0)
+
+#undef DEFINE_TILE_QF
+#undef QF_CASES
+#undef QF_V
+#undef QF_TILE
 #undef VF
 #undef VF_N
 #undef VF_ZERO

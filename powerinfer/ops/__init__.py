@@ -6,6 +6,13 @@ pure-torch reference in `powerinfer.ops.reference`, which is also the oracle in 
 
 Kernel types (`supported_types()` while the kernels are on) are always computed from the raw bytes. Other
 types (BF16, K-quants, Q5_x, ...) are decoded to a float32 copy on first use, cached on the QWeight.
+
+Activation precision of the quant kernels (Q4_0, Q4_1, Q8_0), `set_activation_precision`:
+- "f32" (default, exact mode): x stays float32; each weight block is decoded in registers to the reference
+  dequantiser's floats and multiplied in float32. Equal to x @ dequant(W).T up to summation order, as
+  transformers computes it.
+- "q8": x is rounded to int8 blocks of 32 and the block dot products are integer (llama.cpp's arithmetic):
+  faster on prompts, slightly less precise.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from powerinfer.quant import KERNEL_TYPES, row_bytes
 
 __all__ = [
     "QWeight",
+    "get_activation_precision",
     "get_num_threads",
     "get_rows",
     "kernels_available",
     "linear",
+    "set_activation_precision",
     "set_num_threads",
     "supported_types",
     "use_kernels",
@@ -46,6 +55,9 @@ _C_NAMES: dict[GGMLType, str] = {
     GGMLType.Q8_0: "q8_0",
 }
 assert frozenset(_C_NAMES) == KERNEL_TYPES
+# types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
+_QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+_ACT_PRECISIONS = ("f32", "q8")
 
 _PI_ERR_SHAPE, _PI_ERR_ALLOC, _PI_ERR_INDEX = 1, 2, 3
 
@@ -60,12 +72,17 @@ class _Kernels:
     """ctypes handles of the built library, resolved once."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.matmul: dict[GGMLType, Any] = {}
+        self.matmul: dict[GGMLType, Any] = {}  # int8 activations for the quant types ("q8")
+        self.matmul_f: dict[GGMLType, Any] = {}  # float activations for every type ("f32")
         self.get_rows: dict[GGMLType, Any] = {}
         for ggml_type, name in _C_NAMES.items():
             matmul = getattr(lib, f"pi_matmul_{name}")
             matmul.argtypes, matmul.restype = _MATMUL_ARGTYPES, _i32
             self.matmul[ggml_type] = matmul
+            if ggml_type in _QUANT_TYPES:
+                matmul = getattr(lib, f"pi_matmul_{name}_f")
+                matmul.argtypes, matmul.restype = _MATMUL_ARGTYPES, _i32
+            self.matmul_f[ggml_type] = matmul
             rows = getattr(lib, f"pi_get_rows_{name}")
             rows.argtypes, rows.restype = _GET_ROWS_ARGTYPES, _i32
             self.get_rows[ggml_type] = rows
@@ -97,21 +114,24 @@ _KERNELS = _load_kernels()
 
 @dataclass
 class _Settings:
-    """Thread count and the kernels in use (empty dicts while switched off or not built)."""
+    """Thread count, activation precision and the kernels in use (empty dicts while switched off or not built)."""
 
     n_threads: int
     enabled: bool = True
+    act: str = "f32"
     matmul: dict[GGMLType, Any] = field(default_factory=dict)
     get_rows: dict[GGMLType, Any] = field(default_factory=dict)
 
-    def select(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.matmul = dict(_KERNELS.matmul) if enabled and _KERNELS is not None else {}
-        self.get_rows = dict(_KERNELS.get_rows) if enabled and _KERNELS is not None else {}
+    def select(self, enabled: bool, act: str) -> None:
+        self.enabled, self.act = enabled, act
+        on = enabled and _KERNELS is not None
+        matmul = (_KERNELS.matmul_f if act == "f32" else _KERNELS.matmul) if on else {}
+        self.matmul = dict(matmul)
+        self.get_rows = dict(_KERNELS.get_rows) if on else {}
 
 
 _settings = _Settings(n_threads=torch.get_num_threads())
-_settings.select(True)
+_settings.select(True, "f32")
 
 
 def kernels_available() -> bool:
@@ -122,8 +142,23 @@ def kernels_available() -> bool:
 def use_kernels(enabled: bool) -> bool:
     """Switch the C kernels on or off (off forces the torch reference); returns the previous setting."""
     previous = _settings.enabled
-    _settings.select(bool(enabled))
+    _settings.select(bool(enabled), _settings.act)
     return previous
+
+
+def set_activation_precision(precision: str) -> str:
+    """Activation precision of the quant kernels: "f32" (exact, default) or "q8" (int8 blocks, llama.cpp's
+    arithmetic); returns the previous setting. F32/F16 weights and the torch fallback always use float32."""
+    if precision not in _ACT_PRECISIONS:
+        raise ValueError(f"activation precision must be one of {_ACT_PRECISIONS}, got {precision!r}")
+    previous = _settings.act
+    _settings.select(_settings.enabled, precision)
+    return previous
+
+
+def get_activation_precision() -> str:
+    """The activation precision of the quant kernels, "f32" or "q8"."""
+    return _settings.act
 
 
 def supported_types() -> frozenset[GGMLType]:
