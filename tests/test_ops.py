@@ -2,8 +2,10 @@
 
 Tolerances:
 - F32, F16: max|y - ref| <= 1e-5 * (|x| @ |W|.T), the float32 rounding scale of each output.
-- Q4_0, Q4_1, Q8_0: the kernels quantise x to int8 blocks of 32 (scale amax/127), as ggml does.
-  Against the plain reference: |y - ref| <= 1e-2 * ||x_t|| * ||W_n|| per output and NMSE <= 1e-3.
+- Q4_0, Q4_1, Q8_0, activation precision "f32" (default, exact mode): x stays float32, so the same bound as
+  F32/F16 against x @ dequant(W).T.
+- Q4_0, Q4_1, Q8_0, activation precision "q8": the kernels quantise x to int8 blocks of 32 (scale amax/127), as
+  ggml does. Against the plain reference: |y - ref| <= 1e-2 * ||x_t|| * ||W_n|| per output and NMSE <= 1e-3.
   Against the reference fed the same int8-rounded x: max|y - ref| <= 1e-5 * (|x_q| @ |W|.T), i.e. the
   integer block arithmetic is exact and only float summation order differs.
 """
@@ -55,9 +57,18 @@ def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
 @pytest.fixture(autouse=True)
 def _restore_settings():
     threads = ops.get_num_threads()
+    act = ops.get_activation_precision()
     yield
     ops.use_kernels(True)
     ops.set_num_threads(threads)
+    ops.set_activation_precision(act)
+
+
+@pytest.fixture(params=["f32", "q8"])
+def act(request):
+    """Run a kernel test in both activation precisions."""
+    ops.set_activation_precision(request.param)
+    return request.param
 
 
 @pytest.fixture(params=["avx512", "avx2", "scalar"])
@@ -72,7 +83,7 @@ def isa(request):
 
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_linear_matches_reference(ggml_type, isa):
+def test_linear_matches_reference(ggml_type, isa, act):
     for n_cols, n_rows in itertools.product(SHAPES_K, SHAPES_N):
         w = make_weight(ggml_type, n_rows, n_cols)
         dense = reference.dense(w).double()
@@ -80,8 +91,8 @@ def test_linear_matches_reference(ggml_type, isa):
             x = make_x(n_tokens, n_cols)
             y = ops.linear(x, w)
             assert y.shape == (n_tokens, n_rows) and y.dtype == torch.float32
-            where = f"{ggml_type.name} {isa} N={n_rows} K={n_cols} T={n_tokens}"
-            if ggml_type in QUANT_TYPES:
+            where = f"{ggml_type.name} {isa} {act} N={n_rows} K={n_cols} T={n_tokens}"
+            if ggml_type in QUANT_TYPES and act == "q8":
                 ref = reference.linear(x, w).double()
                 diff = (y.double() - ref).abs()
                 norms = x.double().norm(dim=1, keepdim=True) * dense.norm(dim=1)  # (T, N)
@@ -95,7 +106,7 @@ def test_linear_matches_reference(ggml_type, isa):
 
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_linear_independent_of_threads_and_batch(ggml_type):
+def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
     w = make_weight(ggml_type, 300, 576)
     x = make_x(17, 576)
     ops.set_num_threads(1)
@@ -110,7 +121,8 @@ def test_linear_independent_of_threads_and_batch(ggml_type):
 
 @needs_kernels
 def test_simd_variants_agree_on_quant_types():
-    # AVX2 and AVX-512 use the same integer dot products and float accumulation order
+    # q8: AVX2 and AVX-512 use the same integer dot products and float accumulation order
+    ops.set_activation_precision("q8")
     for ggml_type in QUANT_TYPES:
         w = make_weight(ggml_type, 64, 576)
         x = make_x(5, 576)
@@ -136,7 +148,7 @@ def test_get_rows_exact(ggml_type):
 
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
-def test_fallback_matches_kernels(ggml_type):
+def test_fallback_matches_kernels(ggml_type, act):
     w = make_weight(ggml_type, 64, 576)
     x = make_x(3, 576)
     ids = torch.tensor([5, 1, 63])
@@ -146,7 +158,7 @@ def test_fallback_matches_kernels(ggml_type):
     assert ops.supported_types() == frozenset()
     fallback_y, fallback_rows = ops.linear(x, w), ops.get_rows(w, ids)
     assert torch.equal(kernel_rows, fallback_rows)
-    tol = 2e-2 if ggml_type in QUANT_TYPES else 1e-5
+    tol = 2e-2 if ggml_type in QUANT_TYPES and act == "q8" else 1e-5
     assert (kernel_y - fallback_y).abs().max() <= tol * fallback_y.abs().max()
 
 
@@ -171,3 +183,48 @@ def test_linear_shapes_and_validation():
         ops.QWeight(w.raw[:, :-1], GGMLType.Q4_1, (7, 64))
     ops.set_num_threads(3)
     assert ops.get_num_threads() == 3 and torch.get_num_threads() == 3
+
+
+def test_activation_precision_setting():
+    assert ops.get_activation_precision() == "f32"  # the default: exact mode
+    assert ops.set_activation_precision("q8") == "f32"
+    assert ops.get_activation_precision() == "q8"
+    assert ops.set_activation_precision("f32") == "q8"
+    with pytest.raises(ValueError):
+        ops.set_activation_precision("int8")
+    assert ops.get_activation_precision() == "f32"
+    # switching the kernels off and on keeps the precision
+    ops.set_activation_precision("q8")
+    ops.use_kernels(False)
+    ops.use_kernels(True)
+    assert ops.get_activation_precision() == "q8"
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", sorted(QUANT_TYPES), ids=lambda t: t.name)
+def test_precisions_select_different_kernels(ggml_type):
+    # f32 computes on float x (tight bound); q8 rounds x to int8 blocks, visibly further from the reference
+    w = make_weight(ggml_type, 64, 576)
+    x = make_x(4, 576)
+    exact = x.double() @ reference.dense(w).double().T
+    scale = x.double().abs() @ reference.dense(w).double().abs().T
+    ops.set_activation_precision("f32")
+    err_f32 = ((ops.linear(x, w).double() - exact).abs() / scale).max()
+    ops.set_activation_precision("q8")
+    err_q8 = ((ops.linear(x, w).double() - exact).abs() / scale).max()
+    assert err_f32 <= 1e-5 < err_q8
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", sorted(QUANT_TYPES), ids=lambda t: t.name)
+def test_exact_mode_long_batches_and_shapes(ggml_type, isa):
+    # token counts around the tile sizes (4 and 8) and a K that is one block: tiles never change a token's result
+    ops.set_activation_precision("f32")
+    w = make_weight(ggml_type, 33, 32 * 37)
+    dense = reference.dense(w).double()
+    x = make_x(29, 32 * 37, seed=3)
+    y = ops.linear(x, w)
+    exact, scale = x.double() @ dense.T, x.double().abs() @ dense.abs().T
+    assert ((y.double() - exact).abs() <= 1e-5 * scale + 1e-30).all()
+    for n_tokens in (1, 5, 8, 9, 16):
+        assert torch.equal(ops.linear(x[:n_tokens], w), y[:n_tokens]), n_tokens

@@ -8,8 +8,9 @@
  * F32 and F16 weights use float FMA directly.
  *
  * Exact mode (pi_matmul_<type>_f, quant types only): the activations stay float32. Each weight block is decoded
- * in registers to exactly the floats of the reference dequantiser and multiplied with x in float32 (FMA), so the
- * result equals x @ dequant(W).T up to float summation order, like F32/F16 (and like transformers). Nothing is
+ * in registers to the floats of the reference dequantiser (bit-equal; AVX2 Q4_1 within 1 ulp) and multiplied
+ * with x in float32 (FMA), so the result equals x @ dequant(W).T up to float summation order, like F32/F16 (and
+ * like transformers). Nothing is
  * dequantised to memory. Token tiles are TILE_TQ wide there: the block decode is shared by more tokens.
  *
  * Work is split over blocks of TILE_N rows; inside a block, tokens are taken TILE_T at a time, and each weight

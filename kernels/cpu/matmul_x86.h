@@ -230,14 +230,14 @@ DEFINE_TILE_FLOAT(f16, 1)
 
 /* ---- quantised weight x float activation tiles (exact mode) -------------------------------------------- */
 
-/* Each weight block is decoded in registers to exactly the floats of the reference dequantiser (same products
- * and separately rounded adds: Q4_0 (q - 8) * d, Q4_1 d * q + m, Q8_0 q * d), then FMA'd with float x for
+/* Each weight block is decoded in registers to the floats of the reference dequantiser (Q4_0 (q - 8) * d,
+ * Q4_1 d * q + m, Q8_0 q * d; bit-equal except AVX2 Q4_1, within 1 ulp), then FMA'd with float x for
  * every token of the tile. Per token: QF_V vectors per block, vector j of the block goes to accumulator j & 1,
  * one fixed horizontal sum at the end: the result depends neither on the tile size nor on the thread count.
  *
  * AVX-512: 16 floats per vector, the 16 possible values of a Q4 block are built as one vector (table) and
  * picked with vpermps, which reads only the low 4 bits of each index: no masking of the nibbles is needed.
- * AVX2: 8 floats per vector; nibbles are masked and converted.
+ * AVX2: 8 floats per vector; nibbles are masked, converted and scaled with one FMA (see decode_qf).
  */
 #if SIMD_AVX512
 #define QF_V 2      /* vectors per block */
@@ -290,6 +290,7 @@ TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
     if (kind == 0) {
         const block_q4_0 *b = (const block_q4_0 *)blk;
         d = _mm256_set1_ps(_cvtsh_ss(b->d));
+        m = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); /* exact: a power of two times d */
         qs = b->qs;
     } else {
         const block_q4_1 *b = (const block_q4_1 *)blk;
@@ -305,14 +306,10 @@ TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
         /* bytes 8h..8h+7: low nibbles are elements 8h.., high nibbles elements 16+8h.. */
         const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
         const __m256i lo = _mm256_and_si256(idx, mask), hi = _mm256_srli_epi32(idx, 4);
-        if (kind == 0) {
-            const __m256i eight = _mm256_set1_epi32(8);
-            w[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo, eight)), d);
-            w[2 + h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi, eight)), d);
-        } else {
-            w[h] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(lo)), m);
-            w[2 + h] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(hi)), m);
-        }
+        /* Q4_0: fma(q, d, -8d) rounds the exact (q - 8) * d once: bit-equal to the reference.
+         * Q4_1: fma(d, q, m) rounds d * q + m once where the reference rounds twice (within 1 ulp of w). */
+        w[h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m);
+        w[2 + h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
     }
 #endif
 }
