@@ -5,7 +5,11 @@ Reports tokens/s and effective GB/s (tensor bytes of the file x tokens/s) as the
 and the ratio ours / llama.cpp measured in the same process on the same file with the same thread count.
 llama.cpp is reached through `llama-cpp-python` (`pip install llama-cpp-python` compiles it) when importable.
 
+`--act` picks the activation precision of our quant kernels: f32 (exact mode, the default), q8 (int8 blocks,
+llama.cpp's arithmetic) or both (one row each, same process).
+
 Usage: python scripts/bench_decode.py [-m MODEL.gguf] [-t 2] [--runs 5] [--n-prompt 128] [--n-gen 64]
+                                      [--act f32|q8|both]
 """
 
 from __future__ import annotations
@@ -29,10 +33,19 @@ def prompt_tokens(n_vocab: int, n: int) -> list[int]:
     return [(1000 + 7919 * i) % (n_vocab - 1000) + 1000 for i in range(n)]
 
 
-def bench_ours(model: Path, threads: int, n_prompt: int, n_gen: int, runs: int) -> dict[str, list[float]]:
+def bench_ours(model: Path, threads: int, n_prompt: int, n_gen: int, runs: int, act: str) -> dict[str, list[float]]:
+    from powerinfer import ops
     from powerinfer.runtime.engine import Engine, EngineOptions
 
-    engine = Engine(model, EngineOptions(n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads))
+    previous = ops.set_activation_precision(act)
+    try:
+        return _bench_engine(Engine(model, EngineOptions(n_ctx=n_prompt + n_gen + 8, n_batch=512,
+                                                          n_threads=threads)), n_prompt, n_gen, runs)
+    finally:
+        ops.set_activation_precision(previous)
+
+
+def _bench_engine(engine, n_prompt: int, n_gen: int, runs: int) -> dict[str, list[float]]:
     tokens = prompt_tokens(engine.config.n_vocab, n_prompt)
     engine.eval(tokens[:8])  # warm the page cache and thread pools
     pp, tg = [], []
@@ -82,22 +95,27 @@ def main() -> int:
     ap.add_argument("--n-prompt", type=int, default=128)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--act", choices=("f32", "q8", "both"), default="f32",
+                    help="activation precision of our quant kernels (default f32, exact mode)")
     args = ap.parse_args()
     model = args.model or default_model()
     size = model.stat().st_size
     print(f"model: {model.name} ({size / 2**20:.1f} MiB), threads: {args.threads}, "
           f"prompt: {args.n_prompt} tokens, decode: {args.n_gen} tokens, median of {args.runs} runs")
-    ours = bench_ours(model, args.threads, args.n_prompt, args.n_gen, args.runs)
+    acts = ("f32", "q8") if args.act == "both" else (args.act,)
+    ours = {act: bench_ours(model, args.threads, args.n_prompt, args.n_gen, args.runs, act) for act in acts}
     ref = None if args.no_llama_cpp else bench_llama_cpp(model, args.threads, args.n_prompt, args.n_gen, args.runs)
-    gb = ours["bytes"][0] / 1e9
-    rows = [("powerinfer", ours)] + ([("llama.cpp", ref)] if ref else [])
-    print(f"{'engine':<12} {'pp tok/s':>10} {'tg tok/s':>10} {'tg GB/s':>9}")
+    gb = next(iter(ours.values()))["bytes"][0] / 1e9
+    rows = [(f"powerinfer {act}", r) for act, r in ours.items()] + ([("llama.cpp", ref)] if ref else [])
+    print(f"{'engine':<15} {'pp tok/s':>10} {'tg tok/s':>10} {'tg GB/s':>9}")
     for name, r in rows:
         pp, tg = statistics.median(r["pp"]), statistics.median(r["tg"])
-        print(f"{name:<12} {pp:10.1f} {tg:10.1f} {tg * gb:9.2f}")
+        print(f"{name:<15} {pp:10.1f} {tg:10.1f} {tg * gb:9.2f}")
     if ref:
-        print(f"ratio ours/llama.cpp: prompt {statistics.median(ours['pp']) / statistics.median(ref['pp']):.2f}x, "
-              f"decode {statistics.median(ours['tg']) / statistics.median(ref['tg']):.2f}x")
+        for act, r in ours.items():
+            print(f"ratio ours {act}/llama.cpp: prompt "
+                  f"{statistics.median(r['pp']) / statistics.median(ref['pp']):.2f}x, "
+                  f"decode {statistics.median(r['tg']) / statistics.median(ref['tg']):.2f}x")
     else:
         print("llama.cpp: not installed (pip install llama-cpp-python), no ratio")
     return 0
