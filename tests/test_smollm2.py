@@ -88,5 +88,5 @@ def test_cli_main_greedy_text(hf_model, hf_greedy):
                                       "--temp", "0", "-t", "2", "-c", "256"])
     assert result.exit_code == 0, result.stderr
     expected_text = prompt + tok.decode(hf_greedy[prompt][1], skip_special_tokens=True)
-    assert result.stdout.rstrip("\n") == expected_text
+    assert result.stdout.rstrip("\n") == expected_text.rstrip("\n")
     assert "llama_print_timings:        eval time" in result.stderr
