@@ -26,7 +26,7 @@ GPU_INDEX_SUFFIX = ".generated.gpuidx"
 
 @dataclass(frozen=True, eq=False)
 class GPUIndex:
-    """Per-layer GPU membership: gpu_idx[l] bool (n_ff,), gpu_bucket[l] int32 sorted ids, the budget in bytes."""
+    """Per-layer GPU membership: gpu_idx[l] bool (n_ff,), gpu_bucket[l] sorted int32 ids; budget in bytes."""
 
     vram_capacity: int
     gpu_idx: list[np.ndarray]

@@ -113,7 +113,7 @@ def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootpri
                     continue
             info = tensors[name]
             if n_ff not in info.shape:
-                raise FormatError(f"{gguf.path}: tensor {name} shape {info.shape} has no FFN dimension {n_ff}")
+                raise FormatError(f"{gguf.path}: tensor {name} shape {info.shape} lacks the FFN size {n_ff}")
             total += -(-info.n_bytes // n_ff)  # ceil: byte share of one neuron
         neuron_bytes.append(total)
     output = tuple(present("output_norm") + present("output"))
@@ -204,7 +204,7 @@ def solve_neuron_counts(stats: Sequence[np.ndarray], capacity_neurons: int, grou
 
 
 def select_gpu_neurons(stats: Sequence[np.ndarray], counts: Sequence[int]) -> list[np.ndarray]:
-    """Per layer, the ids of the counts[l] hottest neurons (higher count first, then lower id), sorted, int32."""
+    """Per layer, the counts[l] hottest neuron ids (higher count, then lower id first), sorted, int32."""
     n_layer, n_ff = check_stats(stats)
     if len(counts) != n_layer:
         raise PlacementError(f"{len(counts)} neuron counts for {n_layer} layers")
@@ -400,6 +400,7 @@ def _usable_cache(index: GPUIndex, n_layer: int, n_ff: int, ffn_budget: int,
         return None
     n_bytes = sum(b.size * c for b, c in zip(index.gpu_bucket, neuron_cost, strict=True))
     if n_bytes > ffn_budget:
-        log.info("GPU index cache needs %d bytes, more than the FFN budget %d: regenerating", n_bytes, ffn_budget)
+        log.info("GPU index cache needs %d bytes, more than the FFN budget %d: regenerating",
+                 n_bytes, ffn_budget)
         return None
     return tuple(b.astype(np.int32) for b in index.gpu_bucket)

@@ -31,7 +31,7 @@ def load_activation_stats(folder: str | os.PathLike[str], n_layer: int, n_ff: in
     for layer in range(n_layer):
         path = activation_file(root, layer)
         if not path.is_file():
-            raise PlacementError(f"activation statistics for layer {layer} are missing: {path} does not exist")
+            raise PlacementError(f"activation statistics of layer {layer} are missing: {path} does not exist")
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # unpickling errors come in many types
@@ -39,7 +39,7 @@ def load_activation_stats(folder: str | os.PathLike[str], n_layer: int, n_ff: in
         if not isinstance(obj, torch.Tensor):
             raise FormatError(f"{path}: expected a tensor, found {type(obj).__name__}")
         if obj.dim() != 1:
-            raise FormatError(f"{path}: expected a 1-D tensor of length {n_ff}, found shape {tuple(obj.shape)}")
+            raise FormatError(f"{path}: expected a 1-D tensor of length {n_ff}, found {tuple(obj.shape)}")
         if obj.shape[0] != n_ff:
             raise FormatError(f"{path}: expected {n_ff} counts (the model's FFN size), found {obj.shape[0]}")
         if obj.is_complex() or obj.dtype == torch.bool:
@@ -67,5 +67,5 @@ def check_stats(stats: list[np.ndarray] | tuple[np.ndarray, ...], n_layer: int |
             raise PlacementError(
                 f"activation statistics of layer {layer} have shape {arr.shape}, expected ({width},)")
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-            raise PlacementError(f"activation statistics of layer {layer} contain negative or non-finite values")
+            raise PlacementError(f"activation statistics of layer {layer} hold negative or non-finite values")
     return len(stats), width
