@@ -23,32 +23,7 @@
 #include <stdlib.h>
 
 #include "common.h"
-
-#define TILE_T 4  /* tokens per tile */
-#define TILE_N 16 /* rows per parallel work item */
-#define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
-
-/* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
-typedef struct {
-    int8_t *qs;
-    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term Q4_1 needs, side by side */
-    int32_t *isum; /* sum(qs) over the block */
-    int64_t K;
-    int64_t nb;
-} act_q8;
-
-typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
-typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
-typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
-
-enum matmul_isa { MATMUL_ISA_SCALAR = 0, MATMUL_ISA_AVX2 = 1, MATMUL_ISA_AVX512 = 2 };
-
-typedef struct {
-    quantize_act_fn quantize_act;
-    tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
-    tile_float_fn tile_f32, tile_f16;
-    tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f; /* float activations, ntok <= TILE_TQ */
-} matmul_table;
+#include "matmul.h"
 
 /* ---- scalar fallback ---------------------------------------------------------------------------------------- */
 
@@ -234,6 +209,10 @@ __attribute__((constructor)) static void matmul_init(void) {
     matmul_active = &matmul_tables[matmul_isa_best];
 }
 
+const matmul_table *matmul_table_active(void) { return matmul_active; }
+
+int32_t matmul_isa_level(void) { return (int32_t)(matmul_active - matmul_tables); }
+
 /* Name of the active variant ("scalar", "avx2", "avx512"). */
 PI_EXPORT const char *pi_kernels_isa(void) { return matmul_isa_names[matmul_active - matmul_tables]; }
 
@@ -248,9 +227,9 @@ PI_EXPORT int32_t pi_kernels_set_isa(int32_t level) {
 
 /* ---- drivers ------------------------------------------------------------------------------------------------- */
 
-static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
-                            const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                            int32_t n_threads) {
+int32_t matmul_quant_rows(tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                          int32_t n_threads) {
     if (N < 0 || T < 0 || K < 0 || K % QK != 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int64_t nb = K / QK;
@@ -280,7 +259,7 @@ static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stri
                 const int ntok = (int)min_i64(TILE_T, T - t0);
                 for (int64_t n = n0; n < n1; n++) {
                     float out[TILE_T];
-                    tile(w + n * w_stride, &a, t0, ntok, out);
+                    tile(w + row_of(rows, n) * w_stride, &a, t0, ntok, out);
                     for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
                 }
             }
@@ -291,8 +270,8 @@ static int32_t matmul_quant(tile_quant_fn tile, const uint8_t *w, int64_t w_stri
 }
 
 static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_t, const uint8_t *w,
-                                         int64_t w_stride, int64_t N, int64_t K, const float *x, int64_t x_stride,
-                                         int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
+                                         int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                                         int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
     if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
@@ -303,7 +282,7 @@ static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_
             const int ntok = (int)min_i64(tile_t, T - t0);
             for (int64_t n = n0; n < n1; n++) {
                 float out[TILE_TQ > TILE_T ? TILE_TQ : TILE_T];
-                tile(w + n * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
+                tile(w + row_of(rows, n) * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
                 for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
             }
         }
@@ -311,18 +290,18 @@ static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_
     return PI_OK;
 }
 
-static int32_t matmul_float(tile_float_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
-                            const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                            int32_t n_threads) {
-    return matmul_float_tiled(tile, TILE_T, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads);
+int32_t matmul_float_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                          int32_t n_threads) {
+    return matmul_float_tiled(tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
-static int32_t matmul_quant_f(tile_float_fn tile, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
-                              const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                              int32_t n_threads) {
+int32_t matmul_quant_f_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+                            int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                            int32_t n_threads) {
     if (K < 0 || K % QK != 0) return PI_ERR_SHAPE;
-    return matmul_float_tiled(tile, TILE_TQ, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads);
+    return matmul_float_tiled(tile, TILE_TQ, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
@@ -331,14 +310,14 @@ static int32_t matmul_quant_f(tile_float_fn tile, const uint8_t *w, int64_t w_st
     PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
                                        int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
                                        int32_t n_threads) {                                                   \
-        return driver(matmul_active->tile_##type, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads); \
+        return driver(matmul_active->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
-DEFINE_MATMUL(f32, matmul_float)
-DEFINE_MATMUL(f16, matmul_float)
-DEFINE_MATMUL(q4_0, matmul_quant)
-DEFINE_MATMUL(q4_1, matmul_quant)
-DEFINE_MATMUL(q8_0, matmul_quant)
-DEFINE_MATMUL(q4_0_f, matmul_quant_f)
-DEFINE_MATMUL(q4_1_f, matmul_quant_f)
-DEFINE_MATMUL(q8_0_f, matmul_quant_f)
+DEFINE_MATMUL(f32, matmul_float_rows)
+DEFINE_MATMUL(f16, matmul_float_rows)
+DEFINE_MATMUL(q4_0, matmul_quant_rows)
+DEFINE_MATMUL(q4_1, matmul_quant_rows)
+DEFINE_MATMUL(q8_0, matmul_quant_rows)
+DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows)
+DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows)
+DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows)

@@ -66,6 +66,9 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _MATMUL_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
 # (w, w_stride_bytes, N, K, ids, n_ids, y, y_stride, n_threads)
 _GET_ROWS_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32]
+# rows_matmul (w, w_stride_bytes, N, K, idx, M, x, x_stride, T, y, y_stride, n_threads) and
+# rows_axpy (w_t, w_stride_bytes, N, D, idx or NULL, M, h, h_stride, T, y, y_stride, n_threads)
+_SPARSE_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
 
 
 class _Kernels:
@@ -75,6 +78,9 @@ class _Kernels:
         self.matmul: dict[GGMLType, Any] = {}  # int8 activations for the quant types ("q8")
         self.matmul_f: dict[GGMLType, Any] = {}  # float activations for every type ("f32")
         self.get_rows: dict[GGMLType, Any] = {}
+        self.rows_matmul: dict[GGMLType, Any] = {}  # int8 activations for the quant types ("q8")
+        self.rows_matmul_f: dict[GGMLType, Any] = {}  # float activations ("f32")
+        self.rows_axpy: dict[GGMLType, Any] = {}
         for ggml_type, name in _C_NAMES.items():
             matmul = getattr(lib, f"pi_matmul_{name}")
             matmul.argtypes, matmul.restype = _MATMUL_ARGTYPES, _i32
@@ -86,6 +92,15 @@ class _Kernels:
             rows = getattr(lib, f"pi_get_rows_{name}")
             rows.argtypes, rows.restype = _GET_ROWS_ARGTYPES, _i32
             self.get_rows[ggml_type] = rows
+            # sparse FFN kernels (kernels/cpu/sparse.c): same activation-precision split as matmul
+            for table, suffix in ((self.rows_matmul, ""), (self.rows_matmul_f, "_f")):
+                symbol = f"pi_rows_matmul_{name}{suffix if ggml_type in _QUANT_TYPES else ''}"
+                kernel = getattr(lib, symbol)
+                kernel.argtypes, kernel.restype = _SPARSE_ARGTYPES, _i32
+                table[ggml_type] = kernel
+            axpy = getattr(lib, f"pi_rows_axpy_{name}")
+            axpy.argtypes, axpy.restype = _SPARSE_ARGTYPES, _i32
+            self.rows_axpy[ggml_type] = axpy
         self.isa = lib.pi_kernels_isa
         self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
         self.set_isa = lib.pi_kernels_set_isa
@@ -121,6 +136,8 @@ class _Settings:
     act: str = "f32"
     matmul: dict[GGMLType, Any] = field(default_factory=dict)
     get_rows: dict[GGMLType, Any] = field(default_factory=dict)
+    rows_matmul: dict[GGMLType, Any] = field(default_factory=dict)
+    rows_axpy: dict[GGMLType, Any] = field(default_factory=dict)
 
     def select(self, enabled: bool, act: str) -> None:
         self.enabled, self.act = enabled, act
@@ -128,6 +145,9 @@ class _Settings:
         matmul = (_KERNELS.matmul_f if act == "f32" else _KERNELS.matmul) if on else {}
         self.matmul = dict(matmul)
         self.get_rows = dict(_KERNELS.get_rows) if on else {}
+        rows_matmul = (_KERNELS.rows_matmul_f if act == "f32" else _KERNELS.rows_matmul) if on else {}
+        self.rows_matmul = dict(rows_matmul)
+        self.rows_axpy = dict(_KERNELS.rows_axpy) if on else {}
 
 
 _settings = _Settings(n_threads=torch.get_num_threads())

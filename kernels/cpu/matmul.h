@@ -1,0 +1,59 @@
+/* Internal interface of the matmul kernels (matmul.c), shared with the sparse kernels (sparse.c).
+ *
+ * Nothing here is exported from the library (-fvisibility=hidden): these are the tile function tables, the
+ * active SIMD variant and the drivers with an optional row list, so that sparse row selections run exactly the
+ * arithmetic of the dense matmul.
+ */
+#ifndef POWERINFER_KERNELS_MATMUL_H
+#define POWERINFER_KERNELS_MATMUL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common.h"
+
+#define TILE_T 4  /* tokens per tile */
+#define TILE_N 16 /* rows per parallel work item */
+#define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
+
+/* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
+typedef struct {
+    int8_t *qs;
+    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term Q4_1 needs, side by side */
+    int32_t *isum; /* sum(qs) over the block */
+    int64_t K;
+    int64_t nb;
+} act_q8;
+
+typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
+typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
+typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
+
+enum matmul_isa { MATMUL_ISA_SCALAR = 0, MATMUL_ISA_AVX2 = 1, MATMUL_ISA_AVX512 = 2 };
+
+typedef struct {
+    quantize_act_fn quantize_act;
+    tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
+    tile_float_fn tile_f32, tile_f16;
+    tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f; /* float activations, ntok <= TILE_TQ */
+} matmul_table;
+
+/* The tile functions of the active SIMD variant, and its level (enum matmul_isa). */
+const matmul_table *matmul_table_active(void);
+int32_t matmul_isa_level(void);
+
+/* Row n of the weight used for output column n: rows[n], or n when rows is NULL (dense). */
+static inline int64_t row_of(const int64_t *rows, int64_t n) { return rows != NULL ? rows[n] : n; }
+
+/* Drivers: y[t * y_stride + n] = W[row_of(rows, n)] . x[t] for n < N. Row ids are not checked here. */
+int32_t matmul_quant_rows(tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                          int32_t n_threads);
+int32_t matmul_float_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                          int32_t n_threads);
+int32_t matmul_quant_f_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+                            int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                            int32_t n_threads);
+
+#endif

@@ -1,0 +1,211 @@
+/* SIMD bodies of rows_axpy, included twice by sparse.c (SIMD_SUFFIX avx2 / avx512, as matmul_x86.h).
+ *
+ * A unit of 32 weights is decoded to floats in registers (AVX2: 4 x 8 lanes, AVX-512: 2 x 16 lanes) with the
+ * reference dequantiser's operations, then y = fma(h, w, y) per element. Lanes are independent, so the result is
+ * the same scalar chain per element as in the scalar variant: all variants agree bit for bit.
+ *
+ * T = 1: the compacted rows (h != 0) are taken AXPY_GROUP at a time; for each unit of the thread's slice, y is
+ * loaded once, the group's rows are applied in order, y is stored (rows stream sequentially, y stays in L1).
+ * T > 1: tokens AXPY_TILE_T at a time; each unit of each row is decoded once and applied to the tile's tokens
+ * whose h is non-zero.
+ */
+
+#define SIMD_CAT_(a, b) a##_##b
+#define SIMD_CAT(a, b) SIMD_CAT_(a, b)
+#define FN(name) SIMD_CAT(name, SIMD_SUFFIX)
+#define TARGET __attribute__((target(SIMD_TARGET)))
+#define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
+
+#if SIMD_AVX512
+#define SV __m512
+#define SV_N 16
+#define SV_LOAD(p) _mm512_loadu_ps(p)
+#define SV_STORE(p, v) _mm512_storeu_ps(p, v)
+#define SV_SET1(f) _mm512_set1_ps(f)
+#define SV_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define SV_ZERO() _mm512_setzero_ps()
+#else
+#define SV __m256
+#define SV_N 8
+#define SV_LOAD(p) _mm256_loadu_ps(p)
+#define SV_STORE(p, v) _mm256_storeu_ps(p, v)
+#define SV_SET1(f) _mm256_set1_ps(f)
+#define SV_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define SV_ZERO() _mm256_setzero_ps()
+#endif
+#define SV_PER_UNIT (AXPY_UNIT / SV_N)
+
+/* Unit u (32 elements) of a row, decoded into SV_PER_UNIT vectors in element order. */
+TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u, SV *w) {
+    if (kind == KIND_F32) {
+        const float *p = (const float *)row + u * AXPY_UNIT;
+        for (int j = 0; j < SV_PER_UNIT; j++) w[j] = SV_LOAD(p + j * SV_N);
+        return;
+    }
+    if (kind == KIND_F16) {
+        const uint16_t *p = (const uint16_t *)row + u * AXPY_UNIT;
+#if SIMD_AVX512
+        for (int j = 0; j < 2; j++) w[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16 * j)));
+#else
+        for (int j = 0; j < 4; j++) w[j] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8 * j)));
+#endif
+        return;
+    }
+    if (kind == KIND_Q8_0) {
+        const block_q8_0 *b = (const block_q8_0 *)row + u;
+#if SIMD_AVX512
+        const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d));
+        for (int j = 0; j < 2; j++)
+            w[j] = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + 16 * j)))), d);
+#else
+        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * j)))), d);
+#endif
+        return;
+    }
+    /* Q4_0: (q - 8) * d (q - 8 exact in float, one rounding); Q4_1: d * q rounded, then + m rounded */
+    const uint8_t *qs;
+    float df, mf = 0.0f;
+    if (kind == KIND_Q4_0) {
+        const block_q4_0 *b = (const block_q4_0 *)row + u;
+        qs = b->qs;
+        df = _cvtsh_ss(b->d);
+    } else {
+        const block_q4_1 *b = (const block_q4_1 *)row + u;
+        qs = b->qs;
+        df = _cvtsh_ss(b->d);
+        mf = _cvtsh_ss(b->m);
+    }
+    const SV d = SV_SET1(df), m = SV_SET1(mf), eight = SV_SET1(8.0f);
+#if SIMD_AVX512
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4));
+    if (kind == KIND_Q4_0) {
+        w[0] = _mm512_mul_ps(_mm512_sub_ps(lo, eight), d);
+        w[1] = _mm512_mul_ps(_mm512_sub_ps(hi, eight), d);
+    } else {
+        w[0] = _mm512_add_ps(_mm512_mul_ps(d, lo), m);
+        w[1] = _mm512_add_ps(_mm512_mul_ps(d, hi), m);
+    }
+#else
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    for (int h = 0; h < 2; h++) {
+        /* bytes 8h..8h+7: low nibbles are elements 8h.., high nibbles elements 16 + 8h.. */
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
+        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
+        if (kind == KIND_Q4_0) {
+            w[h] = _mm256_mul_ps(_mm256_sub_ps(lo, eight), d);
+            w[2 + h] = _mm256_mul_ps(_mm256_sub_ps(hi, eight), d);
+        } else {
+            w[h] = _mm256_add_ps(_mm256_mul_ps(d, lo), m);
+            w[2 + h] = _mm256_add_ps(_mm256_mul_ps(d, hi), m);
+        }
+    }
+#endif
+    (void)m;
+    (void)eight;
+}
+
+/* T = 1, full units [u0, u1) of y. */
+TARGET_INLINE void FN(axpy_t1)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    float *y = c->y;
+    for (int64_t u = u0; u < u1; u++)
+        for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(y + u * AXPY_UNIT + j * SV_N, SV_ZERO());
+    for (int64_t g = 0; g < c->n_act; g += AXPY_GROUP) {
+        const int n = (int)min_i64(AXPY_GROUP, c->n_act - g);
+        const uint8_t *const *rows = c->act_rows + g;
+        SV hv[AXPY_GROUP];
+        for (int r = 0; r < n; r++) hv[r] = SV_SET1(c->act_h[g + r]);
+        for (int64_t u = u0; u < u1; u++) {
+            float *yu = y + u * AXPY_UNIT;
+            SV acc[SV_PER_UNIT];
+            for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + j * SV_N);
+            for (int r = 0; r < n; r++) {
+                SV w[SV_PER_UNIT];
+                FN(axpy_decode)(kind, rows[r], u, w);
+                for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_FMA(hv[r], w[j], acc[j]);
+            }
+            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + j * SV_N, acc[j]);
+        }
+    }
+}
+
+/* T > 1, full units [u0, u1) of y, tokens [t0, t0 + ntok). */
+TARGET_INLINE void FN(axpy_tile)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1, int64_t t0,
+                                 const int ntok) {
+    float *yt[AXPY_TILE_T];
+    const float *ht[AXPY_TILE_T];
+    for (int t = 0; t < ntok; t++) {
+        yt[t] = c->y + (t0 + t) * c->y_stride;
+        ht[t] = c->h + (t0 + t) * c->h_stride;
+        for (int64_t u = u0; u < u1; u++)
+            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yt[t] + u * AXPY_UNIT + j * SV_N, SV_ZERO());
+    }
+    for (int64_t m = 0; m < c->M; m++) {
+        float hs[AXPY_TILE_T];
+        int any = 0;
+        for (int t = 0; t < ntok; t++) {
+            hs[t] = ht[t][m];
+            any |= hs[t] != 0.0f;
+        }
+        if (!any) continue;
+        const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
+        for (int64_t u = u0; u < u1; u++) {
+            SV w[SV_PER_UNIT];
+            FN(axpy_decode)(kind, row, u, w);
+            for (int t = 0; t < ntok; t++) {
+                if (hs[t] == 0.0f) continue;
+                const SV hv = SV_SET1(hs[t]);
+                float *yu = yt[t] + u * AXPY_UNIT;
+                for (int j = 0; j < SV_PER_UNIT; j++)
+                    SV_STORE(yu + j * SV_N, SV_FMA(hv, w[j], SV_LOAD(yu + j * SV_N)));
+            }
+        }
+    }
+}
+
+TARGET_INLINE void FN(axpy_units_kind)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    if (u1 <= u0) return;
+    if (c->T == 1) {
+        FN(axpy_t1)(kind, c, u0, u1);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < c->T; t0 += AXPY_TILE_T) {
+        switch ((int)min_i64(AXPY_TILE_T, c->T - t0)) {
+            case 1: FN(axpy_tile)(kind, c, u0, u1, t0, 1); break;
+            case 2: FN(axpy_tile)(kind, c, u0, u1, t0, 2); break;
+            case 3: FN(axpy_tile)(kind, c, u0, u1, t0, 3); break;
+            default: FN(axpy_tile)(kind, c, u0, u1, t0, AXPY_TILE_T); break;
+        }
+    }
+}
+
+/* one specialised body per weight kind */
+TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    switch (kind) {
+        case KIND_Q4_0: FN(axpy_units_kind)(KIND_Q4_0, c, u0, u1); break;
+        case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, c, u0, u1); break;
+        case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, c, u0, u1); break;
+        case KIND_F32: FN(axpy_units_kind)(KIND_F32, c, u0, u1); break;
+        default: FN(axpy_units_kind)(KIND_F16, c, u0, u1); break;
+    }
+}
+
+#undef SV
+#undef SV_N
+#undef SV_LOAD
+#undef SV_STORE
+#undef SV_SET1
+#undef SV_FMA
+#undef SV_ZERO
+#undef SV_PER_UNIT
+#undef TARGET
+#undef TARGET_INLINE
+#undef FN
+#undef SIMD_CAT
+#undef SIMD_CAT_

@@ -1,0 +1,122 @@
+"""Sparse FFN ops over a subset of neurons (rows), with pure-torch references.
+
+`rows_matmul` computes selected rows of W x (gate/up for the active neurons); `rows_axpy` accumulates selected
+rows of a transposed down projection scaled by their activations. Rows are given as an int64 index tensor, so the
+Python work per call is constant whatever the number of neurons.
+
+Both run the C kernels of kernels/cpu/sparse.c for F32, F16, Q4_0, Q4_1 and Q8_0 weights:
+- rows_matmul uses the dense matmul's arithmetic for the current activation precision (`ops.set_activation_
+  precision`), so with idx = all rows it is bit-identical to `ops.linear`. Only the selected rows are read.
+- rows_axpy decodes rows in registers to float32 (exact for every activation precision) and sums each output
+  element in index order over the rows with h != 0; threads split the output dimension, so the result does not
+  depend on the thread count (the original reduces per-thread buffers racily, spec 4.3).
+Other weight types, non-CPU tensors and `ops.use_kernels(False)` use the references below. When the extension is
+not built, the first sparse op that falls back for that reason warns once.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+
+from powerinfer import ops as _ops
+from powerinfer.quant import dequantize
+
+if TYPE_CHECKING:
+    from powerinfer.ops import QWeight
+
+__all__ = ["decode_rows", "rows_axpy", "rows_axpy_ref", "rows_matmul", "rows_matmul_ref"]
+
+_settings = _ops._settings
+_warned_missing = False
+
+
+def decode_rows(w: QWeight, idx: torch.Tensor | None) -> torch.Tensor:
+    """Rows idx of W (all rows when idx is None) decoded to float32, shape (M, K)."""
+    raw = w.raw if idx is None else w.raw[idx]
+    n = raw.shape[0]
+    return torch.from_numpy(dequantize(raw.numpy(), w.ggml_type, (n, w.shape[1])).copy())
+
+
+def rows_matmul_ref(x: torch.Tensor, w: QWeight, idx: torch.Tensor) -> torch.Tensor:
+    """y[t, m] = W[idx[m]] . x[t]; x (T, K) float32 -> (T, M)."""
+    return x @ decode_rows(w, idx).T
+
+
+def rows_axpy_ref(h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None) -> torch.Tensor:
+    """y[t] = sum_m h[t, m] * W_t[idx[m]]; h (T, M), W_t (N, D) -> (T, D). idx None means all rows."""
+    return h @ decode_rows(w_t, idx)
+
+
+def _note_fallback() -> None:
+    global _warned_missing
+    if _ops._KERNELS is None and not _warned_missing:
+        _warned_missing = True
+        warnings.warn(
+            "powerinfer._kernels is not built: sparse FFN ops run the slow pure-torch reference "
+            "(build it with `pip install -e .`)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def _as_idx(idx: torch.Tensor) -> torch.Tensor:
+    if idx.dtype is not torch.int64 or idx.dim() != 1 or not idx.is_contiguous() or not idx.is_cpu:
+        idx = idx.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()
+    return idx
+
+
+def rows_matmul(x: torch.Tensor, w: QWeight, idx: torch.Tensor) -> torch.Tensor:
+    """Selected rows of W times x: (T, K) -> (T, M) ((K,) -> (M,))."""
+    kernel = _settings.rows_matmul.get(w.ggml_type)
+    n_cols = w.shape[1]
+    if x.shape[-1] != n_cols:
+        raise ValueError(f"rows_matmul: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
+    if kernel is None or not x.is_cpu or x.dim() > 2:
+        _note_fallback()
+        return rows_matmul_ref(x.to(torch.float32), w, idx)
+    if x.dtype is not torch.float32 or not x.is_contiguous():
+        x = x.to(torch.float32).contiguous()
+    idx = _as_idx(idx)
+    n_sel = idx.shape[0]
+    if x.dim() == 2:
+        n_tokens = x.shape[0]
+        y = torch.empty(n_tokens, n_sel, dtype=torch.float32)
+    else:
+        n_tokens = 1
+        y = torch.empty(n_sel, dtype=torch.float32)
+    status = kernel(w._raw_ptr, w._raw_stride, w.shape[0], n_cols, idx.data_ptr(), n_sel, x.data_ptr(), n_cols,
+                    n_tokens, y.data_ptr(), n_sel, _settings.n_threads)
+    if status:
+        _ops._check_status(status, "rows_matmul")
+    return y
+
+
+def rows_axpy(h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None) -> torch.Tensor:
+    """Sum of selected rows of W_t weighted by h: (T, M) -> (T, D) ((M,) -> (D,)); rows with h == 0 contribute
+    nothing. idx None means all N rows (the dense down projection of a transposed ffn_down)."""
+    kernel = _settings.rows_axpy.get(w_t.ggml_type)
+    n_rows, n_out = w_t.shape
+    if idx is not None:
+        idx = _as_idx(idx)
+    n_sel = n_rows if idx is None else idx.shape[0]
+    if h.shape[-1] != n_sel:
+        raise ValueError(f"rows_axpy: h has {h.shape[-1]} activations for {n_sel} rows")
+    if kernel is None or not h.is_cpu or h.dim() > 2:
+        _note_fallback()
+        return rows_axpy_ref(h.to(torch.float32), w_t, idx)
+    if h.dtype is not torch.float32 or not h.is_contiguous():
+        h = h.to(torch.float32).contiguous()
+    if h.dim() == 2:
+        n_tokens = h.shape[0]
+        y = torch.empty(n_tokens, n_out, dtype=torch.float32)
+    else:
+        n_tokens = 1
+        y = torch.empty(n_out, dtype=torch.float32)
+    status = kernel(w_t._raw_ptr, w_t._raw_stride, n_rows, n_out, None if idx is None else idx.data_ptr(), n_sel,
+                    h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, _settings.n_threads)
+    if status:
+        _ops._check_status(status, "rows_axpy")
+    return y
