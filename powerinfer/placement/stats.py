@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +54,15 @@ def load_activation_stats(folder: str | os.PathLike[str], n_layer: int, n_ff: in
     return stats
 
 
-def check_stats(stats: list[np.ndarray] | tuple[np.ndarray, ...], n_layer: int | None = None,
+def check_stats(stats: Sequence[np.ndarray], n_layer: int | None = None,
                 n_ff: int | None = None) -> tuple[int, int]:
     """Validate in-memory statistics (finite, non-negative, equal 1-D lengths); returns (n_layer, n_ff)."""
     if len(stats) == 0:
         raise PlacementError("activation statistics are empty (no layers)")
     if n_layer is not None and len(stats) != n_layer:
         raise PlacementError(f"activation statistics cover {len(stats)} layers, the model has {n_layer}")
-    width = n_ff if n_ff is not None else int(np.asarray(stats[0]).shape[-1]) if np.ndim(stats[0]) else -1
+    first = np.asarray(stats[0])
+    width = n_ff if n_ff is not None else (first.shape[0] if first.ndim == 1 else -1)
     for layer, counts in enumerate(stats):
         arr = np.asarray(counts)
         if arr.ndim != 1 or arr.shape[0] != width:
