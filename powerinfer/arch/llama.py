@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer import ops, quant
+from powerinfer.ops import sparse as sparse_ops
 from powerinfer.arch.base import MetadataView
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
@@ -128,12 +129,11 @@ class DenseFFN:
         down = TensorNames.FFN_DOWN.format(bid=bid)
         if down in tensors:
             self.down: ops.QWeight | None = _qweight(tensors, down)
-            self.down_t: torch.Tensor | None = None
+            self.down_t: ops.QWeight | None = None
         else:
-            # PWRI files store down transposed (n_ff, n_embd); the dense path uses it as float32 once
-            info = _require(tensors, TensorNames.FFN_DOWN_T.format(bid=bid))
+            # PWRI files store down transposed: (n_ff, n_embd), row j = output column of neuron j
             self.down = None
-            self.down_t = _dequantized(info)
+            self.down_t = _qweight(tensors, TensorNames.FFN_DOWN_T.format(bid=bid))
         self.relu = config.activation == "relu"
         self.relu_up = config.relu_up
 
@@ -143,7 +143,7 @@ class DenseFFN:
         h = (F.relu(g) if self.relu else F.silu(g)) * (F.relu(u) if self.relu_up else u)
         if self.down is not None:
             return ops.linear(h, self.down)
-        return h @ self.down_t
+        return sparse_ops.rows_axpy(h, self.down_t, None)
 
 
 def _require(tensors: dict[str, TensorInfo], name: str) -> TensorInfo:

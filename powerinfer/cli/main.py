@@ -158,8 +158,7 @@ def main(
 ) -> None:
     """Generate text from a prompt (llama.cpp `main`)."""
     setup_logging(log_disable)
-    if log_disable:
-        err_console.quiet = True
+    err_console.quiet = log_disable
 
     def body() -> None:
         text = prompt

@@ -8,13 +8,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from powerinfer import ops
 from powerinfer.arch import load_model
-from powerinfer.errors import InputError
+from powerinfer.errors import InputError, PlacementError
 from powerinfer.gguf.reader import read_gguf
+from powerinfer.placement.gpu_index import read_gpu_index
 from powerinfer.runtime.kv_cache import KVCache
+from powerinfer.runtime.sparse_ffn import SparseFFN, SparseStats
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
 
@@ -30,6 +33,9 @@ class EngineOptions:
     n_gpu_layers: int = 0
     reset_gpu_index: bool = False
     disable_gpu_index: bool = False
+    dense_ffn: bool = False  # PWRI files: compute every FFN neuron (no predictor)
+    pool_device: str | None = None  # device of the hot-neuron pool: "cuda", "cuda:1", or "cpu" (stand-in)
+    gpu_index_path: str | None = None  # use this GPU index instead of planning one
 
 
 @dataclass
@@ -62,6 +68,9 @@ class Engine:
         if self.tokenizer.n_vocab != self.config.n_vocab:
             raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {self.config.n_vocab}")
         self._check_device_flags()
+        self.sparse_stats: SparseStats | None = None
+        if self.gguf.is_sparse and not o.dense_ffn:
+            self._setup_sparse()
         self.n_ctx = o.n_ctx if o.n_ctx > 0 else self.config.n_ctx_train
         if o.n_batch <= 0:
             raise InputError(f"batch size must be positive (got {o.n_batch})")
@@ -80,6 +89,37 @@ class Engine:
             log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
         if o.vram_budget_gib is not None and o.vram_budget_gib >= 0 and not cuda:
             log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
+
+    def _pool_device(self) -> torch.device | None:
+        o = self.options
+        if o.pool_device is not None:
+            device = torch.device(o.pool_device)
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise PlacementError(f"pool device {o.pool_device} requested but no CUDA device is available")
+            return device
+        if o.vram_budget_gib is not None and torch.cuda.is_available():
+            return torch.device("cuda")
+        return None
+
+    def _setup_sparse(self) -> None:
+        """Replace the dense FFNs by predictor-driven sparse FFNs, hot rows in the pool when there is one."""
+        c, o = self.config, self.options
+        self.sparse_stats = SparseStats.zeros(c.n_layer)
+        device = self._pool_device()
+        gpu_ids: list[np.ndarray | None] = [None] * c.n_layer
+        if device is not None and not o.disable_gpu_index:
+            gpu_ids = list(self._gpu_neurons())
+        self.pool_device = device
+        self.model.ffns = [SparseFFN(c, layer.tensors, bid, gpu_ids[bid], device, self.sparse_stats)
+                           for bid, layer in enumerate(self.model.layers)]
+
+    def _gpu_neurons(self) -> list[np.ndarray]:
+        """Per-layer neuron ids of the pool, from an explicit GPU index file."""
+        o, c = self.options, self.config
+        if o.gpu_index_path is None:
+            raise PlacementError("no GPU index given")
+        index = read_gpu_index(o.gpu_index_path, c.n_layer, c.n_ff)
+        return [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
 
     @property
     def weight_bytes(self) -> int:

@@ -1,0 +1,137 @@
+"""PowerInfer's sparse FFN: predictor -> per-token active mask -> hot rows in a device pool || cold rows on the CPU.
+
+Per layer and token t (spec section 2 and 4):
+  score_t = fc2 . ReLU(fc1 . x_t)    x_t is the pre-norm residual (ffn_inp)
+  active  = score_t >= threshold
+  h_j     = act(gate_j . u_t) * up_j . u_t   for active j, 0 otherwise   (u_t = ffn_norm(x_t))
+  y_t     = sum_j h_j * down_t[j]
+The pool holds the gate/up/down_t rows of the hot (GPU-resident) neurons contiguously on its device; the CPU
+computes the remaining active neurons straight from the memory-mapped file. Both partial outputs are summed.
+With no CUDA device the pool runs on the CPU ("cpu" stand-in device) through the same code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from powerinfer import ops
+from powerinfer.arch.llama import LlamaConfig, _qweight
+from powerinfer.gguf.constants import TensorNames
+from powerinfer.gguf.reader import TensorInfo
+from powerinfer.ops import sparse as sparse_ops
+
+# a batch whose union of active CPU rows exceeds this share of n_ff runs the CPU part densely
+DENSE_UNION_SHARE = 0.6
+
+
+@dataclass
+class SparseStats:
+    """Per-layer counters, accumulated as tensors (no host sync on the token path)."""
+
+    tokens: torch.Tensor  # (n_layer,) tokens seen
+    active: torch.Tensor  # (n_layer,) predicted active (token, neuron) pairs
+    active_gpu: torch.Tensor  # (n_layer,) of which served by the pool
+
+    @classmethod
+    def zeros(cls, n_layer: int) -> SparseStats:
+        return cls(*(torch.zeros(n_layer, dtype=torch.int64) for _ in range(3)))
+
+
+class HotRows:
+    """The pool part of one layer: hot neurons' gate/up/down_t rows, contiguous on `device`."""
+
+    def __init__(self, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight, ids: np.ndarray,
+                 device: torch.device) -> None:
+        self.device = device
+        self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # (k,) neuron ids, ascending
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        # only the hot rows are decoded and copied: no second full copy of the FFN on the device
+        self.gate = ops.get_rows(gate, self.ids).to(device=device, dtype=dtype)  # (k, D)
+        self.up = ops.get_rows(up, self.ids).to(device=device, dtype=dtype)  # (k, D)
+        self.down_t = ops.get_rows(down_t, self.ids).to(device=device, dtype=dtype)  # (k, D)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def n_bytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down_t.nbytes
+
+    def launch(self, u: torch.Tensor, active: torch.Tensor, relu_up: bool) -> torch.Tensor:
+        """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
+        if self.stream is None:
+            return self._compute(u, active, relu_up)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            y = self._compute(u.to(self.device, non_blocking=True), active.to(self.device, non_blocking=True),
+                              relu_up)
+            return y.to("cpu", non_blocking=True)
+
+    def _compute(self, u: torch.Tensor, active: torch.Tensor, relu_up: bool) -> torch.Tensor:
+        u = u.to(self.gate.dtype)
+        g = u @ self.gate.T  # (T, k)
+        up = u @ self.up.T
+        h = F.relu(g) * (F.relu(up) if relu_up else up) * active
+        return (h @ self.down_t).float()  # (T, D)
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+class SparseFFN:
+    """Predictor-driven FFN of one layer (llama: ReLU(gate) * up; bamboo: ReLU(gate) * ReLU(up))."""
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, TensorInfo], bid: int, gpu_ids: np.ndarray | None,
+                 device: torch.device | None, stats: SparseStats) -> None:
+        self.bid = bid
+        self.fc1 = _qweight(tensors, TensorNames.PRED_FC1.format(bid=bid))  # (r, D)
+        self.fc2 = _qweight(tensors, TensorNames.PRED_FC2.format(bid=bid))  # (n_ff, r)
+        self.gate = _qweight(tensors, TensorNames.FFN_GATE.format(bid=bid))  # (n_ff, D)
+        self.up = _qweight(tensors, TensorNames.FFN_UP.format(bid=bid))  # (n_ff, D)
+        self.down_t = _qweight(tensors, TensorNames.FFN_DOWN_T.format(bid=bid))  # (n_ff, D)
+        self.threshold = config.sparse_threshold
+        self.relu_up = config.relu_up
+        self.n_ff = config.n_ff
+        self.stats = stats
+        self.cpu_rows = torch.ones(self.n_ff, dtype=torch.bool)  # False where the pool owns the neuron
+        self.hot: HotRows | None = None
+        if gpu_ids is not None and len(gpu_ids) and device is not None:
+            self.hot = HotRows(self.gate, self.up, self.down_t, gpu_ids, device)
+            self.cpu_rows[self.hot.ids] = False
+
+    def predict(self, x_residual: torch.Tensor) -> torch.Tensor:
+        """Active mask (T, n_ff) from the pre-norm residual (T, D)."""
+        score = ops.linear(F.relu(ops.linear(x_residual, self.fc1)), self.fc2)
+        return score >= self.threshold
+
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        active = self.predict(x_residual)  # (T, n_ff)
+        y_hot = None
+        if self.hot is not None:
+            y_hot = self.hot.launch(x_norm, active[:, self.hot.ids], self.relu_up)
+        cpu_active = active & self.cpu_rows
+        y = self.cold(x_norm, cpu_active)
+        s = self.stats
+        s.tokens[self.bid] += x_norm.shape[0]
+        s.active[self.bid] += active.sum()
+        if y_hot is not None:
+            self.hot.wait()
+            s.active_gpu[self.bid] += (active.sum() - cpu_active.sum())
+            y = y + y_hot
+        return y
+
+    def cold(self, u: torch.Tensor, cpu_active: torch.Tensor) -> torch.Tensor:
+        """The CPU part: only rows active for some token (per-token masks applied), dense if most are."""
+        union = cpu_active.any(dim=0)  # (n_ff,)
+        idx = torch.nonzero(union).squeeze(1)  # (M,)
+        if idx.numel() >= DENSE_UNION_SHARE * self.n_ff:
+            g, up, mask, idx_down = ops.linear(u, self.gate), ops.linear(u, self.up), cpu_active, None
+        else:
+            g = sparse_ops.rows_matmul(u, self.gate, idx)  # (T, M)
+            up = sparse_ops.rows_matmul(u, self.up, idx)
+            mask, idx_down = cpu_active[:, idx], idx
+        h = F.relu(g) * (F.relu(up) if self.relu_up else up) * mask
+        return sparse_ops.rows_axpy(h, self.down_t, idx_down)  # (T, D)
