@@ -57,6 +57,7 @@ static int check_ids(const int64_t *idx, int64_t M, int64_t N) {
 
 #define ROWS_MATMUL_PROLOGUE                                                  \
     if (N < 0 || M < 0 || K < 0 || T < 0) return PI_ERR_SHAPE;              \
+    if (M == 0 || T == 0) return PI_OK;                                      \
     if (idx == NULL) return PI_ERR_SHAPE;                                    \
     const int32_t status = check_ids(idx, M, N);                             \
     if (status != PI_OK) return status;

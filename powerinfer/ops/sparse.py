@@ -37,6 +37,8 @@ def decode_rows(w: QWeight, idx: torch.Tensor | None) -> torch.Tensor:
     """Rows idx of W (all rows when idx is None) decoded to float32, shape (M, K)."""
     raw = w.raw if idx is None else w.raw[idx]
     n = raw.shape[0]
+    if n == 0:  # the numpy dequantisers reject empty block arrays
+        return torch.zeros(0, w.shape[1], dtype=torch.float32)
     return torch.from_numpy(dequantize(raw.numpy(), w.ggml_type, (n, w.shape[1])).copy())
 
 
@@ -109,6 +111,8 @@ def rows_axpy(h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None) -> torch.
         return rows_axpy_ref(h.to(torch.float32), w_t, idx)
     if h.dtype is not torch.float32 or not h.is_contiguous():
         h = h.to(torch.float32).contiguous()
+    if n_sel == 0:  # an empty idx may have no data pointer (NULL would mean "all rows")
+        return torch.zeros(*h.shape[:-1], n_out, dtype=torch.float32)
     if h.dim() == 2:
         n_tokens = h.shape[0]
         y = torch.empty(n_tokens, n_out, dtype=torch.float32)

@@ -1,0 +1,281 @@
+"""Sparse FFN kernels (kernels/cpu/sparse.c) against their torch references (powerinfer.ops.sparse.*_ref).
+
+Tolerance as in tests/test_ops.py: exact mode (float activations) max|y - ref| <= 1e-5 * (|x| @ |W|^T) per
+output; rows_matmul in the "q8" activation precision is checked against the reference fed the int8-rounded x.
+rows_axpy is exact mode whatever the activation precision and is the same chain of FMAs per output element in
+every SIMD variant, thread count and batch, so those are compared bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from powerinfer import ops
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.ops import sparse
+from powerinfer.quant import quantize
+
+KERNEL_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
+SHAPES_T = [1, 3, 9]
+
+needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="powerinfer._kernels is not built")
+
+
+def cols_for(ggml_type: GGMLType) -> list[int]:
+    """Row lengths: any for F32/F16 (tails of every size), multiples of 32 for the quant types."""
+    return [32, 576] if ggml_type in QUANT_TYPES else [1, 7, 33, 100, 576]
+
+
+def make_weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
+    data = np.random.default_rng(seed).standard_normal((n_rows, n_cols)).astype(np.float32)
+    data[:, :3] = 0.0
+    return ops.QWeight.from_numpy(quantize(data, ggml_type), ggml_type, (n_rows, n_cols))
+
+
+def make_x(n_tokens: int, n_cols: int, seed: int = 1) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((n_tokens, n_cols)).astype(np.float32))
+
+
+def make_h(n_tokens: int, n_sel: int, seed: int = 2) -> torch.Tensor:
+    """ReLU-like activations: about half exactly zero, one token with every row zero when T > 1."""
+    h = torch.relu(make_x(n_tokens, n_sel, seed))
+    if n_tokens > 1:
+        h[1] = 0.0
+    return h
+
+
+def subsets(n_rows: int, seed: int = 3) -> dict[str, torch.Tensor]:
+    rng = np.random.default_rng(seed)
+    return {
+        "none": torch.zeros(0, dtype=torch.int64),
+        "one": torch.tensor([n_rows - 1], dtype=torch.int64),
+        "all": torch.arange(n_rows, dtype=torch.int64),
+        "random": torch.from_numpy(rng.permutation(n_rows)[: max(1, n_rows // 3)].astype(np.int64)),
+        "sorted": torch.from_numpy(np.sort(rng.permutation(n_rows)[: max(1, n_rows // 2)]).astype(np.int64)),
+    }
+
+
+def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.reshape(*x.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
+
+
+def assert_close_exact(y: torch.Tensor, a: torch.Tensor, w_rows: torch.Tensor, where: str) -> None:
+    """y ~= a @ w_rows within 1e-5 of |a| @ |w_rows| (a (T, R), w_rows (R, C) as float64)."""
+    exact = a.double() @ w_rows
+    scale = a.double().abs() @ w_rows.abs()
+    assert y.shape == exact.shape and y.dtype == torch.float32, where
+    assert ((y.double() - exact).abs() <= 1e-5 * scale + 1e-30).all(), where
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings():
+    threads = ops.get_num_threads()
+    act = ops.get_activation_precision()
+    yield
+    ops.use_kernels(True)
+    ops.set_num_threads(threads)
+    ops.set_activation_precision(act)
+    if ops.kernels_available():
+        ops._set_isa("avx512")
+
+
+@pytest.fixture(params=["f32", "q8"])
+def act(request):
+    ops.set_activation_precision(request.param)
+    return request.param
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    if not ops.kernels_available():
+        pytest.skip("powerinfer._kernels is not built")
+    return ops._set_isa(request.param)
+
+
+# ---- rows_matmul ---------------------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_matmul_matches_reference(ggml_type, isa, act):
+    for n_cols, n_rows in itertools.product(cols_for(ggml_type), [1, 7, 70]):
+        w = make_weight(ggml_type, n_rows, n_cols)
+        for (name, idx), n_tokens in itertools.product(subsets(n_rows).items(), SHAPES_T):
+            x = make_x(n_tokens, n_cols)
+            y = sparse.rows_matmul(x, w, idx)
+            where = f"{ggml_type.name} {isa} {act} N={n_rows} K={n_cols} T={n_tokens} idx={name}"
+            assert y.shape == (n_tokens, idx.numel()), where
+            if ggml_type in QUANT_TYPES and act == "q8":
+                x = fake_quant_act(x)
+            assert_close_exact(y, x, sparse.decode_rows(w, idx).double().T, where)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_matmul_all_rows_is_linear(ggml_type, isa, act):
+    w = make_weight(ggml_type, 300, 576)
+    x = make_x(9, 576)
+    assert torch.equal(sparse.rows_matmul(x, w, torch.arange(300)), ops.linear(x, w))
+    # any subset is the matching columns of the dense result, bit for bit
+    idx = subsets(300)["random"]
+    assert torch.equal(sparse.rows_matmul(x, w, idx), ops.linear(x, w)[:, idx])
+    assert torch.equal(sparse.rows_matmul(x[2], w, idx), ops.linear(x, w)[2, idx])
+
+
+# ---- rows_axpy -----------------------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_axpy_matches_reference(ggml_type, isa):
+    for n_out, n_rows in itertools.product(cols_for(ggml_type), [1, 7, 70]):
+        w = make_weight(ggml_type, n_rows, n_out)
+        cases = dict(subsets(n_rows).items())
+        cases["None"] = None
+        for (name, idx), n_tokens in itertools.product(cases.items(), SHAPES_T):
+            n_sel = n_rows if idx is None else idx.numel()
+            h = make_h(n_tokens, n_sel)
+            y = sparse.rows_axpy(h, w, idx)
+            where = f"{ggml_type.name} {isa} N={n_rows} D={n_out} T={n_tokens} idx={name}"
+            assert_close_exact(y, h, sparse.decode_rows(w, idx).double(), where)
+            if n_sel == 0:
+                assert torch.equal(y, torch.zeros(n_tokens, n_out)), where
+            if n_tokens > 1:
+                assert torch.equal(y[1], torch.zeros(n_out)), where  # every h zero
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_axpy_bitwise_invariants(ggml_type, act):
+    # same bits for: every SIMD variant, 1 or 2 threads, a token alone or in a batch, idx None or arange,
+    # and whatever the activation precision (rows_axpy is always exact mode)
+    n_rows, n_out = 300, 544 if ggml_type in QUANT_TYPES else 547
+    w = make_weight(ggml_type, n_rows, n_out)
+    idx = subsets(n_rows)["random"]
+    h = make_h(9, idx.numel())
+    h_all = make_h(9, n_rows, seed=5)
+    results = []
+    for isa_name, threads in itertools.product(["scalar", "avx2", "avx512"], [1, 2]):
+        ops._set_isa(isa_name)
+        ops.set_num_threads(threads)
+        y, y_all = sparse.rows_axpy(h, w, idx), sparse.rows_axpy(h_all, w, None)
+        single = torch.stack([sparse.rows_axpy(h[t], w, idx) for t in range(h.shape[0])])
+        assert torch.equal(single, y), (isa_name, threads)
+        assert torch.equal(sparse.rows_axpy(h_all, w, torch.arange(n_rows)), y_all), (isa_name, threads)
+        results.append((y, y_all))
+    for y, y_all in results[1:]:
+        assert torch.equal(y, results[0][0]) and torch.equal(y_all, results[0][1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_rows_matmul_independent_of_threads(ggml_type, isa, act):
+    w = make_weight(ggml_type, 300, 576)
+    x = make_x(9, 576)
+    idx = subsets(300)["random"]
+    ops.set_num_threads(1)
+    one = sparse.rows_matmul(x, w, idx)
+    ops.set_num_threads(2)
+    assert torch.equal(sparse.rows_matmul(x, w, idx), one)
+
+
+@needs_kernels
+def test_rows_axpy_dense_down_projection():
+    # idx None with ReLU activations is the dense down projection of a transposed ffn_down
+    w = make_weight(GGMLType.Q4_0, 256, 128)
+    h = make_h(3, 256)
+    assert_close_exact(sparse.rows_axpy(h, w, None), h, sparse.decode_rows(w, None).double(), "dense")
+
+
+# ---- fallback, validation ----------------------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_reference_path_gives_same_values(ggml_type):
+    w = make_weight(ggml_type, 70, 576)
+    x, idx = make_x(3, 576), subsets(70)["random"]
+    h = make_h(3, idx.numel())
+    kernel_mm, kernel_axpy = sparse.rows_matmul(x, w, idx), sparse.rows_axpy(h, w, idx)
+    ops.use_kernels(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # switched off on purpose: no warning
+        ref_mm, ref_axpy = sparse.rows_matmul(x, w, idx), sparse.rows_axpy(h, w, idx)
+    assert torch.equal(ref_mm, sparse.rows_matmul_ref(x, w, idx))
+    assert torch.equal(ref_axpy, sparse.rows_axpy_ref(h, w, idx))
+    rows = sparse.decode_rows(w, idx).double()
+    assert_close_exact(kernel_mm, x, rows.T, "rows_matmul")
+    assert_close_exact(ref_mm, x, rows.T, "rows_matmul ref")
+    assert_close_exact(kernel_axpy, h, rows, "rows_axpy")
+    assert_close_exact(ref_axpy, h, rows, "rows_axpy ref")
+
+
+def test_missing_extension_warns_once(monkeypatch):
+    w = make_weight(GGMLType.Q4_0, 20, 64)
+    x, idx = make_x(2, 64), torch.tensor([3, 0, 19])
+    h = make_h(2, 3)
+    monkeypatch.setattr(ops, "_KERNELS", None)
+    monkeypatch.setattr(sparse, "_warned_missing", False)
+    try:
+        ops.use_kernels(True)
+        assert ops.supported_types() == frozenset()
+        with pytest.warns(RuntimeWarning, match="not built"):
+            y = sparse.rows_matmul(x, w, idx)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # only the first fallback warns
+            y2 = sparse.rows_axpy(h, w, idx)
+            sparse.rows_matmul(x, w, idx)
+        assert torch.equal(y, sparse.rows_matmul_ref(x, w, idx))
+        assert torch.equal(y2, sparse.rows_axpy_ref(h, w, idx))
+    finally:
+        monkeypatch.undo()
+        ops.use_kernels(True)
+
+
+@pytest.mark.parametrize("ggml_type", [GGMLType.BF16, GGMLType.Q5_0], ids=lambda t: t.name)
+def test_non_kernel_types_use_reference_without_warning(ggml_type):
+    w = make_weight(ggml_type, 9, 64)
+    x, idx = make_x(3, 64), torch.tensor([8, 2])
+    h = make_h(3, 2)
+    with warnings.catch_warnings():
+        if ops.kernels_available():
+            warnings.simplefilter("error")
+        assert torch.equal(sparse.rows_matmul(x, w, idx), sparse.rows_matmul_ref(x, w, idx))
+        assert torch.equal(sparse.rows_axpy(h, w, idx), sparse.rows_axpy_ref(h, w, idx))
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_validation(ggml_type):
+    w = make_weight(ggml_type, 20, 64)
+    x = make_x(2, 64)
+    for bad in ([20], [-1], [0, 25]):
+        with pytest.raises(IndexError):
+            sparse.rows_matmul(x, w, torch.tensor(bad))
+        with pytest.raises(IndexError):
+            sparse.rows_axpy(make_h(2, len(bad)), w, torch.tensor(bad))
+    with pytest.raises(ValueError):
+        sparse.rows_matmul(make_x(2, 32), w, torch.tensor([1]))
+    with pytest.raises(ValueError):
+        sparse.rows_axpy(make_h(2, 3), w, torch.tensor([1, 2]))
+    with pytest.raises(ValueError):
+        sparse.rows_axpy(make_h(2, 19), w, None)
+    # empty selections and other index dtypes / layouts
+    assert sparse.rows_matmul(x, w, torch.zeros(0, dtype=torch.int64)).shape == (2, 0)
+    assert torch.equal(sparse.rows_axpy(torch.zeros(2, 0), w, torch.zeros(0, dtype=torch.int64)), torch.zeros(2, 64))
+    idx32 = torch.tensor([5, 1, 7, 3], dtype=torch.int32)
+    idx_strided = torch.tensor([5, 0, 1, 0, 7, 0, 3, 0])[::2]
+    expected = sparse.rows_matmul(x, w, idx32.long())
+    assert torch.equal(sparse.rows_matmul(x, w, idx32), expected)
+    assert torch.equal(sparse.rows_matmul(x, w, idx_strided), expected)
+    h = make_h(2, 4)
+    assert torch.equal(sparse.rows_axpy(h.T.contiguous().T, w, idx32), sparse.rows_axpy(h, w, idx32.long()))
