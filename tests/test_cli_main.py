@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -69,8 +70,9 @@ def test_log_disable_prints_only_text(tiny_gguf: Path):
 
 
 def test_python_dash_m_entry_point():
+    env = dict(os.environ, COLUMNS="200")
     proc = subprocess.run([sys.executable, "-m", "powerinfer", "main", "--help"], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=120, env=env)
     assert proc.returncode == 0
     for flag in ("--vram-budget", "-ngl", "--reset-gpu-index", "--disable-gpu-index", "--min-p", "--ignore-eos"):
         assert flag in proc.stdout

@@ -10,7 +10,6 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 
 from powerinfer.errors import PowerInferError
 
@@ -28,6 +27,8 @@ VramOpt = Annotated[float, typer.Option("--vram-budget", help="VRAM budget in Gi
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", help="Layers to offload (dense GGUF only).")]
 ResetIdxOpt = Annotated[bool, typer.Option("--reset-gpu-index", help="Regenerate the cached GPU index.")]
 DisableIdxOpt = Annotated[bool, typer.Option("--disable-gpu-index", help="Keep every FFN neuron on the CPU.")]
+PoolDeviceOpt = Annotated[str | None, typer.Option(
+    "--pool-device", help="Device of the hot-neuron pool (default: cuda when available; 'cpu' = stand-in).")]
 LogDisableOpt = Annotated[bool, typer.Option("--log-disable", help="Print no log lines, only results.")]
 
 T = TypeVar("T")
@@ -43,6 +44,15 @@ def resolve_model(path: Path | None) -> Path:
     return candidates[0]
 
 
+def resolve_vram_budget(gib: float) -> float | None:
+    """--vram-budget: -1 (the default) means all free device memory; other negative values are errors."""
+    if gib == -1:
+        return None
+    if gib < 0 or gib != gib:
+        raise PowerInferError(f"--vram-budget must be -1 (all free memory) or >= 0 GiB, got {gib}")
+    return gib
+
+
 def threads(n: int) -> int:
     import os
 
@@ -51,8 +61,9 @@ def threads(n: int) -> int:
 
 def setup_logging(disabled: bool) -> None:
     level = logging.CRITICAL + 1 if disabled else logging.INFO
-    logging.basicConfig(level=level, format="%(message)s", force=True,
-                        handlers=[RichHandler(console=err_console, show_time=False, show_path=False)])
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname).1s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, force=True, handlers=[handler])
 
 
 def run_guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

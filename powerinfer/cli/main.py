@@ -19,6 +19,7 @@ from powerinfer.cli.common import (
     LogDisableOpt,
     ModelOpt,
     NglOpt,
+    PoolDeviceOpt,
     ResetIdxOpt,
     SeedOpt,
     ThreadsOpt,
@@ -27,6 +28,7 @@ from powerinfer.cli.common import (
     resolve_model,
     run_guarded,
     setup_logging,
+    resolve_vram_budget,
     threads,
 )
 from powerinfer.errors import InputError
@@ -127,6 +129,8 @@ def run_main(opts: MainOptions) -> None:
     if tm.n_eval and tm.eval_ms > 0:
         gbs = engine.weight_bytes * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
         err.print(f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)", markup=False)
+    for line in engine.sparse_report():
+        err.print(line, markup=False)
 
 
 def main(
@@ -152,6 +156,7 @@ def main(
     n_gpu_layers: NglOpt = 0,
     reset_gpu_index: ResetIdxOpt = False,
     disable_gpu_index: DisableIdxOpt = False,
+    pool_device: PoolDeviceOpt = None,
     verbose_prompt: Annotated[bool, typer.Option("--verbose-prompt", help="Print the prompt tokens.")] = False,
     no_display_prompt: Annotated[bool, typer.Option("--no-display-prompt", help="Do not echo the prompt.")] = False,
     log_disable: LogDisableOpt = False,
@@ -178,9 +183,9 @@ def main(
             verbose_prompt=verbose_prompt,
             display_prompt=not no_display_prompt,
             engine=EngineOptions(n_ctx=ctx_size, n_batch=batch_size, n_threads=threads(threads_),
-                                 vram_budget_gib=vram_budget if vram_budget >= 0 else None,
+                                 vram_budget_gib=resolve_vram_budget(vram_budget),
                                  n_gpu_layers=n_gpu_layers, reset_gpu_index=reset_gpu_index,
-                                 disable_gpu_index=disable_gpu_index),
+                                 disable_gpu_index=disable_gpu_index, pool_device=pool_device),
             sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
                                     repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                     frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,

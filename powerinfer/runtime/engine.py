@@ -7,15 +7,26 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from powerinfer import ops
 from powerinfer.arch import load_model
-from powerinfer.errors import InputError, PlacementError
+from powerinfer.errors import InputError, PlacementError, PowerInferError
 from powerinfer.gguf.reader import read_gguf
-from powerinfer.placement.gpu_index import read_gpu_index
+from powerinfer.placement import (
+    Placement,
+    footprint_from_gguf,
+    gpu_index_path,
+    kv_cache_bytes,
+    load_activation_stats,
+    load_cached_gpu_index,
+    plan,
+    read_gpu_index,
+    write_gpu_index,
+)
 from powerinfer.runtime.kv_cache import KVCache
 from powerinfer.runtime.sparse_ffn import SparseFFN, SparseStats
 from powerinfer.sampling import Sampler
@@ -68,10 +79,12 @@ class Engine:
         if self.tokenizer.n_vocab != self.config.n_vocab:
             raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {self.config.n_vocab}")
         self._check_device_flags()
+        self.n_ctx = o.n_ctx if o.n_ctx > 0 else self.config.n_ctx_train
         self.sparse_stats: SparseStats | None = None
+        self.placement: Placement | None = None
+        self.pool_device: torch.device | None = None
         if self.gguf.is_sparse and not o.dense_ffn:
             self._setup_sparse()
-        self.n_ctx = o.n_ctx if o.n_ctx > 0 else self.config.n_ctx_train
         if o.n_batch <= 0:
             raise InputError(f"batch size must be positive (got {o.n_batch})")
         c = self.config
@@ -87,7 +100,7 @@ class Engine:
             log.warning("sparse models ignore -ngl/--n-gpu-layers; use --vram-budget instead")
         elif o.n_gpu_layers > 0 and not cuda:
             log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
-        if o.vram_budget_gib is not None and o.vram_budget_gib >= 0 and not cuda:
+        if o.vram_budget_gib is not None and o.vram_budget_gib >= 0 and not cuda and o.pool_device is None:
             log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
 
     def _pool_device(self) -> torch.device | None:
@@ -108,18 +121,75 @@ class Engine:
         device = self._pool_device()
         gpu_ids: list[np.ndarray | None] = [None] * c.n_layer
         if device is not None and not o.disable_gpu_index:
-            gpu_ids = list(self._gpu_neurons())
+            gpu_ids = list(self._gpu_neurons(device))
         self.pool_device = device
         self.model.ffns = [SparseFFN(c, layer.tensors, bid, gpu_ids[bid], device, self.sparse_stats)
                            for bid, layer in enumerate(self.model.layers)]
 
-    def _gpu_neurons(self) -> list[np.ndarray]:
-        """Per-layer neuron ids of the pool, from an explicit GPU index file."""
+    def _budget_bytes(self, device: torch.device) -> int:
+        """The VRAM budget in bytes: --vram-budget GiB, or the device's free memory minus 256 MiB."""
+        gib = self.options.vram_budget_gib
+        if gib is not None:
+            if gib < 0 or gib != gib:
+                raise PlacementError(f"--vram-budget must be >= 0 GiB (got {gib})")
+            return int(gib * 2**30)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return max(0, free - 256 * 2**20)
+        raise PlacementError("the CPU stand-in pool needs an explicit --vram-budget")
+
+    def _gpu_neurons(self, device: torch.device) -> list[np.ndarray]:
+        """Per-layer neuron ids of the pool: an explicit GPU index, else the cached or a newly planned one."""
         o, c = self.options, self.config
-        if o.gpu_index_path is None:
-            raise PlacementError("no GPU index given")
-        index = read_gpu_index(o.gpu_index_path, c.n_layer, c.n_ff)
-        return [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
+        if o.gpu_index_path is not None:
+            index = read_gpu_index(o.gpu_index_path, c.n_layer, c.n_ff)
+            self.placement = None
+            return [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
+        budget = self._budget_bytes(device)
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        model_path = Path(self.gguf.path)
+        try:
+            stats = load_activation_stats(model_path.parent / "activation", c.n_layer, c.n_ff)
+        except PowerInferError as e:
+            log.warning("%s; every FFN neuron stays on the CPU", e)
+            stats = None
+        cache = gpu_index_path(model_path)
+        cached = load_cached_gpu_index(cache, n_layer=c.n_layer, n_ff=c.n_ff, reset=o.reset_gpu_index)
+        footprint = footprint_from_gguf(self.gguf, c.n_layer, c.n_ff)
+        kv_bytes = kv_cache_bytes(c.n_layer, self.n_ctx, c.n_embd_gqa, bytes_per_element=4)
+        placement = plan(footprint, budget_bytes=budget, kv_bytes=kv_bytes, stats=stats, device_total_bytes=total,
+                         cached_index=cached)
+        self.placement = placement
+        if placement.ffn_source == "solved":
+            try:
+                write_gpu_index(cache, placement.to_gpu_index())
+            except (OSError, PowerInferError) as e:
+                log.warning("cannot cache the GPU index at %s: %s", cache, e)
+        return [np.asarray(ids, dtype=np.int64) for ids in placement.gpu_neurons]
+
+    def sparse_report(self) -> list[str]:
+        """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token."""
+        s = self.sparse_stats
+        if s is None or int(s.tokens.sum()) == 0:
+            return []
+        c = self.config
+        tokens = s.tokens.clamp(min=1).double()
+        active = (s.active.double() / (tokens * c.n_ff)).tolist()  # per layer
+        pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
+        ffn_bytes = sum(self.gguf.tensors[n].n_bytes for n in self.gguf.tensors
+                        if n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")))
+        per_token = self.weight_bytes - ffn_bytes + ffn_bytes * sum(active) / len(active)
+        per_layer = " ".join(f"{a:.2f}" for a in active)
+        lines = [
+            f"sparse: predicted active {sum(active) / len(active):.1%} of FFN neurons, per layer: {per_layer}",
+            f"sparse: {pool:.1%} of active neurons served by the pool"
+            + (f" on {self.pool_device}" if self.pool_device is not None else " (no pool: all on the CPU)"),
+            f"sparse: ~{per_token / 2**20:.1f} MiB of weights read per token "
+            f"(dense: {self.weight_bytes / 2**20:.1f} MiB), predictor {s.predictor_ms:.2f} ms in total",
+        ]
+        if self.placement is not None:
+            lines.append(f"placement: {self.placement.reason}")
+        return lines
 
     @property
     def weight_bytes(self) -> int:

@@ -12,6 +12,7 @@ With no CUDA device the pool runs on the CPU ("cpu" stand-in device) through the
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,7 @@ class SparseStats:
     tokens: torch.Tensor  # (n_layer,) tokens seen
     active: torch.Tensor  # (n_layer,) predicted active (token, neuron) pairs
     active_gpu: torch.Tensor  # (n_layer,) of which served by the pool
+    predictor_ms: float = 0.0
 
     @classmethod
     def zeros(cls, n_layer: int) -> SparseStats:
@@ -108,7 +110,9 @@ class SparseFFN:
         return score >= self.threshold
 
     def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         active = self.predict(x_residual)  # (T, n_ff)
+        self.stats.predictor_ms += (time.perf_counter() - t0) * 1e3
         y_hot = None
         if self.hot is not None:
             y_hot = self.hot.launch(x_norm, active[:, self.hot.ids], self.relu_up)
