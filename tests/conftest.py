@@ -99,14 +99,41 @@ def write_hf_llama_gguf(model, path: Path, dtype: GGMLType = GGMLType.F32, act: 
                             n_ctx=cfg.max_position_embeddings, eps=float(cfg.rms_norm_eps), dtype=dtype, act=act)
 
 
+def random_predictors(sd: dict[str, np.ndarray], rank: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random predictor weights fc1 (rank, n_embd) and fc2 (n_ff, rank) per layer, PowerInfer's names."""
+    rng = np.random.default_rng(seed + 1000)
+    n_embd = sd["model.embed_tokens.weight"].shape[1]
+    n_ff = sd["model.layers.0.mlp.gate_proj.weight"].shape[0]
+    n_layer = sum(1 for k in sd if k.endswith("input_layernorm.weight"))
+    out = {}
+    for i in range(n_layer):
+        out[f"blk.{i}.fc1.weight"] = rng.normal(0, 0.3, (rank, n_embd)).astype(np.float32)
+        out[f"blk.{i}.fc2.weight"] = rng.normal(0, 0.3, (n_ff, rank)).astype(np.float32)
+    return out
+
+
+def write_activation_stats(folder: Path, n_layer: int, n_ff: int, seed: int = 0) -> Path:
+    """An activation/ folder of random per-neuron firing counts, as PowerInfer ships them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n_layer):
+        torch.save(torch.from_numpy(rng.integers(0, 10000, n_ff).astype(np.float32)), folder / f"activation_{i}.pt")
+    return folder
+
+
 def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_head_kv: int, n_ctx: int = 128,
                      eps: float = 1e-5, dtype: GGMLType = GGMLType.F32, act: str | None = None,
-                     arch: str = "llama", skip_keys: tuple[str, ...] = ()) -> Path:
-    """Write Llama weights (transformers names) as a dense llama.cpp GGUF (q/k permuted, 1-D tensors F32)."""
+                     arch: str = "llama", skip_keys: tuple[str, ...] = (),
+                     predictors: dict[str, np.ndarray] | None = None, threshold: float | None = None) -> Path:
+    """Write Llama weights (transformers names) as a llama.cpp GGUF (q/k permuted, 1-D tensors F32).
+
+    With `predictors` the file is a PowerInfer GGUF: magic PWRI, ffn_down_t instead of ffn_down, fc1/fc2.
+    """
     n_vocab, n_embd = sd["model.embed_tokens.weight"].shape
     n_layer = sum(1 for k in sd if k.endswith("input_layernorm.weight"))
     n_ff = sd["model.layers.0.mlp.gate_proj.weight"].shape[0]
-    w = GGUFWriter(path)
+    sparse = predictors is not None
+    w = GGUFWriter(path, sparse=sparse)
     kv = {
         "general.architecture": arch,
         "general.name": "tiny-test",
@@ -129,6 +156,8 @@ def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_he
     }
     if act is not None:
         kv["powerinfer.ffn_activation"] = act
+    if threshold is not None:
+        kv["powerinfer.sparse_threshold"] = float(threshold)
     for key, value in kv.items():
         if key not in skip_keys:
             w.add(key, value)
@@ -146,7 +175,12 @@ def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_he
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], dtype)
         w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], dtype)
-        w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], dtype)
+        if sparse:
+            w.add_tensor(f"blk.{i}.ffn_down_t.weight", np.ascontiguousarray(sd[p + "mlp.down_proj.weight"].T), dtype)
+            w.add_tensor(f"blk.{i}.fc1.weight", predictors[f"blk.{i}.fc1.weight"], dtype)
+            w.add_tensor(f"blk.{i}.fc2.weight", predictors[f"blk.{i}.fc2.weight"], dtype)
+        else:
+            w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], dtype)
     w.write()
     return path
 

@@ -98,3 +98,20 @@ def test_real_process_prints_no_traceback(tiny_gguf: Path, tmp_path: Path):
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [f"error: {bad}: bad magic b'XXXX': expected b'GGUF' or b'PWRI'"]
     assert proc.stdout == ""
+
+
+def test_negative_vram_budget(tiny_gguf: Path):
+    assert_one_error_line(run_main(tiny_gguf, "-p", "hi", "--vram-budget", "-5"), "--vram-budget", "-5")
+
+
+def test_pool_device_cuda_without_cuda(tmp_path: Path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    from conftest import random_predictors
+
+    sd = random_llama_state()
+    path = write_llama_gguf(tmp_path / "m.powerinfer.gguf", sd, n_head=4, n_head_kv=4, act="relu",
+                            predictors=random_predictors(sd))
+    assert_one_error_line(run_main(path, "-p", "hi", "--pool-device", "cuda"), "no CUDA device")

@@ -1,0 +1,141 @@
+"""Sparse FFN: equals the dense path when every neuron is active, and a masked dense reference for any mask,
+for every placement (all CPU, all in the pool, split) and weight type."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+from powerinfer.gguf import GGMLType
+from powerinfer.ops.sparse import decode_rows
+from powerinfer.placement import GPUIndex, write_gpu_index
+from powerinfer.runtime.engine import Engine, EngineOptions
+
+N_HEAD, N_HEAD_KV, N_FF = 4, 2, 128
+TOKENS = [5, 17, 99, 200, 3, 41, 250, 8]
+
+
+def _sparse_file(tmp_path: Path, dtype: GGMLType = GGMLType.F32, threshold: float = 0.0, seed: int = 0) -> Path:
+    sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=seed)
+    return write_llama_gguf(tmp_path / f"m-{dtype.name}.powerinfer.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV,
+                            dtype=dtype, act="relu", predictors=random_predictors(sd, seed=seed), threshold=threshold)
+
+
+def _index(tmp_path: Path, gpu_neurons: list[np.ndarray], name: str) -> str:
+    path = tmp_path / name
+    write_gpu_index(path, GPUIndex.from_neurons([np.asarray(g, np.int32) for g in gpu_neurons], N_FF, 0))
+    return str(path)
+
+
+def _placements(tmp_path: Path, n_layer: int = 2) -> dict[str, EngineOptions]:
+    rng = np.random.default_rng(7)
+    half = [np.sort(rng.choice(N_FF, N_FF // 2, replace=False)) for _ in range(n_layer)]
+    base = {"n_ctx": 64, "n_threads": 2}
+    return {
+        "all-cpu": EngineOptions(**base),
+        "all-pool": EngineOptions(**base, pool_device="cpu",
+                                  gpu_index_path=_index(tmp_path, [np.arange(N_FF)] * n_layer, "all.gpuidx")),
+        "split": EngineOptions(**base, pool_device="cpu", gpu_index_path=_index(tmp_path, half, "half.gpuidx")),
+    }
+
+
+def test_all_active_equals_dense(tmp_path, monkeypatch):
+    """Threshold -inf: every neuron active; logits equal the dense GGUF of the same weights (F32)."""
+    sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=3)
+    dense = write_llama_gguf(tmp_path / "dense.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu")
+    sparse = write_llama_gguf(tmp_path / "m.powerinfer.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu",
+                              predictors=random_predictors(sd), threshold=0.0)
+    ref = Engine(dense, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "-inf")
+    for name, opts in _placements(tmp_path).items():
+        engine = Engine(sparse, opts)
+        assert engine.sparse_stats is not None
+        diff = (engine.logits_all(TOKENS) - ref).abs().max().item()
+        assert diff <= 1e-4, (name, diff)
+        assert engine.sparse_stats.active.sum().item() == 2 * len(TOKENS) * N_FF
+    # the dense path of the PWRI file (ffn_down_t) agrees too
+    forced_dense = Engine(sparse, EngineOptions(n_ctx=64, n_threads=2, dense_ffn=True))
+    assert (forced_dense.logits_all(TOKENS) - ref).abs().max().item() <= 1e-4
+
+
+def _masked_reference(ffn, u: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    g = u @ decode_rows(ffn.gate, None).T
+    up = u @ decode_rows(ffn.up, None).T
+    h = F.relu(g) * (F.relu(up) if ffn.relu_up else up) * active
+    return h @ decode_rows(ffn.down_t, None)
+
+
+def _predictor_reference(ffn, x: torch.Tensor) -> torch.Tensor:
+    score = F.relu(x @ decode_rows(ffn.fc1, None).T) @ decode_rows(ffn.fc2, None).T
+    return score >= ffn.threshold
+
+
+# exact-mode kernels decode weights to the same floats as the reference; only summation order differs
+TOLERANCE = {GGMLType.F32: 1e-5, GGMLType.F16: 1e-5, GGMLType.Q4_0: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0])
+def test_sparse_ffn_equals_masked_reference(tmp_path, dtype):
+    path = _sparse_file(tmp_path, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for name, opts in _placements(tmp_path).items():
+        engine = Engine(path, opts)
+        for ffn in engine.model.ffns:
+            for T in (1, 5):
+                u = torch.randn(T, 64, generator=gen)
+                x = torch.randn(T, 64, generator=gen)
+                # the predictor's own mask
+                pred = _predictor_reference(ffn, x)
+                assert torch.equal(ffn.predict(x), pred)
+                want = _masked_reference(ffn, u, pred)
+                got = ffn(u, x)
+                scale = want.abs().max().item() + 1e-6
+                assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * scale, (name, T)
+                # random masks: 0 %, ~10 %, ~60 %, 100 % active
+                for p in (0.0, 0.1, 0.6, 1.0):
+                    mask = torch.rand(T, N_FF, generator=gen) < p
+                    ffn.predict = lambda _x, m=mask: m
+                    got = ffn(u, x)
+                    want = _masked_reference(ffn, u, mask)
+                    assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * (want.abs().max().item() + 1)
+                del ffn.predict
+
+
+@pytest.mark.parametrize("dtype", [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0])
+def test_placements_give_the_same_logits(tmp_path, dtype):
+    path = _sparse_file(tmp_path, dtype)
+    logits = {name: Engine(path, opts).logits_all(TOKENS) for name, opts in _placements(tmp_path).items()}
+    ref = logits.pop("all-cpu")
+    for name, value in logits.items():
+        assert (value - ref).abs().max().item() <= 1e-4, name
+
+
+def test_engine_plans_caches_and_resets_the_gpu_index(tmp_path):
+    path = _sparse_file(tmp_path)
+    write_activation_stats(tmp_path / "activation", 2, N_FF)
+    cache = Path(str(path) + ".generated.gpuidx")
+    opts = {"n_ctx": 64, "n_threads": 1, "pool_device": "cpu"}
+    # budget large enough for the dense part and half of the FFN
+    small = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045))
+    assert small.placement is not None and small.placement.ffn_source == "solved"
+    assert cache.is_file()
+    hot = [0 if f.hot is None else f.hot.ids.numel() for f in small.model.ffns]
+    assert 0 < sum(hot) < 2 * N_FF and all(h % 32 == 0 for h in hot)
+    assert small.placement.total_bytes <= small.placement.budget_bytes
+    again = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045))
+    assert again.placement.ffn_source == "cache"
+    reset = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045, reset_gpu_index=True))
+    assert reset.placement.ffn_source == "solved"
+    other = Engine(path, EngineOptions(**opts, vram_budget_gib=0.01))  # a different budget regenerates
+    assert other.placement.ffn_source == "solved"
+    assert all(f.hot is not None and f.hot.ids.numel() == N_FF for f in other.model.ffns)
+    off = Engine(path, EngineOptions(**opts, vram_budget_gib=0.01, disable_gpu_index=True))
+    assert all(f.hot is None for f in off.model.ffns)
+    # same tokens whatever the placement
+    ids = [1, 40, 41, 42]
+    assert torch.allclose(small.logits_all(ids), off.logits_all(ids), atol=1e-4)
