@@ -227,7 +227,7 @@ PI_EXPORT int32_t pi_kernels_set_isa(int32_t level) {
 
 /* ---- drivers ------------------------------------------------------------------------------------------------- */
 
-int32_t matmul_quant_rows(tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+int32_t matmul_quant_rows(int64_t row_bytes, tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
                           int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                           int32_t n_threads) {
     if (N < 0 || T < 0 || K < 0 || K % QK != 0) return PI_ERR_SHAPE;
@@ -259,6 +259,8 @@ int32_t matmul_quant_rows(tile_quant_fn tile, const uint8_t *w, int64_t w_stride
                 const int ntok = (int)min_i64(TILE_T, T - t0);
                 for (int64_t n = n0; n < n1; n++) {
                     float out[TILE_T];
+                    if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N)
+                        prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                     tile(w + row_of(rows, n) * w_stride, &a, t0, ntok, out);
                     for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
                 }
@@ -269,7 +271,7 @@ int32_t matmul_quant_rows(tile_quant_fn tile, const uint8_t *w, int64_t w_stride
     return PI_OK;
 }
 
-static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_t, const uint8_t *w,
+static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, const int64_t tile_t, const uint8_t *w,
                                          int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
                                          int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
     if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
@@ -282,6 +284,8 @@ static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_
             const int ntok = (int)min_i64(tile_t, T - t0);
             for (int64_t n = n0; n < n1; n++) {
                 float out[TILE_TQ > TILE_T ? TILE_TQ : TILE_T];
+                if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N)
+                    prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                 tile(w + row_of(rows, n) * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
                 for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
             }
@@ -290,18 +294,18 @@ static inline int32_t matmul_float_tiled(tile_float_fn tile, const int64_t tile_
     return PI_OK;
 }
 
-int32_t matmul_float_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+int32_t matmul_float_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
                           int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                           int32_t n_threads) {
-    return matmul_float_tiled(tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
+    return matmul_float_tiled(row_bytes, tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
-int32_t matmul_quant_f_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+int32_t matmul_quant_f_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
                             int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                             int32_t n_threads) {
     if (K < 0 || K % QK != 0) return PI_ERR_SHAPE;
-    return matmul_float_tiled(tile, TILE_TQ, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
+    return matmul_float_tiled(row_bytes, tile, TILE_TQ, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
@@ -310,7 +314,7 @@ int32_t matmul_quant_f_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stri
     PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
                                        int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
                                        int32_t n_threads) {                                                   \
-        return driver(matmul_active->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
+        return driver(0, matmul_active->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
 DEFINE_MATMUL(f32, matmul_float_rows)

@@ -45,14 +45,23 @@ int32_t matmul_isa_level(void);
 /* Row n of the weight used for output column n: rows[n], or n when rows is NULL (dense). */
 static inline int64_t row_of(const int64_t *rows, int64_t n) { return rows != NULL ? rows[n] : n; }
 
-/* Drivers: y[t * y_stride + n] = W[row_of(rows, n)] . x[t] for n < N. Row ids are not checked here. */
-int32_t matmul_quant_rows(tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+/* Prefetch `bytes` of a row into the cache (rows of a sparse selection are scattered: the hardware prefetcher
+ * does not see them coming). A prefetch never faults. */
+static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+#define ROWS_PREFETCH_AHEAD 2 /* rows ahead of the one being computed */
+
+/* Drivers: y[t * y_stride + n] = W[row_of(rows, n)] . x[t] for n < N. Row ids are not checked here. With a row
+ * list, row_bytes > 0 prefetches the rows ROWS_PREFETCH_AHEAD ahead. */
+int32_t matmul_quant_rows(int64_t row_bytes, tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
                           int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                           int32_t n_threads);
-int32_t matmul_float_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+int32_t matmul_float_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
                           int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                           int32_t n_threads);
-int32_t matmul_quant_f_rows(tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
+int32_t matmul_quant_f_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
                             int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                             int32_t n_threads);
 

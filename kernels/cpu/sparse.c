@@ -64,23 +64,23 @@ static int check_ids(const int64_t *idx, int64_t M, int64_t N) {
 
 /* pi_rows_matmul_<type>(w, w_stride bytes, N rows, K cols, idx, M, x, x_stride, T, y, y_stride, threads):
  * y[t * y_stride + m] = W[idx[m]] . x[t * x_stride], t < T, m < M; arithmetic of pi_matmul_<type>. */
-#define DEFINE_ROWS_MATMUL(type, driver)                                                                         \
+#define DEFINE_ROWS_MATMUL(type, driver, row_bytes)                                                              \
     PI_EXPORT int32_t pi_rows_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,            \
                                             const int64_t *idx, int64_t M, const float *x, int64_t x_stride,     \
                                             int64_t T, float *y, int64_t y_stride, int32_t n_threads) {          \
         ROWS_MATMUL_PROLOGUE                                                                                     \
-        return driver(matmul_table_active()->tile_##type, w, w_stride, idx, M, K, x, x_stride, T, y, y_stride,   \
-                      n_threads);                                                                                \
+        return driver(row_bytes, matmul_table_active()->tile_##type, w, w_stride, idx, M, K, x, x_stride, T, y,  \
+                      y_stride, n_threads);                                                                      \
     }
 
-DEFINE_ROWS_MATMUL(f32, matmul_float_rows)
-DEFINE_ROWS_MATMUL(f16, matmul_float_rows)
-DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows)
-DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows)
-DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows)
-DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows)
-DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows)
-DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows)
+DEFINE_ROWS_MATMUL(f32, matmul_float_rows, K * 4)
+DEFINE_ROWS_MATMUL(f16, matmul_float_rows, K * 2)
+DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_0))
+DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_1))
+DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0))
+DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_0))
+DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_1))
+DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q8_0))
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
