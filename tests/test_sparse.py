@@ -139,3 +139,24 @@ def test_engine_plans_caches_and_resets_the_gpu_index(tmp_path):
     # same tokens whatever the placement
     ids = [1, 40, 41, 42]
     assert torch.allclose(small.logits_all(ids), off.logits_all(ids), atol=1e-4)
+
+
+def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
+    """Everything the plan puts on the device runs there (the CPU stands in for it) and logits do not change."""
+    from powerinfer import ops
+
+    path = _sparse_file(tmp_path, GGMLType.F16)
+    write_activation_stats(tmp_path / "activation", 2, N_FF)
+    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01))
+    p = engine.placement
+    assert p is not None and p.kv_on_gpu and "output.weight" in p.gpu_tensors
+    assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in engine.model.layers)
+    assert all(isinstance(f.fc1, ops.DeviceWeight) for f in engine.model.ffns)
+    assert isinstance(engine.model.output, ops.DeviceWeight)
+    assert (engine.logits_all(TOKENS) - ref).abs().max().item() <= 1e-4
+    # --disable-gpu-index keeps the dense offload and skips only the FFN split
+    off = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01,
+                                     disable_gpu_index=True))
+    assert all(f.hot is None for f in off.model.ffns)
+    assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in off.model.layers)

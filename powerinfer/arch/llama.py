@@ -112,10 +112,10 @@ class FFN(Protocol):
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
-    wq: ops.QWeight
-    wk: ops.QWeight
-    wv: ops.QWeight
-    wo: ops.QWeight
+    wq: ops.QWeight | ops.DeviceWeight
+    wk: ops.QWeight | ops.DeviceWeight
+    wv: ops.QWeight | ops.DeviceWeight
+    wo: ops.QWeight | ops.DeviceWeight
     ffn_norm: torch.Tensor
     tensors: dict[str, TensorInfo]  # FFN and predictor tensors, handed to the FFN builder
 
@@ -219,19 +219,29 @@ class LlamaModel:
                     raise FormatError(f"blk.{bid} {attr} has shape {getattr(layer, attr).shape}, expected {shape}")
             self.layers.append(layer)
         self.ffns: list[FFN] = [DenseFFN(c, layer.tensors, bid) for bid, layer in enumerate(self.layers)]
-        self.rope: torch.Tensor = rope_table(c, 0)
+        self.rope: dict[torch.device, torch.Tensor] = {}
+        self.n_ctx = 0
 
     def setup(self, n_ctx: int) -> None:
         """Precompute position tables for a context of n_ctx tokens."""
-        self.rope = rope_table(self.config, n_ctx)
+        self.n_ctx = n_ctx
+        self.rope = {torch.device("cpu"): rope_table(self.config, n_ctx)}
+
+    def _rope(self, device: torch.device) -> torch.Tensor:
+        if device not in self.rope:
+            self.rope[device] = self.rope[torch.device("cpu")].to(device)
+        return self.rope[device]
 
     def attention(self, layer: LayerWeights, bid: int, x: torch.Tensor, pos: int, kv: KVStore) -> torch.Tensor:
         c = self.config
         T = x.shape[0]
+        home = x.device
+        device = layer.wq.device if isinstance(layer.wq, ops.DeviceWeight) else home
+        x = x.to(device)
         q = ops.linear(x, layer.wq).view(T, c.n_head, c.head_dim)
         k = ops.linear(x, layer.wk).view(T, c.n_head_kv, c.head_dim)
         v = ops.linear(x, layer.wv).view(T, c.n_head_kv, c.head_dim)
-        rot = self.rope[pos : pos + T]
+        rot = self._rope(device)[pos : pos + T]
         q = apply_rope(q, rot)
         k = apply_rope(k, rot)
         keys, values = kv.update(bid, pos, k, v)  # (pos+T, H_kv, D)
@@ -240,9 +250,9 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
         else:
             # query i sits at absolute position pos+i and sees keys 0..pos+i
-            mask = torch.ones(T, pos + T, dtype=torch.bool).tril(diagonal=pos)
+            mask = torch.ones(T, pos + T, dtype=torch.bool, device=device).tril(diagonal=pos)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
-        return ops.linear(out.transpose(0, 1).reshape(T, c.n_embd), layer.wo)
+        return ops.linear(out.transpose(0, 1).reshape(T, c.n_embd), layer.wo).to(home)
 
     def forward(self, tokens: torch.Tensor, pos: int, kv: KVStore, last_only: bool = False) -> torch.Tensor:
         """Logits for `tokens` (T,) placed at positions pos..pos+T-1; (T, n_vocab) or (1, n_vocab)."""
@@ -256,4 +266,4 @@ class LlamaModel:
         if last_only:
             x = x[-1:]
         x = F.rms_norm(x, (c.n_embd,), self.output_norm, c.rms_eps)
-        return ops.linear(x.contiguous(), self.output)
+        return ops.linear(x.contiguous(), self.output).to(x.device)

@@ -32,6 +32,7 @@ from powerinfer.ops import reference
 from powerinfer.quant import KERNEL_TYPES, row_bytes
 
 __all__ = [
+    "DeviceWeight",
     "QWeight",
     "get_activation_precision",
     "get_num_threads",
@@ -268,14 +269,51 @@ def _check_status(status: int, op: str) -> None:
     raise ValueError(f"{op}: kernel rejected the arguments (status {status})")
 
 
-def _linear_fallback(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+@dataclass(frozen=True, eq=False)
+class DeviceWeight:
+    """A weight materialised once on a compute device (the GPU pool, or the CPU standing in for it).
+
+    tensor: (N, K) float16 on CUDA, float32 on the CPU stand-in. `linear` runs on the weight's device and
+    returns its result there; the caller moves activations between devices.
+    """
+
+    tensor: torch.Tensor
+    ggml_type: None = None
+
+    @classmethod
+    def from_qweight(cls, w: QWeight, device: torch.device) -> DeviceWeight:
+        """Decode every row of w once and copy it to `device`."""
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        rows = get_rows(w, torch.arange(w.shape[0], dtype=torch.int64))  # (N, K)
+        return cls(rows.to(device=device, dtype=dtype))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (int(self.tensor.shape[0]), int(self.tensor.shape[1]))
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def n_bytes(self) -> int:
+        return self.tensor.nbytes
+
+
+def _linear_fallback(x: torch.Tensor, w: QWeight | DeviceWeight) -> torch.Tensor:
+    if isinstance(w, DeviceWeight):
+        t = w.tensor
+        return (x.to(device=t.device, dtype=t.dtype) @ t.T).float()
     if w.ggml_type in KERNEL_TYPES:
         return reference.linear(x, w)
     return x.to(torch.float32) @ _dense_cached(w).to(x.device).T
 
 
-def linear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
-    """y = x @ W.T for x of shape (..., K) float32; returns (..., N) float32 (T = 1 is the decode matvec)."""
+def linear(x: torch.Tensor, w: QWeight | DeviceWeight) -> torch.Tensor:
+    """y = x @ W.T for x of shape (..., K) float32; returns (..., N) float32 (T = 1 is the decode matvec).
+
+    A DeviceWeight computes on its own device and returns the result there.
+    """
     # lean path: about 200 calls per token, so every attribute access here counts
     n_rows, n_cols = w.shape
     kernel = _settings.matmul.get(w.ggml_type)

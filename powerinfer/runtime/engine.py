@@ -7,27 +7,17 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from powerinfer import ops
 from powerinfer.arch import load_model
-from powerinfer.errors import InputError, PlacementError, PowerInferError
+from powerinfer.errors import InputError
 from powerinfer.gguf.reader import read_gguf
-from powerinfer.placement import (
-    Placement,
-    footprint_from_gguf,
-    gpu_index_path,
-    kv_cache_bytes,
-    load_activation_stats,
-    load_cached_gpu_index,
-    plan,
-    read_gpu_index,
-    write_gpu_index,
-)
+from powerinfer.placement import Placement
 from powerinfer.runtime.kv_cache import KVCache
+from powerinfer.runtime.pool import PoolRequest, offload_dense, plan_pool, pool_device
 from powerinfer.runtime.sparse_ffn import SparseFFN, SparseStats
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
@@ -83,12 +73,13 @@ class Engine:
         self.sparse_stats: SparseStats | None = None
         self.placement: Placement | None = None
         self.pool_device: torch.device | None = None
+        self.kv_device = torch.device("cpu")
         if self.gguf.is_sparse and not o.dense_ffn:
             self._setup_sparse()
         if o.n_batch <= 0:
             raise InputError(f"batch size must be positive (got {o.n_batch})")
         c = self.config
-        self.kv = KVCache(c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim)
+        self.kv = KVCache(c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim, device=self.kv_device)
         self.model.setup(self.n_ctx)
         self.n_past = 0
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
@@ -103,69 +94,23 @@ class Engine:
         if o.vram_budget_gib is not None and o.vram_budget_gib >= 0 and not cuda and o.pool_device is None:
             log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
 
-    def _pool_device(self) -> torch.device | None:
-        o = self.options
-        if o.pool_device is not None:
-            device = torch.device(o.pool_device)
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise PlacementError(f"pool device {o.pool_device} requested but no CUDA device is available")
-            return device
-        if o.vram_budget_gib is not None and torch.cuda.is_available():
-            return torch.device("cuda")
-        return None
-
     def _setup_sparse(self) -> None:
-        """Replace the dense FFNs by predictor-driven sparse FFNs, hot rows in the pool when there is one."""
+        """Replace the dense FFNs by predictor-driven sparse FFNs and carry out the pool placement."""
         c, o = self.config, self.options
         self.sparse_stats = SparseStats.zeros(c.n_layer)
-        device = self._pool_device()
+        request = PoolRequest(o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index,
+                              o.disable_gpu_index)
+        device = pool_device(request)
         gpu_ids: list[np.ndarray | None] = [None] * c.n_layer
-        if device is not None and not o.disable_gpu_index:
-            gpu_ids = list(self._gpu_neurons(device))
+        if device is not None:
+            self.placement, planned = plan_pool(self.gguf, self.model, request, device, self.n_ctx)
+            gpu_ids = list(planned)
         self.pool_device = device
         self.model.ffns = [SparseFFN(c, layer.tensors, bid, gpu_ids[bid], device, self.sparse_stats)
                            for bid, layer in enumerate(self.model.layers)]
-
-    def _budget_bytes(self, device: torch.device) -> int:
-        """The VRAM budget in bytes: --vram-budget GiB, or the device's free memory minus 256 MiB."""
-        gib = self.options.vram_budget_gib
-        if gib is not None:
-            if gib < 0 or gib != gib:
-                raise PlacementError(f"--vram-budget must be >= 0 GiB (got {gib})")
-            return int(gib * 2**30)
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return max(0, free - 256 * 2**20)
-        raise PlacementError("the CPU stand-in pool needs an explicit --vram-budget")
-
-    def _gpu_neurons(self, device: torch.device) -> list[np.ndarray]:
-        """Per-layer neuron ids of the pool: an explicit GPU index, else the cached or a newly planned one."""
-        o, c = self.options, self.config
-        if o.gpu_index_path is not None:
-            index = read_gpu_index(o.gpu_index_path, c.n_layer, c.n_ff)
-            self.placement = None
-            return [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
-        budget = self._budget_bytes(device)
-        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-        model_path = Path(self.gguf.path)
-        try:
-            stats = load_activation_stats(model_path.parent / "activation", c.n_layer, c.n_ff)
-        except PowerInferError as e:
-            log.warning("%s; every FFN neuron stays on the CPU", e)
-            stats = None
-        cache = gpu_index_path(model_path)
-        cached = load_cached_gpu_index(cache, n_layer=c.n_layer, n_ff=c.n_ff, reset=o.reset_gpu_index)
-        footprint = footprint_from_gguf(self.gguf, c.n_layer, c.n_ff)
-        kv_bytes = kv_cache_bytes(c.n_layer, self.n_ctx, c.n_embd_gqa, bytes_per_element=4)
-        placement = plan(footprint, budget_bytes=budget, kv_bytes=kv_bytes, stats=stats, device_total_bytes=total,
-                         cached_index=cached)
-        self.placement = placement
-        if placement.ffn_source == "solved":
-            try:
-                write_gpu_index(cache, placement.to_gpu_index())
-            except (OSError, PowerInferError) as e:
-                log.warning("cannot cache the GPU index at %s: %s", cache, e)
-        return [np.asarray(ids, dtype=np.int64) for ids in placement.gpu_neurons]
+        if self.placement is not None and device is not None:
+            if offload_dense(self.model, self.placement, device) and self.placement.kv_on_gpu:
+                self.kv_device = device
 
     def sparse_report(self) -> list[str]:
         """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token."""

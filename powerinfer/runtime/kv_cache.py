@@ -9,11 +9,11 @@ class KVCache:
     """Single-sequence KV cache, sized once from the config and the context length."""
 
     def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.n_ctx = n_ctx
         # empty, not zeros: pages are committed as positions fill; attention only reads 0..pos+T-1
-        self.k = torch.empty(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
-        self.v = torch.empty(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype)
+        self.k = torch.empty(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype, device=device)
 
     @property
     def n_bytes(self) -> int:

@@ -37,10 +37,20 @@ class SparseStats:
     active: torch.Tensor  # (n_layer,) predicted active (token, neuron) pairs
     active_gpu: torch.Tensor  # (n_layer,) of which served by the pool
     predictor_ms: float = 0.0
+    # recall measurement (off unless track_recall() was called): truly active pairs, ReLU(gate) > 0,
+    # and of those the ones the predictor marked active
+    true_active: torch.Tensor | None = None
+    true_hit: torch.Tensor | None = None
 
     @classmethod
     def zeros(cls, n_layer: int) -> SparseStats:
         return cls(*(torch.zeros(n_layer, dtype=torch.int64) for _ in range(3)))
+
+    def track_recall(self) -> None:
+        """Also compute every neuron's gate per token and count the truly active ones the predictor found."""
+        n_layer = self.tokens.numel()
+        self.true_active = torch.zeros(n_layer, dtype=torch.int64)
+        self.true_hit = torch.zeros(n_layer, dtype=torch.int64)
 
 
 class HotRows:
@@ -107,7 +117,7 @@ class SparseFFN:
     def predict(self, x_residual: torch.Tensor) -> torch.Tensor:
         """Active mask (T, n_ff) from the pre-norm residual (T, D)."""
         score = ops.linear(F.relu(ops.linear(x_residual, self.fc1)), self.fc2)
-        return score >= self.threshold
+        return (score >= self.threshold).to(x_residual.device)
 
     def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -121,6 +131,10 @@ class SparseFFN:
         s = self.stats
         s.tokens[self.bid] += x_norm.shape[0]
         s.active[self.bid] += active.sum()
+        if s.true_active is not None and s.true_hit is not None:
+            truth = (ops.linear(x_norm, self.gate) > 0).to(active.device)  # (T, n_ff), PowerInfer's label
+            s.true_active[self.bid] += truth.sum().cpu()
+            s.true_hit[self.bid] += (truth & active).sum().cpu()
         if y_hot is not None:
             self.hot.wait()
             s.active_gpu[self.bid] += (active.sum() - cpu_active.sum())
