@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from powerinfer.cli.main import main as main_command
+from powerinfer.cli.quantize import quantize as quantize_command
 from powerinfer.cli.perplexity import perplexity_command
 
 app = typer.Typer(
@@ -15,6 +16,7 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("main", help="Generate text from a prompt (llama.cpp main).")(main_command)
+app.command("quantize")(quantize_command)
 app.command("perplexity", help="Perplexity of a text file (llama.cpp perplexity).")(perplexity_command)
 
 

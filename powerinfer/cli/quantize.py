@@ -1,0 +1,127 @@
+"""`powerinfer quantize`: llama.cpp's quantize tool (usage, type names, per-tensor log)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+from powerinfer.cli.common import err_console, run_guarded, threads
+from powerinfer.errors import InputError
+from powerinfer.quantize import (
+    FILE_TYPES,
+    QuantizeOptions,
+    QuantizeReport,
+    TensorDone,
+    default_output,
+    parse_file_type,
+    quantize_model,
+    require_file_type,
+)
+
+HELP = (
+    "Quantize a GGUF or PowerInfer GGUF file: IN [OUT] TYPE [NTHREADS] (llama.cpp quantize).\n\n"
+    "TYPE is a name (case-insensitive) or llama.cpp ftype number: "
+    + ", ".join(f"{ft.name}" + (f" ({ft.ftype})" if ft.ggml_type is not None else "") for ft in FILE_TYPES)
+    + ". Without OUT the output is <input dir>/ggml-model-<TYPE>.gguf. NTHREADS <= 0: all cores.\n\n"
+    "Only 2-D tensors whose names end in 'weight' are converted; 1-D tensors keep their type. Unless --pure, "
+    "for quantized targets output.weight becomes Q8_0 (the original picks Q6_K when n_embd % 256 == 0, a "
+    "K-quant that cannot be produced here) and the predictor matrices fc1/fc2 become Q4_0 for a Q4_0 target and "
+    "Q8_0 otherwise (the original picks Q5_0, which our kernels do not compute). Float targets (F32, F16, BF16) "
+    "convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI."
+)
+
+
+def format_shape(shape: tuple[int, ...]) -> str:
+    """ggml's tensor shape string: ne0 first, padded to 4 dims."""
+    ne = list(reversed(shape)) + [1] * (4 - len(shape))
+    return ", ".join(f"{d:5d}" for d in ne)
+
+
+def format_tensor_line(ev: TensorDone) -> str:
+    """The original's per-tensor log line."""
+    p = ev.plan
+    head = (f"[{ev.index + 1:4d}/{ev.n_tensors:4d}] {p.name:>36s} - [{format_shape(p.shape)}], "
+            f"type = {p.src_type.name.lower():>6s}, ")
+    if not p.converted:
+        return head + f"size = {ev.src_bytes / 2**20:8.3f} MB"
+    return (head + f"quantizing to {p.dst_type.name.lower()} .. "
+            f"size = {ev.src_bytes / 2**20:8.2f} MB -> {ev.dst_bytes / 2**20:8.2f} MB")
+
+
+def parse_positionals(args: list[str]) -> tuple[Path, Path, str, int]:
+    """IN [OUT] TYPE [NTHREADS], resolved as quantize.cpp does: a second argument that parses as a type is TYPE."""
+    if len(args) < 2 or len(args) > 4:
+        raise InputError("usage: powerinfer quantize [--allow-requantize] [--leave-output-tensor] [--pure] "
+                         "IN [OUT] TYPE [NTHREADS]")
+    inp = Path(args[0])
+    rest = args[1:]
+    first = parse_file_type(rest[0])
+    if first is not None and len(rest) <= 2:
+        out, type_text, extra = default_output(inp, first), rest[0], rest[1:]
+    elif len(rest) == 1:
+        require_file_type(rest[0])
+        raise AssertionError("unreachable")
+    else:
+        out, type_text, extra = Path(rest[0]), rest[1], rest[2:]
+    n_threads = 0
+    if extra:
+        try:
+            n_threads = int(extra[0])
+        except ValueError:
+            raise InputError(f"invalid nthreads '{extra[0]}': expected an integer") from None
+    return inp, out, type_text, n_threads
+
+
+def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
+    """Quantize with a progress bar and the per-tensor log on stderr."""
+    t_start = time.perf_counter()
+    err = err_console
+    err.print(f"main: quantizing '{opts.input}' to '{opts.output}' as {opts.file_type.name} "
+              f"using {opts.n_threads} threads", markup=False)
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        task = progress.add_task("quantize", total=None)
+
+        def on_tensor(ev: TensorDone) -> None:
+            if ev.index == 0:
+                progress.update(task, total=ev.n_tensors)
+            progress.console.print(format_tensor_line(ev), markup=False, highlight=False)
+            if ev.plan.note:
+                progress.console.print(f"llama_model_quantize_internal: {ev.plan.name}: {ev.plan.note}",
+                                       markup=False, highlight=False)
+            progress.update(task, advance=1, description=ev.plan.name)
+
+        report = quantize_model(opts, on_tensor)
+    err.print(f"llama_model_quantize_internal: model size  = {report.src_bytes / 2**20:8.2f} MB", markup=False)
+    err.print(f"llama_model_quantize_internal: quant size  = {report.dst_bytes / 2**20:8.2f} MB", markup=False)
+    err.print("")
+    err.print(f"main: quantize time = {report.quantize_ms:8.2f} ms", markup=False)
+    err.print(f"main:    total time = {(time.perf_counter() - t_start) * 1e3:8.2f} ms", markup=False)
+    return report
+
+
+def quantize(
+    args: Annotated[list[str], typer.Argument(metavar="IN [OUT] TYPE [NTHREADS]", show_default=False,
+                                              help="Input GGUF, optional output path, type, optional threads.")],
+    allow_requantize: Annotated[bool, typer.Option(
+        "--allow-requantize", help="Allow requantizing tensors that are already quantized (loses quality).")] = False,
+    leave_output_tensor: Annotated[bool, typer.Option(
+        "--leave-output-tensor", help="Leave output.weight unquantized (bigger file, better quality).")] = False,
+    pure: Annotated[bool, typer.Option(
+        "--pure", help="Every eligible tensor to TYPE: no output.weight / fc1 / fc2 rules.")] = False,
+) -> None:
+    def body() -> None:
+        inp, out, type_text, n_threads = parse_positionals(args)
+        opts = QuantizeOptions(input=inp, output=out, file_type=require_file_type(type_text),
+                               n_threads=threads(n_threads), allow_requantize=allow_requantize,
+                               leave_output_tensor=leave_output_tensor, pure=pure)
+        run_quantize(opts)
+
+    run_guarded(body)
+
+
+quantize.__doc__ = HELP

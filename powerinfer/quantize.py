@@ -1,0 +1,278 @@
+"""Quantize a GGUF or PowerInfer GGUF file, as llama.cpp's `quantize` does.
+
+Per-tensor rules follow llama.cpp's `llama_model_quantize_internal` / `get_k_quant_type` at PowerInfer's
+commit (spec 1.7), with two substitutions for types this codebase cannot produce or compute: `output.weight`
+becomes Q8_0 where the original picks Q6_K, and the predictor matrices fc1/fc2 become Q8_0 where the original
+picks Q5_0 (for a Q4_0 target they stay Q4_0, as in the original). Blocks come from `powerinfer.quant`, which
+wraps the `gguf` package's reference quantizers (bit-exact with ggml-quants.c).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer.errors import FormatError, InputError
+from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
+from powerinfer.gguf.constants import QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, Keys, ValueType
+from powerinfer.gguf.reader import GGUFFile, TensorInfo
+from powerinfer.quant import QUANTIZABLE, dequantize, quantize, row_bytes
+
+QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
+FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
+_CHUNK_ELEMENTS = 1 << 20  # elements per work item of the thread pool
+
+
+@dataclass(frozen=True)
+class FileType:
+    """A `quantize` TYPE: its name, the llama_ftype number stored in general.file_type, the target ggml type."""
+
+    name: str
+    ftype: int
+    ggml_type: GGMLType | None  # None: COPY (tensors copied as they are)
+    description: str
+
+
+# quantize.cpp's QUANT_OPTIONS that the gguf package can produce, plus BF16 (llama.cpp's later ftype 32)
+FILE_TYPES: tuple[FileType, ...] = (
+    FileType("Q4_0", 2, GGMLType.Q4_0, "4.5 bpw; the type PowerInfer's sparse models ship in"),
+    FileType("Q4_1", 3, GGMLType.Q4_1, "5.0 bpw"),
+    FileType("Q5_0", 8, GGMLType.Q5_0, "5.5 bpw (written, but the engine has no Q5_0 kernels)"),
+    FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw (written, but the engine has no Q5_1 kernels)"),
+    FileType("Q8_0", 7, GGMLType.Q8_0, "8.5 bpw"),
+    FileType("F16", 1, GGMLType.F16, "16 bpw"),
+    FileType("BF16", 32, GGMLType.BF16, "16 bpw (written, but the engine has no BF16 kernels)"),
+    FileType("F32", 0, GGMLType.F32, "32 bpw"),
+    FileType("COPY", 0, None, "copy tensors as they are (general.file_type kept)"),
+)
+# names and numbers the original accepts whose blocks the gguf package cannot produce
+K_QUANT_FTYPES: dict[str, int] = {"Q2_K": 10, "Q3_K": 12, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K": 15,
+                                  "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}
+_BY_NAME = {ft.name: ft for ft in FILE_TYPES}
+_BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
+# ggml type -> llama_ftype, for a file without general.file_type (llama.cpp guesses from the commonest type)
+_FTYPE_OF_TYPE = {ft.ggml_type: ft.ftype for ft in FILE_TYPES if ft.ggml_type is not None}
+FTYPE_GUESSED = 1024
+# source types that can be decoded besides QUANTIZABLE (the gguf package dequantizes K-quants)
+_DEQUANTIZABLE = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+
+
+def parse_file_type(text: str) -> FileType | None:
+    """TYPE by name (case-insensitive) or llama_ftype number; None when `text` is not a type at all.
+
+    Raises InputError for K-quant types, which the original accepts but cannot be produced here.
+    """
+    name = text.strip().upper()
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    number = int(name) if name.lstrip("-").isdigit() else None
+    if number is not None and number in _BY_NUMBER:
+        return _BY_NUMBER[number]
+    k_name = name if name in K_QUANT_FTYPES else next((k for k, v in K_QUANT_FTYPES.items() if v == number), None)
+    if k_name is not None:
+        raise InputError(f"type {k_name} is not supported: the gguf package has no K-quant quantizer "
+                         f"(use one of {', '.join(_BY_NAME)})")
+    return None
+
+
+def require_file_type(text: str) -> FileType:
+    """parse_file_type, with an error naming the valid types when `text` is not one."""
+    ft = parse_file_type(text)
+    if ft is None:
+        raise InputError(f"unknown quantization type '{text}' (expected one of {', '.join(_BY_NAME)} "
+                         f"or a llama.cpp ftype number)")
+    return ft
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    input: Path
+    output: Path
+    file_type: FileType
+    n_threads: int = 1
+    allow_requantize: bool = False
+    leave_output_tensor: bool = False
+    pure: bool = False
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """What happens to one tensor: its source and destination type, and why it kept its type if it did."""
+
+    name: str
+    shape: tuple[int, ...]  # row-major
+    src_type: GGMLType
+    dst_type: GGMLType
+    note: str = ""
+
+    @property
+    def converted(self) -> bool:
+        return self.src_type != self.dst_type
+
+
+@dataclass(frozen=True)
+class TensorDone:
+    """Progress event: tensor `index` (0-based) of `n_tensors` has been encoded."""
+
+    index: int
+    n_tensors: int
+    plan: TensorPlan
+    src_bytes: int
+    dst_bytes: int
+
+
+@dataclass
+class QuantizeReport:
+    output: Path
+    file_type: FileType
+    plans: list[TensorPlan] = field(default_factory=list)
+    src_bytes: int = 0
+    dst_bytes: int = 0
+    quantize_ms: float = 0.0
+
+
+def default_output(input_path: Path, file_type: FileType) -> Path:
+    """The original's default OUT: `<input dir>/ggml-model-<TYPE>.gguf`."""
+    return input_path.parent / f"ggml-model-{file_type.name}.gguf"
+
+
+def tensor_type(name: str, shape: tuple[int, ...], src_type: GGMLType, opts: QuantizeOptions) -> tuple[GGMLType, str]:
+    """The destination ggml type of one tensor, and a note when a rule kept it in its source type."""
+    target = opts.file_type.ggml_type
+    if target is None:
+        return src_type, ""
+    if len(shape) != 2 or not name.endswith("weight"):
+        return src_type, ""
+    if name == "output.weight" and opts.leave_output_tensor:
+        return src_type, ""
+    new_type = target
+    if not opts.pure and target not in FLOAT_TYPES:
+        if name == "output.weight":
+            new_type = GGMLType.Q8_0  # the original: Q6_K when n_embd % 256 == 0, which gguf cannot produce
+        elif name.endswith((".fc1.weight", ".fc2.weight")):
+            new_type = GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q8_0  # the original: Q5_0
+    if new_type == src_type:
+        return src_type, ""
+    if src_type not in QUANTIZABLE and src_type not in _DEQUANTIZABLE:
+        return src_type, f"{src_type.name} tensors cannot be converted: kept as {src_type.name}"
+    block = QUANT_SIZES[new_type][0]
+    if shape[-1] % block:
+        return src_type, (f"row length {shape[-1]} is not a multiple of the {new_type.name} block size {block}: "
+                          f"kept as {src_type.name}")
+    return new_type, ""
+
+
+
+def plan_tensors(model: GGUFFile, opts: QuantizeOptions) -> list[TensorPlan]:
+    """The per-tensor plan in file order; raises InputError when it would requantize without permission."""
+    plans = []
+    for t in model.tensors.values():
+        dst, note = tensor_type(t.name, t.shape, t.ggml_type, opts)
+        plan = TensorPlan(t.name, t.shape, t.ggml_type, dst, note)
+        if plan.converted and t.ggml_type not in FLOAT_TYPES and not opts.allow_requantize:
+            raise InputError(f"requantizing from type {t.ggml_type.name} is disabled ({t.name} is already "
+                             f"quantized): pass --allow-requantize")
+        plans.append(plan)
+    return plans
+
+
+def file_type_number(model: GGUFFile, opts: QuantizeOptions) -> int:
+    """general.file_type of the output: the target's ftype; COPY keeps (or guesses) the input's."""
+    if opts.file_type.ggml_type is not None:
+        return opts.file_type.ftype
+    if Keys.FILE_TYPE in model.metadata:
+        return int(model.metadata[Keys.FILE_TYPE])
+    counts: dict[GGMLType, int] = {}
+    for t in model.tensors.values():
+        counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
+    commonest = max(counts, key=counts.__getitem__) if counts else GGMLType.F32
+    return _FTYPE_OF_TYPE.get(commonest, 0) | FTYPE_GUESSED
+
+
+def _encode_rows(t: TensorInfo, plan: TensorPlan, out: np.ndarray, r0: int, r1: int) -> None:
+    src = t.data.reshape(-1, row_bytes(plan.src_type, plan.shape[-1]))[r0:r1]
+    rows = dequantize(src, plan.src_type, (r1 - r0, plan.shape[-1]))
+    out[r0:r1] = quantize(rows, plan.dst_type)
+
+
+def _check_output(path: Path) -> None:
+    folder = path.absolute().parent
+    if not folder.is_dir():
+        raise InputError(f"cannot write {path}: folder {folder} does not exist")
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
+    try:  # a probe file: os.access says yes to root on read-only mounts and folders
+        probe = folder / f".tmp-probe-{os.getpid()}"
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as e:
+        raise InputError(f"cannot write {path}: {e.strerror}") from None
+
+
+def quantize_model(opts: QuantizeOptions,
+                   on_tensor: Callable[[TensorDone], None] | None = None) -> QuantizeReport:
+    """Quantize `opts.input` into `opts.output` (written to a temp file and renamed into place).
+
+    Tensors are encoded in row chunks on `opts.n_threads` threads; `on_tensor` is called in file order as each
+    tensor is ready. Raises InputError / FormatError on bad input before anything is written.
+    """
+    t_start = time.perf_counter()
+    model = read_gguf(opts.input)
+    plans = plan_tensors(model, opts)
+    _check_output(opts.output)
+    report = QuantizeReport(opts.output, opts.file_type, plans)
+
+    writer = GGUFWriter(opts.output, sparse=model.is_sparse, alignment=model.alignment)
+    skip = {Keys.ALIGNMENT} if model.alignment != GGUF_DEFAULT_ALIGNMENT else set()
+    settings = {Keys.QUANTIZATION_VERSION: QUANTIZATION_VERSION, Keys.FILE_TYPE: file_type_number(model, opts)}
+    for key, value in model.metadata.items():
+        if key in skip:
+            continue
+        if key in settings:
+            writer.add(key, settings.pop(key), ValueType.UINT32)
+        else:
+            writer.add(key, value, model.value_types[key], model.array_types.get(key))
+    for key, value in settings.items():  # the original sets quantization_version first, then file_type
+        writer.add(key, value, ValueType.UINT32)
+
+    n = len(plans)
+    with ThreadPoolExecutor(max(1, opts.n_threads)) as pool:
+        jobs = list(_submit(pool, model, plans))
+        for i, (plan, out, futures) in enumerate(jobs):
+            t = model.tensors[plan.name]
+            for fut in futures:
+                fut.result()
+            writer.add_tensor(plan.name, out if out is not None else t.data, plan.dst_type, plan.shape)
+            dst_bytes = out.nbytes if out is not None else t.n_bytes
+            report.src_bytes += t.n_bytes
+            report.dst_bytes += dst_bytes
+            if on_tensor is not None:
+                on_tensor(TensorDone(i, n, plan, t.n_bytes, dst_bytes))
+    try:
+        writer.write()
+    except OSError as e:
+        raise FormatError(f"cannot write {opts.output}: {e.strerror or e}") from None
+    report.quantize_ms = (time.perf_counter() - t_start) * 1e3
+    return report
+
+
+def _submit(pool: ThreadPoolExecutor, model: GGUFFile,
+            plans: list[TensorPlan]) -> Iterator[tuple[TensorPlan, np.ndarray | None, list[Future[None]]]]:
+    """Queue every chunk of every converted tensor at once, so that no thread idles between tensors."""
+    for plan in plans:
+        if not plan.converted:
+            yield plan, None, []
+            continue
+        t = model.tensors[plan.name]
+        n_rows, n_cols = plan.shape
+        out = np.empty((n_rows, row_bytes(plan.dst_type, n_cols)), dtype=np.uint8)
+        step = max(1, _CHUNK_ELEMENTS // n_cols)
+        futures = [pool.submit(_encode_rows, t, plan, out, r0, min(r0 + step, n_rows))
+                   for r0 in range(0, n_rows, step)]
+        yield plan, out, futures
