@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -102,7 +103,11 @@ class LlamaConfig:
 class KVStore(Protocol):
     """What attention needs from a KV cache (runtime.kv_cache.KVCache implements it)."""
 
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor,
+               seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def update_batch(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class FFN(Protocol):
@@ -232,19 +237,29 @@ class LlamaModel:
             self.rope[device] = self.rope[torch.device("cpu")].to(device)
         return self.rope[device]
 
-    def attention(self, layer: LayerWeights, bid: int, x: torch.Tensor, pos: int, kv: KVStore) -> torch.Tensor:
+    def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor | slice,
+             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected and rotated q (T, H, D), k and v (T, H_kv, D) for tokens at `positions`."""
         c = self.config
         T = x.shape[0]
-        home = x.device
-        device = layer.wq.device if isinstance(layer.wq, ops.DeviceWeight) else home
-        x = x.to(device)
         q = ops.linear(x, layer.wq).view(T, c.n_head, c.head_dim)
         k = ops.linear(x, layer.wk).view(T, c.n_head_kv, c.head_dim)
         v = ops.linear(x, layer.wv).view(T, c.n_head_kv, c.head_dim)
-        rot = self._rope(device)[pos : pos + T]
-        q = apply_rope(q, rot)
-        k = apply_rope(k, rot)
-        keys, values = kv.update(bid, pos, k, v)  # (pos+T, H_kv, D)
+        rot = self._rope(device)[positions]
+        return apply_rope(q, rot), apply_rope(k, rot), v
+
+    @staticmethod
+    def _device(layer: LayerWeights, home: torch.device) -> torch.device:
+        return layer.wq.device if isinstance(layer.wq, ops.DeviceWeight) else home
+
+    def attention(self, layer: LayerWeights, bid: int, x: torch.Tensor, pos: int, kv: KVStore,
+                  seq: int = 0) -> torch.Tensor:
+        """Causal self-attention of T consecutive tokens of one sequence at positions pos..pos+T-1."""
+        c = self.config
+        T, home = x.shape[0], x.device
+        device = self._device(layer, home)
+        q, k, v = self._qkv(layer, x.to(device), slice(pos, pos + T), device)
+        keys, values = kv.update(bid, pos, k, v, seq)  # (pos+T, H_kv, D)
         qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # (H, T, D)
         if T == 1:
             out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
@@ -254,16 +269,43 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         return ops.linear(out.transpose(0, 1).reshape(T, c.n_embd), layer.wo).to(home)
 
-    def forward(self, tokens: torch.Tensor, pos: int, kv: KVStore, last_only: bool = False) -> torch.Tensor:
-        """Logits for `tokens` (T,) placed at positions pos..pos+T-1; (T, n_vocab) or (1, n_vocab)."""
+    def attention_batch(self, layer: LayerWeights, bid: int, x: torch.Tensor, positions: torch.Tensor,
+                        seqs: torch.Tensor, kv: KVStore) -> torch.Tensor:
+        """One new token for each of B different sequences: token b at positions[b] of sequence seqs[b]."""
         c = self.config
-        x = ops.get_rows(self.tok_embd, tokens)  # (T, D)
+        B, home = x.shape[0], x.device
+        device = self._device(layer, home)
+        q, k, v = self._qkv(layer, x.to(device), positions, device)
+        keys, values, mask = kv.update_batch(bid, seqs, positions, k, v)  # (B, L, H_kv, D), mask (B, L)
+        qh = q.unsqueeze(2)  # (B, H, 1, D)
+        out = F.scaled_dot_product_attention(qh, keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask[:, None, None, :], enable_gqa=True)  # (B, H, 1, D)
+        return ops.linear(out.reshape(B, c.n_embd), layer.wo).to(home)
+
+    def _layers(self, x: torch.Tensor, attend: Callable[[LayerWeights, int, torch.Tensor], torch.Tensor]
+                ) -> torch.Tensor:
+        c = self.config
         for bid, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.n_embd,), layer.attn_norm, c.rms_eps)
-            x = x + self.attention(layer, bid, h, pos, kv)
+            x = x + attend(layer, bid, h)
             h = F.rms_norm(x, (c.n_embd,), layer.ffn_norm, c.rms_eps)
             x = x + self.ffns[bid](h, x)
-        if last_only:
-            x = x[-1:]
-        x = F.rms_norm(x, (c.n_embd,), self.output_norm, c.rms_eps)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.rms_norm(x, (self.config.n_embd,), self.output_norm, self.config.rms_eps)
         return ops.linear(x.contiguous(), self.output).to(x.device)
+
+    def forward(self, tokens: torch.Tensor, pos: int, kv: KVStore, last_only: bool = False,
+                seq: int = 0) -> torch.Tensor:
+        """Logits for `tokens` (T,) of sequence `seq` at positions pos..pos+T-1; (T, n_vocab) or (1, n_vocab)."""
+        x = ops.get_rows(self.tok_embd, tokens)  # (T, D)
+        x = self._layers(x, lambda layer, bid, h: self.attention(layer, bid, h, pos, kv, seq))
+        return self._logits(x[-1:] if last_only else x)
+
+    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
+                      kv: KVStore) -> torch.Tensor:
+        """Logits (B, n_vocab) for one token of each of B distinct sequences (batched decode)."""
+        x = ops.get_rows(self.tok_embd, tokens)  # (B, D)
+        x = self._layers(x, lambda layer, bid, h: self.attention_batch(layer, bid, h, positions, seqs, kv))
+        return self._logits(x)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 class EngineOptions:
     n_ctx: int = 512  # 0: the model's training context
     n_batch: int = 512
+    n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
     n_threads: int | None = None
     vram_budget_gib: float | None = None
     n_gpu_layers: int = 0
@@ -79,7 +80,9 @@ class Engine:
         if o.n_batch <= 0:
             raise InputError(f"batch size must be positive (got {o.n_batch})")
         c = self.config
-        self.kv = KVCache(c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim, device=self.kv_device)
+        if o.n_seq < 1:
+            raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
+        self.kv = KVCache(c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim, n_seq=o.n_seq, device=self.kv_device)
         self.model.setup(self.n_ctx)
         self.n_past = 0
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
