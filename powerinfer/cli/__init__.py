@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from powerinfer.cli.convert import convert as convert_command
 from powerinfer.cli.main import main as main_command
 from powerinfer.cli.quantize import quantize as quantize_command
 from powerinfer.cli.perplexity import perplexity_command
@@ -18,6 +19,7 @@ app = typer.Typer(
 app.command("main", help="Generate text from a prompt (llama.cpp main).")(main_command)
 app.command("quantize")(quantize_command)
 app.command("perplexity", help="Perplexity of a text file (llama.cpp perplexity).")(perplexity_command)
+app.command("convert", help="Convert a Hugging Face checkpoint into a PowerInfer or dense GGUF.")(convert_command)
 
 
 @app.callback()

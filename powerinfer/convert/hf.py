@@ -1,0 +1,323 @@
+"""Hugging Face Llama-family checkpoints (config.json + safetensors) into llama.cpp or PowerInfer GGUF files.
+
+The output follows PowerInfer's convert.py (spec section 1): the same metadata keys, values, types and order;
+q/k rows permuted for llama.cpp's adjacent-pair RoPE; in a PowerInfer (PWRI) file `ffn_down_t` holds HF
+`down_proj` transposed to (n_ff, n_embd) and the per-layer predictors follow as `blk.N.fc1`/`fc2`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from powerinfer.arch.llama import ACTIVATION_KEY
+from powerinfer.convert.predictor import Predictors, load_predictors
+from powerinfer.convert.vocab import load_vocab, read_json
+from powerinfer.errors import ConfigError, FormatError, InputError
+from powerinfer.gguf.constants import GGMLType, Keys, TensorNames, ValueType
+from powerinfer.gguf.writer import GGUFWriter
+
+log = logging.getLogger(__name__)
+
+# --outtype -> (ggml type of 2-D tensors, llama_ftype written as general.file_type)
+OUTTYPES: dict[str, tuple[GGMLType, int]] = {
+    "f32": (GGMLType.F32, 0),
+    "f16": (GGMLType.F16, 1),
+    "q8_0": (GGMLType.Q8_0, 7),
+}
+ARCHITECTURES = ("llama", "bamboo")
+ACTIVATIONS = ("silu", "relu")
+
+# HF name (after the layer prefix) -> GGUF template
+_LAYER_TENSORS = {
+    "input_layernorm.weight": TensorNames.ATTN_NORM,
+    "self_attn.q_proj.weight": TensorNames.ATTN_Q,
+    "self_attn.k_proj.weight": TensorNames.ATTN_K,
+    "self_attn.v_proj.weight": TensorNames.ATTN_V,
+    "self_attn.o_proj.weight": TensorNames.ATTN_OUT,
+    "post_attention_layernorm.weight": TensorNames.FFN_NORM,
+    "mlp.gate_proj.weight": TensorNames.FFN_GATE,
+    "mlp.up_proj.weight": TensorNames.FFN_UP,
+    "mlp.down_proj.weight": TensorNames.FFN_DOWN,
+}
+_GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": TensorNames.TOKEN_EMBD,
+    "model.norm.weight": TensorNames.OUTPUT_NORM,
+    "lm_head.weight": TensorNames.OUTPUT,
+}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True)
+class HFConfig:
+    """The fields of a HF Llama config.json that the converter uses."""
+
+    arch: str
+    n_vocab: int
+    n_ctx: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    rms_eps: float
+    rope_theta: float | None
+    rope_scale: float | None  # linear RoPE scaling factor
+    activation: str
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], path: Path) -> HFConfig:
+        model_type = cfg.get("model_type")
+        if model_type is None and "LlamaForCausalLM" in (cfg.get("architectures") or []):
+            model_type = "llama"
+        if model_type not in ARCHITECTURES:
+            arch = model_type or (cfg.get("architectures") or ["?"])[0]
+            raise ConfigError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+
+        def need(key: str, kind: type = int) -> Any:
+            value = cfg.get(key)
+            if value is None:
+                raise ConfigError(f"{path}: missing required key '{key}'")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+                raise ConfigError(f"{path}: '{key}' must be a number, got {value!r}")
+            return kind(value)
+
+        n_embd, n_head = need("hidden_size"), need("num_attention_heads")
+        n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
+        if n_head <= 0 or n_embd % n_head or n_head_kv <= 0 or n_head % n_head_kv:
+            raise ConfigError(f"{path}: hidden_size {n_embd}, {n_head} heads and {n_head_kv} KV heads do not fit")
+        head_dim = cfg.get("head_dim")
+        if head_dim is not None and head_dim != n_embd // n_head:
+            raise ConfigError(f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads")
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta"))
+        scaling = cfg.get("rope_scaling") or rope_params
+        scaling_type = scaling.get("rope_type", scaling.get("type")) or "default"
+        rope_scale = None
+        if scaling_type == "linear":
+            rope_scale = float(scaling["factor"])
+        elif scaling_type != "default":
+            raise ConfigError(f"{path}: unsupported RoPE scaling '{scaling_type}'")
+        activation = cfg.get("hidden_act", "silu")
+        if activation not in ACTIVATIONS:
+            raise ConfigError(f"{path}: unsupported hidden_act '{activation}' (supported: {', '.join(ACTIVATIONS)})")
+        return cls(
+            arch=model_type, n_vocab=need("vocab_size"), n_ctx=need("max_position_embeddings"), n_embd=n_embd,
+            n_layer=need("num_hidden_layers"), n_ff=need("intermediate_size"), n_head=n_head, n_head_kv=n_head_kv,
+            rms_eps=need("rms_norm_eps", float), rope_theta=None if rope_theta is None else float(rope_theta),
+            rope_scale=rope_scale, activation=activation,
+        )
+
+
+class Checkpoint:
+    """The tensors of the *.safetensors files of a HF folder (a sharded index too), read on demand."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise FormatError(f"{index}: no weight_map")
+            files = [hf_dir / f for f in dict.fromkeys(sorted(weight_map.values()))]
+        else:
+            files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            extra = " (only PyTorch .bin weights found; convert them to safetensors)" if any(
+                hf_dir.glob("*.bin")) else ""
+            raise FormatError(f"{hf_dir}: no *.safetensors weights{extra}")
+        self._files: dict[str, Any] = {}
+        self.location: dict[str, Any] = {}  # tensor name -> open file
+        for path in files:
+            if not path.is_file():
+                raise FormatError(f"{path}: weight file listed in the index is missing")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise FormatError(f"{path}: not a safetensors file: {e}") from None
+            self._files[str(path)] = handle
+            for name in handle.keys():
+                self.location[name] = (handle, path)
+
+    def names(self) -> list[str]:
+        return list(self.location)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        handle, _ = self.location[name]
+        return tuple(handle.get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as numpy; bfloat16 (which numpy lacks) is widened to float32 through torch."""
+        handle, path = self.location[name]
+        if handle.get_slice(name).get_dtype() == "BF16":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name).float().numpy()
+        return handle.get_tensor(name)
+
+
+def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF q/k rows (rotate-half RoPE, per head: first halves then second halves) into llama.cpp's
+    adjacent-pair order."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class ConversionResult:
+    """What `convert_checkpoint` wrote."""
+
+    path: Path
+    sparse: bool
+    outtype: str
+    n_tensors: int
+    n_kv: int
+    n_bytes: int
+
+
+def _expected_shapes(c: HFConfig) -> dict[str, tuple[int, ...]]:
+    n_embd_gqa = c.n_embd // c.n_head * c.n_head_kv
+    per_layer = {
+        TensorNames.ATTN_NORM: (c.n_embd,), TensorNames.FFN_NORM: (c.n_embd,),
+        TensorNames.ATTN_Q: (c.n_embd, c.n_embd), TensorNames.ATTN_OUT: (c.n_embd, c.n_embd),
+        TensorNames.ATTN_K: (n_embd_gqa, c.n_embd), TensorNames.ATTN_V: (n_embd_gqa, c.n_embd),
+        TensorNames.FFN_GATE: (c.n_ff, c.n_embd), TensorNames.FFN_UP: (c.n_ff, c.n_embd),
+        TensorNames.FFN_DOWN: (c.n_embd, c.n_ff),  # HF orientation, before any transpose
+    }
+    out = {t.format(bid=b): s for b in range(c.n_layer) for t, s in per_layer.items()}
+    out[TensorNames.TOKEN_EMBD] = out[TensorNames.OUTPUT] = (c.n_vocab, c.n_embd)
+    out[TensorNames.OUTPUT_NORM] = (c.n_embd,)
+    return out
+
+
+def _map_names(ckpt: Checkpoint, c: HFConfig) -> dict[str, str]:
+    """GGUF name -> HF name, in checkpoint order; checks that every tensor is present with its shape."""
+    mapping: dict[str, str] = {}
+    for hf_name in ckpt.names():
+        gguf_name = _GLOBAL_TENSORS.get(hf_name)
+        m = _LAYER_RE.fullmatch(hf_name)
+        if m and m.group(2) in _LAYER_TENSORS and int(m.group(1)) < c.n_layer:
+            gguf_name = _LAYER_TENSORS[m.group(2)].format(bid=int(m.group(1)))
+        if gguf_name is None:
+            if hf_name.endswith("rotary_emb.inv_freq"):
+                continue  # recomputed from rope.freq_base
+            raise FormatError(f"unexpected tensor '{hf_name}' in the checkpoint")
+        mapping[gguf_name] = hf_name
+    if TensorNames.OUTPUT not in mapping and TensorNames.TOKEN_EMBD in mapping:
+        mapping[TensorNames.OUTPUT] = mapping[TensorNames.TOKEN_EMBD]  # tied embeddings: PowerInfer needs output
+    expected = _expected_shapes(c)
+    for gguf_name, shape in expected.items():
+        if gguf_name not in mapping:
+            raise FormatError(f"the checkpoint has no tensor for {gguf_name}")
+        got = ckpt.shape(mapping[gguf_name])
+        if got != shape:
+            raise FormatError(f"tensor '{mapping[gguf_name]}' has shape {got}, expected {shape} from config.json")
+    return mapping
+
+
+def _add_metadata(w: GGUFWriter, c: HFConfig, name: str, file_type: int, predictors: Predictors | None) -> None:
+    def k(template: str) -> str:
+        return template.format(arch=c.arch)
+
+    u32 = ValueType.UINT32
+    w.add(Keys.ARCHITECTURE, c.arch, ValueType.STRING)
+    w.add(Keys.NAME, name, ValueType.STRING)
+    w.add(k(Keys.CONTEXT_LENGTH), c.n_ctx, u32)
+    w.add(k(Keys.EMBEDDING_LENGTH), c.n_embd, u32)
+    w.add(k(Keys.BLOCK_COUNT), c.n_layer, u32)
+    w.add(k(Keys.FEED_FORWARD_LENGTH), c.n_ff, u32)
+    w.add(k(Keys.ROPE_DIMENSION_COUNT), c.n_embd // c.n_head, u32)
+    w.add(k(Keys.HEAD_COUNT), c.n_head, u32)
+    w.add(k(Keys.HEAD_COUNT_KV), c.n_head_kv, u32)
+    w.add(k(Keys.LAYERNORM_RMS_EPS), c.rms_eps, ValueType.FLOAT32)
+    if c.rope_theta is not None:
+        w.add(k(Keys.ROPE_FREQ_BASE), c.rope_theta, ValueType.FLOAT32)
+    if c.rope_scale is not None:
+        w.add(k(Keys.ROPE_SCALING_TYPE), "linear", ValueType.STRING)
+        w.add(k(Keys.ROPE_SCALING_FACTOR), c.rope_scale, ValueType.FLOAT32)
+    w.add(Keys.FILE_TYPE, file_type, u32)
+    if predictors is not None and predictors.threshold is not None:
+        w.add(Keys.SPARSE_THRESHOLD, predictors.threshold, ValueType.FLOAT32)
+    if c.activation != "silu":
+        # our own key (GGUF has none); omitted for SiLU so SiLU files match llama.cpp's byte for byte
+        w.add(ACTIVATION_KEY, c.activation, ValueType.STRING)
+
+
+def _tensors(ckpt: Checkpoint, c: HFConfig, mapping: dict[str, str], sparse: bool,
+             predictors: Predictors | None) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, row-major array) pairs, in checkpoint order, then the predictors layer by layer."""
+    for gguf_name, hf_name in mapping.items():
+        data = ckpt.get(hf_name)
+        if gguf_name.endswith(".attn_q.weight"):
+            data = permute_rope(data, c.n_head)
+        elif gguf_name.endswith(".attn_k.weight"):
+            data = permute_rope(data, c.n_head_kv)
+        elif gguf_name.endswith(".ffn_down.weight") and sparse:
+            gguf_name = gguf_name.replace(".ffn_down.", ".ffn_down_t.")
+            data = data.T  # (n_ff, n_embd): row j = output column of neuron j
+        yield gguf_name, data
+    if predictors is not None:
+        for layer, (fc1, fc2) in enumerate(zip(predictors.fc1, predictors.fc2)):
+            yield TensorNames.PRED_FC1.format(bid=layer), fc1
+            yield TensorNames.PRED_FC2.format(bid=layer), fc2
+
+
+def convert_checkpoint(hf_dir: Path, outfile: Path, *, predictor_dir: Path | None = None, outtype: str = "f16",
+                       dense: bool = False,
+                       on_tensor: Callable[[str, int, int], None] | None = None) -> ConversionResult:
+    """Convert a HF Llama/Bamboo checkpoint; `on_tensor(name, index, total)` reports progress per tensor.
+
+    Every input is read and checked before anything is written; the file appears atomically at the end.
+    """
+    hf_dir, outfile = Path(hf_dir), Path(outfile)
+    if outtype not in OUTTYPES:
+        raise InputError(f"unsupported output type '{outtype}' (choose from {', '.join(OUTTYPES)})")
+    matrix_type, file_type = OUTTYPES[outtype]
+    if not hf_dir.is_dir():
+        raise InputError(f"model folder {hf_dir} does not exist")
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FormatError(f"{hf_dir}: no config.json (not a Hugging Face model folder)")
+    config = read_json(config_path)
+    c = HFConfig.from_dict(config, config_path)
+    ckpt = Checkpoint(hf_dir)
+    mapping = _map_names(ckpt, c)
+    vocab = load_vocab(hf_dir, config)
+    vocab.pad_to(c.n_vocab)
+    sparse = predictor_dir is not None and not dense
+    if predictor_dir is not None and dense:
+        log.warning("--dense: ignoring the predictor folder %s", predictor_dir)
+    predictors = load_predictors(Path(predictor_dir), c.n_layer, c.n_embd, c.n_ff) if sparse else None
+    if predictors is not None and matrix_type == GGMLType.Q8_0 and predictors.fc1[0].shape[0] % 32:
+        raise FormatError(f"predictor rank {predictors.fc1[0].shape[0]} is not a multiple of 32 (needed for q8_0)")
+
+    writer = GGUFWriter(outfile, sparse=sparse)
+    _add_metadata(writer, c, hf_dir.resolve().name, file_type, predictors)
+    vocab.add_to(writer)
+    total = len(mapping) + (2 * c.n_layer if predictors is not None else 0)
+    for i, (name, data) in enumerate(_tensors(ckpt, c, mapping, sparse, predictors)):
+        if on_tensor is not None:
+            on_tensor(name, i, total)
+        ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32
+        src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
+        writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
+    writer.write()
+    return ConversionResult(outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size)
+
+
+def convert_hf_to_gguf(hf_dir: Path, outfile: Path, *, predictor_dir: Path | None = None, outtype: str = "f16",
+                       dense: bool = False) -> Path:
+    """Convert a HF Llama-family checkpoint into a PowerInfer GGUF (with `predictor_dir`) or a dense GGUF.
+
+    outtype: "f32", "f16" or "q8_0" for 2-D tensors (1-D tensors are always F32). dense=True (or no
+    predictor folder) writes a plain llama.cpp GGUF with `ffn_down`. Returns the written path.
+    """
+    return convert_checkpoint(hf_dir, outfile, predictor_dir=predictor_dir, outtype=outtype, dense=dense).path
