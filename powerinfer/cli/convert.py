@@ -12,32 +12,51 @@ from powerinfer.cli.common import err_console, run_guarded
 from powerinfer.convert import ConversionResult, convert_checkpoint
 
 
-def _convert(hf_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str, dense: bool) -> ConversionResult:
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=err_console,
-                  transient=True) as progress:
+def _convert(
+    hf_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str, dense: bool
+) -> ConversionResult:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        console=err_console,
+        transient=True,
+    ) as progress:
         task = progress.add_task("converting", total=None)
 
         def on_tensor(name: str, index: int, total: int) -> None:
             progress.update(task, description=name, completed=index, total=total)
 
-        return convert_checkpoint(hf_dir, outfile, predictor_dir=predictor_dir, outtype=outtype, dense=dense,
-                                  on_tensor=on_tensor)
+        return convert_checkpoint(
+            hf_dir, outfile, predictor_dir=predictor_dir, outtype=outtype, dense=dense, on_tensor=on_tensor
+        )
 
 
 def convert(
-    hf_dir: Annotated[Path, typer.Argument(help="Hugging Face model folder (config.json, *.safetensors, tokenizer).",
-                                           show_default=False)],
-    predictor_dir: Annotated[Path | None, typer.Argument(
-        help="PowerInfer predictor folder (model_<N>.pt, config.json); omit for a dense GGUF.",
-        show_default=False)] = None,
+    hf_dir: Annotated[
+        Path,
+        typer.Argument(
+            help="Hugging Face model folder (config.json, *.safetensors, tokenizer).", show_default=False
+        ),
+    ],
+    predictor_dir: Annotated[
+        Path | None,
+        typer.Argument(
+            help="PowerInfer predictor folder (model_<N>.pt, config.json); omit for a dense GGUF.",
+            show_default=False,
+        ),
+    ] = None,
     *,
     outfile: Annotated[Path, typer.Option("--outfile", "-o", help="Output GGUF file.", show_default=False)],
     outtype: Annotated[str, typer.Option("--outtype", help="Type of 2-D tensors: f32, f16 or q8_0.")] = "f16",
-    dense: Annotated[bool, typer.Option("--dense", help="Write a plain llama.cpp GGUF (ffn_down, no predictors).")]
-    = False,
+    dense: Annotated[
+        bool, typer.Option("--dense", help="Write a plain llama.cpp GGUF (ffn_down, no predictors).")
+    ] = False,
 ) -> None:
     """Convert a Hugging Face Llama/Bamboo checkpoint into a PowerInfer GGUF (PWRI) or a dense GGUF."""
     result = run_guarded(_convert, hf_dir, predictor_dir, outfile, outtype, dense)
     kind = "PowerInfer (PWRI)" if result.sparse else "dense GGUF"
-    typer.echo(f"wrote {result.path}: {kind}, {result.outtype}, {result.n_tensors} tensors, {result.n_kv} KVs, "
-               f"{result.n_bytes} bytes")
+    typer.echo(
+        f"wrote {result.path}: {kind}, {result.outtype}, {result.n_tensors} tensors, {result.n_kv} KVs, "
+        f"{result.n_bytes} bytes"
+    )

@@ -78,20 +78,28 @@ class HFConfig:
             model_type = "llama"
         if model_type not in ARCHITECTURES:
             arch = model_type or (cfg.get("architectures") or ["?"])[0]
-            raise ConfigError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+            raise ConfigError(
+                f"{path}: unsupported architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})"
+            )
 
         def need(key: str, kind: type = int) -> Any:
             value = cfg.get(key)
             if value is None:
                 raise ConfigError(f"{path}: missing required key '{key}'")
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or (kind is int and value != int(value))
+            ):
                 raise ConfigError(f"{path}: '{key}' must be a number, got {value!r}")
             return kind(value)
 
         n_embd, n_head = need("hidden_size"), need("num_attention_heads")
         n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
         if n_head <= 0 or n_embd % n_head or n_head_kv <= 0 or n_head % n_head_kv:
-            raise ConfigError(f"{path}: hidden_size {n_embd}, {n_head} heads and {n_head_kv} KV heads do not fit")
+            raise ConfigError(
+                f"{path}: hidden_size {n_embd}, {n_head} heads and {n_head_kv} KV heads do not fit"
+            )
         head_dim = cfg.get("head_dim")
         if head_dim is not None and head_dim != n_embd // n_head:
             raise ConfigError(f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads")
@@ -106,12 +114,22 @@ class HFConfig:
             raise ConfigError(f"{path}: unsupported RoPE scaling '{scaling_type}'")
         activation = cfg.get("hidden_act", "silu")
         if activation not in ACTIVATIONS:
-            raise ConfigError(f"{path}: unsupported hidden_act '{activation}' (supported: {', '.join(ACTIVATIONS)})")
+            raise ConfigError(
+                f"{path}: unsupported hidden_act '{activation}' (supported: {', '.join(ACTIVATIONS)})"
+            )
         return cls(
-            arch=model_type, n_vocab=need("vocab_size"), n_ctx=need("max_position_embeddings"), n_embd=n_embd,
-            n_layer=need("num_hidden_layers"), n_ff=need("intermediate_size"), n_head=n_head, n_head_kv=n_head_kv,
-            rms_eps=need("rms_norm_eps", float), rope_theta=None if rope_theta is None else float(rope_theta),
-            rope_scale=rope_scale, activation=activation,
+            arch=model_type,
+            n_vocab=need("vocab_size"),
+            n_ctx=need("max_position_embeddings"),
+            n_embd=n_embd,
+            n_layer=need("num_hidden_layers"),
+            n_ff=need("intermediate_size"),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            rms_eps=need("rms_norm_eps", float),
+            rope_theta=None if rope_theta is None else float(rope_theta),
+            rope_scale=rope_scale,
+            activation=activation,
         )
 
 
@@ -130,8 +148,11 @@ class Checkpoint:
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
-            extra = " (only PyTorch .bin weights found; convert them to safetensors)" if any(
-                hf_dir.glob("*.bin")) else ""
+            extra = (
+                " (only PyTorch .bin weights found; convert them to safetensors)"
+                if any(hf_dir.glob("*.bin"))
+                else ""
+            )
             raise FormatError(f"{hf_dir}: no *.safetensors weights{extra}")
         self._files: dict[str, Any] = {}
         self.location: dict[str, Any] = {}  # tensor name -> open file
@@ -186,10 +207,14 @@ class ConversionResult:
 def _expected_shapes(c: HFConfig) -> dict[str, tuple[int, ...]]:
     n_embd_gqa = c.n_embd // c.n_head * c.n_head_kv
     per_layer = {
-        TensorNames.ATTN_NORM: (c.n_embd,), TensorNames.FFN_NORM: (c.n_embd,),
-        TensorNames.ATTN_Q: (c.n_embd, c.n_embd), TensorNames.ATTN_OUT: (c.n_embd, c.n_embd),
-        TensorNames.ATTN_K: (n_embd_gqa, c.n_embd), TensorNames.ATTN_V: (n_embd_gqa, c.n_embd),
-        TensorNames.FFN_GATE: (c.n_ff, c.n_embd), TensorNames.FFN_UP: (c.n_ff, c.n_embd),
+        TensorNames.ATTN_NORM: (c.n_embd,),
+        TensorNames.FFN_NORM: (c.n_embd,),
+        TensorNames.ATTN_Q: (c.n_embd, c.n_embd),
+        TensorNames.ATTN_OUT: (c.n_embd, c.n_embd),
+        TensorNames.ATTN_K: (n_embd_gqa, c.n_embd),
+        TensorNames.ATTN_V: (n_embd_gqa, c.n_embd),
+        TensorNames.FFN_GATE: (c.n_ff, c.n_embd),
+        TensorNames.FFN_UP: (c.n_ff, c.n_embd),
         TensorNames.FFN_DOWN: (c.n_embd, c.n_ff),  # HF orientation, before any transpose
     }
     out = {t.format(bid=b): s for b in range(c.n_layer) for t, s in per_layer.items()}
@@ -212,18 +237,23 @@ def _map_names(ckpt: Checkpoint, c: HFConfig) -> dict[str, str]:
             raise FormatError(f"unexpected tensor '{hf_name}' in the checkpoint")
         mapping[gguf_name] = hf_name
     if TensorNames.OUTPUT not in mapping and TensorNames.TOKEN_EMBD in mapping:
-        mapping[TensorNames.OUTPUT] = mapping[TensorNames.TOKEN_EMBD]  # tied embeddings: PowerInfer needs output
+        # tied embeddings: PowerInfer's loader requires output.weight
+        mapping[TensorNames.OUTPUT] = mapping[TensorNames.TOKEN_EMBD]
     expected = _expected_shapes(c)
     for gguf_name, shape in expected.items():
         if gguf_name not in mapping:
             raise FormatError(f"the checkpoint has no tensor for {gguf_name}")
         got = ckpt.shape(mapping[gguf_name])
         if got != shape:
-            raise FormatError(f"tensor '{mapping[gguf_name]}' has shape {got}, expected {shape} from config.json")
+            raise FormatError(
+                f"tensor '{mapping[gguf_name]}' has shape {got}, expected {shape} from config.json"
+            )
     return mapping
 
 
-def _add_metadata(w: GGUFWriter, c: HFConfig, name: str, file_type: int, predictors: Predictors | None) -> None:
+def _add_metadata(
+    w: GGUFWriter, c: HFConfig, name: str, file_type: int, predictors: Predictors | None
+) -> None:
     def k(template: str) -> str:
         return template.format(arch=c.arch)
 
@@ -251,8 +281,9 @@ def _add_metadata(w: GGUFWriter, c: HFConfig, name: str, file_type: int, predict
         w.add(ACTIVATION_KEY, c.activation, ValueType.STRING)
 
 
-def _tensors(ckpt: Checkpoint, c: HFConfig, mapping: dict[str, str], sparse: bool,
-             predictors: Predictors | None) -> Iterator[tuple[str, np.ndarray]]:
+def _tensors(
+    ckpt: Checkpoint, c: HFConfig, mapping: dict[str, str], sparse: bool, predictors: Predictors | None
+) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, row-major array) pairs, in checkpoint order, then the predictors layer by layer."""
     for gguf_name, hf_name in mapping.items():
         data = ckpt.get(hf_name)
@@ -265,14 +296,20 @@ def _tensors(ckpt: Checkpoint, c: HFConfig, mapping: dict[str, str], sparse: boo
             data = data.T  # (n_ff, n_embd): row j = output column of neuron j
         yield gguf_name, data
     if predictors is not None:
-        for layer, (fc1, fc2) in enumerate(zip(predictors.fc1, predictors.fc2)):
+        for layer, (fc1, fc2) in enumerate(zip(predictors.fc1, predictors.fc2, strict=True)):
             yield TensorNames.PRED_FC1.format(bid=layer), fc1
             yield TensorNames.PRED_FC2.format(bid=layer), fc2
 
 
-def convert_checkpoint(hf_dir: Path, outfile: Path, *, predictor_dir: Path | None = None, outtype: str = "f16",
-                       dense: bool = False,
-                       on_tensor: Callable[[str, int, int], None] | None = None) -> ConversionResult:
+def convert_checkpoint(
+    hf_dir: Path,
+    outfile: Path,
+    *,
+    predictor_dir: Path | None = None,
+    outtype: str = "f16",
+    dense: bool = False,
+    on_tensor: Callable[[str, int, int], None] | None = None,
+) -> ConversionResult:
     """Convert a HF Llama/Bamboo checkpoint; `on_tensor(name, index, total)` reports progress per tensor.
 
     Every input is read and checked before anything is written; the file appears atomically at the end.
@@ -297,7 +334,9 @@ def convert_checkpoint(hf_dir: Path, outfile: Path, *, predictor_dir: Path | Non
         log.warning("--dense: ignoring the predictor folder %s", predictor_dir)
     predictors = load_predictors(Path(predictor_dir), c.n_layer, c.n_embd, c.n_ff) if sparse else None
     if predictors is not None and matrix_type == GGMLType.Q8_0 and predictors.fc1[0].shape[0] % 32:
-        raise FormatError(f"predictor rank {predictors.fc1[0].shape[0]} is not a multiple of 32 (needed for q8_0)")
+        raise FormatError(
+            f"predictor rank {predictors.fc1[0].shape[0]} is not a multiple of 32 (needed for q8_0)"
+        )
 
     writer = GGUFWriter(outfile, sparse=sparse)
     _add_metadata(writer, c, hf_dir.resolve().name, file_type, predictors)
@@ -310,11 +349,19 @@ def convert_checkpoint(hf_dir: Path, outfile: Path, *, predictor_dir: Path | Non
         src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
         writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
     writer.write()
-    return ConversionResult(outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size)
+    return ConversionResult(
+        outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size
+    )
 
 
-def convert_hf_to_gguf(hf_dir: Path, outfile: Path, *, predictor_dir: Path | None = None, outtype: str = "f16",
-                       dense: bool = False) -> Path:
+def convert_hf_to_gguf(
+    hf_dir: Path,
+    outfile: Path,
+    *,
+    predictor_dir: Path | None = None,
+    outtype: str = "f16",
+    dense: bool = False,
+) -> Path:
     """Convert a HF Llama-family checkpoint into a PowerInfer GGUF (with `predictor_dir`) or a dense GGUF.
 
     outtype: "f32", "f16" or "q8_0" for 2-D tensors (1-D tensors are always F32). dense=True (or no

@@ -1,4 +1,4 @@
-"""PowerInfer predictor folders: `model_<N>.pt` (fc1/fc2 state dicts, no biases) and an optional config.json."""
+"""PowerInfer predictor folders: `model_<N>.pt` (fc1/fc2 state dicts, no biases), optional config.json."""
 
 from __future__ import annotations
 
@@ -48,7 +48,9 @@ def load_predictors(folder: Path, n_layer: int, n_embd: int, n_ff: int) -> Predi
     for layer in range(n_layer):
         path = folder / f"model_{layer}.pt"
         if not path.is_file():
-            raise FormatError(f"predictor folder {folder} has no model_{layer}.pt (the model has {n_layer} layers)")
+            raise FormatError(
+                f"predictor folder {folder} has no model_{layer}.pt (the model has {n_layer} layers)"
+            )
         state = _load_state(path)
         w1, w2 = state["fc1.weight"], state["fc2.weight"]
         if w1.ndim != 2 or w1.shape[1] != n_embd:

@@ -1,4 +1,4 @@
-"""Tokenizer metadata from a Hugging Face folder: SentencePiece (tokenizer.model) or GPT-2 BPE (tokenizer.json)."""
+"""Tokenizer metadata of a HF folder: SentencePiece (tokenizer.model) or GPT-2 BPE (tokenizer.json)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ log = logging.getLogger(__name__)
 # llama.cpp token types
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = 1, 2, 3, 4, 5, 6
 SEP_ID_KEY = "tokenizer.ggml.seperator_token_id"  # llama.cpp's spelling
-SPECIAL_KEYS = {"bos": Keys.TOKENIZER_BOS_ID, "eos": Keys.TOKENIZER_EOS_ID, "unk": Keys.TOKENIZER_UNK_ID,
-                "sep": SEP_ID_KEY, "pad": Keys.TOKENIZER_PAD_ID}
+SPECIAL_KEYS = {
+    "bos": Keys.TOKENIZER_BOS_ID,
+    "eos": Keys.TOKENIZER_EOS_ID,
+    "unk": Keys.TOKENIZER_UNK_ID,
+    "sep": SEP_ID_KEY,
+    "pad": Keys.TOKENIZER_PAD_ID,
+}
 ADDED_TOKEN_SCORE = -1000.0
 
 
@@ -46,7 +51,9 @@ class Vocab:
             log.warning("padding the vocabulary from %d to %d tokens", n, n_vocab)
             self.tokens += [f"[PAD{i}]" for i in range(n, n_vocab)]
             if self.scores is not None:
-                self.scores = np.concatenate([self.scores, np.full(n_vocab - n, ADDED_TOKEN_SCORE, np.float32)])
+                self.scores = np.concatenate(
+                    [self.scores, np.full(n_vocab - n, ADDED_TOKEN_SCORE, np.float32)]
+                )
             self.types = np.concatenate([self.types, np.full(n_vocab - n, TOKEN_USER_DEFINED, np.int32)])
 
     def add_to(self, writer: Any) -> None:
@@ -56,7 +63,9 @@ class Vocab:
             writer.add(Keys.TOKENIZER_PRE, self.pre, ValueType.STRING)
         writer.add(Keys.TOKENIZER_TOKENS, self.tokens, ValueType.ARRAY, ValueType.STRING)
         if self.scores is not None:
-            writer.add(Keys.TOKENIZER_SCORES, self.scores.astype(np.float32), ValueType.ARRAY, ValueType.FLOAT32)
+            writer.add(
+                Keys.TOKENIZER_SCORES, self.scores.astype(np.float32), ValueType.ARRAY, ValueType.FLOAT32
+            )
         writer.add(Keys.TOKENIZER_TOKEN_TYPE, self.types.astype(np.int32), ValueType.ARRAY, ValueType.INT32)
         if self.merges is not None:
             writer.add(Keys.TOKENIZER_MERGES, self.merges, ValueType.ARRAY, ValueType.STRING)
@@ -146,7 +155,10 @@ def _sentencepiece_vocab(hf_dir: Path, config: dict[str, Any], tok_config: dict[
     add_bos = tok_config.get("add_bos_token")
     add_eos = tok_config.get("add_eos_token")
     return Vocab(
-        model="llama", tokens=tokens, scores=np.asarray(scores, np.float32), types=np.asarray(types, np.int32),
+        model="llama",
+        tokens=tokens,
+        scores=np.asarray(scores, np.float32),
+        types=np.asarray(types, np.int32),
         special_ids=special,
         add_bos=add_bos if add_bos is False else None,
         add_eos=add_eos if add_eos is True else None,
@@ -178,10 +190,15 @@ def _bpe_vocab(hf_dir: Path, config: dict[str, Any], tok_config: dict[str, Any])
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
         raise ConfigError(f"{path}: unsupported tokenizer model {model.get('type')!r} (expected BPE)")
     if "ByteLevel" not in json.dumps(tokenizer.get("pre_tokenizer") or tokenizer.get("decoder") or {}):
-        raise ConfigError(f"{path}: not a byte-level BPE tokenizer; a SentencePiece tokenizer.model is needed")
+        raise ConfigError(
+            f"{path}: not a byte-level BPE tokenizer; a SentencePiece tokenizer.model is needed"
+        )
     by_id: dict[int, tuple[str, int]] = {int(i): (t, TOKEN_NORMAL) for t, i in model["vocab"].items()}
     for added in tokenizer.get("added_tokens") or []:
-        by_id[int(added["id"])] = (added["content"], TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED)
+        by_id[int(added["id"])] = (
+            added["content"],
+            TOKEN_CONTROL if added.get("special") else TOKEN_USER_DEFINED,
+        )
     n = max(by_id) + 1 if by_id else 0
     tokens = [by_id[i][0] if i in by_id else f"[PAD{i}]" for i in range(n)]
     types = [by_id[i][1] if i in by_id else TOKEN_USER_DEFINED for i in range(n)]
@@ -197,8 +214,13 @@ def _bpe_vocab(hf_dir: Path, config: dict[str, Any], tok_config: dict[str, Any])
     special = {k: special[k] for k in SPECIAL_KEYS if k in special}
     add_bos, add_eos = tok_config.get("add_bos_token"), tok_config.get("add_eos_token")
     return Vocab(
-        model="gpt2", tokens=tokens, scores=None, types=np.asarray(types, np.int32),
-        merges=merges, pre=_guess_pre(tokenizer), special_ids=special,
+        model="gpt2",
+        tokens=tokens,
+        scores=None,
+        types=np.asarray(types, np.int32),
+        merges=merges,
+        pre=_guess_pre(tokenizer),
+        special_ids=special,
         add_bos=add_bos if isinstance(add_bos, bool) else None,
         add_eos=add_eos if isinstance(add_eos, bool) else None,
     )
