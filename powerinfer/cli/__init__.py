@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from powerinfer.cli.batched import batched as batched_command
 from powerinfer.cli.convert import convert as convert_command
 from powerinfer.cli.main import main as main_command
 from powerinfer.cli.quantize import quantize as quantize_command
@@ -17,8 +18,11 @@ app = typer.Typer(
     add_completion=False,
 )
 app.command("main", help="Generate text from a prompt (llama.cpp main).")(main_command)
+app.command("profile")(__import__("powerinfer.cli.profile", fromlist=["profile"]).profile)
+app.command("train-predictor")(__import__("powerinfer.cli.train_predictor", fromlist=["_"]).train_predictor)
 app.command("quantize")(quantize_command)
 app.command("perplexity", help="Perplexity of a text file (llama.cpp perplexity).")(perplexity_command)
+app.command("batched", help="Decode several sequences in parallel (llama.cpp batched).")(batched_command)
 app.command("convert", help="Convert a Hugging Face checkpoint into a PowerInfer or dense GGUF.")(convert_command)
 
 

@@ -46,6 +46,13 @@ class BatchDecoder:
         assert logits is not None
         return logits[-1]
 
+    def fork(self, src: int, dst: int) -> None:
+        """Start slot dst as a copy of slot src (same prompt, evaluated once)."""
+        self._check_slot(src)
+        self._check_slot(dst)
+        self.engine.kv.copy_slot(src, dst, self.n_past[src])
+        self.n_past[dst] = self.n_past[src]
+
     @torch.inference_mode()
     def step(self, slots: list[int], tokens: list[int]) -> torch.Tensor:
         """Append tokens[i] to slots[i] (distinct slots); returns logits (len(slots), n_vocab)."""

@@ -45,3 +45,8 @@ class KVCache:
         keys = self.k[layer, seqs, :length].masked_fill(hidden, 0.0)
         values = self.v[layer, seqs, :length].masked_fill(hidden, 0.0)
         return keys, values, mask
+
+    def copy_slot(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n positions of sequence src into sequence dst (a shared prompt evaluated once)."""
+        self.k[:, dst, :n] = self.k[:, src, :n]
+        self.v[:, dst, :n] = self.v[:, src, :n]
