@@ -20,7 +20,7 @@ import numpy as np
 
 from powerinfer.errors import FormatError, InputError
 from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
-from powerinfer.gguf.constants import QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, Keys, ValueType
+from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, ValueType
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.quant import QUANTIZABLE, dequantize, quantize, row_bytes
 
@@ -31,7 +31,7 @@ _CHUNK_ELEMENTS = 1 << 20  # elements per work item of the thread pool
 
 @dataclass(frozen=True)
 class FileType:
-    """A `quantize` TYPE: its name, the llama_ftype number stored in general.file_type, the target ggml type."""
+    """A `quantize` TYPE: name, llama_ftype number (stored in general.file_type) and target ggml type."""
 
     name: str
     ftype: int
@@ -52,8 +52,10 @@ FILE_TYPES: tuple[FileType, ...] = (
     FileType("COPY", 0, None, "copy tensors as they are (general.file_type kept)"),
 )
 # names and numbers the original accepts whose blocks the gguf package cannot produce
-K_QUANT_FTYPES: dict[str, int] = {"Q2_K": 10, "Q3_K": 12, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K": 15,
-                                  "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18}
+K_QUANT_FTYPES: dict[str, int] = {
+    "Q2_K": 10, "Q3_K": 12, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K": 15,
+    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+}
 _BY_NAME = {ft.name: ft for ft in FILE_TYPES}
 _BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
 # ggml type -> llama_ftype, for a file without general.file_type (llama.cpp guesses from the commonest type)
@@ -74,7 +76,8 @@ def parse_file_type(text: str) -> FileType | None:
     number = int(name) if name.lstrip("-").isdigit() else None
     if number is not None and number in _BY_NUMBER:
         return _BY_NUMBER[number]
-    k_name = name if name in K_QUANT_FTYPES else next((k for k, v in K_QUANT_FTYPES.items() if v == number), None)
+    k_name = name if name in K_QUANT_FTYPES else next(
+        (k for k, v in K_QUANT_FTYPES.items() if v == number), None)
     if k_name is not None:
         raise InputError(f"type {k_name} is not supported: the gguf package has no K-quant quantizer "
                          f"(use one of {', '.join(_BY_NAME)})")
@@ -142,7 +145,8 @@ def default_output(input_path: Path, file_type: FileType) -> Path:
     return input_path.parent / f"ggml-model-{file_type.name}.gguf"
 
 
-def tensor_type(name: str, shape: tuple[int, ...], src_type: GGMLType, opts: QuantizeOptions) -> tuple[GGMLType, str]:
+def tensor_type(name: str, shape: tuple[int, ...], src_type: GGMLType,
+                opts: QuantizeOptions) -> tuple[GGMLType, str]:
     """The destination ggml type of one tensor, and a note when a rule kept it in its source type."""
     target = opts.file_type.ggml_type
     if target is None:
@@ -163,8 +167,8 @@ def tensor_type(name: str, shape: tuple[int, ...], src_type: GGMLType, opts: Qua
         return src_type, f"{src_type.name} tensors cannot be converted: kept as {src_type.name}"
     block = QUANT_SIZES[new_type][0]
     if shape[-1] % block:
-        return src_type, (f"row length {shape[-1]} is not a multiple of the {new_type.name} block size {block}: "
-                          f"kept as {src_type.name}")
+        return src_type, (f"row length {shape[-1]} is not a multiple of the {new_type.name} block size "
+                          f"{block}: kept as {src_type.name}")
     return new_type, ""
 
 
@@ -201,6 +205,12 @@ def _encode_rows(t: TensorInfo, plan: TensorPlan, out: np.ndarray, r0: int, r1: 
     out[r0:r1] = quantize(rows, plan.dst_type)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def _check_output(path: Path) -> None:
     folder = path.absolute().parent
     if not folder.is_dir():
@@ -230,7 +240,8 @@ def quantize_model(opts: QuantizeOptions,
 
     writer = GGUFWriter(opts.output, sparse=model.is_sparse, alignment=model.alignment)
     skip = {Keys.ALIGNMENT} if model.alignment != GGUF_DEFAULT_ALIGNMENT else set()
-    settings = {Keys.QUANTIZATION_VERSION: QUANTIZATION_VERSION, Keys.FILE_TYPE: file_type_number(model, opts)}
+    settings = {Keys.QUANTIZATION_VERSION: QUANTIZATION_VERSION,
+                Keys.FILE_TYPE: file_type_number(model, opts)}
     for key, value in model.metadata.items():
         if key in skip:
             continue
@@ -256,6 +267,7 @@ def quantize_model(opts: QuantizeOptions,
                 on_tensor(TensorDone(i, n, plan, t.n_bytes, dst_bytes))
     try:
         writer.write()
+        os.chmod(opts.output, 0o666 & ~_umask())  # the writer's temp file is created 0600
     except OSError as e:
         raise FormatError(f"cannot write {opts.output}: {e.strerror or e}") from None
     report.quantize_ms = (time.perf_counter() - t_start) * 1e3

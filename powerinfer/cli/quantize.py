@@ -29,9 +29,10 @@ HELP = (
     + ". Without OUT the output is <input dir>/ggml-model-<TYPE>.gguf. NTHREADS <= 0: all cores.\n\n"
     "Only 2-D tensors whose names end in 'weight' are converted; 1-D tensors keep their type. Unless --pure, "
     "for quantized targets output.weight becomes Q8_0 (the original picks Q6_K when n_embd % 256 == 0, a "
-    "K-quant that cannot be produced here) and the predictor matrices fc1/fc2 become Q4_0 for a Q4_0 target and "
-    "Q8_0 otherwise (the original picks Q5_0, which our kernels do not compute). Float targets (F32, F16, BF16) "
-    "convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI."
+    "K-quant that cannot be produced here) and the predictor matrices fc1/fc2 become Q4_0 for a Q4_0 "
+    "target and Q8_0 otherwise (the original picks Q5_0, which our kernels do not compute). Float targets "
+    "(F32, F16, BF16) convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI. "
+    "Logs and timings go to stderr."
 )
 
 
@@ -53,7 +54,7 @@ def format_tensor_line(ev: TensorDone) -> str:
 
 
 def parse_positionals(args: list[str]) -> tuple[Path, Path, str, int]:
-    """IN [OUT] TYPE [NTHREADS], resolved as quantize.cpp does: a second argument that parses as a type is TYPE."""
+    """IN [OUT] TYPE [NTHREADS], resolved as quantize.cpp does: a second argument that is a type is TYPE."""
     if len(args) < 2 or len(args) > 4:
         raise InputError("usage: powerinfer quantize [--allow-requantize] [--leave-output-tensor] [--pure] "
                          "IN [OUT] TYPE [NTHREADS]")
@@ -96,8 +97,8 @@ def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
             progress.update(task, advance=1, description=ev.plan.name)
 
         report = quantize_model(opts, on_tensor)
-    err.print(f"llama_model_quantize_internal: model size  = {report.src_bytes / 2**20:8.2f} MB", markup=False)
-    err.print(f"llama_model_quantize_internal: quant size  = {report.dst_bytes / 2**20:8.2f} MB", markup=False)
+    for label, n_bytes in (("model size ", report.src_bytes), ("quant size ", report.dst_bytes)):
+        err.print(f"llama_model_quantize_internal: {label} = {n_bytes / 2**20:8.2f} MB", markup=False)
     err.print("")
     err.print(f"main: quantize time = {report.quantize_ms:8.2f} ms", markup=False)
     err.print(f"main:    total time = {(time.perf_counter() - t_start) * 1e3:8.2f} ms", markup=False)
@@ -106,11 +107,11 @@ def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
 
 def quantize(
     args: Annotated[list[str], typer.Argument(metavar="IN [OUT] TYPE [NTHREADS]", show_default=False,
-                                              help="Input GGUF, optional output path, type, optional threads.")],
+                                              help="Input GGUF, optional output, type, optional threads.")],
     allow_requantize: Annotated[bool, typer.Option(
-        "--allow-requantize", help="Allow requantizing tensors that are already quantized (loses quality).")] = False,
+        "--allow-requantize", help="Allow requantizing already quantized tensors (loses quality).")] = False,
     leave_output_tensor: Annotated[bool, typer.Option(
-        "--leave-output-tensor", help="Leave output.weight unquantized (bigger file, better quality).")] = False,
+        "--leave-output-tensor", help="Leave output.weight as it is (bigger file, better quality).")] = False,
     pure: Annotated[bool, typer.Option(
         "--pure", help="Every eligible tensor to TYPE: no output.weight / fc1 / fc2 rules.")] = False,
 ) -> None:

@@ -1,0 +1,324 @@
+"""`powerinfer quantize`: type parsing, per-tensor rules, blocks bit-exact with the gguf reference, the
+original's output on the fixture, sparse FFN on every quantized type, and bad input."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import fixture_dir, random_llama_state, random_predictors, smollm2_path, write_llama_gguf
+from gguf import GGUFReader
+from gguf import quants as gguf_quants
+from test_sparse import N_FF, N_HEAD, N_HEAD_KV, _masked_reference, _placements
+from typer.testing import CliRunner
+
+from powerinfer.cli import app
+from powerinfer.errors import InputError
+from powerinfer.gguf import GGMLType, read_gguf
+from powerinfer.quant import dequantize
+from powerinfer.quantize import (
+    QuantizeOptions,
+    parse_file_type,
+    quantize_model,
+    require_file_type,
+    tensor_type,
+)
+from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.sampling import Sampler, SamplingParams
+
+runner = CliRunner()
+
+
+def run_quantize(*args: str):
+    return runner.invoke(app, ["quantize", *args])
+
+
+def assert_one_error_line(result, *needles: str) -> None:
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def assert_reference_blocks(src_path: Path, out_path: Path, every: int = 1) -> int:
+    """Converted tensors of `out_path` (every `every`-th one checked) equal the gguf package's quantizer on
+    the decoded source, unconverted ones their source bytes; returns the number of converted tensors."""
+    src, out = read_gguf(src_path), read_gguf(out_path)
+    assert list(src.tensors) == list(out.tensors)
+    n = 0
+    for name, t in out.tensors.items():
+        s = src.tensors[name]
+        if t.ggml_type == s.ggml_type:
+            assert bytes(t.data) == bytes(s.data), name
+            continue
+        n += 1
+        if (n - 1) % every:
+            continue
+        rows = dequantize(s.data, s.ggml_type, s.shape)
+        want = gguf_quants.quantize(rows, t.ggml_type)
+        assert bytes(t.data) == np.ascontiguousarray(want).tobytes(), name
+    return n
+
+
+def _opts(target: str, **kw) -> QuantizeOptions:
+    return QuantizeOptions(Path("in.gguf"), Path("out.gguf"), require_file_type(target), **kw)
+
+
+def test_type_names_and_numbers():
+    assert parse_file_type("q4_0").ggml_type == GGMLType.Q4_0
+    assert parse_file_type("Q8_0").ftype == 7
+    assert parse_file_type("7").name == "Q8_0"
+    assert parse_file_type("2").name == "Q4_0"
+    assert parse_file_type("32").ggml_type == GGMLType.BF16
+    assert parse_file_type("copy").ggml_type is None
+    assert parse_file_type("model.gguf") is None
+    with pytest.raises(InputError, match="Q4_K_M is not supported"):
+        parse_file_type("q4_k_m")
+    with pytest.raises(InputError, match="Q6_K is not supported"):
+        parse_file_type("18")
+    with pytest.raises(InputError, match="unknown quantization type 'Q9_9'"):
+        require_file_type("Q9_9")
+
+
+def test_per_tensor_rules():
+    q4, q8, q41 = _opts("Q4_0"), _opts("Q8_0"), _opts("Q4_1")
+    f16 = GGMLType.F16
+    assert tensor_type("blk.0.attn_norm.weight", (128,), GGMLType.F32, q4) == (GGMLType.F32, "")
+    assert tensor_type("blk.0.gpu_idx", (128,), GGMLType.I32, q4) == (GGMLType.I32, "")
+    assert tensor_type("blk.0.ffn_down_t.weight", (512, 128), f16, q41)[0] == GGMLType.Q4_1
+    assert tensor_type("token_embd.weight", (512, 128), f16, q4)[0] == GGMLType.Q4_0
+    assert tensor_type("output.weight", (512, 128), f16, q4)[0] == GGMLType.Q8_0
+    assert tensor_type("output.weight", (512, 128), f16, _opts("Q4_0", leave_output_tensor=True))[0] == f16
+    assert tensor_type("output.weight", (512, 128), f16, _opts("Q4_0", pure=True))[0] == GGMLType.Q4_0
+    assert tensor_type("blk.3.fc1.weight", (64, 128), f16, q4)[0] == GGMLType.Q4_0
+    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q41)[0] == GGMLType.Q8_0
+    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, _opts("Q4_1", pure=True))[0] == GGMLType.Q4_1
+    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q8)[0] == GGMLType.Q8_0
+    assert tensor_type("output.weight", (512, 128), GGMLType.F32, _opts("F16"))[0] == f16
+    dst, note = tensor_type("blk.0.attn_q.weight", (128, 48), f16, q4)
+    assert dst == f16 and "row length 48 is not a multiple of the Q4_0 block size 32" in note
+
+
+@pytest.mark.parametrize("target", ["Q4_0", "Q8_0", "Q4_1"])
+def test_fixture_round_trip(tmp_path, target):
+    src = fixture_dir() / "tiny.powerinfer.gguf"
+    out = tmp_path / f"tiny.{target}.gguf"
+    result = run_quantize(str(src), str(out), target.lower(), "2")
+    assert result.exit_code == 0, result.stderr
+    assert "quantizing to q8_0 .. size =     0.12 MB ->     0.07 MB" in result.stderr  # output.weight
+    assert "main: quantize time =" in result.stderr and "main:    total time =" in result.stderr
+    model, original = read_gguf(out), read_gguf(src)
+    assert model.is_sparse
+    assert model.metadata["general.file_type"] == require_file_type(target).ftype
+    assert model.metadata["general.quantization_version"] == 2
+    assert list(model.metadata) == list(original.metadata) + ["general.quantization_version"]
+    types = {n: t.ggml_type for n, t in model.tensors.items()}
+    assert types["output.weight"] == GGMLType.Q8_0 and types["blk.0.attn_norm.weight"] == GGMLType.F32
+    fc = GGMLType.Q4_0 if target == "Q4_0" else GGMLType.Q8_0
+    assert types["blk.2.fc1.weight"] == fc and types["blk.2.fc2.weight"] == fc
+    assert types["blk.2.ffn_down_t.weight"] == GGMLType[target]
+    assert assert_reference_blocks(src, out) == 4 * 9 + 2
+    engine = Engine(out, EngineOptions(n_ctx=64, n_threads=1))
+    assert engine.sparse_stats is not None
+    assert torch.isfinite(engine.logits_all([1, 414, 481])).all()
+
+
+def test_fixture_q4_0_equals_the_original(tmp_path):
+    """Against the original quantize's tiny.q4.powerinfer.gguf: same header and tensor table; blocks
+    identical except a handful where the original binary's fused multiply-add rounds x*id + 8.5 differently
+    (one nibble)."""
+    src = fixture_dir() / "tiny.powerinfer.gguf"
+    out = tmp_path / "q4.gguf"
+    quantize_model(QuantizeOptions(src, out, require_file_type("Q4_0"), n_threads=2))
+    ours, theirs = read_gguf(out), read_gguf(fixture_dir() / "tiny.q4.powerinfer.gguf")
+    assert ours.data_offset == theirs.data_offset
+    assert {k: v for k, v in ours.metadata.items() if not isinstance(v, (list, np.ndarray))} == {
+        k: v for k, v in theirs.metadata.items() if not isinstance(v, (list, np.ndarray))}
+    n_blocks = n_diff = 0
+    identical = []
+    for name, t in theirs.tensors.items():
+        o = ours.tensors[name]
+        assert (o.shape, o.ggml_type, o.offset) == (t.shape, t.ggml_type, t.offset), name
+        if bytes(o.data) == bytes(t.data):
+            identical.append(name)
+            continue
+        assert t.ggml_type == GGMLType.Q4_0, name
+        a, b = o.data.reshape(-1, 18), t.data.reshape(-1, 18)
+        bad = np.nonzero((a != b).any(1))[0]
+        n_blocks += len(a)
+        n_diff += len(bad)
+        assert (a[bad, :2] == b[bad, :2]).all()  # same scale
+        nib = lambda x: np.concatenate([x[:, 2:] & 15, x[:, 2:] >> 4], 1).astype(int)  # noqa: E731
+        assert np.abs(nib(a[bad]) - nib(b[bad])).sum() == len(bad)  # exactly one nibble off by one per block
+    assert "output.weight" in identical and len(identical) >= 36
+    assert n_diff <= 20
+
+
+def test_q8_0_fixture_generates_its_dense_text(tmp_path, monkeypatch):
+    """The fixture quantized to Q8_0: sparse mode, every neuron active, gives the dense FFN's greedy text."""
+    out = tmp_path / "q8.gguf"
+    quantize_model(QuantizeOptions(fixture_dir() / "tiny.powerinfer.gguf", out, require_file_type("Q8_0")))
+    monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "-inf")
+    sparse = Engine(out, EngineOptions(n_ctx=128, n_threads=2))
+    dense = Engine(out, EngineOptions(n_ctx=128, n_threads=2, dense_ffn=True))
+    tok = sparse.tokenizer
+    for prompt in ("Hello world", "The quick brown fox", "def main():"):
+        ids = [tok.bos_id] + tok.encode(prompt, add_bos=False)
+        got = [list(e.generate(ids, Sampler(SamplingParams(temp=0, repeat_penalty=1.0)), n_predict=24))
+               for e in (sparse, dense)]
+        assert got[0] == got[1], prompt
+        assert len(tok.decode(got[0]).strip()) > 0
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_1", "Q4_0"])
+def test_sparse_ffn_on_quantized_weights(tmp_path, target):
+    """Sparse FFN of a file quantized by us equals the masked dense reference on the dequantized weights."""
+    sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=4)
+    src = write_llama_gguf(tmp_path / "m.powerinfer.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu",
+                           predictors=random_predictors(sd, seed=4), threshold=0.0)
+    out = tmp_path / f"m.{target}.powerinfer.gguf"
+    quantize_model(QuantizeOptions(src, out, require_file_type(target), n_threads=2))
+    assert {read_gguf(out).tensors["blk.1.ffn_up.weight"].ggml_type} == {GGMLType[target]}
+    gen = torch.Generator().manual_seed(1)
+    for name, opts in _placements(tmp_path).items():
+        engine = Engine(out, opts)
+        for ffn in engine.model.ffns:
+            for T in (1, 4):
+                u, x = torch.randn(T, 64, generator=gen), torch.randn(T, 64, generator=gen)
+                for p in (0.1, 0.6, 1.0):
+                    mask = torch.rand(T, N_FF, generator=gen) < p
+                    ffn.predict = lambda _x, m=mask: m
+                    want = _masked_reference(ffn, u, mask)
+                    err = (ffn(u, x) - want).abs().max().item()
+                    assert err <= 1e-4 * (want.abs().max().item() + 1), (name, target, T, p, err)
+                del ffn.predict
+
+
+def test_threads_and_chunks_give_the_same_bytes(tmp_path, monkeypatch):
+    sd = random_llama_state(n_ff=N_FF, seed=5)
+    src = write_llama_gguf(tmp_path / "m.gguf", sd, n_head=4, n_head_kv=4, dtype=GGMLType.F16)
+    quantize_model(QuantizeOptions(src, tmp_path / "a.gguf", require_file_type("Q4_1"), n_threads=1))
+    monkeypatch.setattr("powerinfer.quantize._CHUNK_ELEMENTS", 200)  # many small row chunks
+    quantize_model(QuantizeOptions(src, tmp_path / "b.gguf", require_file_type("Q4_1"), n_threads=4))
+    assert (tmp_path / "a.gguf").read_bytes() == (tmp_path / "b.gguf").read_bytes()
+    types = {t.name: t.tensor_type for t in GGUFReader(tmp_path / "a.gguf").tensors}  # gguf's reader opens it
+    assert types["blk.1.ffn_up.weight"] == GGMLType.Q4_1 and types["output.weight"] == GGMLType.Q8_0
+
+
+def test_default_output_name_and_float_targets(tmp_path):
+    sd = random_llama_state(seed=6)
+    src = write_llama_gguf(tmp_path / "m.gguf", sd, n_head=4, n_head_kv=4)
+    result = run_quantize(str(src), "f16")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "ggml-model-F16.gguf"
+    model = read_gguf(out)
+    assert model.magic == "GGUF" and model.metadata["general.file_type"] == 1
+    assert model.tensors["output.weight"].ggml_type == GGMLType.F16
+    assert model.tensors["output_norm.weight"].ggml_type == GGMLType.F32
+    assert assert_reference_blocks(src, out) == 2 + 2 * 7
+    assert (out.stat().st_mode & 0o777) == 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_0"])
+def test_smollm2_requantize(tmp_path, target):
+    """The real SmolLM2 Q4_1 file requantized (its token_embd is Q8_0); every 15th tensor's blocks checked."""
+    src = smollm2_path()
+    out = tmp_path / f"smollm2.{target}.gguf"
+    result = run_quantize("--allow-requantize", str(src), str(out), target, "2")
+    assert result.exit_code == 0, result.stderr
+    assert "type =   q4_1, quantizing to " + target.lower() in result.stderr
+    assert assert_reference_blocks(src, out, every=15) == (210 if target == "Q8_0" else 211)
+    reader = GGUFReader(out)
+    assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {GGMLType[target]}
+    engine = Engine(out, EngineOptions(n_ctx=32, n_threads=2))
+    ids = engine.tokenizer.encode("The capital of France is", add_bos=None)
+    assert torch.isfinite(engine.logits_all(ids)).all()
+
+
+# -- bad input: one error line, exit code 1, no output file -----------------------------------------------
+
+def _no_files_left(folder: Path, before: set[str]) -> None:
+    assert {p.name for p in folder.iterdir()} == before
+
+
+def test_unknown_type(tiny_gguf):
+    before = {p.name for p in tiny_gguf.parent.iterdir()}
+    assert_one_error_line(run_quantize(str(tiny_gguf), "Q9_9"), "unknown quantization type 'Q9_9'")
+    assert_one_error_line(run_quantize(str(tiny_gguf), str(tiny_gguf.parent / "o.gguf"), "q4_k_m"), "Q4_K_M")
+    assert_one_error_line(run_quantize(str(tiny_gguf), "q8_0", "two"), "invalid nthreads 'two'")
+    _no_files_left(tiny_gguf.parent, before)
+
+
+def test_requantize_needs_the_flag(tmp_path):
+    src = write_llama_gguf(tmp_path / "m.gguf", random_llama_state(), n_head=4, n_head_kv=4,
+                           dtype=GGMLType.Q4_0)
+    before = {p.name for p in tmp_path.iterdir()}
+    assert_one_error_line(run_quantize(str(src), str(tmp_path / "o.gguf"), "Q8_0"),
+                          "requantizing from type Q4_0 is disabled", "--allow-requantize")
+    _no_files_left(tmp_path, before)
+    assert run_quantize("--allow-requantize", str(src), str(tmp_path / "o.gguf"), "Q8_0").exit_code == 0
+
+
+def test_missing_folder_and_non_gguf_input(tiny_gguf, tmp_path):
+    assert_one_error_line(run_quantize(str(tiny_gguf), str(tmp_path / "nope" / "o.gguf"), "q4_0"),
+                          "does not exist")
+    assert not (tmp_path / "nope").exists()
+    text = tmp_path / "notes.txt"
+    text.write_text("hello, not a model\n" * 10)
+    before = {p.name for p in tmp_path.iterdir()}
+    assert_one_error_line(run_quantize(str(text), str(tmp_path / "o.gguf"), "q4_0"), "bad magic")
+    assert_one_error_line(run_quantize(str(tmp_path / "missing.gguf"), "q4_0"), "no such file")
+    _no_files_left(tmp_path, before)
+
+
+def test_read_only_output_location(tiny_gguf, tmp_path):
+    if os.geteuid() == 0:  # root writes into chmod 0555 folders; /sys refuses even root
+        if not os.path.isdir("/sys") or os.access("/sys", os.W_OK) and _writable("/sys"):
+            pytest.skip("no read-only folder available to root")
+        out = Path("/sys/o.gguf")
+    else:
+        folder = tmp_path / "ro"
+        folder.mkdir()
+        folder.chmod(0o555)
+        out = folder / "o.gguf"
+    assert_one_error_line(run_quantize(str(tiny_gguf), str(out), "q4_0"), "cannot write")
+    assert not out.exists()
+
+
+def _writable(folder: str) -> bool:
+    try:
+        Path(folder, ".probe").touch()
+    except OSError:
+        return False
+    Path(folder, ".probe").unlink()
+    return True
+
+
+def test_interrupted_run_leaves_no_output(tiny_gguf, monkeypatch):
+    calls = []
+
+    def boom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    import powerinfer.quantize as q
+
+    real = q.quantize
+    monkeypatch.setattr(q, "quantize", boom)
+    before = {p.name for p in tiny_gguf.parent.iterdir()}
+    result = run_quantize(str(tiny_gguf), str(tiny_gguf.parent / "o.gguf"), "q8_0", "1")
+    assert result.exit_code == 130
+    _no_files_left(tiny_gguf.parent, before)
