@@ -1,0 +1,121 @@
+"""Run a model over a corpus and record, per layer, which FFN neurons fire and what the predictor sees.
+
+The engine is left untouched: each layer's FFN is wrapped by a FiringRecorder for the duration of a run
+and put back afterwards. A neuron fires for a token when its activation is non-zero: ReLU(gate . u) > 0
+(llama), and also ReLU(up . u) > 0 for bamboo's ReLU(gate) * ReLU(up). The Python work per forward is
+constant per layer: one gate matmul, one comparison and one sum over the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from powerinfer import ops
+from powerinfer.arch.llama import FFN, LlamaConfig
+from powerinfer.errors import ConfigError, InputError
+from powerinfer.runtime.engine import Engine
+
+Progress = Callable[[int, int], None]  # (tokens done, tokens in total)
+
+
+def read_corpus(path: str | Path) -> str:
+    """The text of a corpus file; a missing, unreadable or empty file raises InputError."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"corpus file {p} does not exist")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read corpus file {p}: {e}") from None
+    if not text.strip():
+        raise InputError(f"corpus file {p} is empty")
+    return text
+
+
+def tokenize_corpus(engine: Engine, text: str) -> list[int]:
+    """Token ids of the corpus without BOS (special-token texts are not parsed)."""
+    return engine.tokenizer.encode(text, add_bos=False, parse_special=False)
+
+
+def make_windows(ids: list[int], n_ctx: int, bos_id: int | None) -> list[list[int]]:
+    """Consecutive windows of n_ctx tokens: BOS + n_ctx-1 corpus tokens; the tail is kept."""
+    if n_ctx < 2:
+        raise InputError(f"window size must be at least 2 tokens (got -c {n_ctx})")
+    step = n_ctx - 1 if bos_id is not None else n_ctx
+    prefix = [bos_id] if bos_id is not None else []
+    return [prefix + ids[i : i + step] for i in range(0, len(ids), step) if ids[i : i + step]]
+
+
+def require_relu(config: LlamaConfig) -> None:
+    """Activation counting and predictors need a ReLU-family FFN (a SiLU neuron is never exactly zero)."""
+    if config.activation != "relu":
+        raise ConfigError(
+            f"the model's FFN activation is {config.activation}: profiling and predictors need a "
+            "ReLU model (PowerInfer's ReLU-LLaMA / bamboo); a dense GGUF made by our converter records "
+            "'powerinfer.ffn_activation'"
+        )
+
+
+@dataclass
+class LayerSamples:
+    """Predictor training data of one layer: inputs (N, D) float16, firing masks as bits (N, n_ff/8)."""
+
+    x: list[torch.Tensor] = field(default_factory=list)
+    fired: list[np.ndarray] = field(default_factory=list)
+
+
+class FiringRecorder:
+    """Wraps one layer's dense FFN: counts firing neurons, optionally keeps (predictor input, mask)."""
+
+    def __init__(self, inner: FFN, config: LlamaConfig, keep_samples: bool) -> None:
+        gate = getattr(inner, "gate", None)
+        if gate is None:
+            raise ConfigError("profiling needs the dense FFN (run the engine with dense_ffn=True)")
+        self.inner = inner
+        self.gate = gate
+        self.up = getattr(inner, "up", None) if config.relu_up else None
+        self.counts = torch.zeros(config.n_ff, dtype=torch.int64)
+        self.samples: LayerSamples | None = LayerSamples() if keep_samples else None
+
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        fired = ops.linear(x_norm, self.gate) > 0  # (T, n_ff), the same matmul the dense FFN does
+        if self.up is not None:
+            fired &= ops.linear(x_norm, self.up) > 0
+        self.counts += fired.sum(dim=0)
+        if self.samples is not None:
+            self.samples.x.append(x_residual.to(torch.float16).clone())
+            self.samples.fired.append(np.packbits(fired.numpy(), axis=1))
+        return self.inner(x_norm, x_residual)
+
+
+@contextmanager
+def recording(engine: Engine, keep_samples: bool = False) -> Iterator[list[FiringRecorder]]:
+    """Wrap the engine's FFNs with recorders for the duration of the block."""
+    require_relu(engine.config)
+    model = engine.model
+    original = list(model.ffns)
+    recorders = [FiringRecorder(ffn, engine.config, keep_samples) for ffn in original]
+    model.ffns = list(recorders)
+    try:
+        yield recorders
+    finally:
+        model.ffns = original
+
+
+def run_windows(engine: Engine, windows: list[list[int]], progress: Progress | None = None) -> int:
+    """Evaluate each window from position 0 (a fresh sequence each); returns the number of tokens run."""
+    total = sum(len(w) for w in windows)
+    done = 0
+    for w in windows:
+        engine.reset()
+        engine.eval(w)
+        done += len(w)
+        if progress is not None:
+            progress(done, total)
+    return done
