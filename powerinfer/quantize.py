@@ -253,7 +253,8 @@ def quantize_model(opts: QuantizeOptions,
         writer.add(key, value, ValueType.UINT32)
 
     n = len(plans)
-    with ThreadPoolExecutor(max(1, opts.n_threads)) as pool:
+    pool = ThreadPoolExecutor(max(1, opts.n_threads))
+    try:
         jobs = list(_submit(pool, model, plans))
         for i, (plan, out, futures) in enumerate(jobs):
             t = model.tensors[plan.name]
@@ -265,6 +266,8 @@ def quantize_model(opts: QuantizeOptions,
             report.dst_bytes += dst_bytes
             if on_tensor is not None:
                 on_tensor(TensorDone(i, n, plan, t.n_bytes, dst_bytes))
+    finally:  # on an error or Ctrl-C, drop the queued chunks instead of finishing them
+        pool.shutdown(wait=True, cancel_futures=True)
     try:
         writer.write()
         os.chmod(opts.output, 0o666 & ~_umask())  # the writer's temp file is created 0600
