@@ -1,4 +1,4 @@
-"""`powerinfer perplexity`: llama.cpp's perplexity over a text file, and the cost of sparsity against dense."""
+"""`powerinfer perplexity`: llama.cpp's perplexity of a text file, and the cost of sparsity vs dense."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from powerinfer import ops
 from powerinfer.cli.common import (
@@ -80,7 +87,9 @@ def print_kld(result: PerplexityResult, sparse: Engine) -> None:
     out = sys.stdout
     ratio = (result.nll_sum - k.ref_nll_sum) / k.count
     out.write(f"====== sparse vs dense FFN, {k.count} scored tokens ======\n")
-    out.write(f"PPL sparse: {result.ppl:.4f}, dense: {k.ref_ppl:.4f}, ln(PPL sparse / PPL dense): {ratio:.6f}\n")
+    out.write(
+        f"PPL sparse: {result.ppl:.4f}, dense: {k.ref_ppl:.4f}, ln(PPL sparse / PPL dense): {ratio:.6f}\n"
+    )
     out.write(f"Mean    KLD: {k.mean:10.6f} +/- {k.mean_error:.6f}\n")
     out.write(f"Maximum KLD: {k.max:10.6f}\n")
     out.write(f"99.0%   KLD: {k.quantile(0.99):10.6f}\n")
@@ -93,13 +102,18 @@ def print_kld(result: PerplexityResult, sparse: Engine) -> None:
     out.write("====== predictor vs true activation ReLU(gate) > 0, per layer ======\n")
     out.write("layer   recall  precision  predicted  truly-active  missed (of truly active)\n")
     for r in layers:
-        out.write(f"{r.layer:5d}  {r.recall:7.4f}  {r.precision:9.4f}  {r.predicted_share:8.2%}  {r.true_share:12.2%}  "
-                  f"{r.missed} ({1 - r.recall:.2%})\n")
+        out.write(
+            f"{r.layer:5d}  {r.recall:7.4f}  {r.precision:9.4f}  "
+            f"{r.predicted_share:8.2%}  {r.true_share:12.2%}  "
+            f"{r.missed} ({1 - r.recall:.2%})\n"
+        )
     hit = sum(r.hit for r in layers)
     true = sum(r.true_active for r in layers)
     pred = sum(r.predicted for r in layers)
-    out.write(f"all    {hit / max(true, 1):7.4f}  {hit / max(pred, 1):9.4f}  "
-              f"predicted sparsity {1 - pred / max(1, sum(r.tokens * r.n_ff for r in layers)):.2%}\n")
+    out.write(
+        f"all    {hit / max(true, 1):7.4f}  {hit / max(pred, 1):9.4f}  "
+        f"predicted sparsity {1 - pred / max(1, sum(r.tokens * r.n_ff for r in layers)):.2%}\n"
+    )
 
 
 def run_perplexity(run: PerplexityRun) -> PerplexityResult:
@@ -108,16 +122,25 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     text = read_text(run.text_file)
     engine = Engine(run.model, run.engine)
     c = engine.config
-    err.print(f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if engine.sparse_stats else 'dense'}, "
-              f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
-              f"file = {engine.weight_bytes / 2**20:.2f} MiB", markup=False)
-    err.print(f"perplexity: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
-              f"n_threads = {ops.get_num_threads()}", markup=False)
+    err.print(
+        f"llm_load_print_meta: arch = {c.arch}, "
+        f"mode = {'sparse (PWRI)' if engine.sparse_stats else 'dense'}, "
+        f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
+        f"file = {engine.weight_bytes / 2**20:.2f} MiB",
+        markup=False,
+    )
+    err.print(
+        f"perplexity: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
+        f"n_threads = {ops.get_num_threads()}",
+        markup=False,
+    )
     reference = None
     if run.kl_divergence:
         if engine.sparse_stats is None:
-            raise InputError(f"--kl-divergence compares the sparse FFN of a PowerInfer (PWRI) file with its dense "
-                             f"FFN; {run.model} is a dense GGUF")
+            raise InputError(
+                f"--kl-divergence compares the sparse FFN of a PowerInfer (PWRI) file with its dense "
+                f"FFN; {run.model} is a dense GGUF"
+            )
         reference = Engine(run.model, replace(run.engine, dense_ffn=True))
         engine.sparse_stats.track_recall()
     err.print("perplexity: tokenizing the input ..")
@@ -126,16 +149,30 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     err.print(f"perplexity: tokenization took {(time.perf_counter() - t) * 1e3:g} ms")
     opts = run.ppl
     if opts.stride > 0:
-        err.print(f"perplexity: strided calculation, context size adjusted from {opts.n_ctx} to "
-                  f"{context_size(opts.n_ctx, opts.stride)}")
+        err.print(
+            f"perplexity: strided calculation, context size adjusted from {opts.n_ctx} to "
+            f"{context_size(opts.n_ctx, opts.stride)}"
+        )
     n_chunks = len(plan_chunks(tokens, opts, None))
-    err.print(f"perplexity: calculating perplexity over {n_chunks} chunks, batch_size={engine.options.n_batch}")
+    err.print(
+        f"perplexity: calculating perplexity over {n_chunks} chunks, batch_size={engine.options.n_batch}"
+    )
 
     # with stdout and stderr on one terminal the live bar would tear the stdout line: print it at the end
     stream = not (sys.stdout.isatty() and err.is_terminal)
-    progress = Progress(TextColumn("perplexity"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                        TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.fields[ppl]}"),
-                        console=err, transient=True, redirect_stdout=False, redirect_stderr=False)
+    progress = Progress(
+        TextColumn("perplexity"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[ppl]}"),
+        console=err,
+        transient=True,
+        redirect_stdout=False,
+        redirect_stderr=False,
+    )
     pending: list[str] = []
 
     def on_chunk(i: int, n: int, result: PerplexityResult) -> None:
@@ -143,8 +180,10 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
             per_pass = result.seconds
             eta = int(per_pass * n)
             hours = f"{eta // 3600} hours " if eta >= 3600 else ""
-            progress.console.print(f"perplexity: {per_pass:.2f} seconds per pass - ETA {hours}"
-                                   f"{(eta % 3600) / 60:.2f} minutes", markup=False)
+            progress.console.print(
+                f"perplexity: {per_pass:.2f} seconds per pass - ETA {hours}{(eta % 3600) / 60:.2f} minutes",
+                markup=False,
+            )
         progress.update(task, advance=1, ppl=f"PPL {result.running[i]:.4f}")
         piece = format_running(result, i)
         if stream:
@@ -165,8 +204,11 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     for line in format_timings(engine.timings):
         err.print(line, markup=False)
     if reference is not None:
-        err.print(f"dense reference: prompt eval time = {reference.timings.prompt_ms:10.2f} ms / "
-                  f"{reference.timings.n_prompt:5d} tokens", markup=False)
+        err.print(
+            f"dense reference: prompt eval time = {reference.timings.prompt_ms:10.2f} ms / "
+            f"{reference.timings.n_prompt:5d} tokens",
+            markup=False,
+        )
     for line in engine.sparse_report():
         err.print(line, markup=False)
     return result
@@ -179,11 +221,20 @@ def perplexity_command(
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
-    ppl_stride: Annotated[int, typer.Option("--ppl-stride", help="Strided perplexity: score the last S tokens of "
-                                                                  "windows S apart (0 = off).")] = 0,
-    kl_divergence: Annotated[bool, typer.Option(
-        "--kl-divergence", help="PowerInfer files: also run the dense FFN and report KL divergence, top-1 agreement "
-                                "and per-layer predictor recall.")] = False,
+    ppl_stride: Annotated[
+        int,
+        typer.Option(
+            "--ppl-stride", help="Strided perplexity: score the last S tokens of windows S apart (0 = off)."
+        ),
+    ] = 0,
+    kl_divergence: Annotated[
+        bool,
+        typer.Option(
+            "--kl-divergence",
+            help="PowerInfer files: also run the dense FFN and report KL divergence, top-1 agreement "
+            "and per-layer predictor recall.",
+        ),
+    ] = False,
     vram_budget: VramOpt = -1.0,
     reset_gpu_index: ResetIdxOpt = False,
     disable_gpu_index: DisableIdxOpt = False,
@@ -206,10 +257,15 @@ def perplexity_command(
             model=resolve_model(model),
             text_file=file,
             ppl=PerplexityOptions(n_ctx=ctx_size, n_chunks=chunks, stride=ppl_stride),
-            engine=EngineOptions(n_ctx=n_ctx, n_batch=min(batch_size, n_ctx),
-                                 n_threads=threads(threads_), vram_budget_gib=resolve_vram_budget(vram_budget),
-                                 reset_gpu_index=reset_gpu_index, disable_gpu_index=disable_gpu_index,
-                                 pool_device=pool_device),
+            engine=EngineOptions(
+                n_ctx=n_ctx,
+                n_batch=min(batch_size, n_ctx),
+                n_threads=threads(threads_),
+                vram_budget_gib=resolve_vram_budget(vram_budget),
+                reset_gpu_index=reset_gpu_index,
+                disable_gpu_index=disable_gpu_index,
+                pool_device=pool_device,
+            ),
             kl_divergence=kl_divergence,
         )
         run_perplexity(run)

@@ -10,7 +10,7 @@ import torch
 
 @dataclass
 class KLDivergence:
-    """Per-token KL(reference || model), top-1 agreement and the reference's own NLL, accumulated over chunks."""
+    """Per-token KL(reference || model), top-1 agreement and the reference's NLL, accumulated over chunks."""
 
     kld: list[float] = field(default_factory=list)  # one value per scored token
     same_top1: int = 0
@@ -56,8 +56,10 @@ class KLDivergence:
         return math.exp(self.ref_nll_sum / self.count) if self.count else float("nan")
 
 
-def compare_logits(acc: KLDivergence, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor) -> None:
-    """Add rows of log-probabilities (n, n_vocab) of the reference and the model, with their true next tokens."""
+def compare_logits(
+    acc: KLDivergence, ref_logp: torch.Tensor, logp: torch.Tensor, targets: torch.Tensor
+) -> None:
+    """Add log-probability rows (n, n_vocab) of the reference and the model, with the true next tokens."""
     kld = (ref_logp.exp() * (ref_logp - logp)).sum(dim=-1).clamp(min=0.0)  # (n,)
     acc.kld.extend(kld.tolist())
     acc.same_top1 += int((ref_logp.argmax(dim=-1) == logp.argmax(dim=-1)).sum())

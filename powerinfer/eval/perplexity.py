@@ -1,8 +1,8 @@
 """llama.cpp's perplexity over a token stream, optionally with a dense reference run for KL divergence.
 
-Algorithm (spec section 5.3): the whole text is tokenized once; chunk i is tokens [i*n_ctx, (i+1)*n_ctx), its
-first token replaced by BOS when the vocabulary adds one, evaluated from position 0 with a cleared KV cache; the
-logits at positions n_ctx/2 .. n_ctx-2 predict the next token. The running PPL after each chunk is
+Algorithm (spec section 5.3): the whole text is tokenized once; chunk i is tokens [i*n_ctx, (i+1)*n_ctx),
+its first token replaced by BOS when the vocabulary adds one, evaluated from position 0 with a cleared KV
+cache; the logits at positions n_ctx/2 .. n_ctx-2 predict the next token. The running PPL after each chunk is
 exp(sum nll / count); the final error is ppl * sqrt((mean(nll^2) - mean(nll)^2) / (count - 1)).
 
 Strided variant (`stride > 0`, llama.cpp perplexity_v2): the context grows by stride/2, chunk i starts at
@@ -74,13 +74,15 @@ def context_size(n_ctx: int, stride: int) -> int:
 
 
 def plan_chunks(tokens: list[int], opts: PerplexityOptions, bos_id: int | None) -> list[Chunk]:
-    """The evaluation windows of llama.cpp's perplexity (bos_id: replace each chunk's first token, or None)."""
+    """The evaluation windows of llama.cpp's perplexity (bos_id: replaces each chunk's first token)."""
     n_ctx, stride = context_size(opts.n_ctx, opts.stride), opts.stride
     if n_ctx < 4:
         raise InputError(f"context size {n_ctx} is too small for perplexity (-c >= 4)")
     if len(tokens) < 2 * n_ctx:
-        raise InputError(f"perplexity needs at least {2 * n_ctx} tokens for a context of {n_ctx} (2 x -c), "
-                         f"the text has {len(tokens)}")
+        raise InputError(
+            f"perplexity needs at least {2 * n_ctx} tokens for a context of {n_ctx} (2 x -c), "
+            f"the text has {len(tokens)}"
+        )
     chunks = []
     if stride > 0:
         if stride >= n_ctx:
@@ -107,7 +109,7 @@ def plan_chunks(tokens: list[int], opts: PerplexityOptions, bos_id: int | None) 
 
 
 def tokenize_text(engine: Engine, text: str) -> list[int]:
-    """The token stream of the text as llama.cpp's perplexity builds it (BOS per the vocabulary, no special parsing)."""
+    """The token stream as llama.cpp's perplexity builds it (BOS per the vocabulary, no special parsing)."""
     if not text:
         raise InputError("the text is empty")
     return engine.tokenizer.encode(text, add_bos=None, parse_special=False)
@@ -125,9 +127,14 @@ def chunk_logprobs(engine: Engine, chunk: Chunk) -> torch.Tensor:
     return torch.log_softmax(rows.double(), dim=-1)
 
 
-def perplexity(engine: Engine, tokens: list[int], opts: PerplexityOptions, reference: Engine | None = None,
-               on_chunk: Callable[[int, int, PerplexityResult], None] | None = None) -> PerplexityResult:
-    """Run llama.cpp's perplexity over `tokens`; with `reference` (a dense engine) also KL divergence against it.
+def perplexity(
+    engine: Engine,
+    tokens: list[int],
+    opts: PerplexityOptions,
+    reference: Engine | None = None,
+    on_chunk: Callable[[int, int, PerplexityResult], None] | None = None,
+) -> PerplexityResult:
+    """llama.cpp's perplexity over `tokens`; with `reference` (a dense engine) also KL divergence against it.
 
     on_chunk(i, n_chunks, result) is called after chunk i (0-based) with the running result.
     """

@@ -45,6 +45,14 @@ def predictor_recall(stats: SparseStats, n_ff: int) -> list[LayerRecall]:
     """Per-layer recall/precision; stats must have had track_recall() called before the run."""
     if stats.true_active is None or stats.true_hit is None:
         raise ValueError("recall was not tracked: call SparseStats.track_recall() before running the model")
-    return [LayerRecall(layer=i, tokens=int(stats.tokens[i]), predicted=int(stats.active[i]),
-                        true_active=int(stats.true_active[i]), hit=int(stats.true_hit[i]), n_ff=n_ff)
-            for i in range(stats.tokens.numel())]
+    return [
+        LayerRecall(
+            layer=i,
+            tokens=int(stats.tokens[i]),
+            predicted=int(stats.active[i]),
+            true_active=int(stats.true_active[i]),
+            hit=int(stats.true_hit[i]),
+            n_ff=n_ff,
+        )
+        for i in range(stats.tokens.numel())
+    ]

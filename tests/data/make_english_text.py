@@ -2,18 +2,17 @@
 
 The source is `pydoc_data.topics` (the Python Language Reference text that `help()` shows; PSF documentation,
 licensed under the PSF License Agreement / Zero-Clause BSD for the docs). Paragraphs are taken in sorted topic
-order, code samples, headings, tables and lists are dropped, lines are re-flowed to one paragraph per line, and
-the text stops before MAX_BYTES. The committed file was made with CPython 3.11.7:
+order, code samples, headings, tables and lists are dropped, lines are re-flowed to one paragraph per line,
+and the text stops before MAX_BYTES. The committed file was made with CPython 3.11.7:
 
     python tests/data/make_english_text.py > tests/data/python-reference-prose.txt
 """
 
 from __future__ import annotations
 
+import pydoc_data.topics
 import re
 import sys
-
-import pydoc_data.topics
 
 MAX_BYTES = 100_000
 
