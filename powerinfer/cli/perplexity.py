@@ -38,7 +38,14 @@ from powerinfer.cli.common import (
 )
 from powerinfer.cli.main import format_timings
 from powerinfer.errors import InputError
-from powerinfer.eval import PerplexityOptions, PerplexityResult, context_size, perplexity, predictor_recall
+from powerinfer.eval import (
+    BaseLogits,
+    PerplexityOptions,
+    PerplexityResult,
+    context_size,
+    perplexity,
+    predictor_recall,
+)
 from powerinfer.eval.perplexity import plan_chunks, tokenize_text
 from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -50,6 +57,7 @@ class PerplexityRun:
     ppl: PerplexityOptions
     engine: EngineOptions
     kl_divergence: bool
+    kl_base: Path | None = None  # with kl_divergence: compare against it; without: write it
 
 
 def read_text(path: Path) -> str:
@@ -80,16 +88,14 @@ def print_final(result: PerplexityResult) -> None:
         sys.stdout.write(f"Final estimate: PPL = {result.ppl:.4f} +/- {err:.5f}\n")
 
 
-def print_kld(result: PerplexityResult, sparse: Engine) -> None:
+def print_kld(result: PerplexityResult, sparse: Engine, against: str) -> None:
     """The KL divergence and predictor-recall report (stdout: these are results)."""
     k = result.kld
     assert k is not None
     out = sys.stdout
     ratio = (result.nll_sum - k.ref_nll_sum) / k.count
-    out.write(f"====== sparse vs dense FFN, {k.count} scored tokens ======\n")
-    out.write(
-        f"PPL sparse: {result.ppl:.4f}, dense: {k.ref_ppl:.4f}, ln(PPL sparse / PPL dense): {ratio:.6f}\n"
-    )
+    out.write(f"====== this model vs {against}, {k.count} scored tokens ======\n")
+    out.write(f"PPL: {result.ppl:.4f}, reference: {k.ref_ppl:.4f}, ln(PPL / PPL reference): {ratio:.6f}\n")
     out.write(f"Mean    KLD: {k.mean:10.6f} +/- {k.mean_error:.6f}\n")
     out.write(f"Maximum KLD: {k.max:10.6f}\n")
     out.write(f"99.0%   KLD: {k.quantile(0.99):10.6f}\n")
@@ -134,14 +140,21 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
         f"n_threads = {ops.get_num_threads()}",
         markup=False,
     )
-    reference = None
-    if run.kl_divergence:
+    reference, base, record = None, None, None
+    against = "the dense FFN"
+    if run.kl_divergence and run.kl_base is not None:
+        base = BaseLogits.load(run.kl_base)
+        against = f"the base {run.kl_base.name}"
+    elif run.kl_divergence:
         if engine.sparse_stats is None:
             raise InputError(
-                f"--kl-divergence compares the sparse FFN of a PowerInfer (PWRI) file with its dense "
-                f"FFN; {run.model} is a dense GGUF"
+                f"--kl-divergence without --kl-divergence-base compares the sparse FFN of a PowerInfer "
+                f"(PWRI) file with its dense FFN; {run.model} is a dense GGUF"
             )
         reference = Engine(run.model, replace(run.engine, dense_ffn=True))
+    elif run.kl_base is not None:
+        record = BaseLogits(run.ppl.n_ctx, run.ppl.stride, [])
+    if run.kl_divergence and engine.sparse_stats is not None:
         engine.sparse_stats.track_recall()
     err.print("perplexity: tokenizing the input ..")
     t = time.perf_counter()
@@ -194,11 +207,20 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
 
     with progress:
         task = progress.add_task("perplexity", total=n_chunks, ppl="")
-        result = perplexity(engine, tokens, opts, reference=reference, on_chunk=on_chunk)
+        result = perplexity(
+            engine, tokens, opts, reference=reference, on_chunk=on_chunk, base=base, record=record
+        )
     sys.stdout.write("".join(pending) + "\n")
     print_final(result)
     if result.kld is not None:
-        print_kld(result, engine)
+        print_kld(result, engine, against)
+    if record is not None and run.kl_base is not None:
+        record.tokens = tokens
+        try:
+            record.save(run.kl_base)
+        except OSError as e:
+            raise InputError(f"cannot write {run.kl_base}: {e.strerror}") from None
+        err.print(f"perplexity: wrote the top-64 log-probabilities of {result.count} tokens to {run.kl_base}")
     sys.stdout.flush()
     err.print("")
     for line in format_timings(engine.timings):
@@ -235,6 +257,14 @@ def perplexity_command(
             "and per-layer predictor recall.",
         ),
     ] = False,
+    kl_divergence_base: Annotated[
+        Path | None,
+        typer.Option(
+            "--kl-divergence-base",
+            help="Without --kl-divergence: write this run's top-64 log-probabilities to FILE. "
+            "With it: compare against FILE instead of the dense FFN.",
+        ),
+    ] = None,
     vram_budget: VramOpt = -1.0,
     reset_gpu_index: ResetIdxOpt = False,
     disable_gpu_index: DisableIdxOpt = False,
@@ -267,6 +297,7 @@ def perplexity_command(
                 pool_device=pool_device,
             ),
             kl_divergence=kl_divergence,
+            kl_base=kl_divergence_base,
         )
         run_perplexity(run)
 

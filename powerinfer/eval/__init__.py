@@ -1,6 +1,6 @@
 """Model evaluation: llama.cpp-style perplexity, KL divergence against a dense reference, predictor recall."""
 
-from powerinfer.eval.kld import KLDivergence, compare_logits
+from powerinfer.eval.kld import BaseLogits, KLDivergence, compare_logits, compare_topk
 from powerinfer.eval.perplexity import (
     Chunk,
     PerplexityOptions,
@@ -13,12 +13,14 @@ from powerinfer.eval.perplexity import (
 from powerinfer.eval.recall import LayerRecall, predictor_recall
 
 __all__ = [
+    "BaseLogits",
     "Chunk",
     "KLDivergence",
     "LayerRecall",
     "PerplexityOptions",
     "PerplexityResult",
     "compare_logits",
+    "compare_topk",
     "context_size",
     "perplexity",
     "plan_chunks",

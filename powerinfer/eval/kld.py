@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
+
+from powerinfer.errors import InputError
 
 
 @dataclass
@@ -64,3 +67,88 @@ def compare_logits(
     acc.kld.extend(kld.tolist())
     acc.same_top1 += int((ref_logp.argmax(dim=-1) == logp.argmax(dim=-1)).sum())
     acc.ref_nll_sum += float(-ref_logp.gather(1, targets[:, None]).sum())
+
+
+BASE_FORMAT = "powerinfer-kld-base-v1"
+
+
+@dataclass
+class BaseLogits:
+    """A reference run's next-token distributions, top-k per scored token (the --kl-divergence-base file).
+
+    The file is a torch.save dict (loaded with weights_only=True): format, n_ctx, stride, tokens (N,) int64,
+    topk_logp (M, k) float32 log-probabilities in descending order, topk_ids (M, k) int64, target_logp (M,)
+    float64 (log-probability of the true next token). M is the number of scored tokens over all chunks.
+    """
+
+    n_ctx: int
+    stride: int
+    tokens: list[int]
+    topk_logp: list[torch.Tensor] = field(default_factory=list)  # per chunk (n, k)
+    topk_ids: list[torch.Tensor] = field(default_factory=list)
+    target_logp: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, logp: torch.Tensor, targets: torch.Tensor, k: int) -> None:
+        """Record one chunk's log-probability rows (n, n_vocab) and their true next tokens (n,)."""
+        values, ids = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        self.topk_logp.append(values.float())
+        self.topk_ids.append(ids)
+        self.target_logp.append(logp.gather(1, targets[:, None]).squeeze(1))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        torch.save(
+            {
+                "format": BASE_FORMAT,
+                "n_ctx": self.n_ctx,
+                "stride": self.stride,
+                "tokens": torch.tensor(self.tokens, dtype=torch.int64),
+                "topk_logp": torch.cat(self.topk_logp),
+                "topk_ids": torch.cat(self.topk_ids),
+                "target_logp": torch.cat(self.target_logp),
+            },
+            path,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> BaseLogits:
+        try:
+            d = torch.load(path, weights_only=True)
+        except FileNotFoundError:
+            raise InputError(f"cannot read KL-divergence base {path}: no such file") from None
+        except Exception as e:  # torch raises several unrelated types for a corrupt file
+            raise InputError(f"{path} is not a KL-divergence base file ({type(e).__name__})") from None
+        if not isinstance(d, dict) or d.get("format") != BASE_FORMAT:
+            raise InputError(f"{path} is not a KL-divergence base file (format {BASE_FORMAT})")
+        base = cls(int(d["n_ctx"]), int(d["stride"]), d["tokens"].tolist())
+        base.topk_logp, base.topk_ids, base.target_logp = (
+            [d["topk_logp"]],
+            [d["topk_ids"]],
+            [d["target_logp"]],
+        )
+        return base
+
+    def rows(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows offset .. offset+n of the loaded file: (top-k log-probs, top-k ids, target log-probs)."""
+        sl = slice(offset, offset + n)
+        return self.topk_logp[0][sl].double(), self.topk_ids[0][sl], self.target_logp[0][sl].double()
+
+
+def compare_topk(
+    acc: KLDivergence,
+    ref_topk_logp: torch.Tensor,
+    ref_topk_ids: torch.Tensor,
+    ref_target_logp: torch.Tensor,
+    logp: torch.Tensor,
+) -> None:
+    """Like compare_logits, with the reference known by its top-k: KL of the distributions coarsened to the k
+    tokens plus one bucket for the rest (a lower bound of the full KL, equal when the rest is negligible)."""
+    p = ref_topk_logp.exp()  # (n, k)
+    logq = logp.gather(1, ref_topk_ids)
+    q = logq.exp()
+    p_rest = (1 - p.sum(-1)).clamp(min=0.0)
+    q_rest = (1 - q.sum(-1)).clamp(min=1e-300)
+    rest = torch.where(p_rest > 0, p_rest * (p_rest.clamp(min=1e-300).log() - q_rest.log()), 0.0)
+    kld = ((p * (ref_topk_logp - logq)).sum(-1) + rest).clamp(min=0.0)
+    acc.kld.extend(kld.tolist())
+    acc.same_top1 += int((ref_topk_ids[:, 0] == logp.argmax(dim=-1)).sum())
+    acc.ref_nll_sum += float(-ref_target_logp.sum())

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from powerinfer.errors import InputError
-from powerinfer.eval.kld import KLDivergence, compare_logits
+from powerinfer.eval.kld import BaseLogits, KLDivergence, compare_logits, compare_topk
 from powerinfer.runtime.engine import Engine
 
 
@@ -133,21 +133,36 @@ def perplexity(
     opts: PerplexityOptions,
     reference: Engine | None = None,
     on_chunk: Callable[[int, int, PerplexityResult], None] | None = None,
+    base: BaseLogits | None = None,
+    record: BaseLogits | None = None,
+    record_top_k: int = 64,
 ) -> PerplexityResult:
-    """llama.cpp's perplexity over `tokens`; with `reference` (a dense engine) also KL divergence against it.
+    """llama.cpp's perplexity over `tokens`; KL divergence against a `reference` engine or a `base` file.
 
+    record: a BaseLogits that receives this run's top-k log-probabilities (to save as a base file).
     on_chunk(i, n_chunks, result) is called after chunk i (0-based) with the running result.
     """
     n_ctx = context_size(opts.n_ctx, opts.stride)
     if engine.n_ctx < n_ctx or (reference is not None and reference.n_ctx < n_ctx):
         raise InputError(f"the engine's context is smaller than the {n_ctx} tokens perplexity needs")
+    if base is not None:
+        if (base.n_ctx, base.stride) != (opts.n_ctx, opts.stride):
+            raise InputError(
+                f"the KL-divergence base was made with -c {base.n_ctx} --ppl-stride {base.stride}, "
+                f"this run uses -c {opts.n_ctx} --ppl-stride {opts.stride}"
+            )
+        if base.tokens != tokens:
+            raise InputError("the KL-divergence base was made from other tokens (another text or vocabulary)")
     tok = engine.tokenizer
     bos = tok.bos_id if tok.add_bos and opts.stride == 0 else None
     chunks = plan_chunks(tokens, opts, bos)
+    if base is not None and base.topk_logp[0].shape[0] < sum(len(c.targets) for c in chunks):
+        raise InputError("the KL-divergence base covers fewer chunks than this run (--chunks)")
     result = PerplexityResult(n_tokens=len(tokens), n_ctx=n_ctx)
-    if reference is not None:
+    if reference is not None or base is not None:
         result.kld = KLDivergence()
     t0 = time.perf_counter()
+    row = 0
     for i, chunk in enumerate(chunks):
         logp = chunk_logprobs(engine, chunk)
         target = torch.tensor(chunk.targets, dtype=torch.int64)
@@ -156,8 +171,13 @@ def perplexity(
         result.nll2_sum += float((nll * nll).sum())
         result.count += nll.numel()
         result.running.append(result.ppl)
-        if reference is not None and result.kld is not None:
+        if result.kld is not None and reference is not None:
             compare_logits(result.kld, chunk_logprobs(reference, chunk), logp, target)
+        elif result.kld is not None and base is not None:
+            compare_topk(result.kld, *base.rows(row, len(chunk.targets)), logp)
+        if record is not None:
+            record.add(logp, target, record_top_k)
+        row += len(chunk.targets)
         result.seconds = time.perf_counter() - t0
         if on_chunk is not None:
             on_chunk(i, len(chunks), result)
