@@ -1,0 +1,170 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions, /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from powerinfer.server.app import ServerState, sse, timings
+from powerinfer.server.errors import ApiError
+from powerinfer.server.schemas import ChatCompletionRequest, OpenAICompletionRequest, _OpenAIBase
+from powerinfer.server.worker import Chunk, Done, Failed, GenParams
+
+router = APIRouter(prefix="/v1", tags=["OpenAI"])
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
+FINGERPRINT = "powerinfer-0.1.0"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server  # type: ignore[no-any-return]
+
+
+def _params(st: ServerState, body: _OpenAIBase, max_tokens: int | None, extra_stop: tuple[str, ...]) -> GenParams:
+    """OpenAI fields to generation parameters. max_tokens < 1 is an error; more than the free context is clamped
+    (generation ends with finish_reason "length" when the context is full), as llama.cpp's server does."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
+                       code="integer_below_min_value")
+    stop = body.stop_list()
+    if len(stop) > 16:
+        raise ApiError(400, "at most 16 stop sequences", param="stop")
+    bias = []
+    for key, value in (body.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < st.tokenizer.n_vocab:
+            raise ApiError(400, f"logit_bias key {key!r} is not a token id of this model", param="logit_bias")
+        if not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        bias.append((int(key), float("-inf") if value == -100 else value))
+    n = max_tokens if max_tokens is not None else st.options.n_predict
+    return GenParams(st.sampling(body), n if n >= 0 else -1, False, tuple(s for s in stop if s) + extra_stop,
+                     tuple(bias))
+
+
+def _usage(done: Done) -> dict[str, int]:
+    return {"prompt_tokens": done.n_prompt, "completion_tokens": done.n_predicted,
+            "total_tokens": done.n_prompt + done.n_predicted}
+
+
+@router.get("/models", summary="The served model")
+async def models(request: Request) -> dict[str, Any]:
+    st = _state(request)
+    return {"object": "list", "data": [{"id": st.model_id, "object": "model", "created": st.created,
+                                        "owned_by": "powerinfer",
+                                        "meta": {"n_ctx": st.n_ctx, "n_vocab": st.tokenizer.n_vocab,
+                                                 "n_slots": st.worker.n_slots}}]}
+
+
+async def _run(request: Request, st: ServerState, body: _OpenAIBase, prompt: list[int], params: GenParams,
+               kind: str, chunk: Callable[[str | None, str | None], dict[str, Any]],
+               final: Callable[[Done], dict[str, Any]]) -> Any:
+    """Run one generation; answer with the final object, or stream chunks then `data: [DONE]`."""
+    req, queue = st.start(prompt, params)
+    if not body.stream:
+        done = await st.collect(request, req, queue)
+        return final(done)
+    first = await st.next_event(request, req, queue)
+    if first is None:
+        raise ApiError(499, "client closed the request")
+    if isinstance(first, Failed):
+        raise ApiError(first.status, first.message)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+
+    def event(obj: dict[str, Any]) -> str:
+        if include_usage:
+            obj["usage"] = None
+        return sse(obj)
+
+    async def stream() -> AsyncIterator[str]:
+        if kind == "chat":
+            yield event(chunk("", None))
+        async for ev in st.events(request, req, queue, first):
+            if isinstance(ev, Chunk):
+                yield event(chunk(ev.text, None))
+            elif isinstance(ev, Done):
+                last = chunk(None, FINISH[ev.reason])
+                last["timings"] = timings(ev)
+                yield event(last)
+                if include_usage:
+                    usage = chunk(None, None)
+                    usage["choices"] = []
+                    usage["usage"] = _usage(ev)
+                    yield sse(usage)
+                yield "data: [DONE]\n\n"
+            else:
+                yield ApiError(ev.status, ev.message).sse()
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/chat/completions", summary="Chat completion (OpenAI)")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    """Renders `messages` with the model's chat template (GGUF `tokenizer.chat_template`, Jinja2 sandbox; ChatML
+    when the model has none) and generates the assistant's answer."""
+    st = _state(request)
+    st.check_model(body.model)
+    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                for m in body.messages]
+    prompt = st.check_prompt(st.formatter.tokens(messages))
+    params = _params(st, body, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
+                     st.formatter.stop)
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+        delta: dict[str, Any] = {}
+        if text == "":
+            delta = {"role": "assistant", "content": ""}
+        elif text is not None:
+            delta = {"content": text}
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_id,
+                "system_fingerprint": FINGERPRINT,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+    def final(done: Done) -> dict[str, Any]:
+        return {"id": cid, "object": "chat.completion", "created": created, "model": st.model_id,
+                "system_fingerprint": FINGERPRINT,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+                             "finish_reason": FINISH[done.reason]}],
+                "usage": _usage(done), "timings": timings(done)}
+
+    return await _run(request, st, body, prompt, params, "chat", chunk, final)
+
+
+@router.post("/completions", summary="Text completion (OpenAI)")
+async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
+    """Continues `prompt` (tokenized as `powerinfer main` does). `echo` prepends the prompt to the text."""
+    st = _state(request)
+    st.check_model(body.model)
+    p = body.prompt
+    if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        if len(p) != 1:
+            raise ApiError(400, "only one prompt per request is supported", param="prompt")
+        p = p[0]
+    if isinstance(p, str):
+        text, tokens = p, st.encode(p)
+    else:
+        tokens = [int(x) for x in p]
+        text = st.tokenizer.decode(t for t in tokens if 0 <= t < st.tokenizer.n_vocab)
+    prompt = st.check_prompt(tokens)
+    params = _params(st, body, body.max_tokens, ())
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    echo = text if body.echo else ""
+
+    def chunk(piece: str | None, finish: str | None) -> dict[str, Any]:
+        return {"id": cid, "object": "text_completion", "created": created, "model": st.model_id,
+                "system_fingerprint": FINGERPRINT,
+                "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
+
+    def final(done: Done) -> dict[str, Any]:
+        out = chunk(echo + done.text, FINISH[done.reason])
+        out["usage"] = _usage(done)
+        out["timings"] = timings(done)
+        return out
+
+    if echo and body.stream:
+        raise ApiError(400, "echo is not supported with stream", param="echo")
+    return await _run(request, st, body, prompt, params, "text", chunk, final)

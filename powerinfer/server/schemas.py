@@ -1,0 +1,101 @@
+"""Request bodies of the HTTP API (pydantic models; FastAPI validates them and lists them in the OpenAPI schema).
+
+Sampling fields left out take the server's defaults (those of `powerinfer main`, or the server's flags).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Sampling(BaseModel):
+    temperature: float | None = Field(None, ge=0, description="0 = greedy")
+    top_k: int | None = Field(None, description="<= 0: off")
+    top_p: float | None = Field(None, ge=0, le=1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repeat_penalty: float | None = Field(None, ge=0)
+    repeat_last_n: int | None = Field(None, ge=-1)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    seed: int | None = Field(None, description="-1 or absent: random")
+
+
+class CompletionRequest(_Sampling):
+    """llama.cpp `POST /completion`. Unknown llama.cpp fields (cache_prompt, tfs_z, typical_p, mirostat*,
+    n_keep, penalize_nl, n_probs, slot_id, image_data ...) are accepted and ignored."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str | list[int | str] = Field(description="text, token ids, or a mix of both")
+    stream: bool = False
+    n_predict: int | None = Field(None, description="-1: until end of sequence or a full context; larger "
+                                  "values are clamped to the free context")
+    ignore_eos: bool = False
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    logit_bias: list[tuple[int, float | bool]] = Field(default_factory=list,
+                                                       description="[token, bias]; bias false bans the token")
+    grammar: str | None = Field(None, description="not supported: must be empty")
+
+
+class TokenizeRequest(BaseModel):
+    content: str
+    add_special: bool = Field(False, description="prepend BOS as the vocabulary says")
+
+
+class DetokenizeRequest(BaseModel):
+    tokens: list[int]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _OpenAIBase(_Sampling):
+    """Fields shared by /v1/completions and /v1/chat/completions (top_k, min_p, repeat_penalty and
+    repeat_last_n are llama.cpp extensions)."""
+
+    model: str | None = Field(None, description="the served model's alias or file name; absent: that model")
+    temperature: float | None = Field(None, ge=0, le=2)
+    max_tokens: int | None = Field(None, description=">= 1; clamped to the free context")
+    n: int = Field(1, ge=1, le=1, description="only 1 choice is supported")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, description="alias of max_tokens")
+
+
+class OpenAICompletionRequest(_OpenAIBase):
+    prompt: str | list[str] | list[int] = Field(description="one prompt: a string, a list of one string, or "
+                                                "token ids")
+    echo: bool = False
