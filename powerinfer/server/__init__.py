@@ -43,6 +43,11 @@ class Server:
                     timer.daemon = True
                     timer.start()
                 super().handle_exit(sig, frame)
+                # uvicorn re-raises a captured signal after its graceful shutdown, which would end the process
+                # by that signal; the shutdown was handled, so exit normally instead
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list):
+                    captured.clear()
 
         self.uvicorn = _Uvicorn(config)
 
