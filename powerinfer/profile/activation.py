@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from powerinfer.profile.collect import (
     require_relu,
     run_windows,
     tokenize_corpus,
+    write_folder_atomically,
 )
 from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -96,19 +94,12 @@ def profile_engine(
 
 def write_activation_folder(folder: Path, profile: ActivationProfile) -> Path:
     """Write activation_<N>.pt files (float32 counts) into `folder`, replacing it whole."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         for layer, counts in enumerate(profile.counts):
             torch.save(torch.tensor(counts.astype(np.float32)), activation_file(tmp, layer))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    return write_folder_atomically(folder, write)
 
 
 def plot_curves(path: Path, profile: ActivationProfile) -> Path | None:
@@ -172,3 +163,4 @@ def run_profile(
         if png is not None:
             paths["plot"] = png
     return profile, paths
+

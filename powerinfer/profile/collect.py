@@ -8,6 +8,9 @@ constant per layer: one gate matmul, one comparison and one sum over the batch.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -119,3 +122,22 @@ def run_windows(engine: Engine, windows: list[list[int]], progress: Progress | N
         if progress is not None:
             progress(done, total)
     return done
+
+
+def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> Path:
+    """Fill a temporary sibling folder with `write`, then put it in place of `folder` (no partial output)."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; the finished folder gets the usual mode
+        write(tmp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +35,7 @@ from powerinfer.profile.collect import (
     require_relu,
     run_windows,
     tokenize_corpus,
+    write_folder_atomically,
 )
 from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -249,24 +247,14 @@ def evaluate(predictors: PredictorSet, split: Split, n_ff: int, device: torch.de
 
 def write_predictor_folder(folder: Path, predictors: PredictorSet) -> Path:
     """model_<N>.pt (fc1.weight, fc2.weight float16) and config.json (sparse_threshold), atomically."""
-    folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
+
+    def write(tmp: Path) -> None:
         for layer, (w1, w2) in enumerate(zip(predictors.fc1, predictors.fc2, strict=True)):
-            state = {
-                "fc1.weight": w1.to(torch.float16).contiguous(),
-                "fc2.weight": w2.to(torch.float16).contiguous(),
-            }
-            torch.save(state, tmp / f"model_{layer}.pt")
+            half = [w.to(torch.float16).contiguous() for w in (w1, w2)]
+            torch.save({"fc1.weight": half[0], "fc2.weight": half[1]}, tmp / f"model_{layer}.pt")
         (tmp / "config.json").write_text(json.dumps({"sparse_threshold": predictors.threshold}) + "\n")
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    return write_folder_atomically(folder, write)
 
 
 def load_predictor_folder(folder: Path) -> PredictorSet:
@@ -397,3 +385,4 @@ def evaluate_on_text(
     return evaluate(
         predictors, take(samples, range(len(windows))), engine.config.n_ff, default_device(device)
     )
+
