@@ -268,3 +268,18 @@ def test_bad_input(relu_model, tmp_path: Path):
     r = runner.invoke(app, ["profile", "-m", str(silu), "-f", str(small), "-o", str(out)])
     assert_one_error_line(r, "ReLU")
     assert not out.exists()
+
+
+def test_plot_curves(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    from powerinfer.profile import ActivationProfile, plot_curves
+
+    counts = [np.arange(256, dtype=np.int64)[::-1] * (layer + 1) for layer in range(3)]
+    profile = ActivationProfile(counts, n_tokens=1000)
+    png = plot_curves(tmp_path / "curve.png", profile)
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # counts 255..0: the hottest k neurons cover sum of the top k; 80% needs k with cumulative share >= 0.8
+    c = np.arange(256)[::-1]
+    k = int(np.argmax(np.cumsum(c) >= 0.8 * c.sum())) + 1
+    assert profile.hot_share(0.8)[0] == pytest.approx(k / 256)
+    assert profile.sparsity()[0] == pytest.approx(1 - c.sum() / (1000 * 256))
