@@ -205,12 +205,6 @@ def _encode_rows(t: TensorInfo, plan: TensorPlan, out: np.ndarray, r0: int, r1: 
     out[r0:r1] = quantize(rows, plan.dst_type)
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _check_output(path: Path) -> None:
     folder = path.absolute().parent
     if not folder.is_dir():
@@ -270,7 +264,6 @@ def quantize_model(opts: QuantizeOptions,
         pool.shutdown(wait=True, cancel_futures=True)
     try:
         writer.write()
-        os.chmod(opts.output, 0o666 & ~_umask())  # the writer's temp file is created 0600
     except OSError as e:
         raise FormatError(f"cannot write {opts.output}: {e.strerror or e}") from None
     report.quantize_ms = (time.perf_counter() - t_start) * 1e3

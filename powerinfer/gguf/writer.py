@@ -149,6 +149,10 @@ class GGUFWriter:
         except OSError as e:
             raise FormatError(f"{self.path}: cannot write: {e.strerror}") from None
         try:
+            # mkstemp creates the file 0600; give the result the usual permissions (0666 minus the umask)
+            mask = os.umask(0)
+            os.umask(mask)
+            os.chmod(tmp, 0o666 & ~mask)
             with os.fdopen(fd, "wb") as f:
                 f.write(header)
                 for _, _, _, raw in self.tensors:
