@@ -226,8 +226,11 @@ class Worker:
                 self._cond.wait()
             if not self._running:
                 return False
+            # while sequences are decoding, admit one new prompt per step: its prefill stalls them once,
+            # instead of once per newcomer (a burst of arrivals at an idle server is admitted at once)
+            budget = 1 if any(s is not None for s in self._slots) else self.n_slots
             for i in range(self.n_slots):
-                while self._slots[i] is None and self._pending:
+                while self._slots[i] is None and self._pending and len(admitted) < budget:
                     req = self._pending.popleft()
                     if req.cancelled.is_set():
                         self.metrics.requests_cancelled += 1
