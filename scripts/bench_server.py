@@ -1,7 +1,8 @@
 """Benchmark `powerinfer server` under concurrent streaming clients.
 
 Starts a server in a subprocess (or uses --url), then for each client count runs that many clients at once,
-each streaming one /completion of --n-predict tokens (greedy, ignore_eos, distinct prompts). Reports per level:
+each streaming one /completion of --n-predict tokens (greedy, ignore_eos, distinct prompts).
+Reports per level:
 TTFT p50/p95 (request sent -> first token, queue wait included), inter-token latency p50/p95 (gaps between
 streamed events), and aggregate generated tokens/s (all tokens / wall time of the level).
 
@@ -15,15 +16,30 @@ import http.client
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import threading
 import time
 from urllib.parse import urlparse
 
-TOPICS = ["a lighthouse", "the moon", "a lost key", "winter", "a robot", "the sea", "a small town", "coffee",
-          "a library", "mountains", "a train", "music", "a garden", "rain", "an old map", "the desert"]
+TOPICS = [
+    "a lighthouse",
+    "the moon",
+    "a lost key",
+    "winter",
+    "a robot",
+    "the sea",
+    "a small town",
+    "coffee",
+    "a library",
+    "mountains",
+    "a train",
+    "music",
+    "a garden",
+    "rain",
+    "an old map",
+    "the desert",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -62,8 +78,13 @@ def one_request(host: str, port: int, prompt: str, n_predict: int, api_key: str 
             times.append(time.perf_counter())
     conn.close()
     end = time.perf_counter()
-    return {"ttft": times[0] - t0 if times else float("nan"), "gaps": [b - a for a, b in zip(times, times[1:])],
-            "tokens": n_tokens, "start": t0, "end": end}
+    return {
+        "ttft": times[0] - t0 if times else float("nan"),
+        "gaps": [b - a for a, b in zip(times, times[1:], strict=False)],
+        "tokens": n_tokens,
+        "start": t0,
+        "end": end,
+    }
 
 
 def run_level(host: str, port: int, clients: int, n_predict: int, api_key: str | None) -> dict:
@@ -85,18 +106,40 @@ def run_level(host: str, port: int, clients: int, n_predict: int, api_key: str |
     tokens = sum(r["tokens"] for r in ok)
     gaps = [g for r in ok for g in r["gaps"]]
     ttft = [r["ttft"] for r in ok]
-    return {"clients": clients, "ok": len(ok), "errors": errors, "tokens": tokens, "wall_s": wall,
-            "tokens_per_s": tokens / wall if wall > 0 else 0.0,
-            "ttft_p50_ms": 1e3 * percentile(ttft, 0.5), "ttft_p95_ms": 1e3 * percentile(ttft, 0.95),
-            "itl_p50_ms": 1e3 * percentile(gaps, 0.5), "itl_p95_ms": 1e3 * percentile(gaps, 0.95)}
+    return {
+        "clients": clients,
+        "ok": len(ok),
+        "errors": errors,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 0.5),
+        "ttft_p95_ms": 1e3 * percentile(ttft, 0.95),
+        "itl_p50_ms": 1e3 * percentile(gaps, 0.5),
+        "itl_p95_ms": 1e3 * percentile(gaps, 0.95),
+    }
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "powerinfer", "server", "--port", str(port), "-np", str(args.parallel),
-           "-c", str(args.ctx_size), "-t", str(args.threads), "--max-queue", "64"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "powerinfer",
+        "server",
+        "--port",
+        str(port),
+        "-np",
+        str(args.parallel),
+        "-c",
+        str(args.ctx_size),
+        "-t",
+        str(args.threads),
+        "--max-queue",
+        "64",
+    ]
     if args.model:
         cmd += ["-m", args.model]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -144,15 +187,21 @@ def main() -> None:
             if args.json:
                 print(json.dumps(row), flush=True)
             else:
-                print(f"clients {row['clients']:3d}: {row['tokens_per_s']:7.2f} tok/s  "
-                      f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p95 {row['ttft_p95_ms']:8.1f} ms  "
-                      f"ITL p50 {row['itl_p50_ms']:7.1f} ms p95 {row['itl_p95_ms']:7.1f} ms  "
-                      f"({row['ok']} ok, {len(row['errors'])} errors, {row['tokens']} tokens in "
-                      f"{row['wall_s']:.1f} s)", flush=True)
+                print(
+                    f"clients {row['clients']:3d}: {row['tokens_per_s']:7.2f} tok/s  "
+                    f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p95 {row['ttft_p95_ms']:8.1f} ms  "
+                    f"ITL p50 {row['itl_p50_ms']:7.1f} ms p95 {row['itl_p95_ms']:7.1f} ms  "
+                    f"({row['ok']} ok, {len(row['errors'])} errors, {row['tokens']} tokens in "
+                    f"{row['wall_s']:.1f} s)",
+                    flush=True,
+                )
         if not args.json and rows and rows[0]["tokens_per_s"] > 0:
             base = rows[0]["tokens_per_s"]
-            print("scaling vs 1 client: " + ", ".join(f"{r['clients']}: {r['tokens_per_s'] / base:.2f}x"
-                                                     for r in rows), flush=True)
+            print(
+                "scaling vs 1 client: "
+                + ", ".join(f"{r['clients']}: {r['tokens_per_s'] / base:.2f}x" for r in rows),
+                flush=True,
+            )
     finally:
         if proc is not None:
             proc.terminate()

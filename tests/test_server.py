@@ -12,9 +12,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import random_llama_state, write_llama_gguf
 from test_server_helpers import live_server, request, sse_events
+
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.server import ServerOptions
@@ -33,8 +33,13 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def live(tiny_model: Path):
-    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1),
-                         alias="tiny", max_queue=16, max_body_bytes=64 * 1024)
+    opts = ServerOptions(
+        model=tiny_model,
+        engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1),
+        alias="tiny",
+        max_queue=16,
+        max_body_bytes=64 * 1024,
+    )
     with live_server(opts) as srv:
         yield srv
 
@@ -73,7 +78,9 @@ def test_openai_models_and_completions(live, reference):
     assert out.usage.completion_tokens == len(ids)
     assert out.usage.prompt_tokens == len(reference.tokenizer.encode(prompt))
     assert out.choices[0].finish_reason == ("length" if len(ids) == 12 else "stop")
-    streamed = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == text
 
 
@@ -82,15 +89,25 @@ def test_openai_chat_streamed_and_not(live, reference):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
     formatter = ChatFormatter(reference.tokenizer)
     assert formatter.fallback  # the tiny model has no template: ChatML
-    assert formatter.render(messages) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
-                                          "What is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert formatter.render(messages) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+        "What is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids, text = reference(formatter.tokens(messages), 10, stop=("<|im_end|>",))
     out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == text
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == out.usage.completion_tokens
@@ -112,14 +129,19 @@ def test_openai_client_errors(live):
 def test_llama_completion_fields_and_stream(live, reference):
     prompt = "The answer is"
     ids, text = reference(reference.tokenizer.encode(prompt), 9)
-    status, body, _ = request(live, "POST", "/completion", {"prompt": prompt, "n_predict": 9, "temperature": 0})
+    status, body, _ = request(
+        live, "POST", "/completion", {"prompt": prompt, "n_predict": 9, "temperature": 0}
+    )
     assert status == 200
     assert body["content"] == text and body["stop"] is True
-    assert body["tokens_predicted"] == len(ids) and body["tokens_evaluated"] == len(reference.tokenizer.encode(prompt))
+    assert body["tokens_predicted"] == len(ids) and body["tokens_evaluated"] == len(
+        reference.tokenizer.encode(prompt)
+    )
     assert body["stopped_limit"] == (len(ids) == 9) and body["generation_settings"]["temperature"] == 0
     assert body["timings"]["predicted_n"] == len(ids) and body["timings"]["prompt_ms"] > 0
-    status, raw, headers = request(live, "POST", "/completion", {"prompt": prompt, "n_predict": 9,
-                                                                   "temperature": 0, "stream": True})
+    status, raw, headers = request(
+        live, "POST", "/completion", {"prompt": prompt, "n_predict": 9, "temperature": 0, "stream": True}
+    )
     assert status == 200 and headers["content-type"].startswith("text/event-stream")
     events = sse_events(raw)
     assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
@@ -137,7 +159,9 @@ def test_llama_stop_words(live):
     word = text[10:12]
     want = text[: text.index(word)]
     for stream in (False, True):
-        status, body, _ = request(live, "POST", "/completion", {**base, "stop": ["zz", word], "stream": stream})
+        status, body, _ = request(
+            live, "POST", "/completion", {**base, "stop": ["zz", word], "stream": stream}
+        )
         assert status == 200
         final = sse_events(body)[-1] if stream else body
         content = "".join(e["content"] for e in sse_events(body)) if stream else body["content"]
@@ -173,7 +197,9 @@ def test_sixteen_concurrent_greedy_requests_match_solo(live, reference):
     want = [reference(reference.tokenizer.encode(p), n)[1] for p in prompts]
 
     def one(p: str) -> str:
-        status, body, _ = request(live, "POST", "/completion", {"prompt": p, "n_predict": n, "temperature": 0})
+        status, body, _ = request(
+            live, "POST", "/completion", {"prompt": p, "n_predict": n, "temperature": 0}
+        )
         assert status == 200, body
         return body["content"]
 
@@ -192,11 +218,19 @@ BAD = [
     ("/completion", json.dumps({"prompt": "x", "n_predict": "many"}).encode(), 400, "n_predict"),
     ("/completion", json.dumps({"n_predict": 3}).encode(), 400, "missing field 'prompt'"),
     ("/v1/chat/completions", json.dumps({"model": "tiny"}).encode(), 400, "missing field 'messages'"),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400,
-     "messages.0.role"),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(),
+        400,
+        "messages.0.role",
+    ),
     ("/v1/chat/completions", json.dumps({"messages": "hello"}).encode(), 400, "messages"),
-    ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 7}).encode(),
-     400, "temperature"),
+    (
+        "/v1/chat/completions",
+        json.dumps({"messages": [{"role": "user", "content": "x"}], "temperature": 7}).encode(),
+        400,
+        "temperature",
+    ),
     ("/completion", json.dumps({"prompt": "x", "n_predict": -5}).encode(), 400, "n_predict must be >= -2"),
     ("/v1/completions", json.dumps({"prompt": "x", "max_tokens": 0}).encode(), 400, "max_tokens"),
     ("/v1/completions", json.dumps({"prompt": "x" * 500}).encode(), 400, "context size"),
@@ -236,8 +270,13 @@ def test_body_over_the_limit_gets_413(live):
     assert status == 413 and body["error"]["code"] == "request_too_large"
     # the same body sent chunked (no Content-Length)
     conn = http.client.HTTPConnection(live.host, live.port, timeout=30)
-    conn.request("POST", "/completion", body=iter([big[i:i + 8192] for i in range(0, len(big), 8192)]),
-                 headers={"Content-Type": "application/json"}, encode_chunked=True)
+    conn.request(
+        "POST",
+        "/completion",
+        body=iter([big[i : i + 8192] for i in range(0, len(big), 8192)]),
+        headers={"Content-Type": "application/json"},
+        encode_chunked=True,
+    )
     resp = conn.getresponse()
     assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
     conn.close()
@@ -245,13 +284,18 @@ def test_body_over_the_limit_gets_413(live):
 
 
 def test_api_key(tiny_model):
-    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=1, n_threads=1),
-                         api_key="s3cret")
+    opts = ServerOptions(
+        model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=1, n_threads=1), api_key="s3cret"
+    )
     with live_server(opts) as srv:
         body = {"prompt": "a", "n_predict": 2}
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
             status, err, h = request(srv, "POST", "/completion", body, headers)
-            assert status == 401 and err["error"]["code"] == "invalid_api_key" and h["www-authenticate"] == "Bearer"
+            assert (
+                status == 401
+                and err["error"]["code"] == "invalid_api_key"
+                and h["www-authenticate"] == "Bearer"
+            )
         assert request(srv, "GET", "/v1/models")[0] == 401
         assert request(srv, "GET", "/health")[0] == 200  # public: health and the chat page
         assert request(srv, "GET", "/")[0] == 200
@@ -266,8 +310,12 @@ def test_api_key(tiny_model):
 
 def _open_stream(srv, body: dict) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     conn = http.client.HTTPConnection(srv.host, srv.port, timeout=30)
-    conn.request("POST", "/completion", body=json.dumps({**body, "stream": True}),
-                 headers={"Content-Type": "application/json"})
+    conn.request(
+        "POST",
+        "/completion",
+        body=json.dumps({**body, "stream": True}),
+        headers={"Content-Type": "application/json"},
+    )
     return conn, conn.getresponse()
 
 
@@ -281,24 +329,32 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 
 def test_disconnect_mid_stream_frees_the_slot_and_queue_full_gets_503(tiny_model, reference):
-    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=1, n_threads=1), max_queue=1)
+    opts = ServerOptions(
+        model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=1, n_threads=1), max_queue=1
+    )
     with live_server(opts, step_delay_s=0.05) as srv:
         worker = srv.server.worker
         conn, resp = _open_stream(srv, {"prompt": "long", "n_predict": -1, "ignore_eos": True})
         assert resp.status == 200
         assert resp.readline().startswith(b"data: ")  # generation is running
         # one slot busy, one request may wait, the next is refused
-        waiting = threading.Thread(target=request, args=(srv, "POST", "/completion", {"prompt": "w", "n_predict": 2}))
+        waiting = threading.Thread(
+            target=request, args=(srv, "POST", "/completion", {"prompt": "w", "n_predict": 2})
+        )
         waiting.start()
         assert _wait(lambda: worker.metrics.deferred == 1)
         status, body, headers = request(srv, "POST", "/completion", {"prompt": "x", "n_predict": 2})
-        assert status == 503 and body["error"]["type"] == "unavailable_error" and headers["retry-after"] == "1"
+        assert (
+            status == 503 and body["error"]["type"] == "unavailable_error" and headers["retry-after"] == "1"
+        )
         conn.close()  # client goes away mid-stream
         assert _wait(lambda: worker.metrics.requests_cancelled == 1)
         waiting.join(30)
         assert _wait(lambda: worker.slots_busy() == 0)
         _, text = reference(reference.tokenizer.encode("next"), 5)
-        status, body, _ = request(srv, "POST", "/completion", {"prompt": "next", "n_predict": 5, "temperature": 0})
+        status, body, _ = request(
+            srv, "POST", "/completion", {"prompt": "next", "n_predict": 5, "temperature": 0}
+        )
         assert status == 200 and body["content"] == text
 
 
@@ -306,3 +362,37 @@ def test_stop_holdback():
     assert _stop_holdback("abc<|im", ("<|im_end|>",)) == 4
     assert _stop_holdback("abc", ("<|im_end|>",)) == 0
     assert _stop_holdback("say STO", ("STOP", "TOP")) == 3
+
+
+def test_metrics_report_sparsity_and_pool_share(tmp_path):
+    from conftest import random_predictors, write_activation_stats
+
+    sd = random_llama_state(n_head_kv=2, seed=4)
+    path = write_llama_gguf(
+        tmp_path / "sparse.gguf",
+        sd,
+        n_head=4,
+        n_head_kv=2,
+        act="relu",
+        predictors=random_predictors(sd),
+        threshold=0.0,
+    )
+    write_activation_stats(tmp_path / "activation", 2, 128)
+    opts = ServerOptions(
+        model=path,
+        engine=EngineOptions(n_ctx=N_CTX, n_seq=2, n_threads=1, pool_device="cpu", vram_budget_gib=0.01),
+    )
+    with live_server(opts) as srv:
+        assert request(srv, "POST", "/completion", {"prompt": "abc", "n_predict": 4})[0] == 200
+        text = request(srv, "GET", "/metrics")[1]
+        values = {k: float(v) for k, v in (line.split(" ") for line in text.splitlines() if line[0] != "#")}
+        stats = srv.server.engine.sparse_stats
+        active = float(stats.active.sum())
+        assert values["powerinfer_sparse_predicted_active_ratio"] == pytest.approx(
+            active / (float(stats.tokens.sum()) * 128)
+        )
+        assert 0 < values["powerinfer_sparse_predicted_active_ratio"] < 1
+        assert values["powerinfer_sparse_gpu_active_share"] == pytest.approx(
+            float(stats.active_gpu.sum()) / active
+        )
+        assert values["powerinfer_sparse_gpu_active_share"] > 0

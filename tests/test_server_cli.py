@@ -12,10 +12,10 @@ import sys
 import time
 
 import pytest
-from typer.testing import CliRunner
-
 from conftest import random_llama_state, write_llama_gguf
 from test_server_helpers import sse_events
+from typer.testing import CliRunner
+
 from powerinfer.cli import app
 
 
@@ -33,9 +33,34 @@ def test_cli_builds_server_options(tmp_path, monkeypatch):
 
     monkeypatch.setattr(server_pkg, "Server", FakeServer)
     model = tmp_path / "m.gguf"
-    result = CliRunner().invoke(app, ["server", "-m", str(model), "--port", "9123", "-np", "3", "-c", "256",
-                                      "--api-key", "k1", "--timeout", "30", "--alias", "mine", "--temp", "0.5",
-                                      "--max-queue", "7", "--max-body", "4096", "-t", "1"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "server",
+            "-m",
+            str(model),
+            "--port",
+            "9123",
+            "-np",
+            "3",
+            "-c",
+            "256",
+            "--api-key",
+            "k1",
+            "--timeout",
+            "30",
+            "--alias",
+            "mine",
+            "--temp",
+            "0.5",
+            "--max-queue",
+            "7",
+            "--max-body",
+            "4096",
+            "-t",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     o = seen["options"]
     assert seen["ran"] and o.model == model and o.host == "127.0.0.1" and o.port == 9123
@@ -60,9 +85,27 @@ def test_sigterm_with_a_request_in_flight_shuts_down_cleanly(tmp_path):
     pytest.importorskip("uvicorn")
     model = write_llama_gguf(tmp_path / "m.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "powerinfer", "server", "-m", str(model), "--port", str(port),
-                             "-c", "8192", "-np", "1", "-t", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "powerinfer",
+            "server",
+            "-m",
+            str(model),
+            "--port",
+            str(port),
+            "-c",
+            "8192",
+            "-np",
+            "1",
+            "-t",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -73,12 +116,17 @@ def test_sigterm_with_a_request_in_flight_shuts_down_cleanly(tmp_path):
                     break
             except OSError:
                 pass
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stderr.read() if proc.stderr else ""
+            )
             time.sleep(0.2)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-        conn.request("POST", "/completion", body=json.dumps({"prompt": "a", "n_predict": -1, "ignore_eos": True,
-                                                             "stream": True}),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/completion",
+            body=json.dumps({"prompt": "a", "n_predict": -1, "ignore_eos": True, "stream": True}),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         assert resp.readline().startswith(b"data: ")
         proc.send_signal(signal.SIGTERM)

@@ -33,7 +33,7 @@ class Live:
 
 @contextlib.contextmanager
 def live_server(options: ServerOptions, step_delay_s: float = 0.0) -> Iterator[Live]:
-    """Run a Server in a thread on a free 127.0.0.1 port; step_delay_s slows each decode step (mid-stream tests)."""
+    """Run a Server in a thread on a free 127.0.0.1 port; step_delay_s slows each decode step."""
     server = Server(options, shutdown_grace_s=0.5)
     if step_delay_s:
         step = server.worker.batch.step
@@ -62,8 +62,15 @@ def live_server(options: ServerOptions, step_delay_s: float = 0.0) -> Iterator[L
         sock.close()
 
 
-def request(live: Live, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-            raw: bytes | None = None, timeout: float = 60) -> tuple[int, Any, dict[str, str]]:
+def request(
+    live: Live,
+    method: str,
+    path: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 60,
+) -> tuple[int, Any, dict[str, str]]:
     """One HTTP call; returns (status, parsed JSON or text, headers)."""
     conn = http.client.HTTPConnection(live.host, live.port, timeout=timeout)
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)

@@ -1,5 +1,5 @@
-"""The chat page at / loads in headless Chromium and streams an answer (driven through chromedriver's WebDriver
-HTTP API; skipped when Debian's chromium / chromium-driver are not installed)."""
+"""The chat page at / loads in headless Chromium and streams an answer (driven through chromedriver's
+WebDriver HTTP API; skipped when Debian's chromium / chromium-driver are not installed)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import random_llama_state, write_llama_gguf
 from test_server_helpers import live_server, request
+
 from powerinfer.runtime.engine import EngineOptions
 from powerinfer.server import ServerOptions
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason="chromium and chromium-driver are not installed")
+pytestmark = pytest.mark.skipif(
+    not (CHROMIUM and DRIVER), reason="chromium and chromium-driver are not installed"
+)
 
 
 def _call(method: str, url: str, body: Any = None) -> Any:
@@ -50,10 +52,21 @@ def webdriver(tmp_path: Path):
             if time.monotonic() > deadline:
                 pytest.skip("chromedriver did not start")
             time.sleep(0.1)
-        options = {"binary": CHROMIUM, "args": ["--headless=new", "--no-sandbox", "--disable-gpu",
-                                                "--disable-dev-shm-usage", f"--user-data-dir={tmp_path / 'profile'}"]}
-        session = _call("POST", base + "/session",
-                        {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}})
+        options = {
+            "binary": CHROMIUM,
+            "args": [
+                "--headless=new",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                f"--user-data-dir={tmp_path / 'profile'}",
+            ],
+        }
+        session = _call(
+            "POST",
+            base + "/session",
+            {"capabilities": {"alwaysMatch": {"browserName": "chrome", "goog:chromeOptions": options}}},
+        )
         url = f"{base}/session/{session['sessionId']}"
 
         def run(script: str, *args: Any) -> Any:
@@ -84,8 +97,10 @@ def test_chat_page_streams_an_answer(tmp_path, webdriver):
         partial, states = set(), []
         deadline = time.monotonic() + 60
         while True:
-            state, text = webdriver("const a = document.querySelector('.msg.assistant, .msg.error');"
-                                    "return [document.body.dataset.state, a ? a.textContent : null];")
+            state, text = webdriver(
+                "const a = document.querySelector('.msg.assistant, .msg.error');"
+                "return [document.body.dataset.state, a ? a.textContent : null];"
+            )
             states.append(state)
             if state == "streaming" and text:
                 partial.add(text)
@@ -94,9 +109,12 @@ def test_chat_page_streams_an_answer(tmp_path, webdriver):
             assert time.monotonic() < deadline, "no answer in time"
             time.sleep(0.02)
         assert state == "done", text
-        status, body, _ = request(srv, "POST", "/v1/chat/completions",
-                                  {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 24,
-                                   "temperature": 0})
+        status, body, _ = request(
+            srv,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 24, "temperature": 0},
+        )
         assert status == 200 and text == body["choices"][0]["message"]["content"] and text
         # the answer grew in place while streaming: partial texts were prefixes of the final one
         assert partial and all(text.startswith(p) and p != text for p in partial)

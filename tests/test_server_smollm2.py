@@ -1,12 +1,12 @@
-"""The real `openai` client against a live server on SmolLM2 (its GGUF chat template): greedy answers equal the
-engine's solo greedy output for the same prompt and template."""
+"""The real `openai` client against a live server on SmolLM2 (its GGUF chat template): greedy answers
+equal the engine's solo greedy output for the same prompt and template."""
 
 from __future__ import annotations
 
 import pytest
-
 from conftest import smollm2_path
 from test_server_helpers import live_server
+
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.server import ServerOptions
@@ -38,14 +38,16 @@ def test_chat_uses_the_gguf_template_and_matches_the_engine(smol):
     assert not formatter.fallback
     assert formatter.render(messages) == (
         "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
     want = _greedy(engine, formatter.tokens(messages))
     model = client.models.list().data[0].id
     assert model == "SmolLM2-135M-Instruct.Q4_1.gguf"
     out = client.chat.completions.create(model=model, messages=messages, max_tokens=N, temperature=0)
     assert out.choices[0].message.content == want and want.strip()
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=N, temperature=0,
-                                            stream=True)
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=N, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in stream) == want
 
 
@@ -53,6 +55,8 @@ def test_completion_matches_the_engine(smol):
     srv, client, engine = smol
     prompt = "The capital of France is"
     want = _greedy(engine, engine.tokenizer.encode(prompt))
-    out = client.completions.create(model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=N, temperature=0)
+    out = client.completions.create(
+        model="SmolLM2-135M-Instruct.Q4_1", prompt=prompt, max_tokens=N, temperature=0
+    )
     assert out.choices[0].text == want
     assert out.usage.completion_tokens == N

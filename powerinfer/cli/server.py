@@ -37,11 +37,14 @@ def server(
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.", envvar="PORT")] = 8080,
     ctx_size: CtxOpt = 512,
-    parallel: Annotated[int, typer.Option("-np", "--parallel", help="KV slots: sequences decoded together.")] = 4,
+    parallel: Annotated[
+        int, typer.Option("-np", "--parallel", help="KV slots: sequences decoded together.")
+    ] = 4,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict",
-                                           help="Default token limit of a request (-1 = until EOS).")] = -1,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
+    ] = -1,
     seed: SeedOpt = _D.seed,
     temp: Annotated[float, typer.Option("--temp", help="Default temperature (0 = greedy).")] = _D.temp,
     top_k: Annotated[int, typer.Option("--top-k", help="Default top-k (<= 0: off).")] = _D.top_k,
@@ -56,18 +59,33 @@ def server(
     reset_gpu_index: ResetIdxOpt = False,
     disable_gpu_index: DisableIdxOpt = False,
     pool_device: PoolDeviceOpt = None,
-    api_key: Annotated[str | None, typer.Option("--api-key", envvar="POWERINFER_API_KEY", show_default=False,
-                                                help="Require 'Authorization: Bearer KEY' (401 otherwise).")] = None,
-    timeout: Annotated[float, typer.Option("-to", "--timeout",
-                                           help="Seconds a request may wait plus generate.")] = 600.0,
-    alias: Annotated[str | None, typer.Option("-a", "--alias", help="Model name shown by the API.",
-                                              show_default=False)] = None,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests waiting beyond the slots (503 past it).")]
-    = 32,
-    max_body: Annotated[int, typer.Option("--max-body", help="Largest request body in bytes (413 past it).")]
-    = 1 << 20,
-    chat_template: Annotated[Path | None, typer.Option("--chat-template-file", show_default=False,
-                                                       help="Jinja2 chat template replacing the model's.")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            envvar="POWERINFER_API_KEY",
+            show_default=False,
+            help="Require 'Authorization: Bearer KEY' (401 otherwise).",
+        ),
+    ] = None,
+    timeout: Annotated[
+        float, typer.Option("-to", "--timeout", help="Seconds a request may wait plus generate.")
+    ] = 600.0,
+    alias: Annotated[
+        str | None, typer.Option("-a", "--alias", help="Model name shown by the API.", show_default=False)
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", help="Requests waiting beyond the slots (503 past it).")
+    ] = 32,
+    max_body: Annotated[
+        int, typer.Option("--max-body", help="Largest request body in bytes (413 past it).")
+    ] = 1 << 20,
+    chat_template: Annotated[
+        Path | None,
+        typer.Option(
+            "--chat-template-file", show_default=False, help="Jinja2 chat template replacing the model's."
+        ),
+    ] = None,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
@@ -88,15 +106,37 @@ def server(
                 raise InputError(f"cannot read chat template {chat_template}: {e.strerror}") from None
         opts = ServerOptions(
             model=resolve_model(model),
-            engine=EngineOptions(n_ctx=ctx_size, n_batch=batch_size, n_seq=parallel, n_threads=threads(threads_),
-                                 vram_budget_gib=resolve_vram_budget(vram_budget), n_gpu_layers=n_gpu_layers,
-                                 reset_gpu_index=reset_gpu_index, disable_gpu_index=disable_gpu_index,
-                                 pool_device=pool_device),
-            sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                                    repeat_last_n=repeat_last_n, frequency_penalty=frequency_penalty,
-                                    presence_penalty=presence_penalty, seed=seed),
-            n_predict=n_predict, host=host, port=port, api_key=api_key or None, timeout_s=timeout, alias=alias,
-            max_queue=max_queue, max_body_bytes=max_body, chat_template=template,
+            engine=EngineOptions(
+                n_ctx=ctx_size,
+                n_batch=batch_size,
+                n_seq=parallel,
+                n_threads=threads(threads_),
+                vram_budget_gib=resolve_vram_budget(vram_budget),
+                n_gpu_layers=n_gpu_layers,
+                reset_gpu_index=reset_gpu_index,
+                disable_gpu_index=disable_gpu_index,
+                pool_device=pool_device,
+            ),
+            sampling=SamplingParams(
+                temp=temp,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                repeat_penalty=repeat_penalty,
+                repeat_last_n=repeat_last_n,
+                frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty,
+                seed=seed,
+            ),
+            n_predict=n_predict,
+            host=host,
+            port=port,
+            api_key=api_key or None,
+            timeout_s=timeout,
+            alias=alias,
+            max_queue=max_queue,
+            max_body_bytes=max_body,
+            chat_template=template,
         )
         Server(opts).run()
 

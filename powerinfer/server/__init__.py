@@ -19,8 +19,9 @@ log = logging.getLogger(__name__)
 class Server:
     """Loads the model, starts the generation worker and serves the app with uvicorn.
 
-    On SIGINT/SIGTERM uvicorn stops accepting connections; requests in flight get `shutdown_grace_s` seconds to
-    finish, then the worker stops and whatever still runs ends with a 503 error (an error event when streaming).
+    On SIGINT/SIGTERM uvicorn stops accepting connections; requests in flight get `shutdown_grace_s`
+    seconds to finish, then the worker stops and whatever still runs ends with a 503 error (an error event
+    when streaming).
     """
 
     def __init__(self, options: ServerOptions, shutdown_grace_s: float = 5.0) -> None:
@@ -30,15 +31,24 @@ class Server:
         self.engine = Engine(options.model, options.engine)
         self.worker = Worker(self.engine, options.max_queue)
         self.app = create_app(self.worker, options)
-        config = uvicorn.Config(self.app, host=options.host, port=options.port, log_config=None,
-                                timeout_graceful_shutdown=int(shutdown_grace_s) + 5, server_header=False)
+        config = uvicorn.Config(
+            self.app,
+            host=options.host,
+            port=options.port,
+            log_config=None,
+            timeout_graceful_shutdown=int(shutdown_grace_s) + 5,
+            server_header=False,
+        )
         worker = self.worker
 
         class _Uvicorn(uvicorn.Server):
             def handle_exit(self, sig: int, frame: Any) -> None:
                 if not self.should_exit:
-                    log.info("shutting down: %d request(s) in flight get %.0f s to finish",
-                             worker.slots_busy(), shutdown_grace_s)
+                    log.info(
+                        "shutting down: %d request(s) in flight get %.0f s to finish",
+                        worker.slots_busy(),
+                        shutdown_grace_s,
+                    )
                     timer = threading.Timer(shutdown_grace_s, worker.stop)
                     timer.daemon = True
                     timer.start()
@@ -55,8 +65,16 @@ class Server:
         """Serve until shut down (blocking). `sockets`: already bound listening sockets (tests)."""
         self.worker.start()
         o = self.options
-        log.info("serving %s on http://%s:%d with %d slots, context %d, queue %d%s", o.model.name, o.host, o.port,
-                 self.worker.n_slots, self.worker.n_ctx, o.max_queue, ", API key required" if o.api_key else "")
+        log.info(
+            "serving %s on http://%s:%d with %d slots, context %d, queue %d%s",
+            o.model.name,
+            o.host,
+            o.port,
+            self.worker.n_slots,
+            self.worker.n_ctx,
+            o.max_queue,
+            ", API key required" if o.api_key else "",
+        )
         try:
             self.uvicorn.run(sockets=sockets)
         finally:
@@ -65,4 +83,3 @@ class Server:
     def shutdown(self) -> None:
         """Ask a running server to exit (from another thread)."""
         self.uvicorn.should_exit = True
-

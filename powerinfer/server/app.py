@@ -59,23 +59,37 @@ class ServerState:
     # ------------------------------------------------------------------ request -> generation parameters
     def sampling(self, body: _Sampling) -> SamplingParams:
         """The server defaults with the request's sampling fields applied."""
-        names = {"temperature": "temp", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-                 "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
-                 "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty", "seed": "seed"}
-        changes = {ours: getattr(body, theirs) for theirs, ours in names.items() if getattr(body, theirs) is not None}
+        names = {
+            "temperature": "temp",
+            "top_k": "top_k",
+            "top_p": "top_p",
+            "min_p": "min_p",
+            "repeat_penalty": "repeat_penalty",
+            "repeat_last_n": "repeat_last_n",
+            "frequency_penalty": "frequency_penalty",
+            "presence_penalty": "presence_penalty",
+            "seed": "seed",
+        }
+        changes = {
+            ours: getattr(body, theirs) for theirs, ours in names.items() if getattr(body, theirs) is not None
+        }
         return dataclasses.replace(self.options.sampling, **changes)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
-            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
 
     def encode(self, text: str) -> list[int]:
-        """Prompt text to tokens as `powerinfer main` does (BOS as the vocabulary says, special tokens parsed)."""
+        """Prompt text to tokens as `powerinfer main` does (BOS per the vocabulary, special tokens parsed)."""
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
     def check_prompt(self, tokens: list[int]) -> list[int]:
-        """An empty prompt becomes BOS; ids must be in the vocabulary; the prompt must leave room to generate."""
+        """An empty prompt becomes BOS; ids must be in the vocabulary; the prompt must leave room."""
         if not tokens:
             if self.tokenizer.bos_id is None:
                 raise ApiError(400, "empty prompt", param="prompt")
@@ -83,11 +97,18 @@ class ServerState:
         n_vocab = self.tokenizer.n_vocab
         bad = [t for t in tokens if not 0 <= t < n_vocab]
         if bad:
-            raise ApiError(400, f"token id {bad[0]} is out of range for a vocabulary of {n_vocab}", param="prompt")
+            raise ApiError(
+                400, f"token id {bad[0]} is out of range for a vocabulary of {n_vocab}", param="prompt"
+            )
         limit = self.n_ctx - 4
         if len(tokens) > limit:
-            raise ApiError(400, f"the prompt has {len(tokens)} tokens, more than the {limit} this server accepts "
-                           f"(context size {self.n_ctx} minus 4)", param="prompt", code="context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {len(tokens)} tokens, more than the {limit} this server accepts "
+                f"(context size {self.n_ctx} minus 4)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
         return tokens
 
     # ------------------------------------------------------------------ running a generation
@@ -95,16 +116,18 @@ class ServerState:
         """Hand a generation to the worker; 503 when the queue is full."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
-        req = GenRequest(prompt, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
-                         self.options.timeout_s)
+        req = GenRequest(
+            prompt, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), self.options.timeout_s
+        )
         try:
             self.worker.submit(req)
         except QueueFull as e:
             raise ApiError(503, f"server busy: {e}", headers={"Retry-After": "1"}) from None
         return req, queue
 
-    async def events(self, http: Request, req: GenRequest, queue: asyncio.Queue[Event],
-                     first: Event | None = None) -> AsyncIterator[Event]:
+    async def events(
+        self, http: Request, req: GenRequest, queue: asyncio.Queue[Event], first: Event | None = None
+    ) -> AsyncIterator[Event]:
         """The events of one generation until Done or Failed; a client that goes away cancels it."""
         finished = False
         try:
@@ -148,10 +171,16 @@ def sse(obj: Any) -> str:
 def timings(done: Done) -> dict[str, float]:
     """llama.cpp's per-request timings object."""
     pn, pm, gn, gm = done.n_prompt, done.prompt_ms, done.n_predicted, done.predicted_ms
-    return {"prompt_n": pn, "prompt_ms": pm, "prompt_per_token_ms": pm / pn if pn else 0.0,
-            "prompt_per_second": 1e3 * pn / pm if pm > 0 else 0.0,
-            "predicted_n": gn, "predicted_ms": gm, "predicted_per_token_ms": gm / gn if gn else 0.0,
-            "predicted_per_second": 1e3 * gn / gm if gm > 0 else 0.0}
+    return {
+        "prompt_n": pn,
+        "prompt_ms": pm,
+        "prompt_per_token_ms": pm / pn if pn else 0.0,
+        "prompt_per_second": 1e3 * pn / pm if pm > 0 else 0.0,
+        "predicted_n": gn,
+        "predicted_ms": gm,
+        "predicted_per_token_ms": gm / gn if gn else 0.0,
+        "predicted_per_second": 1e3 * gn / gm if gm > 0 else 0.0,
+    }
 
 
 class Guard:
@@ -180,8 +209,9 @@ class Guard:
                 await err.response()(scope, receive, send)
                 return
         limit = self.max_body_bytes
-        too_large = ApiError(413, f"request body larger than the limit of {limit} bytes",
-                             code="request_too_large")
+        too_large = ApiError(
+            413, f"request body larger than the limit of {limit} bytes", code="request_too_large"
+        )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await too_large.response()(scope, receive, send)
@@ -214,15 +244,15 @@ class Guard:
 
 
 def create_app(worker: Worker, options: ServerOptions) -> Guard:
-    """The ASGI application: FastAPI routes behind the Guard layer. `app.state.server` holds the ServerState."""
+    """The ASGI application: FastAPI routes behind the Guard layer; `app.state.server` is the ServerState."""
     from powerinfer.server import routes_llama, routes_openai
 
     app = FastAPI(
         title="powerinfer server",
         description="llama.cpp-compatible (/completion, /tokenize, ...) and OpenAI-compatible (/v1/...) text "
-                    "generation with continuous batching. Errors use the OpenAI shape "
-                    '{"error": {"message", "type", "param", "code"}}. With --api-key every endpoint except '
-                    "/, /health and the API docs needs 'Authorization: Bearer KEY'.",
+        "generation with continuous batching. Errors use the OpenAI shape "
+        '{"error": {"message", "type", "param", "code"}}. With --api-key every endpoint except '
+        "/, /health and the API docs needs 'Authorization: Bearer KEY'.",
         version="0.1.0",
     )
     app.state.server = ServerState(worker, options)

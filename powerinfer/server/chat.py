@@ -13,8 +13,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from powerinfer.errors import InputError
 from powerinfer.tokenizer import Tokenizer
 
-# Used when the GGUF has no `tokenizer.chat_template` (llama.cpp falls back to ChatML as well). On a vocabulary
-# without the ChatML tokens the markers are plain text, so "<|im_end|>" is also a stop string.
+# Used when the GGUF has no `tokenizer.chat_template` (llama.cpp falls back to ChatML as well).
+# On a vocabulary without the ChatML tokens the markers are plain text, so "<|im_end|>" is also a stop string.
 FALLBACK_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"

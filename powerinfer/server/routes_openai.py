@@ -24,12 +24,19 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server  # type: ignore[no-any-return]
 
 
-def _params(st: ServerState, body: _OpenAIBase, max_tokens: int | None, extra_stop: tuple[str, ...]) -> GenParams:
-    """OpenAI fields to generation parameters. max_tokens < 1 is an error; more than the free context is clamped
-    (generation ends with finish_reason "length" when the context is full), as llama.cpp's server does."""
+def _params(
+    st: ServerState, body: _OpenAIBase, max_tokens: int | None, extra_stop: tuple[str, ...]
+) -> GenParams:
+    """OpenAI fields to generation parameters. max_tokens < 1 is an error; more than the free context is
+    clamped (generation ends with finish_reason "length" when the context is full), as llama.cpp's server
+    does."""
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens",
-                       code="integer_below_min_value")
+        raise ApiError(
+            400,
+            f"max_tokens must be at least 1, got {max_tokens}",
+            param="max_tokens",
+            code="integer_below_min_value",
+        )
     stop = body.stop_list()
     if len(stop) > 16:
         raise ApiError(400, "at most 16 stop sequences", param="stop")
@@ -41,27 +48,46 @@ def _params(st: ServerState, body: _OpenAIBase, max_tokens: int | None, extra_st
             raise ApiError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
         bias.append((int(key), float("-inf") if value == -100 else value))
     n = max_tokens if max_tokens is not None else st.options.n_predict
-    return GenParams(st.sampling(body), n if n >= 0 else -1, False, tuple(s for s in stop if s) + extra_stop,
-                     tuple(bias))
+    return GenParams(
+        st.sampling(body), n if n >= 0 else -1, False, tuple(s for s in stop if s) + extra_stop, tuple(bias)
+    )
 
 
 def _usage(done: Done) -> dict[str, int]:
-    return {"prompt_tokens": done.n_prompt, "completion_tokens": done.n_predicted,
-            "total_tokens": done.n_prompt + done.n_predicted}
+    return {
+        "prompt_tokens": done.n_prompt,
+        "completion_tokens": done.n_predicted,
+        "total_tokens": done.n_prompt + done.n_predicted,
+    }
 
 
 @router.get("/models", summary="The served model")
 async def models(request: Request) -> dict[str, Any]:
     st = _state(request)
-    return {"object": "list", "data": [{"id": st.model_id, "object": "model", "created": st.created,
-                                        "owned_by": "powerinfer",
-                                        "meta": {"n_ctx": st.n_ctx, "n_vocab": st.tokenizer.n_vocab,
-                                                 "n_slots": st.worker.n_slots}}]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": st.model_id,
+                "object": "model",
+                "created": st.created,
+                "owned_by": "powerinfer",
+                "meta": {"n_ctx": st.n_ctx, "n_vocab": st.tokenizer.n_vocab, "n_slots": st.worker.n_slots},
+            }
+        ],
+    }
 
 
-async def _run(request: Request, st: ServerState, body: _OpenAIBase, prompt: list[int], params: GenParams,
-               kind: str, chunk: Callable[[str | None, str | None], dict[str, Any]],
-               final: Callable[[Done], dict[str, Any]]) -> Any:
+async def _run(
+    request: Request,
+    st: ServerState,
+    body: _OpenAIBase,
+    prompt: list[int],
+    params: GenParams,
+    kind: str,
+    chunk: Callable[[str | None, str | None], dict[str, Any]],
+    final: Callable[[Done], dict[str, Any]],
+) -> Any:
     """Run one generation; answer with the final object, or stream chunks then `data: [DONE]`."""
     req, queue = st.start(prompt, params)
     if not body.stream:
@@ -103,15 +129,20 @@ async def _run(request: Request, st: ServerState, body: _OpenAIBase, prompt: lis
 
 @router.post("/chat/completions", summary="Chat completion (OpenAI)")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-    """Renders `messages` with the model's chat template (GGUF `tokenizer.chat_template`, Jinja2 sandbox; ChatML
-    when the model has none) and generates the assistant's answer."""
+    """Renders `messages` with the model's chat template (GGUF `tokenizer.chat_template`, Jinja2 sandbox;
+    ChatML when the model has none) and generates the assistant's answer."""
     st = _state(request)
     st.check_model(body.model)
-    messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                for m in body.messages]
+    messages = [
+        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
+    ]
     prompt = st.check_prompt(st.formatter.tokens(messages))
-    params = _params(st, body, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
-                     st.formatter.stop)
+    params = _params(
+        st,
+        body,
+        body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
+        st.formatter.stop,
+    )
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
@@ -120,16 +151,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             delta = {"role": "assistant", "content": ""}
         elif text is not None:
             delta = {"content": text}
-        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": st.model_id,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {
+            "id": cid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": st.model_id,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
 
     def final(done: Done) -> dict[str, Any]:
-        return {"id": cid, "object": "chat.completion", "created": created, "model": st.model_id,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                             "finish_reason": FINISH[done.reason]}],
-                "usage": _usage(done), "timings": timings(done)}
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": st.model_id,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": done.text},
+                    "logprobs": None,
+                    "finish_reason": FINISH[done.reason],
+                }
+            ],
+            "usage": _usage(done),
+            "timings": timings(done),
+        }
 
     return await _run(request, st, body, prompt, params, "chat", chunk, final)
 
@@ -155,9 +203,14 @@ async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
     echo = text if body.echo else ""
 
     def chunk(piece: str | None, finish: str | None) -> dict[str, Any]:
-        return {"id": cid, "object": "text_completion", "created": created, "model": st.model_id,
-                "system_fingerprint": FINGERPRINT,
-                "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}]}
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": st.model_id,
+            "system_fingerprint": FINGERPRINT,
+            "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}],
+        }
 
     def final(done: Done) -> dict[str, Any]:
         out = chunk(echo + done.text, FINISH[done.reason])

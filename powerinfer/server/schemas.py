@@ -1,4 +1,5 @@
-"""Request bodies of the HTTP API (pydantic models; FastAPI validates them and lists them in the OpenAPI schema).
+"""Request bodies of the HTTP API (pydantic models: FastAPI validates them and lists them in the OpenAPI
+schema).
 
 Sampling fields left out take the server's defaults (those of `powerinfer main`, or the server's flags).
 """
@@ -30,12 +31,16 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int | str] = Field(description="text, token ids, or a mix of both")
     stream: bool = False
-    n_predict: int | None = Field(None, description="-1: until end of sequence or a full context; larger "
-                                  "values are clamped to the free context")
+    n_predict: int | None = Field(
+        None,
+        description="-1: until end of sequence or a full context; larger "
+        "values are clamped to the free context",
+    )
     ignore_eos: bool = False
     stop: list[str] = Field(default_factory=list, max_length=16)
-    logit_bias: list[tuple[int, float | bool]] = Field(default_factory=list,
-                                                       description="[token, bias]; bias false bans the token")
+    logit_bias: list[tuple[int, float | bool]] = Field(
+        default_factory=list, description="[token, bias]; bias false bans the token"
+    )
     grammar: str | None = Field(None, description="not supported: must be empty")
 
 
@@ -96,6 +101,7 @@ class ChatCompletionRequest(_OpenAIBase):
 
 
 class OpenAICompletionRequest(_OpenAIBase):
-    prompt: str | list[str] | list[int] = Field(description="one prompt: a string, a list of one string, or "
-                                                "token ids")
+    prompt: str | list[str] | list[int] = Field(
+        description="one prompt: a string, a list of one string, or token ids"
+    )
     echo: bool = False

@@ -1,9 +1,9 @@
 """The generation worker: one thread owns the Engine and its BatchDecoder and runs continuous batching.
 
-HTTP handlers build a GenRequest (prompt tokens, sampling, limits, a sink callback) and `submit` it. The worker
-admits pending requests into free KV slots between decode steps (prefill, first token), then advances every
-active sequence by one token per `BatchDecoder.step`. A finished, failed or cancelled sequence frees its slot
-before the next step, so a waiting request joins the running batch at once.
+HTTP handlers build a GenRequest (prompt tokens, sampling, limits, a sink callback) and `submit` it.
+The worker admits pending requests into free KV slots between decode steps (prefill, first token), then
+advances every active sequence by one token per `BatchDecoder.step`. A finished, failed or cancelled
+sequence frees its slot before the next step, so a waiting request joins the running batch at once.
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ class QueueFull(PowerInferError):
 
 
 class GenRequest:
-    """One generation: built by an HTTP handler, carried out by the worker, events delivered through `sink`."""
+    """One generation: built by an HTTP handler, run by the worker, events delivered through `sink`."""
 
-    def __init__(self, prompt: list[int], params: GenParams, sink: Sink, timeout_s: float | None = None) -> None:
+    def __init__(
+        self, prompt: list[int], params: GenParams, sink: Sink, timeout_s: float | None = None
+    ) -> None:
         self.prompt = prompt
         self.params = params
         self.sink = sink
@@ -176,7 +178,9 @@ class Worker:
             free = sum(s is None for s in self._slots)
             if len(self._pending) - free >= self.max_queue:
                 self.metrics.requests_rejected += 1
-                raise QueueFull(f"all {self.n_slots} slots are busy and {self.max_queue} requests are waiting")
+                raise QueueFull(
+                    f"all {self.n_slots} slots are busy and {self.max_queue} requests are waiting"
+                )
             self._pending.append(req)
             self.metrics.deferred = len(self._pending)
             self._cond.notify()
@@ -274,8 +278,15 @@ class Worker:
             bias = torch.zeros(self.engine.config.n_vocab)
             for tid, b in req.params.logit_bias:
                 bias[tid] += b
-        return _Seq(req, slot, sampler, StreamDecoder(self.tokenizer), list(req.prompt), time.perf_counter(),
-                    bias=bias)
+        return _Seq(
+            req,
+            slot,
+            sampler,
+            StreamDecoder(self.tokenizer),
+            list(req.prompt),
+            time.perf_counter(),
+            bias=bias,
+        )
 
     def _prefill(self, seq: _Seq) -> None:
         self.batch.free(seq.slot)
@@ -307,7 +318,7 @@ class Worker:
             for seq in active:
                 self._fail(seq, 500, f"internal error during decoding: {type(e).__name__}")
             return
-        for seq, row in zip(active, logits):
+        for seq, row in zip(active, logits, strict=True):
             self._accept(seq, row)
         self.metrics.decode_seconds_total += time.perf_counter() - t
         self.metrics.decode_steps_total += 1
@@ -338,7 +349,7 @@ class Worker:
                 return
         end = len(seq.text) - _stop_holdback(seq.text, p.stop)
         if end > seq.sent:
-            seq.req.emit(Chunk(seq.text[seq.sent:end], seq.n_gen, seq.slot))
+            seq.req.emit(Chunk(seq.text[seq.sent : end], seq.n_gen, seq.slot))
             seq.sent = end
         if (p.n_predict >= 0 and seq.n_gen >= p.n_predict) or self.batch.n_past[seq.slot] >= self.n_ctx:
             self._finish(seq, "length")
@@ -361,11 +372,22 @@ class Worker:
         if reason != "stop":
             seq.text += seq.decoder.flush()
         if len(seq.text) > seq.sent:
-            seq.req.emit(Chunk(seq.text[seq.sent:], seq.n_gen, seq.slot))
+            seq.req.emit(Chunk(seq.text[seq.sent :], seq.n_gen, seq.slot))
             seq.sent = len(seq.text)
         if reason == "cancelled":
             self.metrics.requests_cancelled += 1
         self.metrics.requests_total += 1
         now = time.perf_counter()
-        seq.req.emit(Done(reason, seq.text, stopping_word, seq.slot, seq.sampler.seed, len(seq.req.prompt),
-                          seq.n_gen, seq.prompt_ms, (now - seq.t_first) * 1e3 if seq.t_first else 0.0))
+        seq.req.emit(
+            Done(
+                reason,
+                seq.text,
+                stopping_word,
+                seq.slot,
+                seq.sampler.seed,
+                len(seq.req.prompt),
+                seq.n_gen,
+                seq.prompt_ms,
+                (now - seq.t_first) * 1e3 if seq.t_first else 0.0,
+            )
+        )
