@@ -120,26 +120,46 @@ class SparseFFN:
         return (score >= self.threshold).to(x_residual.device)
 
     def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        s = self.stats
         t0 = time.perf_counter()
         active = self.predict(x_residual)  # (T, n_ff)
-        self.stats.predictor_ms += (time.perf_counter() - t0) * 1e3
+        s.predictor_ms += (time.perf_counter() - t0) * 1e3
+        T = x_norm.shape[0]
         y_hot = None
-        if self.hot is not None:
-            y_hot = self.hot.launch(x_norm, active[:, self.hot.ids], self.relu_up)
-        cpu_active = active & self.cpu_rows
-        y = self.cold(x_norm, cpu_active)
-        s = self.stats
-        s.tokens[self.bid] += x_norm.shape[0]
-        s.active[self.bid] += active.sum()
+        if self.hot is None:
+            cpu_active = active
+        else:
+            hot_active = active[:, self.hot.ids]  # (T, k)
+            y_hot = self.hot.launch(x_norm, hot_active, self.relu_up)
+            cpu_active = active & self.cpu_rows
+        if T == 1:
+            # decode: the selected rows are exactly the active ones, no per-token mask needed
+            idx = cpu_active[0].nonzero().view(-1)  # (M,)
+            y = self.rows(x_norm, idx)
+            n_cpu = idx.numel()
+        else:
+            y = self.cold(x_norm, cpu_active)
+            n_cpu = int(cpu_active.sum())
+        s.tokens[self.bid] += T
         if s.true_active is not None and s.true_hit is not None:
             truth = (ops.linear(x_norm, self.gate) > 0).to(active.device)  # (T, n_ff), PowerInfer's label
             s.true_active[self.bid] += truth.sum().cpu()
             s.true_hit[self.bid] += (truth & active).sum().cpu()
-        if y_hot is not None:
-            self.hot.wait()
-            s.active_gpu[self.bid] += (active.sum() - cpu_active.sum())
-            y = y + y_hot
-        return y
+        if y_hot is None:
+            s.active[self.bid] += n_cpu
+            return y
+        n_hot = int(hot_active.sum())
+        s.active[self.bid] += n_cpu + n_hot
+        s.active_gpu[self.bid] += n_hot
+        self.hot.wait()
+        return y + y_hot
+
+    def rows(self, u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """FFN output (T, D) of the neurons idx computed for every token (no mask)."""
+        g = sparse_ops.rows_matmul(u, self.gate, idx)  # (T, M)
+        up = sparse_ops.rows_matmul(u, self.up, idx)
+        h = F.relu(g).mul_(F.relu(up) if self.relu_up else up)
+        return sparse_ops.rows_axpy(h, self.down_t, idx)  # (T, D)
 
     def cold(self, u: torch.Tensor, cpu_active: torch.Tensor) -> torch.Tensor:
         """The CPU part: only rows active for some token (per-token masks applied), dense if most are."""
