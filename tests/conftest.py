@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -189,3 +190,16 @@ def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_he
 def tiny_gguf(tmp_path: Path) -> Path:
     """A valid 2-layer random Llama GGUF (F32, GQA 4/2)."""
     return write_llama_gguf(tmp_path / "tiny.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' tokenizer and float32 model loaded from the SmolLM2 GGUF (the independent oracle)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = smollm2_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                              dtype=torch.float32).eval()
+    return tok, model

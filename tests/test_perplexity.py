@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from pathlib import Path
 
@@ -259,19 +258,13 @@ def test_smollm2_matches_transformers():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not os.environ.get("POWERINFER_SLOW_TESTS"), reason="set POWERINFER_SLOW_TESTS=1 (about a minute)"
-)
-def test_smollm2_transformers_live():
-    transformers = pytest.importorskip("transformers")
+def test_smollm2_transformers_live(hf_model):
     path = smollm2_path()
     engine = Engine(path, EngineOptions(n_ctx=256, n_batch=256))
     tokens = tokenize_text(engine, TEXT.read_text(encoding="utf-8").removesuffix("\n"))
     opts = PerplexityOptions(n_ctx=256, n_chunks=2)
     ours = perplexity(engine, tokens, opts)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    _, model = hf_model
     nll, count = 0.0, 0
     with torch.inference_mode():
         for ch in plan_chunks(tokens, opts, None):

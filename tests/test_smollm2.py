@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -16,18 +15,6 @@ from powerinfer.sampling import Sampler, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N_PREDICT = 32
-
-
-@pytest.fixture(scope="module")
-def hf_model():
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = smollm2_path()
-    tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
-    return tok, model
 
 
 @pytest.fixture(scope="module")
