@@ -279,3 +279,138 @@ def test_validation(ggml_type):
     assert torch.equal(sparse.rows_matmul(x, w, idx_strided), expected)
     h = make_h(2, 4)
     assert torch.equal(sparse.rows_axpy(h.T.contiguous().T, w, idx32), sparse.rows_axpy(h, w, idx32.long()))
+
+
+# ---- ffn_rows: fused decode FFN ------------------------------------------------------------------------------
+
+
+def unfused(u: torch.Tensor, gate, up, down_t, idx, relu_up: bool) -> torch.Tensor:
+    """The decode path before fusion: rows_matmul, rows_matmul, relu * mul in torch, rows_axpy."""
+    g, v = sparse.rows_matmul(u, gate, idx), sparse.rows_matmul(u, up, idx)
+    return sparse.rows_axpy(torch.relu(g).mul_(torch.relu(v) if relu_up else v), down_t, idx)
+
+
+def ffn_weights(types, n_rows: int, n_in: int, n_out: int, seed: int = 0):
+    gate_type, up_type, down_type = types
+    return (make_weight(gate_type, n_rows, n_in, seed), make_weight(up_type, n_rows, n_in, seed + 1),
+            make_weight(down_type, n_rows, n_out, seed + 2))
+
+
+def ffn_cases(ggml_type: GGMLType):
+    """(gate, up, down) types: all of one type, and one mixed triple with it as the gate."""
+    other = GGMLType.F16 if ggml_type in QUANT_TYPES else GGMLType.Q8_0
+    return [(ggml_type,) * 3, (ggml_type, other, GGMLType.Q4_0)]
+
+
+def ffn_shapes(types):
+    """(K, D) pairs valid for the types: odd lengths where every weight is F32/F16."""
+    if all(t not in QUANT_TYPES for t in types):
+        return [(1, 7), (33, 100), (576, 576)]
+    k = [32, 576] if any(t in QUANT_TYPES for t in types[:2]) else [7, 100]
+    d = [64, 544] if types[2] in QUANT_TYPES else [33, 547]
+    return list(zip(k, d))
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_ffn_rows_equals_unfused_bitwise(ggml_type, isa, act):
+    for types in ffn_cases(ggml_type):
+        for (n_in, n_out), n_rows in itertools.product(ffn_shapes(types), [1, 7, 70]):
+            gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
+            x = make_x(3, n_in)
+            for (name, idx), relu_up in itertools.product(subsets(n_rows).items(), [False, True]):
+                where = f"{[t.name for t in types]} {isa} {act} N={n_rows} K={n_in} D={n_out} idx={name} {relu_up}"
+                y = sparse.ffn_rows(x[0], gate, up, down_t, idx, relu_up)
+                assert y.shape == (n_out,) and y.dtype == torch.float32, where
+                assert torch.equal(y, unfused(x[0], gate, up, down_t, idx, relu_up)), where
+                # a (1, K) token gives (1, D); the same token inside an unfused batch has the same bits
+                assert torch.equal(sparse.ffn_rows(x[:1], gate, up, down_t, idx, relu_up), y[None]), where
+                assert torch.equal(unfused(x, gate, up, down_t, idx, relu_up)[0], y), where
+                if idx.numel() == 0:
+                    assert torch.equal(y, torch.zeros(n_out)), where
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_ffn_rows_matches_reference(ggml_type, act):
+    # tolerance propagated from tests/test_ops.py: 1e-5 of |x| @ |W|^T on g and v, then through relu * mul and
+    # the down projection; "q8" compares the quant gate/up against the reference fed the int8-rounded u. (Every
+    # SIMD variant is bit-identical to the unfused ops, which test_rows_*_matches_reference check per variant.)
+    isa = ops._KERNELS.isa().decode()
+    for types in ffn_cases(ggml_type):
+        for (n_in, n_out), n_rows in itertools.product(ffn_shapes(types), [7, 70]):
+            gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
+            u = make_x(1, n_in)[0]
+            for (name, idx), relu_up in itertools.product(subsets(n_rows).items(), [False, True]):
+                where = f"{[t.name for t in types]} {isa} {act} N={n_rows} K={n_in} D={n_out} idx={name} {relu_up}"
+                y = sparse.ffn_rows(u, gate, up, down_t, idx, relu_up)
+                wg, wu, wd = (sparse.decode_rows(w, idx).double() for w in (gate, up, down_t))
+                ug = fake_quant_act(u) if act == "q8" and types[0] in QUANT_TYPES else u
+                uu = fake_quant_act(u) if act == "q8" and types[1] in QUANT_TYPES else u
+                g, v = wg @ ug.double(), wu @ uu.double()
+                sg, sv = wg.abs() @ ug.double().abs(), wu.abs() @ uu.double().abs()
+                gv = torch.relu(v) if relu_up else v
+                h = torch.relu(g) * gv
+                err_h = 1e-5 * (sg * gv.abs() + g.abs() * sv + 1e-5 * sg * sv) + 1e-6 * h.abs()
+                bound = (err_h + 1e-5 * h.abs()) @ wd.abs() + 1e-30
+                assert ((y.double() - h @ wd).abs() <= bound).all(), where
+                ref = sparse.ffn_rows_ref(u, gate, up, down_t, idx, relu_up)
+                if act == "f32":
+                    assert ((ref.double() - h @ wd).abs() <= bound).all(), where
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_ffn_rows_independent_of_threads(ggml_type, isa, act):
+    n_rows, n_in, n_out = 300, 576, 544 if ggml_type in QUANT_TYPES else 547
+    types = (ggml_type,) * 3
+    gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
+    u = make_x(1, n_in)[0]
+    for name in ("random", "sorted", "all"):
+        idx = subsets(n_rows)[name]
+        results = []
+        for threads in (1, 2, 3):
+            ops.set_num_threads(threads)
+            results.append(sparse.ffn_rows(u, gate, up, down_t, idx, False))
+        assert all(torch.equal(r, results[0]) for r in results[1:]), name
+        assert torch.equal(results[0], unfused(u, gate, up, down_t, idx, False)), name
+
+
+@needs_kernels
+def test_ffn_rows_fallbacks():
+    gate, up, down_t = ffn_weights((GGMLType.Q4_0,) * 3, 70, 64, 96)
+    x, idx = make_x(3, 64), subsets(70)["random"]
+    # several tokens: the unfused ops, same bits
+    assert torch.equal(sparse.ffn_rows(x, gate, up, down_t, idx, True), unfused(x, gate, up, down_t, idx, True))
+    # kernels switched off: the torch reference, exactly
+    ops.use_kernels(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = sparse.ffn_rows(x[0], gate, up, down_t, idx, False)
+    assert torch.equal(y, sparse.ffn_rows_ref(x[0], gate, up, down_t, idx, False))
+    ops.use_kernels(True)
+    # a non-kernel type anywhere: the unfused ops (reference for that weight)
+    bf16 = make_weight(GGMLType.BF16, 70, 96, seed=2)
+    y = sparse.ffn_rows(x[0], gate, up, bf16, idx, False)
+    assert torch.equal(y, unfused(x[0], gate, up, bf16, idx, False))
+
+
+@needs_kernels
+def test_ffn_rows_validation():
+    gate, up, down_t = ffn_weights((GGMLType.Q8_0,) * 3, 20, 64, 32)
+    u = make_x(1, 64)[0]
+    for bad in ([20], [-1], [0, 25]):
+        with pytest.raises(IndexError):
+            sparse.ffn_rows(u, gate, up, down_t, torch.tensor(bad), False)
+    with pytest.raises(ValueError):
+        sparse.ffn_rows(make_x(1, 32)[0], gate, up, down_t, torch.tensor([1]), False)
+    with pytest.raises(ValueError):
+        sparse.ffn_rows(u, gate, make_weight(GGMLType.Q8_0, 21, 64), down_t, torch.tensor([1]), False)
+    with pytest.raises(ValueError):
+        sparse.ffn_rows(u, gate, up, make_weight(GGMLType.Q8_0, 19, 32), torch.tensor([1]), False)
+    # index dtypes and layouts
+    idx32 = torch.tensor([5, 1, 7, 3], dtype=torch.int32)
+    expected = sparse.ffn_rows(u, gate, up, down_t, idx32.long(), True)
+    assert torch.equal(sparse.ffn_rows(u, gate, up, down_t, idx32, True), expected)
+    assert torch.equal(sparse.ffn_rows(u, gate, up, down_t, torch.tensor([5, 0, 1, 0, 7, 0, 3, 0])[::2], True),
+                       expected)

@@ -162,6 +162,18 @@ static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, in
     tile_qf_scalar(2, sizeof(block_q8_0), row, K, x, x_stride, ntok, out);
 }
 
+/* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
+#define DEFINE_DOT_SCALAR(type)                                                                                \
+    static void dot_##type##_scalar(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out) { \
+        for (int r = 0; r < R; r++) tile_##type##_scalar(rows[r], K, x, K, 1, out + r);                      \
+    }
+DEFINE_DOT_SCALAR(f32)
+DEFINE_DOT_SCALAR(f16)
+DEFINE_DOT_SCALAR(q4_0_f)
+DEFINE_DOT_SCALAR(q4_1_f)
+DEFINE_DOT_SCALAR(q8_0_f)
+#undef DEFINE_DOT_SCALAR
+
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
 
 #define SIMD_SUFFIX avx2
@@ -184,12 +196,15 @@ static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, in
 
 static const matmul_table matmul_tables[] = {
     [MATMUL_ISA_SCALAR] = {quantize_act_scalar, tile_q4_0_scalar, tile_q4_1_scalar, tile_q8_0_scalar, tile_f32_scalar,
-                           tile_f16_scalar, tile_q4_0_f_scalar, tile_q4_1_f_scalar, tile_q8_0_f_scalar},
+                           tile_f16_scalar, tile_q4_0_f_scalar, tile_q4_1_f_scalar, tile_q8_0_f_scalar,
+                           dot_f32_scalar, dot_f16_scalar, dot_q4_0_f_scalar, dot_q4_1_f_scalar, dot_q8_0_f_scalar},
     [MATMUL_ISA_AVX2] = {quantize_act_avx2, tile_q4_0_avx2, tile_q4_1_avx2, tile_q8_0_avx2, tile_f32_avx2,
-                         tile_f16_avx2, tile_q4_0_f_avx2, tile_q4_1_f_avx2, tile_q8_0_f_avx2},
+                         tile_f16_avx2, tile_q4_0_f_avx2, tile_q4_1_f_avx2, tile_q8_0_f_avx2,
+                         dot_f32_avx2, dot_f16_avx2, dot_q4_0_f_avx2, dot_q4_1_f_avx2, dot_q8_0_f_avx2},
     [MATMUL_ISA_AVX512] = {quantize_act_avx512, tile_q4_0_avx512, tile_q4_1_avx512, tile_q8_0_avx512,
                            tile_f32_avx512, tile_f16_avx512, tile_q4_0_f_avx512, tile_q4_1_f_avx512,
-                           tile_q8_0_f_avx512},
+                           tile_q8_0_f_avx512, dot_f32_avx512, dot_f16_avx512, dot_q4_0_f_avx512,
+                           dot_q4_1_f_avx512, dot_q8_0_f_avx512},
 };
 
 static const char *const matmul_isa_names[] = {"scalar", "avx2", "avx512"};

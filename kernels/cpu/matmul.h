@@ -28,6 +28,11 @@ typedef struct {
 typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
 typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
+/* One token, R <= ROWS_DOT_MAX rows at once: out[r] = rows[r] . x, each row with exactly the arithmetic of the
+ * matching tile_float_fn at ntok = 1 (the rows only interleave, for instruction-level parallelism). */
+typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out);
+
+#define ROWS_DOT_MAX 4
 
 enum matmul_isa { MATMUL_ISA_SCALAR = 0, MATMUL_ISA_AVX2 = 1, MATMUL_ISA_AVX512 = 2 };
 
@@ -36,6 +41,7 @@ typedef struct {
     tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
     tile_float_fn tile_f32, tile_f16;
     tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f; /* float activations, ntok <= TILE_TQ */
+    rows_dot_fn dot_f32, dot_f16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f; /* T = 1, float activations */
 } matmul_table;
 
 /* The tile functions of the active SIMD variant, and its level (enum matmul_isa). */

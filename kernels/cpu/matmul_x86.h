@@ -361,6 +361,92 @@ DEFINE_TILE_QF(q4_0, 0, block_q4_0)
 DEFINE_TILE_QF(q4_1, 1, block_q4_1)
 DEFINE_TILE_QF(q8_0, 2, block_q8_0)
 
+/* ---- one token, several rows: rows_dot_fn ------------------------------------------------------------- */
+
+/* R rows (R <= ROWS_DOT_MAX) against one x: per row the exact operation sequence of tile_qf_n / tile_float_n
+ * at ntok = 1 (same decode, same accumulator of each vector, same horizontal sum), so the results are
+ * bit-identical to the tiles; interleaving the rows gives 2 * R independent FMA chains instead of 2. */
+TARGET_INLINE void FN(dot_qf_n)(const int kind, const int64_t block_bytes, const uint8_t *const *rows, const int R,
+                                int64_t K, const float *x, float *out) {
+    const int64_t nb = K / QK;
+    VF acc0[ROWS_DOT_MAX], acc1[ROWS_DOT_MAX];
+    for (int r = 0; r < R; r++) acc0[r] = acc1[r] = VF_ZERO();
+    for (int64_t i = 0; i < nb; i++) {
+        VF xv[QF_V];
+        for (int j = 0; j < QF_V; j++) xv[j] = VF_LOAD(x + i * QK + j * VF_N);
+        for (int r = 0; r < R; r++) {
+            VF w[QF_V];
+            FN(decode_qf)(kind, rows[r] + i * block_bytes, w);
+            for (int j = 0; j < QF_V; j += 2) {
+                acc0[r] = VF_FMA(w[j], xv[j], acc0[r]);
+                acc1[r] = VF_FMA(w[j + 1], xv[j + 1], acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = VF_HSUM(VF_ADD(acc0[r], acc1[r]));
+}
+
+TARGET_INLINE void FN(dot_float_n)(const int is_f16, const uint8_t *const *rows, const int R, int64_t K,
+                                   const float *x, float *out) {
+    VF acc0[ROWS_DOT_MAX], acc1[ROWS_DOT_MAX];
+    float tail[ROWS_DOT_MAX];
+    for (int r = 0; r < R; r++) {
+        acc0[r] = acc1[r] = VF_ZERO();
+        tail[r] = 0.0f;
+    }
+    int64_t k = 0;
+    for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
+        const VF x0 = VF_LOAD(x + k), x1 = VF_LOAD(x + k + VF_N);
+        for (int r = 0; r < R; r++) {
+            const uint16_t *w16 = (const uint16_t *)rows[r];
+            const float *w32 = (const float *)rows[r];
+            const VF w0 = is_f16 ? VF_LOAD_F16(w16 + k) : VF_LOAD(w32 + k);
+            const VF w1 = is_f16 ? VF_LOAD_F16(w16 + k + VF_N) : VF_LOAD(w32 + k + VF_N);
+            acc0[r] = VF_FMA(w0, x0, acc0[r]);
+            acc1[r] = VF_FMA(w1, x1, acc1[r]);
+        }
+    }
+    if (k + VF_N <= K) {
+        for (int r = 0; r < R; r++) {
+            const VF w0 = is_f16 ? VF_LOAD_F16((const uint16_t *)rows[r] + k) : VF_LOAD((const float *)rows[r] + k);
+            acc0[r] = VF_FMA(w0, VF_LOAD(x + k), acc0[r]);
+        }
+        k += VF_N;
+    }
+    for (; k < K; k++)
+        for (int r = 0; r < R; r++) {
+            const float wk = is_f16 ? _cvtsh_ss(((const uint16_t *)rows[r])[k]) : ((const float *)rows[r])[k];
+            tail[r] += wk * x[k];
+        }
+    for (int r = 0; r < R; r++) out[r] = VF_HSUM(VF_ADD(acc0[r], acc1[r])) + tail[r];
+}
+
+#define DEFINE_DOT(name, call)                                                                                \
+    TARGET static void FN(dot_##name)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out) { \
+        switch (R) {                                                                                          \
+            case 1: call(1); break;                                                                           \
+            case 2: call(2); break;                                                                           \
+            case 3: call(3); break;                                                                           \
+            default: call(ROWS_DOT_MAX); break;                                                               \
+        }                                                                                                     \
+    }
+#define DOT_Q4_0(n) FN(dot_qf_n)(0, sizeof(block_q4_0), rows, n, K, x, out)
+#define DOT_Q4_1(n) FN(dot_qf_n)(1, sizeof(block_q4_1), rows, n, K, x, out)
+#define DOT_Q8_0(n) FN(dot_qf_n)(2, sizeof(block_q8_0), rows, n, K, x, out)
+#define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out)
+#define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out)
+DEFINE_DOT(q4_0_f, DOT_Q4_0)
+DEFINE_DOT(q4_1_f, DOT_Q4_1)
+DEFINE_DOT(q8_0_f, DOT_Q8_0)
+DEFINE_DOT(f32, DOT_F32)
+DEFINE_DOT(f16, DOT_F16)
+#undef DOT_Q4_0
+#undef DOT_Q4_1
+#undef DOT_Q8_0
+#undef DOT_F32
+#undef DOT_F16
+#undef DEFINE_DOT
+
 #undef DEFINE_TILE_QF
 #undef QF_CASES
 #undef QF_V

@@ -62,25 +62,70 @@ static int check_ids(const int64_t *idx, int64_t M, int64_t N) {
     const int32_t status = check_ids(idx, M, N);                             \
     if (status != PI_OK) return status;
 
+/* Rows of one token, groups of ROWS_DOT_MAX rows per call of a rows_dot_fn; the rows of group g + MATVEC_AHEAD
+ * are prefetched while group g is computed (scattered rows: the hardware prefetcher does not see them coming). */
+#define MATVEC_AHEAD 2
+
+static inline void prefetch_group(const uint8_t *w, int64_t w_stride, const int64_t *idx, int64_t m, int64_t m1,
+                                  int64_t row_bytes) {
+    const int64_t n = min_i64(ROWS_DOT_MAX, m1 - m);
+    for (int64_t r = 0; r < n; r++) prefetch_bytes(w + idx[m + r] * w_stride, row_bytes);
+}
+
+static void matvec_range(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w, int64_t w_stride, const int64_t *idx,
+                         int64_t m0, int64_t m1, int64_t K, const float *x, float *y) {
+    for (int64_t a = 0; a < MATVEC_AHEAD; a++)
+        if (m0 + a * ROWS_DOT_MAX < m1) prefetch_group(w, w_stride, idx, m0 + a * ROWS_DOT_MAX, m1, row_bytes);
+    for (int64_t m = m0; m < m1; m += ROWS_DOT_MAX) {
+        const int n = (int)min_i64(ROWS_DOT_MAX, m1 - m);
+        const int64_t ahead = m + MATVEC_AHEAD * ROWS_DOT_MAX;
+        if (ahead < m1) prefetch_group(w, w_stride, idx, ahead, m1, row_bytes);
+        const uint8_t *rows[ROWS_DOT_MAX];
+        for (int r = 0; r < n; r++) rows[r] = w + idx[m + r] * w_stride;
+        dot(rows, n, K, x, y + m);
+    }
+}
+
+/* T = 1 with float activations: rows split in contiguous ranges over threads, ROWS_DOT_MAX rows per step. */
+static int32_t rows_matvec(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w, int64_t w_stride, const int64_t *idx,
+                           int64_t M, int64_t K, const float *x, float *y, int32_t n_threads) {
+    const int32_t nt = threads_for_work(n_threads, M * K);
+    if (nt == 1) {
+        matvec_range(dot, row_bytes, w, w_stride, idx, 0, M, K, x, y);
+        return PI_OK;
+    }
+#pragma omp parallel num_threads(nt)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+        matvec_range(dot, row_bytes, w, w_stride, idx, M * me / all, M * (me + 1) / all, K, x, y);
+    }
+    return PI_OK;
+}
+
 /* pi_rows_matmul_<type>(w, w_stride bytes, N rows, K cols, idx, M, x, x_stride, T, y, y_stride, threads):
- * y[t * y_stride + m] = W[idx[m]] . x[t * x_stride], t < T, m < M; arithmetic of pi_matmul_<type>. */
-#define DEFINE_ROWS_MATMUL(type, driver, row_bytes)                                                              \
+ * y[t * y_stride + m] = W[idx[m]] . x[t * x_stride], t < T, m < M; arithmetic of pi_matmul_<type>. T = 1 with
+ * float activations runs the rows_dot kernels (the same arithmetic per row, several rows interleaved). */
+#define DEFINE_ROWS_MATMUL(type, driver, row_bytes, dot_expr, k_unit)                                            \
     PI_EXPORT int32_t pi_rows_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,            \
                                             const int64_t *idx, int64_t M, const float *x, int64_t x_stride,     \
                                             int64_t T, float *y, int64_t y_stride, int32_t n_threads) {          \
         ROWS_MATMUL_PROLOGUE                                                                                     \
-        return driver(row_bytes, matmul_table_active()->tile_##type, w, w_stride, idx, M, K, x, x_stride, T, y,  \
-                      y_stride, n_threads);                                                                      \
+        const matmul_table *table = matmul_table_active();                                                       \
+        const rows_dot_fn dot = dot_expr;                                                                        \
+        if (dot != NULL && T == 1 && K % (k_unit) == 0) /* else the driver reports the shape error */         \
+            return rows_matvec(dot, row_bytes, w, w_stride, idx, M, K, x, y, n_threads);                        \
+        return driver(row_bytes, table->tile_##type, w, w_stride, idx, M, K, x, x_stride, T, y, y_stride,        \
+                      n_threads);                                                                                \
     }
 
-DEFINE_ROWS_MATMUL(f32, matmul_float_rows, K * 4)
-DEFINE_ROWS_MATMUL(f16, matmul_float_rows, K * 2)
-DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_0))
-DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_1))
-DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0))
-DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_0))
-DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_1))
-DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q8_0))
+DEFINE_ROWS_MATMUL(f32, matmul_float_rows, K * 4, table->dot_f32, 1)
+DEFINE_ROWS_MATMUL(f16, matmul_float_rows, K * 2, table->dot_f16, 1)
+DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_0), NULL, QK)
+DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_1), NULL, QK)
+DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0), NULL, QK)
+DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_0), table->dot_q4_0_f, QK)
+DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_1), table->dot_q4_1_f, QK)
+DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q8_0), table->dot_q8_0_f, QK)
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
@@ -234,3 +279,195 @@ DEFINE_ROWS_AXPY(f16, KIND_F16, AXPY_UNIT * 2)
 DEFINE_ROWS_AXPY(q4_0, KIND_Q4_0, sizeof(block_q4_0))
 DEFINE_ROWS_AXPY(q4_1, KIND_Q4_1, sizeof(block_q4_1))
 DEFINE_ROWS_AXPY(q8_0, KIND_Q8_0, sizeof(block_q8_0))
+
+/* ---- fused decode FFN: one token, one parallel region ------------------------------------------------------ */
+
+/* ffn_rows computes, for the neurons idx[0..M) and one token u (K,):
+ *   g = gate[idx] . u,  v = up[idx] . u,  h = relu(g) * (relu(v) if relu_up else v),  y = sum_m h_m down_t[idx_m]
+ * Phase 1: the M neurons split in contiguous ranges over threads; gate and up rows of two neurons at a time in
+ *   one rows_dot call (4 interleaved rows), with the rows of the pairs FFN_AHEAD ahead prefetched. The dot
+ *   products are those of rows_matmul for the current activation precision (q8: u is quantised once, for both).
+ * Barrier.
+ * Phase 2: every thread lists the rows with h != 0 in index order (a few hundred compares), then sums them into
+ *   its slice of the output, exactly as rows_axpy does (the same SIMD bodies).
+ * So y is bit-identical to rows_matmul(gate), rows_matmul(up), relu * mul in float32, rows_axpy(down_t), and
+ * does not depend on the thread count. */
+#define FFN_AHEAD 2 /* pairs of neurons prefetched ahead */
+
+typedef struct {
+    const uint8_t *w;
+    int64_t stride;
+    int64_t row_bytes;
+    rows_dot_fn dot;   /* float activations */
+    tile_quant_fn tq;  /* int8 activations ("q8" precision, quant types); NULL otherwise */
+} ffn_mat;
+
+typedef struct {
+    ffn_mat gate, up;
+    const int64_t *idx;
+    int64_t M, K;
+    const float *u;
+    const act_q8 *a;
+    int relu_up;
+    float *h;   /* (M,) shared */
+    axpy_ctx down; /* T = 1; act_rows / act_h / n_act filled per thread */
+    int kind_down;
+} ffn_ctx;
+
+static int64_t row_bytes_of(int kind, int64_t K) {
+    switch (kind) {
+        case KIND_Q4_0: return K / QK * (int64_t)sizeof(block_q4_0);
+        case KIND_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
+        case KIND_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
+        case KIND_F32: return K * 4;
+        default: return K * 2;
+    }
+}
+
+static size_t unit_bytes_of(int kind) {
+    switch (kind) {
+        case KIND_Q4_0: return sizeof(block_q4_0);
+        case KIND_Q4_1: return sizeof(block_q4_1);
+        case KIND_Q8_0: return sizeof(block_q8_0);
+        case KIND_F32: return AXPY_UNIT * 4;
+        default: return AXPY_UNIT * 2;
+    }
+}
+
+static ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t *w, int64_t stride, int64_t K) {
+    ffn_mat m = {.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = NULL, .tq = NULL};
+    switch (kind) {
+        case KIND_Q4_0: m.dot = t->dot_q4_0_f; m.tq = q8 ? t->tile_q4_0 : NULL; break;
+        case KIND_Q4_1: m.dot = t->dot_q4_1_f; m.tq = q8 ? t->tile_q4_1 : NULL; break;
+        case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
+        case KIND_F32: m.dot = t->dot_f32; break;
+        default: m.dot = t->dot_f16; break;
+    }
+    return m;
+}
+
+static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, const ffn_ctx *c, float *out) {
+    if (m->tq != NULL)
+        for (int r = 0; r < R; r++) m->tq(rows[r], c->a, 0, 1, out + r);
+    else
+        m->dot(rows, R, c->K, c->u, out);
+}
+
+/* torch.relu: NaN stays NaN */
+static inline float relu_f(float x) { return x > 0.0f || x != x ? x : 0.0f; }
+
+static inline void ffn_prefetch_pair(const ffn_ctx *c, int64_t m, int64_t m1) {
+    for (int64_t r = m; r < min_i64(m + 2, m1); r++) {
+        prefetch_bytes(c->gate.w + c->idx[r] * c->gate.stride, c->gate.row_bytes);
+        prefetch_bytes(c->up.w + c->idx[r] * c->up.stride, c->up.row_bytes);
+    }
+}
+
+static void ffn_phase1(const ffn_ctx *c, int64_t m0, int64_t m1) {
+    const int fuse = c->gate.tq == NULL && c->up.tq == NULL && c->gate.dot == c->up.dot;
+    for (int64_t a = 0; a < FFN_AHEAD; a++) ffn_prefetch_pair(c, m0 + 2 * a, m1);
+    for (int64_t m = m0; m < m1; m += 2) {
+        const int n = (int)min_i64(2, m1 - m);
+        ffn_prefetch_pair(c, m + 2 * FFN_AHEAD, m1);
+        const uint8_t *rows[4]; /* gate rows, then up rows */
+        float out[4];
+        for (int r = 0; r < n; r++) {
+            rows[r] = c->gate.w + c->idx[m + r] * c->gate.stride;
+            rows[n + r] = c->up.w + c->idx[m + r] * c->up.stride;
+        }
+        if (fuse) {
+            c->gate.dot(rows, 2 * n, c->K, c->u, out);
+        } else {
+            ffn_dot(&c->gate, rows, n, c, out);
+            ffn_dot(&c->up, rows + n, n, c, out + n);
+        }
+        for (int r = 0; r < n; r++) c->h[m + r] = relu_f(out[r]) * (c->relu_up ? relu_f(out[n + r]) : out[n + r]);
+    }
+}
+
+static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all, const uint8_t **rows, float *hs) {
+    axpy_ctx d = c->down;
+    int64_t n = 0;
+    for (int64_t m = 0; m < c->M; m++) {
+        if (c->h[m] == 0.0f) continue;
+        rows[n] = d.w + c->idx[m] * d.w_stride;
+        hs[n++] = c->h[m];
+    }
+    d.act_rows = rows;
+    d.act_h = hs;
+    d.n_act = n;
+    const int64_t n_full = d.D / AXPY_UNIT, n_units = (d.D + AXPY_UNIT - 1) / AXPY_UNIT;
+    const int64_t u0 = n_units * me / all, u1 = n_units * (me + 1) / all;
+    axpy_units_table[matmul_isa_level()](c->kind_down, &d, u0, min_i64(u1, n_full));
+    if (u1 > n_full) axpy_range_scalar(c->kind_down, &d, n_full * AXPY_UNIT, d.D); /* partial unit: F32/F16 */
+}
+
+/* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
+ *             idx, M, relu_up, q8_act, y, threads): y (D,) as described above; gate and up are (N, K), down_t
+ * (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 F32, 4 F16); q8_act != 0 uses the int8 activation
+ * dot products of the quant types (the "q8" precision of rows_matmul). */
+PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
+                              int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
+                              int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
+                              const int64_t *idx, int64_t M, int32_t relu_up, int32_t q8_act, float *y,
+                              int32_t n_threads) {
+    if (K < 0 || D < 0 || N < 0 || M < 0) return PI_ERR_SHAPE;
+    const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
+    for (int i = 0; i < 3; i++) {
+        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_F16) return PI_ERR_SHAPE;
+        if (kinds[i] <= KIND_Q8_0 && (i < 2 ? K : D) % QK != 0) return PI_ERR_SHAPE;
+    }
+    if (M == 0) { /* idx may be NULL (an empty tensor has no data) */
+        for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
+        return PI_OK;
+    }
+    if (idx == NULL) return PI_ERR_SHAPE;
+    const int32_t status = check_ids(idx, M, N);
+    if (status != PI_OK) return status;
+    const matmul_table *table = matmul_table_active();
+    int32_t nt = threads_for_work(n_threads, M * (2 * K + D));
+    const int64_t nb = K / QK;
+    const int need_q8 = q8_act && (gate_kind <= KIND_Q8_0 || up_kind <= KIND_Q8_0);
+    /* scratch: h (M), per-thread row lists (M pointers + M floats each), then the int8 activations */
+    const size_t h_bytes = ((size_t)M * 4 + 63) & ~(size_t)63;
+    const size_t list_bytes = (((size_t)M * (sizeof(const uint8_t *) + sizeof(float))) + 63) & ~(size_t)63;
+    const size_t q_bytes = need_q8 ? (((size_t)K + 63) & ~(size_t)63) + (size_t)nb * 12 : 0;
+    uint8_t *scratch = malloc(h_bytes + (size_t)nt * list_bytes + q_bytes);
+    if (scratch == NULL) return PI_ERR_ALLOC;
+    act_q8 a = {0};
+    if (need_q8) {
+        uint8_t *q = scratch + h_bytes + (size_t)nt * list_bytes;
+        a.qs = (int8_t *)q;
+        a.ds = (float *)(q + (((size_t)K + 63) & ~(size_t)63));
+        a.isum = (int32_t *)(a.ds + 2 * nb);
+        a.K = K;
+        a.nb = nb;
+        table->quantize_act(u, nb, a.qs, a.ds, a.isum);
+    }
+    ffn_ctx c = {
+        .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
+        .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
+        .idx = idx, .M = M, .K = K, .u = u, .a = &a, .relu_up = relu_up != 0,
+        .h = (float *)scratch,
+        .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
+                 .unit_bytes = unit_bytes_of(down_kind), .h = (float *)scratch, .h_stride = M, .T = 1, .y = y,
+                 .y_stride = D},
+        .kind_down = down_kind,
+    };
+    if (nt == 1) {
+        const uint8_t **rows = (const uint8_t **)(scratch + h_bytes);
+        ffn_phase1(&c, 0, M);
+        ffn_phase2(&c, 0, 1, rows, (float *)(rows + M));
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+            const uint8_t **rows = (const uint8_t **)(scratch + h_bytes + (size_t)me * list_bytes);
+            ffn_phase1(&c, M * me / all, M * (me + 1) / all);
+#pragma omp barrier
+            ffn_phase2(&c, me, all, rows, (float *)(rows + M));
+        }
+    }
+    free(scratch);
+    return PI_OK;
+}

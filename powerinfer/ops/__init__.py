@@ -70,6 +70,12 @@ _GET_ROWS_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32]
 # rows_matmul (w, w_stride_bytes, N, K, idx, M, x, x_stride, T, y, y_stride, n_threads) and
 # rows_axpy (w_t, w_stride_bytes, N, D, idx or NULL, M, h, h_stride, T, y, y_stride, n_threads)
 _SPARSE_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
+# ffn_rows (u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
+#           idx, M, relu_up, q8_act, y, n_threads)
+_FFN_ROWS_ARGTYPES = [_ptr, _i64, _i64, _i64] + [_ptr, _i64, _i32] * 3 + [_ptr, _i64, _i32, _i32, _ptr, _i32]
+# weight kind codes of pi_ffn_rows (enum axpy_kind in kernels/cpu/sparse.c)
+_FFN_KINDS: dict[GGMLType, int] = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q8_0: 2, GGMLType.F32: 3,
+                                   GGMLType.F16: 4}
 
 
 class _Kernels:
@@ -102,6 +108,8 @@ class _Kernels:
             axpy = getattr(lib, f"pi_rows_axpy_{name}")
             axpy.argtypes, axpy.restype = _SPARSE_ARGTYPES, _i32
             self.rows_axpy[ggml_type] = axpy
+        self.ffn_rows = lib.pi_ffn_rows  # fused decode FFN over a row list (one token)
+        self.ffn_rows.argtypes, self.ffn_rows.restype = _FFN_ROWS_ARGTYPES, _i32
         self.isa = lib.pi_kernels_isa
         self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
         self.set_isa = lib.pi_kernels_set_isa
@@ -139,6 +147,8 @@ class _Settings:
     get_rows: dict[GGMLType, Any] = field(default_factory=dict)
     rows_matmul: dict[GGMLType, Any] = field(default_factory=dict)
     rows_axpy: dict[GGMLType, Any] = field(default_factory=dict)
+    ffn_rows: Any = None  # pi_ffn_rows while the kernels are on
+    ffn_kinds: dict[GGMLType, int] = field(default_factory=dict)  # its weight kind codes (kernel types)
 
     def select(self, enabled: bool, act: str) -> None:
         self.enabled, self.act = enabled, act
@@ -149,6 +159,8 @@ class _Settings:
         rows_matmul = (_KERNELS.rows_matmul_f if act == "f32" else _KERNELS.rows_matmul) if on else {}
         self.rows_matmul = dict(rows_matmul)
         self.rows_axpy = dict(_KERNELS.rows_axpy) if on else {}
+        self.ffn_rows = _KERNELS.ffn_rows if on else None
+        self.ffn_kinds = dict(_FFN_KINDS) if on else {}
 
 
 _settings = _Settings(n_threads=torch.get_num_threads())

@@ -10,6 +10,8 @@ Both run the C kernels of kernels/cpu/sparse.c for F32, F16, Q4_0, Q4_1 and Q8_0
 - rows_axpy decodes rows in registers to float32 (exact for every activation precision) and sums each output
   element in index order over the rows with h != 0; threads split the output dimension, so the result does not
   depend on the thread count (the original reduces per-thread buffers racily, spec 4.3).
+`ffn_rows` is the whole CPU FFN of one token over a row list in one kernel call (one parallel region): gate and
+up rows, ReLU * mul, then the down rows; bit-identical to the three calls above plus the torch ReLU/mul.
 Other weight types, non-CPU tensors and `ops.use_kernels(False)` use the references below. When the extension is
 not built, the first sparse op that falls back for that reason warns once.
 """
@@ -27,7 +29,15 @@ from powerinfer.quant import dequantize
 if TYPE_CHECKING:
     from powerinfer.ops import QWeight
 
-__all__ = ["decode_rows", "rows_axpy", "rows_axpy_ref", "rows_matmul", "rows_matmul_ref"]
+__all__ = [
+    "decode_rows",
+    "ffn_rows",
+    "ffn_rows_ref",
+    "rows_axpy",
+    "rows_axpy_ref",
+    "rows_matmul",
+    "rows_matmul_ref",
+]
 
 _settings = _ops._settings
 _warned_missing = False
@@ -123,4 +133,53 @@ def rows_axpy(h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None) -> torch.
                     h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, _settings.n_threads)
     if status:
         _ops._check_status(status, "rows_axpy")
+    return y
+
+
+def _relu_mul(g: torch.Tensor, up: torch.Tensor, relu_up: bool) -> torch.Tensor:
+    return torch.relu(g).mul_(torch.relu(up) if relu_up else up)
+
+
+def ffn_rows_ref(u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: torch.Tensor,
+                 relu_up: bool) -> torch.Tensor:
+    """sum_j h_j * down_t[idx_j] with h = relu(gate[idx] . u) * (relu(up[idx] . u) if relu_up else up[idx] . u);
+    u (K,) -> (D,), (T, K) -> (T, D)."""
+    u = u.to(torch.float32)
+    h = _relu_mul(rows_matmul_ref(u, gate, idx), rows_matmul_ref(u, up, idx), relu_up)
+    return rows_axpy_ref(h, down_t, idx)
+
+
+def ffn_rows(u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: torch.Tensor,
+             relu_up: bool) -> torch.Tensor:
+    """FFN output of the neurons idx for one token: u (K,) -> (D,), or (1, K) -> (1, D).
+
+    gate and up are (N, K), down_t is (N, D) (the transposed down projection). One kernel call when the three
+    weights are kernel types; otherwise, and for T > 1, the unfused ops (rows_matmul, ReLU * mul, rows_axpy),
+    whose result the kernel reproduces bit for bit.
+    """
+    kinds = _settings.ffn_kinds
+    gate_kind, up_kind, down_kind = kinds.get(gate.ggml_type), kinds.get(up.ggml_type), kinds.get(down_t.ggml_type)
+    n_rows, n_cols = gate.shape
+    n_out = down_t.shape[1]
+    if u.shape[-1] != n_cols:
+        raise ValueError(f"ffn_rows: u has {u.shape[-1]} features, gate {gate.shape} expects {n_cols}")
+    if up.shape != gate.shape or down_t.shape[0] != n_rows:
+        raise ValueError(f"ffn_rows: gate {gate.shape}, up {up.shape} and down_t {down_t.shape} do not match")
+    one_token = u.dim() == 1 or (u.dim() == 2 and u.shape[0] == 1)
+    if gate_kind is None or up_kind is None or down_kind is None or not u.is_cpu or not one_token:
+        h = _relu_mul(rows_matmul(u, gate, idx), rows_matmul(u, up, idx), relu_up)
+        return rows_axpy(h, down_t, idx)
+    if u.dtype is not torch.float32 or not u.is_contiguous():
+        u = u.to(torch.float32).contiguous()
+    idx = _as_idx(idx)
+    y = torch.empty(*u.shape[:-1], n_out, dtype=torch.float32)
+    status = _settings.ffn_rows(
+        u.data_ptr(), n_cols, n_out, n_rows,
+        gate._raw_ptr, gate._raw_stride, gate_kind,
+        up._raw_ptr, up._raw_stride, up_kind,
+        down_t._raw_ptr, down_t._raw_stride, down_kind,
+        idx.data_ptr(), idx.shape[0], bool(relu_up), _settings.act == "q8", y.data_ptr(), _settings.n_threads,
+    )  # fmt: skip
+    if status:
+        _ops._check_status(status, "ffn_rows")
     return y

@@ -156,6 +156,8 @@ class SparseFFN:
 
     def rows(self, u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """FFN output (T, D) of the neurons idx computed for every token (no mask)."""
+        if u.shape[0] == 1:  # decode: one fused kernel call (bit-identical to the unfused ops below)
+            return sparse_ops.ffn_rows(u, self.gate, self.up, self.down_t, idx, self.relu_up)  # (1, D)
         g = sparse_ops.rows_matmul(u, self.gate, idx)  # (T, M)
         up = sparse_ops.rows_matmul(u, self.up, idx)
         h = F.relu(g).mul_(F.relu(up) if self.relu_up else up)
