@@ -120,6 +120,21 @@ def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
 
 
 @needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
+    # one token with short rows runs the grouped rows_dot path (several rows per call): same bits as the tiles
+    cols = [32, 96, 128] if ggml_type in QUANT_TYPES else [1, 7, 33, 100]
+    for n_cols, n_rows in itertools.product(cols, [1, 3, 301]):
+        w = make_weight(ggml_type, n_rows, n_cols)
+        x = make_x(5, n_cols)
+        batch = ops.linear(x, w)
+        for threads in (1, 2):
+            ops.set_num_threads(threads)
+            single = torch.stack([ops.linear(x[t], w) for t in range(x.shape[0])])
+            assert torch.equal(single, batch), (n_cols, n_rows, threads)
+
+
+@needs_kernels
 def test_simd_variants_agree_on_quant_types():
     # q8: AVX2 and AVX-512 use the same integer dot products and float accumulation order
     ops.set_activation_precision("q8")
