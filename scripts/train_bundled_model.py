@@ -496,7 +496,7 @@ def model_card(train: dict, results: dict, model_path: Path, work: Path) -> str:
         training += f"; in {len(phases)} phases: {parts} (later phases resume the saved weights, fresh AdamW)"
     nll = train["heldout_nll_hf_fp32"]
     ppl_row = (f"dense FFN {ppl['dense']:.3f}, sparse (predictors) {ppl['sparse']:.3f} "
-               f"({100 * (ppl['ratio'] - 1):+.2f}%), KL divergence sparse vs dense {ppl['kld_mean']:.5f}")
+               f"({100 * (ppl['ratio'] - 1):+.2f}%), KL divergence sparse vs dense {ppl['kld_mean']:.2g}")
     recalls = [m["recall"] for m in held]
     return f"""# Bundled default model: `{model_path.name}`
 
