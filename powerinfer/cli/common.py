@@ -71,7 +71,9 @@ def run_guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     try:
         return fn(*args, **kwargs)
     except PowerInferError as e:
-        err_console.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
+        # plain stderr, never silenced by --log-disable
+        sys.stderr.write(f"error: {e}\n")
+        sys.stderr.flush()
         raise typer.Exit(code=1) from None
     except KeyboardInterrupt:
         err_console.print("interrupted")
@@ -80,5 +82,5 @@ def run_guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         sys.stderr.close()
         raise typer.Exit(code=0) from None
     except MemoryError:
-        err_console.print("[bold red]error:[/] out of memory")
+        sys.stderr.write("error: out of memory\n")
         raise typer.Exit(code=1) from None
