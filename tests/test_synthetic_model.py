@@ -101,7 +101,7 @@ def test_engine_runs_sparse_at_requested_share(synthetic, kind):
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_bos=True)
     token = int(engine.eval(prompt).argmax())
     stats = engine.sparse_stats
-    active0, tokens0 = stats.active.clone(), stats.tokens.clone()
+    active0, tokens0 = stats.active.copy(), stats.tokens.copy()
     generated = []
     for _ in range(48):  # greedy generation
         logits = engine.eval([token])

@@ -54,5 +54,5 @@ def predictor_recall(stats: SparseStats, n_ff: int) -> list[LayerRecall]:
             hit=int(stats.true_hit[i]),
             n_ff=n_ff,
         )
-        for i in range(stats.tokens.numel())
+        for i in range(stats.tokens.size)
     ]

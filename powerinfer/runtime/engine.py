@@ -121,8 +121,7 @@ class Engine:
         if s is None or int(s.tokens.sum()) == 0:
             return []
         c = self.config
-        tokens = s.tokens.clamp(min=1).double()
-        active = (s.active.double() / (tokens * c.n_ff)).tolist()  # per layer
+        active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
         pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
         ffn_bytes = sum(self.gguf.tensors[n].n_bytes for n in self.gguf.tensors
                         if n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")))

@@ -31,26 +31,26 @@ DENSE_UNION_SHARE = 0.6
 
 @dataclass
 class SparseStats:
-    """Per-layer counters, accumulated as tensors (no host sync on the token path)."""
+    """Per-layer counters (numpy int64: an element update costs far less than a torch op per layer)."""
 
-    tokens: torch.Tensor  # (n_layer,) tokens seen
-    active: torch.Tensor  # (n_layer,) predicted active (token, neuron) pairs
-    active_gpu: torch.Tensor  # (n_layer,) of which served by the pool
+    tokens: np.ndarray  # (n_layer,) tokens seen
+    active: np.ndarray  # (n_layer,) predicted active (token, neuron) pairs
+    active_gpu: np.ndarray  # (n_layer,) of which served by the pool
     predictor_ms: float = 0.0
     # recall measurement (off unless track_recall() was called): truly active pairs, ReLU(gate) > 0,
     # and of those the ones the predictor marked active
-    true_active: torch.Tensor | None = None
-    true_hit: torch.Tensor | None = None
+    true_active: np.ndarray | None = None
+    true_hit: np.ndarray | None = None
 
     @classmethod
     def zeros(cls, n_layer: int) -> SparseStats:
-        return cls(*(torch.zeros(n_layer, dtype=torch.int64) for _ in range(3)))
+        return cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(3)))
 
     def track_recall(self) -> None:
         """Also compute every neuron's gate per token and count the truly active ones the predictor found."""
-        n_layer = self.tokens.numel()
-        self.true_active = torch.zeros(n_layer, dtype=torch.int64)
-        self.true_hit = torch.zeros(n_layer, dtype=torch.int64)
+        n_layer = self.tokens.size
+        self.true_active = np.zeros(n_layer, dtype=np.int64)
+        self.true_hit = np.zeros(n_layer, dtype=np.int64)
 
 
 class HotRows:
@@ -143,8 +143,8 @@ class SparseFFN:
         s.tokens[self.bid] += T
         if s.true_active is not None and s.true_hit is not None:
             truth = (ops.linear(x_norm, self.gate) > 0).to(active.device)  # (T, n_ff), PowerInfer's label
-            s.true_active[self.bid] += truth.sum().cpu()
-            s.true_hit[self.bid] += (truth & active).sum().cpu()
+            s.true_active[self.bid] += int(truth.sum())
+            s.true_hit[self.bid] += int((truth & active).sum())
         if y_hot is None:
             s.active[self.bid] += n_cpu
             return y
