@@ -71,6 +71,11 @@ class Engine:
             raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {self.config.n_vocab}")
         self._check_device_flags()
         self.n_ctx = o.n_ctx if o.n_ctx > 0 else self.config.n_ctx_train
+        if self.n_ctx > self.config.n_ctx_train:
+            # positions past the training context degrade the text; take the model's own limit
+            log.warning("context %d exceeds the model's training context %d; using %d", self.n_ctx,
+                        self.config.n_ctx_train, self.config.n_ctx_train)
+            self.n_ctx = self.config.n_ctx_train
         self.sparse_stats: SparseStats | None = None
         self.placement: Placement | None = None
         self.pool_device: torch.device | None = None
