@@ -53,8 +53,18 @@ FILE_TYPES: tuple[FileType, ...] = (
 )
 # names and numbers the original accepts whose blocks the gguf package cannot produce
 K_QUANT_FTYPES: dict[str, int] = {
-    "Q2_K": 10, "Q3_K": 12, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K": 15,
-    "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K": 17, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18,
+    "Q2_K": 10,
+    "Q3_K": 12,
+    "Q3_K_S": 11,
+    "Q3_K_M": 12,
+    "Q3_K_L": 13,
+    "Q4_K": 15,
+    "Q4_K_S": 14,
+    "Q4_K_M": 15,
+    "Q5_K": 17,
+    "Q5_K_S": 16,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
 }
 _BY_NAME = {ft.name: ft for ft in FILE_TYPES}
 _BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
@@ -76,11 +86,14 @@ def parse_file_type(text: str) -> FileType | None:
     number = int(name) if name.lstrip("-").isdigit() else None
     if number is not None and number in _BY_NUMBER:
         return _BY_NUMBER[number]
-    k_name = name if name in K_QUANT_FTYPES else next(
-        (k for k, v in K_QUANT_FTYPES.items() if v == number), None)
+    k_name = (
+        name if name in K_QUANT_FTYPES else next((k for k, v in K_QUANT_FTYPES.items() if v == number), None)
+    )
     if k_name is not None:
-        raise InputError(f"type {k_name} is not supported: the gguf package has no K-quant quantizer "
-                         f"(use one of {', '.join(_BY_NAME)})")
+        raise InputError(
+            f"type {k_name} is not supported: the gguf package has no K-quant quantizer "
+            f"(use one of {', '.join(_BY_NAME)})"
+        )
     return None
 
 
@@ -88,8 +101,10 @@ def require_file_type(text: str) -> FileType:
     """parse_file_type, with an error naming the valid types when `text` is not one."""
     ft = parse_file_type(text)
     if ft is None:
-        raise InputError(f"unknown quantization type '{text}' (expected one of {', '.join(_BY_NAME)} "
-                         f"or a llama.cpp ftype number)")
+        raise InputError(
+            f"unknown quantization type '{text}' (expected one of {', '.join(_BY_NAME)} "
+            f"or a llama.cpp ftype number)"
+        )
     return ft
 
 
@@ -145,8 +160,9 @@ def default_output(input_path: Path, file_type: FileType) -> Path:
     return input_path.parent / f"ggml-model-{file_type.name}.gguf"
 
 
-def tensor_type(name: str, shape: tuple[int, ...], src_type: GGMLType,
-                opts: QuantizeOptions) -> tuple[GGMLType, str]:
+def tensor_type(
+    name: str, shape: tuple[int, ...], src_type: GGMLType, opts: QuantizeOptions
+) -> tuple[GGMLType, str]:
     """The destination ggml type of one tensor, and a note when a rule kept it in its source type."""
     target = opts.file_type.ggml_type
     if target is None:
@@ -167,10 +183,11 @@ def tensor_type(name: str, shape: tuple[int, ...], src_type: GGMLType,
         return src_type, f"{src_type.name} tensors cannot be converted: kept as {src_type.name}"
     block = QUANT_SIZES[new_type][0]
     if shape[-1] % block:
-        return src_type, (f"row length {shape[-1]} is not a multiple of the {new_type.name} block size "
-                          f"{block}: kept as {src_type.name}")
+        return src_type, (
+            f"row length {shape[-1]} is not a multiple of the {new_type.name} block size "
+            f"{block}: kept as {src_type.name}"
+        )
     return new_type, ""
-
 
 
 def plan_tensors(model: GGUFFile, opts: QuantizeOptions) -> list[TensorPlan]:
@@ -180,8 +197,10 @@ def plan_tensors(model: GGUFFile, opts: QuantizeOptions) -> list[TensorPlan]:
         dst, note = tensor_type(t.name, t.shape, t.ggml_type, opts)
         plan = TensorPlan(t.name, t.shape, t.ggml_type, dst, note)
         if plan.converted and t.ggml_type not in FLOAT_TYPES and not opts.allow_requantize:
-            raise InputError(f"requantizing from type {t.ggml_type.name} is disabled ({t.name} is already "
-                             f"quantized): pass --allow-requantize")
+            raise InputError(
+                f"requantizing from type {t.ggml_type.name} is disabled ({t.name} is already "
+                f"quantized): pass --allow-requantize"
+            )
         plans.append(plan)
     return plans
 
@@ -219,8 +238,9 @@ def _check_output(path: Path) -> None:
         raise InputError(f"cannot write {path}: {e.strerror}") from None
 
 
-def quantize_model(opts: QuantizeOptions,
-                   on_tensor: Callable[[TensorDone], None] | None = None) -> QuantizeReport:
+def quantize_model(
+    opts: QuantizeOptions, on_tensor: Callable[[TensorDone], None] | None = None
+) -> QuantizeReport:
     """Quantize `opts.input` into `opts.output` (written to a temp file and renamed into place).
 
     Tensors are encoded in row chunks on `opts.n_threads` threads; `on_tensor` is called in file order as each
@@ -234,8 +254,10 @@ def quantize_model(opts: QuantizeOptions,
 
     writer = GGUFWriter(opts.output, sparse=model.is_sparse, alignment=model.alignment)
     skip = {Keys.ALIGNMENT} if model.alignment != GGUF_DEFAULT_ALIGNMENT else set()
-    settings = {Keys.QUANTIZATION_VERSION: QUANTIZATION_VERSION,
-                Keys.FILE_TYPE: file_type_number(model, opts)}
+    settings = {
+        Keys.QUANTIZATION_VERSION: QUANTIZATION_VERSION,
+        Keys.FILE_TYPE: file_type_number(model, opts),
+    }
     for key, value in model.metadata.items():
         if key in skip:
             continue
@@ -270,8 +292,9 @@ def quantize_model(opts: QuantizeOptions,
     return report
 
 
-def _submit(pool: ThreadPoolExecutor, model: GGUFFile,
-            plans: list[TensorPlan]) -> Iterator[tuple[TensorPlan, np.ndarray | None, list[Future[None]]]]:
+def _submit(
+    pool: ThreadPoolExecutor, model: GGUFFile, plans: list[TensorPlan]
+) -> Iterator[tuple[TensorPlan, np.ndarray | None, list[Future[None]]]]:
     """Queue every chunk of every converted tensor at once, so that no thread idles between tensors."""
     for plan in plans:
         if not plan.converted:
@@ -281,6 +304,8 @@ def _submit(pool: ThreadPoolExecutor, model: GGUFFile,
         n_rows, n_cols = plan.shape
         out = np.empty((n_rows, row_bytes(plan.dst_type, n_cols)), dtype=np.uint8)
         step = max(1, _CHUNK_ELEMENTS // n_cols)
-        futures = [pool.submit(_encode_rows, t, plan, out, r0, min(r0 + step, n_rows))
-                   for r0 in range(0, n_rows, step)]
+        futures = [
+            pool.submit(_encode_rows, t, plan, out, r0, min(r0 + step, n_rows))
+            for r0 in range(0, n_rows, step)
+        ]
         yield plan, out, futures

@@ -37,8 +37,9 @@ def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: Sampli
     if n < 0:
         n = 64
     recent = list(history[-n:]) if n > 0 else []
-    if not recent or (params.repeat_penalty == 1.0 and params.frequency_penalty == 0.0
-                      and params.presence_penalty == 0.0):
+    if not recent or (
+        params.repeat_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
+    ):
         return logits
     ids, counts = torch.tensor(recent, dtype=torch.int64).unique(return_counts=True)
     out = logits.clone()

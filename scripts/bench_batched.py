@@ -39,7 +39,9 @@ def main() -> int:
     engine = Engine(model, EngineOptions(n_ctx=64 + args.n_gen, n_threads=args.threads, n_seq=max(counts)))
     batch = BatchDecoder(engine)
     prompt = engine.tokenizer.encode("The capital of France is", add_bos=None)
-    print(f"model: {model.name}, threads: {args.threads}, {args.n_gen} decode steps per run, median of {args.runs}")
+    print(
+        f"model: {model.name}, threads: {args.threads}, {args.n_gen} decode steps per run, median of {args.runs}"
+    )
     print(f"{'streams':>7} {'tok/s':>9} {'ms/step':>8} {'vs 1':>6}")
     base = None
     for n in counts:

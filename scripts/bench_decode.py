@@ -35,14 +35,20 @@ def prompt_tokens(n_vocab: int, n: int) -> list[int]:
     return [(1000 + 7919 * i) % (n_vocab - 1000) + 1000 for i in range(n)]
 
 
-def bench_ours(model: Path, threads: int, n_prompt: int, n_gen: int, runs: int, act: str) -> dict[str, list[float]]:
+def bench_ours(
+    model: Path, threads: int, n_prompt: int, n_gen: int, runs: int, act: str
+) -> dict[str, list[float]]:
     from powerinfer import ops
     from powerinfer.runtime.engine import Engine, EngineOptions
 
     previous = ops.set_activation_precision(act)
     try:
-        return _bench_engine(Engine(model, EngineOptions(n_ctx=n_prompt + n_gen + 8, n_batch=512,
-                                                          n_threads=threads)), n_prompt, n_gen, runs)
+        return _bench_engine(
+            Engine(model, EngineOptions(n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads)),
+            n_prompt,
+            n_gen,
+            runs,
+        )
     finally:
         ops.set_activation_precision(previous)
 
@@ -64,13 +70,23 @@ def _bench_engine(engine, n_prompt: int, n_gen: int, runs: int) -> dict[str, lis
     return {"pp": pp, "tg": tg, "bytes": [float(engine.weight_bytes)]}
 
 
-def bench_llama_cpp(model: Path, threads: int, n_prompt: int, n_gen: int, runs: int) -> dict[str, list[float]] | None:
+def bench_llama_cpp(
+    model: Path, threads: int, n_prompt: int, n_gen: int, runs: int
+) -> dict[str, list[float]] | None:
     try:
         import llama_cpp
     except ImportError:
         return None
-    llm = llama_cpp.Llama(model_path=str(model), n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads,
-                          n_threads_batch=threads, n_gpu_layers=0, verbose=False, logits_all=False)
+    llm = llama_cpp.Llama(
+        model_path=str(model),
+        n_ctx=n_prompt + n_gen + 8,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_gpu_layers=0,
+        verbose=False,
+        logits_all=False,
+    )
     tokens = prompt_tokens(llm.n_vocab(), n_prompt)
     llm.reset()
     llm.eval(tokens[:8])
@@ -97,16 +113,26 @@ def main() -> int:
     ap.add_argument("--n-prompt", type=int, default=128)
     ap.add_argument("--n-gen", type=int, default=64)
     ap.add_argument("--no-llama-cpp", action="store_true")
-    ap.add_argument("--act", choices=("f32", "q8", "both"), default="f32",
-                    help="activation precision of our quant kernels (default f32, exact mode)")
+    ap.add_argument(
+        "--act",
+        choices=("f32", "q8", "both"),
+        default="f32",
+        help="activation precision of our quant kernels (default f32, exact mode)",
+    )
     args = ap.parse_args()
     model = args.model or default_model()
     size = model.stat().st_size
-    print(f"model: {model.name} ({size / 2**20:.1f} MiB), threads: {args.threads}, "
-          f"prompt: {args.n_prompt} tokens, decode: {args.n_gen} tokens, median of {args.runs} runs")
+    print(
+        f"model: {model.name} ({size / 2**20:.1f} MiB), threads: {args.threads}, "
+        f"prompt: {args.n_prompt} tokens, decode: {args.n_gen} tokens, median of {args.runs} runs"
+    )
     acts = ("f32", "q8") if args.act == "both" else (args.act,)
     ours = {act: bench_ours(model, args.threads, args.n_prompt, args.n_gen, args.runs, act) for act in acts}
-    ref = None if args.no_llama_cpp else bench_llama_cpp(model, args.threads, args.n_prompt, args.n_gen, args.runs)
+    ref = (
+        None
+        if args.no_llama_cpp
+        else bench_llama_cpp(model, args.threads, args.n_prompt, args.n_gen, args.runs)
+    )
     gb = next(iter(ours.values()))["bytes"][0] / 1e9
     rows = [(f"powerinfer {act}", r) for act, r in ours.items()] + ([("llama.cpp", ref)] if ref else [])
     print(f"{'engine':<15} {'pp tok/s':>10} {'tg tok/s':>10} {'tg GB/s':>9}")
@@ -115,9 +141,11 @@ def main() -> int:
         print(f"{name:<15} {pp:10.1f} {tg:10.1f} {tg * gb:9.2f}")
     if ref:
         for act, r in ours.items():
-            print(f"ratio ours {act}/llama.cpp: prompt "
-                  f"{statistics.median(r['pp']) / statistics.median(ref['pp']):.2f}x, "
-                  f"decode {statistics.median(r['tg']) / statistics.median(ref['tg']):.2f}x")
+            print(
+                f"ratio ours {act}/llama.cpp: prompt "
+                f"{statistics.median(r['pp']) / statistics.median(ref['pp']):.2f}x, "
+                f"decode {statistics.median(r['tg']) / statistics.median(ref['tg']):.2f}x"
+            )
     else:
         print("llama.cpp: not installed (pip install llama-cpp-python), no ratio")
     return 0

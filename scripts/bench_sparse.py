@@ -104,15 +104,23 @@ def one_run(path: Path, dense: bool, threads: int, n_gen: int) -> dict[str, floa
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/synthetic-1.1b"),
-                    help="folder written by make_synthetic_model.py (default /tmp/synthetic-1.1b)")
+    ap.add_argument(
+        "--dir",
+        type=Path,
+        default=Path("/tmp/synthetic-1.1b"),
+        help="folder written by make_synthetic_model.py (default /tmp/synthetic-1.1b)",
+    )
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--n-gen", type=int, default=32)
     ap.add_argument("--files", default="f16,q4_0", help="comma-separated subset of f16,q4_0")
     ap.add_argument("--shape", default="1.1b", help="file name infix (synthetic-<shape>...), default 1.1b")
-    ap.add_argument("--act", choices=("f32", "q8", "both"), default="f32",
-                    help="activation precision of our quant kernels (default f32, exact mode)")
+    ap.add_argument(
+        "--act",
+        choices=("f32", "q8", "both"),
+        default="f32",
+        help="activation precision of our quant kernels (default f32, exact mode)",
+    )
     args = ap.parse_args()
     kinds = [k.strip() for k in args.files.split(",") if k.strip()]
     if not kinds or any(k not in FILES for k in kinds):
@@ -120,21 +128,29 @@ def main() -> int:
     paths = {k: args.dir / FILES[k].replace("1.1b", args.shape) for k in kinds}
     missing = [str(p) for p in paths.values() if not p.is_file()]
     if missing:
-        print(f"missing {', '.join(missing)}; run scripts/make_synthetic_model.py --out {args.dir}",
-              file=sys.stderr)
+        print(
+            f"missing {', '.join(missing)}; run scripts/make_synthetic_model.py --out {args.dir}",
+            file=sys.stderr,
+        )
         return 1
 
     from powerinfer import ops
 
     acts = ("f32", "q8") if args.act == "both" else (args.act,)
     bw = memory_bandwidth(args.threads)
-    print(f"threads: {args.threads}, decode: {args.n_gen} tokens after a {len(PROMPT)}-char prompt, "
-          f"median of {args.runs} runs (sparse and dense alternate, one engine loaded at a time)")
+    print(
+        f"threads: {args.threads}, decode: {args.n_gen} tokens after a {len(PROMPT)}-char prompt, "
+        f"median of {args.runs} runs (sparse and dense alternate, one engine loaded at a time)"
+    )
     print(f"memory read bandwidth (torch sum of 1 GiB, {args.threads} threads): {bw:.1f} GB/s")
-    print(f"kernels: {'C' if ops.kernels_available() else 'torch reference (extension not built)'}, "
-          f"activation precision: {', '.join(acts)}")
-    print(f"{'file':<36} {'mode':<10} {'tok/s':>8} {'ms/tok':>8} {'active':>7} {'MB/tok':>8} {'GB/s':>7} "
-          f"{'of bw':>6}")
+    print(
+        f"kernels: {'C' if ops.kernels_available() else 'torch reference (extension not built)'}, "
+        f"activation precision: {', '.join(acts)}"
+    )
+    print(
+        f"{'file':<36} {'mode':<10} {'tok/s':>8} {'ms/tok':>8} {'active':>7} {'MB/tok':>8} {'GB/s':>7} "
+        f"{'of bw':>6}"
+    )
     verdicts = []
     for kind, path in paths.items():
         for act in acts:
@@ -162,8 +178,10 @@ def bench_file(kind: str, path: Path, act: str, args: argparse.Namespace, bw: fl
         med[mode] = tps
         gbs = tps * nbytes / 1e9
         share_txt = f"{share:7.3f}" if mode == "sparse" else f"{'1':>7}"
-        print(f"{path.name:<36} {mode + ' ' + act:<10} {tps:8.2f} {1e3 / tps:8.1f} {share_txt} "
-              f"{nbytes / 1e6:8.1f} {gbs:7.2f} {gbs / bw:6.0%}")
+        print(
+            f"{path.name:<36} {mode + ' ' + act:<10} {tps:8.2f} {1e3 / tps:8.1f} {share_txt} "
+            f"{nbytes / 1e6:8.1f} {gbs:7.2f} {gbs / bw:6.0%}"
+        )
     ratio = med["sparse"] / med["dense"]
     print(f"{path.name:<36} {act:<10} ratio sparse/dense: {ratio:.2f}x")
     if kind != "q4_0":

@@ -88,10 +88,20 @@ class Shape:
 
 
 SHAPES = {
-    "tinyllama-1.1b": Shape("1.1b", n_embd=2048, n_layer=22, n_ff=5632, n_head=32, n_head_kv=4, n_vocab=32000,
-                            n_ctx=2048, rank=128),
-    "tiny": Shape("tiny", n_embd=256, n_layer=2, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=512, n_ctx=256,
-                  rank=128),
+    "tinyllama-1.1b": Shape(
+        "1.1b",
+        n_embd=2048,
+        n_layer=22,
+        n_ff=5632,
+        n_head=32,
+        n_head_kv=4,
+        n_vocab=32000,
+        n_ctx=2048,
+        rank=128,
+    ),
+    "tiny": Shape(
+        "tiny", n_embd=256, n_layer=2, n_ff=1024, n_head=4, n_head_kv=2, n_vocab=512, n_ctx=256, rank=128
+    ),
 }
 TYPES = {"f16": GGMLType.F16, "q4_0": GGMLType.Q4_0}
 FILE_TYPE = {"f16": 1, "q4_0": 2}  # llama_ftype MOSTLY_F16 / MOSTLY_Q4_0
@@ -120,7 +130,7 @@ def vocabulary(n_vocab: int) -> tuple[list[str], np.ndarray, np.ndarray]:
             pieces.extend(("\u2581" + p, p))
     pieces = pieces[: n_vocab - len(tokens)]
     scores = np.zeros(n_vocab, dtype=np.float32)
-    scores[len(tokens):] = -np.arange(len(pieces), dtype=np.float32)  # shorter pieces merge first
+    scores[len(tokens) :] = -np.arange(len(pieces), dtype=np.float32)  # shorter pieces merge first
     return tokens + pieces, scores, np.array(types + [1] * len(pieces), dtype=np.int32)
 
 
@@ -161,8 +171,9 @@ class Outputs:
         for w in self.writers.values():
             w.add_tensor(name, v, GGMLType.F32)
 
-    def matrix(self, name: str, w16: np.ndarray, q4_type: GGMLType = GGMLType.Q4_0,
-               keep_q4: bool = False) -> None:
+    def matrix(
+        self, name: str, w16: np.ndarray, q4_type: GGMLType = GGMLType.Q4_0, keep_q4: bool = False
+    ) -> None:
         """w16: F16-rounded float32 weights; the Q4 file quantizes those (as quantize does from F16)."""
         for kind, w in self.writers.items():
             if kind == "f16":
@@ -202,8 +213,9 @@ def attention(s: Shape, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Te
     v = (h @ w["attn_v"].T).view(T, s.n_head_kv, s.head_dim)
     rep = s.n_head // s.n_head_kv
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                       is_causal=True)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True
+    )
     return o.transpose(0, 1).reshape(T, s.n_embd) @ w["attn_output"].T
 
 
@@ -223,8 +235,16 @@ def quantile(values: torch.Tensor, q: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------------
-def generate(out: Path, shape: Shape, kinds: list[str], active: float, seed: int, n_sample: int,
-             rank: int | None = None, log=None) -> dict:
+def generate(
+    out: Path,
+    shape: Shape,
+    kinds: list[str],
+    active: float,
+    seed: int,
+    n_sample: int,
+    rank: int | None = None,
+    log=None,
+) -> dict:
     """Write the model files and activation statistics; returns a summary dict."""
     t0 = time.perf_counter()
     s = shape if rank is None else Shape(**{**shape.__dict__, "rank": rank})
@@ -270,15 +290,21 @@ def generate(out: Path, shape: Shape, kinds: list[str], active: float, seed: int
     xq = torch.from_numpy(outs.q4_dense.pop("token_embd.weight")[sample]) if q4 else None
     del embd
     outs.vector("output_norm.weight", np.ones(s.n_embd, dtype=np.float32))
-    outs.matrix("output.weight", f16_round(normal(seed, "output.weight", (s.n_vocab, s.n_embd), WEIGHT_STD)),
-                q4_type=GGMLType.Q8_0)
+    outs.matrix(
+        "output.weight",
+        f16_round(normal(seed, "output.weight", (s.n_vocab, s.n_embd), WEIGHT_STD)),
+        q4_type=GGMLType.Q8_0,
+    )
 
     threshold = None
     per_layer = []
     shapes = {
-        "attn_q": (s.n_embd, s.n_embd), "attn_k": (s.n_embd_gqa, s.n_embd),
+        "attn_q": (s.n_embd, s.n_embd),
+        "attn_k": (s.n_embd_gqa, s.n_embd),
         "attn_v": (s.n_embd_gqa, s.n_embd),
-        "attn_output": (s.n_embd, s.n_embd), "ffn_gate": (s.n_ff, s.n_embd), "ffn_up": (s.n_ff, s.n_embd),
+        "attn_output": (s.n_embd, s.n_embd),
+        "ffn_gate": (s.n_ff, s.n_embd),
+        "ffn_up": (s.n_ff, s.n_embd),
         "ffn_down_t": (s.n_ff, s.n_embd),
     }
     for bid in range(s.n_layer):
@@ -333,11 +359,13 @@ def generate(out: Path, shape: Shape, kinds: list[str], active: float, seed: int
         layer["rms"] = float(x.pow(2).mean().sqrt())
         per_layer.append(layer)
         if log:
-            log(f"  layer {bid:2d}: active {layer['active']:.3f}"
+            log(
+                f"  layer {bid:2d}: active {layer['active']:.3f}"
                 + (f" (q4 {layer['active_q4']:.3f})" if q4 else "")
                 + f", top 20% neurons carry {layer['top20']:.0%} of activations"
                 + f", residual rms {layer['rms']:.2f}"
-                + f"  [{time.perf_counter() - t0:.1f}s]")
+                + f"  [{time.perf_counter() - t0:.1f}s]"
+            )
         del w, wq
     if not torch.isfinite(x).all():
         raise SystemExit("residual stream is not finite; lower the weight scale")
@@ -365,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, required=True, help="output folder (models + activation/)")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tinyllama-1.1b")
     ap.add_argument("--types", default="f16,q4_0", help="comma-separated subset of f16,q4_0")
-    ap.add_argument("--active", type=float, default=0.10,
-                    help="share of neurons predicted active (default 0.10)")
+    ap.add_argument(
+        "--active", type=float, default=0.10, help="share of neurons predicted active (default 0.10)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rank", type=int, default=None, help="predictor rank (default 128)")
     ap.add_argument("--sample-tokens", type=int, default=128, help="calibration sample length (default 128)")
@@ -383,12 +412,22 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    log(f"shape {args.shape}: n_embd {shape.n_embd}, {shape.n_layer} layers, n_ff {shape.n_ff}, "
+    log(
+        f"shape {args.shape}: n_embd {shape.n_embd}, {shape.n_layer} layers, n_ff {shape.n_ff}, "
         f"heads {shape.n_head}/{shape.n_head_kv}, vocab {shape.n_vocab}; "
         f"target active share {args.active:.3f}, "
-        f"seed {args.seed}, calibration sample {args.sample_tokens} tokens")
-    r = generate(args.out, shape, kinds, args.active, args.seed, args.sample_tokens, args.rank,
-                 None if args.quiet else log)
+        f"seed {args.seed}, calibration sample {args.sample_tokens} tokens"
+    )
+    r = generate(
+        args.out,
+        shape,
+        kinds,
+        args.active,
+        args.seed,
+        args.sample_tokens,
+        args.rank,
+        None if args.quiet else log,
+    )
     for kind in kinds:
         log(f"wrote {r['paths'][kind]} ({r['sizes'][kind] / 2**20:.1f} MiB)")
     log(f"wrote {args.out / 'activation'}/activation_{{0..{shape.n_layer - 1}}}.pt")
@@ -398,8 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         msg += f", {r['active_q4']:.4f} (Q4_0 weights)"
     log(msg)
     top = np.mean([lay["top20"] for lay in r["layers"]])
-    log(f"hot neurons: the top 20% carry {top:.0%} of activations (mean over layers); "
-        f"took {r['seconds']:.1f}s")
+    log(
+        f"hot neurons: the top 20% carry {top:.0%} of activations (mean over layers); "
+        f"took {r['seconds']:.1f}s"
+    )
     return 0
 
 

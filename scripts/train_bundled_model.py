@@ -329,13 +329,26 @@ def train_model(
     save_file(state, hf / "model.safetensors")
     shutil.copy(tokenizer, hf / "tokenizer.model")
     (hf / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "add_eos_token": False}))
-    phase = {"steps": n_steps, "tokens": n_steps * batch * n_ctx, "train_seconds": train_s, "lr": lr,
-             "final_train_loss": float(loss), "heldout_nll_hf_fp32": nll}
+    phase = {
+        "steps": n_steps,
+        "tokens": n_steps * batch * n_ctx,
+        "train_seconds": train_s,
+        "lr": lr,
+        "final_train_loss": float(loss),
+        "heldout_nll_hf_fp32": nll,
+    }
     phases = (previous.get("phases", [previous]) if previous is not None else []) + [phase]
-    stats = {"steps": sum(p["steps"] for p in phases), "batch": batch, "n_ctx": n_ctx,
-             "tokens": sum(p["tokens"] for p in phases),
-             "train_seconds": sum(p["train_seconds"] for p in phases), "final_train_loss": float(loss),
-             "heldout_nll_hf_fp32": nll, "lr": phases[0]["lr"], "phases": phases}
+    stats = {
+        "steps": sum(p["steps"] for p in phases),
+        "batch": batch,
+        "n_ctx": n_ctx,
+        "tokens": sum(p["tokens"] for p in phases),
+        "train_seconds": sum(p["train_seconds"] for p in phases),
+        "final_train_loss": float(loss),
+        "heldout_nll_hf_fp32": nll,
+        "lr": phases[0]["lr"],
+        "phases": phases,
+    }
     stats["tokens_per_second"] = stats["tokens"] / stats["train_seconds"]
     (workdir / "train_stats.json").write_text(json.dumps(stats, indent=1))
     return hf
@@ -375,7 +388,14 @@ def main() -> None:
     if args.stop_after == "tokenizer":
         return
     hf = train_model(
-        args.workdir, tokenizer, train_ids, heldout_ids, args.minutes, args.batch, args.lr, args.bench,
+        args.workdir,
+        tokenizer,
+        train_ids,
+        heldout_ids,
+        args.minutes,
+        args.batch,
+        args.lr,
+        args.bench,
         args.resume,
     )
     if args.bench or args.stop_after == "train":
@@ -400,8 +420,11 @@ def package(args: argparse.Namespace, hf: Path, train: Path, heldout: Path) -> N
     work, out = args.workdir, args.out
     n_ctx = MODEL_CONFIG["max_position_embeddings"]
     command = "python scripts/train_bundled_model.py " + " ".join(sys.argv[1:])
-    results: dict[str, object] = {"command": command, "target_recall": args.target_recall,
-                                  "eval_tokens": args.eval_tokens}
+    results: dict[str, object] = {
+        "command": command,
+        "target_recall": args.target_recall,
+        "eval_tokens": args.eval_tokens,
+    }
     t = time.perf_counter()
     dense = convert_hf_to_gguf(hf, work / "dense.gguf", dense=True, outtype="f16")
     # profile and predictor corpora: slices of the training text (held-out pages stay unseen)
@@ -409,31 +432,60 @@ def package(args: argparse.Namespace, hf: Path, train: Path, heldout: Path) -> N
     third = len(text) // 3
     (work / "profile.txt").write_text(text[third : third + 1_500_000], encoding="utf-8")
     (work / "predictor.txt").write_text(text[2 * third : 2 * third + 600_000], encoding="utf-8")
-    profile, _ = run_profile(ProfileOptions(
-        model=dense, corpus=work / "profile.txt", out_dir=work / "profile", n_ctx=n_ctx,
-        n_threads=args.threads, max_tokens=args.profile_tokens))
+    profile, _ = run_profile(
+        ProfileOptions(
+            model=dense,
+            corpus=work / "profile.txt",
+            out_dir=work / "profile",
+            n_ctx=n_ctx,
+            n_threads=args.threads,
+            max_tokens=args.profile_tokens,
+        )
+    )
     results["profile"] = profile.summary()
-    log.info("profile: %d tokens, sparsity %s, 80%% of firings in %s of neurons (%.0f s)", profile.n_tokens,
-             np.round(profile.sparsity(), 3).tolist(), np.round(profile.hot_share(0.8), 3).tolist(),
-             time.perf_counter() - t)
+    log.info(
+        "profile: %d tokens, sparsity %s, 80%% of firings in %s of neurons (%.0f s)",
+        profile.n_tokens,
+        np.round(profile.sparsity(), 3).tolist(),
+        np.round(profile.hot_share(0.8), 3).tolist(),
+        time.perf_counter() - t,
+    )
     t = time.perf_counter()
-    report = train_predictors(PredictorOptions(
-        model=dense, corpus=work / "predictor.txt", out_dir=work / "predictor", n_ctx=n_ctx,
-        n_threads=args.threads, target_recall=args.target_recall, max_tokens=args.predictor_tokens,
-        steps=args.predictor_steps))
+    report = train_predictors(
+        PredictorOptions(
+            model=dense,
+            corpus=work / "predictor.txt",
+            out_dir=work / "predictor",
+            n_ctx=n_ctx,
+            n_threads=args.threads,
+            target_recall=args.target_recall,
+            max_tokens=args.predictor_tokens,
+            steps=args.predictor_steps,
+        )
+    )
     write_predictor_folder(work / "predictor", report.predictors)
     results["predictor_train"] = report.summary()
     results["predictor_seconds"] = time.perf_counter() - t
     # metrics on held-out pages (neither the LM nor the predictors saw them)
     held = heldout.read_text(encoding="utf-8")
-    metrics = evaluate_on_text(dense, report.predictors, held, n_ctx=n_ctx, max_tokens=args.eval_tokens,
-                               n_threads=args.threads)
+    metrics = evaluate_on_text(
+        dense, report.predictors, held, n_ctx=n_ctx, max_tokens=args.eval_tokens, n_threads=args.threads
+    )
     results["predictor_heldout"] = [m.as_dict() for m in metrics]
     for layer, m in enumerate(metrics):
-        log.info("layer %d: recall %.4f precision %.4f sparsity true %.4f predicted %.4f", layer, m.recall,
-                 m.precision, m.true_sparsity, m.predicted_sparsity)
-    log.info("held-out recall: mean %.4f, worst %.4f", np.mean([m.recall for m in metrics]),
-             min(m.recall for m in metrics))
+        log.info(
+            "layer %d: recall %.4f precision %.4f sparsity true %.4f predicted %.4f",
+            layer,
+            m.recall,
+            m.precision,
+            m.true_sparsity,
+            m.predicted_sparsity,
+        )
+    log.info(
+        "held-out recall: mean %.4f, worst %.4f",
+        np.mean([m.recall for m in metrics]),
+        min(m.recall for m in metrics),
+    )
     # the bundled PowerInfer GGUF and its activation statistics
     staging = work / "models"
     if staging.exists():
@@ -449,12 +501,22 @@ def package(args: argparse.Namespace, hf: Path, train: Path, heldout: Path) -> N
     ppl_sparse = perplexity(sparse, tokens, popts, reference=dense_engine)
     ppl_dense = perplexity(dense_engine, tokens, popts)
     assert ppl_sparse.kld is not None
-    results["perplexity"] = {"n_ctx": n_ctx, "chunks": len(ppl_dense.running),
-                             "scored_tokens": ppl_dense.count, "dense": ppl_dense.ppl,
-                             "sparse": ppl_sparse.ppl,
-                             "ratio": ppl_sparse.ppl / ppl_dense.ppl, "kld_mean": ppl_sparse.kld.mean}
-    log.info("held-out perplexity: dense %.3f, sparse %.3f (%+.2f%%), KLD %.5f", ppl_dense.ppl,
-             ppl_sparse.ppl, 100 * (ppl_sparse.ppl / ppl_dense.ppl - 1), ppl_sparse.kld.mean)
+    results["perplexity"] = {
+        "n_ctx": n_ctx,
+        "chunks": len(ppl_dense.running),
+        "scored_tokens": ppl_dense.count,
+        "dense": ppl_dense.ppl,
+        "sparse": ppl_sparse.ppl,
+        "ratio": ppl_sparse.ppl / ppl_dense.ppl,
+        "kld_mean": ppl_sparse.kld.mean,
+    }
+    log.info(
+        "held-out perplexity: dense %.3f, sparse %.3f (%+.2f%%), KLD %.5f",
+        ppl_dense.ppl,
+        ppl_sparse.ppl,
+        100 * (ppl_sparse.ppl / ppl_dense.ppl - 1),
+        ppl_sparse.kld.mean,
+    )
     (work / "results.json").write_text(json.dumps(results, indent=1))
     # replace models/ as a whole (the GGUF, activation/ and the model card)
     card = model_card(json.loads((work / "train_stats.json").read_text()), results, model_path, work)
@@ -476,27 +538,38 @@ def model_card(train: dict, results: dict, model_path: Path, work: Path) -> str:
     rows = "\n".join(
         f"| {i} | {prof['sparsity'][i]:.3f} | {prof['hot_share_80'][i]:.3f} | {m['recall']:.4f} | "
         f"{m['precision']:.4f} | {m['true_sparsity']:.4f} | {m['predicted_sparsity']:.4f} |"
-        for i, m in enumerate(held))
+        for i, m in enumerate(held)
+    )
     cfg = MODEL_CONFIG
-    arch = (f"llama, ReLU(gate) * up FFN; n_embd {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-            f"n_ff {cfg['intermediate_size']}, {cfg['num_attention_heads']} heads, "
-            f"context {cfg['max_position_embeddings']}, vocab {cfg['vocab_size']}, untied output")
-    file = (f"PowerInfer GGUF (magic PWRI), F16 matrices, predictors rank {pred['rank']} (F16), "
-            f"`powerinfer.sparse_threshold` {pred['threshold']:.4g}")
-    source = (f"Debian `python3.11-doc` HTML, main text of {corpus['pages']} pages via `html.parser`; every "
-              f"20th page held out: train {corpus['train'] / 1e6:.1f} MB, "
-              f"held-out {corpus['heldout'] / 1e6:.2f} MB")
-    training = (f"{train['steps']} steps of {train['batch']} x {train['n_ctx']} tokens "
-                f"({train['tokens'] / 1e6:.2f} M tokens), AdamW lr {train['lr']} (warm-up, cosine to 10%), "
-                f"weight decay 0.1, float32, 1 CPU thread: {train['train_seconds'] / 60:.1f} min "
-                f"({train['tokens_per_second']:.0f} tokens/s on 2 shared cores)")
+    arch = (
+        f"llama, ReLU(gate) * up FFN; n_embd {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"n_ff {cfg['intermediate_size']}, {cfg['num_attention_heads']} heads, "
+        f"context {cfg['max_position_embeddings']}, vocab {cfg['vocab_size']}, untied output"
+    )
+    file = (
+        f"PowerInfer GGUF (magic PWRI), F16 matrices, predictors rank {pred['rank']} (F16), "
+        f"`powerinfer.sparse_threshold` {pred['threshold']:.4g}"
+    )
+    source = (
+        f"Debian `python3.11-doc` HTML, main text of {corpus['pages']} pages via `html.parser`; every "
+        f"20th page held out: train {corpus['train'] / 1e6:.1f} MB, "
+        f"held-out {corpus['heldout'] / 1e6:.2f} MB"
+    )
+    training = (
+        f"{train['steps']} steps of {train['batch']} x {train['n_ctx']} tokens "
+        f"({train['tokens'] / 1e6:.2f} M tokens), AdamW lr {train['lr']} (warm-up, cosine to 10%), "
+        f"weight decay 0.1, float32, 1 CPU thread: {train['train_seconds'] / 60:.1f} min "
+        f"({train['tokens_per_second']:.0f} tokens/s on 2 shared cores)"
+    )
     phases = train.get("phases", [])
     if len(phases) > 1:
         parts = ", ".join(f"{p['train_seconds'] / 60:.0f} min at peak lr {p['lr']}" for p in phases)
         training += f"; in {len(phases)} phases: {parts} (later phases resume the saved weights, fresh AdamW)"
     nll = train["heldout_nll_hf_fp32"]
-    ppl_row = (f"dense FFN {ppl['dense']:.3f}, sparse (predictors) {ppl['sparse']:.3f} "
-               f"({100 * (ppl['ratio'] - 1):+.2f}%), KL divergence sparse vs dense {ppl['kld_mean']:.2g}")
+    ppl_row = (
+        f"dense FFN {ppl['dense']:.3f}, sparse (predictors) {ppl['sparse']:.3f} "
+        f"({100 * (ppl['ratio'] - 1):+.2f}%), KL divergence sparse vs dense {ppl['kld_mean']:.2g}"
+    )
     recalls = [m["recall"] for m in held]
     return f"""# Bundled default model: `{model_path.name}`
 
@@ -510,20 +583,20 @@ Made by `scripts/train_bundled_model.py` (command below); every number here come
 |---|---|
 | architecture | {arch} |
 | file | {file} |
-| tokenizer | SentencePiece BPE, {cfg['vocab_size']} pieces, byte fallback, trained on the training split |
+| tokenizer | SentencePiece BPE, {cfg["vocab_size"]} pieces, byte fallback, trained on the training split |
 | corpus | {source} |
 | training | {training} |
 | held-out NLL (transformers, fp32) | {nll:.3f} nats/token (perplexity {math.exp(nll):.2f}) |
-| held-out perplexity of this file (-c {ppl['n_ctx']}, {ppl['chunks']} chunks, {ppl['scored_tokens']} \
+| held-out perplexity of this file (-c {ppl["n_ctx"]}, {ppl["chunks"]} chunks, {ppl["scored_tokens"]} \
 scored tokens) | {ppl_row} |
 
 ## Activation statistics and predictors
 
-`activation/activation_<N>.pt`: how often each neuron fired (ReLU(gate) > 0) over {prof['n_tokens']} tokens
+`activation/activation_<N>.pt`: how often each neuron fired (ReLU(gate) > 0) over {prof["n_tokens"]} tokens
 of training text (`powerinfer profile`). Predictors (`powerinfer train-predictor`, target recall
-{results['target_recall']}) were fit on {pred['tokens']['train']} tokens of training text; thresholds were
-calibrated per layer on {pred['tokens']['calibration']} more and folded into fc2 (the format has one global
-threshold). Metrics below are on the first {results['eval_tokens']} tokens of the held-out pages:
+{results["target_recall"]}) were fit on {pred["tokens"]["train"]} tokens of training text; thresholds were
+calibrated per layer on {pred["tokens"]["calibration"]} more and folded into fc2 (the format has one global
+threshold). Metrics below are on the first {results["eval_tokens"]} tokens of the held-out pages:
 
 | layer | sparsity (profile) | neurons for 80% of firings | recall | precision | true sparsity | \
 predicted sparsity |
@@ -536,7 +609,7 @@ Mean recall {sum(recalls) / len(recalls):.4f}, worst layer {min(recalls):.4f}.
 
 ```bash
 apt-get install -y python3.11-doc
-{results['command']}
+{results["command"]}
 ```
 """
 

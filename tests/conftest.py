@@ -44,14 +44,33 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_hf_llama(*, n_head: int = 4, n_head_kv: int = 4, act: str = "silu", seed: int = 0,
-                  n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, fp16_values: bool = False):
+def tiny_hf_llama(
+    *,
+    n_head: int = 4,
+    n_head_kv: int = 4,
+    act: str = "silu",
+    seed: int = 0,
+    n_embd: int = 64,
+    n_ff: int = 128,
+    n_layer: int = 2,
+    fp16_values: bool = False,
+):
     """A random transformers LlamaForCausalLM; with fp16_values its weights are fp16-representable."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        vocab_size=len(TINY_TOKENS), hidden_size=n_embd, intermediate_size=n_ff, num_hidden_layers=n_layer,
-        num_attention_heads=n_head, num_key_value_heads=n_head_kv, hidden_act=act, max_position_embeddings=128,
-        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        vocab_size=len(TINY_TOKENS),
+        hidden_size=n_embd,
+        intermediate_size=n_ff,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        num_key_value_heads=n_head_kv,
+        hidden_act=act,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).float().eval()
@@ -66,8 +85,9 @@ def tiny_hf_llama(*, n_head: int = 4, n_head_kv: int = 4, act: str = "silu", see
     return model
 
 
-def random_llama_state(*, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, n_head: int = 4,
-                       n_head_kv: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+def random_llama_state(
+    *, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, n_head: int = 4, n_head_kv: int = 4, seed: int = 0
+) -> dict[str, np.ndarray]:
     """Random weights with transformers' Llama parameter names (numpy float32), no transformers needed."""
     rng = np.random.default_rng(seed)
     head_dim = n_embd // n_head
@@ -76,8 +96,11 @@ def random_llama_state(*, n_embd: int = 64, n_ff: int = 128, n_layer: int = 2, n
     def m(*shape: int) -> np.ndarray:
         return rng.normal(0, 0.08, shape).astype(np.float32)
 
-    sd = {"model.embed_tokens.weight": m(n_vocab, n_embd), "lm_head.weight": m(n_vocab, n_embd),
-          "model.norm.weight": rng.uniform(0.8, 1.2, n_embd).astype(np.float32)}
+    sd = {
+        "model.embed_tokens.weight": m(n_vocab, n_embd),
+        "lm_head.weight": m(n_vocab, n_embd),
+        "model.norm.weight": rng.uniform(0.8, 1.2, n_embd).astype(np.float32),
+    }
     for i in range(n_layer):
         p = f"model.layers.{i}."
         sd[p + "input_layernorm.weight"] = rng.uniform(0.8, 1.2, n_embd).astype(np.float32)
@@ -96,8 +119,16 @@ def write_hf_llama_gguf(model, path: Path, dtype: GGMLType = GGMLType.F32, act: 
     """Write a transformers Llama model as a dense llama.cpp GGUF."""
     cfg = model.config
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
-    return write_llama_gguf(path, sd, n_head=cfg.num_attention_heads, n_head_kv=cfg.num_key_value_heads,
-                            n_ctx=cfg.max_position_embeddings, eps=float(cfg.rms_norm_eps), dtype=dtype, act=act)
+    return write_llama_gguf(
+        path,
+        sd,
+        n_head=cfg.num_attention_heads,
+        n_head_kv=cfg.num_key_value_heads,
+        n_ctx=cfg.max_position_embeddings,
+        eps=float(cfg.rms_norm_eps),
+        dtype=dtype,
+        act=act,
+    )
 
 
 def random_predictors(sd: dict[str, np.ndarray], rank: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
@@ -118,14 +149,27 @@ def write_activation_stats(folder: Path, n_layer: int, n_ff: int, seed: int = 0)
     folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     for i in range(n_layer):
-        torch.save(torch.from_numpy(rng.integers(0, 10000, n_ff).astype(np.float32)), folder / f"activation_{i}.pt")
+        torch.save(
+            torch.from_numpy(rng.integers(0, 10000, n_ff).astype(np.float32)), folder / f"activation_{i}.pt"
+        )
     return folder
 
 
-def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_head_kv: int, n_ctx: int = 128,
-                     eps: float = 1e-5, dtype: GGMLType = GGMLType.F32, act: str | None = None,
-                     arch: str = "llama", skip_keys: tuple[str, ...] = (),
-                     predictors: dict[str, np.ndarray] | None = None, threshold: float | None = None) -> Path:
+def write_llama_gguf(
+    path: Path,
+    sd: dict[str, np.ndarray],
+    *,
+    n_head: int,
+    n_head_kv: int,
+    n_ctx: int = 128,
+    eps: float = 1e-5,
+    dtype: GGMLType = GGMLType.F32,
+    act: str | None = None,
+    arch: str = "llama",
+    skip_keys: tuple[str, ...] = (),
+    predictors: dict[str, np.ndarray] | None = None,
+    threshold: float | None = None,
+) -> Path:
     """Write Llama weights (transformers names) as a llama.cpp GGUF (q/k permuted, 1-D tensors F32).
 
     With `predictors` the file is a PowerInfer GGUF: magic PWRI, ffn_down_t instead of ffn_down, fc1/fc2.
@@ -170,14 +214,18 @@ def write_llama_gguf(path: Path, sd: dict[str, np.ndarray], *, n_head: int, n_he
         p = f"model.layers.{i}."
         w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
         w.add_tensor(f"blk.{i}.attn_q.weight", permute_qk(sd[p + "self_attn.q_proj.weight"], n_head), dtype)
-        w.add_tensor(f"blk.{i}.attn_k.weight", permute_qk(sd[p + "self_attn.k_proj.weight"], n_head_kv), dtype)
+        w.add_tensor(
+            f"blk.{i}.attn_k.weight", permute_qk(sd[p + "self_attn.k_proj.weight"], n_head_kv), dtype
+        )
         w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], dtype)
         w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], dtype)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
         w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], dtype)
         w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], dtype)
         if sparse:
-            w.add_tensor(f"blk.{i}.ffn_down_t.weight", np.ascontiguousarray(sd[p + "mlp.down_proj.weight"].T), dtype)
+            w.add_tensor(
+                f"blk.{i}.ffn_down_t.weight", np.ascontiguousarray(sd[p + "mlp.down_proj.weight"].T), dtype
+            )
             w.add_tensor(f"blk.{i}.fc1.weight", predictors[f"blk.{i}.fc1.weight"], dtype)
             w.add_tensor(f"blk.{i}.fc2.weight", predictors[f"blk.{i}.fc2.weight"], dtype)
         else:
@@ -200,6 +248,7 @@ def hf_model():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = smollm2_path()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
     return tok, model

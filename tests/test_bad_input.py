@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import random_llama_state, write_llama_gguf
 from typer.testing import CliRunner
 
-from conftest import random_llama_state, write_llama_gguf
 from powerinfer.cli import app
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf import read_gguf
@@ -57,8 +57,9 @@ def test_wrong_magic(tiny_gguf: Path):
 
 
 def test_missing_required_key(tmp_path: Path):
-    path = write_llama_gguf(tmp_path / "m.gguf", random_llama_state(), n_head=4, n_head_kv=4,
-                            skip_keys=("llama.block_count",))
+    path = write_llama_gguf(
+        tmp_path / "m.gguf", random_llama_state(), n_head=4, n_head_kv=4, skip_keys=("llama.block_count",)
+    )
     with pytest.raises(ConfigError, match="llama.block_count"):
         from powerinfer.arch import load_model
 
@@ -93,10 +94,16 @@ def test_real_process_prints_no_traceback(tiny_gguf: Path, tmp_path: Path):
     bad = tmp_path / "bad.gguf"
     shutil.copy(tiny_gguf, bad)
     _patch(bad, 0, b"XXXX")
-    proc = subprocess.run([sys.executable, "-m", "powerinfer", "main", "-m", str(bad), "-p", "hi"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "powerinfer", "main", "-m", str(bad), "-p", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == [f"error: {bad}: bad magic b'XXXX': expected b'GGUF' or b'PWRI'"]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: {bad}: bad magic b'XXXX': expected b'GGUF' or b'PWRI'"
+    ]
     assert proc.stdout == ""
 
 
@@ -112,6 +119,12 @@ def test_pool_device_cuda_without_cuda(tmp_path: Path):
     from conftest import random_predictors
 
     sd = random_llama_state()
-    path = write_llama_gguf(tmp_path / "m.powerinfer.gguf", sd, n_head=4, n_head_kv=4, act="relu",
-                            predictors=random_predictors(sd))
+    path = write_llama_gguf(
+        tmp_path / "m.powerinfer.gguf",
+        sd,
+        n_head=4,
+        n_head_kv=4,
+        act="relu",
+        predictors=random_predictors(sd),
+    )
     assert_one_error_line(run_main(path, "-p", "hi", "--pool-device", "cuda"), "no CUDA device")

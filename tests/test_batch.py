@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import random_llama_state, random_predictors, write_llama_gguf
+
 from powerinfer.runtime.batch import BatchDecoder
 from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -36,10 +36,14 @@ def test_batched_greedy_equals_solo(tmp_path, sparse):
     for _ in range(n - 1):
         logits = batch.step([0, 1, 2, 3], last)
         last = [int(x) for x in logits.argmax(-1)]
-        for seq, t in zip(got, last):
+        for seq, t in zip(got, last, strict=False):
             seq.append(t)
     assert got == want
     # a slot can be freed and reused while others continue
     batch.free(1)
-    torch.testing.assert_close(batch.prefill(1, PROMPTS[1]), Engine(path, EngineOptions(n_ctx=64)).eval(PROMPTS[1]),
-                               atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        batch.prefill(1, PROMPTS[1]),
+        Engine(path, EngineOptions(n_ctx=64)).eval(PROMPTS[1]),
+        atol=1e-4,
+        rtol=0,
+    )

@@ -29,21 +29,64 @@ def test_options_reach_the_library(monkeypatch, tmp_path):
     monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.setdefault("opts", opts))
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("line1\\nline2\n")
-    result = runner.invoke(app, [
-        "main", "-m", "m.gguf", "-f", str(prompt_file), "-e", "-n", "7", "-c", "128", "-b", "16", "-t", "3",
-        "-s", "5", "--temp", "0.5", "--top-k", "9", "--top-p", "0.8", "--min-p", "0.1", "--repeat-penalty", "1.2",
-        "--repeat-last-n", "32", "--ignore-eos", "--vram-budget", "2.5", "-ngl", "4", "--reset-gpu-index",
-        "--disable-gpu-index", "--verbose-prompt",
-    ])
+    result = runner.invoke(
+        app,
+        [
+            "main",
+            "-m",
+            "m.gguf",
+            "-f",
+            str(prompt_file),
+            "-e",
+            "-n",
+            "7",
+            "-c",
+            "128",
+            "-b",
+            "16",
+            "-t",
+            "3",
+            "-s",
+            "5",
+            "--temp",
+            "0.5",
+            "--top-k",
+            "9",
+            "--top-p",
+            "0.8",
+            "--min-p",
+            "0.1",
+            "--repeat-penalty",
+            "1.2",
+            "--repeat-last-n",
+            "32",
+            "--ignore-eos",
+            "--vram-budget",
+            "2.5",
+            "-ngl",
+            "4",
+            "--reset-gpu-index",
+            "--disable-gpu-index",
+            "--verbose-prompt",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     o = seen["opts"]
     assert o.model == Path("m.gguf")
     assert o.prompt == "line1\nline2"  # trailing newline of -f dropped, then escapes processed
     assert (o.n_predict, o.ignore_eos, o.verbose_prompt) == (7, True, True)
-    assert o.engine == EngineOptions(n_ctx=128, n_batch=16, n_threads=3, vram_budget_gib=2.5, n_gpu_layers=4,
-                                     reset_gpu_index=True, disable_gpu_index=True)
-    assert o.sampling == SamplingParams(temp=0.5, top_k=9, top_p=0.8, min_p=0.1, repeat_penalty=1.2,
-                                        repeat_last_n=32, seed=5)
+    assert o.engine == EngineOptions(
+        n_ctx=128,
+        n_batch=16,
+        n_threads=3,
+        vram_budget_gib=2.5,
+        n_gpu_layers=4,
+        reset_gpu_index=True,
+        disable_gpu_index=True,
+    )
+    assert o.sampling == SamplingParams(
+        temp=0.5, top_k=9, top_p=0.8, min_p=0.1, repeat_penalty=1.2, repeat_last_n=32, seed=5
+    )
 
 
 def test_generates_like_the_engine(tiny_gguf: Path):
@@ -51,8 +94,26 @@ def test_generates_like_the_engine(tiny_gguf: Path):
     engine = Engine(tiny_gguf, EngineOptions(n_ctx=64, n_threads=1))
     ids = engine.tokenizer.encode("hello")
     expected = list(engine.generate(ids, Sampler(SamplingParams(temp=0)), n_predict=12, ignore_eos=True))
-    result = runner.invoke(app, ["main", "-m", str(tiny_gguf), "-p", "hello", "-n", "12", "--temp", "0",
-                                 "--ignore-eos", "-c", "64", "-t", "1", "--verbose-prompt"])
+    result = runner.invoke(
+        app,
+        [
+            "main",
+            "-m",
+            str(tiny_gguf),
+            "-p",
+            "hello",
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "-c",
+            "64",
+            "-t",
+            "1",
+            "--verbose-prompt",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     assert result.stdout == "hello" + engine.tokenizer.decode(expected, strip_leading_space=False) + "\n"
     assert f"number of tokens in prompt = {len(ids)}" in result.stderr
@@ -62,8 +123,23 @@ def test_generates_like_the_engine(tiny_gguf: Path):
 
 
 def test_log_disable_prints_only_text(tiny_gguf: Path):
-    result = runner.invoke(app, ["main", "-m", str(tiny_gguf), "-p", "hi", "-n", "3", "--temp", "0",
-                                 "--ignore-eos", "--log-disable", "--no-display-prompt"])
+    result = runner.invoke(
+        app,
+        [
+            "main",
+            "-m",
+            str(tiny_gguf),
+            "-p",
+            "hi",
+            "-n",
+            "3",
+            "--temp",
+            "0",
+            "--ignore-eos",
+            "--log-disable",
+            "--no-display-prompt",
+        ],
+    )
     assert result.exit_code == 0
     assert result.stderr == ""
     assert len(result.stdout) > 1 and result.stdout.endswith("\n")
@@ -71,10 +147,22 @@ def test_log_disable_prints_only_text(tiny_gguf: Path):
 
 def test_python_dash_m_entry_point():
     env = dict(os.environ, COLUMNS="200")
-    proc = subprocess.run([sys.executable, "-m", "powerinfer", "main", "--help"], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "powerinfer", "main", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert proc.returncode == 0
-    for flag in ("--vram-budget", "-ngl", "--reset-gpu-index", "--disable-gpu-index", "--min-p", "--ignore-eos"):
+    for flag in (
+        "--vram-budget",
+        "-ngl",
+        "--reset-gpu-index",
+        "--disable-gpu-index",
+        "--min-p",
+        "--ignore-eos",
+    ):
         assert flag in proc.stdout
 
 

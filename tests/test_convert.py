@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import TINY_TOKENS, TINY_TYPES, permute_qk, random_llama_state
 from typer.testing import CliRunner
 
-from conftest import TINY_TOKENS, TINY_TYPES, permute_qk, random_llama_state
 from powerinfer.arch.llama import ACTIVATION_KEY
 from powerinfer.cli import app
 from powerinfer.convert import convert_hf_to_gguf

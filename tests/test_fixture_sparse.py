@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import fixture_dir
+
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 

@@ -7,13 +7,18 @@ import os
 
 import numpy as np
 import pytest
-
 from conftest import fixture_dir
+
 from powerinfer import quant
 from powerinfer.errors import FormatError
 from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
 
-FILES = ["tiny.powerinfer.gguf", "tiny.q4.powerinfer.gguf", "tiny.dense.gguf", "tiny.powerinfer.gguf.generated.gpuidx"]
+FILES = [
+    "tiny.powerinfer.gguf",
+    "tiny.q4.powerinfer.gguf",
+    "tiny.dense.gguf",
+    "tiny.powerinfer.gguf.generated.gpuidx",
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,7 @@ def test_reads_original_files(name, expected_files):
             assert ours == pytest.approx(value, rel=1e-7)
         else:
             assert ours == value, key
-    for t, info in zip(exp["tensors"], f.tensors.values()):
+    for t, info in zip(exp["tensors"], f.tensors.values(), strict=False):
         assert info.name == t["name"]
         assert info.shape == tuple(reversed(t["ne"]))
         assert info.ggml_type.name == t["type"]

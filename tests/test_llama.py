@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import tiny_hf_llama, write_hf_llama_gguf
+
 from powerinfer.gguf import GGMLType
 from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -21,10 +21,17 @@ CASES = [
 
 @pytest.mark.parametrize(("n_head", "n_head_kv", "act", "dtype"), CASES)
 def test_logits_match_transformers(tmp_path, n_head, n_head_kv, act, dtype):
-    hf = tiny_hf_llama(n_head=n_head, n_head_kv=n_head_kv, act=act, seed=n_head * 10 + n_head_kv,
-                       fp16_values=dtype == GGMLType.F16)
+    hf = tiny_hf_llama(
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        act=act,
+        seed=n_head * 10 + n_head_kv,
+        fp16_values=dtype == GGMLType.F16,
+    )
     path = write_hf_llama_gguf(hf, tmp_path / "tiny.gguf", dtype, act=act)
-    tokens = torch.randint(0, hf.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = torch.randint(
+        0, hf.config.vocab_size, (24,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
 

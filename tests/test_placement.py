@@ -57,9 +57,14 @@ def random_footprint(rng: np.random.Generator, n_layer: int, n_ff: int, mixed: b
     def tensors(kind: str) -> tuple[DenseTensor, ...]:
         return tuple(DenseTensor(f"blk.{i}.{kind}.weight", int(rng.integers(0, 200))) for i in range(n_layer))
 
-    return ModelFootprint(n_ff=n_ff, neuron_bytes=neuron_bytes, attn=tensors("attn_q"), pred=tensors("fc1"),
-                          ffn_io=tensors("ffn_norm"),
-                          output=(DenseTensor("output.weight", int(rng.integers(0, 300))),))
+    return ModelFootprint(
+        n_ff=n_ff,
+        neuron_bytes=neuron_bytes,
+        attn=tensors("attn_q"),
+        pred=tensors("fc1"),
+        ffn_io=tensors("ffn_norm"),
+        output=(DenseTensor("output.weight", int(rng.integers(0, 300))),),
+    )
 
 
 def gpu_frequency(stats: list[np.ndarray], neurons) -> float:
@@ -175,14 +180,16 @@ def test_plan_properties_over_random_models():
             p = plan(fp, budget_bytes=budget, kv_bytes=kv, stats=stats, reserve_bytes=reserve, group=group)
             assert p.total_bytes == sum(p.bytes_by_category.values()) <= budget
             assert p.bytes_by_category["ffn"] == sum(
-                ids.size * c for ids, c in zip(p.gpu_neurons, fp.neuron_bytes, strict=True))
+                ids.size * c for ids, c in zip(p.gpu_neurons, fp.neuron_bytes, strict=True)
+            )
             assert all(ids.size % group == 0 and np.all(np.diff(ids) > 0) for ids in p.gpu_neurons)
             assert p.gpu_frequency_share == pytest.approx(expected_gpu_hit_rate(stats, p.gpu_neurons))
             assert p.gpu_frequency_share >= previous_share - 1e-12
             assert len(p.gpu_tensors) >= previous_dense  # dense offload is a growing prefix
             previous_share, previous_dense = p.gpu_frequency_share, len(p.gpu_tensors)
-            again = plan(fp, budget_bytes=budget, kv_bytes=kv, stats=stats, reserve_bytes=reserve,
-                         group=group)
+            again = plan(
+                fp, budget_bytes=budget, kv_bytes=kv, stats=stats, reserve_bytes=reserve, group=group
+            )
             assert again.gpu_tensors == p.gpu_tensors and again.reason == p.reason
             assert all(np.array_equal(a, b) for a, b in zip(again.gpu_neurons, p.gpu_neurons, strict=True))
         assert p.n_gpu_neurons == n_layer * n_ff and p.kv_on_gpu and "all" in p.reason
@@ -204,11 +211,13 @@ def test_plan_ffn_choice_equals_brute_force():
 
 def test_plan_order_and_degradation():
     fp = ModelFootprint(
-        n_ff=4, neuron_bytes=(10, 10),
+        n_ff=4,
+        neuron_bytes=(10, 10),
         attn=(DenseTensor("blk.0.attn_q.weight", 100), DenseTensor("blk.1.attn_q.weight", 100)),
         pred=(DenseTensor("blk.0.fc1.weight", 50), DenseTensor("blk.1.fc1.weight", 50)),
         ffn_io=(DenseTensor("blk.0.ffn_norm.weight", 5), DenseTensor("blk.1.ffn_norm.weight", 5)),
-        output=(DenseTensor("output_norm.weight", 5), DenseTensor("output.weight", 200)))
+        output=(DenseTensor("output_norm.weight", 5), DenseTensor("output.weight", 200)),
+    )
     stats = [np.array([4.0, 3, 2, 1]), np.array([8.0, 7, 6, 5])]
     common = dict(kv_bytes=40, stats=stats, reserve_bytes=20, group=2)
 
@@ -219,8 +228,15 @@ def test_plan_order_and_degradation():
     assert p.gpu_tensors == ("blk.0.attn_q.weight", "blk.1.attn_q.weight", "blk.0.fc1.weight")
     assert not p.kv_on_gpu and p.n_gpu_neurons == 0 and p.ffn_source == "none"
     assert "blk.1.fc1.weight" in p.reason and "CPU" in p.reason
-    assert dict(p.bytes_by_category) == {"reserve": 20, "attn": 200, "pred": 50, "ffn_io": 0, "output": 0,
-                                         "kv": 0, "ffn": 0}
+    assert dict(p.bytes_by_category) == {
+        "reserve": 20,
+        "attn": 200,
+        "pred": 50,
+        "ffn_io": 0,
+        "output": 0,
+        "kv": 0,
+        "ffn": 0,
+    }
 
     dense = 20 + fp.dense_bytes
     p = plan(fp, budget_bytes=dense + 39, **common)
@@ -249,8 +265,9 @@ def test_plan_budget_errors():
         plan(fp, budget_bytes=100, kv_bytes=0, stats=stats, group=3)
     with pytest.raises(PlacementError, match="layers"):
         plan(fp, budget_bytes=100, kv_bytes=0, stats=stats * 2, group=2)
-    p = plan(fp, budget_bytes=1000, kv_bytes=0, stats=stats, device_total_bytes=1000, group=2,
-             reserve_bytes=0)
+    p = plan(
+        fp, budget_bytes=1000, kv_bytes=0, stats=stats, device_total_bytes=1000, group=2, reserve_bytes=0
+    )
     assert p.n_gpu_neurons == 4 and p.total_bytes == 4
 
 
@@ -282,13 +299,16 @@ def test_load_activation_stats_numeric_order(tmp_path):
     assert all(s.dtype == np.float64 and s.shape == (8,) for s in stats)
 
 
-@pytest.mark.parametrize(("value", "error", "match"), [
-    (torch.ones(7), FormatError, "expected 8 counts"),
-    (torch.ones(2, 4), FormatError, "1-D"),
-    (torch.tensor([1.0, -1, 0, 0, 0, 0, 0, 0]), FormatError, "negative"),
-    (torch.tensor([1.0, float("nan"), 0, 0, 0, 0, 0, 0]), FormatError, "NaN"),
-    ({"a": torch.ones(8)}, FormatError, "expected a tensor"),
-])
+@pytest.mark.parametrize(
+    ("value", "error", "match"),
+    [
+        (torch.ones(7), FormatError, "expected 8 counts"),
+        (torch.ones(2, 4), FormatError, "1-D"),
+        (torch.tensor([1.0, -1, 0, 0, 0, 0, 0, 0]), FormatError, "negative"),
+        (torch.tensor([1.0, float("nan"), 0, 0, 0, 0, 0, 0]), FormatError, "NaN"),
+        ({"a": torch.ones(8)}, FormatError, "expected a tensor"),
+    ],
+)
 def test_load_activation_stats_bad_files(tmp_path, value, error, match):
     torch.save(value, tmp_path / "activation_0.pt")
     with pytest.raises(error, match=match):
@@ -316,12 +336,16 @@ def test_gpu_index_round_trip(tmp_path):
     assert all(np.array_equal(a, b) for a, b in zip(back.gpu_idx, index.gpu_idx, strict=True))
     f = read_gguf(path)
     assert f.magic == "PWRI" and list(f.metadata) == [
-        "general.architecture", "generic.gpu_index.block_count", "split.vram_capacity"]
+        "general.architecture",
+        "generic.gpu_index.block_count",
+        "split.vram_capacity",
+    ]
     assert gpu_index_path("/x/model.gguf") == Path("/x/model.gguf.generated.gpuidx")
 
 
-def _write_raw_index(path: Path, arch: str, tensors: list[tuple[str, np.ndarray]],
-                     sparse: bool = True) -> None:
+def _write_raw_index(
+    path: Path, arch: str, tensors: list[tuple[str, np.ndarray]], sparse: bool = True
+) -> None:
     w = GGUFWriter(path, sparse=sparse)
     w.add("general.architecture", arch)
     w.add("generic.gpu_index.block_count", len(tensors) // 2)
@@ -332,8 +356,12 @@ def _write_raw_index(path: Path, arch: str, tensors: list[tuple[str, np.ndarray]
 
 
 def _good_tensors() -> list[tuple[str, np.ndarray]]:
-    return [("blk.0.gpu_idx", np.array([1, 0, 1, 0])), ("blk.0.gpu_bucket", np.array([0, 2])),
-            ("blk.1.gpu_idx", np.array([0, 0, 0, 1])), ("blk.1.gpu_bucket", np.array([3]))]
+    return [
+        ("blk.0.gpu_idx", np.array([1, 0, 1, 0])),
+        ("blk.0.gpu_bucket", np.array([0, 2])),
+        ("blk.1.gpu_idx", np.array([0, 0, 0, 1])),
+        ("blk.1.gpu_bucket", np.array([3])),
+    ]
 
 
 def test_gpu_index_corrupt_files(tmp_path):
@@ -348,10 +376,14 @@ def test_gpu_index_corrupt_files(tmp_path):
     cases = {
         "architecture is 'llama'": ("llama", _good_tensors()),
         "expected 2 per layer": ("generic.gpu_index", _good_tensors()[:3]),
-        "bucket inconsistent": ("generic.gpu_index",
-                                _good_tensors()[:3] + [("blk.1.gpu_bucket", np.array([2]))]),
-        "values other than 0 and 1": ("generic.gpu_index",
-                                      [("blk.0.gpu_idx", np.array([2, 0, 1, 0]))] + _good_tensors()[1:]),
+        "bucket inconsistent": (
+            "generic.gpu_index",
+            _good_tensors()[:3] + [("blk.1.gpu_bucket", np.array([2]))],
+        ),
+        "values other than 0 and 1": (
+            "generic.gpu_index",
+            [("blk.0.gpu_idx", np.array([2, 0, 1, 0]))] + _good_tensors()[1:],
+        ),
         "expected 'blk.0.gpu_idx'": ("generic.gpu_index", _good_tensors()[1::-1] + _good_tensors()[2:]),
     }
     for match, (arch, tensors) in cases.items():
@@ -410,8 +442,16 @@ def test_fixture_footprint_and_plan():
     q4 = footprint_from_gguf(read_gguf(root / "tiny.q4.powerinfer.gguf"), 4, 512)
     assert f16.neuron_bytes == (3 * 128 * 2,) * 4  # gate + up + down_t rows, F16
     assert q4.neuron_bytes == (3 * 128 * 18 // 32,) * 4  # Q4_0
-    assert f16.attn[:5] == tuple(DenseTensor(f"blk.0.{s}.weight", n) for s, n in (
-        ("attn_norm", 512), ("attn_q", 32768), ("attn_k", 32768), ("attn_v", 32768), ("attn_output", 32768)))
+    assert f16.attn[:5] == tuple(
+        DenseTensor(f"blk.0.{s}.weight", n)
+        for s, n in (
+            ("attn_norm", 512),
+            ("attn_q", 32768),
+            ("attn_k", 32768),
+            ("attn_v", 32768),
+            ("attn_output", 32768),
+        )
+    )
     assert [t.name for t in f16.output] == ["output_norm.weight", "output.weight"]
     stats = load_activation_stats(root / "activation", 4, 512)
     kv = kv_cache_bytes(4, 256, 128)

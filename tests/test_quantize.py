@@ -138,7 +138,8 @@ def test_fixture_q4_0_equals_the_original(tmp_path):
     ours, theirs = read_gguf(out), read_gguf(fixture_dir() / "tiny.q4.powerinfer.gguf")
     assert ours.data_offset == theirs.data_offset
     assert {k: v for k, v in ours.metadata.items() if not isinstance(v, (list, np.ndarray))} == {
-        k: v for k, v in theirs.metadata.items() if not isinstance(v, (list, np.ndarray))}
+        k: v for k, v in theirs.metadata.items() if not isinstance(v, (list, np.ndarray))
+    }
     n_blocks = n_diff = 0
     identical = []
     for name, t in theirs.tensors.items():
@@ -169,8 +170,10 @@ def test_q8_0_fixture_generates_its_dense_text(tmp_path, monkeypatch):
     tok = sparse.tokenizer
     for prompt in ("Hello world", "The quick brown fox", "def main():"):
         ids = [tok.bos_id] + tok.encode(prompt, add_bos=False)
-        got = [list(e.generate(ids, Sampler(SamplingParams(temp=0, repeat_penalty=1.0)), n_predict=16))
-               for e in (sparse, dense)]
+        got = [
+            list(e.generate(ids, Sampler(SamplingParams(temp=0, repeat_penalty=1.0)), n_predict=16))
+            for e in (sparse, dense)
+        ]
         assert got[0] == got[1], prompt
         assert len(tok.decode(got[0]).strip()) > 0
 
@@ -179,8 +182,15 @@ def test_q8_0_fixture_generates_its_dense_text(tmp_path, monkeypatch):
 def test_sparse_ffn_on_quantized_weights(tmp_path, target):
     """Sparse FFN of a file quantized by us equals the masked dense reference on the dequantized weights."""
     sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=4)
-    src = write_llama_gguf(tmp_path / "m.powerinfer.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu",
-                           predictors=random_predictors(sd, seed=4), threshold=0.0)
+    src = write_llama_gguf(
+        tmp_path / "m.powerinfer.gguf",
+        sd,
+        n_head=N_HEAD,
+        n_head_kv=N_HEAD_KV,
+        act="relu",
+        predictors=random_predictors(sd, seed=4),
+        threshold=0.0,
+    )
     out = tmp_path / f"m.{target}.powerinfer.gguf"
     quantize_model(QuantizeOptions(src, out, require_file_type(target), n_threads=2))
     assert {read_gguf(out).tensors["blk.1.ffn_up.weight"].ggml_type} == {GGMLType[target]}
@@ -250,6 +260,7 @@ def test_smollm2_requantize(tmp_path, target):
 
 # -- bad input: one error line, exit code 1, no output file -----------------------------------------------
 
+
 def _no_files_left(folder: Path, before: set[str]) -> None:
     assert {p.name for p in folder.iterdir()} == before
 
@@ -263,18 +274,23 @@ def test_unknown_type(tiny_gguf):
 
 
 def test_requantize_needs_the_flag(tmp_path):
-    src = write_llama_gguf(tmp_path / "m.gguf", random_llama_state(), n_head=4, n_head_kv=4,
-                           dtype=GGMLType.Q4_0)
+    src = write_llama_gguf(
+        tmp_path / "m.gguf", random_llama_state(), n_head=4, n_head_kv=4, dtype=GGMLType.Q4_0
+    )
     before = {p.name for p in tmp_path.iterdir()}
-    assert_one_error_line(run_quantize(str(src), str(tmp_path / "o.gguf"), "Q8_0"),
-                          "requantizing from type Q4_0 is disabled", "--allow-requantize")
+    assert_one_error_line(
+        run_quantize(str(src), str(tmp_path / "o.gguf"), "Q8_0"),
+        "requantizing from type Q4_0 is disabled",
+        "--allow-requantize",
+    )
     _no_files_left(tmp_path, before)
     assert run_quantize("--allow-requantize", str(src), str(tmp_path / "o.gguf"), "Q8_0").exit_code == 0
 
 
 def test_missing_folder_and_non_gguf_input(tiny_gguf, tmp_path):
-    assert_one_error_line(run_quantize(str(tiny_gguf), str(tmp_path / "nope" / "o.gguf"), "q4_0"),
-                          "does not exist")
+    assert_one_error_line(
+        run_quantize(str(tiny_gguf), str(tmp_path / "nope" / "o.gguf"), "q4_0"), "does not exist"
+    )
     assert not (tmp_path / "nope").exists()
     text = tmp_path / "notes.txt"
     text.write_text("hello, not a model\n" * 10)

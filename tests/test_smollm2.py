@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import smollm2_path
 from typer.testing import CliRunner
 
-from conftest import smollm2_path
 from powerinfer import ops
 from powerinfer.cli import app
 from powerinfer.runtime.engine import Engine, EngineOptions
@@ -25,9 +24,15 @@ def hf_greedy(hf_model):
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=N_PREDICT, do_sample=False, repetition_penalty=1.1,
-                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        out[prompt] = (ids[0].tolist(), gen[0, ids.shape[1]:].tolist())
+            gen = model.generate(
+                ids,
+                max_new_tokens=N_PREDICT,
+                do_sample=False,
+                repetition_penalty=1.1,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+            )
+        out[prompt] = (ids[0].tolist(), gen[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -71,8 +76,24 @@ def test_greedy_tokens_match_transformers(engine, hf_greedy):
 def test_cli_main_greedy_text(hf_model, hf_greedy):
     tok, _ = hf_model
     prompt = PROMPTS[0]
-    result = CliRunner().invoke(app, ["main", "-m", str(smollm2_path()), "-p", prompt, "-n", str(N_PREDICT),
-                                      "--temp", "0", "-t", "2", "-c", "256"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "main",
+            "-m",
+            str(smollm2_path()),
+            "-p",
+            prompt,
+            "-n",
+            str(N_PREDICT),
+            "--temp",
+            "0",
+            "-t",
+            "2",
+            "-c",
+            "256",
+        ],
+    )
     assert result.exit_code == 0, result.stderr
     expected_text = prompt + tok.decode(hf_greedy[prompt][1], skip_special_tokens=True)
     assert result.stdout.rstrip("\n") == expected_text.rstrip("\n")

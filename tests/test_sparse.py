@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+
 from powerinfer.gguf import GGMLType
 from powerinfer.ops.sparse import decode_rows
 from powerinfer.placement import GPUIndex, write_gpu_index
@@ -20,10 +20,20 @@ N_HEAD, N_HEAD_KV, N_FF = 4, 2, 128
 TOKENS = [5, 17, 99, 200, 3, 41, 250, 8]
 
 
-def _sparse_file(tmp_path: Path, dtype: GGMLType = GGMLType.F32, threshold: float = 0.0, seed: int = 0) -> Path:
+def _sparse_file(
+    tmp_path: Path, dtype: GGMLType = GGMLType.F32, threshold: float = 0.0, seed: int = 0
+) -> Path:
     sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=seed)
-    return write_llama_gguf(tmp_path / f"m-{dtype.name}.powerinfer.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV,
-                            dtype=dtype, act="relu", predictors=random_predictors(sd, seed=seed), threshold=threshold)
+    return write_llama_gguf(
+        tmp_path / f"m-{dtype.name}.powerinfer.gguf",
+        sd,
+        n_head=N_HEAD,
+        n_head_kv=N_HEAD_KV,
+        dtype=dtype,
+        act="relu",
+        predictors=random_predictors(sd, seed=seed),
+        threshold=threshold,
+    )
 
 
 def _index(tmp_path: Path, gpu_neurons: list[np.ndarray], name: str) -> str:
@@ -38,9 +48,14 @@ def _placements(tmp_path: Path, n_layer: int = 2) -> dict[str, EngineOptions]:
     base = {"n_ctx": 64, "n_threads": 2}
     return {
         "all-cpu": EngineOptions(**base),
-        "all-pool": EngineOptions(**base, pool_device="cpu",
-                                  gpu_index_path=_index(tmp_path, [np.arange(N_FF)] * n_layer, "all.gpuidx")),
-        "split": EngineOptions(**base, pool_device="cpu", gpu_index_path=_index(tmp_path, half, "half.gpuidx")),
+        "all-pool": EngineOptions(
+            **base,
+            pool_device="cpu",
+            gpu_index_path=_index(tmp_path, [np.arange(N_FF)] * n_layer, "all.gpuidx"),
+        ),
+        "split": EngineOptions(
+            **base, pool_device="cpu", gpu_index_path=_index(tmp_path, half, "half.gpuidx")
+        ),
     }
 
 
@@ -48,8 +63,15 @@ def test_all_active_equals_dense(tmp_path, monkeypatch):
     """Threshold -inf: every neuron active; logits equal the dense GGUF of the same weights (F32)."""
     sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=3)
     dense = write_llama_gguf(tmp_path / "dense.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu")
-    sparse = write_llama_gguf(tmp_path / "m.powerinfer.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu",
-                              predictors=random_predictors(sd), threshold=0.0)
+    sparse = write_llama_gguf(
+        tmp_path / "m.powerinfer.gguf",
+        sd,
+        n_head=N_HEAD,
+        n_head_kv=N_HEAD_KV,
+        act="relu",
+        predictors=random_predictors(sd),
+        threshold=0.0,
+    )
     ref = Engine(dense, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
     monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "-inf")
     for name, opts in _placements(tmp_path).items():
@@ -102,7 +124,9 @@ def test_sparse_ffn_equals_masked_reference(tmp_path, dtype):
                     ffn.predict = lambda _x, m=mask: m
                     got = ffn(u, x)
                     want = _masked_reference(ffn, u, mask)
-                    assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * (want.abs().max().item() + 1)
+                    assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * (
+                        want.abs().max().item() + 1
+                    )
                 del ffn.predict
 
 
@@ -156,7 +180,9 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
     assert isinstance(engine.model.output, ops.DeviceWeight)
     assert (engine.logits_all(TOKENS) - ref).abs().max().item() <= 1e-4
     # --disable-gpu-index keeps the dense offload and skips only the FFN split
-    off = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01,
-                                     disable_gpu_index=True))
+    off = Engine(
+        path,
+        EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01, disable_gpu_index=True),
+    )
     assert all(f.hot is None for f in off.model.ffns)
     assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in off.model.layers)

@@ -39,7 +39,9 @@ def make_weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) ->
 
 
 def make_x(n_tokens: int, n_cols: int, seed: int = 1) -> torch.Tensor:
-    return torch.from_numpy(np.random.default_rng(seed).standard_normal((n_tokens, n_cols)).astype(np.float32))
+    return torch.from_numpy(
+        np.random.default_rng(seed).standard_normal((n_tokens, n_cols)).astype(np.float32)
+    )
 
 
 def make_h(n_tokens: int, n_sel: int, seed: int = 2) -> torch.Tensor:
@@ -271,7 +273,9 @@ def test_validation(ggml_type):
         sparse.rows_axpy(make_h(2, 19), w, None)
     # empty selections and other index dtypes / layouts
     assert sparse.rows_matmul(x, w, torch.zeros(0, dtype=torch.int64)).shape == (2, 0)
-    assert torch.equal(sparse.rows_axpy(torch.zeros(2, 0), w, torch.zeros(0, dtype=torch.int64)), torch.zeros(2, 64))
+    assert torch.equal(
+        sparse.rows_axpy(torch.zeros(2, 0), w, torch.zeros(0, dtype=torch.int64)), torch.zeros(2, 64)
+    )
     idx32 = torch.tensor([5, 1, 7, 3], dtype=torch.int32)
     idx_strided = torch.tensor([5, 0, 1, 0, 7, 0, 3, 0])[::2]
     expected = sparse.rows_matmul(x, w, idx32.long())
@@ -292,8 +296,11 @@ def unfused(u: torch.Tensor, gate, up, down_t, idx, relu_up: bool) -> torch.Tens
 
 def ffn_weights(types, n_rows: int, n_in: int, n_out: int, seed: int = 0):
     gate_type, up_type, down_type = types
-    return (make_weight(gate_type, n_rows, n_in, seed), make_weight(up_type, n_rows, n_in, seed + 1),
-            make_weight(down_type, n_rows, n_out, seed + 2))
+    return (
+        make_weight(gate_type, n_rows, n_in, seed),
+        make_weight(up_type, n_rows, n_in, seed + 1),
+        make_weight(down_type, n_rows, n_out, seed + 2),
+    )
 
 
 def ffn_cases(ggml_type: GGMLType):
@@ -308,7 +315,7 @@ def ffn_shapes(types):
         return [(1, 7), (33, 100), (576, 576)]
     k = [32, 576] if any(t in QUANT_TYPES for t in types[:2]) else [7, 100]
     d = [64, 544] if types[2] in QUANT_TYPES else [33, 547]
-    return list(zip(k, d))
+    return list(zip(k, d, strict=False))
 
 
 @needs_kernels
@@ -381,7 +388,9 @@ def test_ffn_rows_fallbacks():
     gate, up, down_t = ffn_weights((GGMLType.Q4_0,) * 3, 70, 64, 96)
     x, idx = make_x(3, 64), subsets(70)["random"]
     # several tokens: the unfused ops, same bits
-    assert torch.equal(sparse.ffn_rows(x, gate, up, down_t, idx, True), unfused(x, gate, up, down_t, idx, True))
+    assert torch.equal(
+        sparse.ffn_rows(x, gate, up, down_t, idx, True), unfused(x, gate, up, down_t, idx, True)
+    )
     # kernels switched off: the torch reference, exactly
     ops.use_kernels(False)
     with warnings.catch_warnings():
@@ -412,5 +421,6 @@ def test_ffn_rows_validation():
     idx32 = torch.tensor([5, 1, 7, 3], dtype=torch.int32)
     expected = sparse.ffn_rows(u, gate, up, down_t, idx32.long(), True)
     assert torch.equal(sparse.ffn_rows(u, gate, up, down_t, idx32, True), expected)
-    assert torch.equal(sparse.ffn_rows(u, gate, up, down_t, torch.tensor([5, 0, 1, 0, 7, 0, 3, 0])[::2], True),
-                       expected)
+    assert torch.equal(
+        sparse.ffn_rows(u, gate, up, down_t, torch.tensor([5, 0, 1, 0, 7, 0, 3, 0])[::2], True), expected
+    )

@@ -138,8 +138,24 @@ def test_activation_files(synthetic):
 
 def test_cli_is_deterministic_and_types_are_independent(synthetic, tmp_path):
     mod, _, _ = synthetic
-    assert mod.main(["--out", str(tmp_path), "--shape", "tiny", "--types", "q4_0", "--seed", "0",
-                     "--active", str(ACTIVE), "-q"]) == 0
+    assert (
+        mod.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--shape",
+                "tiny",
+                "--types",
+                "q4_0",
+                "--seed",
+                "0",
+                "--active",
+                str(ACTIVE),
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["activation", "synthetic-tiny.q4.powerinfer.gguf"]
 
     def digest(p: Path) -> str:

@@ -9,8 +9,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
-
 from conftest import smollm2_path
+
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.reader import read_gguf
 from powerinfer.tokenizer import StreamDecoder, Tokenizer
@@ -201,7 +201,12 @@ def _stream(tok: Tokenizer, ids: list[int]) -> list[str]:
 
 def test_smollm2_stream_decoder(smollm2):
     tok, _ = smollm2
-    for s in ["👨‍👩‍👧‍👦 family 🏳️‍🌈 flag 👍🏽", "日本語のテキストです。", "中文文本，测试一下。 🙂🙃", "안녕하세요 세계"]:
+    for s in [
+        "👨‍👩‍👧‍👦 family 🏳️‍🌈 flag 👍🏽",
+        "日本語のテキストです。",
+        "中文文本，测试一下。 🙂🙃",
+        "안녕하세요 세계",
+    ]:
         ids = tok.encode(s, add_bos=False)
         # these strings split multi-byte characters across tokens, so holding back must happen
         assert any(not _valid_utf8(tok.token_bytes(i)) for i in ids), s
@@ -263,7 +268,10 @@ def test_tiny_parse_special(tiny):
     assert tok.encode("<s> literal </s> text", add_bos=False) == (
         [1] + tok.encode(" literal ", add_bos=False) + [2] + tok.encode(" text", add_bos=False)
     )
-    assert tok.decode(tok.encode("<s> literal </s> text", add_bos=False), special=True) == "<s>  literal </s>  text"
+    assert (
+        tok.decode(tok.encode("<s> literal </s> text", add_bos=False), special=True)
+        == "<s>  literal </s>  text"
+    )
     assert tok.encode("<s>Hello world", add_bos=False) == [1] + tok.encode("Hello world", add_bos=False)
 
 
@@ -323,7 +331,9 @@ def test_tiny_stream_decoder(tiny):
 
 # ------------------------------------------------------------------------------------------------ synthetic vocabs
 def _spm_metadata(**extra) -> dict:
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["▁", "a", "b", "▁a", "ab", "▁ab"]
+    tokens = (
+        ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + ["▁", "a", "b", "▁a", "ab", "▁ab"]
+    )
     md = {
         "tokenizer.ggml.model": "llama",
         "tokenizer.ggml.tokens": tokens,
@@ -353,8 +363,23 @@ def test_synthetic_bpe_pre_tokenizers():
     chars = [BYTE_TO_CHAR[b] for b in range(256)]
     tokens = ["<|endoftext|>"] + chars + ["Ġt", "he", "Ġthe", "12"]
     merges = ["Ġ t", "h e", "Ġt he", "1 2"]
-    for pre in ["default", "gpt2", "gpt-2", "llama3", "llama-bpe", "smollm", "qwen2", "starcoder", "refact", "falcon",
-                "deepseek-llm", "deepseek-coder", "mpt", "olmo", "no-such-pre"]:
+    for pre in [
+        "default",
+        "gpt2",
+        "gpt-2",
+        "llama3",
+        "llama-bpe",
+        "smollm",
+        "qwen2",
+        "starcoder",
+        "refact",
+        "falcon",
+        "deepseek-llm",
+        "deepseek-coder",
+        "mpt",
+        "olmo",
+        "no-such-pre",
+    ]:
         md = {
             "tokenizer.ggml.model": "gpt2",
             "tokenizer.ggml.pre": pre,
@@ -426,7 +451,22 @@ def test_other_bad_metadata():
 
 # ------------------------------------------------------------------------------------------------ randomized
 _ALPHABET = list("ab cdeE  \n\t\r'.,!?0123456789_-<>|") + [
-    "é", "ß", "日", "本", "한", "🙂", "\u2581", "\u00a0", "²", "\u200d", "<s>", "</s>", "<|im_end|>", "ing", " the", "'s",
+    "é",
+    "ß",
+    "日",
+    "本",
+    "한",
+    "🙂",
+    "\u2581",
+    "\u00a0",
+    "²",
+    "\u200d",
+    "<s>",
+    "</s>",
+    "<|im_end|>",
+    "ing",
+    " the",
+    "'s",
 ]
 
 
@@ -479,7 +519,9 @@ def _reference_spm(tok: Tokenizer, scores: list[float], text: str) -> list[int]:
 
 def test_tiny_random_against_reference_spm(tiny):
     tok, _ = tiny
-    scores = [float(x) for x in read_gguf(str(FIXTURE / "tiny.powerinfer.gguf")).metadata["tokenizer.ggml.scores"]]
+    scores = [
+        float(x) for x in read_gguf(str(FIXTURE / "tiny.powerinfer.gguf")).metadata["tokenizer.ggml.scores"]
+    ]
     for s in STRINGS + _random_strings(300, seed=1):
         ref = _reference_spm(tok, scores, " " + s) if s else []
         assert tok.encode(s, add_bos=False, parse_special=False) == ref, repr(s)

@@ -19,6 +19,8 @@ def load_model(gguf: GGUFFile) -> LlamaModel:
     if arch is None:
         raise FormatError(f"{gguf.path}: missing required metadata key '{Keys.ARCHITECTURE}'")
     if arch not in ARCHITECTURES:
-        raise FormatError(f"{gguf.path}: unknown architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+        raise FormatError(
+            f"{gguf.path}: unknown architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})"
+        )
     config_cls, model_cls = ARCHITECTURES[arch]
     return model_cls(config_cls.from_gguf(gguf.metadata, gguf.is_sparse), gguf)

@@ -7,19 +7,19 @@ Weights are used as stored in the GGUF file: matrices stay quantized in the memo
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from powerinfer import ops, quant
-from powerinfer.ops import sparse as sparse_ops
 from powerinfer.arch.base import MetadataView
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
+from powerinfer.ops import sparse as sparse_ops
 
 # Our converter records the FFN activation; GGUF itself has no key for it (spec 8.6).
 ACTIVATION_KEY = "powerinfer.ffn_activation"
@@ -68,7 +68,9 @@ class LlamaConfig:
         n_head = m.require(Keys.HEAD_COUNT)
         rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, n_embd // max(n_head, 1))
         if n_head and rope_dim != n_embd // n_head:
-            raise ConfigError(f"rope dimension {rope_dim} != head size {n_embd // n_head} (partial RoPE unsupported)")
+            raise ConfigError(
+                f"rope dimension {rope_dim} != head size {n_embd // n_head} (partial RoPE unsupported)"
+            )
         scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
         rope_scale = m.optional(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0
         if scaling not in ("none", "linear"):
@@ -103,11 +105,13 @@ class LlamaConfig:
 class KVStore(Protocol):
     """What attention needs from a KV cache (runtime.kv_cache.KVCache implements it)."""
 
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor,
-               seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def update(
+        self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, seq: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def update_batch(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def update_batch(
+        self, layer: int, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 class FFN(Protocol):
@@ -203,7 +207,9 @@ class LlamaModel:
         c = config
         self.tok_embd = _qweight(t, TensorNames.TOKEN_EMBD)
         if self.tok_embd.shape != (c.n_vocab, c.n_embd):
-            raise FormatError(f"token_embd.weight has shape {self.tok_embd.shape}, expected {(c.n_vocab, c.n_embd)}")
+            raise FormatError(
+                f"token_embd.weight has shape {self.tok_embd.shape}, expected {(c.n_vocab, c.n_embd)}"
+            )
         self.output_norm = _vector(t, TensorNames.OUTPUT_NORM, c.n_embd)
         self.output = _qweight(t, TensorNames.OUTPUT) if TensorNames.OUTPUT in t else self.tok_embd
         self.layers: list[LayerWeights] = []
@@ -217,11 +223,17 @@ class LlamaModel:
                 ffn_norm=_vector(t, TensorNames.FFN_NORM.format(bid=bid), c.n_embd),
                 tensors={k: v for k, v in t.items() if k.startswith(f"blk.{bid}.")},
             )
-            expect = {"wq": (c.n_embd, c.n_embd), "wk": (c.n_embd_gqa, c.n_embd),
-                      "wv": (c.n_embd_gqa, c.n_embd), "wo": (c.n_embd, c.n_embd)}
+            expect = {
+                "wq": (c.n_embd, c.n_embd),
+                "wk": (c.n_embd_gqa, c.n_embd),
+                "wv": (c.n_embd_gqa, c.n_embd),
+                "wo": (c.n_embd, c.n_embd),
+            }
             for attr, shape in expect.items():
                 if getattr(layer, attr).shape != shape:
-                    raise FormatError(f"blk.{bid} {attr} has shape {getattr(layer, attr).shape}, expected {shape}")
+                    raise FormatError(
+                        f"blk.{bid} {attr} has shape {getattr(layer, attr).shape}, expected {shape}"
+                    )
             self.layers.append(layer)
         self.ffns: list[FFN] = [DenseFFN(c, layer.tensors, bid) for bid, layer in enumerate(self.layers)]
         self.rope: dict[torch.device, torch.Tensor] = {}
@@ -237,8 +249,9 @@ class LlamaModel:
             self.rope[device] = self.rope[torch.device("cpu")].to(device)
         return self.rope[device]
 
-    def _qkv(self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor | slice,
-             device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(
+        self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor | slice, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projected and rotated q (T, H, D), k and v (T, H_kv, D) for tokens at `positions`."""
         c = self.config
         T = x.shape[0]
@@ -252,8 +265,9 @@ class LlamaModel:
     def _device(layer: LayerWeights, home: torch.device) -> torch.device:
         return layer.wq.device if isinstance(layer.wq, ops.DeviceWeight) else home
 
-    def attention(self, layer: LayerWeights, bid: int, x: torch.Tensor, pos: int, kv: KVStore,
-                  seq: int = 0) -> torch.Tensor:
+    def attention(
+        self, layer: LayerWeights, bid: int, x: torch.Tensor, pos: int, kv: KVStore, seq: int = 0
+    ) -> torch.Tensor:
         """Causal self-attention of T consecutive tokens of one sequence at positions pos..pos+T-1."""
         c = self.config
         T, home = x.shape[0], x.device
@@ -269,8 +283,15 @@ class LlamaModel:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
         return ops.linear(out.transpose(0, 1).reshape(T, c.n_embd), layer.wo).to(home)
 
-    def attention_batch(self, layer: LayerWeights, bid: int, x: torch.Tensor, positions: torch.Tensor,
-                        seqs: torch.Tensor, kv: KVStore) -> torch.Tensor:
+    def attention_batch(
+        self,
+        layer: LayerWeights,
+        bid: int,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        seqs: torch.Tensor,
+        kv: KVStore,
+    ) -> torch.Tensor:
         """One new token for each of B different sequences: token b at positions[b] of sequence seqs[b]."""
         c = self.config
         B, home = x.shape[0], x.device
@@ -278,12 +299,18 @@ class LlamaModel:
         q, k, v = self._qkv(layer, x.to(device), positions, device)
         keys, values, mask = kv.update_batch(bid, seqs, positions, k, v)  # (B, L, H_kv, D), mask (B, L)
         qh = q.unsqueeze(2)  # (B, H, 1, D)
-        out = F.scaled_dot_product_attention(qh, keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=mask[:, None, None, :], enable_gqa=True)  # (B, H, 1, D)
+        out = F.scaled_dot_product_attention(
+            qh,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            enable_gqa=True,
+        )  # (B, H, 1, D)
         return ops.linear(out.reshape(B, c.n_embd), layer.wo).to(home)
 
-    def _layers(self, x: torch.Tensor, attend: Callable[[LayerWeights, int, torch.Tensor], torch.Tensor]
-                ) -> torch.Tensor:
+    def _layers(
+        self, x: torch.Tensor, attend: Callable[[LayerWeights, int, torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
         c = self.config
         for bid, layer in enumerate(self.layers):
             h = F.rms_norm(x, (c.n_embd,), layer.attn_norm, c.rms_eps)
@@ -296,15 +323,17 @@ class LlamaModel:
         x = F.rms_norm(x, (self.config.n_embd,), self.output_norm, self.config.rms_eps)
         return ops.linear(x.contiguous(), self.output).to(x.device)
 
-    def forward(self, tokens: torch.Tensor, pos: int, kv: KVStore, last_only: bool = False,
-                seq: int = 0) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, pos: int, kv: KVStore, last_only: bool = False, seq: int = 0
+    ) -> torch.Tensor:
         """Logits for `tokens` (T,) of sequence `seq` at positions pos..pos+T-1; (T, n_vocab) or (1, n_vocab)."""
         x = ops.get_rows(self.tok_embd, tokens)  # (T, D)
         x = self._layers(x, lambda layer, bid, h: self.attention(layer, bid, h, pos, kv, seq))
         return self._logits(x[-1:] if last_only else x)
 
-    def forward_batch(self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor,
-                      kv: KVStore) -> torch.Tensor:
+    def forward_batch(
+        self, tokens: torch.Tensor, positions: torch.Tensor, seqs: torch.Tensor, kv: KVStore
+    ) -> torch.Tensor:
         """Logits (B, n_vocab) for one token of each of B distinct sequences (batched decode)."""
         x = ops.get_rows(self.tok_embd, tokens)  # (B, D)
         x = self._layers(x, lambda layer, bid, h: self.attention_batch(layer, bid, h, positions, seqs, kv))

@@ -7,9 +7,9 @@ import typer
 from powerinfer.cli.batched import batched as batched_command
 from powerinfer.cli.convert import convert as convert_command
 from powerinfer.cli.main import main as main_command
+from powerinfer.cli.perplexity import perplexity_command
 from powerinfer.cli.quantize import quantize as quantize_command
 from powerinfer.cli.server import server as server_command
-from powerinfer.cli.perplexity import perplexity_command
 
 app = typer.Typer(
     name="powerinfer",
@@ -24,8 +24,12 @@ app.command("train-predictor")(__import__("powerinfer.cli.train_predictor", from
 app.command("quantize")(quantize_command)
 app.command("perplexity", help="Perplexity of a text file (llama.cpp perplexity).")(perplexity_command)
 app.command("batched", help="Decode several sequences in parallel (llama.cpp batched).")(batched_command)
-app.command("server", help="Serve a model over HTTP (llama.cpp endpoints and the OpenAI API).")(server_command)
-app.command("convert", help="Convert a Hugging Face checkpoint into a PowerInfer or dense GGUF.")(convert_command)
+app.command("server", help="Serve a model over HTTP (llama.cpp endpoints and the OpenAI API).")(
+    server_command
+)
+app.command("convert", help="Convert a Hugging Face checkpoint into a PowerInfer or dense GGUF.")(
+    convert_command
+)
 
 
 @app.callback()

@@ -81,7 +81,9 @@ def run_batched(opts: BatchedOptions, engine: Engine | None = None) -> BatchedRe
         for slot in live:
             token = sampler(logits_by_slot[slot], prompts[slot] + streams[slot])
             if token in tok.eog_ids or len(prompts[slot]) + len(streams[slot]) >= opts.n_len:
-                err_console.print(f"main: stream {slot} finished at n_cur = {len(prompts[slot]) + len(streams[slot])}")
+                err_console.print(
+                    f"main: stream {slot} finished at n_cur = {len(prompts[slot]) + len(streams[slot])}"
+                )
                 continue
             streams[slot].append(token)
             n_decoded += 1
@@ -93,13 +95,15 @@ def run_batched(opts: BatchedOptions, engine: Engine | None = None) -> BatchedRe
         live = step_slots
         if live:
             logits = batch.step(step_slots, step_tokens)
-            logits_by_slot = dict(zip(step_slots, logits))
+            logits_by_slot = dict(zip(step_slots, logits, strict=False))
     return BatchedResult(streams, prompts, n_decoded, time.perf_counter() - t0)
 
 
 def batched(
-    model_path: Annotated[Path | None, typer.Argument(help="Model file (as the original's first positional).",
-                                                      show_default=False)] = None,
+    model_path: Annotated[
+        Path | None,
+        typer.Argument(help="Model file (as the original's first positional).", show_default=False),
+    ] = None,
     prompt_arg: Annotated[str | None, typer.Argument(metavar="[PROMPT]", show_default=False)] = None,
     parallel_arg: Annotated[int | None, typer.Argument(metavar="[PARALLEL]", show_default=False)] = None,
     len_arg: Annotated[int | None, typer.Argument(metavar="[LEN]", show_default=False)] = None,
@@ -107,10 +111,13 @@ def batched(
     vram_arg: Annotated[float | None, typer.Argument(metavar="[VRAM_BUDGET]", show_default=False)] = None,
     model: ModelOpt = None,
     prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="Prompt of every stream.")] = None,
-    prompt_file: Annotated[Path | None, typer.Option("--prompt-file",
-                                                     help="One prompt per line, cycled over the streams.")] = None,
+    prompt_file: Annotated[
+        Path | None, typer.Option("--prompt-file", help="One prompt per line, cycled over the streams.")
+    ] = None,
     n_parallel: Annotated[int | None, typer.Option("-np", "--parallel", help="Parallel sequences.")] = None,
-    n_len: Annotated[int | None, typer.Option("-n", "--n-len", help="Total tokens per sequence (prompt incl.).")] = None,
+    n_len: Annotated[
+        int | None, typer.Option("-n", "--n-len", help="Total tokens per sequence (prompt incl.).")
+    ] = None,
     threads_: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads.")] = None,
     vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="VRAM budget (GiB).")] = None,
     ctx_size: CtxOpt = 0,
@@ -143,32 +150,48 @@ def batched(
         if parallel < 1:
             raise InputError(f"PARALLEL must be >= 1 (got {parallel})")
         opts = BatchedOptions(
-            model=path, prompts=prompts, n_parallel=parallel, n_len=length,
+            model=path,
+            prompts=prompts,
+            n_parallel=parallel,
+            n_len=length,
             # every stream has its own KV slot, so a slot needs only LEN positions
-            engine=EngineOptions(n_ctx=ctx_size if ctx_size > 0 else length,
-                                 n_batch=max(length, parallel), n_threads=n_threads, n_seq=parallel,
-                                 vram_budget_gib=resolve_vram_budget(budget), pool_device=pool_device,
-                                 reset_gpu_index=True),
-            sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=0.0, repeat_penalty=1.0, seed=seed),
+            engine=EngineOptions(
+                n_ctx=ctx_size if ctx_size > 0 else length,
+                n_batch=max(length, parallel),
+                n_threads=n_threads,
+                n_seq=parallel,
+                vram_budget_gib=resolve_vram_budget(budget),
+                pool_device=pool_device,
+                reset_gpu_index=True,
+            ),
+            sampling=SamplingParams(
+                temp=temp, top_k=top_k, top_p=top_p, min_p=0.0, repeat_penalty=1.0, seed=seed
+            ),
         )
         out = sys.stdout
-        out.write(f"params: model = {path}, prompt = {prompts[0]}, n_parallel = {parallel}, n_len = {length}, "
-                  f"n_threads = {n_threads}, vram_budget = {max(budget, -1.0):.2f} GiB, reset_gpu_index = true\n")
+        out.write(
+            f"params: model = {path}, prompt = {prompts[0]}, n_parallel = {parallel}, n_len = {length}, "
+            f"n_threads = {n_threads}, vram_budget = {max(budget, -1.0):.2f} GiB, reset_gpu_index = true\n"
+        )
         engine = Engine(opts.model, opts.engine)
-        err_console.print(f"main: n_len = {length}, n_ctx = {engine.n_ctx}, n_batch = {opts.engine.n_batch}, "
-                          f"n_parallel = {parallel}, n_kv_req = {engine.n_ctx * parallel}, "
-                          f"n_threads = {ops.get_num_threads()}")
+        err_console.print(
+            f"main: n_len = {length}, n_ctx = {engine.n_ctx}, n_batch = {opts.engine.n_batch}, "
+            f"n_parallel = {parallel}, n_kv_req = {engine.n_ctx * parallel}, "
+            f"n_threads = {ops.get_num_threads()}"
+        )
         if parallel > 1:
             err_console.print(f"main: generating {parallel} sequences ...")
         result = run_batched(opts, engine)
         tok = engine.tokenizer
-        for i, (ids, gen) in enumerate(zip(result.prompt_ids, result.sequences)):
+        for i, (ids, gen) in enumerate(zip(result.prompt_ids, result.sequences, strict=False)):
             text = tok.decode(ids) + tok.decode(gen, strip_leading_space=False)
             out.write(f"\nsequence {i}:\n\n{text}\n")
         out.flush()
         speed = result.n_decoded / result.seconds if result.seconds > 0 else float("nan")
-        err_console.print(f"main: decoded {result.n_decoded} tokens in {result.seconds:.2f} s, "
-                          f"speed: {speed:.2f} t/s", markup=False)
+        err_console.print(
+            f"main: decoded {result.n_decoded} tokens in {result.seconds:.2f} s, speed: {speed:.2f} t/s",
+            markup=False,
+        )
         for line in engine.sparse_report():
             err_console.print(line, markup=False)
 

@@ -17,18 +17,33 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models"
 
-ModelOpt = Annotated[Path | None, typer.Option("-m", "--model", help="Model file (GGUF or PowerInfer GGUF).",
-                                               envvar="POWERINFER_MODEL", show_default=False)]
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "-m",
+        "--model",
+        help="Model file (GGUF or PowerInfer GGUF).",
+        envvar="POWERINFER_MODEL",
+        show_default=False,
+    ),
+]
 CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = from the model).")]
 BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")]
 ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (<= 0: all cores).")]
 SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]
-VramOpt = Annotated[float, typer.Option("--vram-budget", help="VRAM budget in GiB for the GPU pool (-1 = all free).")]
+VramOpt = Annotated[
+    float, typer.Option("--vram-budget", help="VRAM budget in GiB for the GPU pool (-1 = all free).")
+]
 NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", help="Layers to offload (dense GGUF only).")]
 ResetIdxOpt = Annotated[bool, typer.Option("--reset-gpu-index", help="Regenerate the cached GPU index.")]
 DisableIdxOpt = Annotated[bool, typer.Option("--disable-gpu-index", help="Keep every FFN neuron on the CPU.")]
-PoolDeviceOpt = Annotated[str | None, typer.Option(
-    "--pool-device", help="Device of the hot-neuron pool (default: cuda when available; 'cpu' = stand-in).")]
+PoolDeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--pool-device",
+        help="Device of the hot-neuron pool (default: cuda when available; 'cpu' = stand-in).",
+    ),
+]
 LogDisableOpt = Annotated[bool, typer.Option("--log-disable", help="Print no log lines, only results.")]
 
 T = TypeVar("T")

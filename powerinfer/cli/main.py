@@ -26,9 +26,9 @@ from powerinfer.cli.common import (
     VramOpt,
     err_console,
     resolve_model,
+    resolve_vram_budget,
     run_guarded,
     setup_logging,
-    resolve_vram_budget,
     threads,
 )
 from powerinfer.errors import InputError
@@ -36,8 +36,19 @@ from powerinfer.runtime.engine import Engine, EngineOptions, Timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
 
-_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "'": "'", '"': '"', "\\": "\\", "a": "\a", "b": "\b",
-            "f": "\f", "v": "\v", "?": "?"}
+_ESCAPES = {
+    "n": "\n",
+    "r": "\r",
+    "t": "\t",
+    "'": "'",
+    '"': '"',
+    "\\": "\\",
+    "a": "\a",
+    "b": "\b",
+    "f": "\f",
+    "v": "\v",
+    "?": "?",
+}
 
 
 def process_escapes(text: str) -> str:
@@ -90,9 +101,11 @@ def run_main(opts: MainOptions) -> None:
     sampler = Sampler(opts.sampling)
     err = err_console
     err.print(f"main: seed  = {sampler.seed}")
-    err.print(f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if c.sparse else 'dense'}, "
-              f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
-              f"file = {engine.weight_bytes / 2**20:.2f} MiB")
+    err.print(
+        f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if c.sparse else 'dense'}, "
+        f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
+        f"file = {engine.weight_bytes / 2**20:.2f} MiB"
+    )
     prompt_ids = tok.encode(opts.prompt, add_bos=None, parse_special=True)
     if not prompt_ids:
         prompt_ids = [tok.bos_id] if tok.bos_id is not None else []
@@ -104,12 +117,16 @@ def run_main(opts: MainOptions) -> None:
         for t in prompt_ids:
             err.print(f"{t:6d} -> '{tok.token_bytes(t).decode('utf-8', errors='replace')}'", markup=False)
     p = opts.sampling
-    err.print(f"sampling: repeat_last_n = {p.repeat_last_n}, repeat_penalty = {p.repeat_penalty:.3f}, "
-              f"frequency_penalty = {p.frequency_penalty:.3f}, presence_penalty = {p.presence_penalty:.3f}, "
-              f"top_k = {p.top_k}, top_p = {p.top_p:.3f}, min_p = {p.min_p:.3f}, temp = {p.temp:.3f}",
-              markup=False)
-    err.print(f"generate: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
-              f"n_predict = {opts.n_predict}, n_threads = {ops.get_num_threads()}")
+    err.print(
+        f"sampling: repeat_last_n = {p.repeat_last_n}, repeat_penalty = {p.repeat_penalty:.3f}, "
+        f"frequency_penalty = {p.frequency_penalty:.3f}, presence_penalty = {p.presence_penalty:.3f}, "
+        f"top_k = {p.top_k}, top_p = {p.top_p:.3f}, min_p = {p.min_p:.3f}, temp = {p.temp:.3f}",
+        markup=False,
+    )
+    err.print(
+        f"generate: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
+        f"n_predict = {opts.n_predict}, n_threads = {ops.get_num_threads()}"
+    )
     out = sys.stdout
     if opts.display_prompt:
         out.write(opts.prompt)
@@ -128,7 +145,10 @@ def run_main(opts: MainOptions) -> None:
         err.print(line, markup=False)
     if tm.n_eval and tm.eval_ms > 0:
         gbs = engine.weight_bytes * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
-        err.print(f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)", markup=False)
+        err.print(
+            f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)",
+            markup=False,
+        )
     for line in engine.sparse_report():
         err.print(line, markup=False)
 
@@ -137,7 +157,9 @@ def main(
     model: ModelOpt = None,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "",
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
-    n_predict: Annotated[int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until EOS).")] = -1,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", help="Tokens to generate (-1 = until EOS).")
+    ] = -1,
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
@@ -147,18 +169,28 @@ def main(
     top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")] = 0.95,
     min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling.")] = 0.05,
     repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty.")] = 1.1,
-    repeat_last_n: Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")] = 64,
+    repeat_last_n: Annotated[
+        int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")
+    ] = 64,
     frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
     presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
-    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
-    escape: Annotated[bool, typer.Option("-e", "--escape", help="Process \\n, \\t ... in the prompt.")] = False,
+    ignore_eos: Annotated[
+        bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")
+    ] = False,
+    escape: Annotated[
+        bool, typer.Option("-e", "--escape", help="Process \\n, \\t ... in the prompt.")
+    ] = False,
     vram_budget: VramOpt = -1.0,
     n_gpu_layers: NglOpt = 0,
     reset_gpu_index: ResetIdxOpt = False,
     disable_gpu_index: DisableIdxOpt = False,
     pool_device: PoolDeviceOpt = None,
-    verbose_prompt: Annotated[bool, typer.Option("--verbose-prompt", help="Print the prompt tokens.")] = False,
-    no_display_prompt: Annotated[bool, typer.Option("--no-display-prompt", help="Do not echo the prompt.")] = False,
+    verbose_prompt: Annotated[
+        bool, typer.Option("--verbose-prompt", help="Print the prompt tokens.")
+    ] = False,
+    no_display_prompt: Annotated[
+        bool, typer.Option("--no-display-prompt", help="Do not echo the prompt.")
+    ] = False,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Generate text from a prompt (llama.cpp `main`)."""
@@ -182,14 +214,27 @@ def main(
             ignore_eos=ignore_eos,
             verbose_prompt=verbose_prompt,
             display_prompt=not no_display_prompt,
-            engine=EngineOptions(n_ctx=ctx_size, n_batch=batch_size, n_threads=threads(threads_),
-                                 vram_budget_gib=resolve_vram_budget(vram_budget),
-                                 n_gpu_layers=n_gpu_layers, reset_gpu_index=reset_gpu_index,
-                                 disable_gpu_index=disable_gpu_index, pool_device=pool_device),
-            sampling=SamplingParams(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p,
-                                    repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
-                                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                                    seed=seed),
+            engine=EngineOptions(
+                n_ctx=ctx_size,
+                n_batch=batch_size,
+                n_threads=threads(threads_),
+                vram_budget_gib=resolve_vram_budget(vram_budget),
+                n_gpu_layers=n_gpu_layers,
+                reset_gpu_index=reset_gpu_index,
+                disable_gpu_index=disable_gpu_index,
+                pool_device=pool_device,
+            ),
+            sampling=SamplingParams(
+                temp=temp,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                repeat_penalty=repeat_penalty,
+                repeat_last_n=repeat_last_n,
+                frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty,
+                seed=seed,
+            ),
         )
         run_main(opts)
 

@@ -45,19 +45,25 @@ def format_shape(shape: tuple[int, ...]) -> str:
 def format_tensor_line(ev: TensorDone) -> str:
     """The original's per-tensor log line."""
     p = ev.plan
-    head = (f"[{ev.index + 1:4d}/{ev.n_tensors:4d}] {p.name:>36s} - [{format_shape(p.shape)}], "
-            f"type = {p.src_type.name.lower():>6s}, ")
+    head = (
+        f"[{ev.index + 1:4d}/{ev.n_tensors:4d}] {p.name:>36s} - [{format_shape(p.shape)}], "
+        f"type = {p.src_type.name.lower():>6s}, "
+    )
     if not p.converted:
         return head + f"size = {ev.src_bytes / 2**20:8.3f} MB"
-    return (head + f"quantizing to {p.dst_type.name.lower()} .. "
-            f"size = {ev.src_bytes / 2**20:8.2f} MB -> {ev.dst_bytes / 2**20:8.2f} MB")
+    return (
+        head + f"quantizing to {p.dst_type.name.lower()} .. "
+        f"size = {ev.src_bytes / 2**20:8.2f} MB -> {ev.dst_bytes / 2**20:8.2f} MB"
+    )
 
 
 def parse_positionals(args: list[str]) -> tuple[Path, Path, str, int]:
     """IN [OUT] TYPE [NTHREADS], resolved as quantize.cpp does: a second argument that is a type is TYPE."""
     if len(args) < 2 or len(args) > 4:
-        raise InputError("usage: powerinfer quantize [--allow-requantize] [--leave-output-tensor] [--pure] "
-                         "IN [OUT] TYPE [NTHREADS]")
+        raise InputError(
+            "usage: powerinfer quantize [--allow-requantize] [--leave-output-tensor] [--pure] "
+            "IN [OUT] TYPE [NTHREADS]"
+        )
     inp = Path(args[0])
     rest = args[1:]
     first = parse_file_type(rest[0])
@@ -81,8 +87,11 @@ def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
     """Quantize with a progress bar and the per-tensor log on stderr."""
     t_start = time.perf_counter()
     err = err_console
-    err.print(f"main: quantizing '{opts.input}' to '{opts.output}' as {opts.file_type.name} "
-              f"using {opts.n_threads} threads", markup=False)
+    err.print(
+        f"main: quantizing '{opts.input}' to '{opts.output}' as {opts.file_type.name} "
+        f"using {opts.n_threads} threads",
+        markup=False,
+    )
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True) as progress:
         task = progress.add_task("quantize", total=None)
@@ -92,8 +101,11 @@ def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
                 progress.update(task, total=ev.n_tensors)
             progress.console.print(format_tensor_line(ev), markup=False, highlight=False)
             if ev.plan.note:
-                progress.console.print(f"llama_model_quantize_internal: {ev.plan.name}: {ev.plan.note}",
-                                       markup=False, highlight=False)
+                progress.console.print(
+                    f"llama_model_quantize_internal: {ev.plan.name}: {ev.plan.note}",
+                    markup=False,
+                    highlight=False,
+                )
             progress.update(task, advance=1, description=ev.plan.name)
 
         report = quantize_model(opts, on_tensor)
@@ -106,20 +118,42 @@ def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
 
 
 def quantize(
-    args: Annotated[list[str], typer.Argument(metavar="IN [OUT] TYPE [NTHREADS]", show_default=False,
-                                              help="Input GGUF, optional output, type, optional threads.")],
-    allow_requantize: Annotated[bool, typer.Option(
-        "--allow-requantize", help="Allow requantizing already quantized tensors (loses quality).")] = False,
-    leave_output_tensor: Annotated[bool, typer.Option(
-        "--leave-output-tensor", help="Leave output.weight as it is (bigger file, better quality).")] = False,
-    pure: Annotated[bool, typer.Option(
-        "--pure", help="Every eligible tensor to TYPE: no output.weight / fc1 / fc2 rules.")] = False,
+    args: Annotated[
+        list[str],
+        typer.Argument(
+            metavar="IN [OUT] TYPE [NTHREADS]",
+            show_default=False,
+            help="Input GGUF, optional output, type, optional threads.",
+        ),
+    ],
+    allow_requantize: Annotated[
+        bool,
+        typer.Option(
+            "--allow-requantize", help="Allow requantizing already quantized tensors (loses quality)."
+        ),
+    ] = False,
+    leave_output_tensor: Annotated[
+        bool,
+        typer.Option(
+            "--leave-output-tensor", help="Leave output.weight as it is (bigger file, better quality)."
+        ),
+    ] = False,
+    pure: Annotated[
+        bool,
+        typer.Option("--pure", help="Every eligible tensor to TYPE: no output.weight / fc1 / fc2 rules."),
+    ] = False,
 ) -> None:
     def body() -> None:
         inp, out, type_text, n_threads = parse_positionals(args)
-        opts = QuantizeOptions(input=inp, output=out, file_type=require_file_type(type_text),
-                               n_threads=threads(n_threads), allow_requantize=allow_requantize,
-                               leave_output_tensor=leave_output_tensor, pure=pure)
+        opts = QuantizeOptions(
+            input=inp,
+            output=out,
+            file_type=require_file_type(type_text),
+            n_threads=threads(n_threads),
+            allow_requantize=allow_requantize,
+            leave_output_tensor=leave_output_tensor,
+            pure=pure,
+        )
         run_quantize(opts)
 
     run_guarded(body)

@@ -179,8 +179,11 @@ class GGUFFile:
             raw_type = cur.unpack("<I", f"type of {name}")
             offset = cur.unpack("<Q", f"offset of {name}")
             try:
-                ggml_type = (PWRI_LEGACY_TYPES[raw_type] if self.is_sparse and raw_type in PWRI_LEGACY_TYPES
-                             else GGMLType(raw_type))
+                ggml_type = (
+                    PWRI_LEGACY_TYPES[raw_type]
+                    if self.is_sparse and raw_type in PWRI_LEGACY_TYPES
+                    else GGMLType(raw_type)
+                )
             except ValueError:
                 raise FormatError(f"{self.path}: tensor {name} has unknown ggml type {raw_type}") from None
             if ggml_type not in QUANT_SIZES:

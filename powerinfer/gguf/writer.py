@@ -87,8 +87,9 @@ class GGUFWriter:
     (uint8) of an already quantized tensor together with its row-major `shape`.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, sparse: bool = False,
-                 alignment: int = GGUF_DEFAULT_ALIGNMENT) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, sparse: bool = False, alignment: int = GGUF_DEFAULT_ALIGNMENT
+    ) -> None:
         self.path = os.fspath(path)
         self.magic = PWRI_MAGIC if sparse else GGUF_MAGIC
         self.alignment = alignment
@@ -98,17 +99,25 @@ class GGUFWriter:
         if alignment != GGUF_DEFAULT_ALIGNMENT:
             self.add(Keys.ALIGNMENT, alignment, ValueType.UINT32)
 
-    def add(self, key: str, value: Any, vtype: ValueType | None = None,
-            elem_type: ValueType | None = None) -> None:
+    def add(
+        self, key: str, value: Any, vtype: ValueType | None = None, elem_type: ValueType | None = None
+    ) -> None:
         """Add one metadata key; the value type is inferred unless given."""
         if key in self.keys:
             raise FormatError(f"duplicate metadata key {key}")
         vt = vtype if vtype is not None else _infer_type(value)
-        self.kv.append((key, _encode_string(key) + struct.pack("<I", int(vt)) + _encode_value(value, vt, elem_type)))
+        self.kv.append(
+            (key, _encode_string(key) + struct.pack("<I", int(vt)) + _encode_value(value, vt, elem_type))
+        )
         self.keys.add(key)
 
-    def add_tensor(self, name: str, data: np.ndarray, ggml_type: GGMLType | None = None,
-                   shape: tuple[int, ...] | None = None) -> None:
+    def add_tensor(
+        self,
+        name: str,
+        data: np.ndarray,
+        ggml_type: GGMLType | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> None:
         """Add a tensor. Float data is converted to `ggml_type` (F32 by default; F16/BF16 allowed)."""
         if ggml_type is None:
             ggml_type = GGMLType.F32
@@ -122,7 +131,9 @@ class GGUFWriter:
         block_elems, block_bytes = QUANT_SIZES[ggml_type]
         n = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if (shape and shape[-1] % block_elems) or raw.nbytes != n // block_elems * block_bytes:
-            raise FormatError(f"tensor {name}: {raw.nbytes} bytes do not fit shape {shape} of {ggml_type.name}")
+            raise FormatError(
+                f"tensor {name}: {raw.nbytes} bytes do not fit shape {shape} of {ggml_type.name}"
+            )
         self.tensors.append((name, tuple(shape), ggml_type, raw))
 
     def write(self) -> None:
@@ -139,7 +150,9 @@ class GGUFWriter:
         for name, shape, ggml_type, raw in self.tensors:
             header += _encode_string(name) + struct.pack("<I", len(shape))
             header += b"".join(struct.pack("<Q", d) for d in reversed(shape))
-            type_id = PWRI_LEGACY_IDS.get(ggml_type, int(ggml_type)) if self.magic == PWRI_MAGIC else int(ggml_type)
+            type_id = (
+                PWRI_LEGACY_IDS.get(ggml_type, int(ggml_type)) if self.magic == PWRI_MAGIC else int(ggml_type)
+            )
             header += struct.pack("<IQ", type_id, offset)
             offsets.append(offset)
             offset += raw.nbytes + (-raw.nbytes) % self.alignment

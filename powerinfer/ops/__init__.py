@@ -74,8 +74,13 @@ _SPARSE_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, 
 #           idx, M, relu_up, q8_act, y, n_threads)
 _FFN_ROWS_ARGTYPES = [_ptr, _i64, _i64, _i64] + [_ptr, _i64, _i32] * 3 + [_ptr, _i64, _i32, _i32, _ptr, _i32]
 # weight kind codes of pi_ffn_rows (enum axpy_kind in kernels/cpu/sparse.c)
-_FFN_KINDS: dict[GGMLType, int] = {GGMLType.Q4_0: 0, GGMLType.Q4_1: 1, GGMLType.Q8_0: 2, GGMLType.F32: 3,
-                                   GGMLType.F16: 4}
+_FFN_KINDS: dict[GGMLType, int] = {
+    GGMLType.Q4_0: 0,
+    GGMLType.Q4_1: 1,
+    GGMLType.Q8_0: 2,
+    GGMLType.F32: 3,
+    GGMLType.F16: 4,
+}
 
 
 class _Kernels:

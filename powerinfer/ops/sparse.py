@@ -99,8 +99,20 @@ def rows_matmul(x: torch.Tensor, w: QWeight, idx: torch.Tensor) -> torch.Tensor:
     else:
         n_tokens = 1
         y = torch.empty(n_sel, dtype=torch.float32)
-    status = kernel(w._raw_ptr, w._raw_stride, w.shape[0], n_cols, idx.data_ptr(), n_sel, x.data_ptr(), n_cols,
-                    n_tokens, y.data_ptr(), n_sel, _settings.n_threads)
+    status = kernel(
+        w._raw_ptr,
+        w._raw_stride,
+        w.shape[0],
+        n_cols,
+        idx.data_ptr(),
+        n_sel,
+        x.data_ptr(),
+        n_cols,
+        n_tokens,
+        y.data_ptr(),
+        n_sel,
+        _settings.n_threads,
+    )
     if status:
         _ops._check_status(status, "rows_matmul")
     return y
@@ -129,8 +141,20 @@ def rows_axpy(h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None) -> torch.
     else:
         n_tokens = 1
         y = torch.empty(n_out, dtype=torch.float32)
-    status = kernel(w_t._raw_ptr, w_t._raw_stride, n_rows, n_out, None if idx is None else idx.data_ptr(), n_sel,
-                    h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, _settings.n_threads)
+    status = kernel(
+        w_t._raw_ptr,
+        w_t._raw_stride,
+        n_rows,
+        n_out,
+        None if idx is None else idx.data_ptr(),
+        n_sel,
+        h.data_ptr(),
+        n_sel,
+        n_tokens,
+        y.data_ptr(),
+        n_out,
+        _settings.n_threads,
+    )
     if status:
         _ops._check_status(status, "rows_axpy")
     return y
@@ -140,8 +164,9 @@ def _relu_mul(g: torch.Tensor, up: torch.Tensor, relu_up: bool) -> torch.Tensor:
     return torch.relu(g).mul_(torch.relu(up) if relu_up else up)
 
 
-def ffn_rows_ref(u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: torch.Tensor,
-                 relu_up: bool) -> torch.Tensor:
+def ffn_rows_ref(
+    u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: torch.Tensor, relu_up: bool
+) -> torch.Tensor:
     """sum_j h_j * down_t[idx_j] with h = relu(gate[idx] . u) * (relu(up[idx] . u) if relu_up else up[idx] . u);
     u (K,) -> (D,), (T, K) -> (T, D)."""
     u = u.to(torch.float32)
@@ -149,8 +174,9 @@ def ffn_rows_ref(u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, i
     return rows_axpy_ref(h, down_t, idx)
 
 
-def ffn_rows(u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: torch.Tensor,
-             relu_up: bool) -> torch.Tensor:
+def ffn_rows(
+    u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: torch.Tensor, relu_up: bool
+) -> torch.Tensor:
     """FFN output of the neurons idx for one token: u (K,) -> (D,), or (1, K) -> (1, D).
 
     gate and up are (N, K), down_t is (N, D) (the transposed down projection). One kernel call when the three
@@ -158,7 +184,11 @@ def ffn_rows(u: torch.Tensor, gate: QWeight, up: QWeight, down_t: QWeight, idx: 
     whose result the kernel reproduces bit for bit.
     """
     kinds = _settings.ffn_kinds
-    gate_kind, up_kind, down_kind = kinds.get(gate.ggml_type), kinds.get(up.ggml_type), kinds.get(down_t.ggml_type)
+    gate_kind, up_kind, down_kind = (
+        kinds.get(gate.ggml_type),
+        kinds.get(up.ggml_type),
+        kinds.get(down_t.ggml_type),
+    )
     n_rows, n_cols = gate.shape
     n_out = down_t.shape[1]
     if u.shape[-1] != n_cols:

@@ -37,7 +37,8 @@ class GPUIndex:
             raise FormatError(f"GPU index: vram_capacity must be >= 0, got {self.vram_capacity}")
         if len(self.gpu_idx) != len(self.gpu_bucket):
             raise FormatError(
-                f"GPU index: {len(self.gpu_idx)} gpu_idx arrays but {len(self.gpu_bucket)} gpu_bucket arrays")
+                f"GPU index: {len(self.gpu_idx)} gpu_idx arrays but {len(self.gpu_bucket)} gpu_bucket arrays"
+            )
         widths = {int(m.shape[0]) for m in self.gpu_idx if m.ndim == 1}
         if len(widths) > 1:
             raise FormatError(f"GPU index: layers have different FFN sizes {sorted(widths)}")
@@ -81,7 +82,8 @@ def _check_layer(layer: int, mask: np.ndarray, bucket: np.ndarray, where: str) -
     if not np.array_equal(bucket, np.flatnonzero(mask)):
         raise FormatError(
             f"{where}: layer {layer}: gpu_bucket ({bucket.size} ids) is not the sorted list of neurons "
-            f"marked in gpu_idx ({int(mask.sum())} marked)")
+            f"marked in gpu_idx ({int(mask.sum())} marked)"
+        )
 
 
 def gpu_index_path(model_path: str | os.PathLike[str]) -> Path:
@@ -89,8 +91,9 @@ def gpu_index_path(model_path: str | os.PathLike[str]) -> Path:
     return Path(os.fspath(model_path) + GPU_INDEX_SUFFIX)
 
 
-def read_gpu_index(path: str | os.PathLike[str], n_layer: int | None = None,
-                   n_ff: int | None = None) -> GPUIndex:
+def read_gpu_index(
+    path: str | os.PathLike[str], n_layer: int | None = None, n_ff: int | None = None
+) -> GPUIndex:
     """Read and validate a GPU index file; raises FormatError naming what is wrong.
 
     Tensors are taken by position (2l, 2l+1) as PowerInfer's loader does, and their names, types and
@@ -112,8 +115,10 @@ def read_gpu_index(path: str | os.PathLike[str], n_layer: int | None = None,
     file_layers = len(tensors) // 2
     block_count = f.get(Keys.GPU_INDEX_BLOCK_COUNT)
     if block_count is not None and block_count != file_layers:
-        raise FormatError(f"{where}: {Keys.GPU_INDEX_BLOCK_COUNT} is {block_count} but the file has "
-                          f"{len(tensors)} tensors ({file_layers} layers)")
+        raise FormatError(
+            f"{where}: {Keys.GPU_INDEX_BLOCK_COUNT} is {block_count} but the file has "
+            f"{len(tensors)} tensors ({file_layers} layers)"
+        )
     if n_layer is not None and len(tensors) != 2 * n_layer:
         raise FormatError(f"{where}: {len(tensors)} tensors, expected 2 x {n_layer} layers = {2 * n_layer}")
     if file_layers == 0:
@@ -123,14 +128,17 @@ def read_gpu_index(path: str | os.PathLike[str], n_layer: int | None = None,
     width = n_ff
     for layer in range(file_layers):
         idx_t, bucket_t = tensors[2 * layer], tensors[2 * layer + 1]
-        for pos, t, template in ((2 * layer, idx_t, TensorNames.GPU_IDX),
-                                 (2 * layer + 1, bucket_t, TensorNames.GPU_BUCKET)):
+        for pos, t, template in (
+            (2 * layer, idx_t, TensorNames.GPU_IDX),
+            (2 * layer + 1, bucket_t, TensorNames.GPU_BUCKET),
+        ):
             expected = template.format(bid=layer)
             if t.name != expected:
                 raise FormatError(f"{where}: tensor at position {pos} is {t.name!r}, expected {expected!r}")
             if t.ggml_type != GGMLType.I32 or len(t.shape) != 1:
-                raise FormatError(f"{where}: {t.name} must be a 1-D I32 tensor, found "
-                                  f"{t.ggml_type.name} shape {t.shape}")
+                raise FormatError(
+                    f"{where}: {t.name} must be a 1-D I32 tensor, found {t.ggml_type.name} shape {t.shape}"
+                )
         if width is None:
             width = idx_t.shape[0]
         if idx_t.shape[0] != width:
@@ -163,8 +171,9 @@ def write_gpu_index(path: str | os.PathLike[str], index: GPUIndex) -> None:
     writer.write()
 
 
-def load_cached_gpu_index(path: str | os.PathLike[str], *, n_layer: int, n_ff: int,
-                          reset: bool = False) -> GPUIndex | None:
+def load_cached_gpu_index(
+    path: str | os.PathLike[str], *, n_layer: int, n_ff: int, reset: bool = False
+) -> GPUIndex | None:
     """Return the cached index at `path` if it exists, is valid and matches the model; else None.
 
     `reset` (--reset-gpu-index) always returns None. An invalid file is logged and ignored, so the caller

@@ -101,8 +101,11 @@ def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootpri
     neuron_bytes = []
     for bid in range(n_layer):
         total = 0
-        for template, required in ((TensorNames.FFN_GATE, False), (TensorNames.FFN_UP, True),
-                                   (TensorNames.FFN_DOWN_T, False)):
+        for template, required in (
+            (TensorNames.FFN_GATE, False),
+            (TensorNames.FFN_UP, True),
+            (TensorNames.FFN_DOWN_T, False),
+        ):
             name = template.format(bid=bid)
             if name not in tensors:
                 if template == TensorNames.FFN_DOWN_T and TensorNames.FFN_DOWN.format(bid=bid) in tensors:
@@ -117,8 +120,14 @@ def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootpri
             total += -(-info.n_bytes // n_ff)  # ceil: byte share of one neuron
         neuron_bytes.append(total)
     output = tuple(present("output_norm") + present("output"))
-    return ModelFootprint(n_ff=n_ff, neuron_bytes=tuple(neuron_bytes), attn=per_layer(_ATTN_SUFFIXES),
-                          pred=per_layer(_PRED_SUFFIXES), ffn_io=per_layer(_FFN_IO_SUFFIXES), output=output)
+    return ModelFootprint(
+        n_ff=n_ff,
+        neuron_bytes=tuple(neuron_bytes),
+        attn=per_layer(_ATTN_SUFFIXES),
+        pred=per_layer(_PRED_SUFFIXES),
+        ffn_io=per_layer(_FFN_IO_SUFFIXES),
+        output=output,
+    )
 
 
 def kv_cache_bytes(n_layer: int, n_ctx: int, n_embd_gqa: int, bytes_per_element: int = 2) -> int:
@@ -222,13 +231,16 @@ def expected_gpu_hit_rate(stats: Sequence[np.ndarray], gpu_neurons: Sequence[np.
     total = float(sum(np.asarray(s, dtype=np.float64).sum() for s in stats))
     if total <= 0:
         return 0.0
-    on_gpu = sum(float(np.asarray(s, dtype=np.float64)[np.asarray(ids, dtype=np.int64)].sum())
-                 for s, ids in zip(stats, gpu_neurons, strict=True))
+    on_gpu = sum(
+        float(np.asarray(s, dtype=np.float64)[np.asarray(ids, dtype=np.int64)].sum())
+        for s, ids in zip(stats, gpu_neurons, strict=True)
+    )
     return on_gpu / total
 
 
-def choose_groups(sums: np.ndarray, group_bytes: Sequence[int], budget_bytes: int,
-                  exact_max_cells: int = EXACT_MAX_CELLS) -> list[int]:
+def choose_groups(
+    sums: np.ndarray, group_bytes: Sequence[int], budget_bytes: int, exact_max_cells: int = EXACT_MAX_CELLS
+) -> list[int]:
     """Number of groups per layer maximising the chosen group sums with total bytes <= budget_bytes.
 
     `sums` (n_layer, n_groups) is non-increasing along each row; `group_bytes[l]` is the cost of one group
@@ -296,10 +308,19 @@ def _fmt(n_bytes: int) -> str:
     return f"{n_bytes / MiB:.2f} MiB"
 
 
-def plan(footprint: ModelFootprint, *, budget_bytes: int, kv_bytes: int,
-         stats: Sequence[np.ndarray] | None, reserve_bytes: int | None = None, group: int = DEFAULT_GROUP,
-         device_total_bytes: int | None = None, ffn_offload: bool = True,
-         cached_index: GPUIndex | None = None, exact_max_cells: int = EXACT_MAX_CELLS) -> Placement:
+def plan(
+    footprint: ModelFootprint,
+    *,
+    budget_bytes: int,
+    kv_bytes: int,
+    stats: Sequence[np.ndarray] | None,
+    reserve_bytes: int | None = None,
+    group: int = DEFAULT_GROUP,
+    device_total_bytes: int | None = None,
+    ffn_offload: bool = True,
+    cached_index: GPUIndex | None = None,
+    exact_max_cells: int = EXACT_MAX_CELLS,
+) -> Placement:
     """Plan the GPU placement of a sparse model within `budget_bytes` (spec 3.1 order).
 
     Order: compute reserve; dense tensors level by level (ATTN, MLP_PRED, FFN_IO, OUTPUT), stopping at the
@@ -312,10 +333,12 @@ def plan(footprint: ModelFootprint, *, budget_bytes: int, kv_bytes: int,
     """
     if budget_bytes < 0:
         raise PlacementError(
-            f"VRAM budget must be >= 0 bytes, got {budget_bytes} (resolve -1 to the free memory first)")
+            f"VRAM budget must be >= 0 bytes, got {budget_bytes} (resolve -1 to the free memory first)"
+        )
     if device_total_bytes is not None and budget_bytes > device_total_bytes:
-        raise PlacementError(f"VRAM budget {_fmt(budget_bytes)} exceeds the device's total memory "
-                             f"{_fmt(device_total_bytes)}")
+        raise PlacementError(
+            f"VRAM budget {_fmt(budget_bytes)} exceeds the device's total memory {_fmt(device_total_bytes)}"
+        )
     if kv_bytes < 0:
         raise PlacementError(f"KV cache size must be >= 0 bytes, got {kv_bytes}")
     reserve = default_reserve_bytes(footprint) if reserve_bytes is None else int(reserve_bytes)
@@ -330,32 +353,61 @@ def plan(footprint: ModelFootprint, *, budget_bytes: int, kv_bytes: int,
     gpu_tensors: list[str] = []
     empty = tuple(np.zeros(0, dtype=np.int32) for _ in range(n_layer))
 
-    def result(kv_on_gpu: bool, neurons: tuple[np.ndarray, ...], ffn_budget: int, source: str,
-               reason: str) -> Placement:
+    def result(
+        kv_on_gpu: bool, neurons: tuple[np.ndarray, ...], ffn_budget: int, source: str, reason: str
+    ) -> Placement:
         share = expected_gpu_hit_rate(stats, neurons) if stats is not None else 0.0
         total = sum(used.values())
         log.info("placement: %s", reason)
-        return Placement(budget_bytes=int(budget_bytes), gpu_tensors=tuple(gpu_tensors), kv_on_gpu=kv_on_gpu,
-                         gpu_neurons=neurons, bytes_by_category=MappingProxyType(dict(used)),
-                         total_bytes=total, ffn_budget_bytes=ffn_budget, n_ff=n_ff, group=group,
-                         ffn_source=source, reason=reason, gpu_frequency_share=share)
+        return Placement(
+            budget_bytes=int(budget_bytes),
+            gpu_tensors=tuple(gpu_tensors),
+            kv_on_gpu=kv_on_gpu,
+            gpu_neurons=neurons,
+            bytes_by_category=MappingProxyType(dict(used)),
+            total_bytes=total,
+            ffn_budget_bytes=ffn_budget,
+            n_ff=n_ff,
+            group=group,
+            ffn_source=source,
+            reason=reason,
+            gpu_frequency_share=share,
+        )
 
     if budget_bytes < reserve:
-        return result(False, empty, 0, "none", f"VRAM budget {_fmt(budget_bytes)} is smaller than the "
-                      f"compute reserve {_fmt(reserve)}: everything stays on the CPU")
+        return result(
+            False,
+            empty,
+            0,
+            "none",
+            f"VRAM budget {_fmt(budget_bytes)} is smaller than the "
+            f"compute reserve {_fmt(reserve)}: everything stays on the CPU",
+        )
     left = int(budget_bytes) - reserve
     used["reserve"] = reserve
     for category, tensors in footprint.levels:
         for t in tensors:
             if t.n_bytes > left:
-                return result(False, empty, 0, "none", f"{t.name} ({_fmt(t.n_bytes)}) does not fit in the "
-                              f"remaining {_fmt(left)}: dense offload stopped there, FFN stays on the CPU")
+                return result(
+                    False,
+                    empty,
+                    0,
+                    "none",
+                    f"{t.name} ({_fmt(t.n_bytes)}) does not fit in the "
+                    f"remaining {_fmt(left)}: dense offload stopped there, FFN stays on the CPU",
+                )
             left -= t.n_bytes
             used[category] += t.n_bytes
             gpu_tensors.append(t.name)
     if kv_bytes > left:
-        return result(False, empty, 0, "none", f"KV cache ({_fmt(kv_bytes)}) does not fit in the remaining "
-                      f"{_fmt(left)}: KV cache and FFN stay on the CPU")
+        return result(
+            False,
+            empty,
+            0,
+            "none",
+            f"KV cache ({_fmt(kv_bytes)}) does not fit in the remaining "
+            f"{_fmt(left)}: KV cache and FFN stay on the CPU",
+        )
     left -= kv_bytes
     used["kv"] = kv_bytes
     if not ffn_offload:
@@ -368,9 +420,14 @@ def plan(footprint: ModelFootprint, *, budget_bytes: int, kv_bytes: int,
         if cached is not None:
             used["ffn"] = sum(ids.size * c for ids, c in zip(cached, neuron_cost, strict=True))
             n_gpu = sum(ids.size for ids in cached)
-            return result(True, cached, ffn_budget, "cache",
-                          f"FFN: {n_gpu} of {n_layer * n_ff} neurons on the GPU from the cached GPU index "
-                          f"({_fmt(used['ffn'])} of {_fmt(ffn_budget)})")
+            return result(
+                True,
+                cached,
+                ffn_budget,
+                "cache",
+                f"FFN: {n_gpu} of {n_layer * n_ff} neurons on the GPU from the cached GPU index "
+                f"({_fmt(used['ffn'])} of {_fmt(ffn_budget)})",
+            )
     if stats is None:
         return result(True, empty, ffn_budget, "none", "no activation statistics: FFN stays on the CPU")
 
@@ -383,24 +440,36 @@ def plan(footprint: ModelFootprint, *, budget_bytes: int, kv_bytes: int,
     if n_gpu == n_layer * n_ff:
         reason = f"all {n_gpu} FFN neurons fit on the GPU ({_fmt(used['ffn'])} of {_fmt(ffn_budget)})"
     else:
-        reason = (f"FFN: {n_gpu} of {n_layer * n_ff} neurons on the GPU in groups of {group} "
-                  f"({_fmt(used['ffn'])} of {_fmt(ffn_budget)} left for the FFN)")
+        reason = (
+            f"FFN: {n_gpu} of {n_layer * n_ff} neurons on the GPU in groups of {group} "
+            f"({_fmt(used['ffn'])} of {_fmt(ffn_budget)} left for the FFN)"
+        )
     return result(True, neurons, ffn_budget, "solved", reason)
 
 
-def _usable_cache(index: GPUIndex, n_layer: int, n_ff: int, ffn_budget: int,
-                  neuron_cost: tuple[int, ...]) -> tuple[np.ndarray, ...] | None:
+def _usable_cache(
+    index: GPUIndex, n_layer: int, n_ff: int, ffn_budget: int, neuron_cost: tuple[int, ...]
+) -> tuple[np.ndarray, ...] | None:
     if index.n_layer != n_layer or index.n_ff != n_ff:
-        log.info("GPU index cache is for %d layers x %d neurons, the model has %d x %d: regenerating",
-                 index.n_layer, index.n_ff, n_layer, n_ff)
+        log.info(
+            "GPU index cache is for %d layers x %d neurons, the model has %d x %d: regenerating",
+            index.n_layer,
+            index.n_ff,
+            n_layer,
+            n_ff,
+        )
         return None
     if not gpu_index_matches_budget(index, ffn_budget):
-        log.info("GPU index cache was made for %d bytes, the FFN budget is now %d: regenerating",
-                 index.vram_capacity, ffn_budget)
+        log.info(
+            "GPU index cache was made for %d bytes, the FFN budget is now %d: regenerating",
+            index.vram_capacity,
+            ffn_budget,
+        )
         return None
     n_bytes = sum(b.size * c for b, c in zip(index.gpu_bucket, neuron_cost, strict=True))
     if n_bytes > ffn_budget:
-        log.info("GPU index cache needs %d bytes, more than the FFN budget %d: regenerating",
-                 n_bytes, ffn_budget)
+        log.info(
+            "GPU index cache needs %d bytes, more than the FFN budget %d: regenerating", n_bytes, ffn_budget
+        )
         return None
     return tuple(b.astype(np.int32) for b in index.gpu_bucket)

@@ -54,8 +54,9 @@ def load_activation_stats(folder: str | os.PathLike[str], n_layer: int, n_ff: in
     return stats
 
 
-def check_stats(stats: Sequence[np.ndarray], n_layer: int | None = None,
-                n_ff: int | None = None) -> tuple[int, int]:
+def check_stats(
+    stats: Sequence[np.ndarray], n_layer: int | None = None, n_ff: int | None = None
+) -> tuple[int, int]:
     """Validate in-memory statistics (finite, non-negative, equal 1-D lengths); returns (n_layer, n_ff)."""
     if len(stats) == 0:
         raise PlacementError("activation statistics are empty (no layers)")
@@ -67,7 +68,8 @@ def check_stats(stats: Sequence[np.ndarray], n_layer: int | None = None,
         arr = np.asarray(counts)
         if arr.ndim != 1 or arr.shape[0] != width:
             raise PlacementError(
-                f"activation statistics of layer {layer} have shape {arr.shape}, expected ({width},)")
+                f"activation statistics of layer {layer} have shape {arr.shape}, expected ({width},)"
+            )
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise PlacementError(f"activation statistics of layer {layer} hold negative or non-finite values")
     return len(stats), width

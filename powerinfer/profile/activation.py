@@ -163,4 +163,3 @@ def run_profile(
         if png is not None:
             paths["plot"] = png
     return profile, paths
-

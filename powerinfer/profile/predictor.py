@@ -385,4 +385,3 @@ def evaluate_on_text(
     return evaluate(
         predictors, take(samples, range(len(windows))), engine.config.n_ff, default_device(device)
     )
-

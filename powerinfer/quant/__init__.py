@@ -13,8 +13,18 @@ from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import QUANT_SIZES, GGMLType
 
 # types whose blocks the gguf package can produce
-QUANTIZABLE = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1,
-                         GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0})
+QUANTIZABLE = frozenset(
+    {
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+    }
+)
 # types our CPU kernels compute on directly (no dequantised copy)
 KERNEL_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
 
@@ -31,7 +41,9 @@ def row_bytes(ggml_type: GGMLType, n_cols: int) -> int:
     """Bytes of one row of `n_cols` elements."""
     block_elems, block_bytes = block_size(ggml_type)
     if n_cols % block_elems:
-        raise FormatError(f"row length {n_cols} is not a multiple of the {ggml_type.name} block size {block_elems}")
+        raise FormatError(
+            f"row length {n_cols} is not a multiple of the {ggml_type.name} block size {block_elems}"
+        )
     return n_cols // block_elems * block_bytes
 
 

@@ -64,8 +64,9 @@ class BatchDecoder:
                 raise InputError(f"slot {slot} is full ({self.n_ctx} tokens)")
         positions = torch.tensor([self.n_past[s] for s in slots], dtype=torch.int64)
         seqs = torch.tensor(slots, dtype=torch.int64)
-        logits = self.engine.model.forward_batch(torch.tensor(tokens, dtype=torch.int64), positions, seqs,
-                                                 self.engine.kv)
+        logits = self.engine.model.forward_batch(
+            torch.tensor(tokens, dtype=torch.int64), positions, seqs, self.engine.kv
+        )
         for slot in slots:
             self.n_past[slot] += 1
         return logits

@@ -73,8 +73,12 @@ class Engine:
         self.n_ctx = o.n_ctx if o.n_ctx > 0 else self.config.n_ctx_train
         if self.n_ctx > self.config.n_ctx_train:
             # positions past the training context degrade the text; take the model's own limit
-            log.warning("context %d exceeds the model's training context %d; using %d", self.n_ctx,
-                        self.config.n_ctx_train, self.config.n_ctx_train)
+            log.warning(
+                "context %d exceeds the model's training context %d; using %d",
+                self.n_ctx,
+                self.config.n_ctx_train,
+                self.config.n_ctx_train,
+            )
             self.n_ctx = self.config.n_ctx_train
         self.sparse_stats: SparseStats | None = None
         self.placement: Placement | None = None
@@ -87,7 +91,9 @@ class Engine:
         c = self.config
         if o.n_seq < 1:
             raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
-        self.kv = KVCache(c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim, n_seq=o.n_seq, device=self.kv_device)
+        self.kv = KVCache(
+            c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim, n_seq=o.n_seq, device=self.kv_device
+        )
         self.model.setup(self.n_ctx)
         self.n_past = 0
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
@@ -106,16 +112,19 @@ class Engine:
         """Replace the dense FFNs by predictor-driven sparse FFNs and carry out the pool placement."""
         c, o = self.config, self.options
         self.sparse_stats = SparseStats.zeros(c.n_layer)
-        request = PoolRequest(o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index,
-                              o.disable_gpu_index)
+        request = PoolRequest(
+            o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index, o.disable_gpu_index
+        )
         device = pool_device(request)
         gpu_ids: list[np.ndarray | None] = [None] * c.n_layer
         if device is not None:
             self.placement, planned = plan_pool(self.gguf, self.model, request, device, self.n_ctx)
             gpu_ids = list(planned)
         self.pool_device = device
-        self.model.ffns = [SparseFFN(c, layer.tensors, bid, gpu_ids[bid], device, self.sparse_stats)
-                           for bid, layer in enumerate(self.model.layers)]
+        self.model.ffns = [
+            SparseFFN(c, layer.tensors, bid, gpu_ids[bid], device, self.sparse_stats)
+            for bid, layer in enumerate(self.model.layers)
+        ]
         if self.placement is not None and device is not None:
             if offload_dense(self.model, self.placement, device) and self.placement.kv_on_gpu:
                 self.kv_device = device
@@ -128,8 +137,11 @@ class Engine:
         c = self.config
         active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
         pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
-        ffn_bytes = sum(self.gguf.tensors[n].n_bytes for n in self.gguf.tensors
-                        if n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight")))
+        ffn_bytes = sum(
+            self.gguf.tensors[n].n_bytes
+            for n in self.gguf.tensors
+            if n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight"))
+        )
         per_token = self.weight_bytes - ffn_bytes + ffn_bytes * sum(active) / len(active)
         per_layer = " ".join(f"{a:.2f}" for a in active)
         lines = [
@@ -185,11 +197,14 @@ class Engine:
             self.n_past += chunk.numel()
         return torch.cat(out)
 
-    def generate(self, prompt: list[int], sampler: Sampler, n_predict: int = -1,
-                 ignore_eos: bool = False) -> Iterator[int]:
+    def generate(
+        self, prompt: list[int], sampler: Sampler, n_predict: int = -1, ignore_eos: bool = False
+    ) -> Iterator[int]:
         """Prefill the prompt, then yield sampled tokens until EOS, n_predict tokens or a full context."""
         if len(prompt) > self.n_ctx - 4:
-            raise InputError(f"prompt is too long ({len(prompt)} tokens, max {self.n_ctx - 4} for -c {self.n_ctx})")
+            raise InputError(
+                f"prompt is too long ({len(prompt)} tokens, max {self.n_ctx - 4} for -c {self.n_ctx})"
+            )
         tm = self.timings
         self.reset()
         t = time.perf_counter()

@@ -8,8 +8,16 @@ import torch
 class KVCache:
     """KV cache of n_seq independent sequences (slots), sized once from the config and the context length."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, n_seq: int = 1,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        n_layer: int,
+        n_ctx: int,
+        n_head_kv: int,
+        head_dim: int,
+        n_seq: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.n_ctx = n_ctx
         self.n_seq = n_seq
         shape = (n_layer, n_seq, n_ctx, n_head_kv, head_dim)
@@ -22,16 +30,18 @@ class KVCache:
     def n_bytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor,
-               seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor, seq: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (T, H_kv, D) of sequence seq at positions pos..pos+T-1; return its keys and values 0..end."""
         end = pos + k.shape[0]
         self.k[layer, seq, pos:end] = k
         self.v[layer, seq, pos:end] = v
         return self.k[layer, seq, :end], self.v[layer, seq, :end]
 
-    def update_batch(self, layer: int, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def update_batch(
+        self, layer: int, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store one token per sequence (k, v: (B, H_kv, D)); return keys, values (B, L, H_kv, D) and the
         visibility mask (B, L), L = the longest sequence so far."""
         seqs, positions = seqs.to(self.k.device), positions.to(self.k.device)

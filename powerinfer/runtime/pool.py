@@ -72,8 +72,9 @@ def budget_bytes(request: PoolRequest, device: torch.device) -> int:
     raise PlacementError("the CPU stand-in pool needs an explicit --vram-budget")
 
 
-def plan_pool(gguf: GGUFFile, model: LlamaModel, request: PoolRequest, device: torch.device,
-              n_ctx: int) -> tuple[Placement | None, list[np.ndarray]]:
+def plan_pool(
+    gguf: GGUFFile, model: LlamaModel, request: PoolRequest, device: torch.device, n_ctx: int
+) -> tuple[Placement | None, list[np.ndarray]]:
     """The placement and per-layer pool neuron ids: an explicit GPU index, else the cached or a new plan."""
     c = model.config
     if request.gpu_index_path is not None:
@@ -89,9 +90,15 @@ def plan_pool(gguf: GGUFFile, model: LlamaModel, request: PoolRequest, device: t
     cache = gpu_index_path(model_path)
     cached = load_cached_gpu_index(cache, n_layer=c.n_layer, n_ff=c.n_ff, reset=request.reset_gpu_index)
     kv_bytes = kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
-    placement = plan(footprint_from_gguf(gguf, c.n_layer, c.n_ff), budget_bytes=budget_bytes(request, device),
-                     kv_bytes=kv_bytes, stats=stats, device_total_bytes=total, cached_index=cached,
-                     ffn_offload=not request.disable_gpu_index)
+    placement = plan(
+        footprint_from_gguf(gguf, c.n_layer, c.n_ff),
+        budget_bytes=budget_bytes(request, device),
+        kv_bytes=kv_bytes,
+        stats=stats,
+        device_total_bytes=total,
+        cached_index=cached,
+        ffn_offload=not request.disable_gpu_index,
+    )
     if placement.ffn_source == "solved":
         try:
             write_gpu_index(cache, placement.to_gpu_index())
@@ -109,8 +116,10 @@ def offload_dense(model: LlamaModel, placement: Placement, device: torch.device)
     names = set(placement.gpu_tensors)
     all_layers = True
     for bid, layer in enumerate(model.layers):
-        attn = [t.format(bid=bid) for t in (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V,
-                                             TensorNames.ATTN_OUT)]
+        attn = [
+            t.format(bid=bid)
+            for t in (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V, TensorNames.ATTN_OUT)
+        ]
         if all(n in names for n in attn):
             for attr in ("wq", "wk", "wv", "wo"):
                 setattr(layer, attr, ops.DeviceWeight.from_qweight(getattr(layer, attr), device))
@@ -121,6 +130,10 @@ def offload_dense(model: LlamaModel, placement: Placement, device: torch.device)
         if hasattr(ffn, "fc1") and all(n in names for n in pred):
             ffn.fc1 = ops.DeviceWeight.from_qweight(ffn.fc1, device)
             ffn.fc2 = ops.DeviceWeight.from_qweight(ffn.fc2, device)
-    if TensorNames.OUTPUT in names and isinstance(model.output, ops.QWeight) and model.output is not model.tok_embd:
+    if (
+        TensorNames.OUTPUT in names
+        and isinstance(model.output, ops.QWeight)
+        and model.output is not model.tok_embd
+    ):
         model.output = ops.DeviceWeight.from_qweight(model.output, device)
     return all_layers

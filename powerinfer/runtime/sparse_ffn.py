@@ -56,8 +56,9 @@ class SparseStats:
 class HotRows:
     """The pool part of one layer: hot neurons' gate/up/down_t rows, contiguous on `device`."""
 
-    def __init__(self, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight, ids: np.ndarray,
-                 device: torch.device) -> None:
+    def __init__(
+        self, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight, ids: np.ndarray, device: torch.device
+    ) -> None:
         self.device = device
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # (k,) neuron ids, ascending
         dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -77,8 +78,9 @@ class HotRows:
             return self._compute(u, active, relu_up)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            y = self._compute(u.to(self.device, non_blocking=True), active.to(self.device, non_blocking=True),
-                              relu_up)
+            y = self._compute(
+                u.to(self.device, non_blocking=True), active.to(self.device, non_blocking=True), relu_up
+            )
             return y.to("cpu", non_blocking=True)
 
     def _compute(self, u: torch.Tensor, active: torch.Tensor, relu_up: bool) -> torch.Tensor:
@@ -96,8 +98,15 @@ class HotRows:
 class SparseFFN:
     """Predictor-driven FFN of one layer (llama: ReLU(gate) * up; bamboo: ReLU(gate) * ReLU(up))."""
 
-    def __init__(self, config: LlamaConfig, tensors: dict[str, TensorInfo], bid: int, gpu_ids: np.ndarray | None,
-                 device: torch.device | None, stats: SparseStats) -> None:
+    def __init__(
+        self,
+        config: LlamaConfig,
+        tensors: dict[str, TensorInfo],
+        bid: int,
+        gpu_ids: np.ndarray | None,
+        device: torch.device | None,
+        stats: SparseStats,
+    ) -> None:
         self.bid = bid
         self.fc1 = _qweight(tensors, TensorNames.PRED_FC1.format(bid=bid))  # (r, D)
         self.fc2 = _qweight(tensors, TensorNames.PRED_FC2.format(bid=bid))  # (n_ff, r)

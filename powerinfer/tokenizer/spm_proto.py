@@ -33,7 +33,12 @@ def _pb_bytes(field: int, value: bytes) -> bytes:
 
 
 def spm_model_proto(
-    pieces: Sequence[tuple[str, float, int]], *, byte_fallback: bool, unk_id: int, bos_id: int, eos_id: int,
+    pieces: Sequence[tuple[str, float, int]],
+    *,
+    byte_fallback: bool,
+    unk_id: int,
+    bos_id: int,
+    eos_id: int,
     pad_id: int,
 ) -> bytes:
     """ModelProto{pieces=1 {piece=1, score=2, type=3}, trainer_spec=2, normalizer_spec=3}."""
@@ -45,7 +50,10 @@ def spm_model_proto(
         _pb_int(3, 2)  # model_type = BPE
         + _pb_int(4, len(pieces))  # vocab_size
         + _pb_int(35, int(byte_fallback))
-        + _pb_int(40, unk_id) + _pb_int(41, bos_id) + _pb_int(42, eos_id) + _pb_int(43, pad_id)
+        + _pb_int(40, unk_id)
+        + _pb_int(41, bos_id)
+        + _pb_int(42, eos_id)
+        + _pb_int(43, pad_id)
     )
     normalizer = (
         _pb_bytes(1, b"identity")

@@ -54,19 +54,52 @@ _KEY_FIM_SEP_ID = "tokenizer.ggml.fim_sep_token_id"
 # Token texts llama.cpp auto-detects (llama-vocab.cpp, load): end-of-turn candidates, end-of-generation tokens and
 # the FIM pad/repo/separator tokens (which llama.cpp also treats as end of generation). Detected tokens that are not
 # control-typed become control tokens, as llama.cpp does.
-_EOT_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>", "<EOT>", "_<EOT>",
-    "[EOT]", "<\uff5cend\u2581of\u2581sentence\uff5c>", "<end_of_utterance>",
-})
+_EOT_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "<|end_of_text|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+        "<end_of_utterance>",
+    }
+)
 _EOM_TEXTS = frozenset({"<|eom_id|>"})
-_EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
-    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
-    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<\uff5cend\u2581of\u2581sentence\uff5c>", "[e~[",
-})
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<\uff5cend\u2581of\u2581sentence\uff5c>",
+        "[e~[",
+    }
+)
 _FIM_PAD_TEXTS = frozenset({"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"})
 _FIM_REP_TEXTS = frozenset({"<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"})
 _FIM_SEP_TEXTS = frozenset({"<|file_sep|>"})
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # metadata helpers
@@ -89,8 +122,10 @@ def _get_int_array(md: dict[str, Any], key: str, n: int) -> np.ndarray | None:
     except Exception as e:  # pragma: no cover - defensive
         raise ConfigError(f"{key} is not a numeric array: {e}") from e
     if arr.ndim != 1 or arr.dtype.kind not in "iuf" or len(arr) < n:
-        raise ConfigError(f"{key} must be a numeric array with at least {n} entries (one per token), "
-                          f"got shape {arr.shape} dtype {arr.dtype}")
+        raise ConfigError(
+            f"{key} must be a numeric array with at least {n} entries (one per token), "
+            f"got shape {arr.shape} dtype {arr.dtype}"
+        )
     return arr[:n]
 
 
@@ -127,8 +162,10 @@ class Tokenizer:
         if model is None:
             raise ConfigError(f"{Keys.TOKENIZER_MODEL} is missing: the file carries no tokenizer")
         if model not in ("llama", "gpt2"):
-            raise ConfigError(f"unsupported tokenizer model {Keys.TOKENIZER_MODEL}={model!r} "
-                              "(supported: 'llama' (SentencePiece), 'gpt2' (byte-level BPE))")
+            raise ConfigError(
+                f"unsupported tokenizer model {Keys.TOKENIZER_MODEL}={model!r} "
+                "(supported: 'llama' (SentencePiece), 'gpt2' (byte-level BPE))"
+            )
         tokens = md.get(Keys.TOKENIZER_TOKENS)
         if tokens is None:
             raise ConfigError(f"{Keys.TOKENIZER_TOKENS} is missing: the vocabulary token list is required")
@@ -150,12 +187,14 @@ class Tokenizer:
         self._token_to_id = {}
         for i, t in enumerate(toks):
             if t in self._token_to_id:
-                raise ConfigError(f"duplicate token in {Keys.TOKENIZER_TOKENS}: {t!r} has ids "
-                                  f"{self._token_to_id[t]} and {i}")
+                raise ConfigError(
+                    f"duplicate token in {Keys.TOKENIZER_TOKENS}: {t!r} has ids "
+                    f"{self._token_to_id[t]} and {i}"
+                )
             self._token_to_id[t] = i
 
         types = _get_int_array(md, Keys.TOKENIZER_TOKEN_TYPE, n)
-        self._types = (np.full(n, TT_NORMAL, dtype=np.int32) if types is None else types.astype(np.int32))
+        self._types = np.full(n, TT_NORMAL, dtype=np.int32) if types is None else types.astype(np.int32)
         scores = _get_int_array(md, Keys.TOKENIZER_SCORES, n)
         scores_f = np.zeros(n, dtype=np.float32) if scores is None else scores.astype(np.float32)
         self.chat_template = md.get(Keys.CHAT_TEMPLATE)
@@ -172,8 +211,10 @@ class Tokenizer:
             self.add_space_prefix = False
             pre = md.get(Keys.TOKENIZER_PRE)
             if pre is None:
-                log.warning("%s is missing; using the 'default' pre-tokenizer (quality may be degraded)",
-                            Keys.TOKENIZER_PRE)
+                log.warning(
+                    "%s is missing; using the 'default' pre-tokenizer (quality may be degraded)",
+                    Keys.TOKENIZER_PRE,
+                )
                 pre = "default"
             if pre not in PRE_TYPES:
                 log.warning("unknown %s=%r; falling back to the gpt2 pre-tokenizer", Keys.TOKENIZER_PRE, pre)
@@ -220,8 +261,15 @@ class Tokenizer:
 
         self.eot_id = detect(Keys.TOKENIZER_EOT_ID, _EOT_TEXTS)
         eom_id = detect(_KEY_EOM_ID, _EOM_TEXTS)
-        eog = {t for t in (detect(_KEY_FIM_PAD_ID, _FIM_PAD_TEXTS), detect(_KEY_FIM_REP_ID, _FIM_REP_TEXTS),
-                           detect(_KEY_FIM_SEP_ID, _FIM_SEP_TEXTS)) if t is not None}
+        eog = {
+            t
+            for t in (
+                detect(_KEY_FIM_PAD_ID, _FIM_PAD_TEXTS),
+                detect(_KEY_FIM_REP_ID, _FIM_REP_TEXTS),
+                detect(_KEY_FIM_SEP_ID, _FIM_SEP_TEXTS),
+            )
+            if t is not None
+        }
         for t in _EOG_TEXTS:
             tid = self._token_to_id.get(t)
             if tid is not None:
@@ -255,7 +303,9 @@ class Tokenizer:
             ptype = 2 if i == unk else 6 if i in byte_ids else 1  # UNKNOWN / BYTE / NORMAL
             pieces.append((self._tokens[i], float(scores[i]), ptype))
         proto = spm_model_proto(
-            pieces, byte_fallback=has_bytes, unk_id=unk,
+            pieces,
+            byte_fallback=has_bytes,
+            unk_id=unk,
             bos_id=-1 if self.bos_id is None or self.bos_id == unk else self.bos_id,
             eos_id=-1 if self.eos_id is None or self.eos_id in (unk, self.bos_id) else self.eos_id,
             pad_id=-1 if pad_id is None or pad_id in (unk, self.bos_id, self.eos_id) else pad_id,
@@ -267,9 +317,8 @@ class Tokenizer:
         return sp
 
     def _build_bpe(self, md: dict[str, Any], family: str, ignore_merges: bool) -> Any:
-        from tokenizers import Regex
+        from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers import models, pre_tokenizers
 
         merges_raw = md.get(Keys.TOKENIZER_MERGES)
         if merges_raw is None:
@@ -284,14 +333,17 @@ class Tokenizer:
             if pos < 0:
                 dropped += 1
                 continue
-            a, b = m[:pos], m[pos + 1:]
+            a, b = m[:pos], m[pos + 1 :]
             if a in vocab and b in vocab and a + b in vocab:
                 merges.append((a, b))
             else:
                 dropped += 1
         if dropped:
-            log.warning("%d of %d BPE merges ignored (malformed or producing tokens not in the vocabulary)",
-                        dropped, len(merges_raw))
+            log.warning(
+                "%d of %d BPE merges ignored (malformed or producing tokens not in the vocabulary)",
+                dropped,
+                len(merges_raw),
+            )
         bpe = models.BPE(vocab=dict(vocab), merges=merges, ignore_merges=ignore_merges)
         tok = HFTokenizer(bpe)
         splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_REGEXES[family]]
@@ -365,8 +417,9 @@ class Tokenizer:
             frags = out
         return frags
 
-    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = True,
-               add_eos: bool = False) -> list[int]:
+    def encode(
+        self, text: str, add_bos: bool | None = None, parse_special: bool = True, add_eos: bool = False
+    ) -> list[int]:
         """Token ids of `text` as llama.cpp's llama_tokenize gives them.
 
         add_bos: None -> the vocabulary default (`tokenizer.ggml.add_bos_token`; SPM True, BPE False unless the
@@ -425,8 +478,10 @@ class Tokenizer:
         return StreamDecoder(self, special=special)
 
     def __repr__(self) -> str:
-        return (f"Tokenizer(kind={self.kind!r}, n_vocab={self.n_vocab}, pre={self.pre!r}, bos={self.bos_id}, "
-                f"eos={self.eos_id}, eot={self.eot_id}, add_bos={self.add_bos})")
+        return (
+            f"Tokenizer(kind={self.kind!r}, n_vocab={self.n_vocab}, pre={self.pre!r}, bos={self.bos_id}, "
+            f"eos={self.eos_id}, eot={self.eot_id}, add_bos={self.add_bos})"
+        )
 
 
 class StreamDecoder:
