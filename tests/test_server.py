@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import random_llama_state, write_llama_gguf
-from test_server_helpers import live_server, request, sse_events
+from server_helpers import live_server, request, sse_events
 
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import random_llama_state, write_llama_gguf
-from test_server_helpers import sse_events
+from server_helpers import sse_events
 from typer.testing import CliRunner
 
 from powerinfer.cli import app

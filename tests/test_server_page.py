@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import random_llama_state, write_llama_gguf
-from test_server_helpers import live_server, request
+from server_helpers import live_server, request
 
 from powerinfer.runtime.engine import EngineOptions
 from powerinfer.server import ServerOptions

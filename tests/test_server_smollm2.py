@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import smollm2_path
-from test_server_helpers import live_server
+from server_helpers import live_server
 
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
