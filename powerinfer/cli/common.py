@@ -46,6 +46,16 @@ PoolDeviceOpt = Annotated[
 ]
 LogDisableOpt = Annotated[bool, typer.Option("--log-disable", help="Print no log lines, only results.")]
 
+# sampling options of main and server (llama.cpp's defaults live in SamplingParams)
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k sampling (<= 0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p sampling.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty.")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")]
+FrequencyPenaltyOpt = Annotated[float, typer.Option("--frequency-penalty")]
+PresencePenaltyOpt = Annotated[float, typer.Option("--presence-penalty")]
+
 T = TypeVar("T")
 
 

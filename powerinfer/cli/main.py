@@ -16,13 +16,21 @@ from powerinfer.cli.common import (
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
+    FrequencyPenaltyOpt,
     LogDisableOpt,
+    MinPOpt,
     ModelOpt,
     NglOpt,
     PoolDeviceOpt,
+    PresencePenaltyOpt,
+    RepeatLastNOpt,
+    RepeatPenaltyOpt,
     ResetIdxOpt,
     SeedOpt,
+    TempOpt,
     ThreadsOpt,
+    TopKOpt,
+    TopPOpt,
     VramOpt,
     err_console,
     resolve_model,
@@ -35,6 +43,8 @@ from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions, Timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
+
+_D = SamplingParams()  # llama.cpp's sampling defaults
 
 _ESCAPES = {
     "n": "\n",
@@ -163,17 +173,15 @@ def main(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
-    seed: SeedOpt = -1,
-    temp: Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")] = 0.8,
-    top_k: Annotated[int, typer.Option("--top-k", help="Top-k sampling (<= 0: off).")] = 40,
-    top_p: Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")] = 0.95,
-    min_p: Annotated[float, typer.Option("--min-p", help="Min-p sampling.")] = 0.05,
-    repeat_penalty: Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty.")] = 1.1,
-    repeat_last_n: Annotated[
-        int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")
-    ] = 64,
-    frequency_penalty: Annotated[float, typer.Option("--frequency-penalty")] = 0.0,
-    presence_penalty: Annotated[float, typer.Option("--presence-penalty")] = 0.0,
+    seed: SeedOpt = _D.seed,
+    temp: TempOpt = _D.temp,
+    top_k: TopKOpt = _D.top_k,
+    top_p: TopPOpt = _D.top_p,
+    min_p: MinPOpt = _D.min_p,
+    repeat_penalty: RepeatPenaltyOpt = _D.repeat_penalty,
+    repeat_last_n: RepeatLastNOpt = _D.repeat_last_n,
+    frequency_penalty: FrequencyPenaltyOpt = _D.frequency_penalty,
+    presence_penalty: PresencePenaltyOpt = _D.presence_penalty,
     ignore_eos: Annotated[
         bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")
     ] = False,
