@@ -136,16 +136,19 @@ def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
 
 @needs_kernels
 def test_simd_variants_agree_on_quant_types():
-    # q8: AVX2 and AVX-512 use the same integer dot products and float accumulation order
+    # q8: AVX2 and AVX-512 use the same integer dot products and float accumulation order (AVX-512 takes Q4
+    # blocks two per 512-bit vector: an odd block count leaves a 256-bit tail block; one token or a batch)
     ops.set_activation_precision("q8")
-    for ggml_type in QUANT_TYPES:
-        w = make_weight(ggml_type, 64, 576)
-        x = make_x(5, 576)
+    for ggml_type, n_cols, n_tokens in itertools.product(
+        sorted(QUANT_TYPES), [32, 64, 96, 576, 1568], [1, 5]
+    ):
+        w = make_weight(ggml_type, 64, n_cols)
+        x = make_x(n_tokens, n_cols)
         ops._set_isa("avx2")
         avx2 = ops.linear(x, w)
         ops._set_isa("avx512")
         best = ops.linear(x, w)
-        assert torch.equal(avx2, best), ggml_type.name
+        assert torch.equal(avx2, best), (ggml_type.name, n_cols, n_tokens)
 
 
 @needs_kernels

@@ -129,6 +129,64 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
         bias0[t] = bias1[t] = _mm_setzero_ps();
     }
     int64_t i = 0;
+#if SIMD_AVX512
+    if (kind != 2) {
+        /* Q4 on 512-bit vectors: blocks i (even, low half) and i + 1 (odd, high half) in one vector. Lane by lane
+         * this is the 256-bit QUANT_STEP pair (same int32 dots, same float products, same FMA into the same
+         * accumulator lane): acc0/acc1 are the low/high halves of acc, bias0/bias1 lanes 0-1/2-3 of bias. */
+        const __m512i idx_q = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
+        const __m512i shift = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+        const __m512i lo4 = _mm512_set1_epi8(0x0F);
+        const __m512i idx_s = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        const __m512i idx_i = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        __m512 acc[TILE_T];
+        __m128 bias[TILE_T];
+        for (int t = 0; t < ntok; t++) {
+            acc[t] = _mm512_setzero_ps();
+            bias[t] = _mm_setzero_ps();
+        }
+        for (; i + 1 < nb; i += 2) {
+            __m256i raw;
+            uint64_t dm_bits; /* Q4_0 {d_i, 0, d_i+1, 0}, Q4_1 {d_i, m_i, d_i+1, m_i+1} as halves */
+            if (kind == 0) {
+                raw = _mm256_loadu2_m128i((const __m128i *)b0[i + 1].qs, (const __m128i *)b0[i].qs);
+                dm_bits = (uint64_t)b0[i].d | ((uint64_t)b0[i + 1].d << 32);
+            } else {
+                uint32_t d0, d1;
+                memcpy(&d0, &b1[i].d, sizeof d0);
+                memcpy(&d1, &b1[i + 1].d, sizeof d1);
+                raw = _mm256_loadu2_m128i((const __m128i *)b1[i + 1].qs, (const __m128i *)b1[i].qs);
+                dm_bits = (uint64_t)d0 | ((uint64_t)d1 << 32);
+            }
+            /* {lo nibbles i, hi nibbles i, lo nibbles i+1, hi nibbles i+1}: 64 weights 0..15 in element order */
+            const __m512i w = _mm512_and_si512(
+                _mm512_srlv_epi64(_mm512_permutexvar_epi64(idx_q, _mm512_castsi256_si512(raw)), shift), lo4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)dm_bits));
+            for (int t = 0; t < ntok; t++) {
+                const __m512i xv = _mm512_loadu_si512((const void *)(xq[t] + i * QK));
+                /* {d_w d_x, m_w d_x sum(q_x)} of block i, then of block i + 1 */
+                const __m128 sc = _mm_mul_ps(dm, _mm_loadu_ps(xds[t] + 2 * i));
+                __m512i p;
+                if (kind == 0) {
+                    const __m512i is = _mm512_permutexvar_epi32(
+                        idx_i, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(xi[t] + i))));
+                    p = _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), is), w, xv);
+                } else {
+                    p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+                }
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
+                                         _mm512_permutexvar_ps(idx_s, _mm512_castps128_ps512(sc)), acc[t]);
+                if (kind == 1) bias[t] = _mm_add_ps(bias[t], sc);
+            }
+        }
+        for (int t = 0; t < ntok; t++) {
+            acc0[t] = _mm512_castps512_ps256(acc[t]);
+            acc1[t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1));
+            bias0[t] = bias[t];
+            bias1[t] = _mm_movehl_ps(bias[t], bias[t]);
+        }
+    }
+#endif
     for (; i + 1 < nb; i += 2) {
         QUANT_STEP(kind, i, acc0, bias0);
         QUANT_STEP(kind, i + 1, acc1, bias1);
