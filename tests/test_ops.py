@@ -122,8 +122,9 @@ def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
-    # one token with short rows runs the grouped rows_dot path (several rows per call): same bits as the tiles
-    cols = [32, 96, 128] if ggml_type in QUANT_TYPES else [1, 7, 33, 100]
+    # one token with short rows runs the grouped rows_dot path (several rows per call), and in exact mode with long
+    # rows (K = 1536) one row per rows_dot call: same bits as the tiles
+    cols = [32, 96, 128, 1536] if ggml_type in QUANT_TYPES else [1, 7, 33, 100]
     for n_cols, n_rows in itertools.product(cols, [1, 3, 301]):
         w = make_weight(ggml_type, n_rows, n_cols)
         x = make_x(5, n_cols)

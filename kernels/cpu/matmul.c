@@ -324,18 +324,19 @@ int32_t matmul_quant_f_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t
     return matmul_float_tiled(row_bytes, tile, TILE_TQ, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
-/* One token, float activations, short rows: rows in contiguous ranges over threads, ROWS_DOT_MAX rows per rows_dot
- * call (the tile arithmetic per row, so the same bits as the tiled driver; one call and one horizontal sum setup
- * per group instead of per row, which counts for short rows such as the predictor's fc2). */
-static int32_t matvec_dot(rows_dot_fn dot, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x,
-                          float *y, int32_t n_threads) {
+/* One token, float activations: rows in contiguous ranges over threads, `group` rows per rows_dot call (the tile
+ * arithmetic per row, so the same bits as the tiled driver). Short rows: ROWS_DOT_MAX per call, one call and one
+ * horizontal sum setup per group instead of per row, which counts for short rows such as the predictor's fc2.
+ * Long exact-mode quant rows: one per call (less per-row overhead than the tiled driver). */
+static int32_t matvec_dot(rows_dot_fn dot, int group, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                          const float *x, float *y, int32_t n_threads) {
     const int32_t nt = threads_for_work(n_threads, N * K);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
         const int64_t n1 = N * (me + 1) / all;
-        for (int64_t n = N * me / all; n < n1; n += ROWS_DOT_MAX) {
-            const int R = (int)min_i64(ROWS_DOT_MAX, n1 - n);
+        for (int64_t n = N * me / all; n < n1; n += group) {
+            const int R = (int)min_i64(group, n1 - n);
             const uint8_t *rows[ROWS_DOT_MAX];
             for (int r = 0; r < R; r++) rows[r] = w + (n + r) * w_stride;
             dot(rows, R, K, x, y + n);
@@ -345,7 +346,8 @@ static int32_t matvec_dot(rows_dot_fn dot, const uint8_t *w, int64_t w_stride, i
 }
 
 /* Dense rows longer than this stream better one at a time (measured: interleaving 4 long consecutive rows halves the
- * DRAM throughput of the tiled driver), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
+ * DRAM throughput of the tiled driver; 2 rows of Q4_0 K = 2048 cut it from 37 to 15 GB/s on a 2-core EPYC, although
+ * faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
 #define MATVEC_DOT_MAX_ROW 512
 static inline int64_t row_bytes_f32(int64_t K) { return K * 4; }
 static inline int64_t row_bytes_f16(int64_t K) { return K * 2; }
@@ -358,21 +360,24 @@ static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeo
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
  * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k]. */
-#define DEFINE_MATMUL(type, driver, dot, k_unit)                                                            \
+/* long_group > 0: T = 1 with rows longer than MATVEC_DOT_MAX_ROW also goes through matvec_dot, long_group rows per call */
+#define DEFINE_MATMUL(type, driver, dot, k_unit, long_group)                                                \
     PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
                                        int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
                                        int32_t n_threads) {                                                   \
         const rows_dot_fn dot_fn = dot;                                                                       \
         if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \
-            return matvec_dot(dot_fn, w, w_stride, N, K, x, y, n_threads);                                    \
+            return matvec_dot(dot_fn, ROWS_DOT_MAX, w, w_stride, N, K, x, y, n_threads);                      \
+        if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0)             \
+            return matvec_dot(dot_fn, long_group, w, w_stride, N, K, x, y, n_threads);                        \
         return driver(0, matmul_active->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
-DEFINE_MATMUL(f32, matmul_float_rows, matmul_active->dot_f32, 1)
-DEFINE_MATMUL(f16, matmul_float_rows, matmul_active->dot_f16, 1)
-DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK)
-DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK)
-DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK)
-DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, matmul_active->dot_q4_0_f, QK)
-DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, matmul_active->dot_q4_1_f, QK)
-DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, matmul_active->dot_q8_0_f, QK)
+DEFINE_MATMUL(f32, matmul_float_rows, matmul_active->dot_f32, 1, 0)
+DEFINE_MATMUL(f16, matmul_float_rows, matmul_active->dot_f16, 1, 0)
+DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0)
+DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0)
+DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)
+DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, matmul_active->dot_q4_0_f, QK, 1)
+DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, matmul_active->dot_q4_1_f, QK, 1)
+DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, matmul_active->dot_q8_0_f, QK, 1)
