@@ -278,6 +278,13 @@ def _dense_cached(w: QWeight) -> torch.Tensor:
     return dense
 
 
+def _output(x: torch.Tensor, n_out: int) -> tuple[int, torch.Tensor]:
+    """Token count of a (T, K) or (K,) input and an empty float32 output (T, n_out) or (n_out,)."""
+    if x.dim() == 2:
+        return x.shape[0], torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    return 1, torch.empty(n_out, dtype=torch.float32)
+
+
 def _check_status(status: int, op: str) -> None:
     if status == _PI_ERR_INDEX:
         raise IndexError(f"{op}: row id out of range")
@@ -344,12 +351,7 @@ def linear(x: torch.Tensor, w: QWeight | DeviceWeight) -> torch.Tensor:
         return linear(x2, w).view(*x.shape[:-1], n_rows)
     if x.shape[-1] != n_cols:
         raise ValueError(f"linear: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
-    if ndim == 2:
-        n_tokens = x.shape[0]
-        y = torch.empty(n_tokens, n_rows, dtype=torch.float32)
-    else:
-        n_tokens = 1
-        y = torch.empty(n_rows, dtype=torch.float32)
+    n_tokens, y = _output(x, n_rows)
     status = kernel(
         w._raw_ptr,
         w._raw_stride,

@@ -93,12 +93,7 @@ def rows_matmul(x: torch.Tensor, w: QWeight, idx: torch.Tensor) -> torch.Tensor:
         x = x.to(torch.float32).contiguous()
     idx = _as_idx(idx)
     n_sel = idx.shape[0]
-    if x.dim() == 2:
-        n_tokens = x.shape[0]
-        y = torch.empty(n_tokens, n_sel, dtype=torch.float32)
-    else:
-        n_tokens = 1
-        y = torch.empty(n_sel, dtype=torch.float32)
+    n_tokens, y = _ops._output(x, n_sel)
     status = kernel(
         w._raw_ptr,
         w._raw_stride,
@@ -135,12 +130,7 @@ def rows_axpy(h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None) -> torch.
         h = h.to(torch.float32).contiguous()
     if n_sel == 0:  # an empty idx may have no data pointer (NULL would mean "all rows")
         return torch.zeros(*h.shape[:-1], n_out, dtype=torch.float32)
-    if h.dim() == 2:
-        n_tokens = h.shape[0]
-        y = torch.empty(n_tokens, n_out, dtype=torch.float32)
-    else:
-        n_tokens = 1
-        y = torch.empty(n_out, dtype=torch.float32)
+    n_tokens, y = _ops._output(h, n_out)
     status = kernel(
         w_t._raw_ptr,
         w_t._raw_stride,
