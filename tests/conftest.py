@@ -169,11 +169,14 @@ def write_llama_gguf(
     skip_keys: tuple[str, ...] = (),
     predictors: dict[str, np.ndarray] | None = None,
     threshold: float | None = None,
+    ffn_dtype: GGMLType | None = None,
 ) -> Path:
     """Write Llama weights (transformers names) as a llama.cpp GGUF (q/k permuted, 1-D tensors F32).
 
     With `predictors` the file is a PowerInfer GGUF: magic PWRI, ffn_down_t instead of ffn_down, fc1/fc2.
+    `ffn_dtype` (default `dtype`) is the type of the FFN gate/up/down matrices.
     """
+    ffn_dtype = dtype if ffn_dtype is None else ffn_dtype
     n_vocab, n_embd = sd["model.embed_tokens.weight"].shape
     n_layer = sum(1 for k in sd if k.endswith("input_layernorm.weight"))
     n_ff = sd["model.layers.0.mlp.gate_proj.weight"].shape[0]
@@ -220,16 +223,18 @@ def write_llama_gguf(
         w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], dtype)
         w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], dtype)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], dtype)
-        w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], dtype)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], ffn_dtype)
+        w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"], ffn_dtype)
         if sparse:
             w.add_tensor(
-                f"blk.{i}.ffn_down_t.weight", np.ascontiguousarray(sd[p + "mlp.down_proj.weight"].T), dtype
+                f"blk.{i}.ffn_down_t.weight",
+                np.ascontiguousarray(sd[p + "mlp.down_proj.weight"].T),
+                ffn_dtype,
             )
             w.add_tensor(f"blk.{i}.fc1.weight", predictors[f"blk.{i}.fc1.weight"], dtype)
             w.add_tensor(f"blk.{i}.fc2.weight", predictors[f"blk.{i}.fc2.weight"], dtype)
         else:
-            w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], dtype)
+            w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"], ffn_dtype)
     w.write()
     return path
 

@@ -27,9 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from powerinfer.errors import PlacementError
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import reference
-from powerinfer.quant import KERNEL_TYPES, row_bytes
+from powerinfer.quant import KERNEL_TYPES, POOL_TYPES, row_bytes
 
 __all__ = [
     "DeviceWeight",
@@ -293,41 +294,117 @@ def _check_status(status: int, op: str) -> None:
     raise ValueError(f"{op}: kernel rejected the arguments (status {status})")
 
 
+_BACKENDS = ("kernels", "triton")
+_triton_quant: Any = None  # powerinfer.ops.triton_quant once a Triton weight was made
+
+
+def _load_triton() -> Any:
+    """The Triton kernels module (imported on first use: only a CUDA pool, or a test, needs triton)."""
+    global _triton_quant
+    if _triton_quant is None:
+        try:
+            from powerinfer.ops import triton_quant
+        except ImportError as e:
+            raise PlacementError(
+                f"the CUDA pool computes on quantized weights with Triton kernels, but triton cannot be "
+                f"imported ({e}); install it (pip install 'powerinfer[cuda]'; CUDA builds of torch ship it)"
+            ) from e
+        _triton_quant = triton_quant
+    return _triton_quant
+
+
 @dataclass(frozen=True, eq=False)
 class DeviceWeight:
-    """A weight materialised once on a compute device (the GPU pool, or the CPU standing in for it).
+    """A weight, or some of its rows, kept on a compute device (the GPU pool, or the CPU standing in for it)
+    in the file's own block format: no dequantised copy is resident, blocks are decoded inside the kernels.
 
-    tensor: (N, K) float16 on CUDA, float32 on the CPU stand-in. `linear` runs on the weight's device and
-    returns its result there; the caller moves activations between devices.
+    raw: uint8 (N, row_bytes) on the device, the ggml blocks of the rows (n_bytes = what the planner
+    budgets, `quant.pool_bytes`). Types outside `quant.POOL_TYPES` are stored as F16 blocks.
+    backend: "kernels" (CPU stand-in: the C kernels through a QWeight over raw) or "triton" (CUDA; the
+    kernels of powerinfer.ops.triton_quant, which the Triton interpreter also runs on CPU tensors in tests).
+    `linear` (y = x @ W.T) and `axpy` (y = h @ W) run on the weight's device and return float32 there; they
+    move their input to that device.
     """
 
-    tensor: torch.Tensor
-    ggml_type: None = None
+    raw: torch.Tensor
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    backend: str = "kernels"
+    _host: QWeight | None = field(default=None, init=False, repr=False)  # the C kernels' view of raw
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ggml_type", GGMLType(self.ggml_type))
+        object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        expected = (self.shape[0], row_bytes(self.ggml_type, self.shape[1]))
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != expected:
+            raise ValueError(
+                f"raw must be uint8 {expected} for a {self.ggml_type.name} weight of shape {self.shape}, "
+                f"got {self.raw.dtype} {tuple(self.raw.shape)}"
+            )
+        if self.backend == "kernels":
+            # raises unless raw is a CPU tensor with contiguous rows; keeps raw alive with the weight
+            object.__setattr__(self, "_host", QWeight(self.raw, self.ggml_type, self.shape))
+        else:
+            if self.ggml_type not in _load_triton().SUPPORTED_TYPES:
+                raise ValueError(f"no Triton kernel for {self.ggml_type.name} weights")
 
     @classmethod
-    def from_qweight(cls, w: QWeight, device: torch.device) -> DeviceWeight:
-        """Decode every row of w once and copy it to `device`."""
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-        rows = get_rows(w, torch.arange(w.shape[0], dtype=torch.int64))  # (N, K)
-        return cls(rows.to(device=device, dtype=dtype))
+    def from_qweight(
+        cls,
+        w: QWeight,
+        device: torch.device,
+        rows: torch.Tensor | None = None,
+        backend: str | None = None,
+    ) -> DeviceWeight:
+        """Copy the raw blocks of `rows` of w (int64 ids; None = all rows) to `device`.
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (int(self.tensor.shape[0]), int(self.tensor.shape[1]))
+        Rows are gathered from the memory-mapped bytes with one index op; types outside POOL_TYPES are
+        decoded to F16 blocks first. backend None: "triton" on CUDA, "kernels" on the CPU.
+        """
+        device = torch.device(device)
+        if backend is None:
+            backend = "triton" if device.type == "cuda" else "kernels"
+        if backend == "triton":
+            _load_triton()
+        ids = None if rows is None else rows.to(device="cpu", dtype=torch.int64).reshape(-1)
+        n_rows = w.shape[0] if ids is None else int(ids.shape[0])
+        if w.ggml_type in POOL_TYPES:
+            ggml_type = w.ggml_type
+            raw = w.raw.clone() if ids is None else w.raw[ids]  # (n_rows, row_bytes), a contiguous copy
+        else:
+            ggml_type = GGMLType.F16
+            every = torch.arange(w.shape[0], dtype=torch.int64) if ids is None else ids
+            raw = get_rows(w, every).to(torch.float16).view(torch.uint8)  # (n_rows, 2 K)
+        return cls(raw.to(device), ggml_type, (n_rows, w.shape[1]), backend)
 
     @property
     def device(self) -> torch.device:
-        return self.tensor.device
+        return self.raw.device
 
     @property
     def n_bytes(self) -> int:
-        return self.tensor.nbytes
+        return self.raw.nbytes
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x @ W.T: x (..., K) -> (..., N) float32 on the weight's device."""
+        host = self._host
+        if host is not None:
+            return linear(x.to("cpu"), host)
+        x = x.to(self.raw.device, non_blocking=True)
+        return _triton_quant.matmul(x, self.raw, self.ggml_type, self.shape[1])
+
+    def axpy(self, h: torch.Tensor) -> torch.Tensor:
+        """y = h @ W (W holds transposed rows, e.g. ffn_down_t): h (..., N) -> (..., K) float32 on the device."""
+        host = self._host
+        if host is not None:
+            return _sparse.rows_axpy(h.to("cpu"), host, None)
+        h = h.to(self.raw.device, non_blocking=True)
+        return _triton_quant.axpy(h, self.raw, self.ggml_type, self.shape[1])
 
 
-def _linear_fallback(x: torch.Tensor, w: QWeight | DeviceWeight) -> torch.Tensor:
-    if isinstance(w, DeviceWeight):
-        t = w.tensor
-        return (x.to(device=t.device, dtype=t.dtype) @ t.T).float()
+def _linear_fallback(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     if w.ggml_type in KERNEL_TYPES:
         return reference.linear(x, w)
     return x.to(torch.float32) @ _dense_cached(w).to(x.device).T
@@ -339,6 +416,8 @@ def linear(x: torch.Tensor, w: QWeight | DeviceWeight) -> torch.Tensor:
     A DeviceWeight computes on its own device and returns the result there.
     """
     # lean path: about 200 calls per token, so every attribute access here counts
+    if type(w) is DeviceWeight:
+        return w.linear(x)
     n_rows, n_cols = w.shape
     kernel = _settings.matmul.get(w.ggml_type)
     if kernel is None or not x.is_cpu:
@@ -395,3 +474,7 @@ def get_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
     if status:
         _check_status(status, "get_rows")
     return y if ids.dim() == 1 else y.view(*ids.shape, n_cols)
+
+
+# the sparse ops use this module's settings and helpers, so they are imported once it is complete
+from powerinfer.ops import sparse as _sparse  # noqa: E402

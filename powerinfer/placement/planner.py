@@ -16,6 +16,7 @@ from powerinfer.errors import FormatError, PlacementError
 from powerinfer.gguf import GGUFFile, TensorNames
 from powerinfer.placement.gpu_index import GPUIndex, gpu_index_matches_budget
 from powerinfer.placement.stats import check_stats
+from powerinfer.quant import pool_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class ModelFootprint:
 
     `neuron_bytes[l]`: bytes of one FFN neuron of layer l on the GPU (gate row + up row + down_t row, from
     the real tensor types and shapes). `attn`, `pred`, `ffn_io`, `output`: dense tensors in offload order.
+    Sizes are what the device pool stores: the file's own blocks (`quant.pool_bytes`; F16 for the few types
+    the pool does not compute on).
     """
 
     n_ff: int
@@ -84,7 +87,7 @@ class ModelFootprint:
 
 
 def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootprint:
-    """Read the byte sizes of a sparse (PWRI) model's tensors from its tensor table."""
+    """Read the pool byte sizes of a sparse (PWRI) model's tensors from its tensor table."""
     tensors = gguf.tensors
 
     def present(template: str, bid: int | None = None) -> list[DenseTensor]:
@@ -92,7 +95,8 @@ def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootpri
         for kind in ("weight", "bias"):
             name = template.format(bid=bid) + "." + kind
             if name in tensors:
-                out.append(DenseTensor(name, tensors[name].n_bytes))
+                info = tensors[name]
+                out.append(DenseTensor(name, pool_bytes(info.ggml_type, info.shape)))
         return out
 
     def per_layer(suffixes: tuple[str, ...]) -> tuple[DenseTensor, ...]:
@@ -117,7 +121,7 @@ def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootpri
             info = tensors[name]
             if n_ff not in info.shape:
                 raise FormatError(f"{gguf.path}: tensor {name} shape {info.shape} lacks the FFN size {n_ff}")
-            total += -(-info.n_bytes // n_ff)  # ceil: byte share of one neuron
+            total += -(-pool_bytes(info.ggml_type, info.shape) // n_ff)  # ceil: byte share of one neuron
         neuron_bytes.append(total)
     output = tuple(present("output_norm") + present("output"))
     return ModelFootprint(

@@ -27,6 +27,9 @@ QUANTIZABLE = frozenset(
 )
 # types our CPU kernels compute on directly (no dequantised copy)
 KERNEL_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+# types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks; a tensor of any
+# other type is decoded to F16 there
+POOL_TYPES = KERNEL_TYPES
 
 
 def block_size(ggml_type: GGMLType) -> tuple[int, int]:
@@ -45,6 +48,19 @@ def row_bytes(ggml_type: GGMLType, n_cols: int) -> int:
             f"row length {n_cols} is not a multiple of the {ggml_type.name} block size {block_elems}"
         )
     return n_cols // block_elems * block_bytes
+
+
+def pool_type(ggml_type: GGMLType) -> GGMLType:
+    """The type a tensor of `ggml_type` has in the device pool: its own for POOL_TYPES, else F16."""
+    ggml_type = GGMLType(ggml_type)
+    return ggml_type if ggml_type in POOL_TYPES else GGMLType.F16
+
+
+def pool_bytes(ggml_type: GGMLType, shape: tuple[int, ...]) -> int:
+    """Bytes a tensor of `shape` (row-major, rows of shape[-1] elements) and `ggml_type` takes in the pool."""
+    n_cols = int(shape[-1]) if shape else 1
+    n_rows = int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1
+    return n_rows * row_bytes(pool_type(ggml_type), n_cols)
 
 
 def dequantize(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...]) -> np.ndarray:

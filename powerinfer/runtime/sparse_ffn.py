@@ -54,23 +54,33 @@ class SparseStats:
 
 
 class HotRows:
-    """The pool part of one layer: hot neurons' gate/up/down_t rows, contiguous on `device`."""
+    """The pool part of one layer: hot neurons' gate/up/down_t rows, contiguous on `device`.
+
+    The rows stay in the file's block format (ops.DeviceWeight): on the CPU stand-in the C kernels compute
+    on them, on CUDA the Triton kernels, both decoding blocks in registers. So the pool takes exactly the
+    bytes the planner budgeted for these neurons (`n_bytes`).
+    """
 
     def __init__(
-        self, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight, ids: np.ndarray, device: torch.device
+        self,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down_t: ops.QWeight,
+        ids: np.ndarray,
+        device: torch.device,
+        backend: str | None = None,
     ) -> None:
         self.device = device
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # (k,) neuron ids, ascending
-        dtype = torch.float16 if device.type == "cuda" else torch.float32
-        # only the hot rows are decoded and copied: no second full copy of the FFN on the device
-        self.gate = ops.get_rows(gate, self.ids).to(device=device, dtype=dtype)  # (k, D)
-        self.up = ops.get_rows(up, self.ids).to(device=device, dtype=dtype)  # (k, D)
-        self.down_t = ops.get_rows(down_t, self.ids).to(device=device, dtype=dtype)  # (k, D)
+        # only the hot rows' blocks are copied: no second full copy of the FFN on the device
+        self.gate = ops.DeviceWeight.from_qweight(gate, device, self.ids, backend)  # (k, D)
+        self.up = ops.DeviceWeight.from_qweight(up, device, self.ids, backend)  # (k, D)
+        self.down_t = ops.DeviceWeight.from_qweight(down_t, device, self.ids, backend)  # (k, D)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def n_bytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down_t.nbytes
+        return self.gate.n_bytes + self.up.n_bytes + self.down_t.n_bytes
 
     def launch(self, u: torch.Tensor, active: torch.Tensor, relu_up: bool) -> torch.Tensor:
         """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
@@ -84,11 +94,10 @@ class HotRows:
             return y.to("cpu", non_blocking=True)
 
     def _compute(self, u: torch.Tensor, active: torch.Tensor, relu_up: bool) -> torch.Tensor:
-        u = u.to(self.gate.dtype)
-        g = u @ self.gate.T  # (T, k)
-        up = u @ self.up.T
-        h = F.relu(g) * (F.relu(up) if relu_up else up) * active
-        return (h @ self.down_t).float()  # (T, D)
+        g = self.gate.linear(u)  # (T, k) float32
+        up = self.up.linear(u)
+        h = F.relu(g).mul_(F.relu(up) if relu_up else up).mul_(active)
+        return self.down_t.axpy(h)  # (T, D) float32
 
     def wait(self) -> None:
         if self.stream is not None:

@@ -1,0 +1,202 @@
+"""The device pool keeps weights in the file's block format: bytes as budgeted, same logits, ~3.5x the neurons
+of F16 per budget for Q4_0; and the Triton kernels of the CUDA pool, run here by the Triton interpreter."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+
+from powerinfer import ops
+from powerinfer.errors import PlacementError
+from powerinfer.gguf import GGMLType, read_gguf
+from powerinfer.ops import sparse as sparse_ops
+from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes, planner
+from powerinfer.quant import pool_bytes, quantize, row_bytes
+from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.sparse_ffn import HotRows
+
+TESTS = Path(__file__).resolve().parent
+N_FF = 128
+TOKENS = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
+POOL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16, GGMLType.F32]
+# exact-mode C kernels decode blocks to the reference floats: pool and CPU differ in summation order only
+LOGIT_TOL = 1e-4
+KV_BYTES = kv_cache_bytes(2, 64, 64, 4)  # the engines below: 2 layers, n_ctx 64, 64 KV features, float32
+
+
+def _model(folder: Path, dtype: GGMLType, n_ff: int = N_FF, ffn_dtype: GGMLType | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    sd = random_llama_state(n_ff=n_ff, seed=4)
+    path = write_llama_gguf(
+        folder / "m.powerinfer.gguf",
+        sd,
+        n_head=4,
+        n_head_kv=4,
+        dtype=dtype,
+        ffn_dtype=ffn_dtype,
+        act="relu",
+        predictors=random_predictors(sd),
+    )
+    write_activation_stats(folder / "activation", 2, n_ff)
+    return path
+
+
+def _weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
+    w = np.random.default_rng(seed).normal(0, 1, (n_rows, n_cols)).astype(np.float32)
+    return ops.QWeight.from_numpy(quantize(w, ggml_type), ggml_type, (n_rows, n_cols))
+
+
+@pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)
+def test_device_weight_keeps_the_raw_blocks(ggml_type):
+    w = _weight(ggml_type, 70, 96)
+    ids = torch.tensor([3, 0, 69, 17, 18], dtype=torch.int64)
+    dw = ops.DeviceWeight.from_qweight(w, torch.device("cpu"), ids)
+    assert dw.ggml_type == ggml_type and dw.shape == (5, 96) and dw.raw.dtype == torch.uint8
+    assert torch.equal(dw.raw, w.raw[ids])  # the file's bytes of those rows
+    assert dw.n_bytes == 5 * row_bytes(ggml_type, 96) == pool_bytes(ggml_type, (5, 96))
+    x = torch.randn(3, 96)
+    assert torch.equal(ops.linear(x, dw), sparse_ops.rows_matmul(x, w, ids))
+    h = torch.randn(3, 5)
+    assert torch.allclose(dw.axpy(h), sparse_ops.rows_axpy(h, w, ids), rtol=1e-6, atol=1e-6)
+    whole = ops.DeviceWeight.from_qweight(w, "cpu")
+    assert torch.equal(whole.raw, w.raw) and whole.raw.data_ptr() != w.raw.data_ptr()  # a copy
+    assert torch.equal(ops.linear(x, whole), ops.linear(x, w))
+
+
+def test_other_types_are_stored_as_f16_and_budgeted_so():
+    w = _weight(GGMLType.Q5_0, 9, 64)
+    dw = ops.DeviceWeight.from_qweight(w, "cpu", torch.tensor([2, 4]))
+    assert dw.ggml_type == GGMLType.F16 and dw.n_bytes == 2 * 64 * 2 == pool_bytes(GGMLType.Q5_0, (2, 64))
+    assert torch.equal(
+        dw.raw.view(torch.float16).float(), ops.get_rows(w, torch.tensor([2, 4])).half().float()
+    )
+
+
+def test_cuda_pool_without_triton_is_a_placement_error(monkeypatch):
+    monkeypatch.setattr(ops, "_triton_quant", None)
+    monkeypatch.setitem(sys.modules, "powerinfer.ops.triton_quant", None)  # makes the import fail
+    with pytest.raises(PlacementError, match="triton"):
+        ops.DeviceWeight.from_qweight(_weight(GGMLType.Q4_0, 4, 32), torch.device("cuda"))
+
+
+def test_the_cpu_package_does_not_import_triton():
+    code = (
+        "import sys; import powerinfer.cli, powerinfer.runtime.engine; "
+        "assert 'triton' not in sys.modules and 'powerinfer.ops.triton_quant' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def _device_weights(engine: Engine) -> dict[str, ops.DeviceWeight]:
+    out = {}
+    for bid, layer in enumerate(engine.model.layers):
+        for attr, name in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")):
+            out[f"blk.{bid}.{name}.weight"] = getattr(layer, attr)
+        ffn = engine.model.ffns[bid]
+        out[f"blk.{bid}.fc1.weight"], out[f"blk.{bid}.fc2.weight"] = ffn.fc1, ffn.fc2
+    out["output.weight"] = engine.model.output
+    return out
+
+
+@pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_stand_in_pool_bytes_are_the_budgeted_bytes_and_logits_match(tmp_path, ggml_type, share):
+    """The whole dense part and all (or half) of the FFN in the CPU stand-in pool, planned from a budget."""
+    path = _model(tmp_path, ggml_type)
+    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    fp = footprint_from_gguf(read_gguf(path), 2, N_FF)
+    budget = default_reserve_bytes(fp) + fp.dense_bytes + KV_BYTES + int(share * fp.ffn_bytes) + 1
+    engine = Engine(
+        path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+    )
+    p = engine.placement
+    assert p is not None and p.kv_on_gpu and p.total_bytes <= p.budget_bytes
+    # every planned matrix sits in the pool as the file's bytes, nothing decoded
+    dense = _device_weights(engine)
+    for name, w in dense.items():
+        assert isinstance(w, ops.DeviceWeight) and name in p.gpu_tensors, name
+        assert w.raw.dtype == torch.uint8 and w.ggml_type == ggml_type
+        assert w.n_bytes == engine.gguf.tensors[name].n_bytes == pool_bytes(ggml_type, w.shape), name
+    # the hot rows take exactly what the planner budgeted for them
+    hot = [f.hot for f in engine.model.ffns]
+    assert all(h is not None for h in hot)
+    for h, neuron_bytes in zip(hot, fp.neuron_bytes, strict=True):
+        assert h.n_bytes == h.ids.numel() * neuron_bytes
+        assert h.gate.raw.dtype == torch.uint8 and h.gate.ggml_type == ggml_type
+    assert sum(h.n_bytes for h in hot) == p.bytes_by_category["ffn"]
+    assert sum(h.ids.numel() for h in hot) == int(share * 2 * N_FF)
+    diff = (engine.logits_all(TOKENS) - ref).abs().max().item()
+    assert diff <= LOGIT_TOL, diff
+
+
+def test_a_budget_holds_3_5x_more_q4_0_neurons_than_f16(tmp_path, monkeypatch):
+    """Same budget, same dense part (F16), FFN in Q4_0 or F16: the pool holds ~3.56x the neurons (108 vs
+    384 bytes each at n_embd 64). The compute reserve, which the planner scales with the model's size, is fixed
+    so that both files leave exactly the same bytes to the FFN; the budget binds (well below n_layer x n_ff)."""
+    monkeypatch.setattr(planner, "default_reserve_bytes", lambda footprint: 64 * 1024)
+    n_ff, ffn_budget = 4096, 256 * 1024
+    held = {}
+    for ffn_type in (GGMLType.F16, GGMLType.Q4_0):
+        path = _model(tmp_path / ffn_type.name, GGMLType.F16, n_ff=n_ff, ffn_dtype=ffn_type)
+        fp = footprint_from_gguf(read_gguf(path), 2, n_ff)
+        budget = 64 * 1024 + fp.dense_bytes + KV_BYTES + ffn_budget + 1
+        engine = Engine(
+            path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+        )
+        p = engine.placement
+        assert p is not None and ffn_budget <= p.ffn_budget_bytes <= ffn_budget + 1
+        n_hot = sum(f.hot.ids.numel() for f in engine.model.ffns if f.hot is not None)
+        pool = sum(f.hot.n_bytes for f in engine.model.ffns if f.hot is not None)
+        assert n_hot == p.n_gpu_neurons and pool == p.bytes_by_category["ffn"] <= ffn_budget
+        assert n_hot < 2 * n_ff  # the budget binds, not the model's size
+        held[ffn_type] = n_hot
+    ratio = held[GGMLType.Q4_0] / held[GGMLType.F16]
+    assert 3.3 <= ratio <= 384 / 108 + 0.1, held
+
+
+def test_pool_bytes_for_the_same_neurons(tmp_path):
+    """The same hot neurons take 3.56x fewer pool bytes at Q4_0 than at F16 (7.1x fewer than the float32 rows
+    the stand-in used to decode)."""
+    ids = np.arange(0, N_FF, 2)
+    n_bytes = {}
+    for ggml_type in (GGMLType.F16, GGMLType.Q4_0):
+        engine = Engine(_model(tmp_path / ggml_type.name, ggml_type), EngineOptions(n_ctx=64, n_threads=2))
+        ffn = engine.model.ffns[0]
+        n_bytes[ggml_type] = HotRows(ffn.gate, ffn.up, ffn.down_t, ids, torch.device("cpu")).n_bytes
+    assert n_bytes[GGMLType.F16] == len(ids) * 3 * 64 * 2
+    assert n_bytes[GGMLType.Q4_0] == len(ids) * 3 * 2 * 18
+    assert n_bytes[GGMLType.F16] / n_bytes[GGMLType.Q4_0] == pytest.approx(384 / 108)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_kernels_in_the_interpreter():
+    """The CUDA pool's kernels (Q4_0, Q4_1, Q8_0, F16, F32; odd N, K 32..2048, T 1/3/17, split sums) and a whole
+    model with every pool weight on the Triton path, run on the CPU by TRITON_INTERPRET=1 (see the script)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "triton_interpret_check.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["failures"], report["failures"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = report["kernels"]
+    assert {k[0] for k in kernels} == {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
+    assert {k[4] for k in kernels} == {1, 3, 17} and {k[3] for k in kernels} >= {32, 64, 96, 2048}
+    assert max(k[-1] for k in kernels) < 1e-5
+    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q8_0", "F16"}
+    assert max(report["engine"].values()) < 1e-4

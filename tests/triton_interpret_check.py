@@ -1,0 +1,136 @@
+"""Checks of the pool's Triton kernels on the CPU, through the Triton interpreter (not a test file itself).
+
+tests/test_device_quant.py runs this script in a subprocess with TRITON_INTERPRET=1 (the variable must be set
+before triton is imported, so it cannot run inside the pytest process). It prints one JSON object:
+  {"kernels": [[type, op, N, K, T, n_split, rel_err], ...], "engine": {type: max |logit diff|}, "failures": [...]}
+and exits 1 when a check fails. rel_err is max |y - ref| / max |ref| against the float64 product of the
+reference dequantisation of the same raw blocks; the kernels sum in float32, so it must stay below REL_TOL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REL_TOL = 1e-5  # float32 accumulation over K <= 2048 terms (observed ~2e-7)
+LOGIT_TOL = 1e-4  # whole model, Triton pool vs the all-CPU engine (same tolerance as the C stand-in)
+
+
+def check_kernels(failures: list[str]) -> list[list]:
+    from powerinfer.gguf.constants import GGMLType
+    from powerinfer.ops import triton_quant
+    from powerinfer.quant import dequantize, quantize
+
+    rng = np.random.default_rng(0)
+    out = []
+    # N not a multiple of the row tile (32/64), K from one block up; F16/F32 rows also of odd length
+    shapes = [(37, 32), (5, 64), (70, 96), (33, 2048)]
+    cases = [(t, n, k) for t in triton_quant.SUPPORTED_TYPES for n, k in shapes]
+    cases += [(GGMLType.F16, 9, 40), (GGMLType.F32, 9, 24)]
+    for ggml_type, n_rows, n_cols in sorted(cases, key=lambda c: (c[0].value, c[1], c[2])):
+        w = rng.normal(0, 1, (n_rows, n_cols)).astype(np.float32)
+        w[0, :5] = 0.0  # zeros and a negative-zero scale somewhere
+        raw = torch.from_numpy(quantize(w, ggml_type))
+        dense = torch.from_numpy(dequantize(raw.numpy(), ggml_type, (n_rows, n_cols)).copy()).double()
+        big = n_cols == 2048  # the interpreter is slow there: one token, default split only
+        for T in (1,) if big else (1, 3, 17):
+            x = torch.randn(T, n_cols, dtype=torch.float64)
+            h = torch.randn(T, n_rows, dtype=torch.float64)
+            h[:, ::3] = 0.0  # inactive neurons
+            results = [("matmul", None, triton_quant.matmul(x.float(), raw, ggml_type, n_cols), x @ dense.T)]
+            for n_split in (None, 1, 2) if T == 3 else (None,):
+                y = triton_quant.axpy(h.float(), raw, ggml_type, n_cols, n_split=n_split)
+                results.append(("axpy", n_split, y, h @ dense))
+            if T == 3:  # fp16 activations are read and widened in the kernel
+                y = triton_quant.matmul(x.half(), raw, ggml_type, n_cols)
+                results.append(("matmul-f16x", None, y, x.half().double() @ dense.T))
+            for op, n_split, y, ref in results:
+                err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+                out.append([ggml_type.name, op, n_rows, n_cols, T, n_split, err])
+                if y.dtype != torch.float32 or tuple(y.shape) != tuple(ref.shape) or not err < REL_TOL:
+                    failures.append(f"{ggml_type.name} {op} N={n_rows} K={n_cols} T={T}: {err:.3g}")
+    return out
+
+
+def check_engine(failures: list[str]) -> dict[str, float]:
+    """A whole model with every pool weight (attention, predictors, output, hot rows) on the Triton path."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+
+    from powerinfer import ops
+    from powerinfer.gguf import GGMLType, read_gguf
+    from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes
+    from powerinfer.runtime.engine import Engine, EngineOptions
+    from powerinfer.runtime.sparse_ffn import HotRows
+
+    def to_triton(w):
+        if isinstance(w, ops.DeviceWeight):
+            return ops.DeviceWeight(w.raw, w.ggml_type, w.shape, backend="triton")
+        return w
+
+    tokens = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ggml_type in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16):
+            folder = Path(tmp) / ggml_type.name
+            folder.mkdir()
+            sd = random_llama_state(n_ff=128, seed=4)
+            path = write_llama_gguf(
+                folder / "m.powerinfer.gguf",
+                sd,
+                n_head=4,
+                n_head_kv=4,
+                dtype=ggml_type,
+                act="relu",
+                predictors=random_predictors(sd),
+            )
+            write_activation_stats(folder / "activation", 2, 128)
+            ref = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(tokens)
+            # a budget for the dense part and half of the FFN: hot and cold rows both in use
+            fp = footprint_from_gguf(read_gguf(path), 2, 128)
+            budget = (
+                default_reserve_bytes(fp) + fp.dense_bytes + kv_cache_bytes(2, 64, 64, 4) + fp.ffn_bytes // 2
+            )
+            engine = Engine(
+                path, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=budget / 2**30)
+            )
+            m = engine.model
+            for layer in m.layers:
+                for attr in ("wq", "wk", "wv", "wo"):
+                    setattr(layer, attr, to_triton(getattr(layer, attr)))
+            n_hot = 0
+            for f in m.ffns:
+                f.fc1, f.fc2 = to_triton(f.fc1), to_triton(f.fc2)
+                if f.hot is not None:
+                    f.hot = HotRows(f.gate, f.up, f.down_t, f.hot.ids.numpy(), f.hot.device, backend="triton")
+                    n_hot += f.hot.ids.numel()
+            m.output = to_triton(m.output)
+            if not 0 < n_hot < 2 * 128 or not isinstance(m.layers[0].wq, ops.DeviceWeight):
+                failures.append(f"engine {ggml_type.name}: unexpected placement ({n_hot} hot neurons)")
+            # prefill (T = 10, the tl.dot path) then decode steps (T = 1, broadcast path)
+            got = torch.cat([engine.logits_all(tokens[:7])] + [engine.logits_all([t]) for t in tokens[7:]])
+            err = (got - ref).abs().max().item()
+            out[ggml_type.name] = err
+            if not err < LOGIT_TOL:
+                failures.append(f"engine {ggml_type.name}: max |logit diff| {err:.3g}")
+    return out
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        print("run with TRITON_INTERPRET=1", file=sys.stderr)
+        return 2
+    failures: list[str] = []
+    report = {"kernels": check_kernels(failures), "engine": check_engine(failures), "failures": failures}
+    print(json.dumps(report))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
