@@ -1,14 +1,22 @@
-"""CUDA pool: the same sparse FFN with hot rows on a real GPU (skipped without one)."""
+"""CUDA pool: the same sparse FFN with hot rows on a real GPU (skipped without one).
+
+The pool keeps the file's blocks on the GPU and the Triton kernels (powerinfer.ops.triton_quant) decode them in
+registers, summing in float32 like the CPU stand-in's C kernels: the two agree up to summation order."""
 
 from __future__ import annotations
+
+import gc
 
 import numpy as np
 import pytest
 import torch
 from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
 
+from powerinfer import ops
 from powerinfer.gguf import GGMLType
-from powerinfer.placement import GPUIndex, write_gpu_index
+from powerinfer.ops import sparse as sparse_ops
+from powerinfer.placement import GPUIndex, footprint_from_gguf, write_gpu_index
+from powerinfer.quant import quantize
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 pytestmark = [
@@ -19,7 +27,33 @@ N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250]
 
 
-@pytest.mark.parametrize("dtype", [GGMLType.F16, GGMLType.Q4_0])
+POOL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16, GGMLType.F32]
+
+
+@pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize(("n_rows", "n_cols"), [(4103, 4096), (11008, 64), (37, 2048), (300, 96)])
+def test_triton_kernels_equal_the_c_kernels(ggml_type, n_rows, n_cols):
+    """y = x @ W.T and y = h @ W on the GPU (raw blocks) against the stand-in's C kernels on the same bytes."""
+    rng = np.random.default_rng(n_rows)
+    w = ops.QWeight.from_numpy(
+        quantize(rng.normal(0, 1, (n_rows, n_cols)).astype(np.float32), ggml_type),
+        ggml_type,
+        (n_rows, n_cols),
+    )
+    dw = ops.DeviceWeight.from_qweight(w, torch.device("cuda"))
+    assert dw.backend == "triton" and dw.raw.is_cuda and dw.n_bytes == w.raw.nbytes
+    for T in (1, 3, 17, 64, 200):
+        x = torch.randn(T, n_cols)
+        want = ops.linear(x, w)
+        got = ops.linear(x.cuda(), dw).cpu()
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), ("matmul", T)
+        h = torch.randn(T, n_rows) * (torch.rand(T, n_rows) < 0.3)
+        want = sparse_ops.rows_axpy(h, w, None)
+        got = dw.axpy(h.cuda()).cpu()
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), ("axpy", T)
+
+
+@pytest.mark.parametrize("dtype", POOL_TYPES, ids=lambda t: t.name)
 def test_cuda_pool_matches_cpu_stand_in(tmp_path, dtype):
     sd = random_llama_state(n_ff=N_FF, seed=1)
     path = write_llama_gguf(
@@ -35,15 +69,24 @@ def test_cuda_pool_matches_cpu_stand_in(tmp_path, dtype):
     index = tmp_path / "split.gpuidx"
     neurons = [np.sort(rng.choice(N_FF, 64, replace=False)).astype(np.int32) for _ in range(2)]
     write_gpu_index(index, GPUIndex.from_neurons(neurons, N_FF, 0))
-    logits = {}
+    logits, n_bytes = {}, {}
     for device in ("cpu", "cuda"):
         engine = Engine(
             path, EngineOptions(n_ctx=64, n_threads=2, pool_device=device, gpu_index_path=str(index))
         )
         assert all(f.hot.gate.device.type == device for f in engine.model.ffns)
-        logits[device] = engine.logits_all(TOKENS)
-    # the CUDA pool keeps fp16 rows: a small rounding difference is expected
-    assert (logits["cuda"] - logits["cpu"]).abs().max().item() < 2e-2
+        assert all(
+            f.hot.gate.raw.dtype == torch.uint8 and f.hot.gate.ggml_type == dtype for f in engine.model.ffns
+        )
+        n_bytes[device] = [f.hot.n_bytes for f in engine.model.ffns]
+        # a 16-token prefill (the kernels' tl.dot path), then decode steps (one token, broadcast path)
+        logits[device] = torch.cat(
+            [engine.logits_all(TOKENS * 2)] + [engine.logits_all([t]) for t in TOKENS[:4]]
+        )
+    fp = footprint_from_gguf(engine.gguf, 2, N_FF)
+    assert n_bytes["cuda"] == n_bytes["cpu"] == [64 * b for b in fp.neuron_bytes]
+    # both sum the same decoded floats in float32: only the summation order differs
+    assert (logits["cuda"] - logits["cpu"]).abs().max().item() < 1e-3
 
 
 def test_cuda_budget_plan(tmp_path):
@@ -62,4 +105,32 @@ def test_cuda_budget_plan(tmp_path):
     assert engine.placement is not None and engine.placement.total_bytes <= engine.placement.budget_bytes
     before = torch.cuda.memory_allocated()
     assert before <= engine.placement.budget_bytes
+    hot = [f.hot for f in engine.model.ffns if f.hot is not None]
+    assert sum(h.n_bytes for h in hot) == engine.placement.bytes_by_category["ffn"]
     assert engine.logits_all(TOKENS).isfinite().all()
+
+
+def test_cuda_q4_0_pool_memory_is_the_planned_bytes(tmp_path):
+    """All of a Q4_0 model's FFN in the pool: the GPU holds the blocks (18 bytes per 32 weights), not F16."""
+    sd = random_llama_state(n_ff=N_FF, seed=3)
+    path = write_llama_gguf(
+        tmp_path / "m.powerinfer.gguf",
+        sd,
+        n_head=4,
+        n_head_kv=4,
+        dtype=GGMLType.Q4_0,
+        act="relu",
+        predictors=random_predictors(sd),
+    )
+    index = tmp_path / "all.gpuidx"
+    write_gpu_index(index, GPUIndex.from_neurons([np.arange(N_FF, dtype=np.int32)] * 2, N_FF, 0))
+    gc.collect()  # earlier tests' engines must not be freed while this one is measured
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cuda", gpu_index_path=str(index)))
+    held = torch.cuda.memory_allocated() - before
+    planned = 2 * N_FF * footprint_from_gguf(engine.gguf, 2, N_FF).neuron_bytes[0]
+    assert planned == 2 * N_FF * 3 * 64 * 18 // 32
+    assert sum(f.hot.n_bytes for f in engine.model.ffns) == planned
+    # the caching allocator rounds each of the 6 blocks up to 512 bytes at most
+    assert planned <= held <= planned + 6 * 512

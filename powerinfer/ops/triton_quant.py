@@ -93,7 +93,7 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
     return lo, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # no recompiling for the divisibility of each new token count
 def _matmul_kernel(
     x_ptr,
     w_ptr,
@@ -141,7 +141,7 @@ def _matmul_kernel(
     tl.store(y, acc, mask=tok_mask[:, None] & row_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # no recompiling for the divisibility of each new token count
 def _axpy_kernel(
     h_ptr,
     w_ptr,
