@@ -2,7 +2,8 @@
 
 The planner (powerinfer.placement) only returns data; this module resolves the budget, reads or writes the
 cached GPU index, and materialises the planned tensors on the pool device: whole attention layers,
-predictors and the output head as DeviceWeight, the hot FFN rows through SparseFFN.
+predictors and the output head as DeviceWeight, the hot FFN rows through SparseFFN. Both keep the file's
+blocks (the bytes the planner budgeted); a CUDA pool computes on them with Triton kernels.
 """
 
 from __future__ import annotations
