@@ -119,6 +119,7 @@ def test_sparse_ffn_equals_masked_reference(tmp_path, dtype):
                 scale = want.abs().max().item() + 1e-6
                 assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * scale, (name, T)
                 # random masks: 0 %, ~10 %, ~60 %, 100 % active
+                ffn.fused_decode = False  # the fused decode kernel runs its own predictor
                 for p in (0.0, 0.1, 0.6, 1.0):
                     mask = torch.rand(T, N_FF, generator=gen) < p
                     ffn.predict = lambda _x, m=mask: m
@@ -186,3 +187,41 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
     )
     assert all(f.hot is None for f in off.model.ffns)
     assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in off.model.layers)
+
+
+@pytest.mark.parametrize("dtype", [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0])
+def test_fused_decode_equals_separate_steps(tmp_path, dtype):
+    """pi_predict_ffn (predictor + row selection + FFN in one call) == predict() then rows(), bit for bit."""
+    from powerinfer import ops
+    from powerinfer.ops import sparse as sparse_ops
+
+    path = _sparse_file(tmp_path, dtype, threshold=0.05)
+    gen = torch.Generator().manual_seed(3)
+    for threads in (1, 2):
+        engine = Engine(path, EngineOptions(n_ctx=64, n_threads=threads))
+        for ffn in engine.model.ffns:
+            for _ in range(4):
+                u, x = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)
+                fused = sparse_ops.predict_ffn(
+                    x, u, ffn.fc1, ffn.fc2, ffn.threshold, ffn.gate, ffn.up, ffn.down_t, ffn.relu_up
+                )
+                assert fused is not None
+                y, n_active, seconds = fused
+                idx = ffn.predict(x)[0].nonzero().view(-1)
+                assert 0 < n_active < N_FF and n_active == idx.numel() and seconds >= 0.0
+                assert torch.equal(y, ffn.rows(u, idx))
+                # through the layer, with its counters
+                before = int(engine.sparse_stats.active.sum())
+                ffn.fused_decode = True
+                via_layer = ffn(u, x)
+                assert int(engine.sparse_stats.active.sum()) - before == n_active
+                ffn.fused_decode = False
+                assert torch.equal(via_layer, y) and torch.equal(ffn(u, x), y)
+    # the kernel applies only in f32 precision: q8 falls back to the separate steps
+    previous = ops.set_activation_precision("q8")
+    try:
+        ffn = engine.model.ffns[0]
+        args = (ffn.fc1, ffn.fc2, ffn.threshold, ffn.gate, ffn.up, ffn.down_t, ffn.relu_up)
+        assert sparse_ops.predict_ffn(torch.randn(1, 64), torch.randn(1, 64), *args) is None
+    finally:
+        ops.set_activation_precision(previous)

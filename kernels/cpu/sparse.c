@@ -471,3 +471,108 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
     free(scratch);
     return PI_OK;
 }
+
+/* ---- predictor + fused decode FFN: one token, one parallel region --------------------------------------------- */
+
+/* out[n - n0] = W[n] . x for n in [n0, n1), ROWS_DOT_MAX consecutive rows per rows_dot call (the bits of
+ * pi_matmul_<type> with float activations at T = 1, whatever the grouping) */
+static void dense_rows_range(rows_dot_fn dot, const uint8_t *w, int64_t stride, int64_t n0, int64_t n1, int64_t K,
+                             const float *x, float *out) {
+    for (int64_t n = n0; n < n1; n += ROWS_DOT_MAX) {
+        const int R = (int)min_i64(ROWS_DOT_MAX, n1 - n);
+        const uint8_t *rows[ROWS_DOT_MAX];
+        for (int r = 0; r < R; r++) rows[r] = w + (n + r) * stride;
+        dot(rows, R, K, x, out + (n - n0));
+    }
+}
+
+/* pi_predict_ffn(x, u, K, D, N, fc1, fc1_stride, fc1_kind, rank, fc2, fc2_stride, fc2_kind, threshold, gate, ...,
+ *                up, ..., down_t, ..., relu_up, idx, n_active, predictor_seconds, y, threads):
+ * PowerInfer's predicted sparse FFN of one token with float activations, every neuron on the CPU:
+ *   s = fc2 . relu(fc1 . x),  idx = {n : s_n >= threshold} in increasing order (written to idx, count to
+ *   *n_active),  y = ffn_rows(u, gate, up, down_t, idx).
+ * Bit-identical to pi_matmul (fc1, fc2), torch's relu and >= on float32, nonzero, then pi_ffn_rows with
+ * q8_act = 0: the same rows_dot kernels, the same phases. idx must hold N entries. predictor_seconds (may be
+ * NULL) receives the wall time until the active list was complete. */
+PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int64_t D, int64_t N,
+                                 const uint8_t *fc1, int64_t fc1_stride, int32_t fc1_kind, int64_t rank,
+                                 const uint8_t *fc2, int64_t fc2_stride, int32_t fc2_kind, float threshold,
+                                 const uint8_t *gate, int64_t gate_stride, int32_t gate_kind, const uint8_t *up,
+                                 int64_t up_stride, int32_t up_kind, const uint8_t *down, int64_t down_stride,
+                                 int32_t down_kind, int32_t relu_up, int64_t *idx, int64_t *n_active,
+                                 double *predictor_seconds, float *y, int32_t n_threads) {
+    const double t_start = omp_get_wtime();
+    if (K < 0 || D < 0 || N < 0 || rank < 0 || idx == NULL || n_active == NULL) return PI_ERR_SHAPE;
+    const int32_t kinds[5] = {gate_kind, up_kind, down_kind, fc1_kind, fc2_kind};
+    const int64_t lens[5] = {K, K, D, K, rank};
+    for (int i = 0; i < 5; i++) {
+        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_F16) return PI_ERR_SHAPE;
+        if (kinds[i] <= KIND_Q8_0 && lens[i] % QK != 0) return PI_ERR_SHAPE;
+    }
+    const matmul_table *table = matmul_table_active();
+    const ffn_mat m1 = ffn_mat_of(table, fc1_kind, 0, fc1, fc1_stride, K);
+    const ffn_mat m2 = ffn_mat_of(table, fc2_kind, 0, fc2, fc2_stride, rank);
+    int32_t nt = threads_for_work(n_threads, N * (2 * K + D + rank));
+    /* scratch: z (rank), h (N), per-thread row lists (N pointers + N floats each), per-thread active counts */
+    const size_t z_bytes = ((size_t)rank * 4 + 63) & ~(size_t)63;
+    const size_t h_bytes = ((size_t)N * 4 + 63) & ~(size_t)63;
+    const size_t list_bytes = (((size_t)N * (sizeof(const uint8_t *) + sizeof(float))) + 63) & ~(size_t)63;
+    uint8_t *scratch = malloc(z_bytes + h_bytes + (size_t)nt * list_bytes + (size_t)(nt + 1) * sizeof(int64_t));
+    if (scratch == NULL) return PI_ERR_ALLOC;
+    float *z = (float *)scratch;
+    int64_t *counts = (int64_t *)(scratch + z_bytes + h_bytes + (size_t)nt * list_bytes);
+    act_q8 a = {0};
+    ffn_ctx c = {
+        .gate = ffn_mat_of(table, gate_kind, 0, gate, gate_stride, K),
+        .up = ffn_mat_of(table, up_kind, 0, up, up_stride, K),
+        .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .relu_up = relu_up != 0,
+        .h = (float *)(scratch + z_bytes),
+        .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
+                 .unit_bytes = unit_bytes_of(down_kind), .h = (float *)(scratch + z_bytes), .h_stride = 0, .T = 1,
+                 .y = y, .y_stride = D},
+        .kind_down = down_kind,
+    };
+    double t_pred = 0.0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+        const uint8_t **rows = (const uint8_t **)(scratch + z_bytes + h_bytes + (size_t)me * list_bytes);
+        /* fc1 and relu over this thread's rank rows */
+        const int64_t r0 = rank * me / all, r1 = rank * (me + 1) / all;
+        dense_rows_range(m1.dot, fc1, fc1_stride, r0, r1, K, x, z + r0);
+        for (int64_t r = r0; r < r1; r++) z[r] = relu_f(z[r]);
+#pragma omp barrier
+        /* fc2 and the threshold over this thread's neurons: ids into this thread's slice of idx */
+        const int64_t n0 = N * me / all, n1 = N * (me + 1) / all;
+        float *s = (float *)(rows + N); /* this thread's float list doubles as score buffer */
+        dense_rows_range(m2.dot, fc2, fc2_stride, n0, n1, rank, z, s);
+        int64_t n_here = 0;
+        for (int64_t n = n0; n < n1; n++)
+            if (s[n - n0] >= threshold) idx[n0 + n_here++] = n;
+        counts[me] = n_here;
+#pragma omp barrier
+#pragma omp single
+        {
+            /* compact the per-thread slices in thread (= index) order */
+            int64_t M = counts[0];
+            for (int64_t t = 1; t < all; t++) {
+                const int64_t src = N * t / all;
+                memmove(idx + M, idx + src, (size_t)counts[t] * sizeof(int64_t));
+                M += counts[t];
+            }
+            c.M = M;
+            c.down.M = M;
+            c.down.h_stride = M;
+            t_pred = omp_get_wtime() - t_start;
+        } /* implicit barrier */
+        ffn_phase1(&c, c.M * me / all, c.M * (me + 1) / all);
+#pragma omp barrier
+        ffn_phase2(&c, me, all, rows, (float *)(rows + N));
+    }
+    *n_active = c.M;
+    if (predictor_seconds != NULL) *predictor_seconds = t_pred;
+    if (c.M == 0)
+        for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
+    free(scratch);
+    return PI_OK;
+}

@@ -74,6 +74,13 @@ _SPARSE_ARGTYPES = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, 
 # ffn_rows (u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
 #           idx, M, relu_up, q8_act, y, n_threads)
 _FFN_ROWS_ARGTYPES = [_ptr, _i64, _i64, _i64] + [_ptr, _i64, _i32] * 3 + [_ptr, _i64, _i32, _i32, _ptr, _i32]
+# predict_ffn (x, u, K, D, N, fc1, fc1_stride, fc1_kind, rank, fc2, fc2_stride, fc2_kind, threshold,
+#              gate, gate_stride, gate_kind, up, .., down_t, .., relu_up, idx, n_active, predictor_seconds, y, n_threads)
+_PREDICT_FFN_ARGTYPES = (
+    [_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, ctypes.c_float]
+    + [_ptr, _i64, _i32] * 3
+    + [_i32, _ptr, _ptr, _ptr, _ptr, _i32]
+)
 # weight kind codes of pi_ffn_rows (enum axpy_kind in kernels/cpu/sparse.c)
 _FFN_KINDS: dict[GGMLType, int] = {
     GGMLType.Q4_0: 0,
@@ -116,6 +123,8 @@ class _Kernels:
             self.rows_axpy[ggml_type] = axpy
         self.ffn_rows = lib.pi_ffn_rows  # fused decode FFN over a row list (one token)
         self.ffn_rows.argtypes, self.ffn_rows.restype = _FFN_ROWS_ARGTYPES, _i32
+        self.predict_ffn = lib.pi_predict_ffn  # predictor + fused decode FFN (one token, float activations)
+        self.predict_ffn.argtypes, self.predict_ffn.restype = _PREDICT_FFN_ARGTYPES, _i32
         self.isa = lib.pi_kernels_isa
         self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
         self.set_isa = lib.pi_kernels_set_isa
@@ -154,6 +163,7 @@ class _Settings:
     rows_matmul: dict[GGMLType, Any] = field(default_factory=dict)
     rows_axpy: dict[GGMLType, Any] = field(default_factory=dict)
     ffn_rows: Any = None  # pi_ffn_rows while the kernels are on
+    predict_ffn: Any = None  # pi_predict_ffn while the kernels are on in f32 precision
     ffn_kinds: dict[GGMLType, int] = field(default_factory=dict)  # its weight kind codes (kernel types)
 
     def select(self, enabled: bool, act: str) -> None:
@@ -166,6 +176,7 @@ class _Settings:
         self.rows_matmul = dict(rows_matmul)
         self.rows_axpy = dict(_KERNELS.rows_axpy) if on else {}
         self.ffn_rows = _KERNELS.ffn_rows if on else None
+        self.predict_ffn = _KERNELS.predict_ffn if on and act == "f32" else None
         self.ffn_kinds = dict(_FFN_KINDS) if on else {}
 
 

@@ -18,6 +18,7 @@ not built, the first sparse op that falls back for that reason warns once.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from typing import TYPE_CHECKING
 
@@ -33,6 +34,7 @@ __all__ = [
     "decode_rows",
     "ffn_rows",
     "ffn_rows_ref",
+    "predict_ffn",
     "rows_axpy",
     "rows_axpy_ref",
     "rows_matmul",
@@ -203,3 +205,60 @@ def ffn_rows(
     if status:
         _ops._check_status(status, "ffn_rows")
     return y
+
+
+def predict_ffn(
+    x: torch.Tensor,
+    u: torch.Tensor,
+    fc1: QWeight,
+    fc2: QWeight,
+    threshold: float,
+    gate: QWeight,
+    up: QWeight,
+    down_t: QWeight,
+    relu_up: bool,
+) -> tuple[torch.Tensor, int, float] | None:
+    """Predictor and sparse FFN of one token in one kernel call; None where the kernel does not apply.
+
+    x (1, K) is the predictor's input (pre-norm residual), u (1, K) the FFN's. Returns y (1, D), the number of
+    active neurons and the predictor's share of the time in seconds. Bit-identical to
+    `ffn_rows(u, gate, up, down_t, nonzero(linear(relu(linear(x, fc1)), fc2) >= threshold))` in f32 precision;
+    applies only there, to kernel types, on the CPU.
+    """
+    kernel = _settings.predict_ffn
+    kinds = _settings.ffn_kinds
+    codes = [kinds.get(w.ggml_type) for w in (fc1, fc2, gate, up, down_t)]
+    if kernel is None or None in codes or not (x.is_cpu and u.is_cpu) or x.shape[0] != 1 or u.shape[0] != 1:
+        return None
+    n_rows, n_cols = gate.shape
+    rank = fc1.shape[0]
+    if (
+        fc1.shape[1] != n_cols
+        or fc2.shape != (n_rows, rank)
+        or up.shape != gate.shape
+        or down_t.shape[0] != n_rows
+    ):
+        raise ValueError(
+            f"predict_ffn: fc1 {fc1.shape}, fc2 {fc2.shape}, gate {gate.shape}, up {up.shape} and down_t "
+            f"{down_t.shape} do not match"
+        )
+    x = x.to(torch.float32).contiguous()
+    u = u.to(torch.float32).contiguous()
+    n_out = down_t.shape[1]
+    idx = torch.empty(n_rows, dtype=torch.int64)
+    y = torch.empty(1, n_out, dtype=torch.float32)
+    n_active = ctypes.c_int64()
+    seconds = ctypes.c_double()
+    status = kernel(
+        x.data_ptr(), u.data_ptr(), n_cols, n_out, n_rows,
+        fc1._raw_ptr, fc1._raw_stride, codes[0], rank,
+        fc2._raw_ptr, fc2._raw_stride, codes[1], threshold,
+        gate._raw_ptr, gate._raw_stride, codes[2],
+        up._raw_ptr, up._raw_stride, codes[3],
+        down_t._raw_ptr, down_t._raw_stride, codes[4],
+        bool(relu_up), idx.data_ptr(), ctypes.byref(n_active), ctypes.byref(seconds), y.data_ptr(),
+        _settings.n_threads,
+    )  # fmt: skip
+    if status:
+        _ops._check_status(status, "predict_ffn")
+    return y, int(n_active.value), float(seconds.value)

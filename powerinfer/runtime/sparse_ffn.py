@@ -128,6 +128,9 @@ class SparseFFN:
         self.stats = stats
         self.cpu_rows = torch.ones(self.n_ff, dtype=torch.bool)  # False where the pool owns the neuron
         self.hot: HotRows | None = None
+        # decode with every neuron on the CPU runs predictor + FFN as one kernel call (pi_predict_ffn, the same
+        # bits as predict() then rows()); False forces the separate steps (tests that replace predict())
+        self.fused_decode = True
         if gpu_ids is not None and len(gpu_ids) and device is not None:
             self.hot = HotRows(self.gate, self.up, self.down_t, gpu_ids, device)
             self.cpu_rows[self.hot.ids] = False
@@ -139,6 +142,32 @@ class SparseFFN:
 
     def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
         s = self.stats
+        if (
+            self.fused_decode
+            and self.hot is None
+            and x_norm.shape[0] == 1
+            and s.true_active is None
+            and isinstance(self.fc1, ops.QWeight)
+            and isinstance(self.fc2, ops.QWeight)
+        ):
+            # None where the kernel does not apply (q8 precision, non-kernel weight types)
+            fused = sparse_ops.predict_ffn(
+                x_residual,
+                x_norm,
+                self.fc1,
+                self.fc2,
+                self.threshold,
+                self.gate,
+                self.up,
+                self.down_t,
+                self.relu_up,
+            )
+            if fused is not None:
+                y, n_active, seconds = fused
+                s.predictor_ms += seconds * 1e3
+                s.tokens[self.bid] += 1
+                s.active[self.bid] += n_active
+                return y
         t0 = time.perf_counter()
         active = self.predict(x_residual)  # (T, n_ff)
         s.predictor_ms += (time.perf_counter() - t0) * 1e3
