@@ -68,6 +68,8 @@ def test_options_reach_the_library(monkeypatch, tmp_path):
             "--reset-gpu-index",
             "--disable-gpu-index",
             "--verbose-prompt",
+            "--act-precision",
+            "q8",
         ],
     )
     assert result.exit_code == 0, result.stderr
@@ -79,6 +81,7 @@ def test_options_reach_the_library(monkeypatch, tmp_path):
         n_ctx=128,
         n_batch=16,
         n_threads=3,
+        act_precision="q8",
         vram_budget_gib=2.5,
         n_gpu_layers=4,
         reset_gpu_index=True,
@@ -173,3 +176,16 @@ def test_small_batches_give_the_same_tokens(tiny_gguf: Path, n_batch: int):
     want = list(ref.generate(ids, Sampler(SamplingParams(temp=0)), n_predict=8, ignore_eos=True))
     eng = Engine(tiny_gguf, EngineOptions(n_ctx=64, n_batch=n_batch, n_threads=1))
     assert list(eng.generate(ids, Sampler(SamplingParams(temp=0)), n_predict=8, ignore_eos=True)) == want
+
+
+def test_engine_sets_the_activation_precision(tiny_gguf: Path):
+    from powerinfer import ops
+
+    previous = ops.set_activation_precision("f32")
+    try:
+        Engine(tiny_gguf, EngineOptions(n_ctx=16, act_precision="q8"))
+        assert ops.set_activation_precision("f32") == "q8"
+        Engine(tiny_gguf, EngineOptions(n_ctx=16))  # None: left as it is
+        assert ops.set_activation_precision("f32") == "f32"
+    finally:
+        ops.set_activation_precision(previous)

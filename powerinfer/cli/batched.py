@@ -12,6 +12,8 @@ import typer
 
 from powerinfer import ops
 from powerinfer.cli.common import (
+    ActPrecision,
+    ActPrecisionOpt,
     CtxOpt,
     LogDisableOpt,
     ModelOpt,
@@ -119,6 +121,7 @@ def batched(
         int | None, typer.Option("-n", "--n-len", help="Total tokens per sequence (prompt incl.).")
     ] = None,
     threads_: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads.")] = None,
+    act_precision: ActPrecisionOpt = ActPrecision.f32,
     vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="VRAM budget (GiB).")] = None,
     ctx_size: CtxOpt = 0,
     temp: Annotated[float, typer.Option("--temp")] = 0.4,
@@ -159,6 +162,7 @@ def batched(
                 n_ctx=ctx_size if ctx_size > 0 else length,
                 n_batch=max(length, parallel),
                 n_threads=n_threads,
+                act_precision=act_precision.value,
                 n_seq=parallel,
                 vram_budget_gib=resolve_vram_budget(budget),
                 pool_device=pool_device,

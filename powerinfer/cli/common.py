@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
@@ -30,6 +31,23 @@ ModelOpt = Annotated[
 CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = from the model).")]
 BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")]
 ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (<= 0: all cores).")]
+
+
+class ActPrecision(str, Enum):
+    """Activations of the quant matmuls (ops.set_activation_precision)."""
+
+    f32 = "f32"
+    q8 = "q8"
+
+
+ActPrecisionOpt = Annotated[
+    ActPrecision,
+    typer.Option(
+        "--act-precision",
+        help="Activations of the Q4_0/Q4_1/Q8_0 matmuls: f32 (exact) or q8 (int8 blocks like llama.cpp: "
+        "faster, not bit-comparable with float references).",
+    ),
+]
 SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]
 VramOpt = Annotated[
     float, typer.Option("--vram-budget", help="VRAM budget in GiB for the GPU pool (-1 = all free).")

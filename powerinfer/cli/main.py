@@ -13,6 +13,8 @@ import typer
 
 from powerinfer import ops
 from powerinfer.cli.common import (
+    ActPrecision,
+    ActPrecisionOpt,
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
@@ -173,6 +175,7 @@ def main(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
+    act_precision: ActPrecisionOpt = ActPrecision.f32,
     seed: SeedOpt = _D.seed,
     temp: TempOpt = _D.temp,
     top_k: TopKOpt = _D.top_k,
@@ -226,6 +229,7 @@ def main(
                 n_ctx=ctx_size,
                 n_batch=batch_size,
                 n_threads=threads(threads_),
+                act_precision=act_precision.value,
                 vram_budget_gib=resolve_vram_budget(vram_budget),
                 n_gpu_layers=n_gpu_layers,
                 reset_gpu_index=reset_gpu_index,

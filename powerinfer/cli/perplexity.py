@@ -20,6 +20,8 @@ from rich.progress import (
 
 from powerinfer import ops
 from powerinfer.cli.common import (
+    ActPrecision,
+    ActPrecisionOpt,
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
@@ -242,6 +244,7 @@ def perplexity_command(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
+    act_precision: ActPrecisionOpt = ActPrecision.f32,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ppl_stride: Annotated[
         int,
@@ -291,6 +294,7 @@ def perplexity_command(
                 n_ctx=n_ctx,
                 n_batch=min(batch_size, n_ctx),
                 n_threads=threads(threads_),
+                act_precision=act_precision.value,
                 vram_budget_gib=resolve_vram_budget(vram_budget),
                 reset_gpu_index=reset_gpu_index,
                 disable_gpu_index=disable_gpu_index,

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 
 from powerinfer.cli.common import (
+    ActPrecision,
+    ActPrecisionOpt,
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
@@ -50,6 +52,7 @@ def server(
     ] = 4,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
+    act_precision: ActPrecisionOpt = ActPrecision.f32,
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
     ] = -1,
@@ -119,6 +122,7 @@ def server(
                 n_batch=batch_size,
                 n_seq=parallel,
                 n_threads=threads(threads_),
+                act_precision=act_precision.value,
                 vram_budget_gib=resolve_vram_budget(vram_budget),
                 n_gpu_layers=n_gpu_layers,
                 reset_gpu_index=reset_gpu_index,

@@ -31,6 +31,8 @@ class EngineOptions:
     n_batch: int = 512
     n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
     n_threads: int | None = None
+    # activations of the quant matmuls: "f32" (exact) or "q8" (int8 blocks, llama.cpp's arithmetic); None: as set
+    act_precision: str | None = None
     vram_budget_gib: float | None = None
     n_gpu_layers: int = 0
     reset_gpu_index: bool = False
@@ -63,6 +65,8 @@ class Engine:
         o = self.options
         if o.n_threads is not None and o.n_threads > 0:
             ops.set_num_threads(o.n_threads)
+        if o.act_precision is not None:
+            ops.set_activation_precision(o.act_precision)
         self.gguf = read_gguf(model_path)
         self.model = load_model(self.gguf)
         self.config = self.model.config
