@@ -257,3 +257,29 @@ def hf_model():
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()
     return tok, model
+
+
+def write_relu_sparse_model(
+    path: Path,
+    *,
+    n_ff: int,
+    seed: int,
+    dtype: GGMLType = GGMLType.F32,
+    ffn_dtype: GGMLType | None = None,
+    stats: bool = False,
+) -> Path:
+    """A 2-layer ReLU PowerInfer GGUF (4 heads, random predictors), with activation/ beside it when `stats`."""
+    sd = random_llama_state(n_ff=n_ff, seed=seed)
+    write_llama_gguf(
+        path,
+        sd,
+        n_head=4,
+        n_head_kv=4,
+        dtype=dtype,
+        ffn_dtype=ffn_dtype,
+        act="relu",
+        predictors=random_predictors(sd),
+    )
+    if stats:
+        write_activation_stats(path.parent / "activation", 2, n_ff)
+    return path

@@ -10,7 +10,7 @@ import gc
 import numpy as np
 import pytest
 import torch
-from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+from conftest import write_activation_stats, write_relu_sparse_model
 
 from powerinfer import ops
 from powerinfer.gguf import GGMLType
@@ -55,16 +55,7 @@ def test_triton_kernels_equal_the_c_kernels(ggml_type, n_rows, n_cols):
 
 @pytest.mark.parametrize("dtype", POOL_TYPES, ids=lambda t: t.name)
 def test_cuda_pool_matches_cpu_stand_in(tmp_path, dtype):
-    sd = random_llama_state(n_ff=N_FF, seed=1)
-    path = write_llama_gguf(
-        tmp_path / "m.powerinfer.gguf",
-        sd,
-        n_head=4,
-        n_head_kv=4,
-        dtype=dtype,
-        act="relu",
-        predictors=random_predictors(sd),
-    )
+    path = write_relu_sparse_model(tmp_path / "m.powerinfer.gguf", n_ff=N_FF, seed=1, dtype=dtype)
     rng = np.random.default_rng(0)
     index = tmp_path / "split.gpuidx"
     neurons = [np.sort(rng.choice(N_FF, 64, replace=False)).astype(np.int32) for _ in range(2)]
@@ -90,15 +81,7 @@ def test_cuda_pool_matches_cpu_stand_in(tmp_path, dtype):
 
 
 def test_cuda_budget_plan(tmp_path):
-    sd = random_llama_state(n_ff=N_FF, seed=2)
-    path = write_llama_gguf(
-        tmp_path / "m.powerinfer.gguf",
-        sd,
-        n_head=4,
-        n_head_kv=4,
-        act="relu",
-        predictors=random_predictors(sd),
-    )
+    path = write_relu_sparse_model(tmp_path / "m.powerinfer.gguf", n_ff=N_FF, seed=2)
     write_activation_stats(tmp_path / "activation", 2, N_FF)
     engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, vram_budget_gib=0.01))
     assert engine.pool_device is not None and engine.pool_device.type == "cuda"
@@ -112,16 +95,7 @@ def test_cuda_budget_plan(tmp_path):
 
 def test_cuda_q4_0_pool_memory_is_the_planned_bytes(tmp_path):
     """All of a Q4_0 model's FFN in the pool: the GPU holds the blocks (18 bytes per 32 weights), not F16."""
-    sd = random_llama_state(n_ff=N_FF, seed=3)
-    path = write_llama_gguf(
-        tmp_path / "m.powerinfer.gguf",
-        sd,
-        n_head=4,
-        n_head_kv=4,
-        dtype=GGMLType.Q4_0,
-        act="relu",
-        predictors=random_predictors(sd),
-    )
+    path = write_relu_sparse_model(tmp_path / "m.powerinfer.gguf", n_ff=N_FF, seed=3, dtype=GGMLType.Q4_0)
     index = tmp_path / "all.gpuidx"
     write_gpu_index(index, GPUIndex.from_neurons([np.arange(N_FF, dtype=np.int32)] * 2, N_FF, 0))
     gc.collect()  # earlier tests' engines must not be freed while this one is measured

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+from conftest import write_relu_sparse_model
 
 from powerinfer import ops
 from powerinfer.errors import PlacementError
@@ -35,19 +35,8 @@ KV_BYTES = kv_cache_bytes(2, 64, 64, 4)  # the engines below: 2 layers, n_ctx 64
 
 def _model(folder: Path, dtype: GGMLType, n_ff: int = N_FF, ffn_dtype: GGMLType | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    sd = random_llama_state(n_ff=n_ff, seed=4)
-    path = write_llama_gguf(
-        folder / "m.powerinfer.gguf",
-        sd,
-        n_head=4,
-        n_head_kv=4,
-        dtype=dtype,
-        ffn_dtype=ffn_dtype,
-        act="relu",
-        predictors=random_predictors(sd),
-    )
-    write_activation_stats(folder / "activation", 2, n_ff)
-    return path
+    path = folder / "m.powerinfer.gguf"
+    return write_relu_sparse_model(path, n_ff=n_ff, seed=4, dtype=dtype, ffn_dtype=ffn_dtype, stats=True)
 
 
 def _weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:

@@ -61,7 +61,7 @@ def check_kernels(failures: list[str]) -> list[list]:
 def check_engine(failures: list[str]) -> dict[str, float]:
     """A whole model with every pool weight (attention, predictors, output, hot rows) on the Triton path."""
     sys.path.insert(0, str(Path(__file__).parent))
-    from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
+    from conftest import write_relu_sparse_model
 
     from powerinfer import ops
     from powerinfer.gguf import GGMLType, read_gguf
@@ -80,17 +80,9 @@ def check_engine(failures: list[str]) -> dict[str, float]:
         for ggml_type in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16):
             folder = Path(tmp) / ggml_type.name
             folder.mkdir()
-            sd = random_llama_state(n_ff=128, seed=4)
-            path = write_llama_gguf(
-                folder / "m.powerinfer.gguf",
-                sd,
-                n_head=4,
-                n_head_kv=4,
-                dtype=ggml_type,
-                act="relu",
-                predictors=random_predictors(sd),
+            path = write_relu_sparse_model(
+                folder / "m.powerinfer.gguf", n_ff=128, seed=4, dtype=ggml_type, stats=True
             )
-            write_activation_stats(folder / "activation", 2, 128)
             ref = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(tokens)
             # a budget for the dense part and half of the FFN: hot and cold rows both in use
             fp = footprint_from_gguf(read_gguf(path), 2, 128)

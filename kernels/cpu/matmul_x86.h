@@ -378,13 +378,23 @@ TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
  * chains per token, so one token alone (decode) is not bound by the FMA latency. */
 #define QF_ACC(parity, j) ((int)(((parity) * QF_V + (j)) & 3)) /* parity = block index & 1 */
 #define QF_REDUCE(a) VF_HSUM(VF_ADD(VF_ADD((a)[0], (a)[1]), VF_ADD((a)[2], (a)[3])))
+/* STEP(i, parity) over blocks 0..nb-1 in pairs, so that every accumulator index is a compile-time constant
+ * (registers, not memory) */
+#define QF_FOR_BLOCKS(nb, STEP)                  \
+    do {                                         \
+        int64_t i_ = 0;                          \
+        for (; i_ + 1 < (nb); i_ += 2) {         \
+            STEP(i_, 0);                         \
+            STEP(i_ + 1, 1);                     \
+        }                                        \
+        if (i_ < (nb)) STEP(i_, 0);              \
+    } while (0)
 
 TARGET_INLINE void FN(tile_qf_n)(const int kind, const int64_t block_bytes, const uint8_t *row, int64_t K,
                                  const float *x, int64_t x_stride, const int ntok, float *out) {
     const int64_t nb = K / QK;
     VF acc[QF_TILE][4];
     for (int t = 0; t < ntok; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = VF_ZERO();
-    /* blocks in pairs so that every accumulator index is a compile-time constant (registers, not memory) */
 #define QF_TILE_BLOCK(i, parity)                                                                                 \
     do {                                                                                                         \
         VF w[QF_V];                                                                                              \
@@ -395,12 +405,7 @@ TARGET_INLINE void FN(tile_qf_n)(const int kind, const int64_t block_bytes, cons
                 acc[t][QF_ACC(parity, j)] =                                                                      \
                     VF_FMA(w[j], VF_LOAD(xb + t * x_stride + j * VF_N), acc[t][QF_ACC(parity, j)]);              \
     } while (0)
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2) {
-        QF_TILE_BLOCK(i, 0);
-        QF_TILE_BLOCK(i + 1, 1);
-    }
-    if (i < nb) QF_TILE_BLOCK(i, 0);
+    QF_FOR_BLOCKS(nb, QF_TILE_BLOCK);
 #undef QF_TILE_BLOCK
     for (int t = 0; t < ntok; t++) out[t] = QF_REDUCE(acc[t]);
 }
@@ -453,12 +458,7 @@ TARGET_INLINE void FN(dot_qf_n)(const int kind, const int64_t block_bytes, const
             for (int j = 0; j < QF_V; j++) acc[r][QF_ACC(parity, j)] = VF_FMA(w[j], xv[j], acc[r][QF_ACC(parity, j)]); \
         }                                                                                                        \
     } while (0)
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2) {
-        QF_DOT_BLOCK(i, 0);
-        QF_DOT_BLOCK(i + 1, 1);
-    }
-    if (i < nb) QF_DOT_BLOCK(i, 0);
+    QF_FOR_BLOCKS(nb, QF_DOT_BLOCK);
 #undef QF_DOT_BLOCK
     for (int r = 0; r < R; r++) out[r] = QF_REDUCE(acc[r]);
 }
@@ -530,6 +530,7 @@ DEFINE_DOT(f16, DOT_F16)
 #undef QF_TILE
 #undef QF_ACC
 #undef QF_REDUCE
+#undef QF_FOR_BLOCKS
 #undef VF
 #undef VF_N
 #undef VF_ZERO
