@@ -49,7 +49,7 @@ FILE_TYPES: tuple[FileType, ...] = (
     FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw (written, but the engine has no Q5_1 kernels)"),
     FileType("Q8_0", 7, GGMLType.Q8_0, "8.5 bpw"),
     FileType("F16", 1, GGMLType.F16, "16 bpw"),
-    FileType("BF16", 32, GGMLType.BF16, "16 bpw (written, but the engine has no BF16 kernels)"),
+    FileType("BF16", 32, GGMLType.BF16, "16 bpw"),
     FileType("F32", 0, GGMLType.F32, "32 bpw"),
     FileType("COPY", 0, None, "copy tensors as they are (general.file_type kept)"),
 )

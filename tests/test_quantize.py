@@ -183,7 +183,7 @@ def test_q8_0_fixture_generates_its_dense_text(tmp_path, monkeypatch):
         assert len(tok.decode(got[0]).strip()) > 0
 
 
-@pytest.mark.parametrize("target", ["Q8_0", "Q4_1", "Q4_0"])
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_1", "Q4_0", "BF16"])
 def test_sparse_ffn_on_quantized_weights(tmp_path, target):
     """Sparse FFN of a file quantized by us equals the masked dense reference on the dequantized weights."""
     sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=4)

@@ -20,7 +20,7 @@ from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import sparse
 from powerinfer.quant import quantize
 
-KERNEL_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+KERNEL_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
 QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
 SHAPES_T = [1, 3, 9]
 
@@ -243,7 +243,7 @@ def test_missing_extension_warns_once(monkeypatch):
         ops.use_kernels(True)
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.BF16, GGMLType.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q5_1, GGMLType.Q5_0], ids=lambda t: t.name)
 def test_non_kernel_types_use_reference_without_warning(ggml_type):
     w = make_weight(ggml_type, 9, 64)
     x, idx = make_x(3, 64), torch.tensor([8, 2])
@@ -399,9 +399,9 @@ def test_ffn_rows_fallbacks():
     assert torch.equal(y, sparse.ffn_rows_ref(x[0], gate, up, down_t, idx, False))
     ops.use_kernels(True)
     # a non-kernel type anywhere: the unfused ops (reference for that weight)
-    bf16 = make_weight(GGMLType.BF16, 70, 96, seed=2)
-    y = sparse.ffn_rows(x[0], gate, up, bf16, idx, False)
-    assert torch.equal(y, unfused(x[0], gate, up, bf16, idx, False))
+    q5 = make_weight(GGMLType.Q5_0, 70, 96, seed=2)
+    y = sparse.ffn_rows(x[0], gate, up, q5, idx, False)
+    assert torch.equal(y, unfused(x[0], gate, up, q5, idx, False))
 
 
 @needs_kernels

@@ -67,6 +67,14 @@ static inline float fp16_to_fp32(uint16_t h) {
     return out;
 }
 
+/* bfloat16 -> float: the top half of the float's bits (exact). */
+static inline float bf16_to_fp32(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float out;
+    memcpy(&out, &bits, sizeof out);
+    return out;
+}
+
 static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Threads actually used: small problems run on one thread (the fork/join costs more than it saves).

@@ -16,6 +16,14 @@ static void row_decode_f16(const uint8_t *row, int64_t K, float *out) {
     }
 }
 
+static void row_decode_bf16(const uint8_t *row, int64_t K, float *out) {
+    for (int64_t k = 0; k < K; k++) {
+        uint16_t h;
+        memcpy(&h, row + 2 * k, sizeof h);
+        out[k] = bf16_to_fp32(h);
+    }
+}
+
 static void row_decode_q4_0(const uint8_t *row, int64_t K, float *out) {
     const block_q4_0 *blocks = (const block_q4_0 *)row;
     for (int64_t i = 0; i < K / QK; i++) {
@@ -71,6 +79,7 @@ static int32_t get_rows(row_decode_fn decode, int64_t block_elems, const uint8_t
 
 DEFINE_GET_ROWS(f32, 1)
 DEFINE_GET_ROWS(f16, 1)
+DEFINE_GET_ROWS(bf16, 1)
 DEFINE_GET_ROWS(q4_0, QK)
 DEFINE_GET_ROWS(q4_1, QK)
 DEFINE_GET_ROWS(q8_0, QK)

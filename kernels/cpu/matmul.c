@@ -5,7 +5,7 @@
  *   Q4_0:  d_w * d_x * (q_w . q_x - 8 * sum(q_x))
  *   Q4_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
  *   Q8_0:  d_w * d_x * (q_w . q_x)
- * F32 and F16 weights use float FMA directly.
+ * F32, F16 and BF16 weights use float FMA directly.
  *
  * Exact mode (pi_matmul_<type>_f, quant types only): the activations stay float32. Each weight block is decoded
  * in registers to the floats of the reference dequantiser (bit-equal; AVX2 Q4_1 within 1 ulp) and multiplied
@@ -113,6 +113,15 @@ static void tile_f16_scalar(const uint8_t *row, int64_t K, const float *x, int64
     }
 }
 
+static void tile_bf16_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    const uint16_t *w = (const uint16_t *)row;
+    for (int t = 0; t < ntok; t++) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; k++) acc += bf16_to_fp32(w[k]) * x[t * x_stride + k];
+        out[t] = acc;
+    }
+}
+
 /* Exact mode: one block decoded as get_rows does (same float operations), then a plain float dot product. */
 static void decode_block_scalar(int kind, const uint8_t *blk, float *w) {
     if (kind == 0) {
@@ -170,6 +179,7 @@ static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, in
     }
 DEFINE_DOT_SCALAR(f32)
 DEFINE_DOT_SCALAR(f16)
+DEFINE_DOT_SCALAR(bf16)
 DEFINE_DOT_SCALAR(q4_0_f)
 DEFINE_DOT_SCALAR(q4_1_f)
 DEFINE_DOT_SCALAR(q8_0_f)
@@ -197,15 +207,17 @@ DEFINE_DOT_SCALAR(q8_0_f)
 
 static const matmul_table matmul_tables[] = {
     [MATMUL_ISA_SCALAR] = {quantize_act_scalar, tile_q4_0_scalar, tile_q4_1_scalar, tile_q8_0_scalar, tile_f32_scalar,
-                           tile_f16_scalar, tile_q4_0_f_scalar, tile_q4_1_f_scalar, tile_q8_0_f_scalar,
-                           dot_f32_scalar, dot_f16_scalar, dot_q4_0_f_scalar, dot_q4_1_f_scalar, dot_q8_0_f_scalar},
+                           tile_f16_scalar, tile_bf16_scalar, tile_q4_0_f_scalar, tile_q4_1_f_scalar,
+                           tile_q8_0_f_scalar, dot_f32_scalar, dot_f16_scalar, dot_bf16_scalar, dot_q4_0_f_scalar,
+                           dot_q4_1_f_scalar, dot_q8_0_f_scalar},
     [MATMUL_ISA_AVX2] = {quantize_act_avx2, tile_q4_0_avx2, tile_q4_1_avx2, tile_q8_0_avx2, tile_f32_avx2,
-                         tile_f16_avx2, tile_q4_0_f_avx2, tile_q4_1_f_avx2, tile_q8_0_f_avx2,
-                         dot_f32_avx2, dot_f16_avx2, dot_q4_0_f_avx2, dot_q4_1_f_avx2, dot_q8_0_f_avx2},
+                         tile_f16_avx2, tile_bf16_avx2, tile_q4_0_f_avx2, tile_q4_1_f_avx2, tile_q8_0_f_avx2,
+                         dot_f32_avx2, dot_f16_avx2, dot_bf16_avx2, dot_q4_0_f_avx2, dot_q4_1_f_avx2,
+                         dot_q8_0_f_avx2},
     [MATMUL_ISA_AVX512] = {quantize_act_avx512, tile_q4_0_avx512, tile_q4_1_avx512, tile_q8_0_avx512,
-                           tile_f32_avx512, tile_f16_avx512, tile_q4_0_f_avx512, tile_q4_1_f_avx512,
-                           tile_q8_0_f_avx512, dot_f32_avx512, dot_f16_avx512, dot_q4_0_f_avx512,
-                           dot_q4_1_f_avx512, dot_q8_0_f_avx512},
+                           tile_f32_avx512, tile_f16_avx512, tile_bf16_avx512, tile_q4_0_f_avx512,
+                           tile_q4_1_f_avx512, tile_q8_0_f_avx512, dot_f32_avx512, dot_f16_avx512, dot_bf16_avx512,
+                           dot_q4_0_f_avx512, dot_q4_1_f_avx512, dot_q8_0_f_avx512},
 };
 
 static const char *const matmul_isa_names[] = {"scalar", "avx2", "avx512"};
@@ -351,6 +363,7 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, const uint8_t *w, int64_t 
 #define MATVEC_DOT_MAX_ROW 512
 static inline int64_t row_bytes_f32(int64_t K) { return K * 4; }
 static inline int64_t row_bytes_f16(int64_t K) { return K * 2; }
+static inline int64_t row_bytes_bf16(int64_t K) { return K * 2; }
 static inline int64_t row_bytes_q4_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q4_0); }
 static inline int64_t row_bytes_q4_1(int64_t K) { return K / QK * (int64_t)sizeof(block_q4_1); }
 static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q8_0); }
@@ -375,6 +388,7 @@ static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeo
 
 DEFINE_MATMUL(f32, matmul_float_rows, matmul_active->dot_f32, 1, 0)
 DEFINE_MATMUL(f16, matmul_float_rows, matmul_active->dot_f16, 1, 0)
+DEFINE_MATMUL(bf16, matmul_float_rows, matmul_active->dot_bf16, 1, 0)
 DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)

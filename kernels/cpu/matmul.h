@@ -39,9 +39,9 @@ enum matmul_isa { MATMUL_ISA_SCALAR = 0, MATMUL_ISA_AVX2 = 1, MATMUL_ISA_AVX512 
 typedef struct {
     quantize_act_fn quantize_act;
     tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
-    tile_float_fn tile_f32, tile_f16;
+    tile_float_fn tile_f32, tile_f16, tile_bf16;
     tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f; /* float activations, ntok <= TILE_TQ */
-    rows_dot_fn dot_f32, dot_f16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f; /* T = 1, float activations */
+    rows_dot_fn dot_f32, dot_f16, dot_bf16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f; /* T = 1, float activations */
 } matmul_table;
 
 /* The tile functions of the active SIMD variant, and its level (enum matmul_isa). */

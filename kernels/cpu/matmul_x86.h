@@ -224,6 +224,8 @@ DEFINE_TILE_QUANT(q8_0, 2)
 #define VF_ZERO() _mm512_setzero_ps()
 #define VF_LOAD(p) _mm512_loadu_ps(p)
 #define VF_LOAD_F16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define VF_LOAD_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VF_HSUM(v) \
     FN(hsum256)(_mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))))
@@ -234,12 +236,20 @@ DEFINE_TILE_QUANT(q8_0, 2)
 #define VF_ZERO() _mm256_setzero_ps()
 #define VF_LOAD(p) _mm256_loadu_ps(p)
 #define VF_LOAD_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define VF_LOAD_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VF_HSUM(v) FN(hsum256)(v)
 #define VF_ADD(a, b) _mm256_add_ps(a, b)
 #endif
 
-TARGET_INLINE void FN(tile_float_n)(const int is_f16, const uint8_t *row, int64_t K, const float *x,
+/* fmt: 0 F32, 1 F16, 2 BF16 (a compile-time constant after inlining) */
+#define VF_LOAD_W(fmt, w16, w32, k) \
+    ((fmt) == 1 ? VF_LOAD_F16((w16) + (k)) : (fmt) == 2 ? VF_LOAD_BF16((w16) + (k)) : VF_LOAD((w32) + (k)))
+#define W_SCALAR(fmt, w16, w32, k) \
+    ((fmt) == 1 ? _cvtsh_ss((w16)[k]) : (fmt) == 2 ? bf16_to_fp32((w16)[k]) : (w32)[k])
+
+TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K, const float *x,
                                     int64_t x_stride, const int ntok, float *out) {
     const uint16_t *w16 = (const uint16_t *)row;
     const float *w32 = (const float *)row;
@@ -251,38 +261,39 @@ TARGET_INLINE void FN(tile_float_n)(const int is_f16, const uint8_t *row, int64_
     }
     int64_t k = 0;
     for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
-        const VF w0 = is_f16 ? VF_LOAD_F16(w16 + k) : VF_LOAD(w32 + k);
-        const VF w1 = is_f16 ? VF_LOAD_F16(w16 + k + VF_N) : VF_LOAD(w32 + k + VF_N);
+        const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
+        const VF w1 = VF_LOAD_W(fmt, w16, w32, k + VF_N);
         for (int t = 0; t < ntok; t++) {
             acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
             acc1[t] = VF_FMA(w1, VF_LOAD(x + t * x_stride + k + VF_N), acc1[t]);
         }
     }
     if (k + VF_N <= K) {
-        const VF w0 = is_f16 ? VF_LOAD_F16(w16 + k) : VF_LOAD(w32 + k);
+        const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
         for (int t = 0; t < ntok; t++) acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
         k += VF_N;
     }
     for (; k < K; k++) {
-        const float wk = is_f16 ? _cvtsh_ss(w16[k]) : w32[k];
+        const float wk = W_SCALAR(fmt, w16, w32, k);
         for (int t = 0; t < ntok; t++) tail[t] += wk * x[t * x_stride + k];
     }
     for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
 }
 
-#define DEFINE_TILE_FLOAT(type, is_f16)                                                                     \
+#define DEFINE_TILE_FLOAT(type, fmt)                                                                     \
     TARGET static void FN(tile_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,      \
                                        int ntok, float *out) {                                               \
         switch (ntok) {                                                                                     \
-            case 1: FN(tile_float_n)(is_f16, row, K, x, x_stride, 1, out); break;                           \
-            case 2: FN(tile_float_n)(is_f16, row, K, x, x_stride, 2, out); break;                           \
-            case 3: FN(tile_float_n)(is_f16, row, K, x, x_stride, 3, out); break;                           \
-            default: FN(tile_float_n)(is_f16, row, K, x, x_stride, 4, out); break;                          \
+            case 1: FN(tile_float_n)(fmt, row, K, x, x_stride, 1, out); break;                           \
+            case 2: FN(tile_float_n)(fmt, row, K, x, x_stride, 2, out); break;                           \
+            case 3: FN(tile_float_n)(fmt, row, K, x, x_stride, 3, out); break;                           \
+            default: FN(tile_float_n)(fmt, row, K, x, x_stride, 4, out); break;                          \
         }                                                                                                   \
     }
 
 DEFINE_TILE_FLOAT(f32, 0)
 DEFINE_TILE_FLOAT(f16, 1)
+DEFINE_TILE_FLOAT(bf16, 2)
 
 #undef DEFINE_TILE_FLOAT
 
@@ -463,7 +474,7 @@ TARGET_INLINE void FN(dot_qf_n)(const int kind, const int64_t block_bytes, const
     for (int r = 0; r < R; r++) out[r] = QF_REDUCE(acc[r]);
 }
 
-TARGET_INLINE void FN(dot_float_n)(const int is_f16, const uint8_t *const *rows, const int R, int64_t K,
+TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, const int R, int64_t K,
                                    const float *x, float *out) {
     VF acc0[ROWS_DOT_MAX], acc1[ROWS_DOT_MAX];
     float tail[ROWS_DOT_MAX];
@@ -477,22 +488,22 @@ TARGET_INLINE void FN(dot_float_n)(const int is_f16, const uint8_t *const *rows,
         for (int r = 0; r < R; r++) {
             const uint16_t *w16 = (const uint16_t *)rows[r];
             const float *w32 = (const float *)rows[r];
-            const VF w0 = is_f16 ? VF_LOAD_F16(w16 + k) : VF_LOAD(w32 + k);
-            const VF w1 = is_f16 ? VF_LOAD_F16(w16 + k + VF_N) : VF_LOAD(w32 + k + VF_N);
+            const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
+            const VF w1 = VF_LOAD_W(fmt, w16, w32, k + VF_N);
             acc0[r] = VF_FMA(w0, x0, acc0[r]);
             acc1[r] = VF_FMA(w1, x1, acc1[r]);
         }
     }
     if (k + VF_N <= K) {
         for (int r = 0; r < R; r++) {
-            const VF w0 = is_f16 ? VF_LOAD_F16((const uint16_t *)rows[r] + k) : VF_LOAD((const float *)rows[r] + k);
+            const VF w0 = VF_LOAD_W(fmt, (const uint16_t *)rows[r], (const float *)rows[r], k);
             acc0[r] = VF_FMA(w0, VF_LOAD(x + k), acc0[r]);
         }
         k += VF_N;
     }
     for (; k < K; k++)
         for (int r = 0; r < R; r++) {
-            const float wk = is_f16 ? _cvtsh_ss(((const uint16_t *)rows[r])[k]) : ((const float *)rows[r])[k];
+            const float wk = W_SCALAR(fmt, (const uint16_t *)rows[r], (const float *)rows[r], k);
             tail[r] += wk * x[k];
         }
     for (int r = 0; r < R; r++) out[r] = VF_HSUM(VF_ADD(acc0[r], acc1[r])) + tail[r];
@@ -512,16 +523,19 @@ TARGET_INLINE void FN(dot_float_n)(const int is_f16, const uint8_t *const *rows,
 #define DOT_Q8_0(n) FN(dot_qf_n)(2, sizeof(block_q8_0), rows, n, K, x, out)
 #define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out)
 #define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out)
+#define DOT_BF16(n) FN(dot_float_n)(2, rows, n, K, x, out)
 DEFINE_DOT(q4_0_f, DOT_Q4_0)
 DEFINE_DOT(q4_1_f, DOT_Q4_1)
 DEFINE_DOT(q8_0_f, DOT_Q8_0)
 DEFINE_DOT(f32, DOT_F32)
 DEFINE_DOT(f16, DOT_F16)
+DEFINE_DOT(bf16, DOT_BF16)
 #undef DOT_Q4_0
 #undef DOT_Q4_1
 #undef DOT_Q8_0
 #undef DOT_F32
 #undef DOT_F16
+#undef DOT_BF16
 #undef DEFINE_DOT
 
 #undef DEFINE_TILE_QF
@@ -536,6 +550,9 @@ DEFINE_DOT(f16, DOT_F16)
 #undef VF_ZERO
 #undef VF_LOAD
 #undef VF_LOAD_F16
+#undef VF_LOAD_BF16
+#undef VF_LOAD_W
+#undef W_SCALAR
 #undef VF_FMA
 #undef VF_HSUM
 #undef VF_ADD

@@ -26,7 +26,7 @@
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
-enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4 };
+enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4, KIND_BF16 = 5 };
 
 /* Everything a thread needs; the row list of T = 1 is compacted once (rows with h != 0, in index order). */
 typedef struct {
@@ -120,6 +120,7 @@ static int32_t rows_matvec(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w,
 
 DEFINE_ROWS_MATMUL(f32, matmul_float_rows, K * 4, table->dot_f32, 1)
 DEFINE_ROWS_MATMUL(f16, matmul_float_rows, K * 2, table->dot_f16, 1)
+DEFINE_ROWS_MATMUL(bf16, matmul_float_rows, K * 2, table->dot_bf16, 1)
 DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_0), NULL, QK)
 DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_1), NULL, QK)
 DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0), NULL, QK)
@@ -159,6 +160,13 @@ static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, 
         case KIND_F32:
             memcpy(out + j0, row + (u * AXPY_UNIT + j0) * 4, (size_t)(j1 - j0) * 4);
             break;
+        case KIND_BF16:
+            for (int j = j0; j < j1; j++) {
+                uint16_t h;
+                memcpy(&h, row + (u * AXPY_UNIT + j) * 2, sizeof h);
+                out[j] = bf16_to_fp32(h);
+            }
+            break;
         default: {
             for (int j = j0; j < j1; j++) {
                 uint16_t bits;
@@ -171,7 +179,7 @@ static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, 
 }
 
 /* Elements [e0, e1) of y for every token (e0 a multiple of AXPY_UNIT): the plain definition. Also used by the SIMD
- * variants for the partial last unit of F32/F16 rows whose length is not a multiple of 32. */
+ * variants for the partial last unit of F32/F16/BF16 rows whose length is not a multiple of 32. */
 static void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
     for (int64_t t = 0; t < c->T; t++) {
         float *yt = c->y + t * c->y_stride;
@@ -276,6 +284,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
 
 DEFINE_ROWS_AXPY(f32, KIND_F32, AXPY_UNIT * 4)
 DEFINE_ROWS_AXPY(f16, KIND_F16, AXPY_UNIT * 2)
+DEFINE_ROWS_AXPY(bf16, KIND_BF16, AXPY_UNIT * 2)
 DEFINE_ROWS_AXPY(q4_0, KIND_Q4_0, sizeof(block_q4_0))
 DEFINE_ROWS_AXPY(q4_1, KIND_Q4_1, sizeof(block_q4_1))
 DEFINE_ROWS_AXPY(q8_0, KIND_Q8_0, sizeof(block_q8_0))
@@ -341,6 +350,7 @@ static ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t
         case KIND_Q4_1: m.dot = t->dot_q4_1_f; m.tq = q8 ? t->tile_q4_1 : NULL; break;
         case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
         case KIND_F32: m.dot = t->dot_f32; break;
+        case KIND_BF16: m.dot = t->dot_bf16; break;
         default: m.dot = t->dot_f16; break;
     }
     return m;
@@ -404,7 +414,7 @@ static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all, const uint8_t 
 
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
  *             idx, M, relu_up, q8_act, y, threads): y (D,) as described above; gate and up are (N, K), down_t
- * (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 F32, 4 F16); q8_act != 0 uses the int8 activation
+ * (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 F32, 4 F16, 5 BF16); q8_act != 0 uses the int8 activation
  * dot products of the quant types (the "q8" precision of rows_matmul). */
 PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
                               int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
@@ -414,7 +424,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
     if (K < 0 || D < 0 || N < 0 || M < 0) return PI_ERR_SHAPE;
     const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
     for (int i = 0; i < 3; i++) {
-        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_F16) return PI_ERR_SHAPE;
+        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_BF16) return PI_ERR_SHAPE;
         if (kinds[i] <= KIND_Q8_0 && (i < 2 ? K : D) % QK != 0) return PI_ERR_SHAPE;
     }
     if (M == 0) { /* idx may be NULL (an empty tensor has no data) */
@@ -506,7 +516,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
     const int32_t kinds[5] = {gate_kind, up_kind, down_kind, fc1_kind, fc2_kind};
     const int64_t lens[5] = {K, K, D, K, rank};
     for (int i = 0; i < 5; i++) {
-        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_F16) return PI_ERR_SHAPE;
+        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_BF16) return PI_ERR_SHAPE;
         if (kinds[i] <= KIND_Q8_0 && lens[i] % QK != 0) return PI_ERR_SHAPE;
     }
     const matmul_table *table = matmul_table_active();

@@ -51,6 +51,19 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
+    if (kind == KIND_BF16) { /* the top half of a float's bits: exact */
+        const uint16_t *p = (const uint16_t *)row + u * AXPY_UNIT;
+#if SIMD_AVX512
+        for (int j = 0; j < 2; j++)
+            w[j] = _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p + 16 * j))), 16));
+#else
+        for (int j = 0; j < 4; j++)
+            w[j] = _mm256_castsi256_ps(
+                _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8 * j))), 16));
+#endif
+        return;
+    }
     if (kind == KIND_Q8_0) {
         const block_q8_0 *b = (const block_q8_0 *)row + u;
 #if SIMD_AVX512
@@ -195,6 +208,7 @@ TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64
         case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, c, u0, u1); break;
         case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, c, u0, u1); break;
         case KIND_F32: FN(axpy_units_kind)(KIND_F32, c, u0, u1); break;
+        case KIND_BF16: FN(axpy_units_kind)(KIND_BF16, c, u0, u1); break;
         default: FN(axpy_units_kind)(KIND_F16, c, u0, u1); break;
     }
 }

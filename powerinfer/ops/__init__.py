@@ -5,7 +5,7 @@ extension is missing (plain checkout, no build) or a weight type has no kernel, 
 pure-torch reference in `powerinfer.ops.reference`, which is also the oracle in tests.
 
 Kernel types (`supported_types()` while the kernels are on) are always computed from the raw bytes. Other
-types (BF16, K-quants, Q5_x, ...) are decoded to a float32 copy on first use, cached on the QWeight.
+types (K-quants, Q5_x, ...) are decoded to a float32 copy on first use, cached on the QWeight.
 
 Activation precision of the quant kernels (Q4_0, Q4_1, Q8_0), `set_activation_precision`:
 - "f32" (default, exact mode): x stays float32; each weight block is decoded in registers to the reference
@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 _C_NAMES: dict[GGMLType, str] = {
     GGMLType.F32: "f32",
     GGMLType.F16: "f16",
+    GGMLType.BF16: "bf16",
     GGMLType.Q4_0: "q4_0",
     GGMLType.Q4_1: "q4_1",
     GGMLType.Q8_0: "q8_0",
@@ -88,6 +89,7 @@ _FFN_KINDS: dict[GGMLType, int] = {
     GGMLType.Q8_0: 2,
     GGMLType.F32: 3,
     GGMLType.F16: 4,
+    GGMLType.BF16: 5,
 }
 
 
