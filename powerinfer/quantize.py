@@ -1,12 +1,12 @@
 """Quantize a GGUF or PowerInfer GGUF file, as llama.cpp's `quantize` does.
 
 Per-tensor rules follow llama.cpp's `llama_model_quantize_internal` / `get_k_quant_type` at PowerInfer's
-commit (spec 1.7), with two substitutions for types this codebase cannot produce or compute: `output.weight`
-becomes Q8_0 where the original picks Q6_K, and the predictor matrices fc1/fc2 become Q8_0 where the original
-picks Q5_0 (for a Q4_0 target they stay Q4_0, as in the original). A model without `output.weight` (tied
+commit (spec 1.7): the predictor matrices fc1/fc2 become Q5_0 (Q4_0 for a Q4_0 target), `output.weight` Q8_0,
+where the original picks Q6_K, a type the `gguf` package cannot produce. A model without `output.weight` (tied
 embeddings: `token_embd.weight` is also the output head) gets the output rule on `token_embd.weight`, as later
-llama.cpp does; the original quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at Q4_0. Blocks come from `powerinfer.quant`, which
-wraps the `gguf` package's reference quantizers (bit-exact with ggml-quants.c).
+llama.cpp does; the original quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at Q4_0.
+Blocks come from `powerinfer.quant`, which wraps the `gguf` package's reference quantizers (bit-exact with
+ggml-quants.c).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class FileType:
 FILE_TYPES: tuple[FileType, ...] = (
     FileType("Q4_0", 2, GGMLType.Q4_0, "4.5 bpw; the type PowerInfer's sparse models ship in"),
     FileType("Q4_1", 3, GGMLType.Q4_1, "5.0 bpw"),
-    FileType("Q5_0", 8, GGMLType.Q5_0, "5.5 bpw (written, but the engine has no Q5_0 kernels)"),
-    FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw (written, but the engine has no Q5_1 kernels)"),
+    FileType("Q5_0", 8, GGMLType.Q5_0, "5.5 bpw"),
+    FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw"),
     FileType("Q8_0", 7, GGMLType.Q8_0, "8.5 bpw"),
     FileType("F16", 1, GGMLType.F16, "16 bpw"),
     FileType("BF16", 32, GGMLType.BF16, "16 bpw"),
@@ -181,7 +181,7 @@ def tensor_type(
         if name == "output.weight" or (tied_output and name == "token_embd.weight"):
             new_type = GGMLType.Q8_0  # the original: Q6_K when n_embd % 256 == 0, which gguf cannot produce
         elif name.endswith((".fc1.weight", ".fc2.weight")):
-            new_type = GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q8_0  # the original: Q5_0
+            new_type = GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q5_0  # as the original
     if new_type == src_type:
         return src_type, ""
     if src_type not in QUANTIZABLE and src_type not in _DEQUANTIZABLE:

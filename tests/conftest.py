@@ -283,3 +283,14 @@ def write_relu_sparse_model(
     if stats:
         write_activation_stats(path.parent / "activation", 2, n_ff)
     return path
+
+
+def random_q4_k(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
+    """Raw Q4_K blocks (a type without kernels, which the gguf package decodes but cannot produce): random
+    quants and sub-scales with small fp16 super-scales. uint8 (n_rows, n_cols / 256 * 144)."""
+    assert n_cols % 256 == 0
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n_rows, n_cols // 256, 144), dtype=np.uint8)
+    scales = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)  # d, dmin
+    blocks[:, :, :4] = scales
+    return blocks.reshape(n_rows, -1)

@@ -27,7 +27,16 @@ N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250]
 
 
-POOL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16, GGMLType.F32]
+POOL_TYPES = [
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+    GGMLType.F16,
+    GGMLType.BF16,
+    GGMLType.F32,
+]
 
 
 @pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import write_relu_sparse_model
+from conftest import random_q4_k, write_relu_sparse_model
 
 from powerinfer import ops
 from powerinfer.errors import PlacementError
@@ -27,7 +27,16 @@ from powerinfer.runtime.sparse_ffn import HotRows
 TESTS = Path(__file__).resolve().parent
 N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
-POOL_TYPES = [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16, GGMLType.F32]
+POOL_TYPES = [
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+    GGMLType.F16,
+    GGMLType.BF16,
+    GGMLType.F32,
+]
 # exact-mode C kernels decode blocks to the reference floats: pool and CPU differ in summation order only
 LOGIT_TOL = 1e-4
 KV_BYTES = kv_cache_bytes(2, 64, 64, 4)  # the engines below: 2 layers, n_ctx 64, 64 KV features, float32
@@ -62,9 +71,9 @@ def test_device_weight_keeps_the_raw_blocks(ggml_type):
 
 
 def test_other_types_are_stored_as_f16_and_budgeted_so():
-    w = _weight(GGMLType.Q5_0, 9, 64)
+    w = ops.QWeight.from_numpy(random_q4_k(9, 256), GGMLType.Q4_K, (9, 256))  # a type without kernels
     dw = ops.DeviceWeight.from_qweight(w, "cpu", torch.tensor([2, 4]))
-    assert dw.ggml_type == GGMLType.F16 and dw.n_bytes == 2 * 64 * 2 == pool_bytes(GGMLType.Q5_0, (2, 64))
+    assert dw.ggml_type == GGMLType.F16 and dw.n_bytes == 2 * 256 * 2 == pool_bytes(GGMLType.Q4_K, (2, 256))
     assert torch.equal(
         dw.raw.view(torch.float16).float(), ops.get_rows(w, torch.tensor([2, 4])).half().float()
     )
@@ -184,8 +193,8 @@ def test_triton_kernels_in_the_interpreter():
     assert not report["failures"], report["failures"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     kernels = report["kernels"]
-    assert {k[0] for k in kernels} == {"Q4_0", "Q4_1", "Q8_0", "F16", "F32"}
+    assert {k[0] for k in kernels} == {t.name for t in POOL_TYPES}
     assert {k[4] for k in kernels} == {1, 3, 17} and {k[3] for k in kernels} >= {32, 64, 96, 2048}
     assert max(k[-1] for k in kernels) < 1e-5
-    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q8_0", "F16"}
+    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "BF16"}
     assert max(report["engine"].values()) < 1e-4

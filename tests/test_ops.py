@@ -17,14 +17,25 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import random_q4_k
 
 from powerinfer import ops
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import reference
 from powerinfer.quant import dequantize, quantize
 
-KERNEL_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
-QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
+KERNEL_TYPES = [
+    GGMLType.F32,
+    GGMLType.F16,
+    GGMLType.BF16,
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+]
+QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
+BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
 SHAPES_K = [32, 64, 576, 1536]
 SHAPES_N = [1, 7, 64, 300]
 SHAPES_T = [1, 3, 17]
@@ -124,7 +135,7 @@ def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
 def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
     # one token with short rows runs the grouped rows_dot path (several rows per call), and in exact mode with long
     # rows (K = 1536) one row per rows_dot call: same bits as the tiles
-    cols = [32, 96, 128, 1536] if ggml_type in QUANT_TYPES else [1, 7, 33, 100]
+    cols = [32, 96, 128, 1536] if ggml_type in BLOCK_TYPES else [1, 7, 33, 100]
     for n_cols, n_rows in itertools.product(cols, [1, 3, 301]):
         w = make_weight(ggml_type, n_rows, n_cols)
         x = make_x(5, n_cols)
@@ -181,10 +192,9 @@ def test_fallback_matches_kernels(ggml_type, act):
     assert (kernel_y - fallback_y).abs().max() <= tol * fallback_y.abs().max()
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q5_0, GGMLType.Q5_1], ids=lambda t: t.name)
-def test_non_kernel_types_use_cached_dense_copy(ggml_type):
-    w = make_weight(ggml_type, 7, 64)
-    x = make_x(3, 64)
+def test_non_kernel_types_use_cached_dense_copy():
+    w = ops.QWeight.from_numpy(random_q4_k(7, 256), GGMLType.Q4_K, (7, 256))
+    x = make_x(3, 256)
     y = ops.linear(x, w)
     torch.testing.assert_close(y, reference.linear(x, w), rtol=1e-5, atol=1e-5)
     assert "f32" in w._dense  # decoded once, reused by the next call
@@ -235,7 +245,7 @@ def test_precisions_select_different_kernels(ggml_type):
 
 
 @needs_kernels
-@pytest.mark.parametrize("ggml_type", sorted(QUANT_TYPES), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", sorted(BLOCK_TYPES), ids=lambda t: t.name)
 def test_exact_mode_long_batches_and_shapes(ggml_type, isa):
     # token counts around the tile sizes (4 and 8) and a K that is one block: tiles never change a token's result
     ops.set_activation_precision("f32")

@@ -101,9 +101,9 @@ def test_per_tensor_rules():
     assert tensor_type("output.weight", (512, 128), f16, _opts("Q4_0", leave_output_tensor=True))[0] == f16
     assert tensor_type("output.weight", (512, 128), f16, _opts("Q4_0", pure=True))[0] == GGMLType.Q4_0
     assert tensor_type("blk.3.fc1.weight", (64, 128), f16, q4)[0] == GGMLType.Q4_0
-    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q41)[0] == GGMLType.Q8_0
+    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q41)[0] == GGMLType.Q5_0
     assert tensor_type("blk.3.fc2.weight", (512, 64), f16, _opts("Q4_1", pure=True))[0] == GGMLType.Q4_1
-    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q8)[0] == GGMLType.Q8_0
+    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q8)[0] == GGMLType.Q5_0
     assert tensor_type("output.weight", (512, 128), GGMLType.F32, _opts("F16"))[0] == f16
     dst, note = tensor_type("blk.0.attn_q.weight", (128, 48), f16, q4)
     assert dst == f16 and "row length 48 is not a multiple of the Q4_0 block size 32" in note
@@ -124,7 +124,7 @@ def test_fixture_round_trip(tmp_path, target):
     assert list(model.metadata) == list(original.metadata) + ["general.quantization_version"]
     types = {n: t.ggml_type for n, t in model.tensors.items()}
     assert types["output.weight"] == GGMLType.Q8_0 and types["blk.0.attn_norm.weight"] == GGMLType.F32
-    fc = GGMLType.Q4_0 if target == "Q4_0" else GGMLType.Q8_0
+    fc = GGMLType.Q4_0 if target == "Q4_0" else GGMLType.Q5_0  # as the original
     assert types["blk.2.fc1.weight"] == fc and types["blk.2.fc2.weight"] == fc
     assert types["blk.2.ffn_down_t.weight"] == GGMLType[target]
     assert assert_reference_blocks(src, out) == 4 * 9 + 2
@@ -183,7 +183,7 @@ def test_q8_0_fixture_generates_its_dense_text(tmp_path, monkeypatch):
         assert len(tok.decode(got[0]).strip()) > 0
 
 
-@pytest.mark.parametrize("target", ["Q8_0", "Q4_1", "Q4_0", "BF16"])
+@pytest.mark.parametrize("target", ["Q8_0", "Q4_1", "Q4_0", "BF16", "Q5_0", "Q5_1"])
 def test_sparse_ffn_on_quantized_weights(tmp_path, target):
     """Sparse FFN of a file quantized by us equals the masked dense reference on the dequantized weights."""
     sd = random_llama_state(n_ff=N_FF, n_head=N_HEAD, n_head_kv=N_HEAD_KV, seed=4)

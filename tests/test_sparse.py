@@ -190,7 +190,17 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "dtype", [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
+    "dtype",
+    [
+        GGMLType.F32,
+        GGMLType.F16,
+        GGMLType.BF16,
+        GGMLType.Q4_0,
+        GGMLType.Q4_1,
+        GGMLType.Q5_0,
+        GGMLType.Q5_1,
+        GGMLType.Q8_0,
+    ],
 )
 def test_fused_decode_equals_separate_steps(tmp_path, dtype):
     """pi_predict_ffn (predictor + row selection + FFN in one call) == predict() then rows(), bit for bit."""

@@ -14,14 +14,25 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from conftest import random_q4_k
 
 from powerinfer import ops
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import sparse
 from powerinfer.quant import quantize
 
-KERNEL_TYPES = [GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0]
-QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}
+KERNEL_TYPES = [
+    GGMLType.F32,
+    GGMLType.F16,
+    GGMLType.BF16,
+    GGMLType.Q4_0,
+    GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
+    GGMLType.Q8_0,
+]
+QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
+BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
 SHAPES_T = [1, 3, 9]
 
 needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="powerinfer._kernels is not built")
@@ -29,7 +40,7 @@ needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="powerinf
 
 def cols_for(ggml_type: GGMLType) -> list[int]:
     """Row lengths: any for F32/F16 (tails of every size), multiples of 32 for the quant types."""
-    return [32, 576] if ggml_type in QUANT_TYPES else [1, 7, 33, 100, 576]
+    return [32, 576] if ggml_type in BLOCK_TYPES else [1, 7, 33, 100, 576]
 
 
 def make_weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
@@ -160,7 +171,7 @@ def test_rows_axpy_matches_reference(ggml_type, isa):
 def test_rows_axpy_bitwise_invariants(ggml_type, act):
     # same bits for: every SIMD variant, 1 or 2 threads, a token alone or in a batch, idx None or arange,
     # and whatever the activation precision (rows_axpy is always exact mode)
-    n_rows, n_out = 300, 544 if ggml_type in QUANT_TYPES else 547
+    n_rows, n_out = 300, 544 if ggml_type in BLOCK_TYPES else 547
     w = make_weight(ggml_type, n_rows, n_out)
     idx = subsets(n_rows)["random"]
     h = make_h(9, idx.numel())
@@ -243,10 +254,9 @@ def test_missing_extension_warns_once(monkeypatch):
         ops.use_kernels(True)
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q5_1, GGMLType.Q5_0], ids=lambda t: t.name)
-def test_non_kernel_types_use_reference_without_warning(ggml_type):
-    w = make_weight(ggml_type, 9, 64)
-    x, idx = make_x(3, 64), torch.tensor([8, 2])
+def test_non_kernel_types_use_reference_without_warning():
+    w = ops.QWeight.from_numpy(random_q4_k(9, 256), GGMLType.Q4_K, (9, 256))
+    x, idx = make_x(3, 256), torch.tensor([8, 2])
     h = make_h(3, 2)
     with warnings.catch_warnings():
         if ops.kernels_available():
@@ -305,16 +315,16 @@ def ffn_weights(types, n_rows: int, n_in: int, n_out: int, seed: int = 0):
 
 def ffn_cases(ggml_type: GGMLType):
     """(gate, up, down) types: all of one type, and one mixed triple with it as the gate."""
-    other = GGMLType.F16 if ggml_type in QUANT_TYPES else GGMLType.Q8_0
+    other = GGMLType.F16 if ggml_type in BLOCK_TYPES else GGMLType.Q8_0
     return [(ggml_type,) * 3, (ggml_type, other, GGMLType.Q4_0)]
 
 
 def ffn_shapes(types):
     """(K, D) pairs valid for the types: odd lengths where every weight is F32/F16."""
-    if all(t not in QUANT_TYPES for t in types):
+    if all(t not in BLOCK_TYPES for t in types):
         return [(1, 7), (33, 100), (576, 576)]
-    k = [32, 576] if any(t in QUANT_TYPES for t in types[:2]) else [7, 100]
-    d = [64, 544] if types[2] in QUANT_TYPES else [33, 547]
+    k = [32, 576] if any(t in BLOCK_TYPES for t in types[:2]) else [7, 100]
+    d = [64, 544] if types[2] in BLOCK_TYPES else [33, 547]
     return list(zip(k, d, strict=False))
 
 
@@ -369,7 +379,7 @@ def test_ffn_rows_matches_reference(ggml_type, act):
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_ffn_rows_independent_of_threads(ggml_type, isa, act):
-    n_rows, n_in, n_out = 300, 576, 544 if ggml_type in QUANT_TYPES else 547
+    n_rows, n_in, n_out = 300, 576, 544 if ggml_type in BLOCK_TYPES else 547
     types = (ggml_type,) * 3
     gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
     u = make_x(1, n_in)[0]
@@ -399,9 +409,9 @@ def test_ffn_rows_fallbacks():
     assert torch.equal(y, sparse.ffn_rows_ref(x[0], gate, up, down_t, idx, False))
     ops.use_kernels(True)
     # a non-kernel type anywhere: the unfused ops (reference for that weight)
-    q5 = make_weight(GGMLType.Q5_0, 70, 96, seed=2)
-    y = sparse.ffn_rows(x[0], gate, up, q5, idx, False)
-    assert torch.equal(y, unfused(x[0], gate, up, q5, idx, False))
+    q4_k = ops.QWeight.from_numpy(random_q4_k(70, 256, seed=2), GGMLType.Q4_K, (70, 256))
+    y = sparse.ffn_rows(x[0], gate, up, q4_k, idx, False)
+    assert torch.equal(y, unfused(x[0], gate, up, q4_k, idx, False))
 
 
 @needs_kernels

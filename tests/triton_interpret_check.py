@@ -77,7 +77,14 @@ def check_engine(failures: list[str]) -> dict[str, float]:
     tokens = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for ggml_type in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16):
+        for ggml_type in (
+            GGMLType.Q4_0,
+            GGMLType.Q4_1,
+            GGMLType.Q5_0,
+            GGMLType.Q8_0,
+            GGMLType.F16,
+            GGMLType.BF16,
+        ):
             folder = Path(tmp) / ggml_type.name
             folder.mkdir()
             path = write_relu_sparse_model(

@@ -55,6 +55,27 @@ static void row_decode_q8_0(const uint8_t *row, int64_t K, float *out) {
     }
 }
 
+static void row_decode_q5_0(const uint8_t *row, int64_t K, float *out) {
+    const block_q5_0 *blocks = (const block_q5_0 *)row;
+    for (int64_t i = 0; i < K / QK; i++) {
+        const float d = fp16_to_fp32(blocks[i].d);
+        int q[QK];
+        q5_values(blocks[i].qh, blocks[i].qs, q);
+        for (int j = 0; j < QK; j++) out[i * QK + j] = (float)(q[j] - 16) * d;
+    }
+}
+
+static void row_decode_q5_1(const uint8_t *row, int64_t K, float *out) {
+    const block_q5_1 *blocks = (const block_q5_1 *)row;
+    for (int64_t i = 0; i < K / QK; i++) {
+        const float d = fp16_to_fp32(blocks[i].d);
+        const float m = fp16_to_fp32(blocks[i].m);
+        int q[QK];
+        q5_values(blocks[i].qh, blocks[i].qs, q);
+        for (int j = 0; j < QK; j++) out[i * QK + j] = d * (float)q[j] + m;
+    }
+}
+
 typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *out);
 
 /* y[r, :] = decode(W[ids[r], :]) for r < n_ids; W has N rows of K elements, w_stride bytes apart. */
@@ -83,3 +104,5 @@ DEFINE_GET_ROWS(bf16, 1)
 DEFINE_GET_ROWS(q4_0, QK)
 DEFINE_GET_ROWS(q4_1, QK)
 DEFINE_GET_ROWS(q8_0, QK)
+DEFINE_GET_ROWS(q5_0, QK)
+DEFINE_GET_ROWS(q5_1, QK)

@@ -138,10 +138,22 @@ static void decode_block_scalar(int kind, const uint8_t *blk, float *w) {
             w[j] = d * (float)(b->qs[j] & 0x0F) + m;
             w[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
         }
-    } else {
+    } else if (kind == 2) {
         const block_q8_0 *b = (const block_q8_0 *)blk;
         const float d = fp16_to_fp32(b->d);
         for (int j = 0; j < QK; j++) w[j] = (float)b->qs[j] * d;
+    } else if (kind == 3) {
+        const block_q5_0 *b = (const block_q5_0 *)blk;
+        const float d = fp16_to_fp32(b->d);
+        int q[QK];
+        q5_values(b->qh, b->qs, q);
+        for (int j = 0; j < QK; j++) w[j] = (float)(q[j] - 16) * d;
+    } else {
+        const block_q5_1 *b = (const block_q5_1 *)blk;
+        const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
+        int q[QK];
+        q5_values(b->qh, b->qs, q);
+        for (int j = 0; j < QK; j++) w[j] = d * (float)q[j] + m;
     }
 }
 
@@ -171,6 +183,12 @@ static void tile_q4_1_f_scalar(const uint8_t *row, int64_t K, const float *x, in
 static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
     tile_qf_scalar(2, sizeof(block_q8_0), row, K, x, x_stride, ntok, out);
 }
+static void tile_q5_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    tile_qf_scalar(3, sizeof(block_q5_0), row, K, x, x_stride, ntok, out);
+}
+static void tile_q5_1_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    tile_qf_scalar(4, sizeof(block_q5_1), row, K, x, x_stride, ntok, out);
+}
 
 /* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
 #define DEFINE_DOT_SCALAR(type)                                                                                \
@@ -183,6 +201,8 @@ DEFINE_DOT_SCALAR(bf16)
 DEFINE_DOT_SCALAR(q4_0_f)
 DEFINE_DOT_SCALAR(q4_1_f)
 DEFINE_DOT_SCALAR(q8_0_f)
+DEFINE_DOT_SCALAR(q5_0_f)
+DEFINE_DOT_SCALAR(q5_1_f)
 #undef DEFINE_DOT_SCALAR
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
@@ -206,18 +226,15 @@ DEFINE_DOT_SCALAR(q8_0_f)
 /* ---- dispatch: chosen once at load ------------------------------------------------------------------------ */
 
 static const matmul_table matmul_tables[] = {
-    [MATMUL_ISA_SCALAR] = {quantize_act_scalar, tile_q4_0_scalar, tile_q4_1_scalar, tile_q8_0_scalar, tile_f32_scalar,
-                           tile_f16_scalar, tile_bf16_scalar, tile_q4_0_f_scalar, tile_q4_1_f_scalar,
-                           tile_q8_0_f_scalar, dot_f32_scalar, dot_f16_scalar, dot_bf16_scalar, dot_q4_0_f_scalar,
-                           dot_q4_1_f_scalar, dot_q8_0_f_scalar},
-    [MATMUL_ISA_AVX2] = {quantize_act_avx2, tile_q4_0_avx2, tile_q4_1_avx2, tile_q8_0_avx2, tile_f32_avx2,
-                         tile_f16_avx2, tile_bf16_avx2, tile_q4_0_f_avx2, tile_q4_1_f_avx2, tile_q8_0_f_avx2,
-                         dot_f32_avx2, dot_f16_avx2, dot_bf16_avx2, dot_q4_0_f_avx2, dot_q4_1_f_avx2,
-                         dot_q8_0_f_avx2},
-    [MATMUL_ISA_AVX512] = {quantize_act_avx512, tile_q4_0_avx512, tile_q4_1_avx512, tile_q8_0_avx512,
-                           tile_f32_avx512, tile_f16_avx512, tile_bf16_avx512, tile_q4_0_f_avx512,
-                           tile_q4_1_f_avx512, tile_q8_0_f_avx512, dot_f32_avx512, dot_f16_avx512, dot_bf16_avx512,
-                           dot_q4_0_f_avx512, dot_q4_1_f_avx512, dot_q8_0_f_avx512},
+#define MATMUL_TABLE(isa)                                                                                           \
+    {quantize_act_##isa, tile_q4_0_##isa, tile_q4_1_##isa, tile_q8_0_##isa, tile_f32_##isa, tile_f16_##isa,         \
+     tile_bf16_##isa, tile_q4_0_f_##isa, tile_q4_1_f_##isa, tile_q8_0_f_##isa, tile_q5_0_f_##isa, tile_q5_1_f_##isa, \
+     dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
+     dot_q5_0_f_##isa, dot_q5_1_f_##isa}
+    [MATMUL_ISA_SCALAR] = MATMUL_TABLE(scalar),
+    [MATMUL_ISA_AVX2] = MATMUL_TABLE(avx2),
+    [MATMUL_ISA_AVX512] = MATMUL_TABLE(avx512),
+#undef MATMUL_TABLE
 };
 
 static const char *const matmul_isa_names[] = {"scalar", "avx2", "avx512"};
@@ -370,6 +387,8 @@ static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeo
 #define row_bytes_q4_0_f row_bytes_q4_0
 #define row_bytes_q4_1_f row_bytes_q4_1
 #define row_bytes_q8_0_f row_bytes_q8_0
+static inline int64_t row_bytes_q5_0_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
+static inline int64_t row_bytes_q5_1_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
  * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k]. */
@@ -395,3 +414,6 @@ DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, matmul_active->dot_q4_0_f, QK, 1)
 DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, matmul_active->dot_q4_1_f, QK, 1)
 DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, matmul_active->dot_q8_0_f, QK, 1)
+/* Q5_0 / Q5_1: float activations only (no int8 tiles): the kernel of both precisions */
+DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, matmul_active->dot_q5_0_f, QK, 1)
+DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, matmul_active->dot_q5_1_f, QK, 1)

@@ -328,6 +328,36 @@ TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
         return;
     }
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (kind >= 3) {
+        /* Q5: 32 possible values as two tables (q < 16, q >= 16), picked with vpermt2ps, which reads the low 5 bits
+         * of each index: nibble | (qh bit << 4). Q5_0 (q - 16) * d and Q5_1 d * q + m with d * q exact: one
+         * rounding at most, as the reference. */
+        __m512 lo_t, hi_t;
+        const uint8_t *qs, *qh_bytes;
+        if (kind == 3) {
+            const block_q5_0 *b = (const block_q5_0 *)blk;
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d));
+            lo_t = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.0f)), d);
+            hi_t = _mm512_mul_ps(iota, d);
+            qs = b->qs;
+            qh_bytes = b->qh;
+        } else {
+            const block_q5_1 *b = (const block_q5_1 *)blk;
+            const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d)), m = _mm512_set1_ps(_cvtsh_ss(b->m));
+            lo_t = _mm512_add_ps(_mm512_mul_ps(iota, d), m);
+            hi_t = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d), m);
+            qs = b->qs;
+            qh_bytes = b->qh;
+        }
+        uint32_t qh;
+        memcpy(&qh, qh_bytes, sizeof qh);
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        const __m512i lo = _mm512_and_si512(idx, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(idx, 4);
+        w[0] = _mm512_permutex2var_ps(lo_t, _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFFu), lo, sixteen), hi_t);
+        w[1] = _mm512_permutex2var_ps(lo_t, _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen), hi_t);
+        return;
+    }
     __m512 table;
     const uint8_t *qs;
     if (kind == 0) {
@@ -353,6 +383,42 @@ TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
         for (int j = 0; j < 4; j++) {
             const __m128i q8 = _mm_loadl_epi64((const __m128i *)(b->qs + 8 * j));
             w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+        }
+        return;
+    }
+    if (kind >= 3) {
+        /* Q5: q = nibble | (qh bit << 4); Q5_0 fma(d, q, -16d) = the exact (q - 16) * d, Q5_1 fma(d, q, m) rounds
+         * the exact d * q + m once, as the reference */
+        __m256 d, m;
+        const uint8_t *qs, *qh_bytes;
+        if (kind == 3) {
+            const block_q5_0 *b = (const block_q5_0 *)blk;
+            d = _mm256_set1_ps(_cvtsh_ss(b->d));
+            m = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
+            qs = b->qs;
+            qh_bytes = b->qh;
+        } else {
+            const block_q5_1 *b = (const block_q5_1 *)blk;
+            d = _mm256_set1_ps(_cvtsh_ss(b->d));
+            m = _mm256_set1_ps(_cvtsh_ss(b->m));
+            qs = b->qs;
+            qh_bytes = b->qh;
+        }
+        uint32_t qh;
+        memcpy(&qh, qh_bytes, sizeof qh);
+        const __m256i qh_v = _mm256_set1_epi32((int)qh), one = _mm256_set1_epi32(1);
+        const __m256i mask = _mm256_set1_epi32(0x0F);
+        for (int h = 0; h < 2; h++) {
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+            const __m256i s_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+            const __m256i sh_lo = _mm256_add_epi32(s_lo, _mm256_set1_epi32(8 * h));
+            const __m256i sh_hi = _mm256_add_epi32(sh_lo, _mm256_set1_epi32(16));
+            const __m256i b_lo = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_lo), one), 4);
+            const __m256i b_hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_hi), one), 4);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(idx, mask), b_lo);
+            const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(idx, 4), b_hi);
+            w[h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m);
+            w[2 + h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
         }
         return;
     }
@@ -448,6 +514,8 @@ TARGET_INLINE void FN(tile_qf_n)(const int kind, const int64_t block_bytes, cons
 DEFINE_TILE_QF(q4_0, 0, block_q4_0)
 DEFINE_TILE_QF(q4_1, 1, block_q4_1)
 DEFINE_TILE_QF(q8_0, 2, block_q8_0)
+DEFINE_TILE_QF(q5_0, 3, block_q5_0)
+DEFINE_TILE_QF(q5_1, 4, block_q5_1)
 
 /* ---- one token, several rows: rows_dot_fn ------------------------------------------------------------- */
 
@@ -521,18 +589,24 @@ TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, co
 #define DOT_Q4_0(n) FN(dot_qf_n)(0, sizeof(block_q4_0), rows, n, K, x, out)
 #define DOT_Q4_1(n) FN(dot_qf_n)(1, sizeof(block_q4_1), rows, n, K, x, out)
 #define DOT_Q8_0(n) FN(dot_qf_n)(2, sizeof(block_q8_0), rows, n, K, x, out)
+#define DOT_Q5_0(n) FN(dot_qf_n)(3, sizeof(block_q5_0), rows, n, K, x, out)
+#define DOT_Q5_1(n) FN(dot_qf_n)(4, sizeof(block_q5_1), rows, n, K, x, out)
 #define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out)
 #define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out)
 #define DOT_BF16(n) FN(dot_float_n)(2, rows, n, K, x, out)
 DEFINE_DOT(q4_0_f, DOT_Q4_0)
 DEFINE_DOT(q4_1_f, DOT_Q4_1)
 DEFINE_DOT(q8_0_f, DOT_Q8_0)
+DEFINE_DOT(q5_0_f, DOT_Q5_0)
+DEFINE_DOT(q5_1_f, DOT_Q5_1)
 DEFINE_DOT(f32, DOT_F32)
 DEFINE_DOT(f16, DOT_F16)
 DEFINE_DOT(bf16, DOT_BF16)
 #undef DOT_Q4_0
 #undef DOT_Q4_1
 #undef DOT_Q8_0
+#undef DOT_Q5_0
+#undef DOT_Q5_1
 #undef DOT_F32
 #undef DOT_F16
 #undef DOT_BF16

@@ -26,7 +26,20 @@
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
-enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4, KIND_BF16 = 5 };
+enum axpy_kind {
+    KIND_Q4_0 = 0,
+    KIND_Q4_1 = 1,
+    KIND_Q8_0 = 2,
+    KIND_F32 = 3,
+    KIND_F16 = 4,
+    KIND_BF16 = 5,
+    KIND_Q5_0 = 6,
+    KIND_Q5_1 = 7,
+    KIND_LAST = KIND_Q5_1,
+};
+
+/* block types: rows made of 32-element blocks (the others are plain float arrays) */
+static inline int kind_is_block(int kind) { return kind <= KIND_Q8_0 || kind >= KIND_Q5_0; }
 
 /* Everything a thread needs; the row list of T = 1 is compacted once (rows with h != 0, in index order). */
 typedef struct {
@@ -127,6 +140,8 @@ DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0)
 DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_0), table->dot_q4_0_f, QK)
 DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_1), table->dot_q4_1_f, QK)
 DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q8_0), table->dot_q8_0_f, QK)
+DEFINE_ROWS_MATMUL(q5_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_0), table->dot_q5_0_f, QK)
+DEFINE_ROWS_MATMUL(q5_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_1), table->dot_q5_1_f, QK)
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
@@ -160,6 +175,23 @@ static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, 
         case KIND_F32:
             memcpy(out + j0, row + (u * AXPY_UNIT + j0) * 4, (size_t)(j1 - j0) * 4);
             break;
+        case KIND_Q5_0:
+        case KIND_Q5_1: {
+            const uint8_t *blk = row + u * (kind == KIND_Q5_0 ? sizeof(block_q5_0) : sizeof(block_q5_1));
+            const float d = fp16_to_fp32(((const block_q5_0 *)blk)->d);
+            int q[QK];
+            if (kind == KIND_Q5_0) {
+                const block_q5_0 *b = (const block_q5_0 *)blk;
+                q5_values(b->qh, b->qs, q);
+                for (int j = j0; j < j1; j++) out[j] = (float)(q[j] - 16) * d;
+            } else {
+                const block_q5_1 *b = (const block_q5_1 *)blk;
+                const float m = fp16_to_fp32(b->m);
+                q5_values(b->qh, b->qs, q);
+                for (int j = j0; j < j1; j++) out[j] = d * (float)q[j] + m; /* -ffp-contract=off: as the reference */
+            }
+            break;
+        }
         case KIND_BF16:
             for (int j = j0; j < j1; j++) {
                 uint16_t h;
@@ -234,7 +266,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
                          const int64_t *idx, int64_t M, const float *h, int64_t h_stride, int64_t T, float *y,
                          int64_t y_stride, int32_t n_threads) {
     if (N < 0 || M < 0 || D < 0 || T < 0) return PI_ERR_SHAPE;
-    if (kind <= KIND_Q8_0 && D % QK != 0) return PI_ERR_SHAPE;
+    if (kind_is_block(kind) && D % QK != 0) return PI_ERR_SHAPE;
     const int32_t status = check_ids(idx, M, N);
     if (status != PI_OK) return status;
     if (T == 0 || D == 0) return PI_OK;
@@ -288,6 +320,8 @@ DEFINE_ROWS_AXPY(bf16, KIND_BF16, AXPY_UNIT * 2)
 DEFINE_ROWS_AXPY(q4_0, KIND_Q4_0, sizeof(block_q4_0))
 DEFINE_ROWS_AXPY(q4_1, KIND_Q4_1, sizeof(block_q4_1))
 DEFINE_ROWS_AXPY(q8_0, KIND_Q8_0, sizeof(block_q8_0))
+DEFINE_ROWS_AXPY(q5_0, KIND_Q5_0, sizeof(block_q5_0))
+DEFINE_ROWS_AXPY(q5_1, KIND_Q5_1, sizeof(block_q5_1))
 
 /* ---- fused decode FFN: one token, one parallel region ------------------------------------------------------ */
 
@@ -328,6 +362,8 @@ static int64_t row_bytes_of(int kind, int64_t K) {
         case KIND_Q4_0: return K / QK * (int64_t)sizeof(block_q4_0);
         case KIND_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
         case KIND_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
+        case KIND_Q5_0: return K / QK * (int64_t)sizeof(block_q5_0);
+        case KIND_Q5_1: return K / QK * (int64_t)sizeof(block_q5_1);
         case KIND_F32: return K * 4;
         default: return K * 2;
     }
@@ -338,6 +374,8 @@ static size_t unit_bytes_of(int kind) {
         case KIND_Q4_0: return sizeof(block_q4_0);
         case KIND_Q4_1: return sizeof(block_q4_1);
         case KIND_Q8_0: return sizeof(block_q8_0);
+        case KIND_Q5_0: return sizeof(block_q5_0);
+        case KIND_Q5_1: return sizeof(block_q5_1);
         case KIND_F32: return AXPY_UNIT * 4;
         default: return AXPY_UNIT * 2;
     }
@@ -351,6 +389,8 @@ static ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t
         case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
         case KIND_F32: m.dot = t->dot_f32; break;
         case KIND_BF16: m.dot = t->dot_bf16; break;
+        case KIND_Q5_0: m.dot = t->dot_q5_0_f; break; /* no int8 tiles: float activations in both precisions */
+        case KIND_Q5_1: m.dot = t->dot_q5_1_f; break;
         default: m.dot = t->dot_f16; break;
     }
     return m;
@@ -414,7 +454,7 @@ static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all, const uint8_t 
 
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
  *             idx, M, relu_up, q8_act, y, threads): y (D,) as described above; gate and up are (N, K), down_t
- * (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 F32, 4 F16, 5 BF16); q8_act != 0 uses the int8 activation
+ * (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 F32, 4 F16, 5 BF16, 6 Q5_0, 7 Q5_1); q8_act != 0 uses the int8 activation
  * dot products of the quant types (the "q8" precision of rows_matmul). */
 PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
                               int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
@@ -424,8 +464,8 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
     if (K < 0 || D < 0 || N < 0 || M < 0) return PI_ERR_SHAPE;
     const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
     for (int i = 0; i < 3; i++) {
-        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_BF16) return PI_ERR_SHAPE;
-        if (kinds[i] <= KIND_Q8_0 && (i < 2 ? K : D) % QK != 0) return PI_ERR_SHAPE;
+        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_LAST) return PI_ERR_SHAPE;
+        if (kind_is_block(kinds[i]) && (i < 2 ? K : D) % QK != 0) return PI_ERR_SHAPE;
     }
     if (M == 0) { /* idx may be NULL (an empty tensor has no data) */
         for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
@@ -516,8 +556,8 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
     const int32_t kinds[5] = {gate_kind, up_kind, down_kind, fc1_kind, fc2_kind};
     const int64_t lens[5] = {K, K, D, K, rank};
     for (int i = 0; i < 5; i++) {
-        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_BF16) return PI_ERR_SHAPE;
-        if (kinds[i] <= KIND_Q8_0 && lens[i] % QK != 0) return PI_ERR_SHAPE;
+        if (kinds[i] < KIND_Q4_0 || kinds[i] > KIND_LAST) return PI_ERR_SHAPE;
+        if (kind_is_block(kinds[i]) && lens[i] % QK != 0) return PI_ERR_SHAPE;
     }
     const matmul_table *table = matmul_table_active();
     const ffn_mat m1 = ffn_mat_of(table, fc1_kind, 0, fc1, fc1_stride, K);

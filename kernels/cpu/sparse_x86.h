@@ -64,6 +64,49 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
+    if (kind == KIND_Q5_0 || kind == KIND_Q5_1) {
+        /* q = nibble | (qh bit << 4); Q5_0 (q - 16) * d exactly, Q5_1 d * q (exact) + m rounded once */
+        const uint8_t *qs, *qh_bytes;
+        float df, mf;
+        if (kind == KIND_Q5_0) {
+            const block_q5_0 *b = (const block_q5_0 *)row + u;
+            qs = b->qs;
+            qh_bytes = b->qh;
+            df = _cvtsh_ss(b->d);
+            mf = -16.0f * df;
+        } else {
+            const block_q5_1 *b = (const block_q5_1 *)row + u;
+            qs = b->qs;
+            qh_bytes = b->qh;
+            df = _cvtsh_ss(b->d);
+            mf = _cvtsh_ss(b->m);
+        }
+        uint32_t qh;
+        memcpy(&qh, qh_bytes, sizeof qh);
+#if SIMD_AVX512
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        const __m512i lo = _mm512_and_si512(idx, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(idx, 4);
+        const __m512 d = _mm512_set1_ps(df), m = _mm512_set1_ps(mf);
+        w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFFu), lo, sixteen)), m);
+        w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen)), m);
+#else
+        const __m256i qh_v = _mm256_set1_epi32((int)qh), one = _mm256_set1_epi32(1), mask = _mm256_set1_epi32(0x0F);
+        const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
+        for (int h = 0; h < 2; h++) {
+            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+            const __m256i sh_lo = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * h));
+            const __m256i sh_hi = _mm256_add_epi32(sh_lo, _mm256_set1_epi32(16));
+            const __m256i lo = _mm256_or_si256(
+                _mm256_and_si256(idx, mask), _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_lo), one), 4));
+            const __m256i hi = _mm256_or_si256(
+                _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_hi), one), 4));
+            w[h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m);
+            w[2 + h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
+        }
+#endif
+        return;
+    }
     if (kind == KIND_Q8_0) {
         const block_q8_0 *b = (const block_q8_0 *)row + u;
 #if SIMD_AVX512
@@ -209,6 +252,8 @@ TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64
         case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, c, u0, u1); break;
         case KIND_F32: FN(axpy_units_kind)(KIND_F32, c, u0, u1); break;
         case KIND_BF16: FN(axpy_units_kind)(KIND_BF16, c, u0, u1); break;
+        case KIND_Q5_0: FN(axpy_units_kind)(KIND_Q5_0, c, u0, u1); break;
+        case KIND_Q5_1: FN(axpy_units_kind)(KIND_Q5_1, c, u0, u1); break;
         default: FN(axpy_units_kind)(KIND_F16, c, u0, u1); break;
     }
 }

@@ -5,9 +5,9 @@ extension is missing (plain checkout, no build) or a weight type has no kernel, 
 pure-torch reference in `powerinfer.ops.reference`, which is also the oracle in tests.
 
 Kernel types (`supported_types()` while the kernels are on) are always computed from the raw bytes. Other
-types (K-quants, Q5_x, ...) are decoded to a float32 copy on first use, cached on the QWeight.
+types (K-quants, ...) are decoded to a float32 copy on first use, cached on the QWeight.
 
-Activation precision of the quant kernels (Q4_0, Q4_1, Q8_0), `set_activation_precision`:
+Activation precision of the quant kernels (Q4_0, Q4_1, Q8_0; Q5_0/Q5_1 are always exact), `set_activation_precision`:
 - "f32" (default, exact mode): x stays float32; each weight block is decoded in registers to the reference
   dequantiser's floats and multiplied in float32. Equal to x @ dequant(W).T up to summation order, as
   transformers computes it.
@@ -56,10 +56,14 @@ _C_NAMES: dict[GGMLType, str] = {
     GGMLType.Q4_0: "q4_0",
     GGMLType.Q4_1: "q4_1",
     GGMLType.Q8_0: "q8_0",
+    GGMLType.Q5_0: "q5_0",
+    GGMLType.Q5_1: "q5_1",
 }
 assert frozenset(_C_NAMES) == KERNEL_TYPES
 # types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
 _QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+# block types with only the exact kernels (pi_matmul_<suffix>_f), used in both precisions
+_EXACT_ONLY_TYPES = frozenset({GGMLType.Q5_0, GGMLType.Q5_1})
 _ACT_PRECISIONS = ("f32", "q8")
 
 _PI_ERR_SHAPE, _PI_ERR_ALLOC, _PI_ERR_INDEX = 1, 2, 3
@@ -90,6 +94,8 @@ _FFN_KINDS: dict[GGMLType, int] = {
     GGMLType.F32: 3,
     GGMLType.F16: 4,
     GGMLType.BF16: 5,
+    GGMLType.Q5_0: 6,
+    GGMLType.Q5_1: 7,
 }
 
 
@@ -104,7 +110,7 @@ class _Kernels:
         self.rows_matmul_f: dict[GGMLType, Any] = {}  # float activations ("f32")
         self.rows_axpy: dict[GGMLType, Any] = {}
         for ggml_type, name in _C_NAMES.items():
-            matmul = getattr(lib, f"pi_matmul_{name}")
+            matmul = getattr(lib, f"pi_matmul_{name}{'_f' if ggml_type in _EXACT_ONLY_TYPES else ''}")
             matmul.argtypes, matmul.restype = _MATMUL_ARGTYPES, _i32
             self.matmul[ggml_type] = matmul
             if ggml_type in _QUANT_TYPES:
@@ -116,7 +122,8 @@ class _Kernels:
             self.get_rows[ggml_type] = rows
             # sparse FFN kernels (kernels/cpu/sparse.c): same activation-precision split as matmul
             for table, suffix in ((self.rows_matmul, ""), (self.rows_matmul_f, "_f")):
-                symbol = f"pi_rows_matmul_{name}{suffix if ggml_type in _QUANT_TYPES else ''}"
+                exact_only = ggml_type in _EXACT_ONLY_TYPES
+                symbol = f"pi_rows_matmul_{name}{suffix if ggml_type in _QUANT_TYPES else '_f' if exact_only else ''}"
                 kernel = getattr(lib, symbol)
                 kernel.argtypes, kernel.restype = _SPARSE_ARGTYPES, _i32
                 table[ggml_type] = kernel

@@ -8,7 +8,7 @@ blocks in registers and accumulate in float32, so no dequantised copy of a weigh
   programs split the K columns and the N rows; each writes a partial sum and the partials are added in a fixed
   order (deterministic, no atomics).
 
-Types: Q4_0, Q4_1, Q8_0 (block layouts in kernels/cpu/common.h), F16 and F32. Each program decodes a tile of
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block layouts in kernels/cpu/common.h), F16, BF16 and F32. Each program decodes a tile of
 `BLOCKS` blocks of 32 elements per row as two halves: column c of a half is element 32 * (c // 16) + c % 16
 (low half) or that + 16 (high half), which is how Q4 blocks pack their nibbles. Few tokens (decode) multiply
 by broadcasting and summing; more tokens use tl.dot in IEEE float32 (no TF32). Both sum in float32: results
@@ -30,17 +30,20 @@ from powerinfer.quant import row_bytes
 __all__ = ["SUPPORTED_TYPES", "axpy", "matmul"]
 
 # kernel codes of the weight types
-_F32, _F16, _Q4_0, _Q4_1, _Q8_0 = 0, 1, 2, 3, 4
+_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16, _Q5_0, _Q5_1 = 0, 1, 2, 3, 4, 5, 6, 7
 _KINDS: dict[GGMLType, int] = {
     GGMLType.F32: _F32,
     GGMLType.F16: _F16,
     GGMLType.Q4_0: _Q4_0,
     GGMLType.Q4_1: _Q4_1,
     GGMLType.Q8_0: _Q8_0,
+    GGMLType.BF16: _BF16,
+    GGMLType.Q5_0: _Q5_0,
+    GGMLType.Q5_1: _Q5_1,
 }
 SUPPORTED_TYPES = frozenset(_KINDS)
-# dtype the F16/F32 weights are passed as (the kernel reads elements, not bytes)
-_FLOAT_VIEW = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16}
+# dtype the float weights are passed as (the kernel reads elements, not bytes)
+_FLOAT_VIEW = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
 # token counts up to this multiply by broadcast-and-sum, more use tl.dot
 _SMALL_T = 8
 
@@ -54,6 +57,18 @@ def _fp16_at(ptr, mask):
 
 
 @triton.jit
+def _q5_high_bits(qh_ptr, j, mask):
+    """Bits j and j + 16 of the little-endian u32 qh at qh_ptr, as 0 or 16 (the fifth bit of a Q5 value)."""
+    b0 = tl.load(qh_ptr, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(qh_ptr + 1, mask=mask, other=0).to(tl.int32)
+    b2 = tl.load(qh_ptr + 2, mask=mask, other=0).to(tl.int32)
+    b3 = tl.load(qh_ptr + 3, mask=mask, other=0).to(tl.int32)
+    qh_lo = b0 | (b1 << 8)  # bits 0..15
+    qh_hi = b2 | (b3 << 8)  # bits 16..31
+    return ((qh_lo >> j) & 1) << 4, ((qh_hi >> j) & 1) << 4
+
+
+@triton.jit
 def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
     """Tile of W: rows (R,) x columns (C,) -> (lo, hi) float32 (R, C) at elements blk*32 + j and blk*32 + 16 + j.
 
@@ -63,7 +78,7 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
     e_lo = blk * 32 + j  # (C,)
     e_hi = e_lo + 16
     base = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # (R, 1)
-    if KIND == 0 or KIND == 1:  # F32, F16: plain elements
+    if KIND == 0 or KIND == 1 or KIND == 5:  # F32, F16, BF16: plain elements
         m_lo = row_mask[:, None] & (e_lo < K)[None, :]
         m_hi = row_mask[:, None] & (e_hi < K)[None, :]
         lo = tl.load(base + e_lo[None, :], mask=m_lo, other=0.0).to(tl.float32)
@@ -83,6 +98,21 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
             q = tl.load(blk_ptr + 4 + j[None, :], mask=m, other=0)
             lo = (q & 15).to(tl.float32) * d + mn
             hi = (q >> 4).to(tl.float32) * d + mn
+        elif KIND == 6:  # Q5_0 {fp16 d; u8 qh[4]; u8 qs[16]}: (q - 16) * d
+            blk_ptr = base + (blk * 22)[None, :]
+            d = _fp16_at(blk_ptr, m)
+            b_lo, b_hi = _q5_high_bits(blk_ptr + 2, j[None, :], m)
+            q = tl.load(blk_ptr + 6 + j[None, :], mask=m, other=0).to(tl.int32)
+            lo = (((q & 15) | b_lo) - 16).to(tl.float32) * d
+            hi = (((q >> 4) | b_hi) - 16).to(tl.float32) * d
+        elif KIND == 7:  # Q5_1 {fp16 d; fp16 m; u8 qh[4]; u8 qs[16]}: q * d + m
+            blk_ptr = base + (blk * 24)[None, :]
+            d = _fp16_at(blk_ptr, m)
+            mn = _fp16_at(blk_ptr + 2, m)
+            b_lo, b_hi = _q5_high_bits(blk_ptr + 4, j[None, :], m)
+            q = tl.load(blk_ptr + 8 + j[None, :], mask=m, other=0).to(tl.int32)
+            lo = ((q & 15) | b_lo).to(tl.float32) * d + mn
+            hi = ((q >> 4) | b_hi).to(tl.float32) * d + mn
         else:  # Q8_0 {fp16 d; i8 qs[32]}
             blk_ptr = base + (blk * 34)[None, :]
             d = _fp16_at(blk_ptr, m)
