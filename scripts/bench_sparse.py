@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Decode speed of the sparse (predictor-driven) FFN against the dense FFN on the same PowerInfer file (CPU).
 
-For each synthetic model in --dir (F16 and Q4_0 written by scripts/make_synthetic_model.py, Q4_1 and Q8_0 by
-`powerinfer quantize` of the F16 file, as BF16, see FILES), runs alternate:
+For each synthetic model in --dir (F16 and Q4_0 written by scripts/make_synthetic_model.py, the other types by
+`powerinfer quantize` of the F16 file, see FILES), runs alternate:
 a sparse engine (`Engine(path, EngineOptions(n_ctx, n_threads))`), then a dense one on the same weights
 (`EngineOptions(..., dense_ffn=True)`), each loaded fresh so only one engine is in memory at a time. Each run
 evaluates a short prompt (untimed) and then decodes --n-gen tokens greedily, one eval per token (timed). One
@@ -21,7 +21,7 @@ sparse rows_matmul; rows_axpy is exact in both.
 
 The issue's floor: sparse >= 2.0x dense for Q4_0 at 10% active; the exit status is 2 when it is not met.
 
-Usage: python scripts/bench_sparse.py [--dir DIR] [-t 2] [--runs 5] [--n-gen 32] [--files f16,q4_0,q4_1,q8_0,bf16]
+Usage: python scripts/bench_sparse.py [--dir DIR] [-t 2] [--runs 5] [--n-gen 32] [--files f16,q4_0,...]
                                      [--act f32|q8|both]
 """
 
@@ -42,6 +42,8 @@ FILES = {
     "q4_1": "synthetic-1.1b.q4_1.powerinfer.gguf",
     "q8_0": "synthetic-1.1b.q8_0.powerinfer.gguf",
     "bf16": "synthetic-1.1b.bf16.powerinfer.gguf",
+    "q5_0": "synthetic-1.1b.q5_0.powerinfer.gguf",
+    "q5_1": "synthetic-1.1b.q5_1.powerinfer.gguf",
 }
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest."
 FLOOR = 2.0  # sparse / dense decode speed required for Q4_0 at 10% active
@@ -122,7 +124,9 @@ def main() -> int:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--n-gen", type=int, default=32)
-    ap.add_argument("--files", default="f16,q4_0", help="comma-separated subset of f16,q4_0,q4_1,q8_0,bf16")
+    ap.add_argument(
+        "--files", default="f16,q4_0", help="comma-separated subset of f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0"
+    )
     ap.add_argument("--shape", default="1.1b", help="file name infix (synthetic-<shape>...), default 1.1b")
     ap.add_argument(
         "--act",
