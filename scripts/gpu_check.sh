@@ -37,7 +37,7 @@ def ms(fn):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record(); [fn() for _ in range(20)]; end.record(); torch.cuda.synchronize()
     return start.elapsed_time(end) / 20
-for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.F16):
+for t in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q8_0, GGMLType.F16):
     raw = torch.from_numpy(quantize(w, t)).cuda()
     for T in (1, 16, 64):
         x, h = torch.randn(T, K, device="cuda"), torch.randn(T, N, device="cuda")
@@ -50,5 +50,10 @@ PY
 SYN=${SYN:-/tmp/powerinfer-synthetic}
 if timeout 400 python scripts/make_synthetic_model.py --out "$SYN" --types q4_0 > "$OUT/synthetic.log" 2>&1; then
   timeout 300 python scripts/bench_sparse.py --dir "$SYN" -t 8 --runs 3 > "$OUT/bench_sparse.txt" 2>&1
+  # end to end with the hot neurons in a 0.25 / 1 GiB CUDA pool (timings and the pool's share on stderr)
+  for budget in 0.25 1; do
+    timeout 120 python -m powerinfer main -m "$SYN/synthetic-1.1b.q4.powerinfer.gguf" -p "The quick brown fox" \
+      -n 64 --temp 0 -t 8 --vram-budget "$budget" --reset-gpu-index > "$OUT/main_pool_$budget.txt" 2>&1
+  done
 fi
 echo "done: $(date)" >> "$OUT/env.txt"
