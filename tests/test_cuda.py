@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import write_activation_stats, write_relu_sparse_model
 
-from powerinfer import ops
+from powerinfer import ops, quant
 from powerinfer.gguf import GGMLType
 from powerinfer.ops import sparse as sparse_ops
 from powerinfer.placement import GPUIndex, footprint_from_gguf, write_gpu_index
@@ -27,16 +27,7 @@ N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250]
 
 
-POOL_TYPES = [
-    GGMLType.Q4_0,
-    GGMLType.Q4_1,
-    GGMLType.Q5_0,
-    GGMLType.Q5_1,
-    GGMLType.Q8_0,
-    GGMLType.F16,
-    GGMLType.BF16,
-    GGMLType.F32,
-]
+POOL_TYPES = sorted(quant.POOL_TYPES)  # the types the pool keeps as blocks
 
 
 @pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import random_q4_k, write_relu_sparse_model
 
-from powerinfer import ops
+from powerinfer import ops, quant
 from powerinfer.errors import PlacementError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.ops import sparse as sparse_ops
@@ -27,16 +27,7 @@ from powerinfer.runtime.sparse_ffn import HotRows
 TESTS = Path(__file__).resolve().parent
 N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
-POOL_TYPES = [
-    GGMLType.Q4_0,
-    GGMLType.Q4_1,
-    GGMLType.Q5_0,
-    GGMLType.Q5_1,
-    GGMLType.Q8_0,
-    GGMLType.F16,
-    GGMLType.BF16,
-    GGMLType.F32,
-]
+POOL_TYPES = sorted(quant.POOL_TYPES)  # the types the pool keeps as blocks
 # exact-mode C kernels decode blocks to the reference floats: pool and CPU differ in summation order only
 LOGIT_TOL = 1e-4
 KV_BYTES = kv_cache_bytes(2, 64, 64, 4)  # the engines below: 2 layers, n_ctx 64, 64 KV features, float32

@@ -19,21 +19,12 @@ import pytest
 import torch
 from conftest import random_q4_k
 
-from powerinfer import ops
+from powerinfer import ops, quant
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import reference
 from powerinfer.quant import dequantize, quantize
 
-KERNEL_TYPES = [
-    GGMLType.F32,
-    GGMLType.F16,
-    GGMLType.BF16,
-    GGMLType.Q4_0,
-    GGMLType.Q4_1,
-    GGMLType.Q5_0,
-    GGMLType.Q5_1,
-    GGMLType.Q8_0,
-]
+KERNEL_TYPES = sorted(quant.KERNEL_TYPES)  # every type the C kernels compute on
 QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
 BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
 SHAPES_K = [32, 64, 576, 1536]

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_llama_state, random_predictors, write_activation_stats, write_llama_gguf
 
+from powerinfer import quant
 from powerinfer.gguf import GGMLType
 from powerinfer.ops.sparse import decode_rows
 from powerinfer.placement import GPUIndex, write_gpu_index
@@ -189,19 +190,7 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
     assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in off.model.layers)
 
 
-@pytest.mark.parametrize(
-    "dtype",
-    [
-        GGMLType.F32,
-        GGMLType.F16,
-        GGMLType.BF16,
-        GGMLType.Q4_0,
-        GGMLType.Q4_1,
-        GGMLType.Q5_0,
-        GGMLType.Q5_1,
-        GGMLType.Q8_0,
-    ],
-)
+@pytest.mark.parametrize("dtype", sorted(quant.KERNEL_TYPES), ids=lambda t: t.name)
 def test_fused_decode_equals_separate_steps(tmp_path, dtype):
     """pi_predict_ffn (predictor + row selection + FFN in one call) == predict() then rows(), bit for bit."""
     from powerinfer import ops

@@ -104,23 +104,21 @@ static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64
     }
 }
 
-static void tile_f16_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    const uint16_t *w = (const uint16_t *)row;
-    for (int t = 0; t < ntok; t++) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; k++) acc += fp16_to_fp32(w[k]) * x[t * x_stride + k];
-        out[t] = acc;
+/* 16-bit float weights (F16, BF16): each element widened exactly, then a plain float dot product */
+#define DEFINE_TILE_HALF_SCALAR(type, widen)                                                                   \
+    static void tile_##type##_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
+                                     float *out) {                                                             \
+        const uint16_t *w = (const uint16_t *)row;                                                             \
+        for (int t = 0; t < ntok; t++) {                                                                       \
+            float acc = 0.0f;                                                                                  \
+            for (int64_t k = 0; k < K; k++) acc += widen(w[k]) * x[t * x_stride + k];                          \
+            out[t] = acc;                                                                                      \
+        }                                                                                                      \
     }
-}
+DEFINE_TILE_HALF_SCALAR(f16, fp16_to_fp32)
+DEFINE_TILE_HALF_SCALAR(bf16, bf16_to_fp32)
+#undef DEFINE_TILE_HALF_SCALAR
 
-static void tile_bf16_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    const uint16_t *w = (const uint16_t *)row;
-    for (int t = 0; t < ntok; t++) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < K; k++) acc += bf16_to_fp32(w[k]) * x[t * x_stride + k];
-        out[t] = acc;
-    }
-}
 
 /* Exact mode: one block decoded as get_rows does (same float operations), then a plain float dot product. */
 static void decode_block_scalar(int kind, const uint8_t *blk, float *w) {

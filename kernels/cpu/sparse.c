@@ -26,17 +26,8 @@
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
-enum axpy_kind {
-    KIND_Q4_0 = 0,
-    KIND_Q4_1 = 1,
-    KIND_Q8_0 = 2,
-    KIND_F32 = 3,
-    KIND_F16 = 4,
-    KIND_BF16 = 5,
-    KIND_Q5_0 = 6,
-    KIND_Q5_1 = 7,
-    KIND_LAST = KIND_Q5_1,
-};
+enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4, KIND_BF16 = 5,
+                 KIND_Q5_0 = 6, KIND_Q5_1 = 7, KIND_LAST = KIND_Q5_1 };
 
 /* block types: rows made of 32-element blocks (the others are plain float arrays) */
 static inline int kind_is_block(int kind) { return kind <= KIND_Q8_0 || kind >= KIND_Q5_0; }

@@ -25,19 +25,8 @@ QUANTIZABLE = frozenset(
         GGMLType.Q8_0,
     }
 )
-# types our CPU kernels compute on directly (no dequantised copy)
-KERNEL_TYPES = frozenset(
-    {
-        GGMLType.F32,
-        GGMLType.F16,
-        GGMLType.BF16,
-        GGMLType.Q4_0,
-        GGMLType.Q4_1,
-        GGMLType.Q5_0,
-        GGMLType.Q5_1,
-        GGMLType.Q8_0,
-    }
-)
+# types our CPU kernels compute on directly (no dequantised copy): every type we can produce
+KERNEL_TYPES = QUANTIZABLE
 # types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks; a tensor of any
 # other type is decoded to F16 there
 POOL_TYPES = KERNEL_TYPES
