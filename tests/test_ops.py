@@ -17,6 +17,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import random_q4_k
 
 from powerinfer import ops, quant
@@ -248,3 +249,36 @@ def test_exact_mode_long_batches_and_shapes(ggml_type, isa):
     assert ((y.double() - exact).abs() <= 1e-5 * scale + 1e-30).all()
     for n_tokens in (1, 5, 8, 9, 16):
         assert torch.equal(ops.linear(x[:n_tokens], w), y[:n_tokens]), n_tokens
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n_head", "n_head_kv"), [(4, 4), (8, 2), (9, 3), (6, 1)])
+def test_attn_decode_equals_the_tensor_ops(n_head, n_head_kv):
+    """pi_attn_decode (RoPE, KV write, grouped-query softmax attention of one token) == torch's ops."""
+    from powerinfer.arch.llama import apply_rope
+
+    head_dim, n_ctx = 16, 40
+    gen = torch.Generator().manual_seed(0)
+    angles = torch.rand(n_ctx, head_dim // 2, generator=gen, dtype=torch.float64) * 6.0
+    rot = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)  # (n_ctx, D/2)
+    pairs = torch.view_as_real(rot).contiguous()
+    k_cache = torch.randn(n_ctx, n_head_kv, head_dim, generator=gen)
+    v_cache = torch.randn(n_ctx, n_head_kv, head_dim, generator=gen)
+    for pos in (0, 1, 17, n_ctx - 1):
+        q = torch.randn(1, n_head * head_dim, generator=gen) * 3
+        k = torch.randn(1, n_head_kv * head_dim, generator=gen)
+        v = torch.randn(1, n_head_kv * head_dim, generator=gen)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        for threads in (1, 2):
+            ops.set_num_threads(threads)
+            got = ops.attn_decode(q, k, v, pairs[pos], kc, vc, pos)
+            qr = apply_rope(q.view(1, n_head, head_dim), rot[pos : pos + 1])
+            kr = apply_rope(k.view(1, n_head_kv, head_dim), rot[pos : pos + 1])
+            # the complex product in float, possibly not torch's rounding order: within an ulp or two
+            torch.testing.assert_close(kc[pos], kr[0], rtol=1e-6, atol=1e-6)
+            assert torch.equal(vc[pos], v.view(n_head_kv, head_dim))
+            keys, values = kc[: pos + 1].transpose(0, 1), vc[: pos + 1].transpose(0, 1)  # (H_kv, L, D)
+            want = F.scaled_dot_product_attention(qr.transpose(0, 1), keys, values, enable_gqa=True)
+            torch.testing.assert_close(got, want.transpose(0, 1).reshape(1, -1), rtol=2e-6, atol=2e-6)
+        assert torch.equal(kc[pos + 1 :], k_cache[pos + 1 :])  # only row pos written
+    assert ops.attn_decode(q, k, v, pairs[0], kc, vc, n_ctx) is None  # a position past the cache: no kernel

@@ -250,12 +250,15 @@ class LlamaModel:
             self.layers.append(layer)
         self.ffns: list[FFN] = [DenseFFN(c, layer.tensors, bid) for bid, layer in enumerate(self.layers)]
         self.rope: dict[torch.device, torch.Tensor] = {}
+        self.rope_pairs = torch.zeros(0, config.head_dim // 2, 2)
         self.n_ctx = 0
 
     def setup(self, n_ctx: int) -> None:
         """Precompute position tables for a context of n_ctx tokens."""
         self.n_ctx = n_ctx
         self.rope = {torch.device("cpu"): rope_table(self.config, n_ctx)}
+        # the same rotations as (cos, sin) float pairs, (n_ctx, head_dim/2, 2), for the decode-attention kernel
+        self.rope_pairs = torch.view_as_real(self.rope[torch.device("cpu")]).contiguous()
 
     def _rope(self, device: torch.device) -> torch.Tensor:
         if device not in self.rope:
@@ -285,6 +288,20 @@ class LlamaModel:
         c = self.config
         T, home = x.shape[0], x.device
         device = self._device(layer, home)
+        if T == 1 and device.type == "cpu" and hasattr(kv, "layer"):
+            # one token: RoPE, the KV write and attention in one kernel call (None: the tensor ops below)
+            k_cache, v_cache = kv.layer(bid, seq)
+            out = ops.attn_decode(
+                ops.linear(x, layer.wq),
+                ops.linear(x, layer.wk),
+                ops.linear(x, layer.wv),
+                self.rope_pairs[pos],
+                k_cache,
+                v_cache,
+                pos,
+            )
+            if out is not None:
+                return ops.linear(out, layer.wo)
         q, k, v = self._qkv(layer, x.to(device), slice(pos, pos + T), device)
         keys, values = kv.update(bid, pos, k, v, seq)  # (pos+T, H_kv, D)
         if T == 1:

@@ -35,6 +35,7 @@ from powerinfer.quant import KERNEL_TYPES, POOL_TYPES, row_bytes
 __all__ = [
     "DeviceWeight",
     "QWeight",
+    "attn_decode",
     "get_activation_precision",
     "get_num_threads",
     "get_rows",
@@ -134,6 +135,9 @@ class _Kernels:
         self.ffn_rows.argtypes, self.ffn_rows.restype = _FFN_ROWS_ARGTYPES, _i32
         self.predict_ffn = lib.pi_predict_ffn  # predictor + fused decode FFN (one token, float activations)
         self.predict_ffn.argtypes, self.predict_ffn.restype = _PREDICT_FFN_ARGTYPES, _i32
+        self.attn_decode = lib.pi_attn_decode  # RoPE + KV write + attention of one token
+        self.attn_decode.argtypes = [_ptr] * 6 + [_i64] * 4 + [ctypes.c_float, _ptr, _i32]
+        self.attn_decode.restype = _i32
         self.isa = lib.pi_kernels_isa
         self.isa.argtypes, self.isa.restype = [], ctypes.c_char_p
         self.set_isa = lib.pi_kernels_set_isa
@@ -173,6 +177,7 @@ class _Settings:
     rows_axpy: dict[GGMLType, Any] = field(default_factory=dict)
     ffn_rows: Any = None  # pi_ffn_rows while the kernels are on
     predict_ffn: Any = None  # pi_predict_ffn while the kernels are on in f32 precision
+    attn_decode: Any = None  # pi_attn_decode while the kernels are on
     ffn_kinds: dict[GGMLType, int] = field(default_factory=dict)  # its weight kind codes (kernel types)
 
     def select(self, enabled: bool, act: str) -> None:
@@ -186,6 +191,7 @@ class _Settings:
         self.rows_axpy = dict(_KERNELS.rows_axpy) if on else {}
         self.ffn_rows = _KERNELS.ffn_rows if on else None
         self.predict_ffn = _KERNELS.predict_ffn if on and act == "f32" else None
+        self.attn_decode = _KERNELS.attn_decode if on else None
         self.ffn_kinds = dict(_FFN_KINDS) if on else {}
 
 
@@ -494,6 +500,46 @@ def get_rows(w: QWeight, ids: torch.Tensor) -> torch.Tensor:
     if status:
         _check_status(status, "get_rows")
     return y if ids.dim() == 1 else y.view(*ids.shape, n_cols)
+
+
+def attn_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+) -> torch.Tensor | None:
+    """Attention of one token at position `pos` in one kernel call; None where the kernel does not apply.
+
+    q (1, H * D), k and v (1, H_kv * D): the token's projections (float32, CPU); rope (D / 2, 2): cos and sin of
+    each pair's rotation at pos; k_cache, v_cache (n_ctx, H_kv, D): the sequence's cache of the layer (float32,
+    contiguous, CPU), into which the rotated k and v are written at row pos. Returns (1, H * D): per head,
+    softmax(q . K[0..pos] / sqrt(D)) . V[0..pos] with the query heads grouped over the KV heads (GQA).
+    """
+    kernel = _settings.attn_decode
+    n_ctx, n_head_kv, head_dim = k_cache.shape
+    if (
+        kernel is None
+        or not (q.is_cpu and k_cache.is_cpu)
+        or k_cache.dtype is not torch.float32
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous() and rope.is_contiguous())
+        or not 0 <= pos < n_ctx
+    ):
+        return None
+    q = q.to(torch.float32).contiguous().clone()  # rotated in place by the kernel
+    k = k.to(torch.float32).contiguous().clone()
+    v = v.to(torch.float32).contiguous()
+    n_head = q.numel() // head_dim
+    out = torch.empty(1, n_head * head_dim, dtype=torch.float32)
+    status = kernel(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        pos, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), _settings.n_threads,
+    )  # fmt: skip
+    if status:
+        _check_status(status, "attn_decode")
+    return out
 
 
 # the sparse ops use this module's settings and helpers, so they are imported once it is complete

@@ -39,6 +39,10 @@ class KVCache:
         self.v[layer, seq, pos:end] = v
         return self.k[layer, seq, :end], self.v[layer, seq, :end]
 
+    def layer(self, layer: int, seq: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of one sequence in one layer: contiguous (n_ctx, H_kv, D) views of the buffers."""
+        return self.k[layer, seq], self.v[layer, seq]
+
     def update_batch(
         self, layer: int, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
