@@ -10,8 +10,8 @@
  * Per KV head, the G query heads that share it read each cached row once. Softmax subtracts the row maximum and
  * uses a polynomial exp (Cephes, ~1e-7 relative); the weighted sum of V is divided by the sum of weights at the
  * end. KV heads are split over threads; each output element is computed by one thread in a fixed order, so the
- * result does not depend on the thread count. The functions are compiled for AVX-512, AVX2 and baseline x86-64
- * (GCC target_clones picks one at load).
+ * result does not depend on the thread count. attend_kv_head and rope_rotate are compiled for AVX-512, AVX2 and
+ * baseline x86-64 (GCC target_clones picks one at load).
  */
 #include <math.h>
 #include <omp.h>
@@ -50,19 +50,19 @@ CLONES static void rope_rotate(float *x, const float *rope, int64_t D) {
     }
 }
 
-CLONES static float dot(const float *a, const float *b, int64_t n) {
+static inline float dot(const float *a, const float *b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < n; i++) acc += a[i] * b[i];
     return acc;
 }
 
-CLONES static void axpy(float *y, float a, const float *x, int64_t n) {
+static inline void axpy(float *y, float a, const float *x, int64_t n) {
 #pragma omp simd
     for (int64_t i = 0; i < n; i++) y[i] += a * x[i];
 }
 
-CLONES static float exp_shifted_sum(float *s, int64_t n, float shift) {
+static inline float exp_shifted_sum(float *s, int64_t n, float shift) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < n; t++) {
@@ -72,8 +72,9 @@ CLONES static float exp_shifted_sum(float *s, int64_t n, float shift) {
     return sum;
 }
 
-/* the G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch */
-static void attend_kv_head(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh, int64_t G,
+/* the G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch. One clone per ISA, with the
+ * helpers above inlined into it (a clone is reached through an indirect call: none per row or element) */
+CLONES static void attend_kv_head(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh, int64_t G,
                            int64_t L, int64_t D, float scale, float *s, float *out) {
     for (int64_t t = 0; t < L; t++) {
         const float *krow = kc + t * row + kvh * D;
