@@ -294,3 +294,53 @@ def random_q4_k(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
     scales = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)  # d, dmin
     blocks[:, :, :4] = scales
     return blocks.reshape(n_rows, -1)
+
+
+def assert_one_error_line(result, *needles: str) -> None:
+    """A CLI run (CliRunner result) that failed the way bad input must: exit code 1, exactly one `error:` line on
+    stderr containing every needle, no traceback."""
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+# -- kernel tests (test_ops, test_sparse_ops) ----------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_kernel_settings():
+    """Kernel on/off, thread count, activation precision and SIMD variant as they were before the test."""
+    from powerinfer import ops
+
+    threads = ops.get_num_threads()
+    act = ops.get_activation_precision()
+    yield
+    ops.use_kernels(True)
+    ops.set_num_threads(threads)
+    ops.set_activation_precision(act)
+    if ops.kernels_available():
+        ops._set_isa("avx512")
+
+
+@pytest.fixture(params=["f32", "q8"])
+def act(request):
+    """Run a kernel test in both activation precisions."""
+    from powerinfer import ops
+
+    ops.set_activation_precision(request.param)
+    return request.param
+
+
+@pytest.fixture(params=["avx512", "avx2", "scalar"])
+def isa(request):
+    """Run a kernel test on each SIMD variant the CPU has (higher ones collapse to the best available)."""
+    from powerinfer import ops
+
+    if not ops.kernels_available():
+        pytest.skip("powerinfer._kernels is not built")
+    chosen = ops._set_isa(request.param)
+    yield chosen
+    ops._set_isa("avx512")

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import assert_one_error_line as assert_cli_error
 from conftest import random_llama_state, write_llama_gguf
 from typer.testing import CliRunner
 
@@ -24,12 +25,7 @@ def run_main(model: Path, *args: str):
 
 
 def assert_one_error_line(result, *needles: str) -> None:
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in result.stderr
+    assert_cli_error(result, *needles)
     assert result.exception is None or isinstance(result.exception, SystemExit)
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_TOKENS, TINY_TYPES, permute_qk, random_llama_state
+from conftest import TINY_TOKENS, TINY_TYPES, assert_one_error_line, permute_qk, random_llama_state
 from typer.testing import CliRunner
 
 from powerinfer.arch.llama import ACTIVATION_KEY
@@ -272,12 +272,7 @@ def test_bpe_tokenizer_json(gqa, tmp_path: Path):
 
 def assert_fails(args: list[str], out: Path, *needles: str) -> None:
     result = runner.invoke(app, ["convert", *args, "--outfile", str(out)])
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in result.stderr
+    assert_one_error_line(result, *needles)
     assert not out.exists() and list(out.parent.glob(".tmp-*")) == []
 
 

@@ -33,6 +33,7 @@ SHAPES_N = [1, 7, 64, 300]
 SHAPES_T = [1, 3, 17]
 
 needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="powerinfer._kernels is not built")
+pytestmark = pytest.mark.usefixtures("restore_kernel_settings")
 
 
 def make_weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
@@ -55,33 +56,6 @@ def fake_quant_act(x: torch.Tensor) -> torch.Tensor:
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (torch.round(blocks * inv) * (amax / 127.0)).reshape(x.shape)
-
-
-@pytest.fixture(autouse=True)
-def _restore_settings():
-    threads = ops.get_num_threads()
-    act = ops.get_activation_precision()
-    yield
-    ops.use_kernels(True)
-    ops.set_num_threads(threads)
-    ops.set_activation_precision(act)
-
-
-@pytest.fixture(params=["f32", "q8"])
-def act(request):
-    """Run a kernel test in both activation precisions."""
-    ops.set_activation_precision(request.param)
-    return request.param
-
-
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request):
-    """Run a kernel test on each SIMD variant the CPU has (higher ones collapse to the best available)."""
-    if not ops.kernels_available():
-        pytest.skip("powerinfer._kernels is not built")
-    chosen = ops._set_isa(request.param)
-    yield chosen
-    ops._set_isa("avx512")
 
 
 @needs_kernels

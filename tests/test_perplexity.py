@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_one_error_line as assert_cli_error
 from conftest import fixture_dir, smollm2_path
 from typer.testing import CliRunner
 
@@ -45,12 +46,7 @@ def parse_stdout(stdout: str) -> tuple[list[float], float, float]:
 
 
 def assert_one_error_line(result, *needles: str) -> None:
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in result.stderr
+    assert_cli_error(result, *needles)
     assert result.stdout == ""
 
 

@@ -9,7 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import fixture_dir, random_llama_state, random_predictors, smollm2_path, write_llama_gguf
+from conftest import (
+    assert_one_error_line,
+    fixture_dir,
+    random_llama_state,
+    random_predictors,
+    smollm2_path,
+    write_llama_gguf,
+)
 from gguf import GGUFReader
 from gguf import quants as gguf_quants
 from test_sparse import N_FF, N_HEAD, N_HEAD_KV, _masked_reference, _placements
@@ -34,15 +41,6 @@ runner = CliRunner()
 
 def run_quantize(*args: str):
     return runner.invoke(app, ["quantize", *args])
-
-
-def assert_one_error_line(result, *needles: str) -> None:
-    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
-    lines = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in result.stderr
 
 
 def assert_reference_blocks(src_path: Path, out_path: Path, every: int = 1) -> int:

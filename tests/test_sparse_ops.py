@@ -27,6 +27,7 @@ BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element
 SHAPES_T = [1, 3, 9]
 
 needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="powerinfer._kernels is not built")
+pytestmark = pytest.mark.usefixtures("restore_kernel_settings")
 
 
 def cols_for(ggml_type: GGMLType) -> list[int]:
@@ -78,31 +79,6 @@ def assert_close_exact(y: torch.Tensor, a: torch.Tensor, w_rows: torch.Tensor, w
     scale = a.double().abs() @ w_rows.abs()
     assert y.shape == exact.shape and y.dtype == torch.float32, where
     assert ((y.double() - exact).abs() <= 1e-5 * scale + 1e-30).all(), where
-
-
-@pytest.fixture(autouse=True)
-def _restore_settings():
-    threads = ops.get_num_threads()
-    act = ops.get_activation_precision()
-    yield
-    ops.use_kernels(True)
-    ops.set_num_threads(threads)
-    ops.set_activation_precision(act)
-    if ops.kernels_available():
-        ops._set_isa("avx512")
-
-
-@pytest.fixture(params=["f32", "q8"])
-def act(request):
-    ops.set_activation_precision(request.param)
-    return request.param
-
-
-@pytest.fixture(params=["avx512", "avx2", "scalar"])
-def isa(request):
-    if not ops.kernels_available():
-        pytest.skip("powerinfer._kernels is not built")
-    return ops._set_isa(request.param)
 
 
 # ---- rows_matmul ---------------------------------------------------------------------------------------------

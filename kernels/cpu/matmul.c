@@ -205,21 +205,8 @@ DEFINE_DOT_SCALAR(q5_1_f)
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
 
-#define SIMD_SUFFIX avx2
-#define SIMD_TARGET "avx2,fma,f16c"
-#define SIMD_AVX512 0
-#include "matmul_x86.h"
-#undef SIMD_SUFFIX
-#undef SIMD_TARGET
-#undef SIMD_AVX512
-
-#define SIMD_SUFFIX avx512
-#define SIMD_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
-#define SIMD_AVX512 1
-#include "matmul_x86.h"
-#undef SIMD_SUFFIX
-#undef SIMD_TARGET
-#undef SIMD_AVX512
+#define SIMD_BODY "matmul_x86.h"
+#include "simd_variants.h"
 
 /* ---- dispatch: chosen once at load ------------------------------------------------------------------------ */
 

@@ -1,4 +1,4 @@
-/* SIMD bodies of the matmul kernels, included twice by matmul.c:
+/* SIMD bodies of the matmul kernels, compiled twice through simd_variants.h (from matmul.c):
  *   SIMD_SUFFIX avx2,   SIMD_TARGET "avx2,fma,f16c",                 SIMD_AVX512 0
  *   SIMD_SUFFIX avx512, SIMD_TARGET "...,avx512f,avx512bw,avx512vl,avx512vnni", SIMD_AVX512 1
  *

@@ -231,21 +231,8 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
 
 typedef void (*axpy_units_fn)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1);
 
-#define SIMD_SUFFIX avx2
-#define SIMD_TARGET "avx2,fma,f16c"
-#define SIMD_AVX512 0
-#include "sparse_x86.h"
-#undef SIMD_SUFFIX
-#undef SIMD_TARGET
-#undef SIMD_AVX512
-
-#define SIMD_SUFFIX avx512
-#define SIMD_TARGET "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq,avx512vnni"
-#define SIMD_AVX512 1
-#include "sparse_x86.h"
-#undef SIMD_SUFFIX
-#undef SIMD_TARGET
-#undef SIMD_AVX512
+#define SIMD_BODY "sparse_x86.h"
+#include "simd_variants.h"
 
 static const axpy_units_fn axpy_units_table[] = {
     [MATMUL_ISA_SCALAR] = axpy_units_scalar,

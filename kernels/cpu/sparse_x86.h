@@ -1,4 +1,4 @@
-/* SIMD bodies of rows_axpy, included twice by sparse.c (SIMD_SUFFIX avx2 / avx512, as matmul_x86.h).
+/* SIMD bodies of rows_axpy, compiled twice by sparse.c through simd_variants.h (SIMD_SUFFIX avx2 / avx512).
  *
  * A unit of 32 weights is decoded to floats in registers (AVX2: 4 x 8 lanes, AVX-512: 2 x 16 lanes) with the
  * reference dequantiser's operations, then y = fma(h, w, y) per element. Lanes are independent, so the result is

@@ -18,9 +18,9 @@ from powerinfer.cli.common import (
     LogDisableOpt,
     ModelOpt,
     PoolDeviceOpt,
+    engine_options,
     err_console,
     resolve_model,
-    resolve_vram_budget,
     run_guarded,
     setup_logging,
     threads,
@@ -158,15 +158,15 @@ def batched(
             n_parallel=parallel,
             n_len=length,
             # every stream has its own KV slot, so a slot needs only LEN positions
-            engine=EngineOptions(
-                n_ctx=ctx_size if ctx_size > 0 else length,
-                n_batch=max(length, parallel),
-                n_threads=n_threads,
-                act_precision=act_precision.value,
-                n_seq=parallel,
-                vram_budget_gib=resolve_vram_budget(budget),
+            engine=engine_options(
+                threads_=n_threads,
+                act_precision=act_precision,
+                vram_budget=budget,
                 pool_device=pool_device,
                 reset_gpu_index=True,
+                n_ctx=ctx_size if ctx_size > 0 else length,
+                n_batch=max(length, parallel),
+                n_seq=parallel,
             ),
             sampling=SamplingParams(
                 temp=temp, top_k=top_k, top_p=top_p, min_p=0.0, repeat_penalty=1.0, seed=seed

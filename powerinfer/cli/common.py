@@ -7,12 +7,15 @@ import sys
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
 from powerinfer.errors import PowerInferError
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.engine import EngineOptions
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -100,6 +103,30 @@ def threads(n: int) -> int:
     import os
 
     return n if n > 0 else (os.cpu_count() or 1)
+
+
+def engine_options(
+    *,
+    threads_: int,
+    act_precision: ActPrecision,
+    vram_budget: float,
+    pool_device: str | None,
+    reset_gpu_index: bool = False,
+    disable_gpu_index: bool = False,
+    **fields: Any,
+) -> EngineOptions:
+    """EngineOptions from the options every engine command shares (threads, precision, pool), plus `fields`."""
+    from powerinfer.runtime.engine import EngineOptions
+
+    return EngineOptions(
+        n_threads=threads(threads_),
+        act_precision=act_precision.value,
+        vram_budget_gib=resolve_vram_budget(vram_budget),
+        reset_gpu_index=reset_gpu_index,
+        disable_gpu_index=disable_gpu_index,
+        pool_device=pool_device,
+        **fields,
+    )
 
 
 def setup_logging(disabled: bool) -> None:

@@ -34,12 +34,11 @@ from powerinfer.cli.common import (
     TopKOpt,
     TopPOpt,
     VramOpt,
+    engine_options,
     err_console,
     resolve_model,
-    resolve_vram_budget,
     run_guarded,
     setup_logging,
-    threads,
 )
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions, Timings
@@ -225,16 +224,16 @@ def main(
             ignore_eos=ignore_eos,
             verbose_prompt=verbose_prompt,
             display_prompt=not no_display_prompt,
-            engine=EngineOptions(
-                n_ctx=ctx_size,
-                n_batch=batch_size,
-                n_threads=threads(threads_),
-                act_precision=act_precision.value,
-                vram_budget_gib=resolve_vram_budget(vram_budget),
-                n_gpu_layers=n_gpu_layers,
+            engine=engine_options(
+                threads_=threads_,
+                act_precision=act_precision,
+                vram_budget=vram_budget,
+                pool_device=pool_device,
                 reset_gpu_index=reset_gpu_index,
                 disable_gpu_index=disable_gpu_index,
-                pool_device=pool_device,
+                n_ctx=ctx_size,
+                n_batch=batch_size,
+                n_gpu_layers=n_gpu_layers,
             ),
             sampling=SamplingParams(
                 temp=temp,

@@ -31,12 +31,11 @@ from powerinfer.cli.common import (
     ResetIdxOpt,
     ThreadsOpt,
     VramOpt,
+    engine_options,
     err_console,
     resolve_model,
-    resolve_vram_budget,
     run_guarded,
     setup_logging,
-    threads,
 )
 from powerinfer.cli.main import format_timings
 from powerinfer.errors import InputError
@@ -290,15 +289,15 @@ def perplexity_command(
             model=resolve_model(model),
             text_file=file,
             ppl=PerplexityOptions(n_ctx=ctx_size, n_chunks=chunks, stride=ppl_stride),
-            engine=EngineOptions(
-                n_ctx=n_ctx,
-                n_batch=min(batch_size, n_ctx),
-                n_threads=threads(threads_),
-                act_precision=act_precision.value,
-                vram_budget_gib=resolve_vram_budget(vram_budget),
+            engine=engine_options(
+                threads_=threads_,
+                act_precision=act_precision,
+                vram_budget=vram_budget,
+                pool_device=pool_device,
                 reset_gpu_index=reset_gpu_index,
                 disable_gpu_index=disable_gpu_index,
-                pool_device=pool_device,
+                n_ctx=n_ctx,
+                n_batch=min(batch_size, n_ctx),
             ),
             kl_divergence=kl_divergence,
             kl_base=kl_divergence_base,

@@ -29,14 +29,12 @@ from powerinfer.cli.common import (
     TopKOpt,
     TopPOpt,
     VramOpt,
+    engine_options,
     resolve_model,
-    resolve_vram_budget,
     run_guarded,
     setup_logging,
-    threads,
 )
 from powerinfer.errors import InputError
-from powerinfer.runtime.engine import EngineOptions
 from powerinfer.sampling import SamplingParams
 
 _D = SamplingParams()  # main's sampling defaults
@@ -117,17 +115,17 @@ def server(
                 raise InputError(f"cannot read chat template {chat_template}: {e.strerror}") from None
         opts = ServerOptions(
             model=resolve_model(model),
-            engine=EngineOptions(
+            engine=engine_options(
+                threads_=threads_,
+                act_precision=act_precision,
+                vram_budget=vram_budget,
+                pool_device=pool_device,
+                reset_gpu_index=reset_gpu_index,
+                disable_gpu_index=disable_gpu_index,
                 n_ctx=ctx_size,
                 n_batch=batch_size,
                 n_seq=parallel,
-                n_threads=threads(threads_),
-                act_precision=act_precision.value,
-                vram_budget_gib=resolve_vram_budget(vram_budget),
                 n_gpu_layers=n_gpu_layers,
-                reset_gpu_index=reset_gpu_index,
-                disable_gpu_index=disable_gpu_index,
-                pool_device=pool_device,
             ),
             sampling=SamplingParams(
                 temp=temp,
