@@ -275,13 +275,27 @@ class LlamaModel:
         self, layer: LayerWeights, x: torch.Tensor, positions: torch.Tensor | slice, device: torch.device
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Projected and rotated q (T, H, D), k and v (T, H_kv, D) for tokens at `positions`."""
+        return self._rotate(*self._project(layer, x), positions, device)
+
+    @staticmethod
+    def _project(layer: LayerWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, H * D), k and v (T, H_kv * D) of x (T, n_embd)."""
+        return ops.linear(x, layer.wq), ops.linear(x, layer.wk), ops.linear(x, layer.wv)
+
+    def _rotate(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        positions: torch.Tensor | slice,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, H, D) and k (T, H_kv, D) rotated for their positions, v (T, H_kv, D)."""
         c = self.config
-        T = x.shape[0]
-        q = ops.linear(x, layer.wq).view(T, c.n_head, c.head_dim)
-        k = ops.linear(x, layer.wk).view(T, c.n_head_kv, c.head_dim)
-        v = ops.linear(x, layer.wv).view(T, c.n_head_kv, c.head_dim)
+        T = q.shape[0]
         rot = self._rope(device)[positions]
-        return apply_rope(q, rot), apply_rope(k, rot), v
+        q = apply_rope(q.view(T, c.n_head, c.head_dim), rot)
+        return q, apply_rope(k.view(T, c.n_head_kv, c.head_dim), rot), v.view(T, c.n_head_kv, c.head_dim)
 
     @staticmethod
     def _device(layer: LayerWeights, home: torch.device) -> torch.device:
@@ -294,21 +308,13 @@ class LlamaModel:
         c = self.config
         T, home = x.shape[0], x.device
         device = self._device(layer, home)
+        q, k, v = self._project(layer, x.to(device))
         if T == 1 and device.type == "cpu" and pos < ATTN_KERNEL_MAX_POS and hasattr(kv, "layer"):
             # one token: RoPE, the KV write and attention in one kernel call (None: the tensor ops below)
-            k_cache, v_cache = kv.layer(bid, seq)
-            out = ops.attn_decode(
-                ops.linear(x, layer.wq),
-                ops.linear(x, layer.wk),
-                ops.linear(x, layer.wv),
-                self.rope_pairs[pos],
-                k_cache,
-                v_cache,
-                pos,
-            )
+            out = ops.attn_decode(q, k, v, self.rope_pairs[pos], *kv.layer(bid, seq), pos)
             if out is not None:
                 return ops.linear(out, layer.wo)
-        q, k, v = self._qkv(layer, x.to(device), slice(pos, pos + T), device)
+        q, k, v = self._rotate(q, k, v, slice(pos, pos + T), device)
         keys, values = kv.update(bid, pos, k, v, seq)  # (pos+T, H_kv, D)
         if T == 1:
             return ops.linear(decode_attention(q, keys, values), layer.wo).to(home)
