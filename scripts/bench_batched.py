@@ -31,13 +31,12 @@ def main() -> int:
     ap.add_argument("--streams", default="1,2,4,8,16")
     args = ap.parse_args()
 
-    from powerinfer.runtime.batch import BatchDecoder
     from powerinfer.runtime.engine import Engine, EngineOptions
 
     counts = [int(x) for x in args.streams.split(",")]
     model = args.model or default_model()
     engine = Engine(model, EngineOptions(n_ctx=64 + args.n_gen, n_threads=args.threads, n_seq=max(counts)))
-    batch = BatchDecoder(engine)
+    batch = engine
     prompt = engine.tokenizer.encode("The capital of France is", add_bos=None)
     print(
         f"model: {model.name}, threads: {args.threads}, {args.n_gen} decode steps per run, median of {args.runs}"
@@ -54,7 +53,7 @@ def main() -> int:
             slots = list(range(n))
             t = time.perf_counter()
             for _ in range(args.n_gen):
-                tokens = [int(x) for x in batch.step(slots, tokens).argmax(-1)]
+                tokens = [int(x) for x in batch.decode(slots, tokens).argmax(-1)]
             dt = time.perf_counter() - t
             rates.append(n * args.n_gen / dt)
             steps.append(dt / args.n_gen * 1e3)

@@ -38,19 +38,11 @@ def prompt_tokens(n_vocab: int, n: int) -> list[int]:
 def bench_ours(
     model: Path, threads: int, n_prompt: int, n_gen: int, runs: int, act: str
 ) -> dict[str, list[float]]:
-    from powerinfer import ops
     from powerinfer.runtime.engine import Engine, EngineOptions
 
-    previous = ops.set_activation_precision(act)
-    try:
-        return _bench_engine(
-            Engine(model, EngineOptions(n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads)),
-            n_prompt,
-            n_gen,
-            runs,
-        )
-    finally:
-        ops.set_activation_precision(previous)
+    # the engine builds its kernel context (threads, activation precision) from its options
+    options = EngineOptions(n_ctx=n_prompt + n_gen + 8, n_batch=512, n_threads=threads, act_precision=act)
+    return _bench_engine(Engine(model, options), n_prompt, n_gen, runs)
 
 
 def _bench_engine(engine, n_prompt: int, n_gen: int, runs: int) -> dict[str, list[float]]:

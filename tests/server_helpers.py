@@ -36,13 +36,14 @@ def live_server(options: ServerOptions, step_delay_s: float = 0.0) -> Iterator[L
     """Run a Server in a thread on a free 127.0.0.1 port; step_delay_s slows each decode step."""
     server = Server(options, shutdown_grace_s=0.5)
     if step_delay_s:
-        step = server.worker.batch.step
+        engine = server.worker.engine
+        decode = engine.decode
 
-        def slow_step(slots: list[int], tokens: list[int]) -> Any:
+        def slow_decode(slots: list[int], tokens: list[int]) -> Any:
             time.sleep(step_delay_s)
-            return step(slots, tokens)
+            return decode(slots, tokens)
 
-        server.worker.batch.step = slow_step  # type: ignore[method-assign]
+        engine.decode = slow_decode  # type: ignore[method-assign]
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

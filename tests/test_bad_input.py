@@ -57,9 +57,9 @@ def test_missing_required_key(tmp_path: Path):
         tmp_path / "m.gguf", random_llama_state(), n_head=4, n_head_kv=4, skip_keys=("llama.block_count",)
     )
     with pytest.raises(ConfigError, match="llama.block_count"):
-        from powerinfer.arch import load_model
+        from powerinfer.arch import load_config
 
-        load_model(read_gguf(path))
+        load_config(read_gguf(path))
     assert_one_error_line(run_main(path, "-p", "hi"), "missing required metadata key", "llama.block_count")
 
 

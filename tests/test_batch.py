@@ -6,7 +6,6 @@ import pytest
 import torch
 from conftest import random_llama_state, random_predictors, write_llama_gguf
 
-from powerinfer.runtime.batch import BatchDecoder
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 PROMPTS = [[1, 5, 9, 33], [1, 200, 7], [1, 42, 42, 42, 42, 17], [1, 3]]
@@ -30,11 +29,11 @@ def test_batched_greedy_equals_solo(tmp_path, sparse):
     n = 10
     want = [_greedy_alone(path, p, n) for p in PROMPTS]
     engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, n_seq=4))
-    batch = BatchDecoder(engine)
+    batch = engine
     last = [int(batch.prefill(slot, p).argmax()) for slot, p in enumerate(PROMPTS)]
     got = [[t] for t in last]
     for _ in range(n - 1):
-        logits = batch.step([0, 1, 2, 3], last)
+        logits = batch.decode([0, 1, 2, 3], last)
         last = [int(x) for x in logits.argmax(-1)]
         for seq, t in zip(got, last, strict=False):
             seq.append(t)

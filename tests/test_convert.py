@@ -10,10 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_TOKENS, TINY_TYPES, assert_one_error_line, permute_qk, random_llama_state
+from conftest import (
+    TINY_TOKENS,
+    TINY_TYPES,
+    assert_one_error_line,
+    fixture_dir,
+    permute_qk,
+    random_llama_state,
+)
 from typer.testing import CliRunner
 
-from powerinfer.arch.llama import ACTIVATION_KEY
+from powerinfer.arch.base import ACTIVATION_KEY
 from powerinfer.cli import app
 from powerinfer.convert import convert_hf_to_gguf
 from powerinfer.errors import ConfigError, FormatError
@@ -22,15 +29,11 @@ from powerinfer.quant import dequantize
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.tokenizer.spm_proto import spm_model_proto
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
-FIXTURE = SHARED / "fixtures" / "tiny-relu-llama"
 runner = CliRunner()
 
 
 def fixture() -> Path:
-    if not FIXTURE.is_dir():
-        pytest.skip("../shared/fixtures/tiny-relu-llama is not present")
-    return FIXTURE
+    return fixture_dir()  # skips, or fails when CI=true, without ../shared
 
 
 def assert_same_gguf(ours: Path, reference: Path, ignore: tuple[str, ...] = (ACTIVATION_KEY,)) -> None:

@@ -22,7 +22,7 @@ from powerinfer.ops import sparse as sparse_ops
 from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes, planner
 from powerinfer.quant import pool_bytes, quantize, row_bytes
 from powerinfer.runtime.engine import Engine, EngineOptions
-from powerinfer.runtime.sparse_ffn import HotRows
+from powerinfer.runtime.pool import HotRows
 
 TESTS = Path(__file__).resolve().parent
 N_FF = 128
@@ -71,7 +71,6 @@ def test_other_types_are_stored_as_f16_and_budgeted_so():
 
 
 def test_cuda_pool_without_triton_is_a_placement_error(monkeypatch):
-    monkeypatch.setattr(ops, "_triton_quant", None)
     monkeypatch.setitem(sys.modules, "powerinfer.ops.triton_quant", None)  # makes the import fail
     with pytest.raises(PlacementError, match="triton"):
         ops.DeviceWeight.from_qweight(_weight(GGMLType.Q4_0, 4, 32), torch.device("cuda"))
@@ -89,10 +88,10 @@ def _device_weights(engine: Engine) -> dict[str, ops.DeviceWeight]:
     out = {}
     for bid, layer in enumerate(engine.model.layers):
         for attr, name in (("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"), ("wo", "attn_output")):
-            out[f"blk.{bid}.{name}.weight"] = getattr(layer, attr)
-        ffn = engine.model.ffns[bid]
-        out[f"blk.{bid}.fc1.weight"], out[f"blk.{bid}.fc2.weight"] = ffn.fc1, ffn.fc2
-    out["output.weight"] = engine.model.output
+            out[f"blk.{bid}.{name}.weight"] = getattr(layer.attn, attr)
+        sel = layer.ffn.selector
+        out[f"blk.{bid}.fc1.weight"], out[f"blk.{bid}.fc2.weight"] = sel.fc1, sel.fc2
+    out["output.weight"] = engine.model.head.output
     return out
 
 
@@ -160,7 +159,9 @@ def test_pool_bytes_for_the_same_neurons(tmp_path):
     for ggml_type in (GGMLType.F16, GGMLType.Q4_0):
         engine = Engine(_model(tmp_path / ggml_type.name, ggml_type), EngineOptions(n_ctx=64, n_threads=2))
         ffn = engine.model.ffns[0]
-        n_bytes[ggml_type] = HotRows(ffn.gate, ffn.up, ffn.down_t, ids, torch.device("cpu")).n_bytes
+        n_bytes[ggml_type] = HotRows(
+            ffn.gate, ffn.up, ffn.down_t, ids, torch.device("cpu"), engine.kc
+        ).n_bytes
     assert n_bytes[GGMLType.F16] == len(ids) * 3 * 64 * 2
     assert n_bytes[GGMLType.Q4_0] == len(ids) * 3 * 2 * 18
     assert n_bytes[GGMLType.F16] / n_bytes[GGMLType.Q4_0] == pytest.approx(384 / 108)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import fixture_dir
 
 from powerinfer.errors import FormatError, PlacementError
 from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
@@ -31,14 +32,11 @@ from powerinfer.placement import (
     write_gpu_index,
 )
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-relu-llama"
 ORIGINAL_INDEX = "tiny.powerinfer.gguf.generated.gpuidx"
 
 
 def fixture() -> Path:
-    if not FIXTURE.is_dir():
-        pytest.skip("../shared/fixtures/tiny-relu-llama is not present")
-    return FIXTURE
+    return fixture_dir()  # skips, or fails when CI=true, without ../shared
 
 
 # ---------------------------------------------------------------- random models

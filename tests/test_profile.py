@@ -143,9 +143,10 @@ def test_profile_leaves_engine_dense_path_unchanged(relu_model):
     before = engine.eval(ids).clone()
     ffns = list(engine.model.ffns)
     with recording(engine) as recorders:
+        assert len(engine.model.observers) == 1
         engine.reset()
         during = engine.eval(ids).clone()
-    assert engine.model.ffns == ffns
+    assert engine.model.ffns == ffns and not engine.model.observers
     assert torch.equal(before, during)
     assert int(recorders[0].counts.sum()) > 0
 
@@ -205,7 +206,7 @@ def test_train_predictor_cli(relu_model, tmp_path: Path):
     )
     engine = Engine(sparse_path, EngineOptions(n_ctx=32))
     x = torch.randn(5, 64)
-    active = engine.model.ffns[1].predict(x)
+    active = engine.model.ffns[1].selector.select(x)
     assert torch.equal(active, pred.scores(1, x) >= pred.threshold)
 
 

@@ -16,10 +16,10 @@ from conftest import random_llama_state, write_llama_gguf
 from server_helpers import live_server, request, sse_events
 
 from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.generate import _stop_holdback
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.server import ServerOptions
 from powerinfer.server.chat import ChatFormatter
-from powerinfer.server.worker import _stop_holdback
 
 N_CTX = 128
 GREEDY = SamplingParams(temp=0.0)

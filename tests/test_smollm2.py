@@ -7,13 +7,21 @@ import torch
 from conftest import smollm2_path
 from typer.testing import CliRunner
 
-from powerinfer import ops
 from powerinfer.cli import app
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 N_PREDICT = 32
+LOGITS_PROMPT = "The capital of France is Paris. It is known for"  # 11 tokens
+
+# Prefill logits vs transformers' float32 model on the same dequantized weights, as the relative L2 error
+# |ours - ref| / |ref| over all 11 positions x 49152 logits.
+# f32 activations: measured 1.66e-6 (AVX-512 kernels), 1.55e-6 (AVX2), 3.6e-6 (scalar); bound 8e-6.
+F32_LOGITS_REL = 8e-6
+# q8 activations (int8 blocks, llama.cpp's arithmetic): measured 3.87e-2 (AVX-512, AVX2), 3.55e-2 (scalar). The
+# bound is 0.1 above and 0.01 below: q8 fails the f32 bound by >1000x, and an f32 run labelled q8 fails here.
+Q8_LOGITS_REL = (0.01, 0.1)
 
 
 @pytest.fixture(scope="module")
@@ -36,31 +44,35 @@ def hf_greedy(hf_model):
     return out
 
 
+def _engine(act_precision: str) -> Engine:
+    return Engine(smollm2_path(), EngineOptions(n_ctx=256, n_threads=2, act_precision=act_precision))
+
+
 @pytest.fixture(scope="module")
 def engine():
-    return Engine(smollm2_path(), EngineOptions(n_ctx=256, n_threads=2))
+    return _engine("f32")
 
 
 @pytest.mark.slow
-def test_prefill_logits_close_to_transformers(engine, hf_model):
+def test_prefill_logits_close_to_transformers(hf_model):
+    """f32 activations match transformers to float32 rounding; q8 activations lose ~4 % (L2), and the two bounds
+    tell the modes apart."""
     tok, model = hf_model
-    ids = tok("The capital of France is Paris. It is known for", add_special_tokens=False).input_ids
+    ids = tok(LOGITS_PROMPT, add_special_tokens=False).input_ids
     with torch.no_grad():
         ref = model(torch.tensor([ids])).logits[0]
-    # the torch reference ops compute in float32 on the dequantized weights: equal to transformers
-    previous = ops.use_kernels(False)
-    try:
-        engine.reset()
-        exact = engine.logits_all(ids)
-    finally:
-        ops.use_kernels(previous)
-    assert (exact - ref).abs().max().item() < 1e-3
-    # the C kernels quantize activations to int8 blocks (as llama.cpp does), which costs a little precision
-    engine.reset()
-    ours = engine.logits_all(ids)
-    rel = ((ours - ref).norm() / ref.norm()).item()
-    assert rel < 0.06, rel
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    rel, same_argmax = {}, {}
+    for act in ("q8", "f32"):  # f32 last, so a process-wide precision setting ends where it started
+        ours = _engine(act).logits_all(ids)
+        assert ours.shape == ref.shape == (len(ids), 49152)
+        rel[act] = ((ours - ref).norm() / ref.norm()).item()
+        same_argmax[act] = int((ours.argmax(-1) == ref.argmax(-1)).sum())
+    assert rel["f32"] < F32_LOGITS_REL, rel
+    assert Q8_LOGITS_REL[0] < rel["q8"] < Q8_LOGITS_REL[1], rel
+    # measured: the top-1 token agrees at all 11 positions in both modes. transformers' smallest top-2 margin is
+    # 0.068 (position 7): far above f32's largest logit error (4.2e-5), below q8's (1.2), so q8 may lose that one
+    assert same_argmax["f32"] == len(ids)
+    assert same_argmax["q8"] >= len(ids) - 1
 
 
 @pytest.mark.slow

@@ -89,13 +89,35 @@ def test_all_active_equals_dense(tmp_path, monkeypatch):
 def _masked_reference(ffn, u: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     g = u @ decode_rows(ffn.gate, None).T
     up = u @ decode_rows(ffn.up, None).T
-    h = F.relu(g) * (F.relu(up) if ffn.relu_up else up) * active
+    h = F.relu(g) * (F.relu(up) if ffn.spec.relu_up else up) * active
     return h @ decode_rows(ffn.down_t, None)
 
 
 def _predictor_reference(ffn, x: torch.Tensor) -> torch.Tensor:
-    score = F.relu(x @ decode_rows(ffn.fc1, None).T) @ decode_rows(ffn.fc2, None).T
-    return score >= ffn.threshold
+    sel = ffn.selector
+    score = F.relu(x @ decode_rows(_host(sel.fc1), None).T) @ decode_rows(_host(sel.fc2), None).T
+    return score >= sel.threshold
+
+
+def _host(w):
+    """The blocks of a weight as a QWeight (DeviceWeights on the CPU stand-in hold them too)."""
+    from powerinfer import ops
+
+    return w if isinstance(w, ops.QWeight) else ops.QWeight(w.raw.cpu(), w.ggml_type, w.shape)
+
+
+class _Fixed:
+    """A selector that returns a given mask."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mask
+
+
+def _ffns(engine):
+    return [layer.ffn for layer in engine.model.layers]
 
 
 # exact-mode kernels decode weights to the same floats as the reference; only summation order differs
@@ -108,28 +130,29 @@ def test_sparse_ffn_equals_masked_reference(tmp_path, dtype):
     gen = torch.Generator().manual_seed(0)
     for name, opts in _placements(tmp_path).items():
         engine = Engine(path, opts)
-        for ffn in engine.model.ffns:
+        for ffn in _ffns(engine):
             for T in (1, 5):
                 u = torch.randn(T, 64, generator=gen)
                 x = torch.randn(T, 64, generator=gen)
                 # the predictor's own mask
                 pred = _predictor_reference(ffn, x)
-                assert torch.equal(ffn.predict(x), pred)
+                assert torch.equal(ffn.selector.select(x), pred)
                 want = _masked_reference(ffn, u, pred)
                 got = ffn(u, x)
                 scale = want.abs().max().item() + 1e-6
                 assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * scale, (name, T)
                 # random masks: 0 %, ~10 %, ~60 %, 100 % active
                 ffn.fused_decode = False  # the fused decode kernel runs its own predictor
+                selector = ffn.selector
                 for p in (0.0, 0.1, 0.6, 1.0):
                     mask = torch.rand(T, N_FF, generator=gen) < p
-                    ffn.predict = lambda _x, m=mask: m
+                    ffn.selector = _Fixed(mask)
                     got = ffn(u, x)
                     want = _masked_reference(ffn, u, mask)
                     assert (got - want).abs().max().item() <= TOLERANCE[dtype] * 10 * (
                         want.abs().max().item() + 1
                     )
-                del ffn.predict
+                ffn.selector = selector
 
 
 @pytest.mark.parametrize("dtype", [GGMLType.F32, GGMLType.F16, GGMLType.Q4_0])
@@ -150,7 +173,7 @@ def test_engine_plans_caches_and_resets_the_gpu_index(tmp_path):
     small = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045))
     assert small.placement is not None and small.placement.ffn_source == "solved"
     assert cache.is_file()
-    hot = [0 if f.hot is None else f.hot.ids.numel() for f in small.model.ffns]
+    hot = [0 if f.hot is None else f.hot.ids.numel() for f in _ffns(small)]
     assert 0 < sum(hot) < 2 * N_FF and all(h % 32 == 0 for h in hot)
     assert small.placement.total_bytes <= small.placement.budget_bytes
     again = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045))
@@ -159,9 +182,9 @@ def test_engine_plans_caches_and_resets_the_gpu_index(tmp_path):
     assert reset.placement.ffn_source == "solved"
     other = Engine(path, EngineOptions(**opts, vram_budget_gib=0.01))  # a different budget regenerates
     assert other.placement.ffn_source == "solved"
-    assert all(f.hot is not None and f.hot.ids.numel() == N_FF for f in other.model.ffns)
+    assert all(f.hot is not None and f.hot.ids.numel() == N_FF for f in _ffns(other))
     off = Engine(path, EngineOptions(**opts, vram_budget_gib=0.01, disable_gpu_index=True))
-    assert all(f.hot is None for f in off.model.ffns)
+    assert all(f.hot is None for f in _ffns(off))
     # same tokens whatever the placement
     ids = [1, 40, 41, 42]
     assert torch.allclose(small.logits_all(ids), off.logits_all(ids), atol=1e-4)
@@ -177,17 +200,17 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
     engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01))
     p = engine.placement
     assert p is not None and p.kv_on_gpu and "output.weight" in p.gpu_tensors
-    assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in engine.model.layers)
-    assert all(isinstance(f.fc1, ops.DeviceWeight) for f in engine.model.ffns)
-    assert isinstance(engine.model.output, ops.DeviceWeight)
+    assert all(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in engine.model.layers)
+    assert all(isinstance(f.selector.fc1, ops.DeviceWeight) for f in _ffns(engine))
+    assert isinstance(engine.model.head.output, ops.DeviceWeight)
     assert (engine.logits_all(TOKENS) - ref).abs().max().item() <= 1e-4
     # --disable-gpu-index keeps the dense offload and skips only the FFN split
     off = Engine(
         path,
         EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01, disable_gpu_index=True),
     )
-    assert all(f.hot is None for f in off.model.ffns)
-    assert all(isinstance(layer.wq, ops.DeviceWeight) for layer in off.model.layers)
+    assert all(f.hot is None for f in _ffns(off))
+    assert all(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in off.model.layers)
 
 
 @pytest.mark.parametrize("dtype", sorted(quant.KERNEL_TYPES), ids=lambda t: t.name)
@@ -200,15 +223,26 @@ def test_fused_decode_equals_separate_steps(tmp_path, dtype):
     gen = torch.Generator().manual_seed(3)
     for threads in (1, 2):
         engine = Engine(path, EngineOptions(n_ctx=64, n_threads=threads))
-        for ffn in engine.model.ffns:
+        for ffn in _ffns(engine):
             for _ in range(4):
                 u, x = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)
+                sel = ffn.selector
                 fused = sparse_ops.predict_ffn(
-                    x, u, ffn.fc1, ffn.fc2, ffn.threshold, ffn.gate, ffn.up, ffn.down_t, ffn.relu_up
+                    x,
+                    u,
+                    sel.fc1,
+                    sel.fc2,
+                    sel.threshold,
+                    ffn.gate,
+                    ffn.up,
+                    ffn.down_t,
+                    "relu",
+                    False,
+                    engine.kc,
                 )
                 assert fused is not None
                 y, n_active, seconds = fused
-                idx = ffn.predict(x)[0].nonzero().view(-1)
+                idx = sel.select(x)[0].nonzero().view(-1)
                 assert 0 < n_active < N_FF and n_active == idx.numel() and seconds >= 0.0
                 assert torch.equal(y, ffn.rows(u, idx))
                 # through the layer, with its counters
@@ -219,10 +253,8 @@ def test_fused_decode_equals_separate_steps(tmp_path, dtype):
                 ffn.fused_decode = False
                 assert torch.equal(via_layer, y) and torch.equal(ffn(u, x), y)
     # the kernel applies only in f32 precision: q8 falls back to the separate steps
-    previous = ops.set_activation_precision("q8")
-    try:
-        ffn = engine.model.ffns[0]
-        args = (ffn.fc1, ffn.fc2, ffn.threshold, ffn.gate, ffn.up, ffn.down_t, ffn.relu_up)
-        assert sparse_ops.predict_ffn(torch.randn(1, 64), torch.randn(1, 64), *args) is None
-    finally:
-        ops.set_activation_precision(previous)
+    ffn = _ffns(engine)[0]
+    sel = ffn.selector
+    args = (sel.fc1, sel.fc2, sel.threshold, ffn.gate, ffn.up, ffn.down_t, "relu", False)
+    q8 = ops.KernelContext(act_precision="q8")
+    assert sparse_ops.predict_ffn(torch.randn(1, 64), torch.randn(1, 64), *args, q8) is None

@@ -6,16 +6,13 @@ from __future__ import annotations
 import json
 import os
 from functools import lru_cache
-from pathlib import Path
 
 import pytest
-from conftest import smollm2_path
+from conftest import FIXTURE, fixture_dir, smollm2_path
 
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.reader import read_gguf
 from powerinfer.tokenizer import StreamDecoder, Tokenizer
-
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "tiny-relu-llama"
 
 # ------------------------------------------------------------------------------------------------ test strings
 WORDS = "supercalifragilisticexpialidocious"
@@ -226,8 +223,7 @@ def test_smollm2_stream_decoder(smollm2):
 # ------------------------------------------------------------------------------------------------ tiny-relu-llama
 @pytest.fixture(scope="module")
 def tiny():
-    if not FIXTURE.is_dir():
-        pytest.skip("../shared/fixtures/tiny-relu-llama is not present")
+    fixture_dir()  # skips, or fails when CI=true, without ../shared
     tok = Tokenizer.from_metadata(read_gguf(str(FIXTURE / "tiny.powerinfer.gguf")).metadata)
     expected = json.loads((FIXTURE / "expected.json").read_text())
     return tok, expected

@@ -67,7 +67,7 @@ def check_engine(failures: list[str]) -> dict[str, float]:
     from powerinfer.gguf import GGMLType, read_gguf
     from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes
     from powerinfer.runtime.engine import Engine, EngineOptions
-    from powerinfer.runtime.sparse_ffn import HotRows
+    from powerinfer.runtime.pool import HotRows
 
     def to_triton(w):
         if isinstance(w, ops.DeviceWeight):
@@ -100,17 +100,20 @@ def check_engine(failures: list[str]) -> dict[str, float]:
                 path, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=budget / 2**30)
             )
             m = engine.model
+            # the same placement with Triton weights (the interpreter runs them on the CPU tensors)
             for layer in m.layers:
                 for attr in ("wq", "wk", "wv", "wo"):
-                    setattr(layer, attr, to_triton(getattr(layer, attr)))
+                    setattr(layer.attn, attr, to_triton(getattr(layer.attn, attr)))
             n_hot = 0
             for f in m.ffns:
-                f.fc1, f.fc2 = to_triton(f.fc1), to_triton(f.fc2)
+                sel = f.selector
+                sel.fc1, sel.fc2 = to_triton(sel.fc1), to_triton(sel.fc2)
                 if f.hot is not None:
-                    f.hot = HotRows(f.gate, f.up, f.down_t, f.hot.ids.numpy(), f.hot.device, backend="triton")
+                    ids = f.hot.ids.numpy()
+                    f.hot = HotRows(f.gate, f.up, f.down_t, ids, f.hot.device, engine.kc, backend="triton")
                     n_hot += f.hot.ids.numel()
-            m.output = to_triton(m.output)
-            if not 0 < n_hot < 2 * 128 or not isinstance(m.layers[0].wq, ops.DeviceWeight):
+            m.head.output = to_triton(m.head.output)
+            if not 0 < n_hot < 2 * 128 or not isinstance(m.layers[0].attn.wq, ops.DeviceWeight):
                 failures.append(f"engine {ggml_type.name}: unexpected placement ({n_hot} hot neurons)")
             # prefill (T = 10, the tl.dot path) then decode steps (T = 1, broadcast path)
             got = torch.cat([engine.logits_all(tokens[:7])] + [engine.logits_all([t]) for t in tokens[7:]])

@@ -9,12 +9,15 @@
  *                                                   bit i+16 of qh << 4 (qh little endian); x = (q - 16) * d
  *   Q5_1  {fp16 d, m; u8 qh[4]; qs[16]}   24 bytes  q as Q5_0; x = q * d + m
  *
- * Kernel ABI: every exported function takes sized integers, explicit row counts and strides, and the thread
- * count, and returns 0 or one of the PI_ERR_* codes below. No function keeps state between calls.
+ * Kernel ABI: every exported function takes sized integers, explicit row counts and strides, the thread count and
+ * the SIMD level `isa` (enum pi_isa; clamped to what the CPU has), and returns 0 or one of the PI_ERR_* codes below.
+ * No function keeps state between calls, and the library has no mutable globals. The decode kernels (pi_ffn_rows,
+ * pi_predict_ffn, pi_attn_decode) work in a caller-owned scratch buffer sized by their pi_<op>_scratch_bytes.
  */
 #ifndef POWERINFER_KERNELS_COMMON_H
 #define POWERINFER_KERNELS_COMMON_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -27,7 +30,33 @@ enum pi_status {
     PI_ERR_SHAPE = 1, /* K is not a multiple of the block size, or a negative count */
     PI_ERR_ALLOC = 2, /* scratch allocation failed */
     PI_ERR_INDEX = 3, /* a row id is outside [0, N) */
+    PI_ERR_SCRATCH = 4, /* the caller's scratch buffer is smaller than pi_<op>_scratch_bytes asks */
 };
+
+/* SIMD levels, the `isa` argument of every kernel */
+enum pi_isa { PI_ISA_SCALAR = 0, PI_ISA_AVX2 = 1, PI_ISA_AVX512 = 2 };
+
+/* The best level this CPU runs (AVX2 = AVX2 + FMA + F16C; AVX512 = F, BW, VL, DQ and VNNI), and `isa` clamped to
+ * [PI_ISA_SCALAR, best]. Read from the CPU on every call: no state. */
+int32_t pi_isa_clamp(int32_t isa);
+
+#define PI_MAX_THREADS 1024 /* thread counts above this are clamped */
+#define PI_SCRATCH_ALIGN 64 /* the kernels align the caller's scratch start up to this; sizes include the slack */
+
+static inline size_t align_up(size_t n) { return (n + PI_SCRATCH_ALIGN - 1) & ~(size_t)(PI_SCRATCH_ALIGN - 1); }
+
+/* *out = the 64-byte aligned start of a caller's scratch buffer of scratch_bytes; PI_ERR_SCRATCH when fewer than
+ * `need` bytes follow that start (a NULL buffer holds none). */
+static inline int32_t scratch_take(void *scratch, int64_t scratch_bytes, size_t need, uint8_t **out) {
+    *out = NULL;
+    if (need == 0) return PI_OK;
+    if (scratch == NULL || scratch_bytes < 0) return PI_ERR_SCRATCH;
+    const uintptr_t start = (uintptr_t)scratch;
+    const uintptr_t aligned = (start + PI_SCRATCH_ALIGN - 1) & ~(uintptr_t)(PI_SCRATCH_ALIGN - 1);
+    if ((uint64_t)scratch_bytes < (uint64_t)(aligned - start) + need) return PI_ERR_SCRATCH;
+    *out = (uint8_t *)aligned;
+    return PI_OK;
+}
 
 typedef struct {
     uint16_t d;
@@ -109,7 +138,7 @@ static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
  * The split never changes results: each output element is computed by exactly one thread. */
 static inline int32_t threads_for_work(int32_t n_threads, int64_t work) {
     if (n_threads < 1 || work < (1 << 15)) return 1;
-    return n_threads;
+    return n_threads < PI_MAX_THREADS ? n_threads : PI_MAX_THREADS;
 }
 
 #endif

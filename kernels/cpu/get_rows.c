@@ -91,10 +91,13 @@ static int32_t get_rows(row_decode_fn decode, int64_t block_elems, const uint8_t
     return PI_OK;
 }
 
+/* pi_get_rows_<type>(w, w_stride bytes, N rows, K cols, ids, n_ids, y, y_stride floats, threads, isa): one variant
+ * for every level (a few rows per call, auto-vectorised); isa is taken for the uniform kernel ABI. */
 #define DEFINE_GET_ROWS(type, block_elems)                                                                     \
     PI_EXPORT int32_t pi_get_rows_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,              \
                                          const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride,         \
-                                         int32_t n_threads) {                                                   \
+                                         int32_t n_threads, int32_t isa) {                                      \
+        (void)isa;                                                                                              \
         return get_rows(row_decode_##type, block_elems, w, w_stride, N, K, ids, n_ids, y, y_stride, n_threads); \
     }
 

@@ -16,7 +16,8 @@
  * Work is split over blocks of TILE_N rows; inside a block, tokens are taken TILE_T at a time, and each weight
  * block is decoded once per token tile and used for all its tokens (T = 1 is the decode matvec).
  *
- * The SIMD variant (scalar, AVX2+FMA+F16C, AVX-512+VNNI) is chosen once when the library is loaded.
+ * The SIMD variant (scalar, AVX2+FMA+F16C, AVX-512+VNNI) is the caller's `isa` argument on every call, clamped to
+ * what the CPU has: nothing is selected globally, so two callers may run different variants side by side.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -208,7 +209,7 @@ DEFINE_DOT_SCALAR(q5_1_f)
 #define SIMD_BODY "matmul_x86.h"
 #include "simd_variants.h"
 
-/* ---- dispatch: chosen once at load ------------------------------------------------------------------------ */
+/* ---- dispatch: the caller's level on each call ---------------------------------------------------------- */
 
 static const matmul_table matmul_tables[] = {
 #define MATMUL_TABLE(isa)                                                                                           \
@@ -216,57 +217,49 @@ static const matmul_table matmul_tables[] = {
      tile_bf16_##isa, tile_q4_0_f_##isa, tile_q4_1_f_##isa, tile_q8_0_f_##isa, tile_q5_0_f_##isa, tile_q5_1_f_##isa, \
      dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
      dot_q5_0_f_##isa, dot_q5_1_f_##isa}
-    [MATMUL_ISA_SCALAR] = MATMUL_TABLE(scalar),
-    [MATMUL_ISA_AVX2] = MATMUL_TABLE(avx2),
-    [MATMUL_ISA_AVX512] = MATMUL_TABLE(avx512),
+    [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
+    [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
+    [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
 #undef MATMUL_TABLE
 };
 
-static const char *const matmul_isa_names[] = {"scalar", "avx2", "avx512"};
-
-static int32_t matmul_isa_best = MATMUL_ISA_SCALAR;
-static const matmul_table *matmul_active = &matmul_tables[MATMUL_ISA_SCALAR];
-
-__attribute__((constructor)) static void matmul_init(void) {
+/* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar. */
+PI_EXPORT int32_t pi_kernels_isa_best(void) {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
-        matmul_isa_best = MATMUL_ISA_AVX2;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-            __builtin_cpu_supports("avx512vnni"))
-            matmul_isa_best = MATMUL_ISA_AVX512;
-    }
-    matmul_active = &matmul_tables[matmul_isa_best];
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
+        return PI_ISA_SCALAR;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vnni"))
+        return PI_ISA_AVX512;
+    return PI_ISA_AVX2;
 }
 
-const matmul_table *matmul_table_active(void) { return matmul_active; }
-
-int32_t matmul_isa_level(void) { return (int32_t)(matmul_active - matmul_tables); }
-
-/* Name of the active variant ("scalar", "avx2", "avx512"). */
-PI_EXPORT const char *pi_kernels_isa(void) { return matmul_isa_names[matmul_active - matmul_tables]; }
-
-/* Testing hook: select variant `level` (0 scalar, 1 avx2, 2 avx512), capped at what the CPU supports.
- * Not thread safe against running kernels; returns the level now active. */
-PI_EXPORT int32_t pi_kernels_set_isa(int32_t level) {
-    if (level < 0) level = 0;
-    if (level > matmul_isa_best) level = matmul_isa_best;
-    matmul_active = &matmul_tables[level];
-    return level;
+int32_t pi_isa_clamp(int32_t isa) {
+    const int32_t best = pi_kernels_isa_best();
+    return isa < PI_ISA_SCALAR ? PI_ISA_SCALAR : isa > best ? best : isa;
 }
+
+const matmul_table *matmul_table_for(int32_t isa) { return &matmul_tables[pi_isa_clamp(isa)]; }
 
 /* ---- drivers ------------------------------------------------------------------------------------------------- */
 
-int32_t matmul_quant_rows(int64_t row_bytes, tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
-                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                          int32_t n_threads) {
+/* Quantised activations up to this size live on the caller's stack (one token up to K = 32768): the decode
+ * matvec allocates nothing. Larger batches (prefill) allocate them per call. */
+#define MATMUL_STACK_ACT_BYTES (48 * 1024)
+
+int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_quant_fn tile, const uint8_t *w,
+                          int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                          int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
     if (N < 0 || T < 0 || K < 0 || K % QK != 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int64_t nb = K / QK;
-    /* one scratch buffer: int8 quants first, then the per-block arrays (8-byte aligned) */
+    /* one buffer: int8 quants first, then the per-block arrays (8-byte aligned) */
     const size_t qs_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
     const size_t block_bytes = (size_t)(T * nb) * 4;
-    uint8_t *scratch = malloc(qs_bytes + 3 * block_bytes);
+    _Alignas(64) uint8_t on_stack[MATMUL_STACK_ACT_BYTES];
+    const size_t need = qs_bytes + 3 * block_bytes;
+    uint8_t *scratch = need <= sizeof on_stack ? on_stack : malloc(need);
     if (scratch == NULL) return PI_ERR_ALLOC;
     const act_q8 a = {
         .qs = (int8_t *)scratch,
@@ -275,7 +268,6 @@ int32_t matmul_quant_rows(int64_t row_bytes, tile_quant_fn tile, const uint8_t *
         .K = K,
         .nb = nb,
     };
-    const matmul_table *table = matmul_active;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
 #pragma omp parallel num_threads(nt)
     {
@@ -297,7 +289,7 @@ int32_t matmul_quant_rows(int64_t row_bytes, tile_quant_fn tile, const uint8_t *
             }
         }
     }
-    free(scratch);
+    if (scratch != on_stack) free(scratch);
     return PI_OK;
 }
 
@@ -324,16 +316,18 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
     return PI_OK;
 }
 
-int32_t matmul_float_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
-                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                          int32_t n_threads) {
+int32_t matmul_float_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
+                          int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                          int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
+    (void)table;
     return matmul_float_tiled(row_bytes, tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
-int32_t matmul_quant_f_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
-                            int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                            int32_t n_threads) {
+int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
+                            int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                            int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
+    (void)table;
     if (K < 0 || K % QK != 0) return PI_ERR_SHAPE;
     return matmul_float_tiled(row_bytes, tile, TILE_TQ, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
@@ -375,30 +369,31 @@ static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeo
 static inline int64_t row_bytes_q5_0_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
 static inline int64_t row_bytes_q5_1_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
 
-/* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads)
- * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k]. */
+/* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads, isa)
+ * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k] with SIMD level isa (enum pi_isa). */
 /* long_group > 0: T = 1 with rows longer than MATVEC_DOT_MAX_ROW also goes through matvec_dot, long_group rows per call */
-#define DEFINE_MATMUL(type, driver, dot, k_unit, long_group)                                                \
+#define DEFINE_MATMUL(type, driver, dot_field, k_unit, long_group)                                          \
     PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
                                        int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
-                                       int32_t n_threads) {                                                   \
-        const rows_dot_fn dot_fn = dot;                                                                       \
+                                       int32_t n_threads, int32_t isa) {                                      \
+        const matmul_table *table = matmul_table_for(isa);                                                    \
+        const rows_dot_fn dot_fn = dot_field;                                                                 \
         if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \
             return matvec_dot(dot_fn, ROWS_DOT_MAX, w, w_stride, N, K, x, y, n_threads);                      \
         if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0)             \
             return matvec_dot(dot_fn, long_group, w, w_stride, N, K, x, y, n_threads);                        \
-        return driver(0, matmul_active->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
+        return driver(table, 0, table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
-DEFINE_MATMUL(f32, matmul_float_rows, matmul_active->dot_f32, 1, 0)
-DEFINE_MATMUL(f16, matmul_float_rows, matmul_active->dot_f16, 1, 0)
-DEFINE_MATMUL(bf16, matmul_float_rows, matmul_active->dot_bf16, 1, 0)
+DEFINE_MATMUL(f32, matmul_float_rows, table->dot_f32, 1, 0)
+DEFINE_MATMUL(f16, matmul_float_rows, table->dot_f16, 1, 0)
+DEFINE_MATMUL(bf16, matmul_float_rows, table->dot_bf16, 1, 0)
 DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)
-DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, matmul_active->dot_q4_0_f, QK, 1)
-DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, matmul_active->dot_q4_1_f, QK, 1)
-DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, matmul_active->dot_q8_0_f, QK, 1)
+DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, table->dot_q4_0_f, QK, 1)
+DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, table->dot_q4_1_f, QK, 1)
+DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1)
 /* Q5_0 / Q5_1: float activations only (no int8 tiles): the kernel of both precisions */
-DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, matmul_active->dot_q5_0_f, QK, 1)
-DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, matmul_active->dot_q5_1_f, QK, 1)
+DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1)
+DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1)

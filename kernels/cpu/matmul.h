@@ -1,8 +1,8 @@
 /* Internal interface of the matmul kernels (matmul.c), shared with the sparse kernels (sparse.c).
  *
- * Nothing here is exported from the library (-fvisibility=hidden): these are the tile function tables, the
- * active SIMD variant and the drivers with an optional row list, so that sparse row selections run exactly the
- * arithmetic of the dense matmul.
+ * Nothing here is exported from the library (-fvisibility=hidden): these are the tile function tables of the SIMD
+ * variants and the drivers with an optional row list, so that sparse row selections run exactly the arithmetic of
+ * the dense matmul.
  */
 #ifndef POWERINFER_KERNELS_MATMUL_H
 #define POWERINFER_KERNELS_MATMUL_H
@@ -34,8 +34,6 @@ typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const 
 
 #define ROWS_DOT_MAX 4
 
-enum matmul_isa { MATMUL_ISA_SCALAR = 0, MATMUL_ISA_AVX2 = 1, MATMUL_ISA_AVX512 = 2 };
-
 typedef struct {
     quantize_act_fn quantize_act;
     tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
@@ -44,9 +42,8 @@ typedef struct {
     rows_dot_fn dot_f32, dot_f16, dot_bf16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f, dot_q5_0_f, dot_q5_1_f; /* T = 1 */
 } matmul_table;
 
-/* The tile functions of the active SIMD variant, and its level (enum matmul_isa). */
-const matmul_table *matmul_table_active(void);
-int32_t matmul_isa_level(void);
+/* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */
+const matmul_table *matmul_table_for(int32_t isa);
 
 /* Row n of the weight used for output column n: rows[n], or n when rows is NULL (dense). */
 static inline int64_t row_of(const int64_t *rows, int64_t n) { return rows != NULL ? rows[n] : n; }
@@ -60,15 +57,16 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 #define ROWS_PREFETCH_AHEAD 2 /* rows ahead of the one being computed */
 
 /* Drivers: y[t * y_stride + n] = W[row_of(rows, n)] . x[t] for n < N. Row ids are not checked here. With a row
- * list, row_bytes > 0 prefetches the rows ROWS_PREFETCH_AHEAD ahead. */
-int32_t matmul_quant_rows(int64_t row_bytes, tile_quant_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
-                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                          int32_t n_threads);
-int32_t matmul_float_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
-                          int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                          int32_t n_threads);
-int32_t matmul_quant_f_rows(int64_t row_bytes, tile_float_fn tile, const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,
-                            int64_t K, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
-                            int32_t n_threads);
+ * list, row_bytes > 0 prefetches the rows ROWS_PREFETCH_AHEAD ahead. `table` is the variant of `tile` (the quant
+ * driver quantises the activations with it). */
+int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_quant_fn tile, const uint8_t *w,
+                          int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                          int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads);
+int32_t matmul_float_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
+                          int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                          int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads);
+int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
+                            int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                            int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads);
 
 #endif

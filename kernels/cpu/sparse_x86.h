@@ -4,8 +4,9 @@
  * reference dequantiser's operations, then y = fma(h, w, y) per element. Lanes are independent, so the result is
  * the same scalar chain per element as in the scalar variant: all variants agree bit for bit.
  *
- * T = 1: the compacted rows (h != 0) are taken AXPY_GROUP at a time; for each unit of the thread's slice, y is
- * loaded once, the group's rows are applied in order, y is stored (rows stream sequentially, y stays in L1).
+ * T = 1: the listed rows (h != 0, a chunk of them at a time) are taken AXPY_GROUP at a time; for each unit of the
+ * thread's slice, y is loaded once, the group's rows are applied in order, y is stored (rows stream sequentially,
+ * y stays in L1). Storing and reloading y between groups or chunks does not change a bit of the chain.
  * T > 1: tokens AXPY_TILE_T at a time; each unit of each row is decoded once and applied to the tile's tokens
  * whose h is non-zero.
  */
@@ -165,11 +166,12 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
     (void)eight;
 }
 
-/* T = 1, full units [u0, u1) of y. */
+/* T = 1, full units [u0, u1) of y: the listed rows added to y (c->accumulate) or to zero. */
 TARGET_INLINE void FN(axpy_t1)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     float *y = c->y;
-    for (int64_t u = u0; u < u1; u++)
-        for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(y + u * AXPY_UNIT + j * SV_N, SV_ZERO());
+    if (!c->accumulate)
+        for (int64_t u = u0; u < u1; u++)
+            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(y + u * AXPY_UNIT + j * SV_N, SV_ZERO());
     for (int64_t g = 0; g < c->n_act; g += AXPY_GROUP) {
         const int n = (int)min_i64(AXPY_GROUP, c->n_act - g);
         const uint8_t *const *rows = c->act_rows + g;

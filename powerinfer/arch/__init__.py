@@ -1,26 +1,53 @@
-"""Architecture registry: general.architecture -> (config class, model class)."""
+"""Architecture registry: general.architecture -> the module that declares its config and builds its model.
+
+A new architecture is one file here (a config with `from_gguf(metadata, sparse)` and `build(config, source)`
+composing the blocks of powerinfer.model) plus one line in ARCHITECTURES.
+"""
 
 from __future__ import annotations
 
-from powerinfer.arch.llama import LlamaConfig, LlamaModel
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from powerinfer.arch import bamboo, llama
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
+from powerinfer.model.config import ModelConfig
+from powerinfer.model.source import WeightSource
+from powerinfer.model.transformer import Transformer
 
-ARCHITECTURES = {
-    "llama": (LlamaConfig, LlamaModel),
-    "bamboo": (LlamaConfig, LlamaModel),
+
+@dataclass(frozen=True)
+class Architecture:
+    config: Callable[[dict[str, Any], bool], ModelConfig]
+    build: Callable[[ModelConfig, WeightSource], Transformer]
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(llama.LlamaConfig.from_gguf, llama.build),
+    "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build),
 }
 
 
-def load_model(gguf: GGUFFile) -> LlamaModel:
-    """Build the model object of a parsed GGUF file from its metadata (never from its file name)."""
+def architecture(gguf: GGUFFile) -> Architecture:
+    """The registered architecture of a parsed GGUF file (from its metadata, never its file name)."""
     arch = gguf.metadata.get(Keys.ARCHITECTURE)
     if arch is None:
         raise FormatError(f"{gguf.path}: missing required metadata key '{Keys.ARCHITECTURE}'")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise FormatError(
-            f"{gguf.path}: unknown architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})"
+            f"{gguf.path}: unknown architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
         )
-    config_cls, model_cls = ARCHITECTURES[arch]
-    return model_cls(config_cls.from_gguf(gguf.metadata, gguf.is_sparse), gguf)
+    return ARCHITECTURES[arch]
+
+
+def load_config(gguf: GGUFFile) -> ModelConfig:
+    """The model config of a parsed GGUF file."""
+    return architecture(gguf).config(gguf.metadata, gguf.is_sparse)
+
+
+def build_model(gguf: GGUFFile, config: ModelConfig, source: WeightSource) -> Transformer:
+    """The model of a parsed GGUF file, built from weights the source placed."""
+    return architecture(gguf).build(config, source)

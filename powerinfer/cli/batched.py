@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 
-from powerinfer import ops
 from powerinfer.cli.common import (
     ActPrecision,
     ActPrecisionOpt,
@@ -26,8 +26,8 @@ from powerinfer.cli.common import (
     threads,
 )
 from powerinfer.errors import InputError
-from powerinfer.runtime.batch import BatchDecoder
 from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.sampling import Sampler, SamplingParams
 
 
@@ -61,43 +61,35 @@ def run_batched(opts: BatchedOptions, engine: Engine | None = None) -> BatchedRe
         raise InputError(f"LEN {opts.n_len} must be longer than the prompt ({longest} tokens)")
     if opts.n_len > engine.n_ctx:
         raise InputError(f"LEN {opts.n_len} exceeds the context size {engine.n_ctx}")
-    batch = BatchDecoder(engine)
+    gen = Generator(engine)
     sampler = Sampler(opts.sampling)  # one RNG for all streams, as the original
     t0 = time.perf_counter()
+    # each distinct prompt is evaluated once; streams with the same prompt copy its KV slot
     first_slot: dict[tuple[int, ...], int] = {}
-    last = []
+    last: dict[int, torch.Tensor] = {}
     for slot, ids in enumerate(prompts):
-        key = tuple(ids)
-        if key in first_slot:
-            batch.fork(first_slot[key], slot)
-            last.append(last[first_slot[key]])
+        src = first_slot.setdefault(tuple(ids), slot)
+        if src == slot:
+            last[slot] = engine.prefill(slot, ids)
         else:
-            first_slot[key] = slot
-            last.append(batch.prefill(slot, ids))
+            engine.fork(src, slot)
     streams: list[list[int]] = [[] for _ in prompts]
-    live = list(range(opts.n_parallel))
-    logits_by_slot = dict(enumerate(last))
+    events = []
+    for slot, ids in enumerate(prompts):
+        params = GenParams(opts.sampling, n_predict=opts.n_len - len(ids))
+        events += gen.start(slot, ids, params, sampler, logits=last[first_slot[tuple(ids)]])
     n_decoded = 0
-    while live:
-        step_slots, step_tokens = [], []
-        for slot in live:
-            token = sampler(logits_by_slot[slot], prompts[slot] + streams[slot])
-            if token in tok.eog_ids or len(prompts[slot]) + len(streams[slot]) >= opts.n_len:
-                err_console.print(
-                    f"main: stream {slot} finished at n_cur = {len(prompts[slot]) + len(streams[slot])}"
-                )
-                continue
-            streams[slot].append(token)
-            n_decoded += 1
-            if len(prompts[slot]) + len(streams[slot]) >= opts.n_len:
-                err_console.print(f"main: stream {slot} finished at n_cur = {opts.n_len}")
-                continue
-            step_slots.append(slot)
-            step_tokens.append(token)
-        live = step_slots
-        if live:
-            logits = batch.step(step_slots, step_tokens)
-            logits_by_slot = dict(zip(step_slots, logits, strict=False))
+    while True:
+        for ev in events:
+            if ev.token is not None:
+                streams[ev.slot].append(ev.token)
+                n_decoded += 1
+            if ev.end is not None:
+                n_cur = len(prompts[ev.slot]) + len(streams[ev.slot])
+                err_console.print(f"main: stream {ev.slot} finished at n_cur = {n_cur}")
+        if not gen.live:
+            break
+        events = gen.step()
     return BatchedResult(streams, prompts, n_decoded, time.perf_counter() - t0)
 
 
@@ -181,7 +173,7 @@ def batched(
         err_console.print(
             f"main: n_len = {length}, n_ctx = {engine.n_ctx}, n_batch = {opts.engine.n_batch}, "
             f"n_parallel = {parallel}, n_kv_req = {engine.n_ctx * parallel}, "
-            f"n_threads = {ops.get_num_threads()}"
+            f"n_threads = {engine.kc.n_threads}"
         )
         if parallel > 1:
             err_console.print(f"main: generating {parallel} sequences ...")

@@ -37,7 +37,7 @@ ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (<
 
 
 class ActPrecision(str, Enum):
-    """Activations of the quant matmuls (ops.set_activation_precision)."""
+    """Activations of the quant matmuls (KernelContext.act_precision)."""
 
     f32 = "f32"
     q8 = "q8"
@@ -55,7 +55,14 @@ SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = rando
 VramOpt = Annotated[
     float, typer.Option("--vram-budget", help="VRAM budget in GiB for the GPU pool (-1 = all free).")
 ]
-NglOpt = Annotated[int, typer.Option("-ngl", "--n-gpu-layers", help="Layers to offload (dense GGUF only).")]
+NglOpt = Annotated[
+    int,
+    typer.Option(
+        "-ngl",
+        "--n-gpu-layers",
+        help="Dense GGUF: the last N layers (weights, KV cache, compute) on the pool device; N > n_layer also the output head.",
+    ),
+]
 ResetIdxOpt = Annotated[bool, typer.Option("--reset-gpu-index", help="Regenerate the cached GPU index.")]
 DisableIdxOpt = Annotated[bool, typer.Option("--disable-gpu-index", help="Keep every FFN neuron on the CPU.")]
 PoolDeviceOpt = Annotated[

@@ -11,7 +11,6 @@ from typing import Annotated
 
 import typer
 
-from powerinfer import ops
 from powerinfer.cli.common import (
     ActPrecision,
     ActPrecisionOpt,
@@ -117,6 +116,8 @@ def run_main(opts: MainOptions) -> None:
         f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
         f"file = {engine.weight_bytes / 2**20:.2f} MiB"
     )
+    for line in engine.placement_report():
+        err.print(line, markup=False)
     prompt_ids = tok.encode(opts.prompt, add_bos=None, parse_special=True)
     if not prompt_ids:
         prompt_ids = [tok.bos_id] if tok.bos_id is not None else []
@@ -136,7 +137,7 @@ def run_main(opts: MainOptions) -> None:
     )
     err.print(
         f"generate: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
-        f"n_predict = {opts.n_predict}, n_threads = {ops.get_num_threads()}"
+        f"n_predict = {opts.n_predict}, n_threads = {engine.kc.n_threads}"
     )
     out = sys.stdout
     if opts.display_prompt:

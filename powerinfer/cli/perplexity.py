@@ -18,7 +18,6 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from powerinfer import ops
 from powerinfer.cli.common import (
     ActPrecision,
     ActPrecisionOpt,
@@ -138,7 +137,7 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     )
     err.print(
         f"perplexity: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
-        f"n_threads = {ops.get_num_threads()}",
+        f"n_threads = {engine.kc.n_threads}",
         markup=False,
     )
     reference, base, record = None, None, None

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer.arch.llama import ACTIVATION_KEY
+from powerinfer.arch.base import ACTIVATION_KEY
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from powerinfer.runtime.sparse_ffn import SparseStats
+from powerinfer.model.sparse import SparseStats
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Pure-torch reference of every op: the spec, the fallback when the kernels are missing, the oracle in tests.
 
-Signatures match `powerinfer.ops`. Weights are decoded with `powerinfer.quant.dequantize`, the one Python
+Signatures match `powerinfer.ops` (less the kernel context). Weights are decoded with `powerinfer.quant.dequantize`, the one Python
 decoder per format.
 """
 
@@ -13,7 +13,7 @@ import torch
 from powerinfer.quant import dequantize
 
 if TYPE_CHECKING:
-    from powerinfer.ops import QWeight
+    from powerinfer.ops.weights import QWeight
 
 
 def dense(w: QWeight) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Run a model over a corpus and record, per layer, which FFN neurons fire and what the predictor sees.
 
-The engine is left untouched: each layer's FFN is wrapped by a FiringRecorder for the duration of a run
-and put back afterwards. A neuron fires for a token when its activation is non-zero: ReLU(gate . u) > 0
+The model is left untouched: a FiringRecorder observes each layer's FFN input (the transformer's observer
+hook) for the duration of a run. A neuron fires for a token when its activation is non-zero: ReLU(gate . u) > 0
 (llama), and also ReLU(up . u) > 0 for bamboo's ReLU(gate) * ReLU(up). The Python work per forward is
 constant per layer: one gate matmul, one comparison and one sum over the batch.
 """
@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch.llama import FFN, LlamaConfig
 from powerinfer.errors import ConfigError, InputError
+from powerinfer.model.blocks import FFN
+from powerinfer.model.config import ModelConfig
 from powerinfer.runtime.engine import Engine
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in total)
@@ -55,7 +56,7 @@ def make_windows(ids: list[int], n_ctx: int, bos_id: int | None) -> list[list[in
     return [prefix + ids[i : i + step] for i in range(0, len(ids), step) if ids[i : i + step]]
 
 
-def require_relu(config: LlamaConfig) -> None:
+def require_relu(config: ModelConfig) -> None:
     """Activation counting and predictors need a ReLU-family FFN (a SiLU neuron is never exactly zero)."""
     if config.activation != "relu":
         raise ConfigError(
@@ -74,41 +75,43 @@ class LayerSamples:
 
 
 class FiringRecorder:
-    """Wraps one layer's dense FFN: counts firing neurons, optionally keeps (predictor input, mask)."""
+    """Observes one layer's dense FFN input: counts firing neurons, optionally keeps (predictor input, mask)."""
 
-    def __init__(self, inner: FFN, config: LlamaConfig, keep_samples: bool) -> None:
-        gate = getattr(inner, "gate", None)
-        if gate is None:
+    def __init__(self, ffn: FFN, config: ModelConfig, kc: ops.KernelContext, keep_samples: bool) -> None:
+        gate = getattr(ffn, "gate", None)
+        if gate is None or not hasattr(ffn, "down"):
             raise ConfigError("profiling needs the dense FFN (run the engine with dense_ffn=True)")
-        self.inner = inner
         self.gate = gate
-        self.up = getattr(inner, "up", None) if config.relu_up else None
+        self.kc = kc
+        self.up = getattr(ffn, "up", None) if config.relu_up else None
         self.counts = torch.zeros(config.n_ff, dtype=torch.int64)
         self.samples: LayerSamples | None = LayerSamples() if keep_samples else None
 
-    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
-        fired = ops.linear(x_norm, self.gate) > 0  # (T, n_ff), the same matmul the dense FFN does
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> None:
+        fired = ops.linear(x_norm, self.gate, self.kc) > 0  # (T, n_ff), the same matmul the dense FFN does
         if self.up is not None:
-            fired &= ops.linear(x_norm, self.up) > 0
+            fired &= ops.linear(x_norm, self.up, self.kc) > 0
         self.counts += fired.sum(dim=0)
         if self.samples is not None:
             self.samples.x.append(x_residual.to(torch.float16).clone())
             self.samples.fired.append(np.packbits(fired.numpy(), axis=1))
-        return self.inner(x_norm, x_residual)
 
 
 @contextmanager
 def recording(engine: Engine, keep_samples: bool = False) -> Iterator[list[FiringRecorder]]:
-    """Wrap the engine's FFNs with recorders for the duration of the block."""
+    """Observe the engine's FFN inputs with recorders for the duration of the block."""
     require_relu(engine.config)
     model = engine.model
-    original = list(model.ffns)
-    recorders = [FiringRecorder(ffn, engine.config, keep_samples) for ffn in original]
-    model.ffns = list(recorders)
+    recorders = [FiringRecorder(layer.ffn, engine.config, engine.kc, keep_samples) for layer in model.layers]
+
+    def observe(bid: int, x_norm: torch.Tensor, x_residual: torch.Tensor) -> None:
+        recorders[bid](x_norm, x_residual)
+
+    model.observers.append(observe)
     try:
         yield recorders
     finally:
-        model.ffns = original
+        model.observers.remove(observe)
 
 
 def run_windows(engine: Engine, windows: list[list[int]], progress: Progress | None = None) -> int:

@@ -1,4 +1,9 @@
-"""The engine: load a model file once, then prefill in chunks and decode one token per step."""
+"""The engine: read a model file once, place and build it, then run steps over KV-cache slots.
+
+`step(seq_ids, tokens, positions)` is the one forward entry: prefill chunks, single-token decode and batches of
+sequences all go through it. Sequence lengths live in the KV cache (`kv.n_past`); `prefill`, `decode`, `eval`
+and `logits_all` are thin helpers over `step`. Generation (sampling, stops, limits) is `runtime.generate`.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +17,24 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch import load_model
-from powerinfer.errors import InputError
+from powerinfer.arch import build_model, load_config
+from powerinfer.errors import InputError, PlacementError
 from powerinfer.gguf.reader import read_gguf
+from powerinfer.model.batch import StepBatch
+from powerinfer.model.source import Sparsity
+from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
+from powerinfer.placement.device_plan import DevicePlan, layers_plan
+from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.runtime.kv_cache import KVCache
-from powerinfer.runtime.pool import PoolRequest, offload_dense, plan_pool, pool_device
-from powerinfer.runtime.sparse_ffn import SparseFFN, SparseStats
+from powerinfer.runtime.loader import Loader
+from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -31,14 +43,14 @@ class EngineOptions:
     n_batch: int = 512
     n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
     n_threads: int | None = None
-    # activations of the quant matmuls: "f32" (exact) or "q8" (int8 blocks, llama.cpp's arithmetic); None: as set
+    # activations of the quant matmuls: "f32" (exact) or "q8" (int8 blocks, llama.cpp's arithmetic)
     act_precision: str | None = None
     vram_budget_gib: float | None = None
     n_gpu_layers: int = 0
     reset_gpu_index: bool = False
     disable_gpu_index: bool = False
     dense_ffn: bool = False  # PWRI files: compute every FFN neuron (no predictor)
-    pool_device: str | None = None  # device of the hot-neuron pool: "cuda", "cuda:1", or "cpu" (stand-in)
+    pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
     gpu_index_path: str | None = None  # use this GPU index instead of planning one
 
 
@@ -56,83 +68,218 @@ class Timings:
     start: float = field(default_factory=time.perf_counter)
 
 
+def kernel_context(options: EngineOptions) -> ops.KernelContext:
+    """The kernel settings an engine owns (threads, activation precision)."""
+    n = options.n_threads
+    if n is not None and n > MAX_THREADS:
+        raise InputError(f"-t {n} is more threads than this engine supports ({MAX_THREADS})")
+    kwargs: dict[str, object] = {}
+    if n is not None and n > 0:
+        kwargs["n_threads"] = n
+    if options.act_precision is not None:
+        kwargs["act_precision"] = options.act_precision
+    try:
+        return ops.KernelContext(**kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
 class Engine:
-    """Owns the model, tokenizer and KV cache of one sequence."""
+    """Owns the model, tokenizer, kernel context and KV cache (n_seq slots)."""
 
     def __init__(self, model_path: str | os.PathLike[str], options: EngineOptions | None = None) -> None:
         t0 = time.perf_counter()
-        self.options = options or EngineOptions()
-        o = self.options
+        self.options = o = options or EngineOptions()
+        self.kc = kernel_context(o)
         if o.n_threads is not None and o.n_threads > 0:
-            ops.set_num_threads(o.n_threads)
-        if o.act_precision is not None:
-            ops.set_activation_precision(o.act_precision)
+            torch.set_num_threads(o.n_threads)  # torch's own ops (norms, attention) use its thread pool
+        if o.n_batch <= 0:
+            raise InputError(f"batch size must be positive (got {o.n_batch})")
+        if o.n_seq < 1:
+            raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
         self.gguf = read_gguf(model_path)
-        self.model = load_model(self.gguf)
-        self.config = self.model.config
+        self.config = c = load_config(self.gguf)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
-        if self.tokenizer.n_vocab != self.config.n_vocab:
-            raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {self.config.n_vocab}")
-        self._check_device_flags()
-        self.n_ctx = o.n_ctx if o.n_ctx > 0 else self.config.n_ctx_train
-        if self.n_ctx > self.config.n_ctx_train:
+        if self.tokenizer.n_vocab != c.n_vocab:
+            raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {c.n_vocab}")
+        self.n_ctx = o.n_ctx if o.n_ctx > 0 else c.n_ctx_train
+        if self.n_ctx > c.n_ctx_train:
             # positions past the training context degrade the text; take the model's own limit
             log.warning(
                 "context %d exceeds the model's training context %d; using %d",
                 self.n_ctx,
-                self.config.n_ctx_train,
-                self.config.n_ctx_train,
+                c.n_ctx_train,
+                c.n_ctx_train,
             )
-            self.n_ctx = self.config.n_ctx_train
-        self.sparse_stats: SparseStats | None = None
-        self.placement: Placement | None = None
-        self.pool_device: torch.device | None = None
-        self.kv_device = torch.device("cpu")
-        if self.gguf.is_sparse and not o.dense_ffn:
-            self._setup_sparse()
-        if o.n_batch <= 0:
-            raise InputError(f"batch size must be positive (got {o.n_batch})")
-        c = self.config
-        if o.n_seq < 1:
-            raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
+            self.n_ctx = c.n_ctx_train
+        sparse = self.gguf.is_sparse and not o.dense_ffn
+        self.sparse_stats: SparseStats | None = SparseStats.zeros(c.n_layer) if sparse else None
+        self.plan = self._plan(sparse)
+        self.placement: Placement | None = self.plan.placement
+        self.pool_device = torch.device(self.plan.device) if self.plan.device is not None else None
+        sparsity = Sparsity("predictor", c.sparse_threshold) if sparse else Sparsity()
+        self.loader = Loader(self.gguf, self.plan, self.kc, sparsity, self.sparse_stats)
+        self.model = build_model(self.gguf, c, self.loader)
         self.kv = KVCache(
-            c.n_layer, self.n_ctx, c.n_head_kv, c.head_dim, n_seq=o.n_seq, device=self.kv_device
+            c.n_layer,
+            self.n_ctx,
+            c.n_head_kv,
+            c.head_dim,
+            n_seq=o.n_seq,
+            devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
         )
         self.model.setup(self.n_ctx)
-        self.n_past = 0
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
 
-    def _check_device_flags(self) -> None:
-        o = self.options
-        cuda = torch.cuda.is_available()
-        if o.n_gpu_layers > 0 and self.gguf.is_sparse:
-            log.warning("sparse models ignore -ngl/--n-gpu-layers; use --vram-budget instead")
-        elif o.n_gpu_layers > 0 and not cuda:
-            log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
-        if o.vram_budget_gib is not None and o.vram_budget_gib >= 0 and not cuda and o.pool_device is None:
-            log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
-
-    def _setup_sparse(self) -> None:
-        """Replace the dense FFNs by predictor-driven sparse FFNs and carry out the pool placement."""
-        c, o = self.config, self.options
-        self.sparse_stats = SparseStats.zeros(c.n_layer)
+    def _plan(self, sparse: bool) -> DevicePlan:
+        """Where weights, KV caches and residuals live: -ngl for dense files, the VRAM budget for sparse ones."""
+        o, c = self.options, self.config
+        if o.n_gpu_layers < 0:
+            raise PlacementError(f"-ngl must be >= 0 (got {o.n_gpu_layers})")
         request = PoolRequest(
             o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index, o.disable_gpu_index
         )
-        device = pool_device(request)
-        gpu_ids: list[np.ndarray | None] = [None] * c.n_layer
-        if device is not None:
-            self.placement, planned = plan_pool(self.gguf, self.model, request, device, self.n_ctx)
-            gpu_ids = list(planned)
-        self.pool_device = device
-        self.model.ffns = [
-            SparseFFN(c, layer.tensors, bid, gpu_ids[bid], device, self.sparse_stats)
-            for bid, layer in enumerate(self.model.layers)
-        ]
-        if self.placement is not None and device is not None:
-            if offload_dense(self.model, self.placement, device) and self.placement.kv_on_gpu:
-                self.kv_device = device
+        if sparse:
+            if o.n_gpu_layers > 0:
+                log.warning("sparse models ignore -ngl/--n-gpu-layers; use --vram-budget instead")
+            if (
+                o.vram_budget_gib is not None
+                and o.vram_budget_gib >= 0
+                and not torch.cuda.is_available()
+                and o.pool_device is None
+            ):
+                log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
+            device = pool_device(request)
+            if device is None:
+                return DevicePlan()
+            return plan_pool(self.gguf, c, request, device, self.n_ctx)
+        if o.n_gpu_layers > 0:
+            if o.pool_device is None and not torch.cuda.is_available():
+                log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
+                return DevicePlan()
+            device = pool_device(PoolRequest(o.pool_device or "cuda", None))
+            if device is None:  # pragma: no cover - pool_device returns a device when one is asked for
+                raise PlacementError("no device for -ngl")
+            return layers_plan(self.gguf.tensors, c.n_layer, o.n_gpu_layers, str(device))
+        return DevicePlan()
 
+    # ------------------------------------------------------------------ forward
+    @property
+    def n_past(self) -> int:
+        """Length of sequence 0 (the single-sequence front ends)."""
+        return self.kv.n_past[0]
+
+    @torch.inference_mode()
+    def step(
+        self, seq_ids: list[int], tokens: list[int], positions: list[int], all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run tokens (of any sequences, at their positions) through the model.
+
+        Returns logits (n, n_vocab): for every token when all_logits, else for the last token of each run of
+        one sequence. A sequence's positions continue from at most its current length (lower rewinds it).
+        """
+        kv = self.kv
+        for s, t in zip(seq_ids, tokens, strict=True):
+            if not 0 <= s < kv.n_seq:
+                raise InputError(f"sequence {s} out of range (0..{kv.n_seq - 1})")
+            if not 0 <= t < self.config.n_vocab:
+                raise InputError(f"token id {t} is out of range for a vocabulary of {self.config.n_vocab}")
+        batch = StepBatch.build(seq_ids, tokens, positions)
+        for seg in batch.segments:
+            if seg.pos > kv.n_past[seg.seq] or seg.pos < 0:
+                raise InputError(
+                    f"sequence {seg.seq}: position {seg.pos} skips past its length {kv.n_past[seg.seq]}"
+                )
+            if seg.pos + seg.n > self.n_ctx:
+                raise InputError(
+                    f"context is full: {seg.pos} + {seg.n} tokens exceed the context size {self.n_ctx} (-c)"
+                )
+        rows: slice | torch.Tensor | None = None
+        if not all_logits:
+            if batch.kind == "run":
+                rows = slice(-1, None)
+            elif batch.kind == "mixed":
+                rows = torch.tensor([seg.start + seg.n - 1 for seg in batch.segments])
+        logits = self.model.forward(batch, kv, rows)
+        for seg in batch.segments:
+            kv.n_past[seg.seq] = seg.pos + seg.n
+        return logits
+
+    def prefill(self, seq: int, tokens: list[int], start: int = 0) -> torch.Tensor:
+        """Evaluate tokens into sequence `seq` from position `start` in chunks of n_batch; last logits."""
+        if not tokens:
+            raise InputError("nothing to evaluate (empty token list)")
+        if start + len(tokens) > self.n_ctx:
+            raise InputError(
+                f"context is full: {start} + {len(tokens)} tokens exceed the context size {self.n_ctx} (-c)"
+            )
+        logits = None
+        step = self.options.n_batch
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i : i + step]
+            pos = start + i
+            logits = self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))))
+        assert logits is not None
+        return logits[-1]
+
+    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+        """Append tokens[i] to sequence seqs[i] (distinct); logits (len(seqs), n_vocab)."""
+        if len(set(seqs)) != len(seqs):
+            raise InputError("a decode step takes one token per sequence")
+        return self.step(seqs, tokens, [self.kv.n_past[s] for s in seqs])
+
+    def fork(self, src: int, dst: int) -> None:
+        """Start sequence dst as a copy of sequence src (same prompt, evaluated once)."""
+        for s in (src, dst):
+            if not 0 <= s < self.kv.n_seq:
+                raise InputError(f"sequence {s} out of range (0..{self.kv.n_seq - 1})")
+        self.kv.copy_slot(src, dst, self.kv.n_past[src])
+
+    def free(self, seq: int) -> None:
+        """Forget a sequence; its slot can take a new prompt."""
+        self.kv.n_past[seq] = 0
+
+    def reset(self) -> None:
+        self.free(0)
+
+    def eval(self, tokens: list[int]) -> torch.Tensor:
+        """Run tokens through sequence 0 at its current length; the last token's logits (n_vocab,)."""
+        return self.prefill(0, tokens, self.kv.n_past[0])
+
+    def logits_all(self, tokens: list[int]) -> torch.Tensor:
+        """Logits of every position for tokens evaluated from sequence 0's length, (T, n_vocab)."""
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise InputError(f"{self.n_past + len(tokens)} tokens exceed the context size {self.n_ctx} (-c)")
+        out = []
+        step = self.options.n_batch
+        for i in range(0, len(tokens), step):
+            chunk = tokens[i : i + step]
+            pos = self.n_past
+            out.append(
+                self.step([0] * len(chunk), chunk, list(range(pos, pos + len(chunk))), all_logits=True)
+            )
+        return torch.cat(out)
+
+    def generate(
+        self, prompt: list[int], sampler: Sampler, n_predict: int = -1, ignore_eos: bool = False
+    ) -> Iterator[int]:
+        """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context."""
+        if len(prompt) > self.n_ctx - 4:
+            raise InputError(
+                f"prompt is too long ({len(prompt)} tokens, max {self.n_ctx - 4} for -c {self.n_ctx})"
+            )
+        gen = Generator(self)
+        params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos)
+        events = gen.start(0, prompt, params, sampler)
+        while True:
+            for ev in events:
+                if ev.token is not None:
+                    yield ev.token
+            if not gen.live:
+                return
+            events = gen.step()
+
+    # ------------------------------------------------------------------ reports
     def sparse_report(self) -> list[str]:
         """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token."""
         s = self.sparse_stats
@@ -159,81 +306,15 @@ class Engine:
             lines.append(f"placement: {self.placement.reason}")
         return lines
 
+    def placement_report(self) -> list[str]:
+        """What the device plan put on the pool device, and its bytes there."""
+        if self.pool_device is None:
+            return []
+        return [
+            f"placement: {self.plan.reason}; {self.loader.device_bytes / 2**20:.2f} MiB on {self.pool_device}"
+        ]
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of tensor data in the model file (read once per decoded token)."""
         return sum(t.n_bytes for t in self.gguf.tensors.values())
-
-    def reset(self) -> None:
-        self.n_past = 0
-
-    @torch.inference_mode()
-    def eval(self, tokens: list[int]) -> torch.Tensor:
-        """Run tokens through the model at the current position; returns the last token's logits (n_vocab,)."""
-        if not tokens:
-            raise InputError("nothing to evaluate (empty token list)")
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise InputError(
-                f"context is full: {self.n_past} + {len(tokens)} tokens exceed the context size {self.n_ctx} (-c)"
-            )
-        bad = [t for t in tokens if not 0 <= t < self.config.n_vocab]
-        if bad:
-            raise InputError(f"token id {bad[0]} is out of range for a vocabulary of {self.config.n_vocab}")
-        logits = None
-        step = self.options.n_batch
-        for i in range(0, len(tokens), step):
-            chunk = torch.tensor(tokens[i : i + step], dtype=torch.int64)
-            logits = self.model.forward(chunk, self.n_past, self.kv, last_only=True)
-            self.n_past += chunk.numel()
-        assert logits is not None
-        return logits[-1]
-
-    @torch.inference_mode()
-    def logits_all(self, tokens: list[int]) -> torch.Tensor:
-        """Logits of every position for tokens evaluated from the current position, (T, n_vocab)."""
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise InputError(f"{self.n_past + len(tokens)} tokens exceed the context size {self.n_ctx} (-c)")
-        out = []
-        step = self.options.n_batch
-        for i in range(0, len(tokens), step):
-            chunk = torch.tensor(tokens[i : i + step], dtype=torch.int64)
-            out.append(self.model.forward(chunk, self.n_past, self.kv))
-            self.n_past += chunk.numel()
-        return torch.cat(out)
-
-    def generate(
-        self, prompt: list[int], sampler: Sampler, n_predict: int = -1, ignore_eos: bool = False
-    ) -> Iterator[int]:
-        """Prefill the prompt, then yield sampled tokens until EOS, n_predict tokens or a full context."""
-        if len(prompt) > self.n_ctx - 4:
-            raise InputError(
-                f"prompt is too long ({len(prompt)} tokens, max {self.n_ctx - 4} for -c {self.n_ctx})"
-            )
-        tm = self.timings
-        self.reset()
-        t = time.perf_counter()
-        logits = self.eval(prompt)
-        tm.prompt_ms += (time.perf_counter() - t) * 1e3
-        tm.n_prompt += len(prompt)
-        history = list(prompt)
-        eog = self.tokenizer.eog_ids
-        n = 0
-        while n_predict < 0 or n < n_predict:
-            t = time.perf_counter()
-            if ignore_eos and eog:
-                logits = logits.clone()
-                logits[list(eog)] = float("-inf")
-            token = sampler(logits, history)
-            tm.sample_ms += (time.perf_counter() - t) * 1e3
-            tm.n_sample += 1
-            if token in eog and not ignore_eos:
-                return
-            yield token
-            n += 1
-            history.append(token)
-            if self.n_past >= self.n_ctx or (n_predict >= 0 and n >= n_predict):
-                return
-            t = time.perf_counter()
-            logits = self.eval([token])
-            tm.eval_ms += (time.perf_counter() - t) * 1e3
-            tm.n_eval += 1

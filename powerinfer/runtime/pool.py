@@ -1,9 +1,9 @@
-"""Carrying out a placement: which device holds the pool, what the plan puts there, and moving it there.
+"""The pool device: which device holds it, the sparse plan under a VRAM budget, and the hot rows of a layer.
 
 The planner (powerinfer.placement) only returns data; this module resolves the budget, reads or writes the
-cached GPU index, and materialises the planned tensors on the pool device: whole attention layers,
-predictors and the output head as DeviceWeight, the hot FFN rows through SparseFFN. Both keep the file's
-blocks (the bytes the planner budgeted); a CUDA pool computes on them with Triton kernels.
+cached GPU index and turns the result into a DevicePlan, which the loader carries out. `HotRows` is the pool
+part of a sparse FFN layer: the hot neurons' rows in the file's blocks (the bytes the planner budgeted); a
+CUDA pool computes on them with Triton kernels, the CPU stand-in with the C kernels.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch.llama import LlamaModel
 from powerinfer.errors import PlacementError, PowerInferError
-from powerinfer.gguf.constants import TensorNames
 from powerinfer.gguf.reader import GGUFFile
+from powerinfer.model.config import ModelConfig
 from powerinfer.placement import (
-    Placement,
     footprint_from_gguf,
     gpu_index_path,
     kv_cache_bytes,
@@ -31,6 +29,7 @@ from powerinfer.placement import (
     read_gpu_index,
     write_gpu_index,
 )
+from powerinfer.placement.device_plan import DevicePlan, neurons_plan, sparse_plan
 
 log = logging.getLogger(__name__)
 
@@ -74,13 +73,14 @@ def budget_bytes(request: PoolRequest, device: torch.device) -> int:
 
 
 def plan_pool(
-    gguf: GGUFFile, model: LlamaModel, request: PoolRequest, device: torch.device, n_ctx: int
-) -> tuple[Placement | None, list[np.ndarray]]:
-    """The placement and per-layer pool neuron ids: an explicit GPU index, else the cached or a new plan."""
-    c = model.config
+    gguf: GGUFFile, config: ModelConfig, request: PoolRequest, device: torch.device, n_ctx: int
+) -> DevicePlan:
+    """The device plan of a sparse model: an explicit GPU index, else the cached or a new plan."""
+    c = config
     if request.gpu_index_path is not None:
         index = read_gpu_index(request.gpu_index_path, c.n_layer, c.n_ff)
-        return None, [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
+        neurons = [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
+        return neurons_plan(neurons, str(device), f"FFN neurons from {request.gpu_index_path}")
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     model_path = Path(gguf.path)
     try:
@@ -105,36 +105,58 @@ def plan_pool(
             write_gpu_index(cache, placement.to_gpu_index())
         except (OSError, PowerInferError) as e:
             log.warning("cannot cache the GPU index at %s: %s", cache, e)
-    return placement, [np.asarray(ids, dtype=np.int64) for ids in placement.gpu_neurons]
+    neurons = [np.asarray(ids, dtype=np.int64) for ids in placement.gpu_neurons]
+    return sparse_plan(placement, neurons, c.n_layer, str(device))
 
 
-def offload_dense(model: LlamaModel, placement: Placement, device: torch.device) -> bool:
-    """Move what the plan puts on the device: whole attention layers, predictors, the output head.
+class HotRows:
+    """The pool part of one layer: hot neurons' gate/up/down_t rows, contiguous on `device`.
 
-    A layer's attention moves only when all four of its matrices were planned there. Returns True when every
-    layer's attention is on the device, i.e. the KV cache may live there too.
+    The rows stay in the file's block format (ops.DeviceWeight): on the CPU stand-in the C kernels compute
+    on them, on CUDA the Triton kernels, both decoding blocks in registers. So the pool takes exactly the
+    bytes the planner budgeted for these neurons (`n_bytes`).
     """
-    names = set(placement.gpu_tensors)
-    all_layers = True
-    for bid, layer in enumerate(model.layers):
-        attn = [
-            t.format(bid=bid)
-            for t in (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V, TensorNames.ATTN_OUT)
-        ]
-        if all(n in names for n in attn):
-            for attr in ("wq", "wk", "wv", "wo"):
-                setattr(layer, attr, ops.DeviceWeight.from_qweight(getattr(layer, attr), device))
-        else:
-            all_layers = False
-        ffn = model.ffns[bid]
-        pred = (TensorNames.PRED_FC1.format(bid=bid), TensorNames.PRED_FC2.format(bid=bid))
-        if hasattr(ffn, "fc1") and all(n in names for n in pred):
-            ffn.fc1 = ops.DeviceWeight.from_qweight(ffn.fc1, device)
-            ffn.fc2 = ops.DeviceWeight.from_qweight(ffn.fc2, device)
-    if (
-        TensorNames.OUTPUT in names
-        and isinstance(model.output, ops.QWeight)
-        and model.output is not model.tok_embd
-    ):
-        model.output = ops.DeviceWeight.from_qweight(model.output, device)
-    return all_layers
+
+    def __init__(
+        self,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down_t: ops.QWeight,
+        ids: np.ndarray,
+        device: torch.device,
+        kc: ops.KernelContext,
+        backend: str | None = None,
+    ) -> None:
+        self.device = device
+        self.kc = kc
+        self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # (k,) neuron ids, ascending
+        # only the hot rows' blocks are copied: no second full copy of the FFN on the device
+        self.gate = ops.DeviceWeight.from_qweight(gate, device, self.ids, backend)  # (k, D)
+        self.up = ops.DeviceWeight.from_qweight(up, device, self.ids, backend)  # (k, D)
+        self.down_t = ops.DeviceWeight.from_qweight(down_t, device, self.ids, backend)  # (k, D)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def n_bytes(self) -> int:
+        return self.gate.n_bytes + self.up.n_bytes + self.down_t.n_bytes
+
+    def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
+        """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
+        if self.stream is None:
+            return self._compute(u, active, act, relu_up)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            y = self._compute(
+                u.to(self.device, non_blocking=True), active.to(self.device, non_blocking=True), act, relu_up
+            )
+            return y.to("cpu", non_blocking=True)
+
+    def _compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
+        g = ops.linear(u, self.gate, self.kc)  # (T, k) float32
+        up = ops.linear(u, self.up, self.kc)
+        h = ops.gated(g, up, act, relu_up).mul_(active)
+        return self.down_t.axpy(h, self.kc)  # (T, D) float32
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()

@@ -11,9 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from powerinfer.server.app import ServerState, sse, timings
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from powerinfer.server.state import ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
 router = APIRouter()

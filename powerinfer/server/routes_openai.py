@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
-from powerinfer.server.app import ServerState, sse, timings
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import ChatCompletionRequest, OpenAICompletionRequest, _OpenAIBase
+from powerinfer.server.state import ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"])

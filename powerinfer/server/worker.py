@@ -1,9 +1,10 @@
-"""The generation worker: one thread owns the Engine and its BatchDecoder and runs continuous batching.
+"""The generation worker: one thread owns the Engine and its Generator and runs continuous batching.
 
-HTTP handlers build a GenRequest (prompt tokens, sampling, limits, a sink callback) and `submit` it.
-The worker admits pending requests into free KV slots between decode steps (prefill, first token), then
-advances every active sequence by one token per `BatchDecoder.step`. A finished, failed or cancelled
-sequence frees its slot before the next step, so a waiting request joins the running batch at once.
+HTTP handlers build a GenRequest (prompt tokens, generation parameters, a sink callback) and `submit` it.
+The worker admits pending requests into free KV slots between decode steps (`Generator.start`: prefill, first
+token), then advances every live sequence by one token per `Generator.step`, the loop `main` and `batched`
+use too. A finished, failed or cancelled sequence frees its slot before the next step, so a waiting request
+joins the running batch at once.
 """
 
 from __future__ import annotations
@@ -13,28 +14,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
+from dataclasses import dataclass
 
 from powerinfer.errors import PowerInferError
-from powerinfer.runtime.batch import BatchDecoder
 from powerinfer.runtime.engine import Engine
-from powerinfer.sampling import Sampler, SamplingParams
-from powerinfer.tokenizer import StreamDecoder
+from powerinfer.runtime.generate import Event as GenEvent
+from powerinfer.runtime.generate import Generator, GenParams
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class GenParams:
-    """What to generate: sampling, a token limit (-1: until end of sequence or a full context) and stops."""
-
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    n_predict: int = -1
-    ignore_eos: bool = False
-    stop: tuple[str, ...] = ()
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
+__all__ = ["Chunk", "Done", "Failed", "GenParams", "GenRequest", "QueueFull", "Worker"]
 
 
 @dataclass(frozen=True)
@@ -116,33 +105,13 @@ class Metrics:
 
 
 @dataclass
-class _Seq:
+class _Slot:
     """A request that holds a KV slot."""
 
     req: GenRequest
     slot: int
-    sampler: Sampler
-    decoder: StreamDecoder
-    history: list[int]
     t_start: float
-    prompt_ms: float = 0.0
-    t_first: float = 0.0
-    n_gen: int = 0
-    last_token: int = -1
-    text: str = ""
-    sent: int = 0  # characters of `text` already emitted
-    bias: torch.Tensor | None = None  # (n_vocab,) additive logit bias
-
-
-def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop word."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+    seed: int = 0
 
 
 class Worker:
@@ -151,12 +120,12 @@ class Worker:
     def __init__(self, engine: Engine, max_queue: int = 32) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.batch = BatchDecoder(engine)
-        self.n_slots = self.batch.n_seq
+        self.gen = Generator(engine)
+        self.n_slots = engine.kv.n_seq
         self.n_ctx = engine.n_ctx
         self.max_queue = max_queue
         self.metrics = Metrics()
-        self._slots: list[_Seq | None] = [None] * self.n_slots
+        self._slots: list[_Slot | None] = [None] * self.n_slots
         self._pending: deque[GenRequest] = deque()
         self._cond = threading.Condition()
         self._running = True
@@ -223,7 +192,7 @@ class Worker:
     def _iterate(self) -> bool:
         """One scheduling round: admit, drop cancelled/expired, one decode step. False when stopping."""
         now = time.perf_counter()
-        admitted: list[_Seq] = []
+        admitted: list[_Slot] = []
         expired: list[GenRequest] = []
         with self._cond:
             while self._running and not self._pending and all(s is None for s in self._slots):
@@ -242,7 +211,7 @@ class Worker:
                     if req.deadline is not None and now > req.deadline:
                         expired.append(req)
                         continue
-                    seq = self._new_seq(req, i)
+                    seq = _Slot(req, i, time.perf_counter())
                     self._slots[i] = seq
                     admitted.append(seq)
             if expired and self._pending:  # expired requests further back in the queue
@@ -265,34 +234,16 @@ class Worker:
             self._decode(active)
         with self._cond:
             self.metrics.processing = sum(s is not None for s in self._slots)
-            self.metrics.kv_tokens = sum(self.batch.n_past)
+            self.metrics.kv_tokens = sum(self.engine.kv.n_past)
         return True
 
-    def _active(self) -> list[_Seq]:
+    def _active(self) -> list[_Slot]:
         return [s for s in self._slots if s is not None]
 
-    def _new_seq(self, req: GenRequest, slot: int) -> _Seq:
-        sampler = Sampler(req.params.sampling)
-        bias = None
-        if req.params.logit_bias:
-            bias = torch.zeros(self.engine.config.n_vocab)
-            for tid, b in req.params.logit_bias:
-                bias[tid] += b
-        return _Seq(
-            req,
-            slot,
-            sampler,
-            StreamDecoder(self.tokenizer),
-            list(req.prompt),
-            time.perf_counter(),
-            bias=bias,
-        )
-
-    def _prefill(self, seq: _Seq) -> None:
-        self.batch.free(seq.slot)
+    def _prefill(self, seq: _Slot) -> None:
         t = time.perf_counter()
         try:
-            logits = self.batch.prefill(seq.slot, seq.req.prompt)
+            events = self.gen.start(seq.slot, seq.req.prompt, seq.req.params)
         except PowerInferError as e:
             self._fail(seq, 400, str(e))
             return
@@ -300,94 +251,79 @@ class Worker:
             log.exception("prefill failed")
             self._fail(seq, 500, f"internal error during prompt evaluation: {type(e).__name__}")
             return
-        seq.prompt_ms = (time.perf_counter() - t) * 1e3
         self.metrics.prompt_tokens_total += len(seq.req.prompt)
-        self.metrics.prompt_seconds_total += seq.prompt_ms / 1e3
-        seq.t_first = time.perf_counter()
-        if seq.req.params.n_predict == 0:
-            self._finish(seq, "length")
-            return
-        self._accept(seq, logits)
+        self.metrics.prompt_seconds_total += time.perf_counter() - t
+        for ev in events:
+            self._deliver(ev)
 
-    def _decode(self, active: list[_Seq]) -> None:
+    def _decode(self, active: list[_Slot]) -> None:
         t = time.perf_counter()
         try:
-            logits = self.batch.step([s.slot for s in active], [s.last_token for s in active])
+            events = self.gen.step()
         except Exception as e:
             log.exception("decode step failed")
             for seq in active:
                 self._fail(seq, 500, f"internal error during decoding: {type(e).__name__}")
             return
-        for seq, row in zip(active, logits, strict=True):
-            self._accept(seq, row)
+        for ev in events:
+            self._deliver(ev)
         self.metrics.decode_seconds_total += time.perf_counter() - t
         self.metrics.decode_steps_total += 1
 
-    def _accept(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Sample the next token of `seq` from its logits (n_vocab,), emit text, finish if a limit is hit."""
-        p = seq.req.params
-        eog = self.tokenizer.eog_ids
-        if seq.bias is not None:
-            logits = logits.float() + seq.bias
-        if p.ignore_eos and eog:
-            logits = logits.clone()
-            logits[list(eog)] = float("-inf")
-        token = seq.sampler(logits, seq.history)
-        if token in eog and not p.ignore_eos:
-            self._finish(seq, "eos")
+    def _deliver(self, ev: GenEvent) -> None:
+        """Turn a generator event into the request's Chunk / Done."""
+        holder = self._slots[ev.slot]
+        if holder is None or ev.seq is None:
             return
-        seq.history.append(token)
-        seq.n_gen += 1
-        self.metrics.predicted_tokens_total += 1
-        seq.text += seq.decoder.feed(token)
-        if p.stop:
-            hits = [(i, s) for s in p.stop if (i := seq.text.find(s, max(0, seq.sent - len(s)))) >= 0]
-            if hits:
-                at, word = min(hits)
-                seq.text = seq.text[:at]
-                self._finish(seq, "stop", word)
-                return
-        end = len(seq.text) - _stop_holdback(seq.text, p.stop)
-        if end > seq.sent:
-            seq.req.emit(Chunk(seq.text[seq.sent : end], seq.n_gen, seq.slot))
-            seq.sent = end
-        if (p.n_predict >= 0 and seq.n_gen >= p.n_predict) or self.batch.n_past[seq.slot] >= self.n_ctx:
-            self._finish(seq, "length")
+        seq = ev.seq
+        if ev.token is not None:
+            self.metrics.predicted_tokens_total += 1
+        if ev.text:
+            holder.req.emit(Chunk(ev.text, seq.n_gen, ev.slot))
+        if ev.end is None:
             return
-        seq.last_token = token
+        self._release(holder)
+        if ev.end == "cancelled":
+            self.metrics.requests_cancelled += 1
+        self.metrics.requests_total += 1
+        holder.req.emit(
+            Done(
+                ev.end,
+                seq.text,
+                ev.stopping_word,
+                ev.slot,
+                seq.sampler.seed,
+                len(seq.prompt),
+                seq.n_gen,
+                seq.prompt_ms,
+                (time.perf_counter() - seq.t_first) * 1e3 if seq.t_first else 0.0,
+            )
+        )
 
-    def _release(self, seq: _Seq) -> None:
-        self.batch.free(seq.slot)
+    def _release(self, seq: _Slot) -> None:
         with self._cond:
             if self._slots[seq.slot] is seq:
                 self._slots[seq.slot] = None
 
-    def _fail(self, seq: _Seq, status: int, message: str) -> None:
+    def _fail(self, seq: _Slot, status: int, message: str) -> None:
+        if seq.slot in self.gen.live:
+            self.gen.live.pop(seq.slot)
+        self.engine.free(seq.slot)
         self._release(seq)
         self.metrics.requests_failed += 1
         seq.req.emit(Failed(status, message))
 
-    def _finish(self, seq: _Seq, reason: str, stopping_word: str = "") -> None:
-        self._release(seq)
-        if reason != "stop":
-            seq.text += seq.decoder.flush()
-        if len(seq.text) > seq.sent:
-            seq.req.emit(Chunk(seq.text[seq.sent :], seq.n_gen, seq.slot))
-            seq.sent = len(seq.text)
+    def _finish(self, seq: _Slot, reason: str) -> None:
+        """End a sequence from outside the generator (cancelled, timed out)."""
+        gen_seq = self.gen.live.get(seq.slot)
+        if gen_seq is None:
+            self._release(seq)
+            return
         if reason == "cancelled":
-            self.metrics.requests_cancelled += 1
-        self.metrics.requests_total += 1
-        now = time.perf_counter()
-        seq.req.emit(
-            Done(
-                reason,
-                seq.text,
-                stopping_word,
-                seq.slot,
-                seq.sampler.seed,
-                len(seq.req.prompt),
-                seq.n_gen,
-                seq.prompt_ms,
-                (now - seq.t_first) * 1e3 if seq.t_first else 0.0,
-            )
-        )
+            ev = self.gen.cancel(seq.slot)
+            if ev is not None:
+                self._deliver(ev)
+            return
+        self.gen.live.pop(seq.slot)
+        self.engine.free(seq.slot)
+        self._deliver(GenEvent(seq.slot, None, gen_seq.text[gen_seq.sent :], reason, "", gen_seq))

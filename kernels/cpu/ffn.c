@@ -1,0 +1,348 @@
+/* Fused decode FFN of one token: pi_ffn_rows (a row list) and pi_predict_ffn (the predictor in front), each one
+ * parallel region, on the sparse kernels' arithmetic (sparse.h): bit-identical to rows_matmul(gate),
+ * rows_matmul(up), the gating, rows_axpy(down_t) for ReLU. Both work in the caller's scratch buffer and allocate
+ * nothing; both take the activation (enum ffn_act) and the SIMD level `isa` (enum pi_isa).
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "sparse.h"
+
+/* ---- fused decode FFN: one token, one parallel region ------------------------------------------------------ */
+
+/* ffn_rows computes, for the neurons idx[0..M) and one token u (K,):
+ *   g = gate[idx] . u,  v = up[idx] . u,  h = act(g) * (relu(v) if relu_up else v),  y = sum_m h_m down_t[idx_m]
+ * Phase 1: the M neurons split in contiguous ranges over threads; gate and up rows of two neurons at a time in
+ *   one rows_dot call (4 interleaved rows), with the rows of the pairs FFN_AHEAD ahead prefetched. The dot
+ *   products are those of rows_matmul for the activation precision (q8: u is quantised once, for both).
+ * Barrier.
+ * Phase 2: every thread lists the rows with h != 0 in index order, a chunk at a time, and sums them into its
+ *   slice of the output, exactly as rows_axpy does (the same SIMD bodies).
+ * So y is bit-identical to rows_matmul(gate), rows_matmul(up), the gating in float32, rows_axpy(down_t), and
+ * does not depend on the thread count. With act = relu the gating is torch's relu(g) * v bit for bit; the other
+ * activations use libm (expf, erff, tanhf) in torch's formulas, within a few float32 ulps of torch's. */
+#define FFN_AHEAD 2 /* pairs of neurons prefetched ahead */
+
+enum ffn_act { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_LAST = ACT_GELU_TANH };
+
+typedef struct {
+    const uint8_t *w;
+    int64_t stride;
+    int64_t row_bytes;
+    rows_dot_fn dot;   /* float activations */
+    tile_quant_fn tq;  /* int8 activations ("q8" precision, quant types); NULL otherwise */
+} ffn_mat;
+
+typedef struct {
+    ffn_mat gate, up;
+    const int64_t *idx;
+    int64_t M, K;
+    const float *u;
+    const act_q8 *a;
+    int act;
+    int relu_up;
+    float *h;   /* (M,) shared */
+    axpy_ctx down; /* T = 1 over h */
+    int kind_down;
+    axpy_units_fn units; /* the SIMD variant of the down rows */
+} ffn_ctx;
+
+static int64_t row_bytes_of(int kind, int64_t K) {
+    switch (kind) {
+        case KIND_Q4_0: return K / QK * (int64_t)sizeof(block_q4_0);
+        case KIND_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
+        case KIND_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
+        case KIND_Q5_0: return K / QK * (int64_t)sizeof(block_q5_0);
+        case KIND_Q5_1: return K / QK * (int64_t)sizeof(block_q5_1);
+        case KIND_F32: return K * 4;
+        default: return K * 2;
+    }
+}
+
+static size_t unit_bytes_of(int kind) {
+    switch (kind) {
+        case KIND_Q4_0: return sizeof(block_q4_0);
+        case KIND_Q4_1: return sizeof(block_q4_1);
+        case KIND_Q8_0: return sizeof(block_q8_0);
+        case KIND_Q5_0: return sizeof(block_q5_0);
+        case KIND_Q5_1: return sizeof(block_q5_1);
+        case KIND_F32: return AXPY_UNIT * 4;
+        default: return AXPY_UNIT * 2;
+    }
+}
+
+static ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t *w, int64_t stride, int64_t K) {
+    ffn_mat m = {.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = NULL, .tq = NULL};
+    switch (kind) {
+        case KIND_Q4_0: m.dot = t->dot_q4_0_f; m.tq = q8 ? t->tile_q4_0 : NULL; break;
+        case KIND_Q4_1: m.dot = t->dot_q4_1_f; m.tq = q8 ? t->tile_q4_1 : NULL; break;
+        case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
+        case KIND_F32: m.dot = t->dot_f32; break;
+        case KIND_BF16: m.dot = t->dot_bf16; break;
+        case KIND_Q5_0: m.dot = t->dot_q5_0_f; break; /* no int8 tiles: float activations in both precisions */
+        case KIND_Q5_1: m.dot = t->dot_q5_1_f; break;
+        default: m.dot = t->dot_f16; break;
+    }
+    return m;
+}
+
+static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, const ffn_ctx *c, float *out) {
+    if (m->tq != NULL)
+        for (int r = 0; r < R; r++) m->tq(rows[r], c->a, 0, 1, out + r);
+    else
+        m->dot(rows, R, c->K, c->u, out);
+}
+
+/* torch.relu: NaN stays NaN */
+static inline float relu_f(float x) { return x > 0.0f || x != x ? x : 0.0f; }
+
+/* The FFN activation (enum ffn_act), in the operation order of torch's CPU kernels (aten/src/ATen/native/cpu/
+ * Activation.cpp): silu x / (1 + exp(-x)); gelu x * 0.5 * (1 + erf(x / sqrt 2)); gelu_tanh
+ * 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))). -ffp-contract=off: every operation rounds. */
+static inline float ffn_act(int act, float x) {
+    switch (act) {
+        case ACT_SILU: return x / (1.0f + expf(-x));
+        case ACT_GELU: return x * 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
+        case ACT_GELU_TANH: {
+            const float cube = x * x * x;
+            const float inner = 0.79788456080286535588f * (x + 0.044715f * cube);
+            return 0.5f * x * (1.0f + tanhf(inner));
+        }
+        default: return relu_f(x);
+    }
+}
+
+static inline void ffn_prefetch_pair(const ffn_ctx *c, int64_t m, int64_t m1) {
+    for (int64_t r = m; r < min_i64(m + 2, m1); r++) {
+        prefetch_bytes(c->gate.w + c->idx[r] * c->gate.stride, c->gate.row_bytes);
+        prefetch_bytes(c->up.w + c->idx[r] * c->up.stride, c->up.row_bytes);
+    }
+}
+
+static void ffn_phase1(const ffn_ctx *c, int64_t m0, int64_t m1) {
+    const int fuse = c->gate.tq == NULL && c->up.tq == NULL && c->gate.dot == c->up.dot;
+    for (int64_t a = 0; a < FFN_AHEAD; a++) ffn_prefetch_pair(c, m0 + 2 * a, m1);
+    for (int64_t m = m0; m < m1; m += 2) {
+        const int n = (int)min_i64(2, m1 - m);
+        ffn_prefetch_pair(c, m + 2 * FFN_AHEAD, m1);
+        const uint8_t *rows[4]; /* gate rows, then up rows */
+        float out[4];
+        for (int r = 0; r < n; r++) {
+            rows[r] = c->gate.w + c->idx[m + r] * c->gate.stride;
+            rows[n + r] = c->up.w + c->idx[m + r] * c->up.stride;
+        }
+        if (fuse) {
+            c->gate.dot(rows, 2 * n, c->K, c->u, out);
+        } else {
+            ffn_dot(&c->gate, rows, n, c, out);
+            ffn_dot(&c->up, rows + n, n, c, out + n);
+        }
+        for (int r = 0; r < n; r++)
+            c->h[m + r] = ffn_act(c->act, out[r]) * (c->relu_up ? relu_f(out[n + r]) : out[n + r]);
+    }
+}
+
+/* this thread's slice of the output units: the rows with h != 0, as rows_axpy sums them */
+static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all) {
+    const axpy_ctx *d = &c->down;
+    const int64_t n_full = d->D / AXPY_UNIT, n_units = (d->D + AXPY_UNIT - 1) / AXPY_UNIT;
+    const int64_t u0 = n_units * me / all, u1 = n_units * (me + 1) / all;
+    axpy_t1_units(c->units, c->kind_down, d, u0, min_i64(u1, n_full));
+    if (u1 > n_full) axpy_range_scalar(c->kind_down, d, n_full * AXPY_UNIT, d->D); /* partial unit: F32/F16 */
+}
+
+/* Scratch of pi_ffn_rows over M neurons of K inputs: h (M floats), then the int8 activations in the q8 precision. */
+static size_t ffn_rows_scratch(int64_t M, int64_t K, int q8) {
+    const size_t h_bytes = align_up((size_t)M * 4);
+    return h_bytes + (q8 ? align_up((size_t)K) + align_up((size_t)(K / QK) * 12) : 0);
+}
+
+/* Bytes of scratch pi_ffn_rows needs for up to M neurons of K inputs (q8_act: the int8 activation precision),
+ * the alignment slack included; -1 for negative sizes. */
+PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act) {
+    if (M < 0 || K < 0) return -1;
+    return (int64_t)(ffn_rows_scratch(M, K, q8_act != 0) + PI_SCRATCH_ALIGN);
+}
+
+static int32_t check_kind(int32_t kind, int64_t len) {
+    if (kind < KIND_Q4_0 || kind > KIND_LAST) return PI_ERR_SHAPE;
+    return kind_is_block(kind) && len % QK != 0 ? PI_ERR_SHAPE : PI_OK;
+}
+
+/* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
+ *             idx, M, act, relu_up, q8_act, y, scratch, scratch_bytes, threads, isa):
+ * y (D,) as described above; gate and up are (N, K), down_t (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1,
+ * 2 Q8_0, 3 F32, 4 F16, 5 BF16, 6 Q5_0, 7 Q5_1); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
+ * q8_act != 0 uses the int8 activation dot products of the quant types (the "q8" precision of rows_matmul).
+ * scratch: at least pi_ffn_rows_scratch_bytes(M, K, q8_act) bytes, else PI_ERR_SCRATCH. */
+PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
+                              int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
+                              int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
+                              const int64_t *idx, int64_t M, int32_t act, int32_t relu_up, int32_t q8_act, float *y,
+                              void *scratch, int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
+    if (K < 0 || D < 0 || N < 0 || M < 0 || act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
+    const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
+    const int64_t lens[3] = {K, K, D};
+    for (int i = 0; i < 3; i++)
+        if (check_kind(kinds[i], lens[i]) != PI_OK) return PI_ERR_SHAPE;
+    if (M == 0) { /* idx may be NULL (an empty tensor has no data) */
+        for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
+        return PI_OK;
+    }
+    if (idx == NULL) return PI_ERR_SHAPE;
+    int32_t status = check_ids(idx, M, N);
+    if (status != PI_OK) return status;
+    const int need_q8 = q8_act && (gate_kind <= KIND_Q8_0 || up_kind <= KIND_Q8_0);
+    uint8_t *buf;
+    status = scratch_take(scratch, scratch_bytes, ffn_rows_scratch(M, K, need_q8), &buf);
+    if (status != PI_OK) return status;
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *table = matmul_table_for(level);
+    const int32_t nt = threads_for_work(n_threads, M * (2 * K + D));
+    const int64_t nb = K / QK;
+    float *h = (float *)buf;
+    act_q8 a = {0};
+    if (need_q8) {
+        uint8_t *q = buf + align_up((size_t)M * 4);
+        a.qs = (int8_t *)q;
+        a.ds = (float *)(q + align_up((size_t)K));
+        a.isum = (int32_t *)(a.ds + 2 * nb);
+        a.K = K;
+        a.nb = nb;
+        table->quantize_act(u, nb, a.qs, a.ds, a.isum);
+    }
+    const ffn_ctx c = {
+        .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
+        .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
+        .idx = idx, .M = M, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
+        .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
+                 .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D},
+        .kind_down = down_kind,
+        .units = axpy_units_for(level),
+    };
+    if (nt == 1) {
+        ffn_phase1(&c, 0, M);
+        ffn_phase2(&c, 0, 1);
+    } else {
+#pragma omp parallel num_threads(nt)
+        {
+            const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+            ffn_phase1(&c, M * me / all, M * (me + 1) / all);
+#pragma omp barrier
+            ffn_phase2(&c, me, all);
+        }
+    }
+    return PI_OK;
+}
+
+/* ---- predictor + fused decode FFN: one token, one parallel region --------------------------------------------- */
+
+/* out[n - n0] = W[n] . x for n in [n0, n1), ROWS_DOT_MAX consecutive rows per rows_dot call (the bits of
+ * pi_matmul_<type> with float activations at T = 1, whatever the grouping) */
+static void dense_rows_range(rows_dot_fn dot, const uint8_t *w, int64_t stride, int64_t n0, int64_t n1, int64_t K,
+                             const float *x, float *out) {
+    for (int64_t n = n0; n < n1; n += ROWS_DOT_MAX) {
+        const int R = (int)min_i64(ROWS_DOT_MAX, n1 - n);
+        const uint8_t *rows[ROWS_DOT_MAX];
+        for (int r = 0; r < R; r++) rows[r] = w + (n + r) * stride;
+        dot(rows, R, K, x, out + (n - n0));
+    }
+}
+
+/* Scratch of pi_predict_ffn: z (rank floats), then the scores of the N neurons, which h later overwrites. */
+static size_t predict_ffn_scratch(int64_t N, int64_t rank) { return align_up((size_t)rank * 4) + align_up((size_t)N * 4); }
+
+/* Bytes of scratch pi_predict_ffn needs for N neurons and a predictor of rank `rank`, the alignment slack
+ * included; -1 for negative sizes. */
+PI_EXPORT int64_t pi_predict_ffn_scratch_bytes(int64_t N, int64_t rank) {
+    if (N < 0 || rank < 0) return -1;
+    return (int64_t)(predict_ffn_scratch(N, rank) + PI_SCRATCH_ALIGN);
+}
+
+/* pi_predict_ffn(x, u, K, D, N, fc1, fc1_stride, fc1_kind, rank, fc2, fc2_stride, fc2_kind, threshold, gate, ...,
+ *                up, ..., down_t, ..., act, relu_up, idx, n_active, predictor_seconds, y, scratch, scratch_bytes,
+ *                threads, isa):
+ * PowerInfer's predicted sparse FFN of one token with float activations, every neuron on the CPU:
+ *   s = fc2 . relu(fc1 . x),  idx = {n : s_n >= threshold} in increasing order (written to idx, count to
+ *   *n_active),  y = ffn_rows(u, gate, up, down_t, idx, act).
+ * Bit-identical to pi_matmul (fc1, fc2), torch's relu and >= on float32, nonzero, then pi_ffn_rows with
+ * q8_act = 0: the same rows_dot kernels, the same phases. idx must hold N entries. predictor_seconds (may be
+ * NULL) receives the wall time until the active list was complete. scratch: at least
+ * pi_predict_ffn_scratch_bytes(N, rank) bytes, else PI_ERR_SCRATCH. */
+PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int64_t D, int64_t N,
+                                 const uint8_t *fc1, int64_t fc1_stride, int32_t fc1_kind, int64_t rank,
+                                 const uint8_t *fc2, int64_t fc2_stride, int32_t fc2_kind, float threshold,
+                                 const uint8_t *gate, int64_t gate_stride, int32_t gate_kind, const uint8_t *up,
+                                 int64_t up_stride, int32_t up_kind, const uint8_t *down, int64_t down_stride,
+                                 int32_t down_kind, int32_t act, int32_t relu_up, int64_t *idx, int64_t *n_active,
+                                 double *predictor_seconds, float *y, void *scratch, int64_t scratch_bytes,
+                                 int32_t n_threads, int32_t isa) {
+    const double t_start = omp_get_wtime();
+    if (K < 0 || D < 0 || N < 0 || rank < 0 || idx == NULL || n_active == NULL) return PI_ERR_SHAPE;
+    if (act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
+    const int32_t kinds[5] = {gate_kind, up_kind, down_kind, fc1_kind, fc2_kind};
+    const int64_t lens[5] = {K, K, D, K, rank};
+    for (int i = 0; i < 5; i++)
+        if (check_kind(kinds[i], lens[i]) != PI_OK) return PI_ERR_SHAPE;
+    uint8_t *buf;
+    const int32_t status = scratch_take(scratch, scratch_bytes, predict_ffn_scratch(N, rank), &buf);
+    if (status != PI_OK) return status;
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *table = matmul_table_for(level);
+    const ffn_mat m1 = ffn_mat_of(table, fc1_kind, 0, fc1, fc1_stride, K);
+    const ffn_mat m2 = ffn_mat_of(table, fc2_kind, 0, fc2, fc2_stride, rank);
+    const int32_t nt = threads_for_work(n_threads, N * (2 * K + D + rank));
+    float *z = (float *)buf;
+    float *h = (float *)(buf + align_up((size_t)rank * 4)); /* the scores first, then h of the active neurons */
+    int64_t counts[PI_MAX_THREADS]; /* active neurons per thread */
+    act_q8 a = {0};
+    ffn_ctx c = {
+        .gate = ffn_mat_of(table, gate_kind, 0, gate, gate_stride, K),
+        .up = ffn_mat_of(table, up_kind, 0, up, up_stride, K),
+        .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
+        .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
+                 .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D},
+        .kind_down = down_kind,
+        .units = axpy_units_for(level),
+    };
+    double t_pred = 0.0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+        /* fc1 and relu over this thread's rank rows */
+        const int64_t r0 = rank * me / all, r1 = rank * (me + 1) / all;
+        dense_rows_range(m1.dot, fc1, fc1_stride, r0, r1, K, x, z + r0);
+        for (int64_t r = r0; r < r1; r++) z[r] = relu_f(z[r]);
+#pragma omp barrier
+        /* fc2 and the threshold over this thread's neurons: scores into its slice of h, ids into its slice of idx */
+        const int64_t n0 = N * me / all, n1 = N * (me + 1) / all;
+        dense_rows_range(m2.dot, fc2, fc2_stride, n0, n1, rank, z, h + n0);
+        int64_t n_here = 0;
+        for (int64_t n = n0; n < n1; n++)
+            if (h[n] >= threshold) idx[n0 + n_here++] = n;
+        counts[me] = n_here;
+#pragma omp barrier
+#pragma omp single
+        {
+            /* compact the per-thread slices in thread (= index) order */
+            int64_t M = counts[0];
+            for (int64_t t = 1; t < all; t++) {
+                const int64_t src = N * t / all;
+                memmove(idx + M, idx + src, (size_t)counts[t] * sizeof(int64_t));
+                M += counts[t];
+            }
+            c.M = M;
+            c.down.M = M;
+            c.down.h_stride = M;
+            t_pred = omp_get_wtime() - t_start;
+        } /* implicit barrier: every score is read, h may be written */
+        ffn_phase1(&c, c.M * me / all, c.M * (me + 1) / all);
+#pragma omp barrier
+        ffn_phase2(&c, me, all);
+    }
+    *n_active = c.M;
+    if (predictor_seconds != NULL) *predictor_seconds = t_pred;
+    if (c.M == 0)
+        for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
+    return PI_OK;
+}

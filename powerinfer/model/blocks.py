@@ -1,0 +1,307 @@
+"""The blocks every architecture composes: norm, attention, dense FFN, embedding and head.
+
+Blocks hold weights that the placement already put on their devices (`ops.QWeight` in the memory-mapped file,
+`ops.DeviceWeight` on the pool device) and call `ops.*` only: no device or weight-format decisions here. A block's
+output is on the device of its last weight; the transformer moves the residual where the plan says.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from powerinfer import ops
+from powerinfer.model.batch import StepBatch
+from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
+from powerinfer.model.workspace import Workspace
+
+Weight = ops.QWeight | ops.DeviceWeight
+
+
+class KVLayer(Protocol):
+    """One layer's KV cache (runtime.kv_cache.KVCache.layer_view implements it)."""
+
+    def slot(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of sequence seq: (n_ctx, H_kv, D) contiguous buffers."""
+        ...
+
+    def update(
+        self, seq: int, pos: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (T, H_kv, D) at pos..pos+T-1; return keys and values 0..pos+T."""
+        ...
+
+    def update_batch(
+        self, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Store one token per sequence; return keys, values (B, L, H_kv, D) and the visibility mask (B, L)."""
+        ...
+
+
+class Norm:
+    """RMSNorm, RMSNorm with (1 + w), or LayerNorm with bias, over the last dimension."""
+
+    def __init__(self, spec: NormSpec, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.spec = spec
+        self.weight = weight + 1.0 if spec.kind == "rms_1p" else weight
+        self.bias = bias
+        self.shape = (int(weight.shape[0]),)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.kind == "layer":
+            return F.layer_norm(x, self.shape, self.weight, self.bias, self.spec.eps)
+        return F.rms_norm(x, self.shape, self.weight, self.spec.eps)
+
+
+class Rope:
+    """Rotation tables of one RoPE spec for a context of n_ctx positions, kept per device."""
+
+    def __init__(self, spec: RopeSpec, n_ctx: int) -> None:
+        self.spec = spec
+        half = spec.n_rot // 2
+        inv_freq = 1.0 / (spec.base ** (torch.arange(0, half, dtype=torch.float64) * 2 / spec.n_rot))
+        pos = torch.arange(n_ctx, dtype=torch.float64) / spec.scale
+        angles = torch.outer(pos, inv_freq)
+        table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)  # (n_ctx, n_rot/2)
+        self.tables = {torch.device("cpu"): table}
+        # the same rotations as (cos, sin) float pairs (n_ctx, n_rot/2, 2), for the decode-attention kernel
+        self.pairs = torch.view_as_real(table).contiguous()
+
+    def table(self, device: torch.device) -> torch.Tensor:
+        if device not in self.tables:
+            self.tables[device] = self.tables[torch.device("cpu")].to(device)
+        return self.tables[device]
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
+        """Rotate x (T, H, D) for its positions."""
+        T, H, D = x.shape
+        rot = self.table(x.device)[positions]  # (T, n_rot/2)
+        n_rot = self.spec.n_rot
+        if self.spec.kind == "adjacent":
+            part = x if n_rot == D else x[..., :n_rot]
+            xc = torch.view_as_complex(part.reshape(T, H, n_rot // 2, 2))
+            out = torch.view_as_real(xc * rot[:, None, :]).reshape(T, H, n_rot)
+        else:  # neox: element i pairs with i + n_rot/2
+            half = n_rot // 2
+            cos, sin = rot.real[:, None, :], rot.imag[:, None, :]
+            x1, x2 = x[..., :half], x[..., half:n_rot]
+            out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return out if n_rot == D else torch.cat((out, x[..., n_rot:]), dim=-1)
+
+
+class Attention:
+    """Causal self-attention with a KV cache: GQA, optional biases, QK-norm, RoPE variants, sliding window."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        wq: Weight | None,
+        wk: Weight | None,
+        wv: Weight | None,
+        wo: Weight,
+        kc: ops.KernelContext,
+        wqkv: Weight | None = None,
+        biases: tuple[torch.Tensor | None, ...] = (None, None, None, None),  # q, k, v, out
+        q_norm: Norm | None = None,
+        k_norm: Norm | None = None,
+        workspace: Workspace | None = None,
+    ) -> None:
+        self.spec = spec
+        self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
+        self.bq, self.bk, self.bv, self.bo = biases
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.kc = kc
+        self.workspace = workspace or Workspace()
+        self.rope: Rope | None = None
+        self.plain = (
+            wqkv is None and all(b is None for b in biases) and q_norm is None and spec.sliding_window is None
+        )
+
+    def setup(self, rope: Rope | None, n_ctx: int) -> None:
+        self.rope = rope
+        self.workspace.reserve("attn", ops.attn_scratch_bytes(n_ctx, self.spec.n_head))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, H * D), k and v (T, H_kv * D) of x (T, n_embd)."""
+        kc = self.kc
+        if self.wqkv is not None:
+            qkv = ops.linear(x, self.wqkv, kc)
+            s = self.spec
+            q, k, v = qkv.split((s.n_embd_q, s.n_embd_kv, s.n_embd_kv), dim=-1)
+        else:
+            assert self.wq is not None and self.wk is not None and self.wv is not None
+            q, k, v = ops.linear(x, self.wq, kc), ops.linear(x, self.wk, kc), ops.linear(x, self.wv, kc)
+        if self.bq is not None:
+            q = q + self.bq
+        if self.bk is not None:
+            k = k + self.bk
+        if self.bv is not None:
+            v = v + self.bv
+        return q, k, v
+
+    def _heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | slice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (T, H, D) and k (T, H_kv, D) normed and rotated for their positions, v (T, H_kv, D)."""
+        s = self.spec
+        T = q.shape[0]
+        q, k = q.reshape(T, s.n_head, s.head_dim), k.reshape(T, s.n_head_kv, s.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+        return q, k, v.reshape(T, s.n_head_kv, s.head_dim)
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        y = ops.linear(out, self.wo, self.kc)
+        return y if self.bo is None else y + self.bo
+
+    def __call__(self, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:
+        """Attention output (N, n_embd) of the batch's tokens, on the device of wo."""
+        q, k, v = self._project(x)
+        if batch.kind == "run":
+            seg = batch.segments[0]
+            return self._out(self._run(q, k, v, seg.seq, seg.pos, kv))
+        if batch.kind == "decode":
+            return self._out(self._decode(q, k, v, batch, kv))
+        parts = [
+            self._run(
+                q[s.start : s.start + s.n],
+                k[s.start : s.start + s.n],
+                v[s.start : s.start + s.n],
+                s.seq,
+                s.pos,
+                kv,
+            )
+            for s in batch.segments
+        ]
+        return self._out(torch.cat(parts))
+
+    def _run(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int, pos: int, kv: KVLayer
+    ) -> torch.Tensor:
+        """T consecutive tokens of one sequence at pos..pos+T-1: (T, H * D)."""
+        T = q.shape[0]
+        s = self.spec
+        rope = self.rope
+        if (
+            T == 1
+            and self.plain
+            and rope is not None
+            and rope.spec.kind == "adjacent"
+            and rope.spec.n_rot == s.head_dim
+        ):
+            # one token: RoPE, the KV write and attention in one kernel call where the op has one
+            scratch = self.workspace.get("attn")
+            return ops.attend_one(q, k, v, rope.pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch)
+        q, k, v = self._heads(q, k, v, slice(pos, pos + T))
+        keys, values = kv.update(seq, pos, k, v)  # (pos+T, H_kv, D)
+        window = s.sliding_window
+        if T == 1 and (window is None or pos < window):
+            return ops.decode_attention(q, keys, values)
+        qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # (H, T, D)
+        # query i sits at absolute position pos+i and sees keys 0..pos+i (and, with a window, > pos+i-window)
+        mask = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)
+        if window is not None:
+            mask &= ~torch.ones_like(mask).tril(diagonal=pos - window)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        return out.transpose(0, 1).reshape(T, s.n_embd_q)
+
+    def _decode(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, kv: KVLayer
+    ) -> torch.Tensor:
+        """One new token for each of B distinct sequences: (B, H * D)."""
+        s = self.spec
+        B = q.shape[0]
+        positions = batch.positions.to(q.device)
+        q, k, v = self._heads(q, k, v, positions)
+        keys, values, mask = kv.update_batch(batch.seq_ids, positions, k, v)  # (B, L, H_kv, D), (B, L)
+        if s.sliding_window is not None:
+            lo = positions[:, None] - s.sliding_window  # keys at or below p - window are out of reach
+            mask = mask & (torch.arange(mask.shape[1], device=mask.device)[None, :] > lo)
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2),  # (B, H, 1, D)
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            enable_gqa=True,
+        )  # (B, H, 1, D)
+        return out.reshape(B, s.n_embd_q)
+
+
+class FFN(Protocol):
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseFFN:
+    """Every neuron computed: down(act(gate x) * up x) (or down(act(up x)) ungated).
+
+    Reads `ffn_down` or, in PowerInfer files, the transposed `ffn_down_t` (row j = output column of neuron j).
+    """
+
+    def __init__(
+        self,
+        spec: FFNSpec,
+        up: Weight,
+        gate: Weight | None,
+        down: Weight | None,
+        down_t: Weight | None,
+        kc: ops.KernelContext,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),  # up, down
+    ) -> None:
+        self.spec = spec
+        self.up, self.gate, self.down, self.down_t = up, gate, down, down_t
+        self.b_up, self.b_down = biases
+        self.kc = kc
+
+    def hidden(self, x_norm: torch.Tensor) -> torch.Tensor:
+        """The neurons' activations h (T, n_ff)."""
+        kc, spec = self.kc, self.spec
+        u = ops.linear(x_norm, self.up, kc)
+        if self.b_up is not None:
+            u = u + self.b_up
+        if self.gate is None:
+            return ops.act(spec.act, u)
+        return ops.gated(ops.linear(x_norm, self.gate, kc), u, spec.act, spec.relu_up)
+
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(x_norm)
+        if self.down is not None:
+            y = ops.linear(h, self.down, self.kc)
+        else:
+            assert self.down_t is not None
+            y = ops.rows_axpy(h, self.down_t, None, self.kc)
+        return y if self.b_down is None else y + self.b_down
+
+
+class Embedding:
+    """Token rows of the embedding matrix, optionally scaled (Gemma: sqrt(n_embd)) and with learned positions."""
+
+    def __init__(
+        self,
+        weight: ops.QWeight,
+        kc: ops.KernelContext,
+        scale: float | None = None,
+        positions: ops.QWeight | None = None,
+    ) -> None:
+        self.weight, self.kc, self.scale, self.positions = weight, kc, scale, positions
+
+    def __call__(self, batch: StepBatch) -> torch.Tensor:
+        x = ops.get_rows(self.weight, batch.tokens, self.kc)  # (N, D)
+        if self.scale is not None:
+            x = x * self.scale
+        if self.positions is not None:
+            x = x + ops.get_rows(self.positions, batch.positions, self.kc)
+        return x
+
+
+class Head:
+    """Final norm and output projection."""
+
+    def __init__(self, norm: Norm, output: Weight, kc: ops.KernelContext) -> None:
+        self.norm, self.output, self.kc = norm, output, kc
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(self.norm(x).contiguous(), self.output, self.kc)

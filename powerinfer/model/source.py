@@ -1,0 +1,53 @@
+"""What an architecture file gets to build its model: placed weights, devices and the sparsity choice.
+
+The runtime's loader (runtime.loader.Loader) implements `WeightSource` by carrying out a placement plan; the
+architecture asks for tensors by name and never learns where they live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from powerinfer import ops
+from powerinfer.model.sparse import HotPart, SparseStats
+from powerinfer.model.workspace import Workspace
+
+
+@dataclass(frozen=True)
+class Sparsity:
+    """How FFNs are built: "none" (dense) or "predictor" (PowerInfer's per-layer MLP predictors)."""
+
+    selector: str = "none"
+    threshold: float = 0.0
+
+
+class WeightSource(Protocol):
+    kc: ops.KernelContext
+    sparsity: Sparsity
+    stats: SparseStats | None
+    workspace: Workspace
+
+    def has(self, name: str) -> bool: ...
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight | ops.DeviceWeight:
+        """A 2-D weight where the plan put it (checked against `shape` when given)."""
+        ...
+
+    def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
+        """A 2-D weight in the memory-mapped file (the CPU part of a split FFN, the embedding)."""
+        ...
+
+    def vector(self, name: str, n: int) -> torch.Tensor:
+        """A 1-D float32 tensor of n elements on the device the plan gave its tensor."""
+        ...
+
+    def hot_rows(self, layer: int, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight) -> HotPart | None:
+        """The pool part of a layer's sparse FFN (None: every neuron on the CPU)."""
+        ...
+
+    def layer_device(self, layer: int) -> torch.device: ...
+
+    def head_device(self) -> torch.device: ...

@@ -1,0 +1,207 @@
+"""The sparse FFN block: a selector marks the active neurons, the pool part and the CPU part compute them.
+
+Per layer and token t (spec sections 2 and 4), with PowerInfer's predictor as the selector:
+  score_t = fc2 . ReLU(fc1 . x_t)    x_t is the pre-norm residual (ffn_inp)
+  active  = score_t >= threshold
+  h_j     = act(gate_j . u_t) * up_j . u_t   for active j, 0 otherwise   (u_t = ffn_norm(x_t))
+  y_t     = sum_j h_j * down_t[j]
+The activation is the FFN spec's (relu, silu, gelu, gelu_tanh): the kernels take it as an argument, so a SiLU
+PowerInfer file computes SiLU. Where the placement put some neurons' rows in a device pool (`HotPart`), those
+are computed there and the CPU computes the other active neurons straight from the memory-mapped file; the two
+partial outputs are summed. Other selectors (thresholds on activations) plug in through `Selector`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from powerinfer import ops
+from powerinfer.errors import ConfigError
+from powerinfer.model.specs import FFNSpec
+from powerinfer.model.workspace import Workspace
+
+# a batch whose union of active CPU rows exceeds this share of n_ff runs the CPU part densely
+DENSE_UNION_SHARE = 0.6
+
+
+@dataclass
+class SparseStats:
+    """Per-layer counters (numpy int64: an element update costs far less than a torch op per layer)."""
+
+    tokens: np.ndarray  # (n_layer,) tokens seen
+    active: np.ndarray  # (n_layer,) predicted active (token, neuron) pairs
+    active_gpu: np.ndarray  # (n_layer,) of which served by the pool
+    predictor_ms: float = 0.0
+    # recall measurement (off unless track_recall() was called): truly active pairs, act(gate) > 0,
+    # and of those the ones the selector marked active
+    true_active: np.ndarray | None = None
+    true_hit: np.ndarray | None = None
+
+    @classmethod
+    def zeros(cls, n_layer: int) -> SparseStats:
+        return cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(3)))
+
+    def track_recall(self) -> None:
+        """Also compute every neuron's gate per token and count the truly active ones the selector found."""
+        n_layer = self.tokens.size
+        self.true_active = np.zeros(n_layer, dtype=np.int64)
+        self.true_hit = np.zeros(n_layer, dtype=np.int64)
+
+
+class Selector(Protocol):
+    """Decides the active neurons of a layer per token."""
+
+    def select(self, x_residual: torch.Tensor) -> torch.Tensor:
+        """Active mask (T, n_ff) from the pre-norm residual (T, D)."""
+        ...
+
+
+class PredictorSelector:
+    """PowerInfer's per-layer MLP predictor: active = fc2 . ReLU(fc1 . x) >= threshold."""
+
+    def __init__(
+        self,
+        fc1: ops.QWeight | ops.DeviceWeight,
+        fc2: ops.QWeight | ops.DeviceWeight,
+        threshold: float,
+        kc: ops.KernelContext,
+    ) -> None:
+        self.fc1, self.fc2, self.threshold, self.kc = fc1, fc2, threshold, kc  # (r, D), (n_ff, r)
+
+    def select(self, x_residual: torch.Tensor) -> torch.Tensor:
+        score = ops.linear(F.relu(ops.linear(x_residual, self.fc1, self.kc)), self.fc2, self.kc)
+        return (score >= self.threshold).to(x_residual.device)
+
+
+class HotPart(Protocol):
+    """The pool part of one layer (runtime.pool.HotRows): some neurons' rows on the pool device."""
+
+    ids: torch.Tensor  # (k,) neuron ids, ascending
+
+    def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
+        """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
+        ...
+
+    def wait(self) -> None: ...
+
+
+class SparseFFN:
+    """Selector-driven gated FFN of one layer, split between a pool part and the CPU."""
+
+    def __init__(
+        self,
+        spec: FFNSpec,
+        bid: int,
+        selector: Selector,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down_t: ops.QWeight,
+        hot: HotPart | None,
+        stats: SparseStats,
+        kc: ops.KernelContext,
+        workspace: Workspace | None = None,
+    ) -> None:
+        if not spec.gated:
+            raise ConfigError("sparse FFNs need a gated FFN (gate, up, down_t); this model's FFN has no gate")
+        if spec.bias:
+            raise ConfigError("sparse FFNs with biases are not supported")
+        self.spec, self.bid, self.selector = spec, bid, selector
+        self.gate, self.up, self.down_t = gate, up, down_t  # (n_ff, D) each, down_t transposed
+        self.hot, self.stats, self.kc = hot, stats, kc
+        self.n_ff = gate.shape[0]
+        self.cpu_rows = torch.ones(self.n_ff, dtype=torch.bool)  # False where the pool owns the neuron
+        if hot is not None:
+            self.cpu_rows[hot.ids] = False
+        # decode with every neuron on the CPU runs predictor + FFN as one kernel call (the same bits as
+        # select() then rows()); False forces the separate steps (tests that compare the two)
+        self.fused_decode = (
+            hot is None
+            and isinstance(selector, PredictorSelector)
+            and isinstance(selector.fc1, ops.QWeight)
+            and isinstance(selector.fc2, ops.QWeight)
+        )
+        self.workspace = workspace or Workspace()
+        rank = selector.fc1.shape[0] if isinstance(selector, PredictorSelector) else 0
+        self.workspace.reserve("ffn", ops.ffn_scratch_bytes(self.n_ff, gate.shape[1], rank))
+
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        s, spec = self.stats, self.spec
+        if self.fused_decode and x_norm.shape[0] == 1 and s.true_active is None:
+            sel = self.selector
+            assert isinstance(sel, PredictorSelector)
+            # None where the kernel does not apply (q8 precision, non-kernel weight types, pool weights)
+            fused = ops.predict_ffn(
+                x_residual, x_norm, sel.fc1, sel.fc2, sel.threshold, self.gate, self.up, self.down_t,
+                spec.act, spec.relu_up, self.kc, scratch=self.workspace.get("ffn"),
+            )  # fmt: skip
+            if fused is not None:
+                y, n_active, seconds = fused
+                s.predictor_ms += seconds * 1e3
+                s.tokens[self.bid] += 1
+                s.active[self.bid] += n_active
+                return y
+        t0 = time.perf_counter()
+        active = self.selector.select(x_residual)  # (T, n_ff)
+        s.predictor_ms += (time.perf_counter() - t0) * 1e3
+        T = x_norm.shape[0]
+        y_hot = None
+        if self.hot is None:
+            cpu_active = active
+        else:
+            hot_active = active[:, self.hot.ids]  # (T, k)
+            y_hot = self.hot.launch(x_norm, hot_active, spec.act, spec.relu_up)
+            cpu_active = active & self.cpu_rows
+        if T == 1:
+            # decode: the selected rows are exactly the active ones, no per-token mask needed
+            idx = cpu_active[0].nonzero().view(-1)  # (M,)
+            y = self.rows(x_norm, idx)
+            n_cpu = idx.numel()
+        else:
+            y = self.cold(x_norm, cpu_active)
+            n_cpu = int(cpu_active.sum())
+        s.tokens[self.bid] += T
+        if s.true_active is not None and s.true_hit is not None:
+            truth = (ops.linear(x_norm, self.gate, self.kc) > 0).to(
+                active.device
+            )  # (T, n_ff), PowerInfer's label
+            s.true_active[self.bid] += int(truth.sum())
+            s.true_hit[self.bid] += int((truth & active).sum())
+        if y_hot is None or self.hot is None:
+            s.active[self.bid] += n_cpu
+            return y
+        n_hot = int(hot_active.sum())
+        s.active[self.bid] += n_cpu + n_hot
+        s.active_gpu[self.bid] += n_hot
+        self.hot.wait()
+        return y + y_hot
+
+    def rows(self, u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """FFN output (T, D) of the neurons idx computed for every token (no mask)."""
+        spec = self.spec
+        if u.shape[0] == 1:  # decode: one fused kernel call (bit-identical to the unfused ops below)
+            return ops.ffn_rows(
+                u, self.gate, self.up, self.down_t, idx, spec.act, spec.relu_up, self.kc
+            )  # (1, D)
+        g = ops.rows_matmul(u, self.gate, idx, self.kc)  # (T, M)
+        up = ops.rows_matmul(u, self.up, idx, self.kc)
+        return ops.rows_axpy(ops.gated(g, up, spec.act, spec.relu_up), self.down_t, idx, self.kc)  # (T, D)
+
+    def cold(self, u: torch.Tensor, cpu_active: torch.Tensor) -> torch.Tensor:
+        """The CPU part: only rows active for some token (per-token masks applied), dense if most are."""
+        spec, kc = self.spec, self.kc
+        union = cpu_active.any(dim=0)  # (n_ff,)
+        idx = torch.nonzero(union).squeeze(1)  # (M,)
+        if idx.numel() >= DENSE_UNION_SHARE * self.n_ff:
+            g, up, mask, idx_down = ops.linear(u, self.gate, kc), ops.linear(u, self.up, kc), cpu_active, None
+        else:
+            g = ops.rows_matmul(u, self.gate, idx, kc)  # (T, M)
+            up = ops.rows_matmul(u, self.up, idx, kc)
+            mask, idx_down = cpu_active[:, idx], idx
+        h = ops.gated(g, up, spec.act, spec.relu_up) * mask
+        return ops.rows_axpy(h, self.down_t, idx_down, kc)  # (T, D)

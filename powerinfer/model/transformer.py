@@ -1,0 +1,97 @@
+"""A decoder-only transformer composed of blocks: embedding -> layers (norm, attention, norm, FFN) -> head.
+
+Every architecture builds one of these; the placement decided where each weight lives before the blocks were
+made, and `device` of each layer says where its residual stream is computed (the pool device for layers the
+plan offloads, e.g. `-ngl`). One `forward(batch, kv)` serves prefill, decode and batches of sequences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from powerinfer.model.batch import StepBatch
+from powerinfer.model.blocks import FFN, Attention, Embedding, Head, KVLayer, Norm, Rope
+
+# observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
+FFNObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+
+
+class KVStore(Protocol):
+    """What the transformer needs from a KV cache: one view per layer (runtime.kv_cache.KVCache)."""
+
+    def layer_view(self, layer: int) -> KVLayer: ...
+
+
+@dataclass
+class Layer:
+    attn_norm: Norm
+    attn: Attention
+    ffn_norm: Norm | None  # None: parallel attention and FFN from the same norm (Falcon-style)
+    ffn: FFN
+    device: torch.device  # where the residual stream of this layer is computed
+    post_attn_norm: Norm | None = None  # Gemma-style norms of each block's output
+    post_ffn_norm: Norm | None = None
+
+
+class Transformer:
+    """Embedding, layers and head; `forward` returns logits for the rows asked for."""
+
+    def __init__(
+        self,
+        embedding: Embedding,
+        layers: list[Layer],
+        head: Head,
+        head_device: torch.device,
+        rope_factory: Callable[[int, int], Rope | None] | None = None,
+    ) -> None:
+        self.embedding = embedding
+        self.layers = layers
+        self.head = head
+        self.head_device = head_device
+        self.rope_factory = rope_factory  # (layer index, n_ctx) -> that layer's RoPE tables
+        self.observers: list[FFNObserver] = []
+
+    @property
+    def ffns(self) -> list[FFN]:
+        """Each layer's FFN block."""
+        return [layer.ffn for layer in self.layers]
+
+    def setup(self, n_ctx: int) -> None:
+        """Precompute position tables for a context of n_ctx tokens."""
+        ropes: dict[object, Rope | None] = {}
+        for bid, layer in enumerate(self.layers):
+            rope = None
+            if self.rope_factory is not None:
+                rope = self.rope_factory(bid, n_ctx)
+                if rope is not None:  # layers with the same spec share one table
+                    rope = ropes.setdefault(rope.spec, rope)
+            layer.attn.setup(rope, n_ctx)
+
+    def forward(self, batch: StepBatch, kv: KVStore, rows: slice | None = None) -> torch.Tensor:
+        """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all)."""
+        x = self.embedding(batch)  # (N, D)
+        for bid, layer in enumerate(self.layers):
+            x = x.to(layer.device)
+            h = layer.attn_norm(x)
+            a = layer.attn(h, batch, kv.layer_view(bid))
+            if layer.post_attn_norm is not None:
+                a = layer.post_attn_norm(a)
+            if layer.ffn_norm is None:  # parallel block: attention and FFN read the same normed input
+                f = layer.ffn(h, x)
+                x = x + a.to(x.device) + f.to(x.device)
+                continue
+            x = x + a.to(x.device)
+            h = layer.ffn_norm(x)
+            for observe in self.observers:
+                observe(bid, h, x)
+            f = layer.ffn(h, x)
+            if layer.post_ffn_norm is not None:
+                f = layer.post_ffn_norm(f)
+            x = x + f.to(x.device)
+        if rows is not None:
+            x = x[rows]
+        return self.head(x.to(self.head_device)).to("cpu")

@@ -1,0 +1,98 @@
+"""Dense ops: y = x @ W.T (`linear`) and the embedding lookup (`get_rows`).
+
+Kernel types (`KernelContext.supported_types()`) are computed by the C kernels from the raw bytes. Other types
+(K-quants, ...) and contexts without kernels use `powerinfer.ops.reference`; a non-kernel type is decoded to a
+float32 copy on first use, cached on the QWeight.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from powerinfer.ops import reference
+from powerinfer.ops.context import KernelContext, default_context
+from powerinfer.ops.library import check_status
+from powerinfer.quant import KERNEL_TYPES
+
+if TYPE_CHECKING:
+    from powerinfer.ops.weights import DeviceWeight, QWeight
+
+__all__ = ["get_rows", "linear"]
+
+
+def dense_cached(w: QWeight) -> torch.Tensor:
+    """The whole weight decoded to float32 (N, K), decoded once and kept on the weight."""
+    dense = w._dense.get("f32")
+    if dense is None:
+        dense = w._dense["f32"] = reference.dense(w)
+    return dense
+
+
+def output(x: torch.Tensor, n_out: int) -> tuple[int, torch.Tensor]:
+    """Token count of a (T, K) or (K,) input and an empty float32 output (T, n_out) or (n_out,)."""
+    if x.dim() == 2:
+        return x.shape[0], torch.empty(x.shape[0], n_out, dtype=torch.float32)
+    return 1, torch.empty(n_out, dtype=torch.float32)
+
+
+def _linear_fallback(x: torch.Tensor, w: QWeight) -> torch.Tensor:
+    if w.ggml_type in KERNEL_TYPES:
+        return reference.linear(x, w)
+    return x.to(torch.float32) @ dense_cached(w).to(x.device).T
+
+
+def linear(x: torch.Tensor, w: QWeight | DeviceWeight, kc: KernelContext | None = None) -> torch.Tensor:
+    """y = x @ W.T for x of shape (..., K) float32; returns (..., N) float32 (T = 1 is the decode matvec).
+
+    A DeviceWeight computes on its own device and returns the result there.
+    """
+    # lean path: about 200 calls per token, so every attribute access here counts
+    if kc is None:
+        kc = default_context()
+    if w.on_device:
+        return w.linear(x, kc)
+    n_rows, n_cols = w.shape
+    kernel = kc.kernels.matmul.get(w.ggml_type)
+    if kernel is None or not x.is_cpu:
+        if x.shape[-1] != n_cols:
+            raise ValueError(f"linear: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
+        return _linear_fallback(x, w)
+    ndim = x.dim()
+    if x.dtype is not torch.float32 or not x.is_contiguous() or ndim > 2:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()  # (T, K)
+        return linear(x2, w, kc).view(*x.shape[:-1], n_rows)
+    if x.shape[-1] != n_cols:
+        raise ValueError(f"linear: x has {x.shape[-1]} features, weight {w.shape} expects {n_cols}")
+    n_tokens, y = output(x, n_rows)
+    status = kernel(
+        w._raw_ptr, w._raw_stride, n_rows, n_cols, x.data_ptr(), n_cols, n_tokens, y.data_ptr(), n_rows,
+        kc.n_threads, kc.level,
+    )  # fmt: skip
+    if status:
+        check_status(status, "linear")
+    return y
+
+
+def get_rows(w: QWeight, ids: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
+    """Rows `ids` (int64 token ids) of W decoded to float32: shape ids.shape + (K,)."""
+    if kc is None:
+        kc = default_context()
+    kernel = kc.kernels.get_rows.get(w.ggml_type)
+    if kernel is None:
+        if w.ggml_type in KERNEL_TYPES:
+            return reference.get_rows(w, ids.reshape(-1)).view(*ids.shape, w.shape[1])
+        return dense_cached(w)[ids.to(torch.int64)]
+    flat = ids
+    if ids.dtype is not torch.int64 or ids.dim() != 1 or not ids.is_contiguous() or not ids.is_cpu:
+        flat = ids.to(device="cpu", dtype=torch.int64).reshape(-1).contiguous()  # (n_ids,)
+    n_ids, n_cols = flat.shape[0], w.shape[1]
+    y = torch.empty(n_ids, n_cols, dtype=torch.float32)
+    status = kernel(
+        w._raw_ptr, w._raw_stride, w.shape[0], n_cols, flat.data_ptr(), n_ids, y.data_ptr(), n_cols,
+        kc.n_threads, kc.level,
+    )  # fmt: skip
+    if status:
+        check_status(status, "get_rows")
+    return y if ids.dim() == 1 else y.view(*ids.shape, n_cols)

@@ -1,0 +1,211 @@
+"""The C kernels: the built extension `powerinfer._kernels`, loaded once per process, and its ctypes symbols.
+
+Everything here is fixed once the library is loaded: the symbol tables are read-only mappings, and the SIMD
+variant, the thread count and the activation precision are arguments of every call (see `KernelContext`).
+When the extension is missing (a plain checkout, no build), `load()` returns None and every op runs its
+pure-torch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import logging
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, NoReturn
+
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.quant import KERNEL_TYPES
+
+__all__ = ["ISA_NAMES", "Library", "check_status", "isa_best", "kernels_available", "load"]
+
+log = logging.getLogger(__name__)
+
+ISA_NAMES = ("scalar", "avx2", "avx512")  # index = the kernels' `isa` level (enum pi_isa)
+
+# ggml type -> suffix of the C symbols pi_matmul_<suffix> and pi_get_rows_<suffix>
+C_NAMES: Mapping[GGMLType, str] = MappingProxyType(
+    {
+        GGMLType.F32: "f32",
+        GGMLType.F16: "f16",
+        GGMLType.BF16: "bf16",
+        GGMLType.Q4_0: "q4_0",
+        GGMLType.Q4_1: "q4_1",
+        GGMLType.Q8_0: "q8_0",
+        GGMLType.Q5_0: "q5_0",
+        GGMLType.Q5_1: "q5_1",
+    }
+)
+assert frozenset(C_NAMES) == KERNEL_TYPES
+# types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
+QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
+# block types with only the exact kernels (pi_matmul_<suffix>_f), used in both precisions
+EXACT_ONLY_TYPES = frozenset({GGMLType.Q5_0, GGMLType.Q5_1})
+# weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.c)
+FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
+    {
+        GGMLType.Q4_0: 0,
+        GGMLType.Q4_1: 1,
+        GGMLType.Q8_0: 2,
+        GGMLType.F32: 3,
+        GGMLType.F16: 4,
+        GGMLType.BF16: 5,
+        GGMLType.Q5_0: 6,
+        GGMLType.Q5_1: 7,
+    }
+)
+
+# status codes (enum pi_status in kernels/cpu/common.h)
+PI_ERR_SHAPE, PI_ERR_ALLOC, PI_ERR_INDEX, PI_ERR_SCRATCH = 1, 2, 3, 4
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+# (w, w_stride_bytes, N, K, x, x_stride, T, y, y_stride, n_threads, isa)
+_MATMUL_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32)
+# (w, w_stride_bytes, N, K, ids, n_ids, y, y_stride, n_threads, isa)
+_GET_ROWS_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32)
+# rows_matmul (w, w_stride_bytes, N, K, idx, M, x, x_stride, T, y, y_stride, n_threads, isa) and
+# rows_axpy (w_t, w_stride_bytes, N, D, idx or NULL, M, h, h_stride, T, y, y_stride, n_threads, isa)
+_SPARSE_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32)
+# ffn_rows (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., idx, M, act, relu_up, q8_act, y,
+#           scratch, scratch_bytes, n_threads, isa)
+_FFN_ROWS_ARGTYPES = (
+    (_ptr, _i64, _i64, _i64)
+    + (_ptr, _i64, _i32) * 3
+    + (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32)
+)
+# predict_ffn (x, u, K, D, N, fc1, fc1_stride, fc1_kind, rank, fc2, fc2_stride, fc2_kind, threshold,
+#              gate, .., up, .., down_t, .., act, relu_up, idx, n_active, predictor_seconds, y,
+#              scratch, scratch_bytes, n_threads, isa)
+_PREDICT_FFN_ARGTYPES = (
+    (_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, ctypes.c_float)
+    + (_ptr, _i64, _i32) * 3
+    + (_i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
+)
+# attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
+#              n_threads, isa)
+_ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32)
+
+
+@dataclass(frozen=True, eq=False)
+class Library:
+    """ctypes handles of the built kernels, resolved once per process.
+
+    matmul / rows_matmul: int8 activations for the quant types ("q8" precision; the exact kernel for the others);
+    matmul_f / rows_matmul_f: float activations ("f32" precision) for every type.
+    """
+
+    path: str
+    isa_best: int  # the best level this CPU runs (an index into ISA_NAMES)
+    matmul: Mapping[GGMLType, Any]
+    matmul_f: Mapping[GGMLType, Any]
+    get_rows: Mapping[GGMLType, Any]
+    rows_matmul: Mapping[GGMLType, Any]
+    rows_matmul_f: Mapping[GGMLType, Any]
+    rows_axpy: Mapping[GGMLType, Any]
+    ffn_rows: Any  # fused decode FFN over a row list (one token)
+    predict_ffn: Any  # predictor + fused decode FFN (one token, float activations)
+    attn_decode: Any  # RoPE + KV write + attention of one token
+    ffn_rows_scratch_bytes: Any
+    predict_ffn_scratch_bytes: Any
+    attn_decode_scratch_bytes: Any
+
+
+def _symbol(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any = _i32) -> Any:
+    fn = getattr(lib, name)
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def _open(path: str) -> Library:
+    lib = ctypes.CDLL(path)
+    matmul, matmul_f, get_rows, rows_matmul, rows_matmul_f, rows_axpy = {}, {}, {}, {}, {}, {}
+    for ggml_type, name in C_NAMES.items():
+        # "q8" precision: int8 kernels for the quant types, the exact ones for Q5_x, the float ones for the rest
+        q8_suffix = "_f" if ggml_type in EXACT_ONLY_TYPES else ""
+        f32_suffix = "_f" if ggml_type in QUANT_TYPES | EXACT_ONLY_TYPES else ""
+        matmul[ggml_type] = _symbol(lib, f"pi_matmul_{name}{q8_suffix}", _MATMUL_ARGTYPES)
+        matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}{f32_suffix}", _MATMUL_ARGTYPES)
+        get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
+        rows_matmul[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{q8_suffix}", _SPARSE_ARGTYPES)
+        rows_matmul_f[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{f32_suffix}", _SPARSE_ARGTYPES)
+        rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
+    return Library(
+        path=path,
+        isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),
+        matmul=MappingProxyType(matmul),
+        matmul_f=MappingProxyType(matmul_f),
+        get_rows=MappingProxyType(get_rows),
+        rows_matmul=MappingProxyType(rows_matmul),
+        rows_matmul_f=MappingProxyType(rows_matmul_f),
+        rows_axpy=MappingProxyType(rows_axpy),
+        ffn_rows=_symbol(lib, "pi_ffn_rows", _FFN_ROWS_ARGTYPES),
+        predict_ffn=_symbol(lib, "pi_predict_ffn", _PREDICT_FFN_ARGTYPES),
+        attn_decode=_symbol(lib, "pi_attn_decode", _ATTN_DECODE_ARGTYPES),
+        ffn_rows_scratch_bytes=_symbol(lib, "pi_ffn_rows_scratch_bytes", (_i64, _i64, _i32), _i64),
+        predict_ffn_scratch_bytes=_symbol(lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64), _i64),
+        attn_decode_scratch_bytes=_symbol(lib, "pi_attn_decode_scratch_bytes", (_i64, _i64), _i64),
+    )
+
+
+def _load() -> Library | None:
+    try:
+        spec = importlib.util.find_spec("powerinfer._kernels")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or spec.origin is None:
+        warnings.warn(
+            "powerinfer._kernels is not built: ops run the slow pure-torch reference (build it with `pip install -e .`)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    try:
+        library = _open(spec.origin)
+    except (OSError, AttributeError) as exc:
+        warnings.warn(
+            f"cannot load {spec.origin} ({exc}): ops run the slow pure-torch reference (rebuild it with "
+            "`pip install -e .`)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    log.debug("loaded kernels from %s (best SIMD variant %s)", spec.origin, ISA_NAMES[library.isa_best])
+    return library
+
+
+@functools.cache
+def load() -> Library | None:
+    """The kernels, loaded on first use (once per process); None when the extension is missing (warns once)."""
+    return _load()
+
+
+def kernels_available() -> bool:
+    """True when the C kernels are built and loaded."""
+    return load() is not None
+
+
+def isa_best() -> str | None:
+    """The best SIMD variant of the kernels on this CPU ("scalar", "avx2", "avx512"); None without kernels."""
+    library = load()
+    return None if library is None else ISA_NAMES[library.isa_best]
+
+
+def check_status(
+    status: int, op: str, scratch_bytes: int = 0, scratch_needed: int = 0, sizer: str = ""
+) -> NoReturn:
+    """Raise the Python error of a kernel's non-zero status (for PI_ERR_SCRATCH: the buffer's size, the size
+    needed and the ops function that computes it)."""
+    if status == PI_ERR_INDEX:
+        raise IndexError(f"{op}: row id out of range")
+    if status == PI_ERR_ALLOC:
+        raise MemoryError(f"{op}: scratch allocation failed")
+    if status == PI_ERR_SCRATCH:
+        raise ValueError(
+            f"{op}: scratch buffer of {scratch_bytes} bytes is too small, {scratch_needed} bytes needed "
+            f"(size it with powerinfer.ops.{sizer})"
+        )
+    raise ValueError(f"{op}: kernel rejected the arguments (status {status})")

@@ -1,0 +1,183 @@
+"""Weights as the ops take them: QWeight (raw ggml rows in host memory) and DeviceWeight (rows on a compute device).
+
+The ops name these classes only for type checking; a DeviceWeight computes through them (`linear`, `axpy`), so
+this module sits above powerinfer.ops.dense and powerinfer.ops.sparse in the import graph.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from powerinfer.errors import PlacementError
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.ops.context import KernelContext
+from powerinfer.ops.dense import get_rows, linear
+from powerinfer.ops.sparse import rows_axpy
+from powerinfer.quant import POOL_TYPES, row_bytes
+
+__all__ = ["DeviceWeight", "QWeight"]
+
+
+@dataclass(frozen=True, eq=False)
+class QWeight:
+    """A 2-D ggml weight kept as its raw bytes.
+
+    raw: uint8 tensor (N, row_bytes), usually a zero-copy view of the memory-mapped model file.
+    shape: (N, K) in elements. Only non-kernel types ever get a dequantised copy (`_dense`, built lazily).
+    """
+
+    on_device: ClassVar[bool] = False  # the ops compute it with the C kernels (or the torch reference)
+    raw: torch.Tensor
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    _dense: dict[str, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _raw_ptr: int = field(init=False, repr=False)  # address and row stride (bytes) of raw, for the kernels
+    _raw_stride: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ggml_type", GGMLType(self.ggml_type))
+        object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
+        n_rows, n_cols = self.shape
+        expected = (n_rows, row_bytes(self.ggml_type, n_cols))
+        if (
+            self.raw.dtype != torch.uint8
+            or tuple(self.raw.shape) != expected
+            or self.raw.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"raw must be a CPU uint8 tensor of shape {expected} for a {self.ggml_type.name} weight of "
+                f"shape {self.shape}, got {self.raw.dtype} {tuple(self.raw.shape)} on {self.raw.device}"
+            )
+        if n_rows > 1 and self.raw.stride(1) != 1:
+            raise ValueError("raw rows must be contiguous")
+        object.__setattr__(self, "_raw_ptr", self.raw.data_ptr())
+        object.__setattr__(self, "_raw_stride", self.raw.stride(0))
+
+    @classmethod
+    def from_numpy(cls, raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, int]) -> QWeight:
+        """Wrap raw tensor bytes (e.g. a read-only memmap) without copying."""
+        ggml_type = GGMLType(ggml_type)
+        rows = raw.reshape(-1).view(np.uint8).reshape(int(shape[0]), row_bytes(ggml_type, int(shape[1])))
+        with warnings.catch_warnings():
+            # memmaps are read-only; the ops never write to weights
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(rows)
+        return cls(tensor, ggml_type, (int(shape[0]), int(shape[1])))
+
+
+_BACKENDS = ("kernels", "triton")
+
+
+def triton_kernels() -> ModuleType:
+    """powerinfer.ops.triton_quant, imported on use (only a CUDA pool, or a test, needs triton); a
+    PlacementError when triton cannot be imported."""
+    try:
+        return importlib.import_module("powerinfer.ops.triton_quant")
+    except ImportError as e:
+        raise PlacementError(
+            f"the CUDA pool computes on quantized weights with Triton kernels, but triton cannot be "
+            f"imported ({e}); install it (pip install 'powerinfer[cuda]'; CUDA builds of torch ship it)"
+        ) from e
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceWeight:
+    """A weight, or some of its rows, kept on a compute device (the GPU pool, or the CPU standing in for it)
+    in the file's own block format: no dequantised copy is resident, blocks are decoded inside the kernels.
+
+    raw: uint8 (N, row_bytes) on the device, the ggml blocks of the rows (n_bytes = what the planner
+    budgets, `quant.pool_bytes`). Types outside `quant.POOL_TYPES` are stored as F16 blocks.
+    backend: "kernels" (CPU stand-in: the C kernels through a QWeight over raw) or "triton" (CUDA; the
+    kernels of powerinfer.ops.triton_quant, which the Triton interpreter also runs on CPU tensors in tests).
+    `linear` (y = x @ W.T) and `axpy` (y = h @ W) run on the weight's device and return float32 there; they
+    move their input to that device.
+    """
+
+    on_device: ClassVar[bool] = True  # the ops hand it to its own linear / axpy
+    raw: torch.Tensor
+    ggml_type: GGMLType
+    shape: tuple[int, int]
+    backend: str = "kernels"
+    _host: QWeight | None = field(default=None, init=False, repr=False)  # the C kernels' view of raw
+    _triton: ModuleType | None = field(default=None, init=False, repr=False)  # triton_quant (triton backend)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ggml_type", GGMLType(self.ggml_type))
+        object.__setattr__(self, "shape", (int(self.shape[0]), int(self.shape[1])))
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {_BACKENDS}, got {self.backend!r}")
+        expected = (self.shape[0], row_bytes(self.ggml_type, self.shape[1]))
+        if self.raw.dtype != torch.uint8 or tuple(self.raw.shape) != expected:
+            raise ValueError(
+                f"raw must be uint8 {expected} for a {self.ggml_type.name} weight of shape {self.shape}, "
+                f"got {self.raw.dtype} {tuple(self.raw.shape)}"
+            )
+        if self.backend == "kernels":
+            # raises unless raw is a CPU tensor with contiguous rows; keeps raw alive with the weight
+            object.__setattr__(self, "_host", QWeight(self.raw, self.ggml_type, self.shape))
+        else:
+            kernels = triton_kernels()
+            if self.ggml_type not in kernels.SUPPORTED_TYPES:
+                raise ValueError(f"no Triton kernel for {self.ggml_type.name} weights")
+            object.__setattr__(self, "_triton", kernels)
+
+    @classmethod
+    def from_qweight(
+        cls,
+        w: QWeight,
+        device: torch.device,
+        rows: torch.Tensor | None = None,
+        backend: str | None = None,
+        kc: KernelContext | None = None,
+    ) -> DeviceWeight:
+        """Copy the raw blocks of `rows` of w (int64 ids; None = all rows) to `device`.
+
+        Rows are gathered from the memory-mapped bytes with one index op; types outside POOL_TYPES are
+        decoded to F16 blocks first (with `kc`'s kernels). backend None: "triton" on CUDA, "kernels" on the CPU.
+        """
+        device = torch.device(device)
+        if backend is None:
+            backend = "triton" if device.type == "cuda" else "kernels"
+        if backend == "triton":
+            triton_kernels()
+        ids = None if rows is None else rows.to(device="cpu", dtype=torch.int64).reshape(-1)
+        n_rows = w.shape[0] if ids is None else int(ids.shape[0])
+        if w.ggml_type in POOL_TYPES:
+            ggml_type = w.ggml_type
+            raw = w.raw.clone() if ids is None else w.raw[ids]  # (n_rows, row_bytes), a contiguous copy
+        else:
+            ggml_type = GGMLType.F16
+            every = torch.arange(w.shape[0], dtype=torch.int64) if ids is None else ids
+            raw = get_rows(w, every, kc).to(torch.float16).view(torch.uint8)  # (n_rows, 2 K)
+        return cls(raw.to(device), ggml_type, (n_rows, w.shape[1]), backend)
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    @property
+    def n_bytes(self) -> int:
+        return self.raw.nbytes
+
+    def linear(self, x: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
+        """y = x @ W.T: x (..., K) -> (..., N) float32 on the weight's device (kc: the C kernels' context)."""
+        host = self._host
+        if host is not None:
+            return linear(x.to("cpu"), host, kc)
+        x = x.to(self.raw.device, non_blocking=True)
+        return self._triton.matmul(x, self.raw, self.ggml_type, self.shape[1])
+
+    def axpy(self, h: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
+        """y = h @ W (W holds transposed rows, e.g. ffn_down_t): h (..., N) -> (..., K) float32 on the device."""
+        host = self._host
+        if host is not None:
+            return rows_axpy(h.to("cpu"), host, None, kc)
+        h = h.to(self.raw.device, non_blocking=True)
+        return self._triton.axpy(h, self.raw, self.ggml_type, self.shape[1])

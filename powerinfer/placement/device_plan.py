@@ -1,0 +1,110 @@
+"""Where every weight, KV cache and residual stream lives: one plan for dense offload and the sparse pool.
+
+Pure data, no device is touched: the runtime's loader carries a DevicePlan out. Two plans exist:
+- `layers_plan` (`-ngl N`): the last N layers whole (weights in their block format, residual stream, norms, KV
+  cache, compute) on the pool device; with N > n_layer also the final norm and the output head (llama.cpp's rule).
+- `sparse_plan` (PowerInfer files under a VRAM budget): the planner's dense tensors (whole attention layers,
+  predictors, the output head) and, per layer, the hot FFN neurons' rows on the pool device; residual on the CPU.
+The sparse plan is the same mechanism with per-neuron granularity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from powerinfer.errors import PlacementError
+from powerinfer.gguf.constants import TensorNames
+from powerinfer.placement.planner import Placement
+
+_ATTN = (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V, TensorNames.ATTN_OUT)
+_PRED = (TensorNames.PRED_FC1, TensorNames.PRED_FC2)
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """device: the pool device ("cuda", "cuda:1", "cpu" as a stand-in), None for everything on the CPU.
+
+    tensors: names of whole tensors kept on the device. layers: layers whose residual stream and norms are
+    computed there. kv_layers: layers whose KV cache is there (their attention runs there). head: the final
+    norm and output projection run there. neurons: per layer, the FFN neuron ids whose rows the pool holds.
+    """
+
+    device: str | None = None
+    tensors: frozenset[str] = frozenset()
+    layers: frozenset[int] = frozenset()
+    kv_layers: frozenset[int] = frozenset()
+    head: bool = False
+    neurons: tuple[np.ndarray | None, ...] = ()
+    reason: str = "everything on the CPU"
+    placement: Placement | None = field(default=None, compare=False)  # the sparse planner's result, if any
+
+    def on_device(self, name: str) -> bool:
+        return self.device is not None and name in self.tensors
+
+    def pool_neurons(self, layer: int) -> np.ndarray | None:
+        if self.device is None or layer >= len(self.neurons):
+            return None
+        ids = self.neurons[layer]
+        return ids if ids is not None and len(ids) else None
+
+
+def layers_plan(names: Iterable[str], n_layer: int, n_gpu_layers: int, device: str) -> DevicePlan:
+    """`-ngl N`: the last N layers (and, for N > n_layer, the head) on `device`."""
+    if n_gpu_layers < 0:
+        raise PlacementError(f"-ngl must be >= 0 (got {n_gpu_layers})")
+    n = min(n_gpu_layers, n_layer)
+    layers = frozenset(range(n_layer - n, n_layer))
+    prefixes = tuple(f"blk.{bid}." for bid in layers)
+    head = n_gpu_layers > n_layer
+    tensors = {name for name in names if name.startswith(prefixes)}
+    if head:
+        tensors |= {TensorNames.OUTPUT_NORM, TensorNames.OUTPUT}
+    return DevicePlan(
+        device,
+        frozenset(tensors),
+        layers,
+        layers,
+        head,
+        reason=f"{n} of {n_layer} layers{' and the output head' if head else ''} on {device}",
+    )
+
+
+def sparse_plan(
+    placement: Placement, pool_neurons: list[np.ndarray], n_layer: int, device: str
+) -> DevicePlan:
+    """The sparse planner's result as a device plan.
+
+    A layer's attention moves only when all four of its matrices were planned there (its KV cache with it),
+    a predictor only as fc1 and fc2 together.
+    """
+    planned = set(placement.gpu_tensors)
+    tensors: set[str] = set()
+    kv_layers = set()
+    for bid in range(n_layer):
+        attn = {t.format(bid=bid) for t in _ATTN}
+        if attn <= planned:
+            tensors |= attn
+            kv_layers.add(bid)
+        pred = {t.format(bid=bid) for t in _PRED}
+        if pred <= planned:
+            tensors |= pred
+    if TensorNames.OUTPUT in planned:
+        tensors.add(TensorNames.OUTPUT)
+    return DevicePlan(
+        device,
+        frozenset(tensors),
+        frozenset(),
+        frozenset(kv_layers),
+        False,
+        tuple(pool_neurons),
+        placement.reason,
+        placement,
+    )
+
+
+def neurons_plan(pool_neurons: list[np.ndarray], device: str, reason: str) -> DevicePlan:
+    """Only FFN neurons on the pool (an explicit GPU index file)."""
+    return DevicePlan(device, neurons=tuple(pool_neurons), reason=reason)

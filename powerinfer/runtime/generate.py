@@ -1,0 +1,198 @@
+"""The one generation loop: sequences in KV slots, one batched step per token, sampling, stops and limits.
+
+`main`, `batched` and the server all drive a `Generator`: `start` prefills a prompt into a slot (or forks a slot
+that already holds the same prompt) and samples the first token; `step` evaluates the pending token of every
+live sequence in one engine step and samples the next ones. Each sampled token gives an `Event`; a sequence
+ends on an end-of-generation token (unless ignore_eos), a stop string, n_predict tokens or a full context.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from powerinfer.errors import InputError
+from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.tokenizer import StreamDecoder
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """What to generate: sampling, a token limit (-1: until end of sequence or a full context) and stops."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n_predict: int = -1
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one sampling round gave a sequence: a token (None when it ended without one), new text
+    (complete UTF-8 characters; text that may start a stop word is held back) and, at the end, the reason
+    (eos | stop | length | cancelled) and the stop string that ended it."""
+
+    slot: int
+    token: int | None
+    text: str
+    end: str | None = None
+    stopping_word: str = ""
+    seq: Sequence | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass
+class Sequence:
+    """A generation that holds a KV slot."""
+
+    slot: int
+    prompt: list[int]
+    params: GenParams
+    sampler: Sampler
+    decoder: StreamDecoder
+    history: list[int]
+    bias: torch.Tensor | None = None  # (n_vocab,) additive logit bias
+    n_gen: int = 0
+    pending: int | None = None  # sampled, not yet evaluated
+    text: str = ""
+    sent: int = 0  # characters of `text` already given out
+    end: str | None = None
+    prompt_ms: float = 0.0
+    t_first: float = 0.0
+
+
+def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop word."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class Generator:
+    """Sequences of one engine, advanced together one token per step."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.eog = engine.tokenizer.eog_ids
+        self.timings = engine.timings
+        self.live: dict[int, Sequence] = {}
+
+    def start(
+        self,
+        slot: int,
+        prompt: list[int],
+        params: GenParams,
+        sampler: Sampler | None = None,
+        logits: torch.Tensor | None = None,
+    ) -> list[Event]:
+        """Evaluate a prompt into `slot` and sample the first token; with `logits` (its last token's), the
+        prompt is already in the slot (evaluated or forked by the caller)."""
+        e = self.engine
+        if not prompt:
+            raise InputError("empty prompt")
+        if len(prompt) > e.n_ctx:
+            raise InputError(f"prompt of {len(prompt)} tokens exceeds the context size {e.n_ctx}")
+        if slot in self.live:
+            raise InputError(f"slot {slot} is busy")
+        bias = None
+        if params.logit_bias:
+            bias = torch.zeros(e.config.n_vocab)
+            for tid, b in params.logit_bias:
+                if not 0 <= tid < e.config.n_vocab:
+                    raise InputError(f"logit_bias token id {tid} is out of range")
+                bias[tid] += b
+        seq = Sequence(
+            slot,
+            prompt,
+            params,
+            sampler or Sampler(params.sampling),
+            StreamDecoder(self.tokenizer),
+            list(prompt),
+            bias,
+        )
+        t = time.perf_counter()
+        if logits is None:
+            e.free(slot)
+            logits = e.prefill(slot, prompt)
+            self.timings.prompt_ms += (time.perf_counter() - t) * 1e3
+            self.timings.n_prompt += len(prompt)
+        seq.prompt_ms = (time.perf_counter() - t) * 1e3
+        seq.t_first = time.perf_counter()
+        self.live[slot] = seq
+        if params.n_predict == 0:
+            return [self._finish(seq, "length")]
+        return [self._accept(seq, logits)]
+
+    def step(self) -> list[Event]:
+        """Evaluate every live sequence's pending token in one step and sample the next ones."""
+        seqs = [s for s in self.live.values() if s.pending is not None]
+        if not seqs:
+            return []
+        t = time.perf_counter()
+        logits = self.engine.decode([s.slot for s in seqs], [s.pending for s in seqs])  # type: ignore[misc]
+        self.timings.eval_ms += (time.perf_counter() - t) * 1e3
+        self.timings.n_eval += 1
+        return [self._accept(s, row) for s, row in zip(seqs, logits, strict=True)]
+
+    def cancel(self, slot: int) -> Event | None:
+        """End a live sequence now (client gone)."""
+        seq = self.live.get(slot)
+        return None if seq is None else self._finish(seq, "cancelled")
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> Event:
+        """Sample the next token of `seq` from its logits (n_vocab,); end it if a limit is hit."""
+        p = seq.params
+        t = time.perf_counter()
+        if seq.bias is not None:
+            logits = logits.float() + seq.bias
+        if p.ignore_eos and self.eog:
+            logits = logits.clone()
+            logits[list(self.eog)] = float("-inf")
+        token = seq.sampler(logits, seq.history)
+        self.timings.sample_ms += (time.perf_counter() - t) * 1e3
+        self.timings.n_sample += 1
+        if token in self.eog and not p.ignore_eos:
+            return self._finish(seq, "eos")
+        seq.history.append(token)
+        seq.n_gen += 1
+        seq.text += seq.decoder.feed(token)
+        if p.stop:
+            hits = [(i, s) for s in p.stop if (i := seq.text.find(s, max(0, seq.sent - len(s)))) >= 0]
+            if hits:
+                at, word = min(hits)
+                seq.text = seq.text[:at]
+                return self._finish(seq, "stop", word, token)
+        if (p.n_predict >= 0 and seq.n_gen >= p.n_predict) or self.engine.kv.n_past[
+            seq.slot
+        ] >= self.engine.n_ctx:
+            return self._finish(seq, "length", token=token)
+        end = len(seq.text) - _stop_holdback(seq.text, p.stop)
+        text = seq.text[seq.sent : end] if end > seq.sent else ""
+        seq.sent = max(seq.sent, end)
+        seq.pending = token
+        return Event(seq.slot, token, text, seq=seq)
+
+    def _finish(self, seq: Sequence, reason: str, stopping_word: str = "", token: int | None = None) -> Event:
+        self.live.pop(seq.slot, None)
+        self.engine.free(seq.slot)
+        if reason != "stop":
+            seq.text += seq.decoder.flush()
+        text = seq.text[seq.sent :]
+        seq.sent = len(seq.text)
+        seq.end = reason
+        seq.pending = None
+        return Event(seq.slot, token, text, reason, stopping_word, seq)
+
+    def sequence_of(self, slot: int) -> Sequence | None:
+        return self.live.get(slot)

@@ -1,0 +1,112 @@
+"""Carrying out a device plan: the weights an architecture asks for, each where the plan put it.
+
+Implements `powerinfer.model.source.WeightSource`. Matrices stay in their ggml blocks: a QWeight over the
+memory-mapped file on the CPU, a DeviceWeight (the same blocks copied) on the pool device. Every tensor is
+checked against the shape the architecture expects before any kernel sees it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from powerinfer import ops, quant
+from powerinfer.errors import FormatError
+from powerinfer.gguf.constants import GGMLType, TensorNames
+from powerinfer.gguf.reader import GGUFFile, TensorInfo
+from powerinfer.model.source import Sparsity
+from powerinfer.model.sparse import HotPart, SparseStats
+from powerinfer.model.workspace import Workspace
+from powerinfer.placement.device_plan import DevicePlan
+from powerinfer.runtime.pool import HotRows
+
+
+class Loader:
+    """The weights of one GGUF file placed by `plan`, for the kernels of `kc`."""
+
+    def __init__(
+        self,
+        gguf: GGUFFile,
+        plan: DevicePlan,
+        kc: ops.KernelContext,
+        sparsity: Sparsity,
+        stats: SparseStats | None,
+    ) -> None:
+        self.gguf, self.plan, self.kc, self.sparsity, self.stats = gguf, plan, kc, sparsity, stats
+        self.device = torch.device(plan.device) if plan.device is not None else None
+        self.workspace = Workspace()
+        self.hot: list[HotRows] = []
+        self.device_weights: list[ops.DeviceWeight] = []
+        self.device_vectors: list[torch.Tensor] = []
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes the plan's tensors and hot rows take on the pool device."""
+        return (
+            sum(w.n_bytes for w in self.device_weights)
+            + sum(h.n_bytes for h in self.hot)
+            + sum(v.nbytes for v in self.device_vectors)
+        )
+
+    def _info(self, name: str) -> TensorInfo:
+        info = self.gguf.tensors.get(name)
+        if info is None:
+            raise FormatError(f"missing required tensor '{name}'")
+        return info
+
+    def has(self, name: str) -> bool:
+        return name in self.gguf.tensors
+
+    def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
+        info = self._info(name)
+        if len(info.shape) != 2:
+            raise FormatError(f"tensor '{name}' should be 2-D, has shape {info.shape}")
+        if shape is not None and tuple(info.shape) != tuple(shape):
+            raise FormatError(f"tensor '{name}' has shape {tuple(info.shape)}, expected {tuple(shape)}")
+        return ops.QWeight.from_numpy(info.data, info.ggml_type, info.shape)
+
+    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight | ops.DeviceWeight:
+        w = self.host_matrix(name, shape)
+        if self.device is None or not self.plan.on_device(name):
+            return w
+        dw = ops.DeviceWeight.from_qweight(w, self.device)
+        self.device_weights.append(dw)
+        return dw
+
+    def vector(self, name: str, n: int) -> torch.Tensor:
+        info = self._info(name)
+        if tuple(info.shape) != (n,):
+            raise FormatError(f"tensor '{name}' has shape {tuple(info.shape)}, expected ({n},)")
+        if info.ggml_type == GGMLType.F32:  # a zero-copy view of the file
+            v = torch.from_numpy(info.data.view("<f4").reshape(n))
+        else:
+            v = torch.from_numpy(quant.dequantize(info.data, info.ggml_type, info.shape)).reshape(n)
+        if self.device is not None and self.plan.on_device(name):
+            v = v.to(self.device)
+            self.device_vectors.append(v)
+        return v
+
+    def hot_rows(self, layer: int, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight) -> HotPart | None:
+        ids = self.plan.pool_neurons(layer)
+        if ids is None or self.device is None:
+            return None
+        hot = HotRows(gate, up, down_t, ids, self.device, self.kc)
+        self.hot.append(hot)
+        return hot
+
+    def layer_device(self, layer: int) -> torch.device:
+        if self.device is not None and layer in self.plan.layers:
+            return self.device
+        return torch.device("cpu")
+
+    def kv_device(self, layer: int) -> torch.device:
+        if self.device is not None and layer in self.plan.kv_layers:
+            return self.device
+        return torch.device("cpu")
+
+    def head_device(self) -> torch.device:
+        if self.device is not None and self.plan.head:
+            return self.device
+        return torch.device("cpu")
+
+
+__all__ = ["Loader", "TensorNames"]

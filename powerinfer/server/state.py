@@ -1,0 +1,179 @@
+"""The server's shared state: options, the worker handle, request helpers; every route module imports it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+
+from powerinfer.runtime.engine import EngineOptions
+from powerinfer.sampling import SamplingParams
+from powerinfer.server.chat import ChatFormatter
+from powerinfer.server.errors import ApiError
+from powerinfer.server.schemas import _Sampling
+from powerinfer.server.worker import Done, Event, Failed, GenParams, GenRequest, QueueFull, Worker
+
+PUBLIC_PATHS = frozenset({"/", "/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    model: Path
+    engine: EngineOptions = field(default_factory=EngineOptions)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    n_predict: int = -1  # default for requests that give no limit
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    timeout_s: float = 600.0  # longest a request may wait plus generate
+    alias: str | None = None
+    max_queue: int = 32  # requests waiting beyond the slots; more get 503
+    max_body_bytes: int = 1 << 20
+    chat_template: str | None = None  # overrides the GGUF's tokenizer.chat_template
+
+
+class ServerState:
+    """What the handlers share: the worker (model owner), options, chat formatter and the served model id."""
+
+    def __init__(self, worker: Worker, options: ServerOptions) -> None:
+        self.worker = worker
+        self.options = options
+        self.tokenizer = worker.tokenizer
+        self.formatter = ChatFormatter(self.tokenizer, options.chat_template)
+        self.model_id = options.alias or options.model.name
+        self.model_names = {self.model_id, options.model.name, options.model.stem}
+        self.created = int(time.time())
+        self.n_ctx = worker.n_ctx
+
+    # ------------------------------------------------------------------ request -> generation parameters
+    def sampling(self, body: _Sampling) -> SamplingParams:
+        """The server defaults with the request's sampling fields applied."""
+        names = {
+            "temperature": "temp",
+            "top_k": "top_k",
+            "top_p": "top_p",
+            "min_p": "min_p",
+            "repeat_penalty": "repeat_penalty",
+            "repeat_last_n": "repeat_last_n",
+            "frequency_penalty": "frequency_penalty",
+            "presence_penalty": "presence_penalty",
+            "seed": "seed",
+        }
+        changes = {
+            ours: getattr(body, theirs) for theirs, ours in names.items() if getattr(body, theirs) is not None
+        }
+        return dataclasses.replace(self.options.sampling, **changes)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.model_names:
+            raise ApiError(
+                404,
+                f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt text to tokens as `powerinfer main` does (BOS per the vocabulary, special tokens parsed)."""
+        return self.tokenizer.encode(text, add_bos=None, parse_special=True)
+
+    def check_prompt(self, tokens: list[int]) -> list[int]:
+        """An empty prompt becomes BOS; ids must be in the vocabulary; the prompt must leave room."""
+        if not tokens:
+            if self.tokenizer.bos_id is None:
+                raise ApiError(400, "empty prompt", param="prompt")
+            tokens = [self.tokenizer.bos_id]
+        n_vocab = self.tokenizer.n_vocab
+        bad = [t for t in tokens if not 0 <= t < n_vocab]
+        if bad:
+            raise ApiError(
+                400, f"token id {bad[0]} is out of range for a vocabulary of {n_vocab}", param="prompt"
+            )
+        limit = self.n_ctx - 4
+        if len(tokens) > limit:
+            raise ApiError(
+                400,
+                f"the prompt has {len(tokens)} tokens, more than the {limit} this server accepts "
+                f"(context size {self.n_ctx} minus 4)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return tokens
+
+    # ------------------------------------------------------------------ running a generation
+    def start(self, prompt: list[int], params: GenParams) -> tuple[GenRequest, asyncio.Queue[Event]]:
+        """Hand a generation to the worker; 503 when the queue is full."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        req = GenRequest(
+            prompt, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), self.options.timeout_s
+        )
+        try:
+            self.worker.submit(req)
+        except QueueFull as e:
+            raise ApiError(503, f"server busy: {e}", headers={"Retry-After": "1"}) from None
+        return req, queue
+
+    async def events(
+        self, http: Request, req: GenRequest, queue: asyncio.Queue[Event], first: Event | None = None
+    ) -> AsyncIterator[Event]:
+        """The events of one generation until Done or Failed; a client that goes away cancels it."""
+        finished = False
+        try:
+            if first is not None:
+                finished = isinstance(first, Done | Failed)
+                yield first
+            while not finished:
+                event = await self.next_event(http, req, queue)
+                if event is None:
+                    return
+                finished = isinstance(event, Done | Failed)
+                yield event
+        finally:
+            if not finished:
+                self.worker.cancel(req)
+
+    async def next_event(self, http: Request, req: GenRequest, queue: asyncio.Queue[Event]) -> Event | None:
+        """The next event, or None (and the request cancelled) once the client has disconnected."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), 0.5)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    self.worker.cancel(req)
+                    return None
+
+    async def collect(self, http: Request, req: GenRequest, queue: asyncio.Queue[Event]) -> Done:
+        """Wait for the end of a non-streamed generation."""
+        async for event in self.events(http, req, queue):
+            if isinstance(event, Failed):
+                raise ApiError(event.status, event.message)
+            if isinstance(event, Done):
+                return event
+        raise ApiError(499, "client closed the request")
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def timings(done: Done) -> dict[str, float]:
+    """llama.cpp's per-request timings object."""
+    pn, pm, gn, gm = done.n_prompt, done.prompt_ms, done.n_predicted, done.predicted_ms
+    return {
+        "prompt_n": pn,
+        "prompt_ms": pm,
+        "prompt_per_token_ms": pm / pn if pn else 0.0,
+        "prompt_per_second": 1e3 * pn / pm if pm > 0 else 0.0,
+        "predicted_n": gn,
+        "predicted_ms": gm,
+        "predicted_per_token_ms": gm / gn if gn else 0.0,
+        "predicted_per_second": 1e3 * gn / gm if gm > 0 else 0.0,
+    }
