@@ -32,6 +32,7 @@ class StepBatch:
     seq_ids: torch.Tensor
     segments: tuple[Segment, ...]
     kind: str
+    max_pos: int
 
     @classmethod
     def build(cls, seq_ids: list[int], tokens: list[int], positions: list[int]) -> StepBatch:
@@ -58,6 +59,7 @@ class StepBatch:
             torch.tensor(seq_ids, dtype=torch.int64),
             tuple(segments),
             kind,
+            max(positions),
         )
 
     @property

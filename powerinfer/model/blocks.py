@@ -19,6 +19,11 @@ from powerinfer.model.workspace import Workspace
 
 Weight = ops.QWeight | ops.DeviceWeight
 
+# batched decode of up to this many sequences runs the decode-attention kernel once per sequence, more run one
+# padded SDPA call (SmolLM2, positions ~10-35, ms per step kernel / SDPA: -t 1: 10.2/11.3 at 2 sequences,
+# 14.4/15.2 at 4, 27.9/27.3 at 8; -t 2: 6.5/7.8 at 2, 9.2/9.4 at 4, 17.2/16.3 at 8, 31.5/27.1 at 16)
+BATCHED_KERNEL_MAX_SEQS = 4
+
 
 class KVLayer(Protocol):
     """One layer's KV cache (runtime.kv_cache.KVCache.layer_view implements it)."""
@@ -94,6 +99,8 @@ class Rope:
 class Attention:
     """Causal self-attention with a KV cache: GQA, optional biases, QK-norm, RoPE variants, sliding window."""
 
+    batched_kernel = True  # batched decode through the per-sequence kernel (False: one padded SDPA call)
+
     def __init__(
         self,
         spec: AttentionSpec,
@@ -115,12 +122,20 @@ class Attention:
         self.kc = kc
         self.workspace = workspace or Workspace()
         self.rope: Rope | None = None
+        self._one_kernel = False
         self.plain = (
             wqkv is None and all(b is None for b in biases) and q_norm is None and spec.sliding_window is None
         )
 
     def setup(self, rope: Rope | None, n_ctx: int) -> None:
         self.rope = rope
+        # one token with full adjacent-pair RoPE and nothing else: the fused decode-attention op applies
+        self._one_kernel = (
+            self.plain
+            and rope is not None
+            and rope.spec.kind == "adjacent"
+            and rope.spec.n_rot == self.spec.head_dim
+        )
         self.workspace.reserve("attn", ops.attn_scratch_bytes(n_ctx, self.spec.n_head))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -186,13 +201,8 @@ class Attention:
         T = q.shape[0]
         s = self.spec
         rope = self.rope
-        if (
-            T == 1
-            and self.plain
-            and rope is not None
-            and rope.spec.kind == "adjacent"
-            and rope.spec.n_rot == s.head_dim
-        ):
+        if T == 1 and self._one_kernel:
+            assert rope is not None
             # one token: RoPE, the KV write and attention in one kernel call where the op has one
             scratch = self.workspace.get("attn")
             return ops.attend_one(q, k, v, rope.pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch)
@@ -215,6 +225,25 @@ class Attention:
         """One new token for each of B distinct sequences: (B, H * D)."""
         s = self.spec
         B = q.shape[0]
+        if (
+            self._one_kernel
+            and self.batched_kernel
+            and B <= BATCHED_KERNEL_MAX_SEQS
+            and q.is_cpu
+            and batch.max_pos < ops.ATTN_KERNEL_MAX_POS
+        ):
+            # each sequence's token through the decode-attention kernel: no gather of every cache into a
+            # padded (B, L) batch
+            rope, scratch, kc = self.rope, self.workspace.get("attn"), self.kc
+            assert rope is not None
+            outs = [
+                ops.attend_one(
+                    q[b : b + 1], k[b : b + 1], v[b : b + 1], rope.pairs[seg.pos], *kv.slot(seg.seq), seg.pos, kc,
+                    scratch=scratch,
+                )
+                for b, seg in enumerate(batch.segments)
+            ]  # fmt: skip
+            return torch.cat(outs)
         positions = batch.positions.to(q.device)
         q, k, v = self._heads(q, k, v, positions)
         keys, values, mask = kv.update_batch(batch.seq_ids, positions, k, v)  # (B, L, H_kv, D), (B, L)
