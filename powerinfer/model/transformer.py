@@ -54,14 +54,17 @@ class Transformer:
         self.head_device = head_device
         self.rope_factory = rope_factory  # (layer index, n_ctx) -> that layer's RoPE tables
         self.observers: list[FFNObserver] = []
+        self.placed = False
 
     @property
     def ffns(self) -> list[FFN]:
         """Each layer's FFN block."""
         return [layer.ffn for layer in self.layers]
 
-    def setup(self, n_ctx: int) -> None:
-        """Precompute position tables for a context of n_ctx tokens."""
+    def setup(self, n_ctx: int, placed: bool = False) -> None:
+        """Precompute position tables for a context of n_ctx tokens; `placed`: some weights live on a device
+        other than the CPU (the forward then moves activations between devices)."""
+        self.placed = placed
         ropes: dict[object, Rope | None] = {}
         for bid, layer in enumerate(self.layers):
             rope = None
@@ -71,27 +74,35 @@ class Transformer:
                     rope = ropes.setdefault(rope.spec, rope)
             layer.attn.setup(rope, n_ctx)
 
-    def forward(self, batch: StepBatch, kv: KVStore, rows: slice | None = None) -> torch.Tensor:
+    def forward(
+        self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all)."""
+        placed = self.placed  # all on the CPU: no device moves (a no-op .to still costs ~1 us, 3 per layer)
         x = self.embedding(batch)  # (N, D)
         for bid, layer in enumerate(self.layers):
-            x = x.to(layer.device)
+            if placed:
+                x = x.to(layer.device)
             h = layer.attn_norm(x)
             a = layer.attn(h, batch, kv.layer_view(bid))
             if layer.post_attn_norm is not None:
                 a = layer.post_attn_norm(a)
+            if placed:
+                a = a.to(x.device)
             if layer.ffn_norm is None:  # parallel block: attention and FFN read the same normed input
                 f = layer.ffn(h, x)
-                x = x + a.to(x.device) + f.to(x.device)
+                x = x + a + (f.to(x.device) if placed else f)
                 continue
-            x = x + a.to(x.device)
+            x = x + a
             h = layer.ffn_norm(x)
             for observe in self.observers:
                 observe(bid, h, x)
             f = layer.ffn(h, x)
             if layer.post_ffn_norm is not None:
                 f = layer.post_ffn_norm(f)
-            x = x + f.to(x.device)
+            x = x + (f.to(x.device) if placed else f)
         if rows is not None:
             x = x[rows]
+        if not placed:
+            return self.head(x)
         return self.head(x.to(self.head_device)).to("cpu")

@@ -28,18 +28,24 @@ class DevicePlan:
     """device: the pool device ("cuda", "cuda:1", "cpu" as a stand-in), None for everything on the CPU.
 
     tensors: names of whole tensors kept on the device. layers: layers whose residual stream and norms are
-    computed there. kv_layers: layers whose KV cache is there (their attention runs there). head: the final
+    computed there. backend: the kernels of the device's weights ("triton" on CUDA, "kernels": the C kernels
+    of the CPU stand-in). kv_layers: layers whose KV cache is there (their attention runs there). head: the final
     norm and output projection run there. neurons: per layer, the FFN neuron ids whose rows the pool holds.
     """
 
     device: str | None = None
     tensors: frozenset[str] = frozenset()
+    backend: str | None = None  # how the device computes: "triton" (CUDA) or "kernels" (the CPU stand-in)
     layers: frozenset[int] = frozenset()
     kv_layers: frozenset[int] = frozenset()
     head: bool = False
     neurons: tuple[np.ndarray | None, ...] = ()
     reason: str = "everything on the CPU"
     placement: Placement | None = field(default=None, compare=False)  # the sparse planner's result, if any
+
+    def __post_init__(self) -> None:
+        if self.device is not None and self.backend is None:
+            object.__setattr__(self, "backend", "triton" if self.device.startswith("cuda") else "kernels")
 
     def on_device(self, name: str) -> bool:
         return self.device is not None and name in self.tensors
@@ -65,9 +71,9 @@ def layers_plan(names: Iterable[str], n_layer: int, n_gpu_layers: int, device: s
     return DevicePlan(
         device,
         frozenset(tensors),
-        layers,
-        layers,
-        head,
+        layers=layers,
+        kv_layers=layers,
+        head=head,
         reason=f"{n} of {n_layer} layers{' and the output head' if head else ''} on {device}",
     )
 
@@ -96,12 +102,10 @@ def sparse_plan(
     return DevicePlan(
         device,
         frozenset(tensors),
-        frozenset(),
-        frozenset(kv_layers),
-        False,
-        tuple(pool_neurons),
-        placement.reason,
-        placement,
+        kv_layers=frozenset(kv_layers),
+        neurons=tuple(pool_neurons),
+        reason=placement.reason,
+        placement=placement,
     )
 
 

@@ -128,7 +128,7 @@ class Engine:
             n_seq=o.n_seq,
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
         )
-        self.model.setup(self.n_ctx)
+        self.model.setup(self.n_ctx, placed=self.plan.device is not None)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
 
     def _plan(self, sparse: bool) -> DevicePlan:

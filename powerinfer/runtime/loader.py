@@ -68,7 +68,7 @@ class Loader:
         w = self.host_matrix(name, shape)
         if self.device is None or not self.plan.on_device(name):
             return w
-        dw = ops.DeviceWeight.from_qweight(w, self.device)
+        dw = ops.DeviceWeight.from_qweight(w, self.device, backend=self.plan.backend, kc=self.kc)
         self.device_weights.append(dw)
         return dw
 
@@ -89,7 +89,7 @@ class Loader:
         ids = self.plan.pool_neurons(layer)
         if ids is None or self.device is None:
             return None
-        hot = HotRows(gate, up, down_t, ids, self.device, self.kc)
+        hot = HotRows(gate, up, down_t, ids, self.device, self.kc, self.plan.backend)
         self.hot.append(hot)
         return hot
 

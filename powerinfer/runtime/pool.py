@@ -131,9 +131,9 @@ class HotRows:
         self.kc = kc
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # (k,) neuron ids, ascending
         # only the hot rows' blocks are copied: no second full copy of the FFN on the device
-        self.gate = ops.DeviceWeight.from_qweight(gate, device, self.ids, backend)  # (k, D)
-        self.up = ops.DeviceWeight.from_qweight(up, device, self.ids, backend)  # (k, D)
-        self.down_t = ops.DeviceWeight.from_qweight(down_t, device, self.ids, backend)  # (k, D)
+        self.gate = ops.DeviceWeight.from_qweight(gate, device, self.ids, backend, kc)  # (k, D)
+        self.up = ops.DeviceWeight.from_qweight(up, device, self.ids, backend, kc)  # (k, D)
+        self.down_t = ops.DeviceWeight.from_qweight(down_t, device, self.ids, backend, kc)  # (k, D)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
