@@ -37,7 +37,7 @@ class GenParams:
 class Event:
     """What one sampling round gave a sequence: a token (None when it ended without one), new text
     (complete UTF-8 characters; text that may start a stop word is held back) and, at the end, the reason
-    (eos | stop | length | cancelled) and the stop string that ended it."""
+    (eos | stop | length | cancelled | timeout) and the stop string that ended it."""
 
     slot: int
     token: int | None
@@ -145,10 +145,15 @@ class Generator:
         self.timings.n_eval += 1
         return [self._accept(s, row) for s, row in zip(seqs, logits, strict=True)]
 
-    def cancel(self, slot: int) -> Event | None:
-        """End a live sequence now (client gone)."""
+    def end(self, slot: int, reason: str = "cancelled") -> Event | None:
+        """End a live sequence now (client gone: "cancelled"; "timeout"); its final event, None if not live."""
         seq = self.live.get(slot)
-        return None if seq is None else self._finish(seq, "cancelled")
+        return None if seq is None else self._finish(seq, reason)
+
+    def drop(self, slot: int) -> None:
+        """Forget a sequence without an event (its request failed) and free its slot."""
+        self.live.pop(slot, None)
+        self.engine.free(slot)
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> Event:
         """Sample the next token of `seq` from its logits (n_vocab,); end it if a limit is hit."""
@@ -193,6 +198,3 @@ class Generator:
         seq.end = reason
         seq.pending = None
         return Event(seq.slot, token, text, reason, stopping_word, seq)
-
-    def sequence_of(self, slot: int) -> Sequence | None:
-        return self.live.get(slot)

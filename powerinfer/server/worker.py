@@ -306,24 +306,15 @@ class Worker:
                 self._slots[seq.slot] = None
 
     def _fail(self, seq: _Slot, status: int, message: str) -> None:
-        if seq.slot in self.gen.live:
-            self.gen.live.pop(seq.slot)
-        self.engine.free(seq.slot)
+        self.gen.drop(seq.slot)
         self._release(seq)
         self.metrics.requests_failed += 1
         seq.req.emit(Failed(status, message))
 
     def _finish(self, seq: _Slot, reason: str) -> None:
         """End a sequence from outside the generator (cancelled, timed out)."""
-        gen_seq = self.gen.live.get(seq.slot)
-        if gen_seq is None:
+        ev = self.gen.end(seq.slot, reason)
+        if ev is None:
             self._release(seq)
-            return
-        if reason == "cancelled":
-            ev = self.gen.cancel(seq.slot)
-            if ev is not None:
-                self._deliver(ev)
-            return
-        self.gen.live.pop(seq.slot)
-        self.engine.free(seq.slot)
-        self._deliver(GenEvent(seq.slot, None, gen_seq.text[gen_seq.sent :], reason, "", gen_seq))
+        else:
+            self._deliver(ev)
