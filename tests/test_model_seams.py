@@ -271,3 +271,22 @@ def test_runtime_does_not_import_an_architecture_module():
         if name.startswith("powerinfer.runtime"):
             bad = [d for d in deps if d.startswith("powerinfer.arch.")]
             assert not bad, (name, bad)
+
+
+def test_sparse_ffn_refuses_what_the_kernels_cannot_compute():
+    """An ungated or biased FFN has no sparse kernel path: one clear error when the model is built."""
+    from powerinfer.errors import ConfigError
+    from powerinfer.model.sparse import PredictorSelector, SparseFFN, SparseStats
+    from powerinfer.model.specs import FFNSpec
+
+    w = ops.QWeight.from_numpy(np.zeros((32, 32), np.float32), GGMLType.F32, (32, 32))
+    kc = ops.KernelContext()
+    selector = PredictorSelector(w, w, 0.0, kc)
+    for spec, needle in (
+        (FFNSpec(act="relu", gated=False), "gate"),
+        (FFNSpec(act="relu", bias=True), "biases"),
+    ):
+        with pytest.raises(ConfigError, match=needle):
+            SparseFFN(spec, 0, selector, w, w, w, None, SparseStats.zeros(1), kc)
+    with pytest.raises(ConfigError, match="unsupported FFN activation"):
+        FFNSpec(act="swish")

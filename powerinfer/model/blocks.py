@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer import ops
+from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
 from powerinfer.model.workspace import Workspace
@@ -119,6 +120,19 @@ class Attention:
         self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
         self.bq, self.bk, self.bv, self.bo = biases
         self.q_norm, self.k_norm = q_norm, k_norm
+        # the spec says which parts exist: a block given other parts than it declares is a build error
+        if (spec.qk_norm is not None) != (q_norm is not None and k_norm is not None) or (q_norm is None) != (
+            k_norm is None
+        ):
+            raise ConfigError(
+                "attention: QK-norm needs both q and k norms, exactly when the spec declares it"
+            )
+        if (wqkv is not None) != spec.fused_qkv or (wqkv is None and None in (wq, wk, wv)):
+            raise ConfigError(
+                "attention: give wqkv exactly when the spec declares fused q/k/v, else wq, wk, wv"
+            )
+        if any(b is not None for b in biases[:3]) != spec.bias or (self.bo is not None) != spec.out_bias:
+            raise ConfigError("attention: biases given do not match the spec's bias / out_bias")
         self.kc = kc
         self.workspace = workspace or Workspace()
         self.rope: Rope | None = None
