@@ -12,6 +12,7 @@ ggml-quants.c).
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -24,6 +25,8 @@ from powerinfer.errors import FormatError, InputError
 from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
 from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, ValueType
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
+from powerinfer.gguf.writer import output_problem
+from powerinfer.printable import printable
 from powerinfer.quant import QUANTIZABLE, dequantize, quantize, row_bytes
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
@@ -104,7 +107,7 @@ def require_file_type(text: str) -> FileType:
     ft = parse_file_type(text)
     if ft is None:
         raise InputError(
-            f"unknown quantization type '{text}' (expected one of {', '.join(_BY_NAME)} "
+            f"unknown quantization type '{printable(text, 40)}' (expected one of {', '.join(_BY_NAME)} "
             f"or a llama.cpp ftype number)"
         )
     return ft
@@ -231,17 +234,20 @@ def _encode_rows(t: TensorInfo, plan: TensorPlan, out: np.ndarray, r0: int, r1: 
 
 
 def _check_output(path: Path) -> None:
+    """Refuse, before any work, an output that cannot be written: a missing folder, a folder, a FIFO or a
+    device at OUT (never replaced), or a folder we cannot create files in."""
+    problem = output_problem(path)
+    if problem is not None:
+        raise InputError(f"cannot write {printable(str(path))}: {problem}")
     folder = path.absolute().parent
-    if not folder.is_dir():
-        raise InputError(f"cannot write {path}: folder {folder} does not exist")
-    if path.is_dir():
-        raise InputError(f"cannot write {path}: it is a folder")
     try:  # a probe file: os.access says yes to root on read-only mounts and folders
-        probe = folder / f".tmp-probe-{os.getpid()}"
-        probe.touch(exist_ok=False)
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".tmp-probe-", dir=folder)
     except OSError as e:
-        raise InputError(f"cannot write {path}: {e.strerror}") from None
+        raise InputError(f"cannot write {printable(str(path))}: {e.strerror}") from None
+    try:
+        os.close(fd)
+    finally:
+        os.unlink(probe)
 
 
 def quantize_model(
@@ -293,7 +299,7 @@ def quantize_model(
     try:
         writer.write()
     except OSError as e:
-        raise FormatError(f"cannot write {opts.output}: {e.strerror or e}") from None
+        raise FormatError(f"cannot write {printable(str(opts.output))}: {e.strerror or e}") from None
     report.quantize_ms = (time.perf_counter() - t_start) * 1e3
     return report
 

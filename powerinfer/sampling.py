@@ -3,15 +3,44 @@
 Chain: penalties (repeat, frequency, presence over the last `repeat_last_n` tokens) -> greedy if temp <= 0,
 else top-k -> top-p -> min-p -> temperature -> draw from a seeded generator. Each step is a small pure function
 over a candidate set (logits and token ids sorted by logit, descending).
+
+Parameters follow llama.cpp: temp <= 0 is greedy, top_k <= 0 keeps every token, top_p >= 1 and min_p <= 0 are
+off, repeat_penalty 1 and repeat_last_n 0 turn the repeat penalty off, repeat_last_n -1 looks back over the
+whole context. The seed is a uint32 as in llama.cpp: any integer is reduced modulo 2**32, and 0xFFFFFFFF
+(LLAMA_DEFAULT_SEED, what -1 becomes) draws a random one. Values that would make the distribution NaN (a
+non-finite number anywhere, a repeat penalty <= 0 or denormal) are refused by `SamplingParams`. Whatever the
+logits hold, the sampler returns a token id in range: NaN logits are never drawn, +inf ones win over every
+finite one, and when no token is left to draw it raises `SamplingError` instead of drawing garbage.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
+
+from powerinfer.errors import InputError
+
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # smallest normal float32
+SEED_MASK = 0xFFFFFFFF
+DEFAULT_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: draw a random seed
+
+
+class SamplingParamError(InputError):
+    """A sampling parameter that cannot be used; `field` names it (a SamplingParams field)."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class SamplingError(InputError):
+    """No token can be drawn: every candidate logit is -inf or NaN."""
 
 
 @dataclass(frozen=True)
@@ -26,22 +55,57 @@ class SamplingParams:
     presence_penalty: float = 0.0
     seed: int = -1
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int":
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise SamplingParamError(f.name, f"must be an integer, got {value!r}")
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise SamplingParamError(f.name, f"must be a number, got {value!r}")
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise SamplingParamError(f.name, f"must be a finite number, got {value}")
+        if self.repeat_penalty < FLOAT32_TINY:
+            # 0 or a denormal divides positive logits into +inf, a negative one flips their order
+            raise SamplingParamError(
+                "repeat_penalty",
+                f"must be a positive, non-denormal number (1 = off), got {self.repeat_penalty}",
+            )
+        if self.repeat_last_n < -1:
+            raise SamplingParamError(
+                "repeat_last_n", f"must be >= -1 (-1: the whole context, 0: off), got {self.repeat_last_n}"
+            )
+
     @property
     def greedy(self) -> bool:
-        return self.temp <= 0
+        return _as_float32(self.temp) <= 0
+
+
+def _as_float32(x: float) -> float:
+    """`x` rounded to float32, as the sampler uses it (1e-46 becomes 0)."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def resolve_seed(seed: int) -> int:
+    """llama.cpp's seed: reduced to uint32; LLAMA_DEFAULT_SEED (what -1 becomes) draws a random one."""
+    seed = int(seed) & SEED_MASK
+    return random.randrange(DEFAULT_SEED) if seed == DEFAULT_SEED else seed
 
 
 def apply_penalties(logits: torch.Tensor, history: Sequence[int], params: SamplingParams) -> torch.Tensor:
     """Repeat penalty (divide positive, multiply negative logits) then frequency/presence penalties."""
     n = params.repeat_last_n
     if n < 0:
-        n = 64
+        n = len(history)  # -1: the whole context
     recent = list(history[-n:]) if n > 0 else []
     if not recent or (
         params.repeat_penalty == 1.0 and params.frequency_penalty == 0.0 and params.presence_penalty == 0.0
     ):
         return logits
     ids, counts = torch.tensor(recent, dtype=torch.int64).unique(return_counts=True)
+    inside = (ids >= 0) & (ids < logits.numel())
+    ids, counts = ids[inside], counts[inside]
     out = logits.clone()
     sel = out[ids]
     sel = torch.where(sel <= 0, sel * params.repeat_penalty, sel / params.repeat_penalty)
@@ -81,20 +145,34 @@ class Sampler:
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
-        seed = params.seed if params.seed >= 0 else random.randrange(2**31)
-        self.seed = seed
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = resolve_seed(params.seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.temp = _as_float32(params.temp)
 
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
-        """Pick the next token from logits (n_vocab,) given the tokens seen so far."""
+        """Pick the next token from logits (n_vocab,) given the tokens seen so far; a token id in
+        [0, n_vocab), or SamplingError when every logit is -inf or NaN."""
         p = self.params
-        logits = apply_penalties(logits.float(), history, p)
-        if p.greedy:
-            return int(torch.argmax(logits).item())
-        k = p.top_k if p.top_k > 0 else logits.numel()
-        values, ids = torch.topk(logits, min(k, logits.numel()))
+        inf = float("inf")
+        if logits.numel() == 0:
+            raise SamplingError("no token can be sampled: the logits are empty")
+        logits = torch.nan_to_num(
+            apply_penalties(logits.float(), history, p), nan=-inf, posinf=inf, neginf=-inf
+        )
+        best, arg = torch.max(logits, dim=0)  # NaN is never drawn
+        top = best.item()
+        if top == -inf:
+            raise SamplingError("no token can be sampled: every logit is -inf or NaN")
+        if top == inf:  # +inf outranks every finite logit: the +inf tokens tie, the rest are out
+            logits = torch.where(torch.isposinf(logits), 0.0, -inf)
+        if self.temp <= 0:
+            return int(arg.item())
+        n_finite = int(torch.isfinite(logits).sum().item())
+        k = p.top_k if p.top_k > 0 else n_finite
+        values, ids = torch.topk(logits, min(k, n_finite))  # banned (-inf) tokens are never candidates
         values, ids = top_p(values, ids, p.top_p)
         values, ids = min_p(values, ids, p.min_p)
-        probs = torch.softmax(values / p.temp, dim=0)
+        # shifted by the best logit before dividing: a tiny temperature gives 0 and -inf, never inf - inf
+        probs = torch.softmax((values - values[0]) / self.temp, dim=0)
         choice = torch.multinomial(probs, 1, generator=self.generator)
         return int(ids[choice].item())

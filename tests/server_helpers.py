@@ -34,7 +34,11 @@ class Live:
 @contextlib.contextmanager
 def live_server(options: ServerOptions, step_delay_s: float = 0.0) -> Iterator[Live]:
     """Run a Server in a thread on a free 127.0.0.1 port; step_delay_s slows each decode step."""
-    server = Server(options, shutdown_grace_s=0.5)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = Server(options, shutdown_grace_s=0.5, sockets=[sock])
     if step_delay_s:
         engine = server.worker.engine
         decode = engine.decode
@@ -44,10 +48,6 @@ def live_server(options: ServerOptions, step_delay_s: float = 0.0) -> Iterator[L
             return decode(slots, tokens)
 
         engine.decode = slow_decode  # type: ignore[method-assign]
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -50,6 +50,7 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
                                  int64_t n_ctx, int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *out,
                                  void *scratch, int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
     if (pos < 0 || pos >= n_ctx || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0) return PI_ERR_SHAPE;
+    if (q == NULL || k == NULL || v == NULL || rope == NULL || kc == NULL || vc == NULL || out == NULL) return PI_ERR_SHAPE;
     const int64_t G = H / Hkv, L = pos + 1, row = Hkv * D;
     uint8_t *buf;
     const int32_t status = scratch_take(scratch, scratch_bytes, align_up((size_t)(H * L) * sizeof(float)), &buf);

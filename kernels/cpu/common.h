@@ -134,6 +134,11 @@ static inline float bf16_to_fp32(uint16_t h) {
 
 static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* Argument check of a strided operand of n_rows rows of row_len units (bytes of a weight row, floats of an
+ * activation row): rows must not overlap, so every row the kernel reads lies inside the n_rows * stride the
+ * caller owns. One row needs no stride. */
+static inline int stride_ok(int64_t n_rows, int64_t stride, int64_t row_len) { return n_rows <= 1 || stride >= row_len; }
+
 /* Threads actually used: small problems run on one thread (the fork/join costs more than it saves).
  * The split never changes results: each output element is computed by exactly one thread. */
 static inline int32_t threads_for_work(int32_t n_threads, int64_t work) {

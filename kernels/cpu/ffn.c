@@ -164,9 +164,13 @@ PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act
     return (int64_t)(ffn_rows_scratch(M, K, q8_act != 0) + PI_SCRATCH_ALIGN);
 }
 
-static int32_t check_kind(int32_t kind, int64_t len) {
+/* A weight of n_rows rows of len elements of `kind`, stride bytes apart: a known kind, whole blocks, rows that
+ * do not overlap, and a buffer when it has rows. */
+static int32_t check_weight(int32_t kind, int64_t n_rows, int64_t len, const uint8_t *w, int64_t stride) {
     if (kind < KIND_Q4_0 || kind > KIND_LAST) return PI_ERR_SHAPE;
-    return kind_is_block(kind) && len % QK != 0 ? PI_ERR_SHAPE : PI_OK;
+    if (kind_is_block(kind) && len % QK != 0) return PI_ERR_SHAPE;
+    if (!stride_ok(n_rows, stride, row_bytes_of(kind, len))) return PI_ERR_SHAPE;
+    return n_rows > 0 && w == NULL ? PI_ERR_SHAPE : PI_OK;
 }
 
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
@@ -181,10 +185,12 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
                               const int64_t *idx, int64_t M, int32_t act, int32_t relu_up, int32_t q8_act, float *y,
                               void *scratch, int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
     if (K < 0 || D < 0 || N < 0 || M < 0 || act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
+    if (y == NULL || (M > 0 && u == NULL)) return PI_ERR_SHAPE;
     const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
-    const int64_t lens[3] = {K, K, D};
+    const int64_t lens[3] = {K, K, D}, strides[3] = {gate_stride, up_stride, down_stride};
+    const uint8_t *weights[3] = {gate, up, down};
     for (int i = 0; i < 3; i++)
-        if (check_kind(kinds[i], lens[i]) != PI_OK) return PI_ERR_SHAPE;
+        if (check_weight(kinds[i], N, lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
     if (M == 0) { /* idx may be NULL (an empty tensor has no data) */
         for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
         return PI_OK;
@@ -279,11 +285,14 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
                                  int32_t n_threads, int32_t isa) {
     const double t_start = omp_get_wtime();
     if (K < 0 || D < 0 || N < 0 || rank < 0 || idx == NULL || n_active == NULL) return PI_ERR_SHAPE;
-    if (act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
+    if (act < ACT_RELU || act > ACT_LAST || x == NULL || u == NULL || y == NULL) return PI_ERR_SHAPE;
+    /* gate, up (N, K), down_t (N, D), fc1 (rank, K), fc2 (N, rank) */
     const int32_t kinds[5] = {gate_kind, up_kind, down_kind, fc1_kind, fc2_kind};
-    const int64_t lens[5] = {K, K, D, K, rank};
+    const int64_t rows[5] = {N, N, N, rank, N}, lens[5] = {K, K, D, K, rank};
+    const int64_t strides[5] = {gate_stride, up_stride, down_stride, fc1_stride, fc2_stride};
+    const uint8_t *weights[5] = {gate, up, down, fc1, fc2};
     for (int i = 0; i < 5; i++)
-        if (check_kind(kinds[i], lens[i]) != PI_OK) return PI_ERR_SHAPE;
+        if (check_weight(kinds[i], rows[i], lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
     uint8_t *buf;
     const int32_t status = scratch_take(scratch, scratch_bytes, predict_ffn_scratch(N, rank), &buf);
     if (status != PI_OK) return status;

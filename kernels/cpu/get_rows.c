@@ -79,9 +79,12 @@ static void row_decode_q5_1(const uint8_t *row, int64_t K, float *out) {
 typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *out);
 
 /* y[r, :] = decode(W[ids[r], :]) for r < n_ids; W has N rows of K elements, w_stride bytes apart. */
-static int32_t get_rows(row_decode_fn decode, int64_t block_elems, const uint8_t *w, int64_t w_stride, int64_t N,
-                        int64_t K, const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride, int32_t n_threads) {
+static int32_t get_rows(row_decode_fn decode, int64_t block_elems, int64_t block_bytes, const uint8_t *w,
+                        int64_t w_stride, int64_t N, int64_t K, const int64_t *ids, int64_t n_ids, float *y,
+                        int64_t y_stride, int32_t n_threads) {
     if (N < 0 || K < 0 || n_ids < 0 || K % block_elems != 0) return PI_ERR_SHAPE;
+    if (!stride_ok(N, w_stride, K / block_elems * block_bytes) || !stride_ok(n_ids, y_stride, K)) return PI_ERR_SHAPE;
+    if (n_ids > 0 && (ids == NULL || w == NULL || y == NULL)) return PI_ERR_SHAPE;
     for (int64_t r = 0; r < n_ids; r++) {
         if (ids[r] < 0 || ids[r] >= N) return PI_ERR_INDEX;
     }
@@ -93,19 +96,20 @@ static int32_t get_rows(row_decode_fn decode, int64_t block_elems, const uint8_t
 
 /* pi_get_rows_<type>(w, w_stride bytes, N rows, K cols, ids, n_ids, y, y_stride floats, threads, isa): one variant
  * for every level (a few rows per call, auto-vectorised); isa is taken for the uniform kernel ABI. */
-#define DEFINE_GET_ROWS(type, block_elems)                                                                     \
+#define DEFINE_GET_ROWS(type, block_elems, block_bytes)                                                        \
     PI_EXPORT int32_t pi_get_rows_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,              \
                                          const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride,         \
                                          int32_t n_threads, int32_t isa) {                                      \
         (void)isa;                                                                                              \
-        return get_rows(row_decode_##type, block_elems, w, w_stride, N, K, ids, n_ids, y, y_stride, n_threads); \
+        return get_rows(row_decode_##type, block_elems, block_bytes, w, w_stride, N, K, ids, n_ids, y, y_stride, \
+                        n_threads);                                                                             \
     }
 
-DEFINE_GET_ROWS(f32, 1)
-DEFINE_GET_ROWS(f16, 1)
-DEFINE_GET_ROWS(bf16, 1)
-DEFINE_GET_ROWS(q4_0, QK)
-DEFINE_GET_ROWS(q4_1, QK)
-DEFINE_GET_ROWS(q8_0, QK)
-DEFINE_GET_ROWS(q5_0, QK)
-DEFINE_GET_ROWS(q5_1, QK)
+DEFINE_GET_ROWS(f32, 1, 4)
+DEFINE_GET_ROWS(f16, 1, 2)
+DEFINE_GET_ROWS(bf16, 1, 2)
+DEFINE_GET_ROWS(q4_0, QK, sizeof(block_q4_0))
+DEFINE_GET_ROWS(q4_1, QK, sizeof(block_q4_1))
+DEFINE_GET_ROWS(q8_0, QK, sizeof(block_q8_0))
+DEFINE_GET_ROWS(q5_0, QK, sizeof(block_q5_0))
+DEFINE_GET_ROWS(q5_1, QK, sizeof(block_q5_1))

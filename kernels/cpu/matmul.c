@@ -376,6 +376,10 @@ static inline int64_t row_bytes_q5_1_f(int64_t K) { return K / QK * (int64_t)siz
     PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
                                        int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
                                        int32_t n_threads, int32_t isa) {                                      \
+        if (N < 0 || K < 0 || T < 0 || !stride_ok(N, w_stride, row_bytes_##type(K)) ||                        \
+            !stride_ok(T, x_stride, K) || !stride_ok(T, y_stride, N))                                         \
+            return PI_ERR_SHAPE;                                                                              \
+        if (N > 0 && T > 0 && (w == NULL || x == NULL || y == NULL)) return PI_ERR_SHAPE;                     \
         const matmul_table *table = matmul_table_for(isa);                                                    \
         const rows_dot_fn dot_fn = dot_field;                                                                 \
         if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \

@@ -31,11 +31,13 @@ int32_t check_ids(const int64_t *idx, int64_t M, int64_t N) {
 
 /* ---- rows_matmul --------------------------------------------------------------------------------------------- */
 
-#define ROWS_MATMUL_PROLOGUE                                                  \
-    if (N < 0 || M < 0 || K < 0 || T < 0) return PI_ERR_SHAPE;              \
-    if (M == 0 || T == 0) return PI_OK;                                      \
-    if (idx == NULL) return PI_ERR_SHAPE;                                    \
-    const int32_t status = check_ids(idx, M, N);                             \
+#define ROWS_MATMUL_PROLOGUE(row_bytes)                                                             \
+    if (N < 0 || M < 0 || K < 0 || T < 0) return PI_ERR_SHAPE;                                    \
+    if (!stride_ok(N, w_stride, row_bytes) || !stride_ok(T, x_stride, K) || !stride_ok(T, y_stride, M)) \
+        return PI_ERR_SHAPE;                                                                       \
+    if (M == 0 || T == 0) return PI_OK;                                                            \
+    if (idx == NULL || w == NULL || x == NULL || y == NULL) return PI_ERR_SHAPE;                   \
+    const int32_t status = check_ids(idx, M, N);                                                   \
     if (status != PI_OK) return status;
 
 /* Rows of one token, groups of ROWS_DOT_MAX rows per call of a rows_dot_fn; the rows of group g + MATVEC_AHEAD
@@ -86,7 +88,7 @@ static int32_t rows_matvec(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w,
                                             const int64_t *idx, int64_t M, const float *x, int64_t x_stride,     \
                                             int64_t T, float *y, int64_t y_stride, int32_t n_threads,            \
                                             int32_t isa) {                                                       \
-        ROWS_MATMUL_PROLOGUE                                                                                     \
+        ROWS_MATMUL_PROLOGUE(row_bytes)                                                                          \
         const matmul_table *table = matmul_table_for(isa);                                                       \
         const rows_dot_fn dot = dot_expr;                                                                        \
         if (dot != NULL && T == 1 && K % (k_unit) == 0) /* else the driver reports the shape error */         \
@@ -259,9 +261,14 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
                          int64_t y_stride, int32_t n_threads, int32_t isa) {
     if (N < 0 || M < 0 || D < 0 || T < 0) return PI_ERR_SHAPE;
     if (kind_is_block(kind) && D % QK != 0) return PI_ERR_SHAPE;
+    /* bytes of one row of D elements: D / 32 units of unit_bytes (a quant block, or 32 floats of 2 or 4 bytes) */
+    const int64_t row_bytes = kind_is_block(kind) ? D / QK * (int64_t)unit_bytes : D * (int64_t)(unit_bytes / AXPY_UNIT);
+    if (!stride_ok(N, w_stride, row_bytes) || !stride_ok(T, h_stride, M) || !stride_ok(T, y_stride, D))
+        return PI_ERR_SHAPE;
     const int32_t status = check_ids(idx, M, N);
     if (status != PI_OK) return status;
     if (T == 0 || D == 0) return PI_OK;
+    if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride};
     int64_t work_rows = M;

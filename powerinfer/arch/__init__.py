@@ -17,17 +17,20 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.transformer import Transformer
+from powerinfer.printable import printable
 
 
 @dataclass(frozen=True)
 class Architecture:
     config: Callable[[dict[str, Any], bool], ModelConfig]
     build: Callable[[ModelConfig, WeightSource], Transformer]
+    # the file's tensors against the config (types and shapes), before anything is allocated
+    check: Callable[[ModelConfig, GGUFFile], None]
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(llama.LlamaConfig.from_gguf, llama.build),
-    "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build),
+    "llama": Architecture(llama.LlamaConfig.from_gguf, llama.build, llama.check),
+    "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build, bamboo.check),
 }
 
 
@@ -38,14 +41,17 @@ def architecture(gguf: GGUFFile) -> Architecture:
         raise FormatError(f"{gguf.path}: missing required metadata key '{Keys.ARCHITECTURE}'")
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise FormatError(
-            f"{gguf.path}: unknown architecture {arch!r} (supported: {', '.join(ARCHITECTURES)})"
+            f"{gguf.path}: unknown architecture '{printable(arch)}' (supported: {', '.join(ARCHITECTURES)})"
         )
     return ARCHITECTURES[arch]
 
 
 def load_config(gguf: GGUFFile) -> ModelConfig:
-    """The model config of a parsed GGUF file."""
-    return architecture(gguf).config(gguf.metadata, gguf.is_sparse)
+    """The model config of a parsed GGUF file, checked against the file's tensors (types and shapes)."""
+    arch = architecture(gguf)
+    config = arch.config(gguf.metadata, gguf.is_sparse)
+    arch.check(config, gguf)
+    return config
 
 
 def build_model(gguf: GGUFFile, config: ModelConfig, source: WeightSource) -> Transformer:

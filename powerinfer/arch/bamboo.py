@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from powerinfer.arch.llama import LlamaConfig, build
+from powerinfer.arch.llama import LlamaConfig, build, check
 
-__all__ = ["BambooConfig", "build"]
+__all__ = ["BambooConfig", "build", "check"]
 
 
 class BambooConfig(LlamaConfig):

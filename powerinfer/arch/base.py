@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames
+from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.blocks import FFN, DenseFFN
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.sparse import PredictorSelector, SparseFFN
+from powerinfer.printable import printable
+from powerinfer.quant import check_weight_type
 
 
 class MetadataView:
@@ -25,29 +31,42 @@ class MetadataView:
     def _key(self, template: str) -> str:
         return template.format(arch=self.arch)
 
-    def require(self, template: str, kind: type = int) -> Any:
+    def require(self, template: str, kind: type = int, minimum: float | None = None) -> Any:
         key = self._key(template)
         if key not in self.metadata:
             raise ConfigError(f"missing required metadata key '{key}'")
-        return self._cast(key, self.metadata[key], kind)
+        return self._cast(key, self.metadata[key], kind, minimum)
 
-    def optional(self, template: str, default: Any, kind: type = int) -> Any:
+    def optional(self, template: str, default: Any, kind: type = int, minimum: float | None = None) -> Any:
         key = self._key(template)
         if key not in self.metadata:
             return default
-        return self._cast(key, self.metadata[key], kind)
+        return self._cast(key, self.metadata[key], kind, minimum)
 
     @staticmethod
-    def _cast(key: str, value: Any, kind: type) -> Any:
+    def _cast(key: str, value: Any, kind: type, minimum: float | None = None, infinite: bool = False) -> Any:
+        """`value` as `kind` (str, int or float): integers must be stored as integers, floats as numbers, finite
+        unless `infinite`; ConfigError for any other type, NaN, a negative integer or a value below `minimum`."""
         if kind is str:
             if not isinstance(value, str):
                 raise ConfigError(f"metadata key '{key}' should be a string, got {type(value).__name__}")
             return value
-        if isinstance(value, (str, list)) or getattr(value, "ndim", 0):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise ConfigError(f"metadata key '{key}' should be a number, got {type(value).__name__}")
-        out = kind(value)
-        if kind is int and out < 0:
-            raise ConfigError(f"metadata key '{key}' must not be negative (got {out})")
+        if kind is int:
+            if not isinstance(value, (int, np.integer)):
+                raise ConfigError(f"metadata key '{key}' should be an integer, got {printable(value)}")
+            out: int | float = int(value)
+            if out < 0:
+                raise ConfigError(f"metadata key '{key}' must not be negative (got {out})")
+        else:
+            out = float(value)
+            if math.isnan(out):
+                raise ConfigError(f"metadata key '{key}' is NaN")
+            if math.isinf(out) and not infinite:
+                raise ConfigError(f"metadata key '{key}' must be finite (got {out})")
+        if minimum is not None and out < minimum:
+            raise ConfigError(f"metadata key '{key}' must be at least {minimum} (got {out})")
         return out
 
 
@@ -60,6 +79,8 @@ def n_vocab_of(metadata: dict[str, Any]) -> int:
     tokens = metadata.get(Keys.TOKENIZER_TOKENS)
     if tokens is None:
         raise ConfigError(f"missing required metadata key '{Keys.TOKENIZER_TOKENS}'")
+    if not isinstance(tokens, list) or not tokens:
+        raise ConfigError(f"metadata key '{Keys.TOKENIZER_TOKENS}' should be a non-empty array of strings")
     return len(tokens)
 
 
@@ -72,14 +93,73 @@ def ffn_activation(metadata: dict[str, Any], default: str) -> str:
 
 
 def sparse_threshold(metadata: dict[str, Any]) -> float:
-    """The predictor threshold: the file's, overridden by LLAMA_SPARSE_PRED_THRESHOLD as in the original."""
-    threshold = MetadataView._cast(Keys.SPARSE_THRESHOLD, metadata.get(Keys.SPARSE_THRESHOLD, 0.0), float)
+    """The predictor threshold: the file's, overridden by LLAMA_SPARSE_PRED_THRESHOLD as in the original
+    (-inf: every neuron active, inf: none; NaN is refused)."""
+    value = metadata.get(Keys.SPARSE_THRESHOLD, 0.0)
+    threshold = MetadataView._cast(Keys.SPARSE_THRESHOLD, value, float, infinite=True)
     if os.environ.get(THRESHOLD_ENV):
+        text = os.environ[THRESHOLD_ENV]
         try:
-            threshold = float(os.environ[THRESHOLD_ENV])
+            threshold = float(text)
         except ValueError:
-            raise ConfigError(f"{THRESHOLD_ENV}={os.environ[THRESHOLD_ENV]!r} is not a number") from None
+            raise ConfigError(f"{THRESHOLD_ENV}={printable(text)!r} is not a number") from None
+        if math.isnan(threshold):
+            raise ConfigError(f"{THRESHOLD_ENV}={printable(text)!r} is NaN")
     return threshold
+
+
+@dataclass(frozen=True)
+class TensorTable:
+    """The tensors an architecture reads, with the shapes its config gives them.
+
+    shapes: name -> shape; a str dimension is a size the config does not fix (a predictor's rank), bound by
+    the first tensor that has it and checked against every other. required: names that must be present;
+    one_of: groups of names of which at least one must be present (ffn_down or the transposed ffn_down_t).
+    """
+
+    shapes: dict[str, tuple[int | str, ...]]
+    required: frozenset[str]
+    one_of: tuple[tuple[str, ...], ...] = ()
+
+
+def check_tensors(gguf: GGUFFile, config: ModelConfig, table: TensorTable) -> None:
+    """Every tensor the model reads is present with the type and shape the config expects: one pass over the
+    tensor table before anything sized by metadata is allocated (FormatError naming the first mismatch)."""
+    tensors = gguf.tensors
+    for name in sorted(table.required):
+        if name not in tensors:
+            raise FormatError(f"{gguf.path}: missing required tensor '{name}'")
+    for group in table.one_of:
+        if not any(name in tensors for name in group):
+            raise FormatError(f"{gguf.path}: missing required tensor '{group[0]}' (or '{group[-1]}')")
+    bound: dict[str, int] = {}
+    for name, expected in table.shapes.items():
+        info = tensors.get(name)
+        if info is None:
+            continue
+        check_weight_type(info.ggml_type, name, f"{gguf.path}: ")
+        actual = info.shape
+        ok = len(actual) == len(expected)
+        for have, want in zip(actual, expected, strict=False):
+            if isinstance(want, str):
+                want = bound.setdefault(want, have)
+            ok = ok and have == want
+        if not ok:
+            shown = tuple(bound.get(d, d) if isinstance(d, str) else d for d in expected)
+            raise FormatError(
+                f"{gguf.path}: tensor '{name}' has shape {actual}, expected {shown} "
+                f"(n_embd {config.n_embd}, n_ff {config.n_ff}, n_vocab {config.n_vocab})"
+            )
+
+
+def check_layer_count(gguf: GGUFFile, config: ModelConfig, per_layer: int) -> None:
+    """block_count against the tensors that exist: a layer needs `per_layer` tensors, so a count the file cannot
+    hold is refused before a per-layer table is built."""
+    if config.n_layer > len(gguf.tensors) // per_layer:
+        raise FormatError(
+            f"{gguf.path}: block_count {config.n_layer} needs {per_layer} tensors per layer, the file has "
+            f"{len(gguf.tensors)} tensors"
+        )
 
 
 def vector(src: WeightSource, template: str, n: int, bid: int | None = None) -> torch.Tensor:

@@ -12,6 +12,9 @@ from typing import Any
 
 from powerinfer.arch.base import (
     MetadataView,
+    TensorTable,
+    check_layer_count,
+    check_tensors,
     ffn_activation,
     gated_ffn,
     n_vocab_of,
@@ -19,11 +22,13 @@ from powerinfer.arch.base import (
 )
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.constants import Keys, TensorNames
+from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.blocks import Attention, Embedding, Head, Norm, Rope
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
 from powerinfer.model.transformer import Layer, Transformer
+from powerinfer.printable import printable
 
 
 @dataclass(frozen=True)
@@ -33,9 +38,9 @@ class LlamaConfig(ModelConfig):
         """Build the config from GGUF metadata; `sparse` is True for PWRI files, relu_up for bamboo."""
         arch = metadata[Keys.ARCHITECTURE]
         m = MetadataView(metadata, arch)
-        n_embd = m.require(Keys.EMBEDDING_LENGTH)
-        n_head = m.require(Keys.HEAD_COUNT)
-        if n_head <= 0 or n_embd % n_head:
+        n_embd = m.require(Keys.EMBEDDING_LENGTH, minimum=1)
+        n_head = m.require(Keys.HEAD_COUNT, minimum=1)
+        if n_embd % n_head:
             raise ConfigError(f"embedding length {n_embd} is not divisible by head count {n_head}")
         head_dim = n_embd // n_head
         rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
@@ -43,9 +48,14 @@ class LlamaConfig(ModelConfig):
             raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
         scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
         if scaling not in ("none", "linear"):
-            raise ConfigError(f"unsupported rope scaling type '{scaling}'")
+            raise ConfigError(f"unsupported rope scaling type '{printable(scaling)}'")
         rope_scale = m.optional(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0
-        rope = RopeSpec("adjacent", head_dim, m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float), rope_scale)
+        if rope_scale <= 0:
+            raise ConfigError(f"rope scaling factor must be positive (got {rope_scale})")
+        rope_base = m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float)
+        if rope_base <= 0:
+            raise ConfigError(f"rope frequency base must be positive (got {rope_base})")
+        rope = RopeSpec("adjacent", head_dim, rope_base, rope_scale)
         n_head_kv = m.optional(Keys.HEAD_COUNT_KV, n_head)
         if n_head_kv <= 0 or n_head % n_head_kv:
             raise ConfigError(f"head count {n_head} is not a multiple of KV head count {n_head_kv}")
@@ -53,16 +63,66 @@ class LlamaConfig(ModelConfig):
         return cls(
             arch=arch,
             n_vocab=n_vocab_of(metadata),
-            n_ctx_train=m.require(Keys.CONTEXT_LENGTH),
+            n_ctx_train=m.require(Keys.CONTEXT_LENGTH, minimum=1),
             n_embd=n_embd,
-            n_layer=m.require(Keys.BLOCK_COUNT),
-            n_ff=m.require(Keys.FEED_FORWARD_LENGTH),
+            n_layer=m.require(Keys.BLOCK_COUNT, minimum=1),
+            n_ff=m.require(Keys.FEED_FORWARD_LENGTH, minimum=1),
             attention=AttentionSpec(n_head, n_head_kv, head_dim, rope),
             ffn=FFNSpec(act=act, gated=True, relu_up=relu_up),
-            norm=NormSpec("rms", m.require(Keys.LAYERNORM_RMS_EPS, float)),
+            norm=NormSpec("rms", m.require(Keys.LAYERNORM_RMS_EPS, float, minimum=0.0)),
             sparse=sparse,
             sparse_threshold=sparse_threshold(metadata),
         )
+
+
+# tensors of one layer every Llama file holds (norms, attention, gate and up)
+_LAYER_TENSORS = 9
+
+
+def tensor_table(config: ModelConfig) -> TensorTable:
+    """Every tensor a Llama or PowerInfer file may hold, with the shape the config gives it; PowerInfer files
+    hold ffn_down_t (n_ff, n_embd) instead of ffn_down and per-layer predictors fc1 (r, n_embd) -> fc2 (n_ff, r)."""
+    c, a = config, config.attention
+    shapes: dict[str, tuple[int | str, ...]] = {
+        TensorNames.TOKEN_EMBD: (c.n_vocab, c.n_embd),
+        TensorNames.OUTPUT: (c.n_vocab, c.n_embd),  # absent: tied to the embedding
+        TensorNames.OUTPUT_NORM: (c.n_embd,),
+    }
+    required = {TensorNames.TOKEN_EMBD, TensorNames.OUTPUT_NORM}
+    one_of = []
+    for bid in range(c.n_layer):
+        layer = {
+            TensorNames.ATTN_NORM: (c.n_embd,),
+            TensorNames.ATTN_Q: (a.n_embd_q, c.n_embd),
+            TensorNames.ATTN_K: (a.n_embd_kv, c.n_embd),
+            TensorNames.ATTN_V: (a.n_embd_kv, c.n_embd),
+            TensorNames.ATTN_OUT: (c.n_embd, a.n_embd_q),
+            TensorNames.FFN_NORM: (c.n_embd,),
+            TensorNames.FFN_GATE: (c.n_ff, c.n_embd),
+            TensorNames.FFN_UP: (c.n_ff, c.n_embd),
+        }
+        required |= {t.format(bid=bid) for t in layer}
+        layer |= {
+            TensorNames.FFN_DOWN: (c.n_embd, c.n_ff),
+            TensorNames.FFN_DOWN_T: (c.n_ff, c.n_embd),
+            TensorNames.PRED_FC1: (f"rank.{bid}", c.n_embd),
+            TensorNames.PRED_FC2: (c.n_ff, f"rank.{bid}"),
+        }
+        shapes |= {t.format(bid=bid): shape for t, shape in layer.items()}
+        if c.sparse:
+            required |= {
+                t.format(bid=bid)
+                for t in (TensorNames.FFN_DOWN_T, TensorNames.PRED_FC1, TensorNames.PRED_FC2)
+            }
+        else:
+            one_of.append((TensorNames.FFN_DOWN.format(bid=bid), TensorNames.FFN_DOWN_T.format(bid=bid)))
+    return TensorTable(shapes, frozenset(required), tuple(one_of))
+
+
+def check(config: ModelConfig, gguf: GGUFFile) -> None:
+    """The file holds every tensor a Llama model of `config` reads, each of the expected type and shape."""
+    check_layer_count(gguf, config, _LAYER_TENSORS)
+    check_tensors(gguf, config, tensor_table(config))
 
 
 def build(config: ModelConfig, src: WeightSource) -> Transformer:

@@ -20,12 +20,16 @@ from powerinfer.cli.common import (
     PoolDeviceOpt,
     engine_options,
     err_console,
+    read_text_file,
     resolve_model,
     run_guarded,
+    sampling_params,
     setup_logging,
     threads,
+    utf8_argument,
 )
 from powerinfer.errors import InputError
+from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.sampling import Sampler, SamplingParams
@@ -128,14 +132,13 @@ def batched(
     err_console.quiet = log_disable
 
     def body() -> None:
-        prompts: tuple[str, ...] = (prompt if prompt is not None else prompt_arg or "Hello my name is",)
+        given = prompt if prompt is not None else prompt_arg or "Hello my name is"
+        prompts: tuple[str, ...] = (utf8_argument(given, "the prompt"),)
         if prompt_file is not None:
-            try:
-                lines = [ln for ln in prompt_file.read_text(encoding="utf-8").splitlines() if ln.strip()]
-            except OSError as e:
-                raise InputError(f"cannot read prompt file {prompt_file}: {e.strerror}") from None
+            text = read_text_file(prompt_file, "prompt file")
+            lines = [ln for ln in text.splitlines() if ln.strip()]
             if not lines:
-                raise InputError(f"prompt file {prompt_file} has no prompts")
+                raise InputError(f"prompt file {printable(str(prompt_file))} has no prompts")
             prompts = tuple(lines)
         parallel = n_parallel if n_parallel is not None else (parallel_arg if parallel_arg is not None else 1)
         length = n_len if n_len is not None else (len_arg if len_arg is not None else 32)
@@ -160,8 +163,8 @@ def batched(
                 n_batch=max(length, parallel),
                 n_seq=parallel,
             ),
-            sampling=SamplingParams(
-                temp=temp, top_k=top_k, top_p=top_p, min_p=0.0, repeat_penalty=1.0, seed=seed
+            sampling=sampling_params(
+                temp=temp, top_k=top_k, top_p=top_p, min_p=0.0, repeat_penalty=1.0, seed_=seed
             ),
         )
         out = sys.stdout

@@ -1,21 +1,37 @@
-"""Options shared by several commands, defined once, and the error edge of the CLI."""
+"""Options shared by several commands, defined once, and the error edge of the CLI.
+
+Everything a user types is checked here, at the edge, with one InputError line per mistake: thread counts are
+clamped to a sane multiple of the cores, seeds reduced to uint32 as llama.cpp does, NaN/inf sampling values and
+budgets refused, devices parsed, text files read as UTF-8, output paths checked before any work. This module
+stays light to import (no torch): the entry point imports it before the commands.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
 
-from powerinfer.errors import PowerInferError
+from powerinfer.errors import InputError, PlacementError, PowerInferError
+from powerinfer.printable import printable
 
 if TYPE_CHECKING:
     from powerinfer.runtime.engine import EngineOptions
+    from powerinfer.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
 
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -93,23 +109,191 @@ def resolve_model(path: Path | None) -> Path:
         return path
     candidates = sorted(DEFAULT_MODEL_DIR.glob("*.gguf")) if DEFAULT_MODEL_DIR.is_dir() else []
     if not candidates:
-        raise PowerInferError("no model given: pass -m MODEL.gguf")
+        raise InputError("no model given: pass -m MODEL.gguf")
     return candidates[0]
 
 
 def resolve_vram_budget(gib: float) -> float | None:
-    """--vram-budget: -1 (the default) means all free device memory; other negative values are errors."""
+    """--vram-budget: -1 (the default) means all free device memory; other negative values, NaN and inf are
+    errors."""
     if gib == -1:
         return None
-    if gib < 0 or gib != gib:
-        raise PowerInferError(f"--vram-budget must be -1 (all free memory) or >= 0 GiB, got {gib}")
+    if not math.isfinite(gib) or gib < 0:
+        raise InputError(f"--vram-budget must be -1 (all free memory) or >= 0 GiB, got {gib}")
     return gib
 
 
-def threads(n: int) -> int:
-    import os
+# -t past this many threads per core is clamped (oversubscription only slows the OpenMP regions down)
+THREADS_PER_CORE = 4
+ENGINE_MAX_THREADS = 1024  # runtime.engine.MAX_THREADS: what KernelContext accepts at all
 
-    return n if n > 0 else (os.cpu_count() or 1)
+
+def threads(n: int) -> int:
+    """-t / NTHREADS: <= 0 means all cores; more than THREADS_PER_CORE x cores is clamped there with a warning
+    (-t 100000 used to crash inside the OpenMP region, -t 10000 took 48 s for two tokens)."""
+    cores = os.cpu_count() or 1
+    if n <= 0:
+        return cores
+    cap = min(THREADS_PER_CORE * cores, ENGINE_MAX_THREADS)
+    if n > cap:
+        log.warning(
+            "-t %d is more than %d threads per CPU core (%d cores): using %d threads",
+            n,
+            THREADS_PER_CORE,
+            cores,
+            cap,
+        )
+        return cap
+    return n
+
+
+UINT32 = 1 << 32
+
+
+def seed(value: int) -> int:
+    """-s as llama.cpp reads it: any integer reduced to uint32 (stoul, then a uint32 store), where 0xFFFFFFFF
+    (-1, LLAMA_DEFAULT_SEED) means a random seed, returned as -1."""
+    s = value % UINT32
+    return -1 if s == UINT32 - 1 else s
+
+
+FLOAT32_TINY = 2.0**-126  # smallest normal float32: the sampler divides float32 logits by these values
+
+
+def finite(option: str, value: float) -> float:
+    """`value` if it is a finite number; InputError naming `option` for NaN and +-inf."""
+    if not math.isfinite(value):
+        raise InputError(f"{option} must be a finite number, got {value}")
+    return value
+
+
+def sampling_params(
+    *,
+    seed_: int,
+    temp: float,
+    repeat_penalty: float = 1.0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    **fields: Any,
+) -> SamplingParams:
+    """SamplingParams from the sampling options, checked at the edge: every float finite, --temp 0 (greedy) or
+    at least a normal float32, --repeat-penalty > 0 (the sampler divides by it), the seed reduced to uint32."""
+    from powerinfer.sampling import SamplingParams
+
+    for option, value in (
+        ("--temp", temp),
+        ("--repeat-penalty", repeat_penalty),
+        ("--top-p", top_p),
+        ("--min-p", min_p),
+        ("--frequency-penalty", frequency_penalty),
+        ("--presence-penalty", presence_penalty),
+    ):
+        finite(option, value)
+    if 0 < temp < FLOAT32_TINY:
+        raise InputError(
+            f"--temp {temp} is too small to divide by: use 0 for greedy sampling or >= {FLOAT32_TINY:.3g}"
+        )
+    if repeat_penalty < FLOAT32_TINY:
+        raise InputError(f"--repeat-penalty must be > 0 (1.0 = off), got {repeat_penalty}")
+    return SamplingParams(
+        temp=temp,
+        repeat_penalty=repeat_penalty,
+        top_p=top_p,
+        min_p=min_p,
+        frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty,
+        seed=seed(seed_),
+        **fields,
+    )
+
+
+def random_seed(value: int) -> int:
+    """A normalised seed (see `seed`), with -1 replaced by a time-based one as llama.cpp does."""
+    s = seed(value)
+    return int(time.time()) % (UINT32 - 1) if s == -1 else s
+
+
+def resolve_device(text: str | None, option: str = "--pool-device") -> str | None:
+    """A device option: cpu, cuda or cuda:N (N an existing device); InputError / PlacementError otherwise."""
+    if text is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise InputError(f"{option} {printable(text)}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cpu" and device.index in (None, 0):
+        return "cpu"
+    if device.type != "cuda":
+        raise InputError(f"{option} {printable(text)}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise PlacementError(f"{option} {printable(text)}: no CUDA device is available")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise PlacementError(
+            f"{option} {printable(text)}: no such CUDA device ({count} present: cuda:0..{count - 1})"
+        )
+    return str(device)
+
+
+# prompt and text files past this are refused (so -f /dev/zero ends instead of eating memory)
+MAX_TEXT_BYTES = 1 << 30
+
+
+def read_text_file(path: Path, what: str, *, limit: int = MAX_TEXT_BYTES) -> str:
+    """A UTF-8 text file (prompt, text to score); InputError naming `what` and the path when it is missing, a
+    folder, unreadable, larger than `limit` bytes or not UTF-8. Pipes (`-f <(cmd)`) are read like files."""
+    name = printable(str(path))
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        with open(path, "rb") as f:
+            while size <= limit and (chunk := f.read(1 << 20)):
+                chunks.append(chunk)
+                size += len(chunk)
+    except FileNotFoundError:
+        raise InputError(f"cannot read {what} {name}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"cannot read {what} {name}: it is a folder") from None
+    except OSError as e:
+        raise InputError(f"cannot read {what} {name}: {e.strerror or e}") from None
+    if size > limit:
+        raise InputError(f"{what} {name} is larger than {limit >> 20} MiB")
+    data = b"".join(chunks)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"{what} {name} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
+
+
+def utf8_argument(text: str, what: str) -> str:
+    """`text` from the command line, refused with InputError when its bytes were not UTF-8 (Python hands them
+    over as lone surrogates, which the tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raw = text.encode("utf-8", errors="surrogateescape")
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{what} is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+        raise InputError(f"{what} is not UTF-8") from None  # surrogates typed as such
+    return text
+
+
+def check_output_file(path: Path, what: str = "") -> None:
+    """Refuse, before any work, an output file whose folder is missing or whose path holds something other
+    than a regular file (a FIFO or device is never replaced)."""
+    from powerinfer.gguf.writer import output_problem
+
+    problem = output_problem(path)
+    if problem is not None:
+        raise InputError(f"cannot write {what + ' ' if what else ''}{printable(str(path))}: {problem}")
 
 
 def engine_options(
@@ -131,7 +315,7 @@ def engine_options(
         vram_budget_gib=resolve_vram_budget(vram_budget),
         reset_gpu_index=reset_gpu_index,
         disable_gpu_index=disable_gpu_index,
-        pool_device=pool_device,
+        pool_device=resolve_device(pool_device),
         **fields,
     )
 
@@ -143,21 +327,108 @@ def setup_logging(disabled: bool) -> None:
     logging.basicConfig(level=level, force=True, handlers=[handler])
 
 
+MAX_ERROR_BYTES = 480  # an error line (with "error: ") stays under 500 bytes
+
+
+def one_line(message: str, limit: int = MAX_ERROR_BYTES) -> str:
+    """`message` safe to print as one line: control characters and lone surrogates escaped (the messages
+    already pass file-derived strings through printable(); this is the net for any that do not), cut to
+    `limit` UTF-8 bytes."""
+    out = []
+    for ch in message:
+        code = ord(ch)
+        if code < 0x20 or code == 0x7F or 0x80 <= code < 0xA0 or 0xD800 <= code < 0xE000:
+            out.append(
+                {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(ch)
+                or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+            )
+        else:
+            out.append(ch)
+    text = "".join(out)
+    raw = text.encode("utf-8")
+    if len(raw) > limit:
+        text = raw[: limit - 3].decode("utf-8", errors="ignore") + "..."
+    return text
+
+
+def print_error(message: str) -> None:
+    """One `error: ...` line on plain stderr, never silenced by --log-disable."""
+    sys.stderr.write(f"error: {one_line(message)}\n")
+    sys.stderr.flush()
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM / SIGHUP, so that every `finally` and `except BaseException`
+    cleanup (temp files, temp folders, thread pools) runs as for Ctrl-C; the CLI exits with 128 + signum."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_pending: list[int] = []  # signals received and not yet reported (see raise_pending_signal)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _pending.append(signum)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.signal(signum, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
+    raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP raise Terminated instead of killing the process without cleanup; SIGINT raises
+    KeyboardInterrupt as usual. Each is also recorded, because code that swallows the exception (seen now and
+    then while numpy and torch import) must not swallow the signal: `raise_pending_signal` raises it again.
+    Only default dispositions are replaced (nohup's ignored SIGHUP stays ignored)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_signal)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            signal.signal(sig, _on_signal)
+
+
+def raise_pending_signal() -> None:
+    """Raise the interrupt of a signal that arrived but whose exception something swallowed."""
+    if _pending:
+        signum = _pending[0]
+        raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
+
+
+def exit_code_of_interrupt(e: KeyboardInterrupt) -> int:
+    """Print the one line of an interrupt ("interrupted" / "terminated") and return its exit code."""
+    _pending.clear()
+    if isinstance(e, Terminated):
+        sys.stderr.write("terminated\n")
+        code = 128 + e.signum
+    else:
+        sys.stderr.write("interrupted\n")
+        code = 130
+    sys.stderr.flush()
+    return code
+
+
 def run_guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """Run a command body; project errors become one line on stderr and exit code 1."""
+    """Run a command body; project errors become one line on stderr and exit code 1, Ctrl-C one line and 130,
+    SIGTERM (see install_signal_handlers) one line and 143."""
     try:
+        raise_pending_signal()
         return fn(*args, **kwargs)
     except PowerInferError as e:
-        # plain stderr, never silenced by --log-disable
-        sys.stderr.write(f"error: {e}\n")
-        sys.stderr.flush()
+        print_error(str(e))
         raise typer.Exit(code=1) from None
-    except KeyboardInterrupt:
-        err_console.print("interrupted")
-        raise typer.Exit(code=130) from None
+    except KeyboardInterrupt as e:
+        raise typer.Exit(code=exit_code_of_interrupt(e)) from None
     except BrokenPipeError:
         sys.stderr.close()
         raise typer.Exit(code=0) from None
     except MemoryError:
-        sys.stderr.write("error: out of memory\n")
+        print_error("out of memory")
+        raise typer.Exit(code=1) from None
+    except OSError as e:  # the environment (disk full, permissions) rather than a bug: one line, no traceback
+        where = f": {printable(str(e.filename))}" if e.filename else ""
+        print_error(f"{e.strerror or e}{where}")
         raise typer.Exit(code=1) from None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import sys
 import time
 from dataclasses import dataclass
@@ -35,9 +34,12 @@ from powerinfer.cli.common import (
     VramOpt,
     engine_options,
     err_console,
+    read_text_file,
     resolve_model,
     run_guarded,
+    sampling_params,
     setup_logging,
+    utf8_argument,
 )
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions, Timings
@@ -47,30 +49,56 @@ from powerinfer.tokenizer import StreamDecoder
 _D = SamplingParams()  # llama.cpp's sampling defaults
 
 _ESCAPES = {
-    "n": "\n",
-    "r": "\r",
-    "t": "\t",
-    "'": "'",
-    '"': '"',
-    "\\": "\\",
-    "a": "\a",
-    "b": "\b",
-    "f": "\f",
-    "v": "\v",
-    "?": "?",
+    "n": b"\n",
+    "r": b"\r",
+    "t": b"\t",
+    "'": b"'",
+    '"': b'"',
+    "\\": b"\\",
+    "a": b"\a",
+    "b": b"\b",
+    "f": b"\f",
+    "v": b"\v",
+    "?": b"?",
 }
+_HEX = frozenset(b"0123456789abcdefABCDEF")
 
 
 def process_escapes(text: str) -> str:
-    """Turn \\n, \\t, \\xNN ... into the characters they name (llama.cpp's -e)."""
+    """Turn \\n, \\t, \\xNN ... into what they name, on bytes as llama.cpp's -e does (so \\xc3\\xa9 is é).
 
-    def sub(m: re.Match[str]) -> str:
-        s = m.group(1)
-        if s[0] == "x":
-            return chr(int(s[1:], 16))
-        return _ESCAPES.get(s, "\\" + s)
-
-    return re.sub(r"\\(x[0-9a-fA-F]{2}|.)", sub, text)
+    Other escapes stay as written. Raises InputError for a \\x without two hex digits after it and for
+    escapes that leave invalid UTF-8."""
+    data = text.encode("utf-8", errors="surrogateescape")
+    out = bytearray()
+    i, n = 0, len(data)
+    while i < n:
+        if data[i] != 0x5C or i + 1 == n:  # not a backslash, or a lone one at the end
+            out.append(data[i])
+            i += 1
+            continue
+        kind = chr(data[i + 1])
+        if kind == "x":
+            digits = data[i + 2 : i + 4]
+            if len(digits) < 2 or not set(digits) <= _HEX:
+                raise InputError(
+                    f"-e: \\x at byte {i} of the prompt needs two hex digits after it (\\x41 = 'A')"
+                )
+            out.append(int(digits, 16))
+            i += 4
+        elif kind in _ESCAPES:
+            out += _ESCAPES[kind]
+            i += 2
+        else:
+            out += data[i : i + 2]
+            i += 2
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"-e: the prompt is not valid UTF-8 after escape processing "
+            f"(byte 0x{out[e.start]:02x} at offset {e.start})"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -211,13 +239,11 @@ def main(
     def body() -> None:
         text = prompt
         if file is not None:
-            try:
-                text = file.read_text(encoding="utf-8")
-            except OSError as e:
-                raise InputError(f"cannot read prompt file {file}: {e.strerror}") from None
+            text = read_text_file(file, "prompt file")
             text = text[:-1] if text.endswith("\n") else text
         if escape:
             text = process_escapes(text)
+        text = utf8_argument(text, "the prompt (-p)")
         opts = MainOptions(
             model=resolve_model(model),
             prompt=text,
@@ -236,7 +262,7 @@ def main(
                 n_batch=batch_size,
                 n_gpu_layers=n_gpu_layers,
             ),
-            sampling=SamplingParams(
+            sampling=sampling_params(
                 temp=temp,
                 top_k=top_k,
                 top_p=top_p,
@@ -245,7 +271,7 @@ def main(
                 repeat_last_n=repeat_last_n,
                 frequency_penalty=frequency_penalty,
                 presence_penalty=presence_penalty,
-                seed=seed,
+                seed_=seed,
             ),
         )
         run_main(opts)

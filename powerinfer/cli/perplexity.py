@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,10 +30,14 @@ from powerinfer.cli.common import (
     ModelOpt,
     PoolDeviceOpt,
     ResetIdxOpt,
+    SeedOpt,
     ThreadsOpt,
     VramOpt,
+    check_output_file,
     engine_options,
     err_console,
+    random_seed,
+    read_text_file,
     resolve_model,
     run_guarded,
     setup_logging,
@@ -47,6 +53,7 @@ from powerinfer.eval import (
     predictor_recall,
 )
 from powerinfer.eval.perplexity import plan_chunks, tokenize_text
+from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 
@@ -58,22 +65,44 @@ class PerplexityRun:
     engine: EngineOptions
     kl_divergence: bool
     kl_base: Path | None = None  # with kl_divergence: compare against it; without: write it
+    seed: int = 0  # printed only, as llama.cpp's perplexity (which shuffles HellaSwag tasks with it) does
 
 
 def read_text(path: Path) -> str:
     """The text file as llama.cpp's -f reads it: whole file, one trailing newline removed."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError(f"cannot read text file {path}: no such file") from None
-    except OSError as e:
-        raise InputError(f"cannot read text file {path}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise InputError(f"text file {path} is not UTF-8 (byte {e.start})") from None
+    text = read_text_file(path, "text file")
     text = text[:-1] if text.endswith("\n") else text
     if not text:
-        raise InputError(f"text file {path} is empty: perplexity needs at least two contexts of tokens")
+        raise InputError(
+            f"text file {printable(str(path))} is empty: perplexity needs at least two contexts of tokens"
+        )
     return text
+
+
+def save_base(record: BaseLogits, path: Path) -> None:
+    """Write the --kl-divergence-base file through a temp file beside it (never a partial file, never over a
+    FIFO or device)."""
+    check_output_file(path, "KL-divergence base")
+    folder = path.absolute().parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kld", dir=folder)
+    except OSError as e:
+        raise InputError(f"cannot write {printable(str(path))}: {e.strerror}") from None
+    try:
+        os.close(fd)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        record.save(tmp)
+        check_output_file(path, "KL-divergence base")
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        raise InputError(
+            f"cannot write {printable(str(path))}: {getattr(e, 'strerror', None) or e}"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def format_running(result: PerplexityResult, i: int) -> str:
@@ -125,7 +154,10 @@ def print_kld(result: PerplexityResult, sparse: Engine, against: str) -> None:
 def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     """Load the model(s), compute the perplexity, print results on stdout and progress/timings on stderr."""
     err = err_console
+    err.print(f"perplexity: seed  = {run.seed}")
     text = read_text(run.text_file)
+    if run.kl_base is not None and not run.kl_divergence:  # a base to write: refuse a bad path before the run
+        check_output_file(run.kl_base, "KL-divergence base")
     engine = Engine(run.model, run.engine)
     c = engine.config
     err.print(
@@ -144,12 +176,12 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     against = "the dense FFN"
     if run.kl_divergence and run.kl_base is not None:
         base = BaseLogits.load(run.kl_base)
-        against = f"the base {run.kl_base.name}"
+        against = f"the base {printable(run.kl_base.name)}"
     elif run.kl_divergence:
         if engine.sparse_stats is None:
             raise InputError(
                 f"--kl-divergence without --kl-divergence-base compares the sparse FFN of a PowerInfer "
-                f"(PWRI) file with its dense FFN; {run.model} is a dense GGUF"
+                f"(PWRI) file with its dense FFN; {printable(str(run.model))} is a dense GGUF"
             )
         reference = Engine(run.model, replace(run.engine, dense_ffn=True))
     elif run.kl_base is not None:
@@ -216,11 +248,11 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
         print_kld(result, engine, against)
     if record is not None and run.kl_base is not None:
         record.tokens = tokens
-        try:
-            record.save(run.kl_base)
-        except OSError as e:
-            raise InputError(f"cannot write {run.kl_base}: {e.strerror}") from None
-        err.print(f"perplexity: wrote the top-64 log-probabilities of {result.count} tokens to {run.kl_base}")
+        save_base(record, run.kl_base)
+        err.print(
+            f"perplexity: wrote the top-64 log-probabilities of {result.count} tokens to {run.kl_base}",
+            markup=False,
+        )
     sys.stdout.flush()
     err.print("")
     for line in format_timings(engine.timings):
@@ -243,6 +275,7 @@ def perplexity_command(
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
     act_precision: ActPrecisionOpt = ActPrecision.f32,
+    seed: SeedOpt = -1,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ppl_stride: Annotated[
         int,
@@ -300,6 +333,7 @@ def perplexity_command(
             ),
             kl_divergence=kl_divergence,
             kl_base=kl_divergence_base,
+            seed=random_seed(seed),
         )
         run_perplexity(run)
 

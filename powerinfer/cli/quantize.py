@@ -9,8 +9,9 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-from powerinfer.cli.common import err_console, run_guarded, threads
+from powerinfer.cli.common import check_output_file, err_console, run_guarded, setup_logging, threads
 from powerinfer.errors import InputError
+from powerinfer.printable import printable
 from powerinfer.quantize import (
     FILE_TYPES,
     QuantizeOptions,
@@ -79,7 +80,7 @@ def parse_positionals(args: list[str]) -> tuple[Path, Path, str, int]:
         try:
             n_threads = int(extra[0])
         except ValueError:
-            raise InputError(f"invalid nthreads '{extra[0]}': expected an integer") from None
+            raise InputError(f"invalid nthreads '{printable(extra[0], 40)}': expected an integer") from None
     return inp, out, type_text, n_threads
 
 
@@ -143,8 +144,11 @@ def quantize(
         typer.Option("--pure", help="Every eligible tensor to TYPE: no output.weight / fc1 / fc2 rules."),
     ] = False,
 ) -> None:
+    setup_logging(False)
+
     def body() -> None:
         inp, out, type_text, n_threads = parse_positionals(args)
+        check_output_file(out)  # before the banner and the work: a FIFO or device at OUT is never replaced
         opts = QuantizeOptions(
             input=inp,
             output=out,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -32,6 +33,7 @@ from powerinfer.cli.common import (
     engine_options,
     resolve_model,
     run_guarded,
+    sampling_params,
     setup_logging,
 )
 from powerinfer.errors import InputError
@@ -95,6 +97,33 @@ def server(
             "--chat-template-file", show_default=False, help="Jinja2 chat template replacing the model's."
         ),
     ] = None,
+    n_predict_max: Annotated[
+        int,
+        typer.Option(
+            "--n-predict-max", help="Cap on any request's token limit (-1 = only the context limits it)."
+        ),
+    ] = -1,
+    read_timeout: Annotated[
+        float,
+        typer.Option(
+            "--read-timeout",
+            help="Seconds a connection has to deliver a whole request (line, headers, body); closed past it.",
+        ),
+    ] = 20.0,
+    write_timeout: Annotated[
+        float,
+        typer.Option(
+            "--write-timeout",
+            help="Seconds a response may stall on a client that does not read; aborted past it.",
+        ),
+    ] = 60.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            "--max-connections",
+            help="Open connections; past it the oldest one without a complete request is closed (503 if none).",
+        ),
+    ] = 512,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
@@ -107,6 +136,12 @@ def server(
             raise InputError(f"-np/--parallel must be >= 1 (got {parallel})")
         if max_queue < 0 or max_body < 1:
             raise InputError("--max-queue must be >= 0 and --max-body >= 1")
+        if not 0 <= port <= 65535:
+            raise InputError(f"--port must be in 0..65535 (0: any free port), got {port}")
+        if not (0 < read_timeout < math.inf and 0 < write_timeout < math.inf):
+            raise InputError("--read-timeout and --write-timeout must be positive numbers of seconds")
+        if max_connections < 1 or n_predict_max < -1:
+            raise InputError("--max-connections must be >= 1 and --n-predict-max >= -1")
         template = None
         if chat_template is not None:
             try:
@@ -127,7 +162,8 @@ def server(
                 n_seq=parallel,
                 n_gpu_layers=n_gpu_layers,
             ),
-            sampling=SamplingParams(
+            sampling=sampling_params(
+                seed_=seed,
                 temp=temp,
                 top_k=top_k,
                 top_p=top_p,
@@ -136,7 +172,6 @@ def server(
                 repeat_last_n=repeat_last_n,
                 frequency_penalty=frequency_penalty,
                 presence_penalty=presence_penalty,
-                seed=seed,
             ),
             n_predict=n_predict,
             host=host,
@@ -147,6 +182,10 @@ def server(
             max_queue=max_queue,
             max_body_bytes=max_body,
             chat_template=template,
+            n_predict_max=n_predict_max,
+            read_timeout_s=read_timeout,
+            write_timeout_s=write_timeout,
+            max_connections=max_connections,
         )
         Server(opts).run()
 

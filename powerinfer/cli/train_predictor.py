@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,13 +18,18 @@ from powerinfer.cli.common import (
     ModelOpt,
     ThreadsOpt,
     err_console,
+    resolve_device,
     resolve_model,
     run_guarded,
     setup_logging,
     threads,
 )
 from powerinfer.cli.profile import CorpusOpt
+from powerinfer.errors import InputError
+from powerinfer.gguf.writer import write_file_atomically
+from powerinfer.printable import printable
 from powerinfer.profile import PredictorOptions, PredictorReport, train_predictors, write_predictor_folder
+from powerinfer.profile.collect import check_output_folder
 
 
 def metrics_table(report: PredictorReport) -> Table:
@@ -80,6 +86,9 @@ def train_predictor(
     err_console.quiet = log_disable
 
     def body() -> None:
+        check_output_folder(out_dir)  # before the training: a bad -o must not cost the run
+        if not math.isfinite(pos_weight) or pos_weight <= 0:
+            raise InputError(f"--pos-weight must be a finite number > 0, got {pos_weight}")
         opts = PredictorOptions(
             model=resolve_model(model),
             corpus=file,
@@ -91,7 +100,7 @@ def train_predictor(
             max_tokens=max_tokens,
             steps=steps,
             pos_weight=pos_weight,
-            device=device,
+            device=resolve_device(device, "--device"),
         )
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=err_console, transient=True) as bar:
@@ -106,11 +115,12 @@ def train_predictor(
             report = train_predictors(opts, lambda d, t: bar.update(collect, completed=d, total=t), on_train)
         folder = write_predictor_folder(opts.out_dir, report.predictors)
         summary = report.summary()
-        (folder / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
+        report_bytes = (json.dumps(summary, indent=1) + "\n").encode()
+        write_file_atomically(folder / "report.json", lambda f: f.write(report_bytes))
         err_console.print(metrics_table(report))
         err_console.print(
             f"train-predictor: mean recall {summary['mean_recall']:.4f}, worst layer "
-            f"{summary['min_recall']:.4f}; wrote {folder} (one global sparse_threshold "
+            f"{summary['min_recall']:.4f}; wrote {printable(str(folder))} (one global sparse_threshold "
             f"{report.predictors.threshold:.4g}; per-layer thresholds folded into fc2)",
             markup=False,
         )

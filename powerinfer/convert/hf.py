@@ -21,7 +21,8 @@ from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames, ValueType
-from powerinfer.gguf.writer import GGUFWriter
+from powerinfer.gguf.writer import GGUFWriter, output_problem
+from powerinfer.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,13 @@ class HFConfig:
         def need(key: str, kind: type = int) -> Any:
             value = cfg.get(key)
             if value is None:
-                raise ConfigError(f"{path}: missing required key '{key}'")
+                raise ConfigError(f"{printable(str(path))}: missing required key '{key}'")
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
                 or (kind is int and value != int(value))
             ):
-                raise ConfigError(f"{path}: '{key}' must be a number, got {value!r}")
+                raise ConfigError(f"{printable(str(path))}: '{key}' must be a number, got {printable(value)}")
             return kind(value)
 
         n_embd, n_head = need("hidden_size"), need("num_attention_heads")
@@ -102,7 +103,9 @@ class HFConfig:
             )
         head_dim = cfg.get("head_dim")
         if head_dim is not None and head_dim != n_embd // n_head:
-            raise ConfigError(f"{path}: head_dim {head_dim} != hidden_size / num_attention_heads")
+            raise ConfigError(
+                f"{printable(str(path))}: head_dim {head_dim} != hidden_size / num_attention_heads"
+            )
         rope_params = cfg.get("rope_parameters") or {}
         rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta"))
         scaling = cfg.get("rope_scaling") or rope_params
@@ -111,7 +114,7 @@ class HFConfig:
         if scaling_type == "linear":
             rope_scale = float(scaling["factor"])
         elif scaling_type != "default":
-            raise ConfigError(f"{path}: unsupported RoPE scaling '{scaling_type}'")
+            raise ConfigError(f"{printable(str(path))}: unsupported RoPE scaling '{printable(scaling_type)}'")
         activation = cfg.get("hidden_act", "silu")
         if activation not in ACTIVATIONS:
             raise ConfigError(
@@ -143,7 +146,7 @@ class Checkpoint:
         if index.is_file():
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
-                raise FormatError(f"{index}: no weight_map")
+                raise FormatError(f"{printable(str(index))}: no weight_map")
             files = [hf_dir / f for f in dict.fromkeys(sorted(weight_map.values()))]
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
@@ -153,16 +156,18 @@ class Checkpoint:
                 if any(hf_dir.glob("*.bin"))
                 else ""
             )
-            raise FormatError(f"{hf_dir}: no *.safetensors weights{extra}")
+            raise FormatError(f"{printable(str(hf_dir))}: no *.safetensors weights{extra}")
         self._files: dict[str, Any] = {}
         self.location: dict[str, Any] = {}  # tensor name -> open file
         for path in files:
             if not path.is_file():
-                raise FormatError(f"{path}: weight file listed in the index is missing")
+                raise FormatError(f"{printable(str(path))}: weight file listed in the index is missing")
             try:
                 handle = safe_open(str(path), framework="numpy")
             except (SafetensorError, OSError) as e:
-                raise FormatError(f"{path}: not a safetensors file: {e}") from None
+                raise FormatError(
+                    f"{printable(str(path))}: not a safetensors file: {printable(str(e))}"
+                ) from None
             self._files[str(path)] = handle
             for name in handle.keys():
                 self.location[name] = (handle, path)
@@ -234,7 +239,7 @@ def _map_names(ckpt: Checkpoint, c: HFConfig) -> dict[str, str]:
         if gguf_name is None:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from rope.freq_base
-            raise FormatError(f"unexpected tensor '{hf_name}' in the checkpoint")
+            raise FormatError(f"unexpected tensor '{printable(hf_name)}' in the checkpoint")
         mapping[gguf_name] = hf_name
     if TensorNames.OUTPUT not in mapping and TensorNames.TOKEN_EMBD in mapping:
         # tied embeddings: PowerInfer's loader requires output.weight
@@ -242,7 +247,7 @@ def _map_names(ckpt: Checkpoint, c: HFConfig) -> dict[str, str]:
     expected = _expected_shapes(c)
     for gguf_name, shape in expected.items():
         if gguf_name not in mapping:
-            raise FormatError(f"the checkpoint has no tensor for {gguf_name}")
+            raise FormatError(f"the checkpoint has no tensor for {printable(gguf_name)}")
         got = ckpt.shape(mapping[gguf_name])
         if got != shape:
             raise FormatError(
@@ -318,11 +323,14 @@ def convert_checkpoint(
     if outtype not in OUTTYPES:
         raise InputError(f"unsupported output type '{outtype}' (choose from {', '.join(OUTTYPES)})")
     matrix_type, file_type = OUTTYPES[outtype]
+    problem = output_problem(outfile)  # before reading gigabytes: a FIFO or device there is never replaced
+    if problem is not None:
+        raise InputError(f"cannot write {printable(str(outfile))}: {problem}")
     if not hf_dir.is_dir():
-        raise InputError(f"model folder {hf_dir} does not exist")
+        raise InputError(f"model folder {printable(str(hf_dir))} does not exist")
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise FormatError(f"{hf_dir}: no config.json (not a Hugging Face model folder)")
+        raise FormatError(f"{printable(str(hf_dir))}: no config.json (not a Hugging Face model folder)")
     config = read_json(config_path)
     c = HFConfig.from_dict(config, config_path)
     ckpt = Checkpoint(hf_dir)

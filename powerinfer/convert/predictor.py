@@ -11,6 +11,7 @@ import numpy as np
 
 from powerinfer.convert.vocab import read_json
 from powerinfer.errors import FormatError, InputError
+from powerinfer.printable import printable
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,16 @@ def _load_state(path: Path) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError) as e:
-        raise FormatError(f"{path}: cannot read the predictor state dict: {str(e).splitlines()[0]}") from None
+        raise FormatError(
+            f"{printable(str(path))}: cannot read the predictor state dict: {printable(str(e).splitlines()[0] if str(e) else type(e).__name__)}"
+        ) from None
     if not isinstance(state, dict):
-        raise FormatError(f"{path}: expected a state dict, found a {type(state).__name__}")
+        raise FormatError(f"{printable(str(path))}: expected a state dict, found a {type(state).__name__}")
     out = {}
     for key in ("fc1.weight", "fc2.weight"):
         t = state.get(key)
         if not isinstance(t, torch.Tensor):
-            raise FormatError(f"{path}: no tensor '{key}'")
+            raise FormatError(f"{printable(str(path))}: no tensor '{key}'")
         out[key] = t.detach().to(torch.float32 if t.dtype == torch.bfloat16 else t.dtype).numpy()
     return out
 
@@ -43,7 +46,7 @@ def _load_state(path: Path) -> dict[str, np.ndarray]:
 def load_predictors(folder: Path, n_layer: int, n_embd: int, n_ff: int) -> Predictors:
     """Read and check every layer's predictor: fc1 must be (r, n_embd) and fc2 (n_ff, r), one r per layer."""
     if not folder.is_dir():
-        raise InputError(f"predictor folder {folder} does not exist")
+        raise InputError(f"predictor folder {printable(str(folder))} does not exist")
     fc1, fc2 = [], []
     for layer in range(n_layer):
         path = folder / f"model_{layer}.pt"
@@ -54,10 +57,14 @@ def load_predictors(folder: Path, n_layer: int, n_embd: int, n_ff: int) -> Predi
         state = _load_state(path)
         w1, w2 = state["fc1.weight"], state["fc2.weight"]
         if w1.ndim != 2 or w1.shape[1] != n_embd:
-            raise FormatError(f"{path}: fc1.weight has shape {tuple(w1.shape)}, expected (r, {n_embd})")
+            raise FormatError(
+                f"{printable(str(path))}: fc1.weight has shape {tuple(w1.shape)}, expected (r, {n_embd})"
+            )
         rank = w1.shape[0]
         if w2.shape != (n_ff, rank):
-            raise FormatError(f"{path}: fc2.weight has shape {tuple(w2.shape)}, expected ({n_ff}, {rank})")
+            raise FormatError(
+                f"{printable(str(path))}: fc2.weight has shape {tuple(w2.shape)}, expected ({n_ff}, {rank})"
+            )
         fc1.append(w1)
         fc2.append(w2)
     threshold = None
@@ -66,6 +73,8 @@ def load_predictors(folder: Path, n_layer: int, n_embd: int, n_ff: int) -> Predi
         value = read_json(config_path).get("sparse_threshold")
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise FormatError(f"{config_path}: sparse_threshold must be a number, got {value!r}")
+                raise FormatError(
+                    f"{printable(str(config_path))}: sparse_threshold must be a number, got {printable(value)}"
+                )
             threshold = float(value)
     return Predictors(fc1, fc2, threshold)

@@ -12,6 +12,7 @@ import numpy as np
 
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, ValueType
+from powerinfer.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,9 @@ def read_json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise FormatError(f"{path}: cannot read JSON: {e}") from None
+        raise FormatError(f"{printable(str(path))}: cannot read JSON: {printable(str(e))}") from None
     if not isinstance(data, dict):
-        raise FormatError(f"{path}: expected a JSON object")
+        raise FormatError(f"{printable(str(path))}: expected a JSON object")
     return data
 
 
@@ -96,7 +97,7 @@ def load_vocab(hf_dir: Path, config: dict[str, Any]) -> Vocab:
         return _sentencepiece_vocab(hf_dir, config, tok_config)
     if (hf_dir / "tokenizer.json").is_file():
         return _bpe_vocab(hf_dir, config, tok_config)
-    raise FormatError(f"{hf_dir}: no tokenizer.model or tokenizer.json")
+    raise FormatError(f"{printable(str(hf_dir))}: no tokenizer.model or tokenizer.json")
 
 
 def _config_special_ids(config: dict[str, Any], n_vocab: int) -> dict[str, int]:
@@ -118,7 +119,7 @@ def _sentencepiece_vocab(hf_dir: Path, config: dict[str, Any], tok_config: dict[
     try:
         sp.LoadFromSerializedProto(path.read_bytes())
     except (OSError, RuntimeError) as e:
-        raise FormatError(f"{path}: not a SentencePiece model: {e}") from None
+        raise FormatError(f"{printable(str(path))}: not a SentencePiece model: {printable(str(e))}") from None
     n = sp.vocab_size()
     tokens, scores, types = [], [], []
     for i in range(n):
@@ -141,7 +142,9 @@ def _sentencepiece_vocab(hf_dir: Path, config: dict[str, Any], tok_config: dict[
             if token_id < n:
                 continue
             if token_id != len(tokens):
-                raise FormatError(f"{added_path}: added token ids are not contiguous after {len(tokens) - 1}")
+                raise FormatError(
+                    f"{printable(str(added_path))}: added token ids are not contiguous after {len(tokens) - 1}"
+                )
             tokens.append(text)
             scores.append(ADDED_TOKEN_SCORE)
             types.append(TOKEN_USER_DEFINED)
@@ -188,7 +191,9 @@ def _bpe_vocab(hf_dir: Path, config: dict[str, Any], tok_config: dict[str, Any])
     tokenizer = read_json(path)
     model = tokenizer.get("model") or {}
     if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
-        raise ConfigError(f"{path}: unsupported tokenizer model {model.get('type')!r} (expected BPE)")
+        raise ConfigError(
+            f"{printable(str(path))}: unsupported tokenizer model {printable(model.get('type'))} (expected BPE)"
+        )
     if "ByteLevel" not in json.dumps(tokenizer.get("pre_tokenizer") or tokenizer.get("decoder") or {}):
         raise ConfigError(
             f"{path}: not a byte-level BPE tokenizer; a SentencePiece tokenizer.model is needed"

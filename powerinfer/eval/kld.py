@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from powerinfer.errors import InputError
+from powerinfer.printable import printable
 
 
 @dataclass
@@ -111,20 +112,27 @@ class BaseLogits:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> BaseLogits:
+        name = printable(os.fspath(path))
+        if not os.path.exists(path):
+            raise InputError(f"cannot read KL-divergence base {name}: no such file")
+        if not os.path.isfile(path):  # a FIFO would block torch.load forever, a device never end
+            raise InputError(f"cannot read KL-divergence base {name}: not a regular file")
         try:
             d = torch.load(path, weights_only=True)
         except FileNotFoundError:
-            raise InputError(f"cannot read KL-divergence base {path}: no such file") from None
+            raise InputError(f"cannot read KL-divergence base {name}: no such file") from None
         except Exception as e:  # torch raises several unrelated types for a corrupt file
-            raise InputError(f"{path} is not a KL-divergence base file ({type(e).__name__})") from None
+            raise InputError(f"{name} is not a KL-divergence base file ({type(e).__name__})") from None
         if not isinstance(d, dict) or d.get("format") != BASE_FORMAT:
-            raise InputError(f"{path} is not a KL-divergence base file (format {BASE_FORMAT})")
-        base = cls(int(d["n_ctx"]), int(d["stride"]), d["tokens"].tolist())
-        base.topk_logp, base.topk_ids, base.target_logp = (
-            [d["topk_logp"]],
-            [d["topk_ids"]],
-            [d["target_logp"]],
-        )
+            raise InputError(f"{name} is not a KL-divergence base file (format {BASE_FORMAT})")
+        try:
+            base = cls(int(d["n_ctx"]), int(d["stride"]), d["tokens"].tolist())
+            parts = [d[key] for key in ("topk_logp", "topk_ids", "target_logp")]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InputError(f"{name} is not a valid KL-divergence base file ({type(e).__name__})") from None
+        if not all(isinstance(t, torch.Tensor) for t in parts):
+            raise InputError(f"{name} is not a valid KL-divergence base file (entries are not tensors)")
+        base.topk_logp, base.topk_ids, base.target_logp = ([t] for t in parts)
         return base
 
     def rows(self, offset: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

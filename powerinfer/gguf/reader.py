@@ -6,9 +6,11 @@ row-major (numpy/torch) shape and no other code reverses them.
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -25,8 +27,27 @@ from powerinfer.gguf.constants import (
     Keys,
     ValueType,
 )
+from powerinfer.printable import printable
 
 _MAX_DIMS = 4
+_MAX_ARRAY_DEPTH = 4  # arrays of arrays nested deeper than this are refused (GGUF models use none)
+_INT64_MAX = 2**63 - 1
+# the fewest bytes one metadata pair and one tensor-info record can take: every count in the header is bounded
+# by the bytes left to hold its items
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8  # name length, n_dims, one dimension, type, offset
+_INTEGER_TYPES = frozenset(
+    {
+        ValueType.UINT8,
+        ValueType.INT8,
+        ValueType.UINT16,
+        ValueType.INT16,
+        ValueType.UINT32,
+        ValueType.INT32,
+        ValueType.UINT64,
+        ValueType.INT64,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -41,7 +62,7 @@ class TensorInfo:
 
     @property
     def n_elements(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)
 
     @property
     def n_bytes(self) -> int:
@@ -49,10 +70,18 @@ class TensorInfo:
 
 
 def tensor_nbytes(shape: tuple[int, ...], ggml_type: GGMLType) -> int:
-    """Byte size of a tensor of `shape` (row-major) and `ggml_type`."""
+    """Byte size of a tensor of `shape` (row-major) and `ggml_type` (exact: Python integers, no overflow)."""
     block_elems, block_bytes = QUANT_SIZES[ggml_type]
-    n = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    return n // block_elems * block_bytes
+    return math.prod(shape) // block_elems * block_bytes
+
+
+def _min_value_bytes(vtype: ValueType) -> int:
+    """The fewest bytes one value of `vtype` takes in the file."""
+    if vtype == ValueType.STRING:
+        return 8
+    if vtype == ValueType.ARRAY:
+        return 4 + 8
+    return np.dtype(VALUE_DTYPES[vtype]).itemsize
 
 
 class _Cursor:
@@ -64,9 +93,16 @@ class _Cursor:
         self.pos = 0
         self.path = path
 
+    @property
+    def left(self) -> int:
+        """Bytes after the cursor."""
+        return len(self.buf) - self.pos
+
     def take(self, n: int, what: str) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise FormatError(f"{self.path}: file is truncated while reading {what} at byte {self.pos}")
+        if n < 0 or n > self.left:
+            raise FormatError(
+                f"{self.path}: file is truncated while reading {printable(what)} at byte {self.pos}"
+            )
         out = self.mv[self.pos : self.pos + n]
         self.pos += n
         return out
@@ -78,29 +114,40 @@ class _Cursor:
     def string(self, what: str) -> str:
         n = self.unpack("<Q", what)
         raw = self.take(n, what)
-        try:
-            return bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            return bytes(raw).decode("utf-8", errors="replace")
+        # invalid UTF-8 is kept visible (U+FFFD) rather than refused: a name is compared, never executed
+        return bytes(raw).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, what: str) -> Any:
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
         try:
             vt = ValueType(vtype)
         except ValueError:
-            raise FormatError(f"{self.path}: unknown metadata value type {vtype} for {what}") from None
+            raise FormatError(
+                f"{self.path}: unknown metadata value type {vtype} for '{printable(what)}'"
+            ) from None
         if vt == ValueType.STRING:
             return self.string(what)
         if vt == ValueType.ARRAY:
+            if depth >= _MAX_ARRAY_DEPTH:
+                raise FormatError(
+                    f"{self.path}: metadata '{printable(what)}' nests arrays deeper than {_MAX_ARRAY_DEPTH} levels"
+                )
             etype = self.unpack("<I", what)
             count = self.unpack("<Q", what)
             try:
                 et = ValueType(etype)
             except ValueError:
-                raise FormatError(f"{self.path}: unknown array element type {etype} for {what}") from None
+                raise FormatError(
+                    f"{self.path}: unknown array element type {etype} for '{printable(what)}'"
+                ) from None
+            if count > self.left // _min_value_bytes(et):
+                raise FormatError(
+                    f"{self.path}: metadata '{printable(what)}' claims {count} {et.name} elements but only "
+                    f"{self.left} bytes follow"
+                )
             if et == ValueType.STRING:
                 return [self.string(what) for _ in range(count)]
             if et == ValueType.ARRAY:
-                return [self.value(ValueType.ARRAY, what) for _ in range(count)]
+                return [self.value(ValueType.ARRAY, what, depth + 1) for _ in range(count)]
             dtype = np.dtype(VALUE_DTYPES[et])
             raw = self.take(count * dtype.itemsize, what)
             arr = np.frombuffer(raw, dtype=dtype).copy()
@@ -137,6 +184,9 @@ class GGUFFile:
         return self.magic == "PWRI"
 
     def _parse(self) -> None:
+        """Parse and validate the header, in the order of llama.cpp's gguf loader: counts, metadata (types,
+        nesting, lengths within the file), then every tensor's type, dimensions, byte size and offset, before
+        any tensor is touched."""
         cur = _Cursor(self.mmap, self.path)
         magic = bytes(cur.take(4, "magic"))
         if magic not in (GGUF_MAGIC, PWRI_MAGIC):
@@ -145,72 +195,108 @@ class GGUFFile:
         self.version = cur.unpack("<I", "version")
         if self.version == 1:
             raise FormatError(f"{self.path}: GGUF version 1 is not supported")
-        if self.version > 3:
+        if self.version == 0 or self.version > 3:
             raise FormatError(f"{self.path}: unsupported GGUF version {self.version}")
         n_tensors = cur.unpack("<Q", "tensor count")
         n_kv = cur.unpack("<Q", "metadata count")
-        if n_tensors > size_limit(self.mmap) or n_kv > size_limit(self.mmap):
-            raise FormatError(f"{self.path}: corrupt header (n_tensors={n_tensors}, n_kv={n_kv})")
+        if n_kv > cur.left // _MIN_KV_BYTES or n_tensors > cur.left // _MIN_TENSOR_INFO_BYTES:
+            raise FormatError(
+                f"{self.path}: corrupt header: {n_tensors} tensors and {n_kv} metadata pairs cannot fit in "
+                f"{len(self.mmap)} bytes"
+            )
 
         self.metadata: dict[str, Any] = {}
         self.value_types: dict[str, ValueType] = {}
         self.array_types: dict[str, ValueType] = {}  # element type of array values
         for i in range(n_kv):
             key = cur.string(f"metadata key {i}")
+            if key in self.metadata:
+                raise FormatError(f"{self.path}: duplicate metadata key '{printable(key)}'")
             vtype = cur.unpack("<I", f"type of {key}")
-            if vtype == ValueType.ARRAY and cur.pos + 4 <= len(self.mmap):
+            if vtype == ValueType.ARRAY and cur.left >= 4:
                 elem = struct.unpack_from("<I", cur.mv, cur.pos)[0]
                 if elem in ValueType._value2member_map_:
                     self.array_types[key] = ValueType(elem)
             self.metadata[key] = cur.value(vtype, key)
             self.value_types[key] = ValueType(vtype)
 
-        self.alignment = int(self.metadata.get(Keys.ALIGNMENT, GGUF_DEFAULT_ALIGNMENT))
-        if self.alignment <= 0 or self.alignment & (self.alignment - 1):
-            raise FormatError(f"{self.path}: invalid general.alignment {self.alignment}")
-
-        infos = []
-        for i in range(n_tensors):
-            name = cur.string(f"tensor {i} name")
-            n_dims = cur.unpack("<I", f"dims of {name}")
-            if n_dims > _MAX_DIMS:
-                raise FormatError(f"{self.path}: tensor {name} has {n_dims} dimensions (max {_MAX_DIMS})")
-            ne = [cur.unpack("<Q", f"shape of {name}") for _ in range(n_dims)]
-            raw_type = cur.unpack("<I", f"type of {name}")
-            offset = cur.unpack("<Q", f"offset of {name}")
-            try:
-                ggml_type = (
-                    PWRI_LEGACY_TYPES[raw_type]
-                    if self.is_sparse and raw_type in PWRI_LEGACY_TYPES
-                    else GGMLType(raw_type)
-                )
-            except ValueError:
-                raise FormatError(f"{self.path}: tensor {name} has unknown ggml type {raw_type}") from None
-            if ggml_type not in QUANT_SIZES:
-                raise FormatError(f"{self.path}: tensor {name} has unsupported ggml type {ggml_type.name}")
-            infos.append((name, tuple(reversed(ne)), ggml_type, offset))
+        self.alignment = self._alignment()
+        infos = [self._tensor_info(cur, i) for i in range(n_tensors)]
 
         pad = (-cur.pos) % self.alignment
         self.data_offset = cur.pos + pad
         self.tensors: dict[str, TensorInfo] = {}
         file_size = len(self.mmap)
+        data_size = max(0, file_size - self.data_offset)
+        ranges: list[tuple[int, int, str]] = []
         for name, shape, ggml_type, offset in infos:
-            block_elems, _ = QUANT_SIZES[ggml_type]
-            if shape and shape[-1] % block_elems:
-                raise FormatError(
-                    f"{self.path}: tensor {name} row length {shape[-1]} is not a multiple of the "
-                    f"{ggml_type.name} block size {block_elems}"
-                )
+            if name in self.tensors:
+                raise FormatError(f"{self.path}: duplicate tensor name '{printable(name)}'")
             n_bytes = tensor_nbytes(shape, ggml_type)
-            start = self.data_offset + offset
-            if start + n_bytes > file_size:
+            if offset % self.alignment:
                 raise FormatError(
-                    f"{self.path}: data of tensor {name} runs past the end of the file "
+                    f"{self.path}: tensor '{printable(name)}' offset {offset} is not a multiple of the "
+                    f"alignment {self.alignment}"
+                )
+            if offset > data_size or n_bytes > data_size - offset:
+                start = self.data_offset + offset
+                raise FormatError(
+                    f"{self.path}: data of tensor '{printable(name)}' runs past the end of the file "
                     f"(needs bytes {start}..{start + n_bytes}, file has {file_size})"
                 )
-            if name in self.tensors:
-                raise FormatError(f"{self.path}: duplicate tensor name {name}")
+            start = self.data_offset + offset
+            ranges.append((start, start + n_bytes, name))
             self.tensors[name] = TensorInfo(name, shape, ggml_type, start, self.mmap[start : start + n_bytes])
+        ranges.sort()
+        for (_, end, first), (start, _, second) in pairwise(ranges):
+            if start < end:
+                raise FormatError(
+                    f"{self.path}: data of tensors '{printable(first)}' and '{printable(second)}' overlap"
+                )
+
+    def _alignment(self) -> int:
+        """general.alignment: an integer power of two (32 when absent)."""
+        if Keys.ALIGNMENT not in self.metadata:
+            return GGUF_DEFAULT_ALIGNMENT
+        vtype = self.value_types[Keys.ALIGNMENT]
+        value = self.metadata[Keys.ALIGNMENT]
+        if vtype not in _INTEGER_TYPES:
+            raise FormatError(f"{self.path}: {Keys.ALIGNMENT} must be an integer, found a {vtype.name} value")
+        if value <= 0 or value & (value - 1):
+            raise FormatError(f"{self.path}: invalid {Keys.ALIGNMENT} {value}: must be a power of two")
+        return int(value)
+
+    def _tensor_info(self, cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], GGMLType, int]:
+        """One tensor-info record: name, row-major shape, type and offset in the data section, validated."""
+        name = cur.string(f"tensor {i} name")
+        where = f"{self.path}: tensor '{printable(name)}'"
+        n_dims = cur.unpack("<I", f"dims of tensor {i}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise FormatError(f"{where} has {n_dims} dimensions (1 to {_MAX_DIMS} allowed)")
+        ne = [cur.unpack("<Q", f"shape of tensor {i}") for _ in range(n_dims)]
+        raw_type = cur.unpack("<I", f"type of tensor {i}")
+        offset = cur.unpack("<Q", f"offset of tensor {i}")
+        try:
+            ggml_type = (
+                PWRI_LEGACY_TYPES[raw_type]
+                if self.is_sparse and raw_type in PWRI_LEGACY_TYPES
+                else GGMLType(raw_type)
+            )
+        except ValueError:
+            raise FormatError(f"{where} has unknown ggml type {raw_type}") from None
+        if ggml_type not in QUANT_SIZES:
+            raise FormatError(f"{where} has unsupported ggml type {ggml_type.name}")
+        if any(d > _INT64_MAX for d in ne):
+            raise FormatError(f"{where} has a dimension out of range: {ne}")
+        # exact products (Python integers): a shape whose element count overflows int64 is refused, never wrapped
+        if math.prod(ne) > _INT64_MAX:
+            raise FormatError(f"{where} has {' x '.join(map(str, ne))} elements, more than int64 holds")
+        block_elems, _ = QUANT_SIZES[ggml_type]
+        if ne[0] % block_elems:
+            raise FormatError(
+                f"{where} row length {ne[0]} is not a multiple of the {ggml_type.name} block size {block_elems}"
+            )
+        return name, tuple(reversed(ne)), ggml_type, offset
 
     def copy_metadata(self, writer: Any, skip: frozenset[str] = frozenset()) -> None:
         """Add every metadata key (with its stored value type) to a GGUFWriter, except `skip`."""
@@ -220,11 +306,6 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)
-
-
-def size_limit(buf: np.ndarray) -> int:
-    """Upper bound on any count in the header: every item takes at least 8 bytes."""
-    return len(buf) // 8 + 1
 
 
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:

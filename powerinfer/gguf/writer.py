@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import tempfile
-from typing import Any
+from collections.abc import Callable
+from typing import IO, Any
 
 import numpy as np
 
@@ -22,6 +24,73 @@ from powerinfer.gguf.constants import (
     Keys,
     ValueType,
 )
+from powerinfer.printable import printable
+
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def output_problem(path: str | os.PathLike[str]) -> str | None:
+    """Why a new file cannot be put at `path`, or None: its folder must exist and `path` must be missing or a
+    regular file (a FIFO, device, socket or folder there is never replaced). Symlinks are followed for the
+    check; the link itself is what a rename replaces."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"folder {printable(str(folder))} does not exist"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return None  # missing, or a dangling symlink
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISDIR(mode):
+        return "it is a folder"
+    if not stat.S_ISREG(mode):
+        return f"it is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a regular file"
+    return None
+
+
+def write_file_atomically(
+    path: str | os.PathLike[str], write: Callable[[IO[bytes]], None], *, suffix: str = ""
+) -> None:
+    """Write a file through `write(f)` into a temp file beside `path`, then rename it into place.
+
+    Refuses (FormatError) a target that is not a regular file or a missing one (see `output_problem`). The temp
+    file is removed on every way out (errors, KeyboardInterrupt, SystemExit from a signal handler); OSError
+    from writing propagates.
+    """
+    target = os.fspath(path)
+    problem = output_problem(target)
+    if problem is not None:
+        raise FormatError(f"cannot write {printable(str(target))}: {problem}")
+    folder = os.path.dirname(os.path.abspath(target))
+    tmp = ""
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=folder)
+    except OSError as e:
+        raise FormatError(f"cannot write {printable(str(target))}: {e.strerror}") from None
+    try:
+        # mkstemp creates the file 0600; give the result the usual permissions (0666 minus the umask)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        problem = output_problem(target)  # something may have appeared there meanwhile
+        if problem is not None:
+            raise FormatError(f"cannot write {printable(str(target))}: {problem}")
+        os.replace(tmp, target)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
 
 _NUMPY_TO_VALUE = {np.dtype(v): k for k, v in VALUE_DTYPES.items() if k != ValueType.BOOL}
 
@@ -137,10 +206,13 @@ class GGUFWriter:
         self.tensors.append((name, tuple(shape), ggml_type, raw))
 
     def write(self) -> None:
-        """Write the file to a temp file beside the target, then rename it into place."""
+        """Write the file to a temp file beside the target, then rename it into place (see
+        `write_file_atomically`: a FIFO, device or folder at the target is refused, never replaced)."""
         folder = os.path.dirname(os.path.abspath(self.path))
         if not os.path.isdir(folder):
-            raise FormatError(f"{self.path}: output folder {folder} does not exist")
+            raise FormatError(
+                f"{printable(str(self.path))}: output folder {printable(str(folder))} does not exist"
+            )
         header = bytearray()
         header += self.magic + struct.pack("<IQQ", GGUF_VERSION, len(self.tensors), len(self.kv))
         for _, encoded in self.kv:
@@ -157,25 +229,14 @@ class GGUFWriter:
             offsets.append(offset)
             offset += raw.nbytes + (-raw.nbytes) % self.alignment
         header += b"\0" * ((-len(header)) % self.alignment)
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".gguf", dir=folder)
-        except OSError as e:
-            raise FormatError(f"{self.path}: cannot write: {e.strerror}") from None
-        try:
-            # mkstemp creates the file 0600; give the result the usual permissions (0666 minus the umask)
-            mask = os.umask(0)
-            os.umask(mask)
-            os.chmod(tmp, 0o666 & ~mask)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                for _, _, _, raw in self.tensors:
-                    f.write(raw.tobytes())
-                    f.write(b"\0" * ((-raw.nbytes) % self.alignment))
-            os.replace(tmp, self.path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+
+        def write(f: IO[bytes]) -> None:
+            f.write(header)
+            for _, _, _, raw in self.tensors:
+                f.write(raw.tobytes())
+                f.write(b"\0" * ((-raw.nbytes) % self.alignment))
+
+        write_file_atomically(self.path, write, suffix=".gguf")
 
 
 def _float_to_raw(data: np.ndarray, ggml_type: GGMLType, name: str) -> np.ndarray:

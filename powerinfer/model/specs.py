@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from powerinfer.errors import ConfigError
+from powerinfer.printable import printable
 
 NORM_KINDS = ("rms", "rms_1p", "layer")  # RMSNorm, RMSNorm with (1 + w) (Gemma), LayerNorm with bias
 ROPE_KINDS = ("adjacent", "neox")  # rotate pairs (2i, 2i+1) (GGUF llama layout) or halves (i, i + n_rot/2)
@@ -84,7 +85,7 @@ class FFNSpec:
     def __post_init__(self) -> None:
         if self.act not in ACTIVATIONS:
             raise ConfigError(
-                f"unsupported FFN activation '{self.act}' (supported: {', '.join(ACTIVATIONS)})"
+                f"unsupported FFN activation '{printable(self.act)}' (supported: {', '.join(ACTIVATIONS)})"
             )
         if self.relu_up and not self.gated:
             raise ConfigError("ReLU(up) needs a gated FFN")

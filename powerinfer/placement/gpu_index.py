@@ -18,6 +18,7 @@ import numpy as np
 
 from powerinfer.errors import FormatError, PowerInferError
 from powerinfer.gguf import GGMLType, GGUFWriter, Keys, TensorNames, ValueType, read_gguf
+from powerinfer.printable import printable
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +106,10 @@ def read_gpu_index(
         raise FormatError(f"{where}: not a GPU index file (magic {f.magic}, expected PWRI)")
     arch = f.get(Keys.ARCHITECTURE)
     if arch != Keys.GPU_INDEX_ARCH:
-        raise FormatError(f"{where}: architecture is {arch!r}, expected {Keys.GPU_INDEX_ARCH!r}")
+        raise FormatError(f"{where}: architecture is '{printable(arch)}', expected {Keys.GPU_INDEX_ARCH!r}")
     capacity = f.get(Keys.VRAM_CAPACITY)
     if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
-        raise FormatError(f"{where}: missing or invalid {Keys.VRAM_CAPACITY} ({capacity!r})")
+        raise FormatError(f"{where}: missing or invalid {Keys.VRAM_CAPACITY} ({printable(capacity)})")
     tensors = list(f.tensors.values())
     if len(tensors) % 2:
         raise FormatError(f"{where}: {len(tensors)} tensors, expected 2 per layer")
@@ -116,7 +117,7 @@ def read_gpu_index(
     block_count = f.get(Keys.GPU_INDEX_BLOCK_COUNT)
     if block_count is not None and block_count != file_layers:
         raise FormatError(
-            f"{where}: {Keys.GPU_INDEX_BLOCK_COUNT} is {block_count} but the file has "
+            f"{where}: {Keys.GPU_INDEX_BLOCK_COUNT} is {printable(block_count)} but the file has "
             f"{len(tensors)} tensors ({file_layers} layers)"
         )
     if n_layer is not None and len(tensors) != 2 * n_layer:
@@ -134,7 +135,9 @@ def read_gpu_index(
         ):
             expected = template.format(bid=layer)
             if t.name != expected:
-                raise FormatError(f"{where}: tensor at position {pos} is {t.name!r}, expected {expected!r}")
+                raise FormatError(
+                    f"{where}: tensor at position {pos} is '{printable(t.name)}', expected {expected!r}"
+                )
             if t.ggml_type != GGMLType.I32 or len(t.shape) != 1:
                 raise FormatError(
                     f"{where}: {t.name} must be a 1-D I32 tensor, found {t.ggml_type.name} shape {t.shape}"
@@ -160,7 +163,8 @@ def read_gpu_index(
 
 
 def write_gpu_index(path: str | os.PathLike[str], index: GPUIndex) -> None:
-    """Write `index` in PowerInfer's format (atomically: temp file, then rename)."""
+    """Write `index` in PowerInfer's format (atomically: temp file, then rename). A FIFO, device or folder at
+    `path` is never replaced: FormatError (GGUFWriter.write), which the pool logs as an uncached index."""
     writer = GGUFWriter(path, sparse=True)
     writer.add(Keys.ARCHITECTURE, Keys.GPU_INDEX_ARCH, ValueType.STRING)
     writer.add(Keys.GPU_INDEX_BLOCK_COUNT, index.n_layer, ValueType.UINT32)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from powerinfer.errors import FormatError, PlacementError
+from powerinfer.printable import printable
 
 
 def activation_file(folder: str | os.PathLike[str], layer: int) -> Path:
@@ -36,7 +37,7 @@ def load_activation_stats(folder: str | os.PathLike[str], n_layer: int, n_ff: in
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # unpickling errors come in many types
-            raise FormatError(f"{path}: cannot load activation statistics: {e}") from None
+            raise FormatError(f"{path}: cannot load activation statistics: {printable(str(e))}") from None
         if not isinstance(obj, torch.Tensor):
             raise FormatError(f"{path}: expected a tensor, found {type(obj).__name__}")
         if obj.dim() != 1:

@@ -16,9 +16,12 @@ import numpy as np
 import torch
 
 from powerinfer.errors import InputError
+from powerinfer.gguf.writer import output_problem, write_file_atomically
 from powerinfer.placement.stats import activation_file
+from powerinfer.printable import printable
 from powerinfer.profile.collect import (
     Progress,
+    check_output_folder,
     make_windows,
     read_corpus,
     recording,
@@ -123,9 +126,25 @@ def plot_curves(path: Path, profile: ActivationProfile) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2 if len(profile.counts) > 8 else 1)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        write_file_atomically(path, lambda f: fig.savefig(f, format="png"), suffix=".png")
+    finally:
+        plt.close(fig)
     return path
+
+
+def check_profile_outputs(out: Path, plot: bool) -> None:
+    """InputError when the profile's outputs cannot be put into `out` (see check_output_folder and
+    output_problem): `out` may be missing (its parent must exist), activation/ must be a folder, and
+    profile.json and the plot missing or regular files."""
+    check_output_folder(out)
+    if not out.is_dir():
+        return
+    check_output_folder(out / "activation")
+    for name in ("profile.json", "activation_curve.png") if plot else ("profile.json",):
+        problem = output_problem(out / name)
+        if problem is not None:
+            raise InputError(f"cannot write {printable(str(out / name))}: {problem}")
 
 
 def run_profile(
@@ -133,6 +152,8 @@ def run_profile(
 ) -> tuple[ActivationProfile, dict[str, Path]]:
     """Profile a model over a corpus and write activation/, profile.json and the plot into opts.out_dir."""
     text = read_corpus(opts.corpus)
+    out = Path(opts.out_dir)
+    check_profile_outputs(out, opts.plot)  # before the run: a bad -o must not cost the whole profile
     engine = Engine(opts.model, EngineOptions(n_ctx=opts.n_ctx, n_threads=opts.n_threads, dense_ffn=True))
     require_relu(engine.config)
     ids = tokenize_corpus(engine, text)
@@ -140,23 +161,19 @@ def run_profile(
         ids = ids[: opts.max_tokens]
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
     if not windows:
-        raise InputError(f"corpus file {opts.corpus} has no tokens")
+        raise InputError(f"corpus file {printable(str(opts.corpus))} has no tokens")
     profile = profile_engine(engine, windows, progress)
-    out = Path(opts.out_dir)
+    out.mkdir(exist_ok=True)  # its parent exists (checked above)
     paths = {"activation": write_activation_folder(out / "activation", profile)}
     report = out / "profile.json"
-    report.write_text(
-        json.dumps(
-            {
-                "model": str(opts.model),
-                "corpus": str(opts.corpus),
-                "n_ctx": engine.n_ctx,
-                **profile.summary(),
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    summary = {
+        "model": str(opts.model),
+        "corpus": str(opts.corpus),
+        "n_ctx": engine.n_ctx,
+        **profile.summary(),
+    }
+    text_out = (json.dumps(summary, indent=1) + "\n").encode()
+    write_file_atomically(report, lambda f: f.write(text_out))
     paths["report"] = report
     if opts.plot:
         png = plot_curves(out / "activation_curve.png", profile)

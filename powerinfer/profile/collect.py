@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,22 +24,45 @@ from powerinfer import ops
 from powerinfer.errors import ConfigError, InputError
 from powerinfer.model.blocks import FFN
 from powerinfer.model.config import ModelConfig
+from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in total)
 
 
+MAX_CORPUS_BYTES = 1 << 30  # a corpus file past this is refused (and /dev/zero ends instead of eating memory)
+
+
 def read_corpus(path: str | Path) -> str:
-    """The text of a corpus file; a missing, unreadable or empty file raises InputError."""
+    """The text of a corpus file; a missing, unreadable, non-UTF-8, oversized or empty file raises InputError.
+
+    Pipes (`-f <(zcat corpus.gz)`) are read like files."""
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"corpus file {p} does not exist")
+    name = printable(str(p))
+    if not p.exists():
+        raise InputError(f"corpus file {name} does not exist")
+    if p.is_dir():
+        raise InputError(f"corpus file {name} is a folder")
+    chunks: list[bytes] = []
+    size = 0
     try:
-        text = p.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise InputError(f"cannot read corpus file {p}: {e}") from None
+        with open(p, "rb") as f:
+            while size <= MAX_CORPUS_BYTES and (chunk := f.read(1 << 20)):
+                chunks.append(chunk)
+                size += len(chunk)
+    except OSError as e:
+        raise InputError(f"cannot read corpus file {name}: {e.strerror or e}") from None
+    if size > MAX_CORPUS_BYTES:
+        raise InputError(f"corpus file {name} is larger than {MAX_CORPUS_BYTES >> 20} MiB")
+    data = b"".join(chunks)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"corpus file {name} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})"
+        ) from None
     if not text.strip():
-        raise InputError(f"corpus file {p} is empty")
+        raise InputError(f"corpus file {name} is empty")
     return text
 
 
@@ -127,20 +151,62 @@ def run_windows(engine: Engine, windows: list[list[int]], progress: Progress | N
     return done
 
 
+def output_folder_problem(folder: Path) -> str | None:
+    """Why an output folder cannot be put at `folder`, or None: its parent must exist (no folders are made on
+    the way) and anything already there must be a real folder (a file, FIFO, device or symlink is never
+    replaced)."""
+    parent = Path(folder).absolute().parent
+    if not parent.is_dir():
+        return f"folder {printable(str(parent))} does not exist"
+    try:
+        mode = os.lstat(folder).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e.strerror or str(e)
+    if stat.S_ISLNK(mode):
+        return "it is a symlink, not a folder"
+    if not stat.S_ISDIR(mode):
+        return "it exists and is not a folder"
+    return None
+
+
+def check_output_folder(folder: Path) -> None:
+    """InputError unless `output_folder_problem(folder)` is None."""
+    problem = output_folder_problem(folder)
+    if problem is not None:
+        raise InputError(f"cannot write {printable(str(folder))}: {problem}")
+
+
 def write_folder_atomically(folder: Path, write: Callable[[Path], None]) -> Path:
-    """Fill a temporary sibling folder with `write`, then put it in place of `folder` (no partial output)."""
+    """Fill a temporary sibling folder with `write`, then put it in place of `folder` (no partial output).
+
+    An existing `folder` is moved aside, replaced, then deleted (put back if the swap fails). The temporary
+    folders are removed on every way out, KeyboardInterrupt and signal exits included.
+    """
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    check_output_folder(folder)
+    parent = folder.absolute().parent
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=parent))
+    aside: Path | None = None
     try:
         mask = os.umask(0)
         os.umask(mask)
         os.chmod(tmp, 0o777 & ~mask)  # mkdtemp makes 0700; the finished folder gets the usual mode
         write(tmp)
+        check_output_folder(folder)  # something may have appeared there meanwhile
         if folder.exists():
-            shutil.rmtree(folder)
+            aside = Path(tempfile.mkdtemp(prefix=f".{folder.name}.old-", dir=parent))
+            os.rename(folder, aside)  # onto the empty folder mkdtemp made
         os.replace(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None:
+            if folder.exists():
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(aside, folder)
         raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     return folder

@@ -11,6 +11,7 @@ from gguf import quants as _gguf_quants
 
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import QUANT_SIZES, GGMLType
+from powerinfer.printable import printable
 
 # types whose blocks the gguf package can produce
 QUANTIZABLE = frozenset(
@@ -27,9 +28,29 @@ QUANTIZABLE = frozenset(
 )
 # types our CPU kernels compute on directly (no dequantised copy): every type we can produce
 KERNEL_TYPES = QUANTIZABLE
+# weight types the ops compute on: the kernel types, and the block formats the gguf package decodes (K-quants,
+# IQ, TQ, ...; computed on a float32 copy). Q8_1 and Q8_K (activation formats), the integer types and F64 hold
+# no weights anything here can decode.
+_DECODED_NAMES = (
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",
+    "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
+)  # fmt: skip
+WEIGHT_TYPES = KERNEL_TYPES | frozenset(
+    GGMLType[name] for name in _DECODED_NAMES if name in GGMLType.__members__
+)
 # types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks; a tensor of any
 # other type is decoded to F16 there
 POOL_TYPES = KERNEL_TYPES
+
+
+def check_weight_type(ggml_type: GGMLType, name: str, where: str = "") -> None:
+    """FormatError unless tensor `name` has a type the ops can compute on (WEIGHT_TYPES); `where` prefixes the
+    message (the file's path)."""
+    if ggml_type not in WEIGHT_TYPES:
+        raise FormatError(
+            f"{where}tensor '{printable(name)}' has type {GGMLType(ggml_type).name}, which has no kernel or "
+            "dequantizer here"
+        )
 
 
 def block_size(ggml_type: GGMLType) -> tuple[int, int]:

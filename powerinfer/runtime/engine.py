@@ -26,7 +26,7 @@ from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
 from powerinfer.placement.device_plan import DevicePlan, layers_plan
 from powerinfer.runtime.generate import Generator, GenParams
-from powerinfer.runtime.kv_cache import KVCache
+from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
 from powerinfer.sampling import Sampler
@@ -35,6 +35,13 @@ from powerinfer.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 1024
+# host bytes per position and rotary pair while the RoPE tables are built (float64 angles, complex128 and
+# complex64 rotations, float pairs: model.blocks.Rope), an upper bound
+ROPE_BYTES_PER_PAIR = 64
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.3g} GiB"
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ class Engine:
         self.pool_device = torch.device(self.plan.device) if self.plan.device is not None else None
         sparsity = Sparsity("predictor", c.sparse_threshold) if sparse else Sparsity()
         self.loader = Loader(self.gguf, self.plan, self.kc, sparsity, self.sparse_stats)
+        self._check_context_memory()
         self.model = build_model(self.gguf, c, self.loader)
         self.kv = KVCache(
             c.n_layer,
@@ -130,6 +138,23 @@ class Engine:
         )
         self.model.setup(self.n_ctx, placed=self.plan.device is not None)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _check_context_memory(self) -> None:
+        """Refuse a context whose host buffers (KV cache, RoPE tables, attention scores) need more memory than
+        this process can get, before any of them is allocated: the context comes from -c or, with -c 0, from
+        the file's context_length."""
+        c, n_ctx, n_seq = self.config, self.n_ctx, self.options.n_seq
+        n_layer = sum(1 for bid in range(c.n_layer) if self.loader.kv_device(bid).type == "cpu")
+        kv = kv_cache_bytes(n_layer, n_ctx, c.n_embd_gqa, n_seq)
+        tables = n_ctx * (c.head_dim // 2 * ROPE_BYTES_PER_PAIR + c.n_head * 4)
+        available = available_memory_bytes()
+        if available is not None and kv + tables > available:
+            kv_terms = f"{n_layer} layers x {n_ctx} x {c.n_embd_gqa} x 2 x {KV_BYTES_PER_ELEMENT} bytes"
+            raise InputError(
+                f"context of {n_ctx} tokens needs {_gib(kv + tables)} of host memory (KV cache {kv_terms} "
+                f"x {n_seq} sequences = {_gib(kv)}), only {_gib(available)} is available; "
+                "use a smaller context (-c)"
+            )
 
     def _plan(self, sparse: bool) -> DevicePlan:
         """Where weights, KV caches and residuals live: -ngl for dense files, the VRAM budget for sparse ones."""

@@ -4,10 +4,15 @@
 that already holds the same prompt) and samples the first token; `step` evaluates the pending token of every
 live sequence in one engine step and samples the next ones. Each sampled token gives an `Event`; a sequence
 ends on an end-of-generation token (unless ignore_eos), a stop string, n_predict tokens or a full context.
+
+A failure never leaves a sequence half-registered: `start` frees the slot before it re-raises, and
+`step(isolate=True)` (the server) ends only the sequence whose sampling failed, or every sequence of a batch
+whose engine step failed, each with an "error" event that carries the exception.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -37,7 +42,8 @@ class GenParams:
 class Event:
     """What one sampling round gave a sequence: a token (None when it ended without one), new text
     (complete UTF-8 characters; text that may start a stop word is held back) and, at the end, the reason
-    (eos | stop | length | cancelled | timeout) and the stop string that ended it."""
+    (eos | stop | length | cancelled | timeout | error) and the stop string that ended it; an "error" end
+    carries the exception."""
 
     slot: int
     token: int | None
@@ -45,6 +51,7 @@ class Event:
     end: str | None = None
     stopping_word: str = ""
     seq: Sequence | None = field(default=None, compare=False, repr=False)
+    error: BaseException | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -111,6 +118,10 @@ class Generator:
             for tid, b in params.logit_bias:
                 if not 0 <= tid < e.config.n_vocab:
                     raise InputError(f"logit_bias token id {tid} is out of range")
+                if math.isnan(b) or b == math.inf:
+                    raise InputError(
+                        f"logit_bias of token {tid} must be a finite number or -inf (ban), got {b}"
+                    )
                 bias[tid] += b
         seq = Sequence(
             slot,
@@ -132,18 +143,38 @@ class Generator:
         self.live[slot] = seq
         if params.n_predict == 0:
             return [self._finish(seq, "length")]
-        return [self._accept(seq, logits)]
+        try:
+            return [self._accept(seq, logits)]
+        except BaseException:
+            self.drop(slot)
+            raise
 
-    def step(self) -> list[Event]:
-        """Evaluate every live sequence's pending token in one step and sample the next ones."""
+    def step(self, isolate: bool = False) -> list[Event]:
+        """Evaluate every live sequence's pending token in one step and sample the next ones.
+
+        Without `isolate` a failure propagates; with it, a sequence whose sampling fails ends with an "error"
+        event (the others go on), and a failed engine step ends every sequence of the batch that way."""
         seqs = [s for s in self.live.values() if s.pending is not None]
         if not seqs:
             return []
         t = time.perf_counter()
-        logits = self.engine.decode([s.slot for s in seqs], [s.pending for s in seqs])  # type: ignore[misc]
+        try:
+            logits = self.engine.decode([s.slot for s in seqs], [s.pending for s in seqs])  # type: ignore[misc]
+        except Exception as e:
+            if not isolate:
+                raise
+            return [self._fail(s, e) for s in seqs]
         self.timings.eval_ms += (time.perf_counter() - t) * 1e3
         self.timings.n_eval += 1
-        return [self._accept(s, row) for s, row in zip(seqs, logits, strict=True)]
+        events = []
+        for s, row in zip(seqs, logits, strict=True):
+            try:
+                events.append(self._accept(s, row))
+            except Exception as e:
+                if not isolate:
+                    raise
+                events.append(self._fail(s, e))
+        return events
 
     def end(self, slot: int, reason: str = "cancelled") -> Event | None:
         """End a live sequence now (client gone: "cancelled"; "timeout"); its final event, None if not live."""
@@ -187,6 +218,13 @@ class Generator:
         seq.sent = max(seq.sent, end)
         seq.pending = token
         return Event(seq.slot, token, text, seq=seq)
+
+    def _fail(self, seq: Sequence, error: Exception) -> Event:
+        """End `seq` because of `error` (its slot freed, its text dropped)."""
+        self.drop(seq.slot)
+        seq.end = "error"
+        seq.pending = None
+        return Event(seq.slot, None, "", "error", seq=seq, error=error)
 
     def _finish(self, seq: Sequence, reason: str, stopping_word: str = "", token: int | None = None) -> Event:
         self.live.pop(seq.slot, None)

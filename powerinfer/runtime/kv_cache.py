@@ -5,9 +5,58 @@ The cache also keeps each sequence's length (`n_past`): the one place positions 
 
 from __future__ import annotations
 
+import os
+import resource
 from collections.abc import Sequence
 
 import torch
+
+KV_BYTES_PER_ELEMENT = 4  # float32 keys and values
+
+
+def kv_cache_bytes(n_layer: int, n_ctx: int, n_embd_gqa: int, n_seq: int = 1) -> int:
+    """Bytes of the keys and values of n_layer layers, n_ctx positions and n_seq sequences (exact integers)."""
+    return n_layer * n_ctx * n_embd_gqa * 2 * KV_BYTES_PER_ELEMENT * n_seq
+
+
+def _meminfo_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, else free physical pages from sysconf; None when neither exists."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _address_space_left() -> int | None:
+    """Address space this process may still map under RLIMIT_AS (None: no limit, or unknown)."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (OSError, ValueError):
+        return None
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmSize:"):
+                    return max(0, soft - int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return soft
+
+
+def available_memory_bytes() -> int | None:
+    """Host memory this process can still allocate: the machine's available memory, capped by what an
+    address-space limit (ulimit -v) leaves; None when neither can be read."""
+    limits = [n for n in (_meminfo_available(), _address_space_left()) if n is not None]
+    return min(limits) if limits else None
 
 
 class KVLayerView:

@@ -17,6 +17,7 @@ from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import HotPart, SparseStats
 from powerinfer.model.workspace import Workspace
 from powerinfer.placement.device_plan import DevicePlan
+from powerinfer.printable import printable
 from powerinfer.runtime.pool import HotRows
 
 
@@ -50,7 +51,8 @@ class Loader:
     def _info(self, name: str) -> TensorInfo:
         info = self.gguf.tensors.get(name)
         if info is None:
-            raise FormatError(f"missing required tensor '{name}'")
+            raise FormatError(f"missing required tensor '{printable(name)}'")
+        quant.check_weight_type(info.ggml_type, name)
         return info
 
     def has(self, name: str) -> bool:
@@ -59,9 +61,11 @@ class Loader:
     def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
         info = self._info(name)
         if len(info.shape) != 2:
-            raise FormatError(f"tensor '{name}' should be 2-D, has shape {info.shape}")
+            raise FormatError(f"tensor '{printable(name)}' should be 2-D, has shape {info.shape}")
         if shape is not None and tuple(info.shape) != tuple(shape):
-            raise FormatError(f"tensor '{name}' has shape {tuple(info.shape)}, expected {tuple(shape)}")
+            raise FormatError(
+                f"tensor '{printable(name)}' has shape {tuple(info.shape)}, expected {tuple(shape)}"
+            )
         return ops.QWeight.from_numpy(info.data, info.ggml_type, info.shape)
 
     def matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight | ops.DeviceWeight:
@@ -75,7 +79,7 @@ class Loader:
     def vector(self, name: str, n: int) -> torch.Tensor:
         info = self._info(name)
         if tuple(info.shape) != (n,):
-            raise FormatError(f"tensor '{name}' has shape {tuple(info.shape)}, expected ({n},)")
+            raise FormatError(f"tensor '{printable(name)}' has shape {tuple(info.shape)}, expected ({n},)")
         if info.ggml_type == GGMLType.F32:  # a zero-copy view of the file
             v = torch.from_numpy(info.data.view("<f4").reshape(n))
         else:

@@ -7,11 +7,13 @@ import socket
 import threading
 from typing import Any
 
+from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
 from powerinfer.server.app import ServerOptions, create_app
+from powerinfer.server.limits import bind_socket, fit_connections, protocol_class
 from powerinfer.server.worker import GenParams, GenRequest, Worker
 
-__all__ = ["GenParams", "GenRequest", "Server", "ServerOptions", "Worker", "create_app"]
+__all__ = ["GenParams", "GenRequest", "Server", "ServerOptions", "Worker", "bind_socket", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -19,22 +21,43 @@ log = logging.getLogger(__name__)
 class Server:
     """Loads the model, starts the generation worker and serves the app with uvicorn.
 
+    The listening socket is bound first (`sockets`: already bound ones, for tests), so that a busy or invalid
+    address fails before the model loads. Connections get the limits of `limits.protocol_class` (read deadline,
+    write stall limit, connection cap).
+
     On SIGINT/SIGTERM uvicorn stops accepting connections; requests in flight get `shutdown_grace_s`
     seconds to finish, then the worker stops and whatever still runs ends with a 503 error (an error event
     when streaming).
     """
 
-    def __init__(self, options: ServerOptions, shutdown_grace_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        options: ServerOptions,
+        shutdown_grace_s: float = 5.0,
+        sockets: list[socket.socket] | None = None,
+    ) -> None:
         import uvicorn
 
         self.options = options
-        self.engine = Engine(options.model, options.engine)
+        own = sockets is None
+        self.sockets = [bind_socket(options.host, options.port)] if sockets is None else sockets
+        try:
+            self.engine = Engine(options.model, options.engine)
+        except BaseException:
+            if own:
+                for sock in self.sockets:
+                    sock.close()
+            raise
         self.worker = Worker(self.engine, options.max_queue)
         self.app = create_app(self.worker, options)
+        protocol = protocol_class(
+            options.read_timeout_s, options.write_timeout_s, fit_connections(options.max_connections)
+        )
         config = uvicorn.Config(
             self.app,
             host=options.host,
             port=options.port,
+            http=protocol,
             log_config=None,
             timeout_graceful_shutdown=int(shutdown_grace_s) + 5,
             server_header=False,
@@ -62,14 +85,16 @@ class Server:
         self.uvicorn = _Uvicorn(config)
 
     def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """Serve until shut down (blocking). `sockets`: already bound listening sockets (tests)."""
+        """Serve until shut down (blocking). `sockets`: listening sockets to use instead of the bound ones."""
+        sockets = sockets or self.sockets
         self.worker.start()
         o = self.options
+        port = sockets[0].getsockname()[1] if sockets else o.port
         log.info(
             "serving %s on http://%s:%d with %d slots, context %d, queue %d%s",
-            o.model.name,
-            o.host,
-            o.port,
+            printable(o.model.name),
+            printable(o.host),
+            port,
             self.worker.n_slots,
             self.worker.n_ctx,
             o.max_queue,

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from powerinfer.errors import PowerInferError
+from powerinfer.printable import printable
 from powerinfer.server.errors import ApiError, validation_message
 from powerinfer.server.routes_llama import router as llama_router
 from powerinfer.server.routes_openai import router as openai_router
@@ -97,6 +99,10 @@ def create_app(worker: Worker, options: ServerOptions) -> Guard:
     async def _validation_error(request: Request, exc: RequestValidationError) -> Any:
         message, param = validation_message(list(exc.errors()))
         return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(PowerInferError)
+    async def _input_error(request: Request, exc: PowerInferError) -> Any:
+        return ApiError(400, printable(str(exc))).response()  # e.g. a chat template refusing the messages
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Any:

@@ -7,6 +7,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from powerinfer.printable import printable
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -58,14 +60,14 @@ def validation_message(errors: list[Any]) -> tuple[str, str | None]:
     parts = []
     param = None
     for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        loc = [printable(str(x), 60) for x in e.get("loc", ()) if x != "body"]  # keys may be the client's
         where = ".".join(loc)
         if e.get("type") == "json_invalid":
-            parts.append(f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
+            parts.append(f"malformed JSON body: {printable(e.get('ctx', {}).get('error', e.get('msg')))}")
         elif e.get("type") == "missing":
             parts.append(f"missing field '{where}'")
         else:
-            parts.append(f"{where or 'body'}: {e.get('msg')}")
+            parts.append(f"{where or 'body'}: {printable(e.get('msg'))}")
         if param is None and loc and e.get("type") != "json_invalid":
             param = loc[0]  # the top-level field
     if len(errors) > 5:

@@ -4,6 +4,7 @@ page at /."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -13,10 +14,10 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import CompletionRequest, DetokenizeRequest, TokenizeRequest
-from powerinfer.server.state import ServerState, sse, timings
+from powerinfer.server.state import JSONRoute, ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
-router = APIRouter()
+router = APIRouter(route_class=JSONRoute)
 
 
 def _state(request: Request) -> ServerState:
@@ -36,15 +37,13 @@ def _prompt_tokens(st: ServerState, prompt: str | list[int | str]) -> list[int]:
 
 
 def _n_predict(st: ServerState, n: int | None) -> int:
-    if n is None:
-        n = st.options.n_predict
-    if n < -2:
+    if n is not None and n < -2:
         raise ApiError(
             400,
             f"n_predict must be >= -2 (-1: until end of sequence, -2: until the context is full), got {n}",
             param="n_predict",
         )
-    return -1 if n < 0 else n  # larger than the free context: generation stops when the context is full
+    return st.n_predict(n)
 
 
 def _settings(st: ServerState, body: CompletionRequest, params: GenParams, seed: int) -> dict[str, Any]:
@@ -106,7 +105,12 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     for tid, b in body.logit_bias:
         if not 0 <= tid < st.tokenizer.n_vocab:
             raise ApiError(400, f"logit_bias token {tid} is out of range", param="logit_bias")
-        bias.append((tid, float("-inf") if b is False else float(b)))
+        value = float("-inf") if b is False else float(b)
+        if math.isnan(value) or value == math.inf:
+            raise ApiError(
+                400, "logit_bias values must be finite numbers, or false to ban the token", param="logit_bias"
+            )
+        bias.append((tid, value))
     params = GenParams(
         st.sampling(body),
         _n_predict(st, body.n_predict),

@@ -10,12 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from powerinfer.printable import printable
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import ChatCompletionRequest, OpenAICompletionRequest, _OpenAIBase
-from powerinfer.server.state import ServerState, sse, timings
+from powerinfer.server.state import JSONRoute, ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
-router = APIRouter(prefix="/v1", tags=["OpenAI"])
+router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=JSONRoute)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
 FINGERPRINT = "powerinfer-0.1.0"
 
@@ -42,14 +43,19 @@ def _params(
         raise ApiError(400, "at most 16 stop sequences", param="stop")
     bias = []
     for key, value in (body.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < st.tokenizer.n_vocab:
-            raise ApiError(400, f"logit_bias key {key!r} is not a token id of this model", param="logit_bias")
+        if not (key.isascii() and key.isdigit() and len(key) < 12) or not int(key) < st.tokenizer.n_vocab:
+            raise ApiError(
+                400, f"logit_bias key '{printable(key)}' is not a token id of this model", param="logit_bias"
+            )
         if not -100 <= value <= 100:
             raise ApiError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
         bias.append((int(key), float("-inf") if value == -100 else value))
-    n = max_tokens if max_tokens is not None else st.options.n_predict
     return GenParams(
-        st.sampling(body), n if n >= 0 else -1, False, tuple(s for s in stop if s) + extra_stop, tuple(bias)
+        st.sampling(body),
+        st.n_predict(max_tokens),
+        False,
+        tuple(s for s in stop if s) + extra_stop,
+        tuple(bias),
     )
 
 

@@ -2,6 +2,8 @@
 schema).
 
 Sampling fields left out take the server's defaults (those of `powerinfer main`, or the server's flags).
+Every number must be finite (NaN and infinities are refused with 400); the sampling semantics and the seed's
+reduction to uint32 are llama.cpp's (see powerinfer.sampling).
 """
 
 from __future__ import annotations
@@ -11,23 +13,27 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class _Sampling(BaseModel):
-    temperature: float | None = Field(None, ge=0, description="0 = greedy")
+class _Strict(BaseModel):
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class _Sampling(_Strict):
+    temperature: float | None = Field(None, description="<= 0: greedy")
     top_k: int | None = Field(None, description="<= 0: off")
     top_p: float | None = Field(None, ge=0, le=1)
     min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, ge=0)
-    repeat_last_n: int | None = Field(None, ge=-1)
+    repeat_penalty: float | None = Field(None, gt=0, description="1: off")
+    repeat_last_n: int | None = Field(None, ge=-1, description="-1: the whole context, 0: off")
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = Field(None, description="-1 or absent: random")
+    seed: int | None = Field(None, description="reduced modulo 2**32; -1 (0xFFFFFFFF) or absent: random")
 
 
 class CompletionRequest(_Sampling):
     """llama.cpp `POST /completion`. Unknown llama.cpp fields (cache_prompt, tfs_z, typical_p, mirostat*,
     n_keep, penalize_nl, n_probs, slot_id, image_data ...) are accepted and ignored."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     prompt: str | list[int | str] = Field(description="text, token ids, or a mix of both")
     stream: bool = False
@@ -44,21 +50,21 @@ class CompletionRequest(_Sampling):
     grammar: str | None = Field(None, description="not supported: must be empty")
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Strict):
     content: str
     add_special: bool = Field(False, description="prepend BOS as the vocabulary says")
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-class TextPart(BaseModel):
+class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -71,7 +77,7 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 

@@ -1,20 +1,24 @@
-"""The server's shared state: options, the worker handle, request helpers; every route module imports it."""
+"""The server's shared state: options, the worker handle, request helpers (the strict JSON body every route
+parses); every route module imports it."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import json
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 
+from powerinfer.printable import printable
 from powerinfer.runtime.engine import EngineOptions
-from powerinfer.sampling import SamplingParams
+from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import _Sampling
@@ -37,6 +41,82 @@ class ServerOptions:
     max_queue: int = 32  # requests waiting beyond the slots; more get 503
     max_body_bytes: int = 1 << 20
     chat_template: str | None = None  # overrides the GGUF's tokenizer.chat_template
+    n_predict_max: int = -1  # cap on any request's token limit; -1: only the context limits it
+    read_timeout_s: float = 20.0  # to receive a whole request: line, headers and body
+    write_timeout_s: float = 60.0  # a response may stall this long because the client does not read
+    max_connections: int = 512  # open connections; past it the oldest one still sending a request is closed
+
+
+# API field names of the sampling parameters (the SamplingParams field in the value)
+SAMPLING_FIELDS = {
+    "temperature": "temp",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "min_p": "min_p",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "seed": "seed",
+}
+_API_NAMES = {ours: theirs for theirs, ours in SAMPLING_FIELDS.items()}
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(obj: Any) -> bool:
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def parse_json(body: bytes) -> Any:
+    """A request body as JSON, strictly: UTF-8 only (RFC 8259), no NaN/Infinity literals, no lone surrogate
+    escapes (they are not Unicode text); each refusal is a JSONDecodeError, i.e. a 400."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise json.JSONDecodeError(f"the body is not valid UTF-8 (byte {e.start})", "", 0) from None
+
+    def constant(name: str) -> Any:
+        raise json.JSONDecodeError(f"{name} is not a JSON number", text, max(0, text.find(name)))
+
+    obj = json.loads(text, parse_constant=constant)
+    escape = _SURROGATE_ESCAPE.search(text)
+    if escape is not None and _has_surrogate(obj):
+        raise json.JSONDecodeError(
+            "a string holds a lone UTF-16 surrogate escape, which is not valid Unicode", text, escape.start()
+        )
+    return obj
+
+
+class _JSONRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = parse_json(await self.body())
+        return self._json
+
+
+class JSONRoute(APIRoute):
+    """An APIRoute whose request bodies go through `parse_json`."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def strict(request: Request) -> Response:
+            return await handler(_JSONRequest(request.scope, request.receive, request._send))
+
+        return strict
 
 
 class ServerState:
@@ -54,28 +134,36 @@ class ServerState:
 
     # ------------------------------------------------------------------ request -> generation parameters
     def sampling(self, body: _Sampling) -> SamplingParams:
-        """The server defaults with the request's sampling fields applied."""
-        names = {
-            "temperature": "temp",
-            "top_k": "top_k",
-            "top_p": "top_p",
-            "min_p": "min_p",
-            "repeat_penalty": "repeat_penalty",
-            "repeat_last_n": "repeat_last_n",
-            "frequency_penalty": "frequency_penalty",
-            "presence_penalty": "presence_penalty",
-            "seed": "seed",
-        }
+        """The server defaults with the request's sampling fields applied; 400 for values that cannot be
+        sampled with (SamplingParams' checks)."""
         changes = {
-            ours: getattr(body, theirs) for theirs, ours in names.items() if getattr(body, theirs) is not None
+            ours: getattr(body, theirs)
+            for theirs, ours in SAMPLING_FIELDS.items()
+            if getattr(body, theirs) is not None
         }
-        return dataclasses.replace(self.options.sampling, **changes)
+        try:
+            return dataclasses.replace(self.options.sampling, **changes)
+        except SamplingParamError as e:
+            name = _API_NAMES.get(e.field, e.field)
+            raise ApiError(400, f"{name} {e.reason}", param=name) from None
+
+    def n_predict(self, n: int | None) -> int:
+        """A request's token limit: absent -> the server default; -1 (or -2, llama.cpp's "until the context
+        is full") -> until end of sequence; capped by --n-predict-max; past the free context generation
+        stops when the context is full."""
+        if n is None:
+            n = self.options.n_predict
+        n = -1 if n < 0 else n
+        cap = self.options.n_predict_max
+        if cap >= 0 and (n < 0 or n > cap):
+            n = cap
+        return n
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.model_names:
             raise ApiError(
                 404,
-                f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                f"The model '{printable(name)}' does not exist; this server serves '{printable(self.model_id)}'",
                 param="model",
                 code="model_not_found",
             )

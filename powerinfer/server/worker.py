@@ -5,6 +5,11 @@ The worker admits pending requests into free KV slots between decode steps (`Gen
 token), then advances every live sequence by one token per `Generator.step`, the loop `main` and `batched`
 use too. A finished, failed or cancelled sequence frees its slot before the next step, so a waiting request
 joins the running batch at once.
+
+Each request is isolated: an exception in its prefill or sampling ends that request alone (400 for a
+PowerInferError, i.e. bad input, 500 otherwise) and a failed decode step ends the requests of that batch; the
+worker then goes on. Anything else that goes wrong in a scheduling round fails the requests holding slots and
+the loop continues, so the thread only ends through `stop`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from powerinfer.errors import PowerInferError
+from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.generate import Event as GenEvent
 from powerinfer.runtime.generate import Generator, GenParams
@@ -179,8 +185,13 @@ class Worker:
     # ------------------------------------------------------------------ the worker thread
     def _run(self) -> None:
         try:
-            while self._iterate():
-                pass
+            while True:
+                try:
+                    if not self._iterate():
+                        break
+                except Exception:
+                    log.exception("generation worker: scheduling round failed; its requests get an error")
+                    self._recover()
         finally:
             with self._cond:
                 pending, self._pending = list(self._pending), deque()
@@ -237,6 +248,16 @@ class Worker:
             self.metrics.kv_tokens = sum(self.engine.kv.n_past)
         return True
 
+    def _recover(self) -> None:
+        """After an unexpected failure: every request holding a slot ends with a 500, the slots are freed."""
+        for seq in self._active():
+            try:
+                self._fail(seq, 500, "internal error in the generation worker")
+            except Exception:  # freeing the slot failed too: forget it anyway
+                log.exception("generation worker: cannot free slot %d", seq.slot)
+                self.gen.live.pop(seq.slot, None)
+                self._release(seq)
+
     def _active(self) -> list[_Slot]:
         return [s for s in self._slots if s is not None]
 
@@ -244,12 +265,8 @@ class Worker:
         t = time.perf_counter()
         try:
             events = self.gen.start(seq.slot, seq.req.prompt, seq.req.params)
-        except PowerInferError as e:
-            self._fail(seq, 400, str(e))
-            return
-        except Exception as e:  # keep serving the other requests
-            log.exception("prefill failed")
-            self._fail(seq, 500, f"internal error during prompt evaluation: {type(e).__name__}")
+        except Exception as e:  # this request fails, the others go on
+            self._fail_with(seq, e, "prompt evaluation")
             return
         self.metrics.prompt_tokens_total += len(seq.req.prompt)
         self.metrics.prompt_seconds_total += time.perf_counter() - t
@@ -259,11 +276,10 @@ class Worker:
     def _decode(self, active: list[_Slot]) -> None:
         t = time.perf_counter()
         try:
-            events = self.gen.step()
-        except Exception as e:
-            log.exception("decode step failed")
+            events = self.gen.step(isolate=True)
+        except Exception as e:  # the step's own bookkeeping failed: end the batch, keep the worker
             for seq in active:
-                self._fail(seq, 500, f"internal error during decoding: {type(e).__name__}")
+                self._fail_with(seq, e, "decoding")
             return
         for ev in events:
             self._deliver(ev)
@@ -274,6 +290,9 @@ class Worker:
         """Turn a generator event into the request's Chunk / Done."""
         holder = self._slots[ev.slot]
         if holder is None or ev.seq is None:
+            return
+        if ev.end == "error":
+            self._fail_with(holder, ev.error or RuntimeError("unknown"), "decoding")
             return
         seq = ev.seq
         if ev.token is not None:
@@ -310,6 +329,15 @@ class Worker:
         self._release(seq)
         self.metrics.requests_failed += 1
         seq.req.emit(Failed(status, message))
+
+    def _fail_with(self, seq: _Slot, error: BaseException, phase: str) -> None:
+        """End one request because of `error`: 400 with its message for a PowerInferError (bad input),
+        500 otherwise (logged with its traceback)."""
+        if isinstance(error, PowerInferError):
+            self._fail(seq, 400, printable(str(error)))
+            return
+        log.error("generation worker: %s failed for slot %d", phase, seq.slot, exc_info=error)
+        self._fail(seq, 500, f"internal error during {phase}: {type(error).__name__}")
 
     def _finish(self, seq: _Slot, reason: str) -> None:
         """End a sequence from outside the generator (cancelled, timed out)."""

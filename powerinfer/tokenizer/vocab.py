@@ -35,6 +35,7 @@ import numpy as np
 
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.constants import Keys
+from powerinfer.printable import printable
 from powerinfer.tokenizer.pretokenize import CHAR_TO_BYTE, PRE_REGEXES, PRE_TYPES, byte_token_text
 from powerinfer.tokenizer.spm_proto import spm_model_proto
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
 
 _SPACE_MARK = "\u2581"  # SentencePiece's visible space
+_HEX_DIGITS = frozenset("0123456789abcdefABCDEF")
 
 # keys not (yet) in gguf/constants.Keys
 _KEY_EOM_ID = "tokenizer.ggml.eom_token_id"
@@ -120,7 +122,7 @@ def _get_int_array(md: dict[str, Any], key: str, n: int) -> np.ndarray | None:
     try:
         arr = np.asarray(v)
     except Exception as e:  # pragma: no cover - defensive
-        raise ConfigError(f"{key} is not a numeric array: {e}") from e
+        raise ConfigError(f"{key} is not a numeric array: {printable(str(e))}") from e
     if arr.ndim != 1 or arr.dtype.kind not in "iuf" or len(arr) < n:
         raise ConfigError(
             f"{key} must be a numeric array with at least {n} entries (one per token), "
@@ -161,9 +163,9 @@ class Tokenizer:
         model = md.get(Keys.TOKENIZER_MODEL)
         if model is None:
             raise ConfigError(f"{Keys.TOKENIZER_MODEL} is missing: the file carries no tokenizer")
-        if model not in ("llama", "gpt2"):
+        if not isinstance(model, str) or model not in ("llama", "gpt2"):
             raise ConfigError(
-                f"unsupported tokenizer model {Keys.TOKENIZER_MODEL}={model!r} "
+                f"unsupported tokenizer model {Keys.TOKENIZER_MODEL}='{printable(model)}' "
                 "(supported: 'llama' (SentencePiece), 'gpt2' (byte-level BPE))"
             )
         tokens = md.get(Keys.TOKENIZER_TOKENS)
@@ -177,18 +179,16 @@ class Tokenizer:
         self = cls()
         self.kind = "spm" if model == "llama" else "bpe"
         self.n_vocab = n
-        toks = []
-        for i, t in enumerate(tokens):
-            if t == "":
-                log.warning("empty token at index %d", i)
-                t = f"[EMPTY_{i}]"
-            toks.append(t)
+        toks = [t or f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
+        empty = [i for i, t in enumerate(tokens) if not t]
+        if empty:  # one line however many: a hostile vocabulary must not flood the terminal
+            log.warning("%d empty tokens (first at index %d) renamed [EMPTY_<id>]", len(empty), empty[0])
         self._tokens = toks
         self._token_to_id = {}
         for i, t in enumerate(toks):
             if t in self._token_to_id:
                 raise ConfigError(
-                    f"duplicate token in {Keys.TOKENIZER_TOKENS}: {t!r} has ids "
+                    f"duplicate token in {Keys.TOKENIZER_TOKENS}: '{printable(t)}' has ids "
                     f"{self._token_to_id[t]} and {i}"
                 )
             self._token_to_id[t] = i
@@ -198,6 +198,10 @@ class Tokenizer:
         scores = _get_int_array(md, Keys.TOKENIZER_SCORES, n)
         scores_f = np.zeros(n, dtype=np.float32) if scores is None else scores.astype(np.float32)
         self.chat_template = md.get(Keys.CHAT_TEMPLATE)
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ConfigError(
+                f"{Keys.CHAT_TEMPLATE} must be a string, got {type(self.chat_template).__name__}"
+            )
 
         # vocab-kind defaults (llama.cpp), then metadata overrides
         if self.kind == "spm":
@@ -210,6 +214,8 @@ class Tokenizer:
             bos, eos, unk = 11, 11, None  # llama.cpp's BPE defaults
             self.add_space_prefix = False
             pre = md.get(Keys.TOKENIZER_PRE)
+            if pre is not None and not isinstance(pre, str):
+                raise ConfigError(f"{Keys.TOKENIZER_PRE} must be a string, got {type(pre).__name__}")
             if pre is None:
                 log.warning(
                     "%s is missing; using the 'default' pre-tokenizer (quality may be degraded)",
@@ -217,7 +223,11 @@ class Tokenizer:
                 )
                 pre = "default"
             if pre not in PRE_TYPES:
-                log.warning("unknown %s=%r; falling back to the gpt2 pre-tokenizer", Keys.TOKENIZER_PRE, pre)
+                log.warning(
+                    "unknown %s='%s'; falling back to the gpt2 pre-tokenizer",
+                    Keys.TOKENIZER_PRE,
+                    printable(pre),
+                )
                 family, ignore_merges, add_bos_default = "gpt2", False, False
             else:
                 family, ignore_merges, add_bos_default = PRE_TYPES[pre]
@@ -232,6 +242,8 @@ class Tokenizer:
             v = md.get(key)
             if v is None:
                 return default
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ConfigError(f"{key} must be an integer token id, got {printable(v)}")
             v = int(v)
             if not 0 <= v < n:
                 log.warning("bad special token %s=%d (vocab size %d), using default %s", key, v, n, default)
@@ -313,7 +325,9 @@ class Tokenizer:
         try:
             sp = spm.SentencePieceProcessor(model_proto=proto)
         except Exception as e:
-            raise ConfigError(f"cannot build a SentencePiece model from the GGUF vocabulary: {e}") from e
+            raise ConfigError(
+                f"cannot build a SentencePiece model from the GGUF vocabulary: {printable(str(e))}"
+            ) from e
         return sp
 
     def _build_bpe(self, md: dict[str, Any], family: str, ignore_merges: bool) -> Any:
@@ -360,7 +374,10 @@ class Tokenizer:
         if ty == TT_USER_DEFINED:
             return t.encode("utf-8")
         if ty == TT_BYTE and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
-            return bytes([int(t[3:5], 16)])
+            digits = t[3:5]
+            if not all(c in _HEX_DIGITS for c in digits):
+                raise ConfigError(f"byte token {i} has malformed text '{printable(t)}' (expected <0xNN>)")
+            return bytes([int(digits, 16)])
         if self.kind == "spm":
             if ty != TT_NORMAL:
                 return b""
