@@ -170,7 +170,8 @@ class GGUFFile:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
-            raise FormatError(f"{self.path}: no such file")
+            what = "not a regular file" if os.path.exists(self.path) else "no such file"
+            raise FormatError(f"{printable(self.path)}: {what}")
         size = os.path.getsize(self.path)
         if size < 24:
             raise FormatError(f"{self.path}: file is truncated ({size} bytes, not a GGUF file)")
