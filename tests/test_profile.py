@@ -252,9 +252,9 @@ def test_bad_input(relu_model, tmp_path: Path):
     r = runner.invoke(
         app, ["train-predictor", "-m", str(model), "-f", str(tmp_path / "nope.txt"), "-o", str(out)]
     )
-    assert_one_error_line(r, "does not exist")
+    assert_one_error_line(r, "no such file")
     r = runner.invoke(app, ["profile", "-m", str(model), "-f", str(tmp_path / "nope.txt"), "-o", str(out)])
-    assert_one_error_line(r, "does not exist")
+    assert_one_error_line(r, "no such file")
     r = runner.invoke(
         app, ["profile", "-m", str(tmp_path / "missing.gguf"), "-f", str(small), "-o", str(out)]
     )

@@ -26,6 +26,7 @@ from powerinfer.model.blocks import FFN
 from powerinfer.model.config import ModelConfig
 from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
+from powerinfer.textfile import read_text_file
 
 Progress = Callable[[int, int], None]  # (tokens done, tokens in total)
 
@@ -37,32 +38,9 @@ def read_corpus(path: str | Path) -> str:
     """The text of a corpus file; a missing, unreadable, non-UTF-8, oversized or empty file raises InputError.
 
     Pipes (`-f <(zcat corpus.gz)`) are read like files."""
-    p = Path(path)
-    name = printable(str(p))
-    if not p.exists():
-        raise InputError(f"corpus file {name} does not exist")
-    if p.is_dir():
-        raise InputError(f"corpus file {name} is a folder")
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        with open(p, "rb") as f:
-            while size <= MAX_CORPUS_BYTES and (chunk := f.read(1 << 20)):
-                chunks.append(chunk)
-                size += len(chunk)
-    except OSError as e:
-        raise InputError(f"cannot read corpus file {name}: {e.strerror or e}") from None
-    if size > MAX_CORPUS_BYTES:
-        raise InputError(f"corpus file {name} is larger than {MAX_CORPUS_BYTES >> 20} MiB")
-    data = b"".join(chunks)
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(
-            f"corpus file {name} is not UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start})"
-        ) from None
+    text = read_text_file(Path(path), "corpus file", limit=MAX_CORPUS_BYTES)
     if not text.strip():
-        raise InputError(f"corpus file {name} is empty")
+        raise InputError(f"corpus file {printable(str(path))} is empty")
     return text
 
 
