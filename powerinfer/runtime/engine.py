@@ -238,14 +238,16 @@ class Engine:
             raise InputError(
                 f"context is full: {start} + {len(tokens)} tokens exceed the context size {self.n_ctx} (-c)"
             )
-        logits = None
-        step = self.options.n_batch
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i : i + step]
-            pos = start + i
-            logits = self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))))
-        assert logits is not None
+        logits = [self._chunk(seq, chunk, pos, False) for chunk, pos in self._chunks(tokens, start)][-1]
         return logits[-1]
+
+    def _chunks(self, tokens: list[int], start: int) -> list[tuple[list[int], int]]:
+        """tokens in chunks of n_batch with the position each starts at."""
+        step = self.options.n_batch
+        return [(tokens[i : i + step], start + i) for i in range(0, len(tokens), step)]
+
+    def _chunk(self, seq: int, chunk: list[int], pos: int, all_logits: bool) -> torch.Tensor:
+        return self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))), all_logits=all_logits)
 
     def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """Append tokens[i] to sequence seqs[i] (distinct); logits (len(seqs), n_vocab)."""
@@ -275,14 +277,7 @@ class Engine:
         """Logits of every position for tokens evaluated from sequence 0's length, (T, n_vocab)."""
         if self.n_past + len(tokens) > self.n_ctx:
             raise InputError(f"{self.n_past + len(tokens)} tokens exceed the context size {self.n_ctx} (-c)")
-        out = []
-        step = self.options.n_batch
-        for i in range(0, len(tokens), step):
-            chunk = tokens[i : i + step]
-            pos = self.n_past
-            out.append(
-                self.step([0] * len(chunk), chunk, list(range(pos, pos + len(chunk))), all_logits=True)
-            )
+        out = [self._chunk(0, chunk, pos, True) for chunk, pos in self._chunks(tokens, self.n_past)]
         return torch.cat(out)
 
     def generate(
