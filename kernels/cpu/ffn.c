@@ -355,3 +355,168 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
     return PI_OK;
 }
+
+/* ---- CATS: dense gate, threshold on |act(gate)|, then only the active up and down rows ------------------------ */
+
+/* pi_cats_ffn computes, for one token u (K,) over the candidate neurons cand[0..C) (NULL: all N rows, C == N):
+ *   a_n = act(gate_n . u),  active = {n : |a_n| > threshold} in candidate order (written to idx, count to
+ *   *n_active),  h_n = a_n * (relu(up_n . u) if relu_up else up_n . u),  y = sum_{n active} h_n down_t[n]
+ * Phase 1: the candidates split in contiguous ranges over threads; each thread computes its gate rows
+ *   (ROWS_DOT_MAX at a time, the dot products of rows_matmul for the precision), thresholds them, and computes
+ *   the up rows of its active neurons as they are found (ROWS_DOT_MAX at a time, prefetched when found).
+ * The per-thread lists are compacted in thread (= candidate) order, then phase 2 sums the down rows exactly
+ * as pi_ffn_rows does. So y equals rows_matmul(gate, cand), the activation, the mask, rows_matmul(up, idx),
+ * the gating and rows_axpy(down_t, idx) bit for bit for ReLU (libm activations otherwise), and does not depend
+ * on the thread count. A candidate list in increasing order gives idx in increasing order. */
+typedef struct {
+    ffn_ctx c;        /* c.idx and c.h: the compacted active list and h; c.M its length */
+    const int64_t *cand; /* NULL: rows 0..C) */
+    int64_t C;
+    float threshold;
+    int64_t *idx;      /* C entries: the active rows, per-thread slices before compaction */
+    float *a;          /* C entries: act(gate) then h of the active rows, per-thread slices before compaction */
+} cats_ctx;
+
+static inline int64_t cats_row(const cats_ctx *k, int64_t i) { return k->cand == NULL ? i : k->cand[i]; }
+
+/* up rows of pending[0..n) (positions in this thread's slice), h = a * up */
+static void cats_flush_up(const cats_ctx *k, const int64_t *pending, int n) {
+    const uint8_t *rows[ROWS_DOT_MAX];
+    float out[ROWS_DOT_MAX];
+    for (int r = 0; r < n; r++) rows[r] = k->c.up.w + k->idx[pending[r]] * k->c.up.stride;
+    ffn_dot(&k->c.up, rows, n, &k->c, out);
+    for (int r = 0; r < n; r++) {
+        const float v = k->c.relu_up ? relu_f(out[r]) : out[r];
+        k->a[pending[r]] = k->a[pending[r]] * v;
+    }
+}
+
+/* candidates [i0, i1) of this thread: gate, threshold, up of the active ones; returns the number active (their
+ * rows at idx[i0..), their h at a[i0..)) */
+static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1) {
+    const ffn_ctx *c = &k->c;
+    int64_t n_act = 0;
+    int64_t pending[ROWS_DOT_MAX];
+    int n_pending = 0;
+    for (int64_t i = i0; i < i1; i += ROWS_DOT_MAX) {
+        const int R = (int)min_i64(ROWS_DOT_MAX, i1 - i);
+        const uint8_t *rows[ROWS_DOT_MAX];
+        float g[ROWS_DOT_MAX];
+        for (int64_t j = i + 2 * ROWS_DOT_MAX; j < min_i64(i + 3 * ROWS_DOT_MAX, i1); j++)
+            prefetch_bytes(c->gate.w + cats_row(k, j) * c->gate.stride, c->gate.row_bytes);
+        for (int r = 0; r < R; r++) rows[r] = c->gate.w + cats_row(k, i + r) * c->gate.stride;
+        ffn_dot(&c->gate, rows, R, c, g);
+        for (int r = 0; r < R; r++) {
+            const float a = ffn_act(c->act, g[r]);
+            if (!(fabsf(a) > k->threshold)) continue;
+            const int64_t at = i0 + n_act++;
+            k->idx[at] = cats_row(k, i + r);
+            k->a[at] = a;
+            prefetch_bytes(c->up.w + k->idx[at] * c->up.stride, c->up.row_bytes);
+            pending[n_pending++] = at;
+            if (n_pending == ROWS_DOT_MAX) {
+                cats_flush_up(k, pending, n_pending);
+                n_pending = 0;
+            }
+        }
+    }
+    if (n_pending > 0) cats_flush_up(k, pending, n_pending);
+    return n_act;
+}
+
+/* Scratch of pi_cats_ffn over C candidates of K inputs: a/h (C floats), then the int8 activations (q8). */
+static size_t cats_ffn_scratch(int64_t C, int64_t K, int q8) { return ffn_rows_scratch(C, K, q8); }
+
+/* Bytes of scratch pi_cats_ffn needs for up to C candidate neurons of K inputs, the alignment slack included;
+ * -1 for negative sizes. */
+PI_EXPORT int64_t pi_cats_ffn_scratch_bytes(int64_t C, int64_t K, int32_t q8_act) {
+    if (C < 0 || K < 0) return -1;
+    return (int64_t)(cats_ffn_scratch(C, K, q8_act != 0) + PI_SCRATCH_ALIGN);
+}
+
+/* pi_cats_ffn(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
+ *             cand, C, threshold, act, relu_up, q8_act, idx, n_active, y, scratch, scratch_bytes, threads, isa):
+ * as described above; kinds and act as for pi_ffn_rows; cand: C candidate rows in [0, N) (NULL: all rows,
+ * C must equal N); idx must hold C entries. scratch: at least pi_cats_ffn_scratch_bytes(C, K, q8_act) bytes,
+ * else PI_ERR_SCRATCH. */
+PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
+                              int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
+                              int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
+                              const int64_t *cand, int64_t C, float threshold, int32_t act, int32_t relu_up,
+                              int32_t q8_act, int64_t *idx, int64_t *n_active, float *y, void *scratch,
+                              int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
+    if (K < 0 || D < 0 || N < 0 || C < 0 || act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
+    if (y == NULL || n_active == NULL || (C > 0 && (u == NULL || idx == NULL))) return PI_ERR_SHAPE;
+    if (threshold != threshold) return PI_ERR_SHAPE; /* NaN */
+    const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
+    const int64_t lens[3] = {K, K, D}, strides[3] = {gate_stride, up_stride, down_stride};
+    const uint8_t *weights[3] = {gate, up, down};
+    for (int i = 0; i < 3; i++)
+        if (check_weight(kinds[i], N, lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
+    *n_active = 0;
+    if (C == 0) { /* cand may be NULL (an empty tensor has no data) */
+        for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
+        return PI_OK;
+    }
+    if (cand == NULL && C != N) return PI_ERR_SHAPE;
+    int32_t status = cand == NULL ? PI_OK : check_ids(cand, C, N);
+    if (status != PI_OK) return status;
+    const int need_q8 = q8_act && (gate_kind <= KIND_Q8_0 || up_kind <= KIND_Q8_0);
+    uint8_t *buf;
+    status = scratch_take(scratch, scratch_bytes, cats_ffn_scratch(C, K, need_q8), &buf);
+    if (status != PI_OK) return status;
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *table = matmul_table_for(level);
+    const int32_t nt = threads_for_work(n_threads, C * (2 * K + D));
+    const int64_t nb = K / QK;
+    float *a_buf = (float *)buf;
+    act_q8 aq = {0};
+    if (need_q8) {
+        uint8_t *q = buf + align_up((size_t)C * 4);
+        aq.qs = (int8_t *)q;
+        aq.ds = (float *)(q + align_up((size_t)K));
+        aq.isum = (int32_t *)(aq.ds + 2 * nb);
+        aq.K = K;
+        aq.nb = nb;
+        table->quantize_act(u, nb, aq.qs, aq.ds, aq.isum);
+    }
+    int64_t counts[PI_MAX_THREADS];
+    cats_ctx k = {
+        .c = {
+            .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
+            .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
+            .idx = idx, .M = 0, .K = K, .u = u, .a = &aq, .act = act, .relu_up = relu_up != 0, .h = a_buf,
+            .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
+                     .unit_bytes = unit_bytes_of(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
+                     .y_stride = D},
+            .kind_down = down_kind,
+            .units = axpy_units_for(level),
+        },
+        .cand = cand, .C = C, .threshold = threshold, .idx = idx, .a = a_buf,
+    };
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+        counts[me] = cats_phase1(&k, C * me / all, C * (me + 1) / all);
+#pragma omp barrier
+#pragma omp single
+        {
+            /* compact the per-thread slices in thread (= candidate) order */
+            int64_t M = counts[0];
+            for (int64_t t = 1; t < all; t++) {
+                const int64_t src = C * t / all;
+                memmove(idx + M, idx + src, (size_t)counts[t] * sizeof(int64_t));
+                memmove(a_buf + M, a_buf + src, (size_t)counts[t] * sizeof(float));
+                M += counts[t];
+            }
+            k.c.M = M;
+            k.c.down.M = M;
+            k.c.down.h_stride = M;
+        } /* implicit barrier */
+        ffn_phase2(&k.c, me, all);
+    }
+    *n_active = k.c.M;
+    if (k.c.M == 0)
+        for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
+    return PI_OK;
+}

@@ -16,7 +16,7 @@ from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.blocks import FFN, DenseFFN
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
-from powerinfer.model.sparse import PredictorSelector, SparseFFN
+from powerinfer.model.sparse import PredictorSelector, SparseFFN, ThresholdFFN
 from powerinfer.printable import printable
 from powerinfer.quant import check_weight_type
 
@@ -108,6 +108,35 @@ def sparse_threshold(metadata: dict[str, Any]) -> float:
     return threshold
 
 
+SPARSE_METHODS = ("predictor", "cats")
+
+
+def sparse_method(metadata: dict[str, Any], sparse: bool, n_layer: int) -> tuple[str, tuple[float, ...]]:
+    """How a sparse file selects neurons, and the per-layer thresholds of "cats" (`powerinfer sparsify`).
+
+    PowerInfer's own files have no method key: "predictor". A "cats" file needs one finite threshold per layer."""
+    if not sparse:
+        return "predictor", ()
+    method = metadata.get(Keys.SPARSITY_METHOD, "predictor")
+    if not isinstance(method, str) or method not in SPARSE_METHODS:
+        raise ConfigError(
+            f"metadata key '{Keys.SPARSITY_METHOD}' should be one of {', '.join(SPARSE_METHODS)}, "
+            f"got {printable(method)}"
+        )
+    if method != "cats":
+        return method, ()
+    values = metadata.get(Keys.SPARSITY_THRESHOLDS)
+    if isinstance(values, np.ndarray) and values.ndim == 1:  # numeric arrays are read as numpy arrays
+        values = values.tolist()
+    if not isinstance(values, list) or len(values) != n_layer:
+        got = f"{len(values)} values" if isinstance(values, list) else type(values).__name__
+        raise ConfigError(
+            f"metadata key '{Keys.SPARSITY_THRESHOLDS}' should hold {n_layer} numbers, got {got}"
+        )
+    thresholds = tuple(MetadataView._cast(Keys.SPARSITY_THRESHOLDS, v, float) for v in values)
+    return method, thresholds
+
+
 @dataclass(frozen=True)
 class TensorTable:
     """The tensors an architecture reads, with the shapes its config gives them.
@@ -169,7 +198,8 @@ def vector(src: WeightSource, template: str, n: int, bid: int | None = None) -> 
 def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     """A layer's gated FFN from the standard tensor names: sparse when the source asks for a selector.
 
-    PowerInfer files hold ffn_down_t (n_ff, n_embd) instead of ffn_down; predictors fc1 (r, n_embd), fc2 (n_ff, r).
+    PowerInfer files hold ffn_down_t (n_ff, n_embd) instead of ffn_down; predictors fc1 (r, n_embd), fc2 (n_ff, r)
+    ("predictor"); "cats" files (`powerinfer sparsify`) one threshold on |act(gate)| per layer instead.
     """
     c, kc = config, src.kc
     gate_name, up_name = TensorNames.FFN_GATE.format(bid=bid), TensorNames.FFN_UP.format(bid=bid)
@@ -189,6 +219,14 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
         selector = PredictorSelector(fc1, fc2, c.sparse_threshold, kc)
         hot = src.hot_rows(bid, gate, up, down_t)
         return SparseFFN(c.ffn, bid, selector, gate, up, down_t, hot, src.stats, kc, src.workspace)
+    if src.sparsity.selector == "cats":
+        if src.stats is None:
+            raise ConfigError("sparse FFNs need a statistics owner")
+        gate, up = src.host_matrix(gate_name, shape), src.host_matrix(up_name, shape)
+        down_t = src.host_matrix(down_t_name, shape)
+        hot = src.hot_rows(bid, gate, up, down_t)
+        threshold = c.sparse_thresholds[bid]
+        return ThresholdFFN(c.ffn, bid, threshold, gate, up, down_t, hot, src.stats, kc, src.workspace)
     if src.sparsity.selector != "none":
         raise ConfigError(f"unknown sparsity selector '{src.sparsity.selector}'")
     gate, up = src.matrix(gate_name, shape), src.matrix(up_name, shape)

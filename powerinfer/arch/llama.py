@@ -18,6 +18,7 @@ from powerinfer.arch.base import (
     ffn_activation,
     gated_ffn,
     n_vocab_of,
+    sparse_method,
     sparse_threshold,
 )
 from powerinfer.errors import ConfigError
@@ -59,19 +60,24 @@ class LlamaConfig(ModelConfig):
         n_head_kv = m.optional(Keys.HEAD_COUNT_KV, n_head)
         if n_head_kv <= 0 or n_head % n_head_kv:
             raise ConfigError(f"head count {n_head} is not a multiple of KV head count {n_head_kv}")
-        act = ffn_activation(metadata, "relu" if sparse or relu_up else "silu")
+        n_layer = m.require(Keys.BLOCK_COUNT, minimum=1)
+        method, thresholds = sparse_method(metadata, sparse, n_layer)
+        # PowerInfer's own sparse files are ReLU models; sparsify records the activation it calibrated
+        act = ffn_activation(metadata, "relu" if (sparse and method == "predictor") or relu_up else "silu")
         return cls(
             arch=arch,
             n_vocab=n_vocab_of(metadata),
             n_ctx_train=m.require(Keys.CONTEXT_LENGTH, minimum=1),
             n_embd=n_embd,
-            n_layer=m.require(Keys.BLOCK_COUNT, minimum=1),
+            n_layer=n_layer,
             n_ff=m.require(Keys.FEED_FORWARD_LENGTH, minimum=1),
             attention=AttentionSpec(n_head, n_head_kv, head_dim, rope),
             ffn=FFNSpec(act=act, gated=True, relu_up=relu_up),
             norm=NormSpec("rms", m.require(Keys.LAYERNORM_RMS_EPS, float, minimum=0.0)),
             sparse=sparse,
             sparse_threshold=sparse_threshold(metadata),
+            sparse_method=method,
+            sparse_thresholds=thresholds,
         )
 
 
@@ -110,10 +116,8 @@ def tensor_table(config: ModelConfig) -> TensorTable:
         }
         shapes |= {t.format(bid=bid): shape for t, shape in layer.items()}
         if c.sparse:
-            required |= {
-                t.format(bid=bid)
-                for t in (TensorNames.FFN_DOWN_T, TensorNames.PRED_FC1, TensorNames.PRED_FC2)
-            }
+            needs = (TensorNames.FFN_DOWN_T, TensorNames.PRED_FC1, TensorNames.PRED_FC2)
+            required |= {t.format(bid=bid) for t in needs[: 3 if c.sparse_method == "predictor" else 1]}
         else:
             one_of.append((TensorNames.FFN_DOWN.format(bid=bid), TensorNames.FFN_DOWN_T.format(bid=bid)))
     return TensorTable(shapes, frozenset(required), tuple(one_of))

@@ -24,11 +24,13 @@ def _register(app: typer.Typer) -> None:
     from powerinfer.cli.profile import profile
     from powerinfer.cli.quantize import quantize
     from powerinfer.cli.server import server
+    from powerinfer.cli.sparsify import sparsify
     from powerinfer.cli.train_predictor import train_predictor
 
     app.command("main", help="Generate text from a prompt (llama.cpp main).")(main)
     app.command("profile")(profile)
     app.command("train-predictor")(train_predictor)
+    app.command("sparsify")(sparsify)
     app.command("quantize")(quantize)
     app.command("perplexity", help="Perplexity of a text file (llama.cpp perplexity).")(perplexity_command)
     app.command("batched", help="Decode several sequences in parallel (llama.cpp batched).")(batched)

@@ -77,6 +77,12 @@ class Keys:
     VOCAB_SIZE = "{arch}.vocab_size"
 
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
+    # training-free sparsity (`powerinfer sparsify`): method ("cats"), target share S of skipped FFN neurons,
+    # per-layer thresholds on |act(gate)| and the calibrated per-layer skipped shares
+    SPARSITY_METHOD = "powerinfer.sparsity.method"
+    SPARSITY_TARGET = "powerinfer.sparsity.target"
+    SPARSITY_THRESHOLDS = "powerinfer.sparsity.thresholds"
+    SPARSITY_LAYER_SPARSITY = "powerinfer.sparsity.layer_sparsity"
 
     TOKENIZER_MODEL = "tokenizer.ggml.model"
     TOKENIZER_PRE = "tokenizer.ggml.pre"

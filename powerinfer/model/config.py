@@ -20,8 +20,14 @@ class ModelConfig:
     attention: AttentionSpec
     ffn: FFNSpec
     norm: NormSpec
-    sparse: bool = False  # a PowerInfer (PWRI) file: predictors and ffn_down_t
+    sparse: bool = (
+        False  # a PowerInfer (PWRI) file: ffn_down_t, and predictors unless the method says otherwise
+    )
     sparse_threshold: float = 0.0
+    # how a sparse file selects neurons: "predictor" (PowerInfer's MLPs) or "cats" (|act(gate)| > a per-layer
+    # threshold, `powerinfer sparsify`)
+    sparse_method: str = "predictor"
+    sparse_thresholds: tuple[float, ...] = ()  # "cats": one per layer
 
     @property
     def n_head(self) -> int:

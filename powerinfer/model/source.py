@@ -18,7 +18,8 @@ from powerinfer.model.workspace import Workspace
 
 @dataclass(frozen=True)
 class Sparsity:
-    """How FFNs are built: "none" (dense) or "predictor" (PowerInfer's per-layer MLP predictors)."""
+    """How FFNs are built: "none" (dense), "predictor" (PowerInfer's per-layer MLP predictors) or "cats"
+    (per-layer thresholds on |act(gate)|, the config's sparse_thresholds)."""
 
     selector: str = "none"
     threshold: float = 0.0

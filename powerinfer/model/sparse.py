@@ -8,7 +8,11 @@ Per layer and token t (spec sections 2 and 4), with PowerInfer's predictor as th
 The activation is the FFN spec's (relu, silu, gelu, gelu_tanh): the kernels take it as an argument, so a SiLU
 PowerInfer file computes SiLU. Where the placement put some neurons' rows in a device pool (`HotPart`), those
 are computed there and the CPU computes the other active neurons straight from the memory-mapped file; the two
-partial outputs are summed. Other selectors (thresholds on activations) plug in through `Selector`.
+partial outputs are summed. Other selectors plug in through `Selector`.
+
+`ThresholdFFN` is CATS's training-free sparsity for SiLU/GELU models (`powerinfer sparsify`): no predictor; the
+gate rows are computed for every neuron, a neuron is active when |act(gate_j . u_t)| > the layer's threshold,
+and only the active neurons' up and down rows are read. The pool part decides its own neurons on its device.
 """
 
 from __future__ import annotations
@@ -86,6 +90,13 @@ class HotPart(Protocol):
 
     def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
         """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
+        ...
+
+    def launch_threshold(
+        self, u: torch.Tensor, threshold: float, act: str, relu_up: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the hot part with CATS's selection (|act(gate)| > threshold, decided on the pool device);
+        returns y (T, D) and the number of active (token, neuron) pairs (a 0-d tensor), both on the CPU."""
         ...
 
     def wait(self) -> None: ...
@@ -205,3 +216,61 @@ class SparseFFN:
             mask, idx_down = cpu_active[:, idx], idx
         h = ops.gated(g, up, spec.act, spec.relu_up) * mask
         return ops.rows_axpy(h, self.down_t, idx_down, kc)  # (T, D)
+
+
+class ThresholdFFN:
+    """CATS's thresholded gated FFN of one layer: dense gate, then the up/down rows of the neurons with
+    |act(gate . u)| > threshold; split between a pool part (hot neurons) and the CPU like SparseFFN."""
+
+    def __init__(
+        self,
+        spec: FFNSpec,
+        bid: int,
+        threshold: float,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down_t: ops.QWeight,
+        hot: HotPart | None,
+        stats: SparseStats,
+        kc: ops.KernelContext,
+        workspace: Workspace | None = None,
+    ) -> None:
+        if not spec.gated:
+            raise ConfigError("sparse FFNs need a gated FFN (gate, up, down_t); this model's FFN has no gate")
+        if spec.bias:
+            raise ConfigError("sparse FFNs with biases are not supported")
+        if threshold != threshold:
+            raise ConfigError(f"layer {bid}: the sparsity threshold is NaN")
+        self.spec, self.bid, self.threshold = spec, bid, float(threshold)
+        self.gate, self.up, self.down_t = gate, up, down_t  # (n_ff, D) each, down_t transposed
+        self.hot, self.stats, self.kc = hot, stats, kc
+        self.n_ff = gate.shape[0]
+        # the CPU's candidate neurons: None = all of them; else those the pool does not hold
+        self.cpu_ids: torch.Tensor | None = None
+        if hot is not None:
+            cpu_rows = torch.ones(self.n_ff, dtype=torch.bool)
+            cpu_rows[hot.ids] = False
+            self.cpu_ids = cpu_rows.nonzero().view(-1)
+        self.workspace = workspace or Workspace()
+        self.workspace.reserve("ffn", ops.cats_scratch_bytes(self.n_ff, gate.shape[1]))
+
+    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+        s, spec = self.stats, self.spec
+        T = x_norm.shape[0]
+        hot_out = None
+        if self.hot is not None:
+            hot_out = self.hot.launch_threshold(x_norm, self.threshold, spec.act, spec.relu_up)
+        y, n_cpu = ops.cats_ffn(
+            x_norm, self.gate, self.up, self.down_t, self.cpu_ids, self.threshold, spec.act, spec.relu_up,
+            self.kc, scratch=self.workspace.get("ffn") if T == 1 else None,
+        )  # fmt: skip
+        s.tokens[self.bid] += T
+        if hot_out is None or self.hot is None:
+            s.active[self.bid] += n_cpu
+            return y
+        self.hot.wait()
+        y_hot, n_hot_t = hot_out
+        n_hot = int(n_hot_t)
+        s.active[self.bid] += n_cpu + n_hot
+        s.active_gpu[self.bid] += n_hot
+        return y + y_hot

@@ -24,6 +24,9 @@ from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_contex
 from powerinfer.ops.dense import get_rows, linear
 from powerinfer.ops.library import ISA_NAMES, isa_best, kernels_available
 from powerinfer.ops.sparse import (
+    cats_ffn,
+    cats_ffn_ref,
+    cats_scratch_bytes,
     decode_rows,
     ffn_rows,
     ffn_rows_ref,
@@ -38,6 +41,9 @@ from powerinfer.ops.weights import DeviceWeight, QWeight
 
 __all__ = [
     "ACTIVATIONS",
+    "cats_ffn",
+    "cats_ffn_ref",
+    "cats_scratch_bytes",
     "ACT_PRECISIONS",
     "ATTN_KERNEL_MAX_POS",
     "ISA_NAMES",

@@ -45,11 +45,12 @@ class _Resolved:
     rows_axpy: Mapping[GGMLType, Any]
     ffn_rows: Any
     predict_ffn: Any  # f32 precision only
+    cats_ffn: Any
     attn_decode: Any
     ffn_kinds: Mapping[GGMLType, int]  # weight kind codes of ffn_rows / predict_ffn
 
 
-_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, _EMPTY)
+_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, _EMPTY)
 
 
 @functools.cache
@@ -64,6 +65,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         rows_axpy=lib.rows_axpy,
         ffn_rows=lib.ffn_rows,
         predict_ffn=lib.predict_ffn if f32 else None,
+        cats_ffn=lib.cats_ffn,
         attn_decode=lib.attn_decode,
         ffn_kinds=library.FFN_KINDS,
     )

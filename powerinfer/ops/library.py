@@ -85,6 +85,13 @@ _PREDICT_FFN_ARGTYPES = (
     + (_ptr, _i64, _i32) * 3
     + (_i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
+# cats_ffn (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., cand, C, threshold, act, relu_up,
+#           q8_act, idx, n_active, y, scratch, scratch_bytes, n_threads, isa)
+_CATS_FFN_ARGTYPES = (
+    (_ptr, _i64, _i64, _i64)
+    + (_ptr, _i64, _i32) * 3
+    + (_ptr, _i64, ctypes.c_float, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
+)
 # attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
 #              n_threads, isa)
 _ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32)
@@ -108,9 +115,11 @@ class Library:
     rows_axpy: Mapping[GGMLType, Any]
     ffn_rows: Any  # fused decode FFN over a row list (one token)
     predict_ffn: Any  # predictor + fused decode FFN (one token, float activations)
+    cats_ffn: Any  # dense gate, threshold on |act(gate)|, active up/down rows (one token)
     attn_decode: Any  # RoPE + KV write + attention of one token
     ffn_rows_scratch_bytes: Any
     predict_ffn_scratch_bytes: Any
+    cats_ffn_scratch_bytes: Any
     attn_decode_scratch_bytes: Any
 
 
@@ -144,9 +153,11 @@ def _open(path: str) -> Library:
         rows_axpy=MappingProxyType(rows_axpy),
         ffn_rows=_symbol(lib, "pi_ffn_rows", _FFN_ROWS_ARGTYPES),
         predict_ffn=_symbol(lib, "pi_predict_ffn", _PREDICT_FFN_ARGTYPES),
+        cats_ffn=_symbol(lib, "pi_cats_ffn", _CATS_FFN_ARGTYPES),
         attn_decode=_symbol(lib, "pi_attn_decode", _ATTN_DECODE_ARGTYPES),
         ffn_rows_scratch_bytes=_symbol(lib, "pi_ffn_rows_scratch_bytes", (_i64, _i64, _i32), _i64),
         predict_ffn_scratch_bytes=_symbol(lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64), _i64),
+        cats_ffn_scratch_bytes=_symbol(lib, "pi_cats_ffn_scratch_bytes", (_i64, _i64, _i32), _i64),
         attn_decode_scratch_bytes=_symbol(lib, "pi_attn_decode_scratch_bytes", (_i64, _i64), _i64),
     )
 

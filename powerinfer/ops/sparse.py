@@ -13,7 +13,9 @@ Both run the C kernels of kernels/cpu/sparse.c for every kernel type:
 `ffn_rows` is the whole CPU FFN of one token over a row list in one kernel call (one parallel region): gate and
 up rows, the gating act(g) * up, then the down rows; bit-identical to the three calls above plus the torch
 gating for ReLU, within a few float32 ulps of it for the other activations (`powerinfer.ops.activation`).
-`predict_ffn` adds the predictor in front. Both work in a caller-owned scratch buffer (`ffn_scratch_bytes`).
+`predict_ffn` adds the predictor in front. `cats_ffn` is the thresholded FFN of CATS (training-free sparsity for
+SiLU/GELU models): the gate rows of every candidate neuron, then the up and down rows of the neurons whose
+|act(gate)| exceeds the layer's threshold; one kernel call for one token. Both work in a caller-owned scratch buffer (`ffn_scratch_bytes`).
 Other weight types, non-CPU tensors and contexts without kernels use the references below.
 """
 
@@ -24,10 +26,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from powerinfer.ops import library
+from powerinfer.ops import activation, library
 from powerinfer.ops.activation import activation_code, gated
 from powerinfer.ops.context import KernelContext, default_context
-from powerinfer.ops.dense import output
+from powerinfer.ops.dense import linear, output
 from powerinfer.ops.library import check_status
 from powerinfer.quant import dequantize
 
@@ -35,6 +37,10 @@ if TYPE_CHECKING:
     from powerinfer.ops.weights import QWeight
 
 __all__ = [
+    "CATS_DENSE_UNION_SHARE",
+    "cats_ffn",
+    "cats_ffn_ref",
+    "cats_scratch_bytes",
     "decode_rows",
     "ffn_rows",
     "ffn_rows_ref",
@@ -291,3 +297,121 @@ def predict_ffn(
         needed = library.load().predict_ffn_scratch_bytes(n_rows, rank)
         check_status(status, "predict_ffn", scratch_bytes, needed, "ffn_scratch_bytes")
     return y, int(n_active.value), float(seconds.value)
+
+
+# T > 1: when the union of the tokens' active neurons exceeds this share of the candidates, up runs densely
+CATS_DENSE_UNION_SHARE = 0.6
+
+
+def cats_scratch_bytes(n_rows: int, n_cols: int) -> int:
+    """Bytes of scratch that serve `cats_ffn` over up to n_rows candidate neurons of n_cols inputs (either
+    precision); 0 when the kernels are not built."""
+    lib = library.load()
+    if lib is None:
+        return 0
+    if n_rows < 0 or n_cols < 0:
+        raise ValueError(f"cats_scratch_bytes: negative size ({n_rows}, {n_cols})")
+    return int(lib.cats_ffn_scratch_bytes(n_rows, n_cols, 1))
+
+
+def cats_ffn_ref(
+    u: torch.Tensor,
+    gate: QWeight,
+    up: QWeight,
+    down_t: QWeight,
+    cand: torch.Tensor | None,
+    threshold: float,
+    act: str = "silu",
+    relu_up: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The masked dense reference of `cats_ffn`: (y (T, D), mask (T, C)) with a = act(gate[cand] u),
+    mask = |a| > threshold, y = sum over the candidates of a * up . u * mask times their down_t rows."""
+    u = u.to(torch.float32)
+    if u.dim() == 1:
+        u = u[None]
+    wg, wu = decode_rows(gate, cand), decode_rows(up, cand)
+    a = activation.act(act, u @ wg.T)
+    v = u @ wu.T
+    mask = a.abs() > threshold
+    h = a * (torch.relu(v) if relu_up else v) * mask
+    return h @ decode_rows(down_t, cand), mask
+
+
+def cats_ffn(
+    u: torch.Tensor,
+    gate: QWeight,
+    up: QWeight,
+    down_t: QWeight,
+    cand: torch.Tensor | None,
+    threshold: float,
+    act: str = "silu",
+    relu_up: bool = False,
+    kc: KernelContext | None = None,
+    *,
+    scratch: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, int]:
+    """CATS FFN of u (T, K) over the candidate neurons `cand` (None: all rows): (y (T, D), active pairs).
+
+    A neuron is active for a token when |act(gate_n . u)| > threshold; y sums a_n * (up_n . u) * down_t[n]
+    over the active ones (relu on up . u when relu_up). Only the gate rows of the candidates and the up and down
+    rows of active neurons are read. One token with kernel weight types on the CPU: one kernel call (scratch: a
+    contiguous CPU tensor of at least `cats_scratch_bytes(C, K)` bytes, reused across calls); otherwise the
+    row ops (rows_matmul / linear, the mask in torch, rows_axpy) with per-token masks.
+    """
+    if kc is None:
+        kc = default_context()
+    act_code = activation_code(act)
+    if threshold != threshold:
+        raise ValueError("cats_ffn: threshold is NaN")
+    n_rows, n_cols = gate.shape
+    n_out = down_t.shape[1]
+    if u.shape[-1] != n_cols:
+        raise ValueError(f"cats_ffn: u has {u.shape[-1]} features, gate {gate.shape} expects {n_cols}")
+    if up.shape != gate.shape or down_t.shape[0] != n_rows:
+        raise ValueError(f"cats_ffn: gate {gate.shape}, up {up.shape} and down_t {down_t.shape} do not match")
+    if u.dim() == 1:
+        u = u[None]
+    kinds = kc.kernels.ffn_kinds
+    codes = [kinds.get(w.ggml_type) for w in (gate, up, down_t)]
+    kernel = kc.kernels.cats_ffn
+    if kernel is not None and None not in codes and u.is_cpu and u.shape[0] == 1:
+        u = u.to(torch.float32).contiguous()
+        if cand is not None:
+            cand = _as_idx(cand)
+        n_cand = n_rows if cand is None else cand.shape[0]
+        q8 = kc.act_precision == "q8"
+        if scratch is None:
+            scratch = torch.empty(
+                library.load().cats_ffn_scratch_bytes(n_cand, n_cols, q8), dtype=torch.uint8
+            )
+        scratch_bytes = _scratch_size(scratch, "cats_ffn")
+        idx = torch.empty(max(n_cand, 1), dtype=torch.int64)
+        y = torch.empty(1, n_out, dtype=torch.float32)
+        n_active = ctypes.c_int64()
+        status = kernel(
+            u.data_ptr(), n_cols, n_out, n_rows,
+            gate._raw_ptr, gate._raw_stride, codes[0],
+            up._raw_ptr, up._raw_stride, codes[1],
+            down_t._raw_ptr, down_t._raw_stride, codes[2],
+            None if cand is None or n_cand == 0 else cand.data_ptr(), n_cand, threshold, act_code,
+            bool(relu_up), q8, idx.data_ptr(), ctypes.byref(n_active), y.data_ptr(),
+            scratch.data_ptr(), scratch_bytes, kc.n_threads, kc.level,
+        )  # fmt: skip
+        if status:
+            needed = library.load().cats_ffn_scratch_bytes(n_cand, n_cols, q8)
+            check_status(status, "cats_ffn", scratch_bytes, needed, "cats_scratch_bytes")
+        return y, int(n_active.value)
+    g = linear(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
+    a = activation.act(act, g)
+    mask = a.abs() > threshold
+    union = mask.any(dim=0)
+    sel = union.nonzero().view(-1)  # positions among the candidates
+    n_cand = g.shape[1]
+    if sel.numel() >= CATS_DENSE_UNION_SHARE * n_cand:
+        v = linear(u, up, kc) if cand is None else rows_matmul(u, up, cand, kc)
+        h = a.mul_(torch.relu(v) if relu_up else v).mul_(mask)
+        return rows_axpy(h, down_t, cand, kc), int(mask.sum())
+    rows = sel if cand is None else _as_idx(cand)[sel]
+    v = rows_matmul(u, up, rows, kc)
+    h = a[:, sel].mul_(torch.relu(v) if relu_up else v).mul_(mask[:, sel])
+    return rows_axpy(h, down_t, rows, kc), int(mask.sum())

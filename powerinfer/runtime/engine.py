@@ -19,6 +19,7 @@ import torch
 from powerinfer import ops
 from powerinfer.arch import build_model, load_config
 from powerinfer.errors import InputError, PlacementError
+from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import read_gguf
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.source import Sparsity
@@ -124,7 +125,7 @@ class Engine:
         self.plan = self._plan(sparse)
         self.placement: Placement | None = self.plan.placement
         self.pool_device = torch.device(self.plan.device) if self.plan.device is not None else None
-        sparsity = Sparsity("predictor", c.sparse_threshold) if sparse else Sparsity()
+        sparsity = Sparsity(c.sparse_method, c.sparse_threshold) if sparse else Sparsity()
         self.loader = Loader(self.gguf, self.plan, self.kc, sparsity, self.sparse_stats)
         self._check_context_memory()
         self.model = build_model(self.gguf, c, self.loader)
@@ -308,19 +309,25 @@ class Engine:
         c = self.config
         active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
         pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
-        ffn_bytes = sum(
-            self.gguf.tensors[n].n_bytes
-            for n in self.gguf.tensors
-            if n.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down_t.weight"))
-        )
+        cats = c.sparse_method == "cats"  # the gate is read for every neuron, up and down for the active ones
+        skipped = ("ffn_up.weight", "ffn_down_t.weight") + (() if cats else ("ffn_gate.weight",))
+        ffn_bytes = sum(self.gguf.tensors[n].n_bytes for n in self.gguf.tensors if n.endswith(skipped))
         per_token = self.weight_bytes - ffn_bytes + ffn_bytes * sum(active) / len(active)
         per_layer = " ".join(f"{a:.2f}" for a in active)
+        target = self.gguf.metadata.get(Keys.SPARSITY_TARGET)
+        shown = f" {target:.2f}" if isinstance(target, (int, float)) and not isinstance(target, bool) else ""
+        selection = (
+            f"cats thresholds (target sparsity{shown})"
+            if cats
+            else f"predictor {s.predictor_ms:.2f} ms in total"
+        )
         lines = [
-            f"sparse: predicted active {sum(active) / len(active):.1%} of FFN neurons, per layer: {per_layer}",
+            f"sparse: {'active' if cats else 'predicted active'} {sum(active) / len(active):.1%} of FFN neurons, "
+            f"per layer: {per_layer}",
             f"sparse: {pool:.1%} of active neurons served by the pool"
             + (f" on {self.pool_device}" if self.pool_device is not None else " (no pool: all on the CPU)"),
             f"sparse: ~{per_token / 2**20:.1f} MiB of weights read per token "
-            f"(dense: {self.weight_bytes / 2**20:.1f} MiB), predictor {s.predictor_ms:.2f} ms in total",
+            f"(dense: {self.weight_bytes / 2**20:.1f} MiB), {selection}",
         ]
         if self.placement is not None:
             lines.append(f"placement: {self.placement.reason}")

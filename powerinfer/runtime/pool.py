@@ -151,6 +151,27 @@ class HotRows:
             )
             return y.to("cpu", non_blocking=True)
 
+    def launch_threshold(
+        self, u: torch.Tensor, threshold: float, act: str, relu_up: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue the hot part with CATS's selection: neurons with |act(gate . u)| > threshold, decided here;
+        returns y (T, D) and the number of active (token, neuron) pairs (0-d int64), both on the CPU."""
+        if self.stream is None:
+            return self._compute_threshold(u, threshold, act, relu_up)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            y, n = self._compute_threshold(u.to(self.device, non_blocking=True), threshold, act, relu_up)
+            return y.to("cpu", non_blocking=True), n.to("cpu", non_blocking=True)
+
+    def _compute_threshold(
+        self, u: torch.Tensor, threshold: float, act: str, relu_up: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        a = ops.act(act, ops.linear(u, self.gate, self.kc))  # (T, k) float32
+        mask = a.abs() > threshold
+        v = ops.linear(u, self.up, self.kc)
+        h = a.mul_(torch.relu(v) if relu_up else v).mul_(mask)
+        return self.down_t.axpy(h, self.kc), mask.sum()
+
     def _compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
         g = ops.linear(u, self.gate, self.kc)  # (T, k) float32
         up = ops.linear(u, self.up, self.kc)

@@ -1,0 +1,158 @@
+"""`powerinfer sparsify`: make a sparse PowerInfer GGUF from a dense SiLU/GELU model, without training (CATS)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import ExitStack
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from powerinfer.cli.common import (
+    LogDisableOpt,
+    ModelOpt,
+    ThreadsOpt,
+    err_console,
+    resolve_model,
+    run_guarded,
+    setup_logging,
+    threads,
+)
+from powerinfer.cli.profile import CorpusOpt
+
+if TYPE_CHECKING:
+    from powerinfer.sparsify import SparsifyResult
+
+
+class Method(str, Enum):
+    cats = "cats"
+    teal = "teal"
+    predictor = "predictor"
+
+
+class Allocation(str, Enum):
+    greedy = "greedy"
+    uniform = "uniform"
+
+
+STAGES = {
+    "calibrate": ("calibrating", "tokens"),
+    "allocate": ("error curves", "layers"),
+    "threshold": ("thresholds", "layers"),
+    "write": ("writing ffn_down_t", "layers"),
+}
+
+
+def stage_progress() -> Progress:
+    """Progress bars on stderr, one per stage, each with its unit (tokens or layers) and an ETA."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[unit]}"),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    )
+
+
+def sparsity_table(result: SparsifyResult) -> Table:
+    """Per layer: calibrated sparsity, threshold, active share on the calibration text, estimated error."""
+    table = Table(
+        title=f"CATS sparsity {result.target} ({result.allocation}) over {result.n_tokens} tokens "
+        f"({result.n_ff} neurons per layer)"
+    )
+    for name in ("layer", "sparsity", "threshold", "active", "est. error"):
+        table.add_column(name, justify="right")
+    rows = zip(result.layer_sparsity, result.thresholds, result.active_share, result.est_error, strict=True)
+    for layer, (s, t, a, e) in enumerate(rows):
+        table.add_row(str(layer), f"{s:.3f}", f"{t:.4g}", f"{a:.1%}", f"{e:.2e}")
+    return table
+
+
+def sparsify(
+    model: ModelOpt = None,
+    file: CorpusOpt = ...,  # type: ignore[assignment]
+    sparsity: Annotated[
+        float,
+        typer.Option(
+            "--sparsity",
+            help="Target mean share of FFN neurons skipped per token, in [0, 0.95] (each layer at most 0.95).",
+            show_default=False,
+        ),
+    ] = ...,  # type: ignore[assignment]
+    method: Annotated[
+        Method, typer.Option("--method", help="Neuron selection: cats (teal and predictor: not built yet).")
+    ] = Method.cats,
+    allocation: Annotated[
+        Allocation,
+        typer.Option(
+            "--allocation",
+            help="Per-layer sparsity: greedy (on per-layer output-error curves, mean = target) or uniform.",
+        ),
+    ] = Allocation.greedy,
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o",
+            "--output",
+            help="Output PowerInfer GGUF (default: IN with .gguf replaced by .sparse.powerinfer.gguf). "
+            "activation/ is written beside it, replacing one already there.",
+            show_default=False,
+        ),
+    ] = None,
+    ctx_size: Annotated[int, typer.Option("-c", "--ctx-size", help="Calibration window in tokens.")] = 512,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", help="Calibration tokens used (0 = the whole file).")
+    ] = 4096,
+    threads_: ThreadsOpt = 0,
+    log_disable: LogDisableOpt = False,
+) -> None:
+    """Sparsify a dense SiLU/GELU gated model without training (CATS): per-layer thresholds on |act(gate x)|.
+
+    Calibrates on the text of -f, writes a PowerInfer GGUF (ffn_down stored transposed as ffn_down_t, thresholds
+    in its metadata) and activation/activation_<N>.pt beside it. Prints a per-layer table on stderr and one JSON
+    line on stdout.
+    """
+    setup_logging(log_disable)
+    err_console.quiet = log_disable
+
+    def body() -> None:
+        from powerinfer.sparsify import SparsifyOptions, default_output, run_sparsify
+
+        path = resolve_model(model)
+        opts = SparsifyOptions(
+            model=path,
+            corpus=file,
+            output=output if output is not None else default_output(path),
+            sparsity=sparsity,
+            method=method.value,
+            allocation=allocation.value,
+            n_ctx=ctx_size,
+            n_threads=threads(threads_),
+            max_tokens=max_tokens,
+        )
+        with ExitStack() as stack:  # the bars start with the first progress event: a refusal prints one line
+            bars: list[Progress] = []
+            tasks: dict[str, TaskID] = {}
+
+            def on_progress(stage: str, done: int, total: int) -> None:
+                if not bars:
+                    bars.append(stack.enter_context(stage_progress()))
+                if stage not in tasks:
+                    description, unit = STAGES.get(stage, (stage, ""))
+                    tasks[stage] = bars[0].add_task(description, total=total, unit=unit)
+                bars[0].update(tasks[stage], completed=done, total=total)
+
+            result = run_sparsify(opts, on_progress)
+        err_console.print(sparsity_table(result))
+        err_console.print(f"sparsify: wrote {result.output}", markup=False)
+        err_console.print(f"sparsify: wrote activation {result.activation}", markup=False)
+        sys.stdout.write(json.dumps(result.summary()) + "\n")
+
+    run_guarded(body)

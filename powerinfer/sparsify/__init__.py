@@ -1,0 +1,52 @@
+"""`powerinfer sparsify`: training-free activation sparsity for SiLU/GELU gated models (CATS, Lee et al. 2024).
+
+A neuron j of layer l is active for a token when |act(gate_j . u)| > t_l, u the FFN input; inactive neurons
+contribute nothing. The thresholds come from a dense run over calibration text: t_l is the s_l-quantile of
+|act(gate . u)| over the calibration (token, neuron) pairs, with the per-layer sparsity s_l either the target S
+for every layer or allocated greedily on per-layer output-error curves (TEAL-style) so that mean_l s_l = S.
+"""
+
+from powerinfer.sparsify.allocate import MAX_LAYER_SPARSITY, allocate_greedy, allocate_uniform
+from powerinfer.sparsify.calibrate import Calibration, calibrate
+from powerinfer.sparsify.pipeline import (
+    ALLOCATIONS,
+    METHODS,
+    MIN_TOKENS,
+    SparsifyOptions,
+    SparsifyResult,
+    StageProgress,
+    default_output,
+    run_sparsify,
+)
+from powerinfer.sparsify.write import (
+    SPARSITY_KEYS,
+    SPARSITY_LAYER_KEY,
+    SPARSITY_METHOD_KEY,
+    SPARSITY_TARGET_KEY,
+    SPARSITY_THRESHOLDS_KEY,
+    write_activation_folder,
+    write_sparse_gguf,
+)
+
+__all__ = [
+    "ALLOCATIONS",
+    "Calibration",
+    "MAX_LAYER_SPARSITY",
+    "METHODS",
+    "MIN_TOKENS",
+    "SPARSITY_KEYS",
+    "SPARSITY_LAYER_KEY",
+    "SPARSITY_METHOD_KEY",
+    "SPARSITY_TARGET_KEY",
+    "SPARSITY_THRESHOLDS_KEY",
+    "SparsifyOptions",
+    "SparsifyResult",
+    "StageProgress",
+    "allocate_greedy",
+    "allocate_uniform",
+    "calibrate",
+    "default_output",
+    "run_sparsify",
+    "write_activation_folder",
+    "write_sparse_gguf",
+]

@@ -1,0 +1,209 @@
+"""Calibration for CATS: the FFN inputs of a dense run, then per-layer |act(gate u)| statistics.
+
+A dense engine runs over the calibration windows while one observer per layer keeps that layer's FFN input u
+(x_norm) in float16, for at most SAMPLE_BUDGET_BYTES over all layers (evenly spaced tokens past that), and, for
+a few hundred evenly spaced tokens, u and the residual x in float32 for the error curves. Everything after the
+run works one layer at a time from these samples: |act(gate u)| is recomputed with the FFN's own weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from powerinfer import ops
+from powerinfer.errors import ConfigError
+from powerinfer.model.blocks import DenseFFN
+from powerinfer.runtime.engine import Engine
+
+SAMPLE_BUDGET_BYTES = 1 << 30  # float16 FFN inputs kept over all layers
+MAX_ERROR_TOKENS = 256  # tokens the error curves are measured on
+FLOAT16_MAX = 65504.0
+GRID = np.round(np.arange(0.0, 0.951, 0.05), 2)  # sparsity grid of the error curves: 0, 0.05, ..., 0.95
+CHUNK_TOKENS = 512  # tokens per gate matmul when recomputing |act|
+QUANTILE_SAMPLE = 1 << 20  # |act| values (sampled) the grid thresholds are read from
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+def spread(n_total: int, n_pick: int) -> np.ndarray:
+    """`n_pick` evenly spaced indices of range(n_total) (all of them when n_pick >= n_total)."""
+    if n_pick >= n_total:
+        return np.arange(n_total)
+    return np.unique(np.linspace(0, n_total - 1, n_pick).round().astype(np.int64))
+
+
+@dataclass
+class Calibration:
+    """What the dense run left per layer: FFN inputs of the kept tokens and the error-curve tokens."""
+
+    u: list[torch.Tensor]  # n_layer x (n_kept, n_embd) float16
+    error_u: list[torch.Tensor]  # n_layer x (n_error, n_embd) float32
+    error_x: list[
+        torch.Tensor
+    ]  # n_layer x (n_error, n_embd) float32: the residual the FFN output is added to
+    n_tokens: int  # tokens run
+
+    @property
+    def n_kept(self) -> int:
+        return int(self.u[0].shape[0])
+
+
+class InputRecorder:
+    """The observer of every layer's FFN input: copies the selected tokens into preallocated buffers."""
+
+    def __init__(self, n_layer: int, n_embd: int, n_tokens: int, keep: np.ndarray, error: np.ndarray) -> None:
+        self.keep = np.zeros(n_tokens, dtype=bool)
+        self.keep[keep] = True
+        self.error = np.zeros(n_tokens, dtype=bool)
+        self.error[error] = True
+        # running position of each token in the buffers: cumulative counts of the masks
+        self.keep_slot = np.cumsum(self.keep) - 1
+        self.error_slot = np.cumsum(self.error) - 1
+        self.u = [torch.empty(len(keep), n_embd, dtype=torch.float16) for _ in range(n_layer)]
+        self.error_u = [torch.empty(len(error), n_embd) for _ in range(n_layer)]
+        self.error_x = [torch.empty(len(error), n_embd) for _ in range(n_layer)]
+        self.seen = [0] * n_layer  # tokens observed per layer
+
+    def __call__(self, bid: int, x_norm: torch.Tensor, x_residual: torch.Tensor) -> None:
+        start = self.seen[bid]
+        T = x_norm.shape[0]
+        self.seen[bid] = start + T
+        span = slice(start, start + T)
+        keep = self.keep[span]
+        if keep.any():
+            rows = torch.from_numpy(np.flatnonzero(keep))
+            slots = torch.from_numpy(self.keep_slot[span][keep])
+            u = x_norm.detach().to("cpu", torch.float32)[rows]
+            self.u[bid][slots] = u.clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
+        error = self.error[span]
+        if error.any():
+            rows = torch.from_numpy(np.flatnonzero(error))
+            slots = torch.from_numpy(self.error_slot[span][error])
+            self.error_u[bid][slots] = x_norm.detach().to("cpu", torch.float32)[rows]
+            self.error_x[bid][slots] = x_residual.detach().to("cpu", torch.float32)[rows]
+
+
+def calibrate(engine: Engine, windows: list[list[int]], progress: Progress | None = None) -> Calibration:
+    """Run the windows through the dense engine and keep each layer's FFN inputs (see the module docstring)."""
+    c = engine.config
+    if any(layer.ffn_norm is None for layer in engine.model.layers):
+        raise ConfigError(
+            f"sparsify needs sequential blocks with an FFN norm; {c.arch} runs attention and FFN in parallel"
+        )
+    n_tokens = sum(len(w) for w in windows)
+    cap = max(MAX_ERROR_TOKENS, SAMPLE_BUDGET_BYTES // (c.n_layer * c.n_embd * 2))
+    keep = spread(n_tokens, cap)
+    # error tokens: evenly spread, never a window's BOS (its residual is an outlier in most models)
+    starts = np.cumsum([0] + [len(w) for w in windows[:-1]])
+    candidates = np.ones(n_tokens, dtype=bool)
+    if engine.tokenizer.bos_id is not None:
+        candidates[starts] = False
+    pool = np.flatnonzero(candidates)
+    error = pool[spread(len(pool), MAX_ERROR_TOKENS)]
+    recorder = InputRecorder(c.n_layer, c.n_embd, n_tokens, keep, error)
+    model = engine.model
+    model.observers.append(recorder)
+    try:
+        done = 0
+        for w in windows:
+            engine.reset()
+            engine.eval(w)
+            done += len(w)
+            if progress is not None:
+                progress(done, n_tokens)
+    finally:
+        model.observers.remove(recorder)
+    if any(seen != n_tokens for seen in recorder.seen):
+        raise ConfigError("the model's layers did not report their FFN inputs for every token")
+    return Calibration(recorder.u, recorder.error_u, recorder.error_x, n_tokens)
+
+
+def dense_ffn(engine: Engine, bid: int) -> DenseFFN:
+    """Layer bid's dense FFN, with the gate that CATS thresholds."""
+    ffn = engine.model.layers[bid].ffn
+    if not isinstance(ffn, DenseFFN) or ffn.gate is None:
+        raise ConfigError("sparsify needs the dense gated FFN of every layer")
+    return ffn
+
+
+def magnitudes(ffn: DenseFFN, u: torch.Tensor, kc: ops.KernelContext) -> torch.Tensor:
+    """|act(gate u)| (N, n_ff) float32 of FFN inputs u (N, n_embd), computed in chunks of CHUNK_TOKENS."""
+    assert ffn.gate is not None
+    n_ff = ffn.gate.shape[0]
+    out = torch.empty(u.shape[0], n_ff)
+    for i in range(0, u.shape[0], CHUNK_TOKENS):
+        g = ops.linear(u[i : i + CHUNK_TOKENS].to(torch.float32).contiguous(), ffn.gate, kc)
+        out[i : i + CHUNK_TOKENS] = ops.act(ffn.spec.act, g).abs_()
+    return out
+
+
+def quantile(values: torch.Tensor, s: float) -> float:
+    """The threshold t with round(s * numel) values <= t: the k-th smallest value (0.0 for k = 0)."""
+    flat = values.reshape(-1)
+    k = int(round(s * flat.numel()))
+    if k <= 0:
+        return 0.0
+    return float(torch.kthvalue(flat, min(k, flat.numel())).values)
+
+
+def grid_thresholds(values: torch.Tensor, grid: np.ndarray, seed: int = 0) -> np.ndarray:
+    """Quantiles of `values` at each grid point (as `quantile` defines them), read from a sample of at most
+    QUANTILE_SAMPLE values: the error curves need no more precision than that."""
+    flat = values.reshape(-1)
+    if flat.numel() > QUANTILE_SAMPLE:
+        gen = torch.Generator().manual_seed(seed)
+        flat = flat[torch.randint(0, flat.numel(), (QUANTILE_SAMPLE,), generator=gen)]
+    sample = flat.numpy()
+    k = np.round(grid * sample.size).astype(np.int64)
+    kth = np.clip(k - 1, 0, sample.size - 1)
+    ordered = np.partition(sample, np.unique(kth))  # one pass for every grid point
+    return np.where(k > 0, ordered[kth], 0.0).astype(np.float64)
+
+
+def down_project(ffn: DenseFFN, h: torch.Tensor, kc: ops.KernelContext) -> torch.Tensor:
+    """down · h (T, n_embd) through the FFN's own down weight (ffn_down or the transposed ffn_down_t)."""
+    if ffn.down is not None:
+        return ops.linear(h, ffn.down, kc)
+    w = ffn.down_t
+    assert w is not None
+    return ops.rows_axpy(h, w, None, kc) if isinstance(w, ops.QWeight) else w.axpy(h, kc)
+
+
+def error_curve(
+    ffn: DenseFFN,
+    u: torch.Tensor,
+    x_residual: torch.Tensor,
+    thresholds: np.ndarray,
+    kc: ops.KernelContext,
+) -> np.ndarray:
+    """Mean over tokens of ||y_dense - y_sparse||^2 / ||x||^2 at each threshold (neurons with |act| <= t off).
+
+    u, x_residual: (E, n_embd) float32; one value per threshold."""
+    assert ffn.gate is not None
+    a = ops.act(ffn.spec.act, ops.linear(u, ffn.gate, kc)).abs_()  # (E, n_ff)
+    h = ffn.hidden(u)  # (E, n_ff)
+    E = u.shape[0]
+    dropped = torch.cat([h * (a <= float(t)) for t in thresholds])  # (G * E, n_ff): the skipped neurons' part
+    y = down_project(ffn, dropped.contiguous(), kc).view(len(thresholds), E, -1)  # (G, E, n_embd)
+    norm = x_residual.pow(2).sum(-1).clamp_min(1e-12)  # (E,)
+    return (y.pow(2).sum(-1) / norm).mean(-1).double().numpy()
+
+
+@dataclass
+class LayerThreshold:
+    threshold: float
+    counts: np.ndarray  # (n_ff,) tokens each neuron was active for (|act| > threshold)
+    active_share: float  # share of (token, neuron) pairs active
+
+
+def layer_threshold(ffn: DenseFFN, u: torch.Tensor, s: float, kc: ops.KernelContext) -> LayerThreshold:
+    """t_l = the s-quantile of |act(gate u)| over all (token, neuron) pairs; t = 0 when s == 0."""
+    a = magnitudes(ffn, u, kc)
+    t = quantile(a, s) if s > 0 else 0.0
+    active = a > t
+    counts = active.sum(dim=0).numpy().astype(np.int64)
+    return LayerThreshold(t, counts, float(counts.sum()) / max(1, a.numel()))

@@ -1,0 +1,249 @@
+"""The sparsify pipeline: options, checks, calibration -> allocation -> thresholds -> files, result."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer.errors import ConfigError, InputError
+from powerinfer.gguf import read_gguf
+from powerinfer.printable import printable
+from powerinfer.profile.collect import check_output_folder, make_windows, read_corpus, tokenize_corpus
+from powerinfer.quantize import _check_output as check_output_file
+from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.sparsify.allocate import (
+    MAX_LAYER_SPARSITY,
+    allocate_greedy,
+    allocate_uniform,
+    interpolate,
+)
+from powerinfer.sparsify.calibrate import (
+    GRID,
+    Calibration,
+    LayerThreshold,
+    calibrate,
+    dense_ffn,
+    error_curve,
+    grid_thresholds,
+    layer_threshold,
+    magnitudes,
+)
+from powerinfer.sparsify.write import SPARSITY_KEYS, write_activation_folder, write_sparse_gguf
+
+METHODS = ("cats", "teal", "predictor")
+ALLOCATIONS = ("greedy", "uniform")
+MIN_TOKENS = 256  # calibration tokens needed at least
+
+# (stage, done, total): stage "calibrate" counts tokens; "allocate", "threshold" and "write" count layers
+StageProgress = Callable[[str, int, int], None]
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class SparsifyOptions:
+    model: Path
+    corpus: Path
+    output: Path
+    sparsity: float  # target mean share S of skipped FFN neurons, in [0, 0.95]
+    method: str = "cats"
+    allocation: str = "greedy"
+    n_ctx: int = 512  # calibration window (BOS + n_ctx-1 tokens)
+    n_threads: int | None = None
+    max_tokens: int = 4096  # calibration tokens used (0 = the whole file)
+
+
+@dataclass
+class SparsifyResult:
+    output: Path
+    activation: Path
+    target: float
+    allocation: str
+    thresholds: np.ndarray  # (n_layer,) t_l
+    layer_sparsity: np.ndarray  # (n_layer,) s_l
+    active_share: np.ndarray  # (n_layer,) share of calibration pairs with |act| > t_l
+    est_error: np.ndarray  # (n_layer,) estimated ||y_dense - y_sparse||^2 / ||x||^2 at s_l
+    n_tokens: int  # calibration tokens run
+    n_kept: int  # of which kept for the thresholds and counts (all unless the sample budget was reached)
+    n_ff: int
+    down_types: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, object]:
+        """The JSON line the command prints."""
+        return {
+            "output": str(self.output),
+            "activation": str(self.activation),
+            "method": "cats",
+            "allocation": self.allocation,
+            "target": self.target,
+            "n_tokens": self.n_tokens,
+            "n_kept": self.n_kept,
+            "n_layer": len(self.thresholds),
+            "n_ff": self.n_ff,
+            "mean_sparsity": round(float(np.mean(self.layer_sparsity)), 6),
+            "layer_sparsity": [round(float(s), 6) for s in self.layer_sparsity],
+            "thresholds": [float(np.float32(t)) for t in self.thresholds],
+            "active_share": [round(float(a), 6) for a in self.active_share],
+            "est_error": [round(float(e), 8) for e in self.est_error],
+            "down_t_types": sorted(set(self.down_types.values())),
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
+
+
+def default_output(model: Path) -> Path:
+    """IN.gguf -> IN.sparse.powerinfer.gguf beside it."""
+    name = model.name[: -len(".gguf")] if model.name.endswith(".gguf") else model.name
+    return model.with_name(name + ".sparse.powerinfer.gguf")
+
+
+def check_options(opts: SparsifyOptions) -> None:
+    """InputError for a method not built, a target outside [0, MAX_LAYER_SPARSITY], a bad allocation or count."""
+    if opts.method not in METHODS:
+        raise InputError(f"unknown --method {printable(opts.method)} (expected one of {', '.join(METHODS)})")
+    if opts.method != "cats":
+        raise InputError(f"--method {opts.method} is not implemented yet; use cats")
+    if opts.allocation not in ALLOCATIONS:
+        raise InputError(
+            f"unknown --allocation {printable(opts.allocation)} (expected one of {', '.join(ALLOCATIONS)})"
+        )
+    s = opts.sparsity
+    if math.isnan(s) or not 0.0 <= s < 1.0:
+        raise InputError(f"--sparsity must be in [0, 1), got {s}")
+    if s > MAX_LAYER_SPARSITY:
+        raise InputError(
+            f"--sparsity {s} cannot be reached: every layer keeps at least {1 - MAX_LAYER_SPARSITY:.0%} of "
+            f"its neurons (at most {MAX_LAYER_SPARSITY})"
+        )
+    if opts.max_tokens < 0:
+        raise InputError(f"--max-tokens must be >= 0 (0 = all), got {opts.max_tokens}")
+
+
+def check_paths(opts: SparsifyOptions) -> None:
+    """Refuse, before any work, an output that cannot be written or that is the input itself."""
+    out, model = Path(opts.output), Path(opts.model)
+    if out.exists() and model.exists() and out.resolve() == model.resolve():
+        raise InputError(f"output {printable(str(out))} is the input model: choose another -o")
+    check_output_file(out)
+    check_output_folder(out.absolute().parent / "activation")
+
+
+def check_input(opts: SparsifyOptions) -> None:
+    """Refuse an input that is already sparse: a PowerInfer (PWRI) file or one carrying sparsity keys."""
+    header = read_gguf(opts.model)
+    if header.is_sparse or any(key in header.metadata for key in SPARSITY_KEYS):
+        raise InputError(
+            f"{printable(str(opts.model))} is already sparse (a PowerInfer file): sparsify needs a dense GGUF"
+        )
+
+
+def calibration_windows(engine: Engine, text: str, max_tokens: int) -> list[list[int]]:
+    """The calibration text as windows of the engine's context; InputError below MIN_TOKENS tokens."""
+    ids = tokenize_corpus(engine, text)
+    n_all = len(ids)
+    if max_tokens > 0:
+        ids = ids[:max_tokens]
+    if len(ids) < MIN_TOKENS:
+        limit = f" (--max-tokens {max_tokens})" if len(ids) < n_all else ""
+        raise InputError(
+            f"calibration text too short: {len(ids)} tokens{limit}, sparsify needs at least {MIN_TOKENS}"
+        )
+    return make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
+
+
+def error_curves(engine: Engine, calib: Calibration, progress: Progress | None = None) -> np.ndarray:
+    """Per layer, the output error of skipping the neurons below each GRID quantile: (n_layer, len(GRID))."""
+    n_layer = engine.config.n_layer
+    curves = np.zeros((n_layer, len(GRID)))
+    for bid in range(n_layer):
+        ffn = dense_ffn(engine, bid)
+        thresholds = grid_thresholds(magnitudes(ffn, calib.u[bid], engine.kc), GRID, seed=bid)
+        curves[bid] = error_curve(ffn, calib.error_u[bid], calib.error_x[bid], thresholds, engine.kc)
+        if progress is not None:
+            progress(bid + 1, n_layer)
+    return curves
+
+
+def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -> SparsifyResult:
+    """Calibrate, allocate per-layer sparsity, write the PWRI file and activation/ beside it.
+
+    Every check on the options, the input, the calibration text and the output paths runs before the
+    calibration; nothing is written unless all of it succeeds."""
+
+    def report(stage: str) -> Progress | None:
+        return None if progress is None else (lambda done, total: progress(stage, done, total))
+
+    check_options(opts)
+    text = read_corpus(opts.corpus)
+    check_input(opts)
+    check_paths(opts)
+
+    t0 = time.perf_counter()
+    engine = Engine(opts.model, EngineOptions(n_ctx=opts.n_ctx, n_threads=opts.n_threads))
+    c = engine.config
+    if not c.ffn.gated:
+        raise ConfigError(
+            f"the model's FFN is not gated (down(act(up x))): CATS thresholds act(gate x), so sparsify "
+            f"needs a gated FFN ({c.arch})"
+        )
+    windows = calibration_windows(engine, text, opts.max_tokens)
+    calib = calibrate(engine, windows, report("calibrate"))
+    t1 = time.perf_counter()
+
+    curves = error_curves(engine, calib, report("allocate"))
+    if opts.allocation == "uniform":
+        sparsity = allocate_uniform(opts.sparsity, c.n_layer)
+    else:
+        sparsity = allocate_greedy(curves, GRID, opts.sparsity)
+    t2 = time.perf_counter()
+    layers: list[LayerThreshold] = []
+    for bid in range(c.n_layer):
+        layers.append(layer_threshold(dense_ffn(engine, bid), calib.u[bid], float(sparsity[bid]), engine.kc))
+        if progress is not None:
+            progress("threshold", bid + 1, c.n_layer)
+    n_tokens, n_kept = calib.n_tokens, calib.n_kept
+    del calib
+    t3 = time.perf_counter()
+
+    thresholds = np.array([lt.threshold for lt in layers], dtype=np.float64)
+    out = Path(opts.output)
+    types = write_sparse_gguf(
+        engine.gguf,
+        out,
+        activation=c.activation,
+        target=opts.sparsity,
+        thresholds=thresholds,
+        layer_sparsity=sparsity,
+        n_threads=opts.n_threads or 1,
+        progress=report("write"),
+    )
+    try:
+        folder = write_activation_folder(out.absolute().parent / "activation", [lt.counts for lt in layers])
+    except BaseException:  # no model file without its activation/ folder
+        out.unlink(missing_ok=True)
+        raise
+    t4 = time.perf_counter()
+    return SparsifyResult(
+        output=out,
+        activation=folder,
+        target=opts.sparsity,
+        allocation=opts.allocation,
+        thresholds=thresholds,
+        layer_sparsity=sparsity,
+        active_share=np.array([lt.active_share for lt in layers]),
+        est_error=interpolate(curves, GRID, sparsity),
+        n_tokens=n_tokens,
+        n_kept=n_kept,
+        n_ff=c.n_ff,
+        down_types={k: v.name for k, v in types.items()},
+        seconds={
+            "load_calibrate": t1 - t0,
+            "allocate": t2 - t1,
+            "threshold": t3 - t2,
+            "write": t4 - t3,
+        },
+    )

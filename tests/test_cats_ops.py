@@ -1,0 +1,238 @@
+"""CATS's thresholded FFN (ops.cats_ffn, kernels/cpu/ffn.c pi_cats_ffn) against the masked dense reference.
+
+The kernel computes the gate rows of the candidate neurons, keeps those with |act(g)| > threshold, then their up
+and down rows. Checked:
+- bit for bit against the same computation from the separate row ops (rows_matmul of the gate, the activation
+  and mask in torch, rows_matmul of the active up rows, rows_axpy of the down rows) for ReLU, in every SIMD
+  variant and both activation precisions; the libm activations (silu, gelu) within ACT_TOL of torch's, with the
+  same active set except neurons within that tolerance of the threshold;
+- against cats_ffn_ref, the masked dense torch reference on float64-decoded weights, for every kernel weight
+  type, all rows or a candidate subset, T = 1 (the kernel) and T > 1 (row ops with per-token masks, both the
+  sparse-union and the dense-union branch), within the float32 bounds of tests/test_sparse_ops.py;
+- thread-count independence, validation, and the pool's threshold mode on the CPU stand-in.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from test_sparse_ops import (
+    ACT_TOL,
+    KERNEL_TYPES,
+    QUANT_TYPES,
+    fake_quant_act,
+    ffn_cases,
+    ffn_shapes,
+    ffn_weights,
+    make_x,
+    needs_kernels,
+)
+
+from powerinfer import ops
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.ops import sparse
+
+
+def candidates(n_rows: int, seed: int = 3) -> dict[str, torch.Tensor | None]:
+    rng = np.random.default_rng(seed)
+    return {
+        "all": None,
+        "empty": torch.zeros(0, dtype=torch.int64),
+        "sorted": torch.from_numpy(np.sort(rng.permutation(n_rows)[: max(1, n_rows // 2)]).astype(np.int64)),
+    }
+
+
+def median_threshold(u: torch.Tensor, gate: ops.QWeight, act: str) -> float:
+    """A threshold that leaves about half of the neurons active for u."""
+    a = ops.act(act, sparse.decode_rows(gate, None) @ u.reshape(-1))
+    return float(a.abs().median())
+
+
+def unfused(u, gate, up, down_t, cand, threshold, act, relu_up, kc):
+    """The row ops the kernel fuses: (y (1, D), active ids)."""
+    g = sparse.rows_matmul(u, gate, cand, kc) if cand is not None else ops.linear(u, gate, kc)
+    a = ops.act(act, g)
+    keep = (a.abs() > threshold).view(-1)
+    pos = keep.nonzero().view(-1)
+    rows = pos if cand is None else cand[pos]
+    v = sparse.rows_matmul(u, up, rows, kc)
+    h = a[:, pos] * (torch.relu(v) if relu_up else v)
+    return sparse.rows_axpy(h, down_t, rows, kc), rows
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+def test_cats_kernel_equals_row_ops_bitwise(ggml_type, isa, act):
+    kc = ops.KernelContext(act_precision=act, isa=isa)
+    for types in ffn_cases(ggml_type):
+        for (n_in, n_out), n_rows in itertools.product(ffn_shapes(types), [7, 70]):
+            gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
+            u = make_x(1, n_in)
+            t = median_threshold(u, gate, "relu")
+            scratch = torch.empty(ops.cats_scratch_bytes(n_rows, n_in), dtype=torch.uint8)
+            for (name, cand), relu_up in itertools.product(candidates(n_rows).items(), [False, True]):
+                where = (
+                    f"{[t.name for t in types]} {isa} {act} N={n_rows} K={n_in} D={n_out} {name} {relu_up}"
+                )
+                y, n_active = ops.cats_ffn(u, gate, up, down_t, cand, t, "relu", relu_up, kc, scratch=scratch)
+                y_ref, rows = unfused(u, gate, up, down_t, cand, t, "relu", relu_up, kc)
+                assert n_active == rows.numel(), where
+                assert torch.equal(y, y_ref), where
+
+
+@needs_kernels
+@pytest.mark.parametrize("act_name", ["silu", "gelu", "gelu_tanh"])
+def test_cats_kernel_libm_activations(act_name):
+    # the kernel's activations are libm in torch's formulas: within ACT_TOL * |g| of torch's (measured in
+    # tests/test_sparse_ops.py); the active set is the same except neurons that close to the threshold
+    kc = ops.KernelContext()
+    gate, up, down_t = ffn_weights((GGMLType.Q8_0,) * 3, 300, 576, 544)
+    for seed in range(4):
+        u = make_x(1, 576, seed=seed)
+        t = median_threshold(u, gate, act_name)
+        y, n_active = ops.cats_ffn(u, gate, up, down_t, None, t, act_name, False, kc)
+        g = ops.linear(u, gate, kc)
+        a = ops.act(act_name, g)
+        v = ops.linear(u, up, kc)
+        borderline = ((a.abs() - t).abs() <= ACT_TOL * g.abs()).view(-1)
+        keep = (a.abs() > t).view(-1)
+        assert abs(n_active - int(keep.sum())) <= int(borderline.sum()), seed
+        h = (a * v * keep).double()
+        wd = sparse.decode_rows(down_t, None).double()
+        err_h = (ACT_TOL * g.abs() * v.abs() + 1e-6 * h.abs()).double()
+        if borderline.any():  # a borderline neuron may be in or out: its whole h is allowed
+            err_h += (a * v).abs().double() * borderline
+        bound = err_h @ wd.abs() + 1e-6 * (h.abs() @ wd.abs()) + 1e-30
+        assert ((y.double() - h @ wd).abs() <= bound).all(), seed
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
+    # float bounds as tests/test_sparse_ops.py's ffn_rows test (1e-5 of |u| @ |W|^T on g and v, propagated);
+    # the mask is the one the reference derives from its float64 gate, so neurons whose |act| is within the
+    # gate's error bound of the threshold are excluded from the comparison (they may fall either way)
+    kc = ops.KernelContext(act_precision=act)
+    for types in ffn_cases(ggml_type):
+        for (n_in, n_out), n_rows in itertools.product(ffn_shapes(types), [70]):
+            gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
+            x = make_x(n_tokens, n_in)
+            t = median_threshold(x[0], gate, "relu")
+            for (name, cand), relu_up in itertools.product(candidates(n_rows).items(), [False, True]):
+                where = f"{[t.name for t in types]} {act} T={n_tokens} N={n_rows} K={n_in} {name} {relu_up}"
+                y, n_active = ops.cats_ffn(x, gate, up, down_t, cand, t, "relu", relu_up, kc)
+                assert y.shape == (n_tokens, n_out) and y.dtype == torch.float32, where
+                wg, wu, wd = (sparse.decode_rows(w, cand).double() for w in (gate, up, down_t))
+                xg = fake_quant_act(x) if act == "q8" and types[0] in QUANT_TYPES else x
+                xu = fake_quant_act(x) if act == "q8" and types[1] in QUANT_TYPES else x
+                g, v = xg.double() @ wg.T, xu.double() @ wu.T
+                sg, sv = xg.double().abs() @ wg.abs().T, xu.double().abs() @ wu.abs().T
+                a = torch.relu(g)
+                keep = a > t
+                unsure = (a - t).abs() <= 1e-5 * sg
+                gv = torch.relu(v) if relu_up else v
+                h = a * gv * keep
+                err_h = 1e-5 * (sg * gv.abs() + a.abs() * sv + 1e-5 * sg * sv) + 1e-6 * h.abs()
+                err_h = err_h + (a * gv).abs() * unsure
+                bound = (err_h + 1e-5 * h.abs()) @ wd.abs() + 1e-30
+                assert ((y.double() - h @ wd).abs() <= bound).all(), where
+                assert abs(n_active - int(keep.sum())) <= int(unsure.sum()), where
+                if act == "f32":
+                    y_ref, mask = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t, "relu", relu_up)
+                    assert ((y_ref.double() - h @ wd).abs() <= bound).all(), where
+
+
+@needs_kernels
+def test_cats_prefill_branches_match_decode():
+    # T > 1 runs the row ops with per-token masks: the same values per token as the kernel for that token alone
+    # (dense-union branch with a low threshold, sparse-union branch with a high one)
+    kc = ops.KernelContext()
+    gate, up, down_t = ffn_weights((GGMLType.Q4_0,) * 3, 200, 256, 128)
+    x = make_x(5, 256)
+    for t in (1e-3, 2.0):
+        y, n_active = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc)
+        rows = [ops.cats_ffn(x[i : i + 1], gate, up, down_t, None, t, "silu", False, kc) for i in range(5)]
+        assert n_active == sum(n for _, n in rows)
+        for i, (yi, _) in enumerate(rows):
+            assert torch.allclose(y[i], yi[0], rtol=1e-5, atol=1e-5 * float(yi.abs().max()) + 1e-30), (t, i)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.F16, GGMLType.Q5_1], ids=lambda t: t.name)
+def test_cats_independent_of_threads(ggml_type, act):
+    gate, up, down_t = ffn_weights((ggml_type,) * 3, 600, 576, 544)
+    u = make_x(1, 576)
+    t = median_threshold(u, gate, "silu")
+    for name, cand in candidates(600).items():
+        results = [
+            ops.cats_ffn(
+                u, gate, up, down_t, cand, t, "silu", False, ops.KernelContext(n_threads=n, act_precision=act)
+            )
+            for n in (1, 2, 3)
+        ]
+        assert all(torch.equal(r[0], results[0][0]) and r[1] == results[0][1] for r in results[1:]), name
+
+
+@needs_kernels
+def test_cats_threshold_extremes():
+    kc = ops.KernelContext()
+    gate, up, down_t = ffn_weights((GGMLType.Q8_0,) * 3, 64, 64, 32)
+    u = make_x(1, 64)
+    # a negative threshold keeps every neuron: the dense FFN over down_t
+    y, n_active = ops.cats_ffn(u, gate, up, down_t, None, -1.0, "silu", False, kc)
+    dense = sparse.rows_axpy(
+        ops.gated(ops.linear(u, gate, kc), ops.linear(u, up, kc), "silu", False), down_t, None, kc
+    )
+    assert n_active == 64
+    assert torch.allclose(y, dense, rtol=1e-5, atol=1e-5 * float(dense.abs().max()))
+    # an infinite threshold keeps none
+    y, n_active = ops.cats_ffn(u, gate, up, down_t, None, float("inf"), "silu", False, kc)
+    assert n_active == 0 and torch.equal(y, torch.zeros(1, 32))
+
+
+@needs_kernels
+def test_cats_validation():
+    gate, up, down_t = ffn_weights((GGMLType.Q8_0,) * 3, 20, 64, 32)
+    u = make_x(1, 64)
+    for bad in ([20], [-1], [0, 25]):
+        with pytest.raises(IndexError):
+            ops.cats_ffn(u, gate, up, down_t, torch.tensor(bad), 0.1, "silu", False)
+    with pytest.raises(ValueError, match="NaN"):
+        ops.cats_ffn(u, gate, up, down_t, None, float("nan"), "silu", False)
+    with pytest.raises(ValueError, match="features"):
+        ops.cats_ffn(make_x(1, 32), gate, up, down_t, None, 0.1, "silu", False)
+    with pytest.raises(ValueError, match="activation"):
+        ops.cats_ffn(u, gate, up, down_t, None, 0.1, "tanh", False)
+    tiny = torch.empty(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="scratch"):
+        ops.cats_ffn(u, gate, up, down_t, None, 0.1, "silu", False, scratch=tiny)
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 4])
+def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens):
+    # the hot part (pool rows on the CPU stand-in, threshold decided there) plus the CPU part over the other
+    # neurons equals the whole layer computed on the CPU
+    from powerinfer.runtime.pool import HotRows
+
+    kc = ops.KernelContext()
+    n_rows = 128
+    gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 256)
+    x = make_x(n_tokens, 256)
+    t = median_threshold(x[0], gate, "silu")
+    hot_ids = np.sort(np.random.default_rng(5).permutation(n_rows)[:40])
+    hot = HotRows(gate, up, down_t, hot_ids, torch.device("cpu"), kc)
+    cold = torch.ones(n_rows, dtype=torch.bool)
+    cold[torch.from_numpy(hot_ids)] = False
+    y_hot, n_hot = hot.launch_threshold(x, t, "silu", False)
+    hot.wait()
+    y_cpu, n_cpu = ops.cats_ffn(x, gate, up, down_t, cold.nonzero().view(-1), t, "silu", False, kc)
+    y_all, n_all = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc)
+    scale = float(y_all.abs().max())
+    assert abs(int(n_hot) + n_cpu - n_all) <= 1
+    assert torch.allclose(y_hot + y_cpu, y_all, rtol=1e-4, atol=1e-5 * scale)
