@@ -377,6 +377,8 @@ typedef struct {
     float *a;          /* C entries: act(gate) then h of the active rows, per-thread slices before compaction */
 } cats_ctx;
 
+#define CATS_UP_AHEAD 16 /* active neurons whose up rows are prefetched before the oldest are computed */
+
 static inline int64_t cats_row(const cats_ctx *k, int64_t i) { return k->cand == NULL ? i : k->cand[i]; }
 
 /* up rows of pending[0..n) (positions in this thread's slice), h = a * up */
@@ -391,36 +393,38 @@ static void cats_flush_up(const cats_ctx *k, const int64_t *pending, int n) {
     }
 }
 
-/* candidates [i0, i1) of this thread: gate, threshold, up of the active ones; returns the number active (their
- * rows at idx[i0..), their h at a[i0..)) */
+/* candidates [i0, i1) of this thread: the gate rows and the threshold first (one stream through the gate), then
+ * the up rows of the active ones (a second stream, prefetched CATS_UP_AHEAD rows ahead); returns the number
+ * active (their rows at idx[i0..), their h at a[i0..)) */
 static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1) {
     const ffn_ctx *c = &k->c;
     int64_t n_act = 0;
-    int64_t pending[ROWS_DOT_MAX];
-    int n_pending = 0;
     for (int64_t i = i0; i < i1; i += ROWS_DOT_MAX) {
         const int R = (int)min_i64(ROWS_DOT_MAX, i1 - i);
         const uint8_t *rows[ROWS_DOT_MAX];
         float g[ROWS_DOT_MAX];
-        for (int64_t j = i + 2 * ROWS_DOT_MAX; j < min_i64(i + 3 * ROWS_DOT_MAX, i1); j++)
-            prefetch_bytes(c->gate.w + cats_row(k, j) * c->gate.stride, c->gate.row_bytes);
+        if (k->cand != NULL) /* a candidate list skips rows: fetch ahead (consecutive rows stream by themselves) */
+            for (int64_t j = i + 2 * ROWS_DOT_MAX; j < min_i64(i + 3 * ROWS_DOT_MAX, i1); j++)
+                prefetch_bytes(c->gate.w + cats_row(k, j) * c->gate.stride, c->gate.row_bytes);
         for (int r = 0; r < R; r++) rows[r] = c->gate.w + cats_row(k, i + r) * c->gate.stride;
         ffn_dot(&c->gate, rows, R, c, g);
         for (int r = 0; r < R; r++) {
             const float a = ffn_act(c->act, g[r]);
             if (!(fabsf(a) > k->threshold)) continue;
-            const int64_t at = i0 + n_act++;
-            k->idx[at] = cats_row(k, i + r);
-            k->a[at] = a;
-            prefetch_bytes(c->up.w + k->idx[at] * c->up.stride, c->up.row_bytes);
-            pending[n_pending++] = at;
-            if (n_pending == ROWS_DOT_MAX) {
-                cats_flush_up(k, pending, n_pending);
-                n_pending = 0;
-            }
+            k->idx[i0 + n_act] = cats_row(k, i + r);
+            k->a[i0 + n_act++] = a;
         }
     }
-    if (n_pending > 0) cats_flush_up(k, pending, n_pending);
+    int64_t pending[ROWS_DOT_MAX];
+    for (int64_t p = 0; p < min_i64(CATS_UP_AHEAD, n_act); p++)
+        prefetch_bytes(c->up.w + k->idx[i0 + p] * c->up.stride, c->up.row_bytes);
+    for (int64_t p = 0; p < n_act; p += ROWS_DOT_MAX) {
+        const int R = (int)min_i64(ROWS_DOT_MAX, n_act - p);
+        for (int64_t q = p + CATS_UP_AHEAD; q < min_i64(p + CATS_UP_AHEAD + ROWS_DOT_MAX, n_act); q++)
+            prefetch_bytes(c->up.w + k->idx[i0 + q] * c->up.stride, c->up.row_bytes);
+        for (int r = 0; r < R; r++) pending[r] = i0 + p + r;
+        cats_flush_up(k, pending, R);
+    }
     return n_act;
 }
 

@@ -13,6 +13,7 @@
 
 #define AXPY_UNIT 32   /* elements per work unit along D: one quant block, or 32 floats of an F32/F16 row */
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
+#define AXPY_AHEAD 2   /* T = 1: groups of rows prefetched ahead */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
 enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4, KIND_BF16 = 5,

@@ -177,10 +177,14 @@ TARGET_INLINE void FN(axpy_t1)(const int kind, const axpy_ctx *c, int64_t u0, in
         const uint8_t *const *rows = c->act_rows + g;
         SV hv[AXPY_GROUP];
         for (int r = 0; r < n; r++) hv[r] = SV_SET1(c->act_h[g + r]);
-        const int n_next = (int)min_i64(AXPY_GROUP, c->n_act - g - n);
-        for (int r = 0; r < n_next; r++) prefetch_bytes(rows[n + r] + u0 * c->unit_bytes, (u1 - u0) * c->unit_bytes);
+        /* the rows AXPY_AHEAD groups ahead, fetched a unit at a time as this group walks its units: a steady
+         * stream of prefetches instead of a burst the line fill buffers would drop */
+        const int64_t ahead = g + AXPY_AHEAD * AXPY_GROUP;
+        const int n_ahead = ahead < c->n_act ? (int)min_i64(AXPY_GROUP, c->n_act - ahead) : 0;
+        const uint8_t *const *rows_ahead = c->act_rows + (ahead < c->n_act ? ahead : 0);
         for (int64_t u = u0; u < u1; u++) {
             float *yu = y + u * AXPY_UNIT;
+            for (int r = 0; r < n_ahead; r++) __builtin_prefetch(rows_ahead[r] + u * c->unit_bytes, 0, 3);
             SV acc[SV_PER_UNIT];
             for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + j * SV_N);
             for (int r = 0; r < n; r++) {

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from enum import Enum
 from pathlib import Path
 from types import FrameType
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
 from powerinfer.errors import InputError, PlacementError, PowerInferError
 from powerinfer.printable import printable
@@ -31,6 +33,7 @@ from powerinfer.textfile import MAX_TEXT_BYTES, read_text_file  # noqa: F401 - r
 if TYPE_CHECKING:
     from powerinfer.runtime.engine import EngineOptions
     from powerinfer.sampling import SamplingParams
+    from powerinfer.sparsify import SparsifyOptions, SparsifyResult
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +119,6 @@ def resolve_model(path: Path | None) -> Path:
         opts = default_sparse_options(src)
         if is_ready(opts):
             return Path(opts.output)
-        from powerinfer.cli.sparsify import sparsify_with_progress
-
         err_console.print(
             f"first run: making the default sparse SmolLM2 (once) in {opts.output.parent}", markup=False
         )
@@ -420,3 +421,43 @@ def run_guarded(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         where = f": {printable(str(e.filename))}" if e.filename else ""
         print_error(f"{e.strerror or e}{where}")
         raise typer.Exit(code=1) from None
+
+
+def progress_bar(description: str = "{task.description}", unit: str = "{task.fields[unit]}") -> Progress:
+    """A transient progress bar on stderr: description, bar, done/total, unit, ETA (rich column templates)."""
+    return Progress(
+        TextColumn(description),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeRemainingColumn(),
+        console=err_console,
+        transient=True,
+    )
+
+
+STAGES = {
+    "calibrate": ("calibrating", "tokens"),
+    "allocate": ("error curves", "layers"),
+    "threshold": ("thresholds", "layers"),
+    "write": ("writing ffn_down_t", "layers"),
+}
+
+
+def sparsify_with_progress(opts: SparsifyOptions) -> SparsifyResult:
+    """run_sparsify with a progress bar per stage on stderr (ETA included)."""
+    from powerinfer.sparsify import run_sparsify  # torch-heavy: imported when the command runs
+
+    with ExitStack() as stack:  # the bars start with the first progress event: a refusal prints one line
+        bars: list[Progress] = []
+        tasks: dict[str, TaskID] = {}
+
+        def on_progress(stage: str, done: int, total: int) -> None:
+            if not bars:
+                bars.append(stack.enter_context(progress_bar()))
+            if stage not in tasks:
+                description, unit = STAGES.get(stage, (stage, ""))
+                tasks[stage] = bars[0].add_task(description, total=total, unit=unit)
+            bars[0].update(tasks[stage], completed=done, total=total)
+
+        return run_sparsify(opts, on_progress)

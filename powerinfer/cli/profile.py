@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress
 from rich.table import Table
 
 from powerinfer.cli.common import (
@@ -17,6 +17,7 @@ from powerinfer.cli.common import (
     ModelOpt,
     ThreadsOpt,
     err_console,
+    progress_bar,
     resolve_model,
     run_guarded,
     setup_logging,
@@ -31,15 +32,7 @@ CorpusOpt = Annotated[
 
 def token_progress(description: str) -> Progress:
     """A progress bar over tokens on stderr."""
-    return Progress(
-        TextColumn(description),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("tokens"),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-    )
+    return progress_bar(description, "tokens")
 
 
 def profile_table(profile: ActivationProfile) -> Table:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from contextlib import ExitStack
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from powerinfer.cli.common import (
@@ -21,12 +19,13 @@ from powerinfer.cli.common import (
     resolve_model,
     run_guarded,
     setup_logging,
+    sparsify_with_progress,
     threads,
 )
 from powerinfer.cli.profile import CorpusOpt
 
 if TYPE_CHECKING:
-    from powerinfer.sparsify import SparsifyOptions, SparsifyResult
+    from powerinfer.sparsify import SparsifyResult
 
 
 class Method(str, Enum):
@@ -38,46 +37,6 @@ class Method(str, Enum):
 class Allocation(str, Enum):
     greedy = "greedy"
     uniform = "uniform"
-
-
-STAGES = {
-    "calibrate": ("calibrating", "tokens"),
-    "allocate": ("error curves", "layers"),
-    "threshold": ("thresholds", "layers"),
-    "write": ("writing ffn_down_t", "layers"),
-}
-
-
-def sparsify_with_progress(opts: SparsifyOptions) -> SparsifyResult:
-    """run_sparsify with a progress bar per stage on stderr (ETA included)."""
-    from powerinfer.sparsify import run_sparsify  # torch-heavy: imported when the command runs
-
-    with ExitStack() as stack:  # the bars start with the first progress event: a refusal prints one line
-        bars: list[Progress] = []
-        tasks: dict[str, TaskID] = {}
-
-        def on_progress(stage: str, done: int, total: int) -> None:
-            if not bars:
-                bars.append(stack.enter_context(stage_progress()))
-            if stage not in tasks:
-                description, unit = STAGES.get(stage, (stage, ""))
-                tasks[stage] = bars[0].add_task(description, total=total, unit=unit)
-            bars[0].update(tasks[stage], completed=done, total=total)
-
-        return run_sparsify(opts, on_progress)
-
-
-def stage_progress() -> Progress:
-    """Progress bars on stderr, one per stage, each with its unit (tokens or layers) and an ETA."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("{task.fields[unit]}"),
-        TimeRemainingColumn(),
-        console=err_console,
-        transient=True,
-    )
 
 
 def sparsity_table(result: SparsifyResult) -> Table:

@@ -58,6 +58,14 @@ class SparseStats:
         self.true_hit = np.zeros(n_layer, dtype=np.int64)
 
 
+def check_sparse_spec(spec: FFNSpec) -> None:
+    """Sparse FFNs compute gated FFNs without biases (gate, up, down_t); ConfigError otherwise."""
+    if not spec.gated:
+        raise ConfigError("sparse FFNs need a gated FFN (gate, up, down_t); this model's FFN has no gate")
+    if spec.bias:
+        raise ConfigError("sparse FFNs with biases are not supported")
+
+
 class Selector(Protocol):
     """Decides the active neurons of a layer per token."""
 
@@ -118,10 +126,7 @@ class SparseFFN:
         kc: ops.KernelContext,
         workspace: Workspace | None = None,
     ) -> None:
-        if not spec.gated:
-            raise ConfigError("sparse FFNs need a gated FFN (gate, up, down_t); this model's FFN has no gate")
-        if spec.bias:
-            raise ConfigError("sparse FFNs with biases are not supported")
+        check_sparse_spec(spec)
         self.spec, self.bid, self.selector = spec, bid, selector
         self.gate, self.up, self.down_t = gate, up, down_t  # (n_ff, D) each, down_t transposed
         self.hot, self.stats, self.kc = hot, stats, kc
@@ -235,10 +240,7 @@ class ThresholdFFN:
         kc: ops.KernelContext,
         workspace: Workspace | None = None,
     ) -> None:
-        if not spec.gated:
-            raise ConfigError("sparse FFNs need a gated FFN (gate, up, down_t); this model's FFN has no gate")
-        if spec.bias:
-            raise ConfigError("sparse FFNs with biases are not supported")
+        check_sparse_spec(spec)
         if threshold != threshold:
             raise ConfigError(f"layer {bid}: the sparsity threshold is NaN")
         self.spec, self.bid, self.threshold = spec, bid, float(threshold)

@@ -17,6 +17,7 @@ import torch
 from powerinfer import ops
 from powerinfer.errors import ConfigError
 from powerinfer.model.blocks import DenseFFN
+from powerinfer.profile.collect import run_windows
 from powerinfer.runtime.engine import Engine
 
 SAMPLE_BUDGET_BYTES = 1 << 30  # float16 FFN inputs kept over all layers
@@ -108,13 +109,7 @@ def calibrate(engine: Engine, windows: list[list[int]], progress: Progress | Non
     model = engine.model
     model.observers.append(recorder)
     try:
-        done = 0
-        for w in windows:
-            engine.reset()
-            engine.eval(w)
-            done += len(w)
-            if progress is not None:
-                progress(done, n_tokens)
+        run_windows(engine, windows, progress)
     finally:
         model.observers.remove(recorder)
     if any(seen != n_tokens for seen in recorder.seen):
