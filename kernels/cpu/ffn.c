@@ -157,6 +157,18 @@ static size_t ffn_rows_scratch(int64_t M, int64_t K, int q8) {
     return h_bytes + (q8 ? align_up((size_t)K) + align_up((size_t)(K / QK) * 12) : 0);
 }
 
+/* u (K,) quantised once into int8 blocks at q (the tail of ffn_rows_scratch: K int8, then nb scales and sums) for
+ * the "q8" precision's dot products of gate and up */
+static void ffn_quantize_u(const matmul_table *table, const float *u, int64_t K, uint8_t *q, act_q8 *a) {
+    const int64_t nb = K / QK;
+    a->qs = (int8_t *)q;
+    a->ds = (float *)(q + align_up((size_t)K));
+    a->isum = (int32_t *)(a->ds + 2 * nb);
+    a->K = K;
+    a->nb = nb;
+    table->quantize_act(u, nb, a->qs, a->ds, a->isum);
+}
+
 /* Bytes of scratch pi_ffn_rows needs for up to M neurons of K inputs (q8_act: the int8 activation precision),
  * the alignment slack included; -1 for negative sizes. */
 PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act) {
@@ -205,18 +217,9 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
     const int32_t level = pi_isa_clamp(isa);
     const matmul_table *table = matmul_table_for(level);
     const int32_t nt = threads_for_work(n_threads, M * (2 * K + D));
-    const int64_t nb = K / QK;
     float *h = (float *)buf;
     act_q8 a = {0};
-    if (need_q8) {
-        uint8_t *q = buf + align_up((size_t)M * 4);
-        a.qs = (int8_t *)q;
-        a.ds = (float *)(q + align_up((size_t)K));
-        a.isum = (int32_t *)(a.ds + 2 * nb);
-        a.K = K;
-        a.nb = nb;
-        table->quantize_act(u, nb, a.qs, a.ds, a.isum);
-    }
+    if (need_q8) ffn_quantize_u(table, u, K, buf + align_up((size_t)M * 4), &a);
     const ffn_ctx c = {
         .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
         .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
@@ -472,18 +475,9 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     const int32_t level = pi_isa_clamp(isa);
     const matmul_table *table = matmul_table_for(level);
     const int32_t nt = threads_for_work(n_threads, C * (2 * K + D));
-    const int64_t nb = K / QK;
     float *a_buf = (float *)buf;
     act_q8 aq = {0};
-    if (need_q8) {
-        uint8_t *q = buf + align_up((size_t)C * 4);
-        aq.qs = (int8_t *)q;
-        aq.ds = (float *)(q + align_up((size_t)K));
-        aq.isum = (int32_t *)(aq.ds + 2 * nb);
-        aq.K = K;
-        aq.nb = nb;
-        table->quantize_act(u, nb, aq.qs, aq.ds, aq.isum);
-    }
+    if (need_q8) ffn_quantize_u(table, u, K, buf + align_up((size_t)C * 4), &aq);
     int64_t counts[PI_MAX_THREADS];
     cats_ctx k = {
         .c = {
