@@ -55,6 +55,8 @@ def unfused(u, gate, up, down_t, cand, threshold, act, relu_up, kc):
     """The row ops the kernel fuses: (y (1, D), active ids)."""
     g = sparse.rows_matmul(u, gate, cand, kc) if cand is not None else ops.linear(u, gate, kc)
     a = ops.act(act, g)
+    if isinstance(threshold, torch.Tensor):  # one per row of the weights
+        threshold = threshold if cand is None else threshold[cand]
     keep = (a.abs() > threshold).view(-1)
     pos = keep.nonzero().view(-1)
     rows = pos if cand is None else cand[pos]
@@ -71,9 +73,13 @@ def test_cats_kernel_equals_row_ops_bitwise(ggml_type, isa, act):
         for (n_in, n_out), n_rows in itertools.product(ffn_shapes(types), [7, 70]):
             gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
             u = make_x(1, n_in)
-            t = median_threshold(u, gate, "relu")
+            t_one = median_threshold(u, gate, "relu")
+            # one value for every row, and one per row around it
+            t_rows = t_one * torch.from_numpy(np.random.default_rng(n_rows).uniform(0.3, 1.7, n_rows)).float()
             scratch = torch.empty(ops.cats_scratch_bytes(n_rows, n_in), dtype=torch.uint8)
-            for (name, cand), relu_up in itertools.product(candidates(n_rows).items(), [False, True]):
+            for (name, cand), relu_up, t in itertools.product(
+                candidates(n_rows).items(), [False, True], [t_one, t_rows]
+            ):
                 where = (
                     f"{[t.name for t in types]} {isa} {act} N={n_rows} K={n_in} D={n_out} {name} {relu_up}"
                 )
@@ -144,6 +150,38 @@ def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
                 if act == "f32":
                     y_ref, mask = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t, "relu", relu_up)
                     assert ((y_ref.double() - h @ wd).abs() <= bound).all(), where
+
+
+@needs_kernels
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_tokens", [1, 3])
+def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
+    # one threshold per neuron (sparsify's files) and tokens forced dense (a sequence's first position): the
+    # kernel (T = 1) and the row ops (T > 1) against the masked dense reference; errors measured <= 2e-6 of
+    # the output scale, bound 1e-4 (a wrong mask moves whole neurons' h, far above it)
+    kc = ops.KernelContext()
+    n_rows = 90
+    gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 128)
+    x = make_x(n_tokens, 256)
+    t_rows = (
+        median_threshold(x[0], gate, "relu")
+        * torch.from_numpy(np.random.default_rng(7).uniform(0.3, 1.7, n_rows)).float()
+    )
+    dense_first = torch.zeros(n_tokens, dtype=torch.bool)
+    dense_first[0] = True
+    for (name, cand), dense_rows in itertools.product(candidates(n_rows).items(), [None, dense_first]):
+        where = f"{ggml_type.name} T={n_tokens} {name} dense={dense_rows is not None}"
+        y, n_active = ops.cats_ffn(
+            x, gate, up, down_t, cand, t_rows, "relu", False, kc, dense_rows=dense_rows
+        )
+        y_ref, mask = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t_rows, "relu", False, dense_rows)
+        scale = float(y_ref.abs().max()) + 1e-30
+        assert n_active == int(mask.sum()), where
+        assert torch.allclose(y, y_ref, rtol=0, atol=1e-4 * scale), where
+        if dense_rows is not None and name == "all":  # the dense token is the dense FFN for that token
+            y_dense, n_dense = ops.cats_ffn(x[:1], gate, up, down_t, None, -1.0, "relu", False, kc)
+            assert torch.allclose(y[:1], y_dense, rtol=0, atol=1e-5 * scale), where
+            assert bool(mask[0].all()), where
 
 
 @needs_kernels
@@ -224,15 +262,22 @@ def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens):
     n_rows = 128
     gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 256)
     x = make_x(n_tokens, 256)
-    t = median_threshold(x[0], gate, "silu")
+    t = (
+        median_threshold(x[0], gate, "silu")
+        * torch.from_numpy(np.random.default_rng(6).uniform(0.5, 1.5, n_rows)).float()
+    )  # one per neuron
     hot_ids = np.sort(np.random.default_rng(5).permutation(n_rows)[:40])
     hot = HotRows(gate, up, down_t, hot_ids, torch.device("cpu"), kc)
     cold = torch.ones(n_rows, dtype=torch.bool)
     cold[torch.from_numpy(hot_ids)] = False
-    y_hot, n_hot = hot.launch_threshold(x, t, "silu", False)
+    dense_rows = torch.zeros(n_tokens, dtype=torch.bool)
+    dense_rows[-1] = True  # the last token computed densely on both sides
+    y_hot, n_hot = hot.launch_threshold(x, t[torch.from_numpy(hot_ids)], dense_rows, "silu", False)
     hot.wait()
-    y_cpu, n_cpu = ops.cats_ffn(x, gate, up, down_t, cold.nonzero().view(-1), t, "silu", False, kc)
-    y_all, n_all = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc)
+    y_cpu, n_cpu = ops.cats_ffn(
+        x, gate, up, down_t, cold.nonzero().view(-1), t, "silu", False, kc, dense_rows=dense_rows
+    )
+    y_all, n_all = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc, dense_rows=dense_rows)
     scale = float(y_all.abs().max())
     assert abs(int(n_hot) + n_cpu - n_all) <= 1
     assert torch.allclose(y_hot + y_cpu, y_all, rtol=1e-4, atol=1e-5 * scale)

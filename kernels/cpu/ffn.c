@@ -362,7 +362,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
 /* ---- CATS: dense gate, threshold on |act(gate)|, then only the active up and down rows ------------------------ */
 
 /* pi_cats_ffn computes, for one token u (K,) over the candidate neurons cand[0..C) (NULL: all N rows, C == N):
- *   a_n = act(gate_n . u),  active = {n : |a_n| > threshold} in candidate order (written to idx, count to
+ *   a_n = act(gate_n . u),  active = {n : |a_n| > thresholds[n]} in candidate order (written to idx, count to
  *   *n_active),  h_n = a_n * (relu(up_n . u) if relu_up else up_n . u),  y = sum_{n active} h_n down_t[n]
  * Phase 1: the candidates split in contiguous ranges over threads; each thread computes its gate rows
  *   (ROWS_DOT_MAX at a time, the dot products of rows_matmul for the precision), thresholds them, and computes
@@ -375,7 +375,7 @@ typedef struct {
     ffn_ctx c;        /* c.idx and c.h: the compacted active list and h; c.M its length */
     const int64_t *cand; /* NULL: rows 0..C) */
     int64_t C;
-    float threshold;
+    const float *thresholds; /* N entries, by row (a NaN never passes) */
     int64_t *idx;      /* C entries: the active rows, per-thread slices before compaction */
     float *a;          /* C entries: act(gate) then h of the active rows, per-thread slices before compaction */
 } cats_ctx;
@@ -413,8 +413,9 @@ static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1) {
         ffn_dot(&c->gate, rows, R, c, g);
         for (int r = 0; r < R; r++) {
             const float a = ffn_act(c->act, g[r]);
-            if (!(fabsf(a) > k->threshold)) continue;
-            k->idx[i0 + n_act] = cats_row(k, i + r);
+            const int64_t row = cats_row(k, i + r);
+            if (!(fabsf(a) > k->thresholds[row])) continue;
+            k->idx[i0 + n_act] = row;
             k->a[i0 + n_act++] = a;
         }
     }
@@ -442,19 +443,20 @@ PI_EXPORT int64_t pi_cats_ffn_scratch_bytes(int64_t C, int64_t K, int32_t q8_act
 }
 
 /* pi_cats_ffn(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
- *             cand, C, threshold, act, relu_up, q8_act, idx, n_active, y, scratch, scratch_bytes, threads, isa):
- * as described above; kinds and act as for pi_ffn_rows; cand: C candidate rows in [0, N) (NULL: all rows,
+ *             cand, C, thresholds, act, relu_up, q8_act, idx, n_active, y, scratch, scratch_bytes, threads, isa):
+ * as described above; kinds and act as for pi_ffn_rows; thresholds: N floats, one per row; cand: C candidate
+ * rows in [0, N) (NULL: all rows,
  * C must equal N); idx must hold C entries. scratch: at least pi_cats_ffn_scratch_bytes(C, K, q8_act) bytes,
  * else PI_ERR_SCRATCH. */
 PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
                               int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
                               int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
-                              const int64_t *cand, int64_t C, float threshold, int32_t act, int32_t relu_up,
+                              const int64_t *cand, int64_t C, const float *thresholds, int32_t act, int32_t relu_up,
                               int32_t q8_act, int64_t *idx, int64_t *n_active, float *y, void *scratch,
                               int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
     if (K < 0 || D < 0 || N < 0 || C < 0 || act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
-    if (y == NULL || n_active == NULL || (C > 0 && (u == NULL || idx == NULL))) return PI_ERR_SHAPE;
-    if (threshold != threshold) return PI_ERR_SHAPE; /* NaN */
+    if (y == NULL || n_active == NULL || (C > 0 && (u == NULL || idx == NULL || thresholds == NULL)))
+        return PI_ERR_SHAPE;
     const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
     const int64_t lens[3] = {K, K, D}, strides[3] = {gate_stride, up_stride, down_stride};
     const uint8_t *weights[3] = {gate, up, down};
@@ -490,7 +492,7 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
             .kind_down = down_kind,
             .units = axpy_units_for(level),
         },
-        .cand = cand, .C = C, .threshold = threshold, .idx = idx, .a = a_buf,
+        .cand = cand, .C = C, .thresholds = thresholds, .idx = idx, .a = a_buf,
     };
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {

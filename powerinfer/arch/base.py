@@ -199,7 +199,8 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     """A layer's gated FFN from the standard tensor names: sparse when the source asks for a selector.
 
     PowerInfer files hold ffn_down_t (n_ff, n_embd) instead of ffn_down; predictors fc1 (r, n_embd), fc2 (n_ff, r)
-    ("predictor"); "cats" files (`powerinfer sparsify`) one threshold on |act(gate)| per layer instead.
+    ("predictor"); "cats" files (`powerinfer sparsify`) thresholds on |act(gate)| instead: one per neuron
+    (blk.N.ffn_act_threshold) or, in files without that tensor, the layer's one value for every neuron.
     """
     c, kc = config, src.kc
     gate_name, up_name = TensorNames.FFN_GATE.format(bid=bid), TensorNames.FFN_UP.format(bid=bid)
@@ -225,8 +226,14 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
         gate, up = src.host_matrix(gate_name, shape), src.host_matrix(up_name, shape)
         down_t = src.host_matrix(down_t_name, shape)
         hot = src.hot_rows(bid, gate, up, down_t)
-        threshold = c.sparse_thresholds[bid]
-        return ThresholdFFN(c.ffn, bid, threshold, gate, up, down_t, hot, src.stats, kc, src.workspace)
+        thr_name = TensorNames.FFN_ACT_THRESHOLD.format(bid=bid)
+        if src.has(thr_name):
+            thresholds = src.vector(thr_name, c.n_ff).to("cpu")
+            if bool(thresholds.isnan().any()):
+                raise FormatError(f"tensor '{thr_name}' holds NaN")
+        else:
+            thresholds = torch.full((c.n_ff,), c.sparse_thresholds[bid], dtype=torch.float32)
+        return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace)
     if src.sparsity.selector != "none":
         raise ConfigError(f"unknown sparsity selector '{src.sparsity.selector}'")
     gate, up = src.matrix(gate_name, shape), src.matrix(up_name, shape)

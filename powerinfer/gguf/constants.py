@@ -122,6 +122,7 @@ class TensorNames:
     FFN_UP = "blk.{bid}.ffn_up.weight"
     FFN_DOWN = "blk.{bid}.ffn_down.weight"
     FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"
+    FFN_ACT_THRESHOLD = "blk.{bid}.ffn_act_threshold"  # F32 (n_ff,): per-neuron |act(gate)| thresholds (cats)
     PRED_FC1 = "blk.{bid}.fc1.weight"
     PRED_FC2 = "blk.{bid}.fc2.weight"
     GPU_IDX = "blk.{bid}.gpu_idx"

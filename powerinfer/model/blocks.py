@@ -275,7 +275,12 @@ class Attention:
 
 
 class FFN(Protocol):
-    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor: ...
+    """A layer's FFN: x_norm (T, D) the normed input, x_residual the residual it is added to, batch the step's
+    tokens and positions (None outside a model step)."""
+
+    def __call__(
+        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor: ...
 
 
 class DenseFFN:
@@ -309,7 +314,9 @@ class DenseFFN:
             return ops.act(spec.act, u)
         return ops.gated(ops.linear(x_norm, self.gate, kc), u, spec.act, spec.relu_up)
 
-    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor:
         h = self.hidden(x_norm)
         if self.down is not None:
             y = ops.linear(h, self.down, self.kc)

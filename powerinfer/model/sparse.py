@@ -11,8 +11,10 @@ are computed there and the CPU computes the other active neurons straight from t
 partial outputs are summed. Other selectors plug in through `Selector`.
 
 `ThresholdFFN` is CATS's training-free sparsity for SiLU/GELU models (`powerinfer sparsify`): no predictor; the
-gate rows are computed for every neuron, a neuron is active when |act(gate_j . u_t)| > the layer's threshold,
-and only the active neurons' up and down rows are read. The pool part decides its own neurons on its device.
+gate rows are computed for every neuron, a neuron is active when |act(gate_j . u_t)| > its threshold (one per
+neuron: the layer's threshold over the neuron's mean |up . u|), and only the active neurons' up and down rows are
+read; a sequence's first token (position 0, the attention sink) runs dense. The pool part decides its own neurons
+on its device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from powerinfer import ops
 from powerinfer.errors import ConfigError
+from powerinfer.model.batch import StepBatch
 from powerinfer.model.specs import FFNSpec
 from powerinfer.model.workspace import Workspace
 
@@ -95,16 +98,23 @@ class HotPart(Protocol):
     """The pool part of one layer (runtime.pool.HotRows): some neurons' rows on the pool device."""
 
     ids: torch.Tensor  # (k,) neuron ids, ascending
+    device: torch.device  # where the rows live
 
     def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
         """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
         ...
 
     def launch_threshold(
-        self, u: torch.Tensor, threshold: float, act: str, relu_up: bool
+        self,
+        u: torch.Tensor,
+        thresholds: torch.Tensor,
+        dense_rows: torch.Tensor | None,
+        act: str,
+        relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue the hot part with CATS's selection (|act(gate)| > threshold, decided on the pool device);
-        returns y (T, D) and the number of active (token, neuron) pairs (a 0-d tensor), both on the CPU."""
+        """Queue the hot part with CATS's selection (|act(gate)| > thresholds (k,) on the pool device; every
+        neuron for the tokens dense_rows (T,) marks), decided on the pool device; returns y (T, D) and the number
+        of active (token, neuron) pairs (a 0-d tensor), both on the CPU."""
         ...
 
     def wait(self) -> None: ...
@@ -146,7 +156,9 @@ class SparseFFN:
         rank = selector.fc1.shape[0] if isinstance(selector, PredictorSelector) else 0
         self.workspace.reserve("ffn", ops.ffn_scratch_bytes(self.n_ff, gate.shape[1], rank))
 
-    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor:
         s, spec = self.stats, self.spec
         if self.fused_decode and x_norm.shape[0] == 1 and s.true_active is None:
             sel = self.selector
@@ -231,7 +243,7 @@ class ThresholdFFN:
         self,
         spec: FFNSpec,
         bid: int,
-        threshold: float,
+        thresholds: torch.Tensor,
         gate: ops.QWeight,
         up: ops.QWeight,
         down_t: ops.QWeight,
@@ -241,12 +253,18 @@ class ThresholdFFN:
         workspace: Workspace | None = None,
     ) -> None:
         check_sparse_spec(spec)
-        if threshold != threshold:
-            raise ConfigError(f"layer {bid}: the sparsity threshold is NaN")
-        self.spec, self.bid, self.threshold = spec, bid, float(threshold)
+        self.n_ff = gate.shape[0]
+        thresholds = thresholds.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        if thresholds.numel() != self.n_ff:
+            raise ConfigError(
+                f"layer {bid}: {thresholds.numel()} sparsity thresholds for {self.n_ff} neurons"
+            )
+        if bool(thresholds.isnan().any()):
+            raise ConfigError(f"layer {bid}: a sparsity threshold is NaN")
+        self.spec, self.bid, self.thresholds = spec, bid, thresholds  # (n_ff,) one per neuron
         self.gate, self.up, self.down_t = gate, up, down_t  # (n_ff, D) each, down_t transposed
         self.hot, self.stats, self.kc = hot, stats, kc
-        self.n_ff = gate.shape[0]
+        self.hot_thresholds = None if hot is None else thresholds[hot.ids].to(hot.device)
         # the CPU's candidate neurons: None = all of them; else those the pool does not hold
         self.cpu_ids: torch.Tensor | None = None
         if hot is not None:
@@ -256,15 +274,24 @@ class ThresholdFFN:
         self.workspace = workspace or Workspace()
         self.workspace.reserve("ffn", ops.cats_scratch_bytes(self.n_ff, gate.shape[1]))
 
-    def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor:
         s, spec = self.stats, self.spec
         T = x_norm.shape[0]
+        # the first token of a sequence (the attention sink every later token reads) runs dense
+        dense_rows = None
+        if batch is not None and batch.positions.shape[0] == T and int(batch.positions.min()) == 0:
+            dense_rows = batch.positions == 0
         hot_out = None
         if self.hot is not None:
-            hot_out = self.hot.launch_threshold(x_norm, self.threshold, spec.act, spec.relu_up)
+            assert self.hot_thresholds is not None
+            hot_out = self.hot.launch_threshold(
+                x_norm, self.hot_thresholds, dense_rows, spec.act, spec.relu_up
+            )
         y, n_cpu = ops.cats_ffn(
-            x_norm, self.gate, self.up, self.down_t, self.cpu_ids, self.threshold, spec.act, spec.relu_up,
-            self.kc, scratch=self.workspace.get("ffn") if T == 1 else None,
+            x_norm, self.gate, self.up, self.down_t, self.cpu_ids, self.thresholds, spec.act, spec.relu_up,
+            self.kc, dense_rows=dense_rows, scratch=self.workspace.get("ffn") if T == 1 else None,
         )  # fmt: skip
         s.tokens[self.bid] += T
         if hot_out is None or self.hot is None:

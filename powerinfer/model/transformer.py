@@ -90,14 +90,14 @@ class Transformer:
             if placed:
                 a = a.to(x.device)
             if layer.ffn_norm is None:  # parallel block: attention and FFN read the same normed input
-                f = layer.ffn(h, x)
+                f = layer.ffn(h, x, batch)
                 x = x + a + (f.to(x.device) if placed else f)
                 continue
             x = x + a
             h = layer.ffn_norm(x)
             for observe in self.observers:
                 observe(bid, h, x)
-            f = layer.ffn(h, x)
+            f = layer.ffn(h, x, batch)
             if layer.post_ffn_norm is not None:
                 f = layer.post_ffn_norm(f)
             x = x + (f.to(x.device) if placed else f)

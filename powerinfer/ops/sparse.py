@@ -41,6 +41,7 @@ __all__ = [
     "cats_ffn",
     "cats_ffn_ref",
     "cats_scratch_bytes",
+    "cats_thresholds",
     "decode_rows",
     "ffn_rows",
     "ffn_rows_ref",
@@ -314,25 +315,47 @@ def cats_scratch_bytes(n_rows: int, n_cols: int) -> int:
     return int(lib.cats_ffn_scratch_bytes(n_rows, n_cols, 1))
 
 
+def cats_thresholds(thresholds: float | torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Per-row thresholds (n_rows,) float32, contiguous on the CPU, from one value (NaN refused) or a tensor of
+    n_rows (taken as it is: a row whose threshold is NaN is never active; loaders refuse NaN)."""
+    if isinstance(thresholds, torch.Tensor):
+        t = thresholds
+        if t.dtype is not torch.float32 or not t.is_cpu or t.dim() != 1 or not t.is_contiguous():
+            t = t.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+        if t.numel() != n_rows:
+            raise ValueError(f"cats_ffn: {t.numel()} thresholds for {n_rows} rows")
+        return t
+    if thresholds != thresholds:
+        raise ValueError("cats_ffn: threshold is NaN")
+    return torch.full((n_rows,), float(thresholds), dtype=torch.float32)
+
+
 def cats_ffn_ref(
     u: torch.Tensor,
     gate: QWeight,
     up: QWeight,
     down_t: QWeight,
     cand: torch.Tensor | None,
-    threshold: float,
+    thresholds: float | torch.Tensor,
     act: str = "silu",
     relu_up: bool = False,
+    dense_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The masked dense reference of `cats_ffn`: (y (T, D), mask (T, C)) with a = act(gate[cand] u),
-    mask = |a| > threshold, y = sum over the candidates of a * up . u * mask times their down_t rows."""
+    mask = |a| > thresholds[cand] (every candidate for the tokens dense_rows marks), y = sum over the candidates
+    of a * up . u * mask times their down_t rows."""
     u = u.to(torch.float32)
     if u.dim() == 1:
         u = u[None]
+    t = cats_thresholds(thresholds, gate.shape[0])
+    if cand is not None:
+        t = t[cand]
     wg, wu = decode_rows(gate, cand), decode_rows(up, cand)
     a = activation.act(act, u @ wg.T)
     v = u @ wu.T
-    mask = a.abs() > threshold
+    mask = a.abs() > t
+    if dense_rows is not None:
+        mask[dense_rows.to("cpu", torch.bool).reshape(-1)] = True
     h = a * (torch.relu(v) if relu_up else v) * mask
     return h @ decode_rows(down_t, cand), mask
 
@@ -343,16 +366,18 @@ def cats_ffn(
     up: QWeight,
     down_t: QWeight,
     cand: torch.Tensor | None,
-    threshold: float,
+    thresholds: float | torch.Tensor,
     act: str = "silu",
     relu_up: bool = False,
     kc: KernelContext | None = None,
     *,
+    dense_rows: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """CATS FFN of u (T, K) over the candidate neurons `cand` (None: all rows): (y (T, D), active pairs).
 
-    A neuron is active for a token when |act(gate_n . u)| > threshold; y sums a_n * (up_n . u) * down_t[n]
+    thresholds: one value, or one per row of the weights (n_rows,). A neuron is active for a token when
+    |act(gate_n . u)| > thresholds[n], or always for the tokens that dense_rows (bool (T,)) marks; y sums a_n * (up_n . u) * down_t[n]
     over the active ones (relu on up . u when relu_up). Only the gate rows of the candidates and the up and down
     rows of active neurons are read. One token with kernel weight types on the CPU: one kernel call (scratch: a
     contiguous CPU tensor of at least `cats_scratch_bytes(C, K)` bytes, reused across calls); otherwise the
@@ -361,9 +386,8 @@ def cats_ffn(
     if kc is None:
         kc = default_context()
     act_code = activation_code(act)
-    if threshold != threshold:
-        raise ValueError("cats_ffn: threshold is NaN")
     n_rows, n_cols = gate.shape
+    thresholds = cats_thresholds(thresholds, n_rows)
     n_out = down_t.shape[1]
     if u.shape[-1] != n_cols:
         raise ValueError(f"cats_ffn: u has {u.shape[-1]} features, gate {gate.shape} expects {n_cols}")
@@ -371,6 +395,12 @@ def cats_ffn(
         raise ValueError(f"cats_ffn: gate {gate.shape}, up {up.shape} and down_t {down_t.shape} do not match")
     if u.dim() == 1:
         u = u[None]
+    if dense_rows is not None:
+        dense_rows = dense_rows.to("cpu", torch.bool).reshape(-1)
+        if dense_rows.numel() != u.shape[0]:
+            raise ValueError(f"cats_ffn: dense_rows marks {dense_rows.numel()} tokens of {u.shape[0]}")
+        if not bool(dense_rows.any()):
+            dense_rows = None
     kinds = kc.kernels.ffn_kinds
     codes = [kinds.get(w.ggml_type) for w in (gate, up, down_t)]
     kernel = kc.kernels.cats_ffn
@@ -388,12 +418,14 @@ def cats_ffn(
         idx = torch.empty(max(n_cand, 1), dtype=torch.int64)
         y = torch.empty(1, n_out, dtype=torch.float32)
         n_active = ctypes.c_int64()
+        if dense_rows is not None:  # the one token runs dense: every neuron passes
+            thresholds = torch.full_like(thresholds, -1.0)
         status = kernel(
             u.data_ptr(), n_cols, n_out, n_rows,
             gate._raw_ptr, gate._raw_stride, codes[0],
             up._raw_ptr, up._raw_stride, codes[1],
             down_t._raw_ptr, down_t._raw_stride, codes[2],
-            None if cand is None or n_cand == 0 else cand.data_ptr(), n_cand, threshold, act_code,
+            None if cand is None or n_cand == 0 else cand.data_ptr(), n_cand, thresholds.data_ptr(), act_code,
             bool(relu_up), q8, idx.data_ptr(), ctypes.byref(n_active), y.data_ptr(),
             scratch.data_ptr(), scratch_bytes, kc.n_threads, kc.level,
         )  # fmt: skip
@@ -403,7 +435,9 @@ def cats_ffn(
         return y, int(n_active.value)
     g = linear(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
     a = activation.act(act, g)
-    mask = a.abs() > threshold
+    mask = a.abs() > (thresholds if cand is None else thresholds[_as_idx(cand)])
+    if dense_rows is not None:
+        mask[dense_rows] = True
     union = mask.any(dim=0)
     sel = union.nonzero().view(-1)  # positions among the candidates
     n_cand = g.shape[1]

@@ -152,22 +152,38 @@ class HotRows:
             return y.to("cpu", non_blocking=True)
 
     def launch_threshold(
-        self, u: torch.Tensor, threshold: float, act: str, relu_up: bool
+        self,
+        u: torch.Tensor,
+        thresholds: torch.Tensor,
+        dense_rows: torch.Tensor | None,
+        act: str,
+        relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue the hot part with CATS's selection: neurons with |act(gate . u)| > threshold, decided here;
-        returns y (T, D) and the number of active (token, neuron) pairs (0-d int64), both on the CPU."""
+        """Queue the hot part with CATS's selection: neurons with |act(gate . u)| > thresholds (k,) (on this
+        device), every neuron for the tokens dense_rows (T,) marks, decided here; returns y (T, D) and the
+        number of active (token, neuron) pairs (0-d int64), both on the CPU."""
         if self.stream is None:
-            return self._compute_threshold(u, threshold, act, relu_up)
+            return self._compute_threshold(u, thresholds, dense_rows, act, relu_up)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            y, n = self._compute_threshold(u.to(self.device, non_blocking=True), threshold, act, relu_up)
+            if dense_rows is not None:
+                dense_rows = dense_rows.to(self.device, non_blocking=True)
+            u = u.to(self.device, non_blocking=True)
+            y, n = self._compute_threshold(u, thresholds, dense_rows, act, relu_up)
             return y.to("cpu", non_blocking=True), n.to("cpu", non_blocking=True)
 
     def _compute_threshold(
-        self, u: torch.Tensor, threshold: float, act: str, relu_up: bool
+        self,
+        u: torch.Tensor,
+        thresholds: torch.Tensor,
+        dense_rows: torch.Tensor | None,
+        act: str,
+        relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = ops.act(act, ops.linear(u, self.gate, self.kc))  # (T, k) float32
-        mask = a.abs() > threshold
+        mask = a.abs() > thresholds
+        if dense_rows is not None:
+            mask[dense_rows] = True
         v = ops.linear(u, self.up, self.kc)
         h = a.mul_(torch.relu(v) if relu_up else v).mul_(mask)
         return self.down_t.axpy(h, self.kc), mask.sum()

@@ -1,5 +1,11 @@
 """Calibration for CATS: the FFN inputs of a dense run, then per-layer |act(gate u)| statistics.
 
+A neuron's score for a token is |act(gate_n . u)| * w_n, w_n its mean |up_n . u| over the calibration tokens
+(relu'd where the model's up is): |act(gate)| alone ranks neurons whose up output is always small above those
+whose up output is large. Measured on SmolLM2-135M at S = 0.4 (uniform per layer, held-out text): +11.7%
+perplexity with |act| alone, +6.9% with the weighted score, +9.0% weighting by the down columns' norms as well.
+The layer's threshold t_l is a quantile of the scores; the engine compares |act(gate_n . u)| with t_l / w_n.
+
 A dense engine runs over the calibration windows while one observer per layer keeps that layer's FFN input u
 (x_norm) in float16, for at most SAMPLE_BUDGET_BYTES over all layers (evenly spaced tokens past that), and, for
 a few hundred evenly spaced tokens, u and the residual x in float32 for the error curves. Everything after the
@@ -97,13 +103,13 @@ def calibrate(engine: Engine, windows: list[list[int]], progress: Progress | Non
         )
     n_tokens = sum(len(w) for w in windows)
     cap = max(MAX_ERROR_TOKENS, SAMPLE_BUDGET_BYTES // (c.n_layer * c.n_embd * 2))
-    keep = spread(n_tokens, cap)
-    # error tokens: evenly spread, never a window's BOS (its residual is an outlier in most models)
+    # never a window's first token: the engine runs position 0 dense (and its residual is an outlier in most
+    # models), so it takes no part in the thresholds or the error curves
     starts = np.cumsum([0] + [len(w) for w in windows[:-1]])
     candidates = np.ones(n_tokens, dtype=bool)
-    if engine.tokenizer.bos_id is not None:
-        candidates[starts] = False
+    candidates[starts] = False
     pool = np.flatnonzero(candidates)
+    keep = pool[spread(len(pool), cap)]
     error = pool[spread(len(pool), MAX_ERROR_TOKENS)]
     recorder = InputRecorder(c.n_layer, c.n_embd, n_tokens, keep, error)
     model = engine.model
@@ -125,15 +131,43 @@ def dense_ffn(engine: Engine, bid: int) -> DenseFFN:
     return ffn
 
 
-def magnitudes(ffn: DenseFFN, u: torch.Tensor, kc: ops.KernelContext) -> torch.Tensor:
-    """|act(gate u)| (N, n_ff) float32 of FFN inputs u (N, n_embd), computed in chunks of CHUNK_TOKENS."""
+def up_scales(ffn: DenseFFN, u: torch.Tensor, kc: ops.KernelContext) -> torch.Tensor:
+    """w (n_ff,) float32: each neuron's mean |up . u| (relu'd where the model's up is) over FFN inputs u."""
+    n_ff = ffn.up.shape[0]
+    total = torch.zeros(n_ff, dtype=torch.float64)
+    for i in range(0, u.shape[0], CHUNK_TOKENS):
+        v = ops.linear(u[i : i + CHUNK_TOKENS].to(torch.float32).contiguous(), ffn.up, kc)
+        if ffn.b_up is not None:
+            v = v + ffn.b_up
+        total += (torch.relu(v) if ffn.spec.relu_up else v.abs()).sum(0, dtype=torch.float64)
+    return (total / max(1, u.shape[0])).to(torch.float32)
+
+
+def magnitudes(
+    ffn: DenseFFN, u: torch.Tensor, kc: ops.KernelContext, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Scores |act(gate u)| * scale (N, n_ff) float32 of FFN inputs u (N, n_embd) (scale None: 1), computed in
+    chunks of CHUNK_TOKENS."""
     assert ffn.gate is not None
     n_ff = ffn.gate.shape[0]
     out = torch.empty(u.shape[0], n_ff)
     for i in range(0, u.shape[0], CHUNK_TOKENS):
         g = ops.linear(u[i : i + CHUNK_TOKENS].to(torch.float32).contiguous(), ffn.gate, kc)
-        out[i : i + CHUNK_TOKENS] = ops.act(ffn.spec.act, g).abs_()
+        a = ops.act(ffn.spec.act, g).abs_()
+        out[i : i + CHUNK_TOKENS] = a if scale is None else a.mul_(scale)
     return out
+
+
+def neuron_thresholds(threshold: float, scale: torch.Tensor) -> np.ndarray:
+    """The engine's per-neuron thresholds on |act(gate)| for the layer threshold on the scores: t / w_n (+inf
+    where w_n is 0: such a neuron's up output was always 0, so it contributes nothing); 0 -> every nonzero
+    activation."""
+    w = scale.double().numpy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(w > 0, threshold / np.where(w > 0, w, 1.0), np.inf)
+    if threshold <= 0:
+        t = np.zeros_like(w)
+    return t.astype(np.float32)
 
 
 def quantile(values: torch.Tensor, s: float) -> float:
@@ -174,12 +208,16 @@ def error_curve(
     x_residual: torch.Tensor,
     thresholds: np.ndarray,
     kc: ops.KernelContext,
+    scale: torch.Tensor | None = None,
 ) -> np.ndarray:
-    """Mean over tokens of ||y_dense - y_sparse||^2 / ||x||^2 at each threshold (neurons with |act| <= t off).
+    """Mean over tokens of ||y_dense - y_sparse||^2 / ||x||^2 at each threshold (neurons with score <= t off,
+    the score |act| * scale).
 
     u, x_residual: (E, n_embd) float32; one value per threshold."""
     assert ffn.gate is not None
     a = ops.act(ffn.spec.act, ops.linear(u, ffn.gate, kc)).abs_()  # (E, n_ff)
+    if scale is not None:
+        a.mul_(scale)
     h = ffn.hidden(u)  # (E, n_ff)
     E = u.shape[0]
     dropped = torch.cat([h * (a <= float(t)) for t in thresholds])  # (G * E, n_ff): the skipped neurons' part
@@ -190,15 +228,18 @@ def error_curve(
 
 @dataclass
 class LayerThreshold:
-    threshold: float
-    counts: np.ndarray  # (n_ff,) tokens each neuron was active for (|act| > threshold)
+    threshold: float  # t_l on the scores |act| * w
+    neurons: np.ndarray  # (n_ff,) float32: the engine's thresholds on |act|, t_l / w_n
+    counts: np.ndarray  # (n_ff,) tokens each neuron was active for (score > t_l)
     active_share: float  # share of (token, neuron) pairs active
 
 
-def layer_threshold(ffn: DenseFFN, u: torch.Tensor, s: float, kc: ops.KernelContext) -> LayerThreshold:
-    """t_l = the s-quantile of |act(gate u)| over all (token, neuron) pairs; t = 0 when s == 0."""
-    a = magnitudes(ffn, u, kc)
+def layer_threshold(
+    ffn: DenseFFN, u: torch.Tensor, s: float, kc: ops.KernelContext, scale: torch.Tensor
+) -> LayerThreshold:
+    """t_l = the s-quantile of the scores |act(gate u)| * scale over all (token, neuron) pairs; 0 when s == 0."""
+    a = magnitudes(ffn, u, kc, scale)
     t = quantile(a, s) if s > 0 else 0.0
     active = a > t
     counts = active.sum(dim=0).numpy().astype(np.int64)
-    return LayerThreshold(t, counts, float(counts.sum()) / max(1, a.numel()))
+    return LayerThreshold(t, neuron_thresholds(t, scale), counts, float(counts.sum()) / max(1, a.numel()))

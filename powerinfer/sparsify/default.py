@@ -19,6 +19,8 @@ DEFAULT_SPARSITY = 0.25
 DEFAULT_ALLOCATION = "uniform"
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# bumped when sparsify's output changes, so that a cached file from an older version is made again
+FORMAT_VERSION = 2
 
 
 def smollm2_gguf() -> Path | None:
@@ -40,7 +42,9 @@ def cache_dir() -> Path:
 
 def default_sparse_options(src: Path) -> SparsifyOptions:
     """How the default sparse file is made (and where it lives)."""
-    folder = cache_dir() / f"smollm2-135m-instruct-cats-{DEFAULT_SPARSITY:g}-{DEFAULT_ALLOCATION}"
+    folder = (
+        cache_dir() / f"smollm2-135m-instruct-cats{FORMAT_VERSION}-{DEFAULT_SPARSITY:g}-{DEFAULT_ALLOCATION}"
+    )
     out = folder / SMOLLM2_FILE.replace(".gguf", ".sparse.powerinfer.gguf")
     return SparsifyOptions(
         model=src,

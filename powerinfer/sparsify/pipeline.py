@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from powerinfer.errors import ConfigError, InputError
 from powerinfer.gguf import read_gguf
@@ -32,6 +33,7 @@ from powerinfer.sparsify.calibrate import (
     grid_thresholds,
     layer_threshold,
     magnitudes,
+    up_scales,
 )
 from powerinfer.sparsify.write import SPARSITY_KEYS, write_activation_folder, write_sparse_gguf
 
@@ -155,17 +157,23 @@ def calibration_windows(engine: Engine, text: str, max_tokens: int) -> list[list
     return make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
 
 
-def error_curves(engine: Engine, calib: Calibration, progress: Progress | None = None) -> np.ndarray:
-    """Per layer, the output error of skipping the neurons below each GRID quantile: (n_layer, len(GRID))."""
+def error_curves(
+    engine: Engine, calib: Calibration, progress: Progress | None = None
+) -> tuple[np.ndarray, list[torch.Tensor]]:
+    """Per layer, the output error of skipping the neurons whose score is below each GRID quantile
+    (n_layer, len(GRID)), and the layers' score scales (mean |up . u| per neuron)."""
     n_layer = engine.config.n_layer
     curves = np.zeros((n_layer, len(GRID)))
+    scales = []
     for bid in range(n_layer):
         ffn = dense_ffn(engine, bid)
-        thresholds = grid_thresholds(magnitudes(ffn, calib.u[bid], engine.kc), GRID, seed=bid)
-        curves[bid] = error_curve(ffn, calib.error_u[bid], calib.error_x[bid], thresholds, engine.kc)
+        scale = up_scales(ffn, calib.u[bid], engine.kc)
+        thresholds = grid_thresholds(magnitudes(ffn, calib.u[bid], engine.kc, scale), GRID, seed=bid)
+        curves[bid] = error_curve(ffn, calib.error_u[bid], calib.error_x[bid], thresholds, engine.kc, scale)
+        scales.append(scale)
         if progress is not None:
             progress(bid + 1, n_layer)
-    return curves
+    return curves, scales
 
 
 def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -> SparsifyResult:
@@ -194,7 +202,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     calib = calibrate(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
 
-    curves = error_curves(engine, calib, report("allocate"))
+    curves, scales = error_curves(engine, calib, report("allocate"))
     if opts.allocation == "uniform":
         sparsity = allocate_uniform(opts.sparsity, c.n_layer)
     else:
@@ -202,7 +210,8 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     t2 = time.perf_counter()
     layers: list[LayerThreshold] = []
     for bid in range(c.n_layer):
-        layers.append(layer_threshold(dense_ffn(engine, bid), calib.u[bid], float(sparsity[bid]), engine.kc))
+        ffn = dense_ffn(engine, bid)
+        layers.append(layer_threshold(ffn, calib.u[bid], float(sparsity[bid]), engine.kc, scales[bid]))
         if progress is not None:
             progress("threshold", bid + 1, c.n_layer)
     n_tokens, n_kept = calib.n_tokens, calib.n_kept
@@ -217,6 +226,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         activation=c.activation,
         target=opts.sparsity,
         thresholds=thresholds,
+        neuron_thresholds=[lt.neurons for lt in layers],
         layer_sparsity=sparsity,
         n_threads=opts.n_threads or 1,
         progress=report("write"),

@@ -2,7 +2,8 @@
 
 Every tensor of the input is copied as stored, in input order, except `blk.N.ffn_down.weight` (n_embd, n_ff),
 which becomes `blk.N.ffn_down_t.weight` (n_ff, n_embd), its transpose, in the same ggml type where that type can
-be produced (else Q8_0, e.g. for K-quants).
+be produced (else Q8_0, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
+per-neuron thresholds on |act(gate)|.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from powerinfer.errors import FormatError
 from powerinfer.gguf import GGMLType, GGUFWriter
-from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, ValueType
+from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, TensorNames, ValueType
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.placement.stats import activation_file
 from powerinfer.printable import printable
@@ -83,13 +84,16 @@ def write_sparse_gguf(
     activation: str,
     target: float,
     thresholds: np.ndarray,
+    neuron_thresholds: list[np.ndarray],
     layer_sparsity: np.ndarray,
     n_threads: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, GGMLType]:
     """Write the sparsified copy of `model` to `path` (temp file, renamed into place).
 
-    Returns the type each ffn_down_t was written in. progress(done, total) counts ffn_down tensors.
+    neuron_thresholds: per layer, the engine's thresholds on |act(gate)| (n_ff,), written as
+    blk.N.ffn_act_threshold (F32) after the layer's ffn_down_t. Returns the type each ffn_down_t was written in.
+    progress(done, total) counts ffn_down tensors.
     """
     writer = GGUFWriter(path, sparse=True, alignment=model.alignment)
     skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
@@ -120,6 +124,11 @@ def write_sparse_gguf(
                 raise FormatError(f"{printable(model.path)} holds both {t.name} and {name}")
             writer.add_tensor(name, transpose_tensor(t, dst, pool), dst, (n_ff, n_embd))
             types[name] = dst
+            bid = int(FFN_DOWN.fullmatch(t.name).group(1))  # type: ignore[union-attr]
+            if not 0 <= bid < len(neuron_thresholds) or neuron_thresholds[bid].shape != (n_ff,):
+                raise FormatError(f"{printable(t.name)}: no thresholds of {n_ff} neurons for layer {bid}")
+            thr = np.ascontiguousarray(neuron_thresholds[bid], dtype=np.float32)
+            writer.add_tensor(TensorNames.FFN_ACT_THRESHOLD.format(bid=bid), thr, GGMLType.F32, (n_ff,))
             done += 1
             if progress is not None:
                 progress(done, len(downs))
