@@ -473,7 +473,8 @@ def test_ffn_rows_activation_values(act_name, isa):
         vv = torch.relu(v) if relu_up else v
         err = (h.double() - want.double()).abs()
         assert (err <= ACT_TOL * g.double().abs() * vv.double().abs() + 1e-38).all(), (act_name, relu_up)
-        assert (h == want).double().mean() > 0.8  # mostly the same bits
+        # how many bits agree depends on torch's vectorised activation for the CPU (most of them on AVX-512
+        # machines; 27% for gelu on a 2-core AVX2 EPYC), so only the bound above is the contract
 
 
 @needs_kernels
