@@ -47,9 +47,10 @@ def sparsity_table(result: SparsifyResult) -> Table:
     )
     for name in ("layer", "sparsity", "threshold", "active", "est. error"):
         table.add_column(name, justify="right")
-    rows = zip(result.layer_sparsity, result.thresholds, result.active_share, result.est_error, strict=True)
+    errors = [None] * len(result.thresholds) if result.est_error is None else list(result.est_error)
+    rows = zip(result.layer_sparsity, result.thresholds, result.active_share, errors, strict=True)
     for layer, (s, t, a, e) in enumerate(rows):
-        table.add_row(str(layer), f"{s:.3f}", f"{t:.4g}", f"{a:.1%}", f"{e:.2e}")
+        table.add_row(str(layer), f"{s:.3f}", f"{t:.4g}", f"{a:.1%}", "-" if e is None else f"{e:.2e}")
     return table
 
 

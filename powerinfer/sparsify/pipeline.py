@@ -68,7 +68,7 @@ class SparsifyResult:
     thresholds: np.ndarray  # (n_layer,) t_l
     layer_sparsity: np.ndarray  # (n_layer,) s_l
     active_share: np.ndarray  # (n_layer,) share of calibration pairs with |act| > t_l
-    est_error: np.ndarray  # (n_layer,) estimated ||y_dense - y_sparse||^2 / ||x||^2 at s_l
+    est_error: np.ndarray | None  # (n_layer,) estimated ||y_dense - y_sparse||^2 / ||x||^2 at s_l (greedy)
     n_tokens: int  # calibration tokens run
     n_kept: int  # of which kept for the thresholds and counts (all unless the sample budget was reached)
     n_ff: int
@@ -91,7 +91,7 @@ class SparsifyResult:
             "layer_sparsity": [round(float(s), 6) for s in self.layer_sparsity],
             "thresholds": [float(np.float32(t)) for t in self.thresholds],
             "active_share": [round(float(a), 6) for a in self.active_share],
-            "est_error": [round(float(e), 8) for e in self.est_error],
+            "est_error": None if self.est_error is None else [round(float(e), 8) for e in self.est_error],
             "down_t_types": sorted(set(self.down_types.values())),
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
         }
@@ -158,18 +158,21 @@ def calibration_windows(engine: Engine, text: str, max_tokens: int) -> list[list
 
 
 def error_curves(
-    engine: Engine, calib: Calibration, progress: Progress | None = None
-) -> tuple[np.ndarray, list[torch.Tensor]]:
+    engine: Engine, calib: Calibration, progress: Progress | None = None, curves_too: bool = True
+) -> tuple[np.ndarray | None, list[torch.Tensor]]:
     """Per layer, the output error of skipping the neurons whose score is below each GRID quantile
-    (n_layer, len(GRID)), and the layers' score scales (mean |up . u| per neuron)."""
+    (n_layer, len(GRID)) (None unless curves_too), and the layers' score scales (mean |up . u| per neuron)."""
     n_layer = engine.config.n_layer
-    curves = np.zeros((n_layer, len(GRID)))
+    curves = np.zeros((n_layer, len(GRID))) if curves_too else None
     scales = []
     for bid in range(n_layer):
         ffn = dense_ffn(engine, bid)
         scale = up_scales(ffn, calib.u[bid], engine.kc)
-        thresholds = grid_thresholds(magnitudes(ffn, calib.u[bid], engine.kc, scale), GRID, seed=bid)
-        curves[bid] = error_curve(ffn, calib.error_u[bid], calib.error_x[bid], thresholds, engine.kc, scale)
+        if curves is not None:
+            thresholds = grid_thresholds(magnitudes(ffn, calib.u[bid], engine.kc, scale), GRID, seed=bid)
+            curves[bid] = error_curve(
+                ffn, calib.error_u[bid], calib.error_x[bid], thresholds, engine.kc, scale
+            )
         scales.append(scale)
         if progress is not None:
             progress(bid + 1, n_layer)
@@ -202,8 +205,9 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     calib = calibrate(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
 
-    curves, scales = error_curves(engine, calib, report("allocate"))
-    if opts.allocation == "uniform":
+    # uniform needs no error curves (the slow part of allocation): only the scales
+    curves, scales = error_curves(engine, calib, report("allocate"), curves_too=opts.allocation == "greedy")
+    if curves is None:
         sparsity = allocate_uniform(opts.sparsity, c.n_layer)
     else:
         sparsity = allocate_greedy(curves, GRID, opts.sparsity)
@@ -245,7 +249,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         thresholds=thresholds,
         layer_sparsity=sparsity,
         active_share=np.array([lt.active_share for lt in layers]),
-        est_error=interpolate(curves, GRID, sparsity),
+        est_error=None if curves is None else interpolate(curves, GRID, sparsity),
         n_tokens=n_tokens,
         n_kept=n_kept,
         n_ff=c.n_ff,
