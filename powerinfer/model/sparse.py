@@ -281,7 +281,11 @@ class ThresholdFFN:
         T = x_norm.shape[0]
         # the first token of a sequence (the attention sink every later token reads) runs dense
         dense_rows = None
-        if batch is not None and batch.positions.shape[0] == T and any(seg.pos == 0 for seg in batch.segments):
+        if (
+            batch is not None
+            and batch.positions.shape[0] == T
+            and any(seg.pos == 0 for seg in batch.segments)
+        ):
             dense_rows = batch.positions == 0
         hot_out = None
         if self.hot is not None:
