@@ -81,7 +81,7 @@ class Keys:
     # per-layer thresholds on |act(gate)| and the calibrated per-layer skipped shares
     SPARSITY_METHOD = "powerinfer.sparsity.method"
     SPARSITY_TARGET = "powerinfer.sparsity.target"
-    SPARSITY_THRESHOLDS = "powerinfer.sparsity.thresholds"
+    SPARSITY_THRESHOLDS = "powerinfer.sparsity.thresholds"  # t_l on |act| * mean|up| (per-neuron: a tensor)
     SPARSITY_LAYER_SPARSITY = "powerinfer.sparsity.layer_sparsity"
 
     TOKENIZER_MODEL = "tokenizer.ggml.model"
