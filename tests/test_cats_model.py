@@ -76,15 +76,15 @@ def test_half_sparsity_skips_half_and_changes_the_logits(tiny_files):
 @pytest.mark.parametrize("decode", [False, True])
 def test_first_position_runs_dense(tiny_files, decode):
     # a sequence's first token (the attention sink) computes every neuron: its logits are the dense input
-    # file's (measured ~1e-6, as at S = 0), in a prefill (row ops with a dense row) and as a lone decode token
-    # (the kernel with every neuron passing); the later tokens are sparse and differ by > 1e-2
+    # file's (measured 8.3e-7, bound 5e-6), in a prefill (row ops with a dense row) and as a lone decode token
+    # (the kernel with every neuron passing); the later tokens are sparse (measured 0.48 apart, bound > 1e-2)
     ids = ids_of(Engine(tiny_files["dense"], EngineOptions(n_ctx=128)), 8)
     got = []
     for path in (tiny_files["dense"], tiny_files["s0.5"]):
         e = Engine(path, EngineOptions(n_ctx=128))
         got.append(torch.stack([e.eval([t]) for t in ids]) if decode else e.logits_all(ids))
     dense, sparse = got
-    assert (sparse[0] - dense[0]).abs().max() <= 1e-4
+    assert (sparse[0] - dense[0]).abs().max() <= 5e-6
     assert (sparse[1:] - dense[1:]).abs().max() > 1e-2
 
 

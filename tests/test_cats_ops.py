@@ -157,8 +157,8 @@ def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
 @pytest.mark.parametrize("n_tokens", [1, 3])
 def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
     # one threshold per neuron (sparsify's files) and tokens forced dense (a sequence's first position): the
-    # kernel (T = 1) and the row ops (T > 1) against the masked dense reference; errors measured <= 2e-6 of
-    # the output scale, bound 1e-4 (a wrong mask moves whole neurons' h, far above it)
+    # kernel (T = 1) and the row ops (T > 1) against the masked dense reference; errors measured <= 8e-7 of
+    # the output scale, bound 5e-6 (a wrong mask moves whole neurons' h, far above it)
     kc = ops.KernelContext()
     n_rows = 90
     gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 128)
@@ -177,10 +177,10 @@ def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
         y_ref, mask = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t_rows, "relu", False, dense_rows)
         scale = float(y_ref.abs().max()) + 1e-30
         assert n_active == int(mask.sum()), where
-        assert torch.allclose(y, y_ref, rtol=0, atol=1e-4 * scale), where
+        assert torch.allclose(y, y_ref, rtol=0, atol=5e-6 * scale), where
         if dense_rows is not None and name == "all":  # the dense token is the dense FFN for that token
             y_dense, n_dense = ops.cats_ffn(x[:1], gate, up, down_t, None, -1.0, "relu", False, kc)
-            assert torch.allclose(y[:1], y_dense, rtol=0, atol=1e-5 * scale), where
+            assert torch.allclose(y[:1], y_dense, rtol=0, atol=5e-6 * scale), where
             assert bool(mask[0].all()), where
 
 
