@@ -229,8 +229,6 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
         thr_name = TensorNames.FFN_ACT_THRESHOLD.format(bid=bid)
         if src.has(thr_name):
             thresholds = src.vector(thr_name, c.n_ff).to("cpu")
-            if bool(thresholds.isnan().any()):
-                raise FormatError(f"tensor '{thr_name}' holds NaN")
         else:
             thresholds = torch.full((c.n_ff,), c.sparse_thresholds[bid], dtype=torch.float32)
         return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace)

@@ -433,9 +433,11 @@ def cats_ffn(
             needed = library.load().cats_ffn_scratch_bytes(n_cand, n_cols, q8)
             check_status(status, "cats_ffn", scratch_bytes, needed, "cats_scratch_bytes")
         return y, int(n_active.value)
+    if cand is not None:
+        cand = _as_idx(cand)
     g = linear(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
     a = activation.act(act, g)
-    mask = a.abs() > (thresholds if cand is None else thresholds[_as_idx(cand)])
+    mask = a.abs() > (thresholds if cand is None else thresholds[cand])
     if dense_rows is not None:
         mask[dense_rows] = True
     union = mask.any(dim=0)
@@ -445,7 +447,7 @@ def cats_ffn(
         v = linear(u, up, kc) if cand is None else rows_matmul(u, up, cand, kc)
         h = a.mul_(torch.relu(v) if relu_up else v).mul_(mask)
         return rows_axpy(h, down_t, cand, kc), int(mask.sum())
-    rows = sel if cand is None else _as_idx(cand)[sel]
+    rows = sel if cand is None else cand[sel]
     v = rows_matmul(u, up, rows, kc)
     h = a[:, sel].mul_(torch.relu(v) if relu_up else v).mul_(mask[:, sel])
     return rows_axpy(h, down_t, rows, kc), int(mask.sum())

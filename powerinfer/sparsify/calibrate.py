@@ -163,11 +163,10 @@ def neuron_thresholds(threshold: float, scale: torch.Tensor) -> np.ndarray:
     where w_n is 0: such a neuron's up output was always 0, so it contributes nothing); 0 -> every nonzero
     activation."""
     w = scale.double().numpy()
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(w > 0, threshold / np.where(w > 0, w, 1.0), np.inf)
     if threshold <= 0:
-        t = np.zeros_like(w)
-    return t.astype(np.float32)
+        return np.zeros(w.shape, dtype=np.float32)
+    with np.errstate(divide="ignore"):
+        return np.where(w > 0, threshold / w, np.inf).astype(np.float32)
 
 
 def quantile(values: torch.Tensor, s: float) -> float:
