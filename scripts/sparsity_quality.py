@@ -6,7 +6,7 @@ tokens, scoring the second half of each (as llama.cpp's perplexity does). Writes
 with matplotlib installed, a PNG plot (--plot).
 
 Usage: python scripts/sparsity_quality.py [-m MODEL.gguf] [--calib TEXT] [--eval TEXT] [--grid 0.25,0.4,...]
-                                          [--chunks 4] [--ctx 512] [--plot quality.png] [-t 2]
+                                          [--variants uniform:1,greedy:0.5] [--chunks 4] [--ctx 512] [--plot quality.png] [-t 2]
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ def main() -> None:
     ap.add_argument("--calib", type=Path, default=CALIBRATION_TEXT)
     ap.add_argument("--eval", type=Path, default=ROOT / "tests" / "data" / "python-reference-prose.txt")
     ap.add_argument("--grid", default="0.25,0.4,0.5,0.6,0.7")
-    ap.add_argument("--allocations", default="uniform,greedy")
+    ap.add_argument(
+        "--variants",
+        default="uniform:1,greedy:1,uniform:0.5,greedy:0.5",
+        help="allocation:up-ratio pairs (up-ratio 1 = one stage, CATS as published; below 1 = two stages)",
+    )
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--plot", type=Path, default=None)
@@ -68,18 +72,22 @@ def main() -> None:
     grid = [float(s) for s in args.grid.split(",")]
     rows: dict[str, list[tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for allocation in args.allocations.split(","):
+        for variant in args.variants.split(","):
+            allocation, ratio = variant.split(":")
+            name = (
+                f"{allocation} (one stage)" if float(ratio) >= 1 else f"{allocation} (two stages, up {ratio})"
+            )
             for s in grid:
-                folder = Path(tmp) / f"{allocation}-{s}"
+                folder = Path(tmp) / f"{allocation}-{ratio}-{s}"
                 folder.mkdir()
                 opts = SparsifyOptions(
                     model, args.calib, folder / "m.powerinfer.gguf", s, allocation=allocation,
-                    n_threads=args.threads,
+                    up_ratio=float(ratio), n_threads=args.threads,
                 )  # fmt: skip
                 out = run_sparsify(opts).output
                 ppl, kld, top1 = score(window_logprobs(out, windows, args.threads))
-                rows.setdefault(allocation, []).append((s, ppl, kld, top1))
-                print(f"{allocation} S={s}: PPL {ppl:.4f} ({ppl / base_ppl - 1:+.2%}), KLD {kld:.4f}, "
+                rows.setdefault(name, []).append((s, ppl, kld, top1))
+                print(f"{name} S={s}: PPL {ppl:.4f} ({ppl / base_ppl - 1:+.2%}), KLD {kld:.4f}, "
                       f"top-1 {top1:.3f}", flush=True)  # fmt: skip
     print(
         f"\ndense PPL {base_ppl:.4f} ({model.name}, {args.chunks} x {args.ctx} tokens of {args.eval.name})\n"
@@ -99,9 +107,9 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-        for allocation, r in rows.items():
-            ax1.plot(grid, [100 * (x[1] / base_ppl - 1) for x in r], marker="o", label=f"CATS {allocation}")
-            ax2.plot(grid, [x[2] for x in r], marker="o", label=f"CATS {allocation}")
+        for name, r in rows.items():
+            ax1.plot(grid, [100 * (x[1] / base_ppl - 1) for x in r], marker="o", label=f"CATS {name}")
+            ax2.plot(grid, [x[2] for x in r], marker="o", label=f"CATS {name}")
         ax1.set(xlabel="S (share of FFN neurons skipped)", ylabel="perplexity vs dense (%)")
         ax2.set(xlabel="S", ylabel="KL divergence vs dense (nats/token)")
         for ax in (ax1, ax2):

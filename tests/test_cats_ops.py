@@ -1,7 +1,8 @@
 """CATS's thresholded FFN (ops.cats_ffn, kernels/cpu/ffn.c pi_cats_ffn) against the masked dense reference.
 
 The kernel computes the gate rows of the candidate neurons, keeps those with |act(g)| > threshold, then their up
-and down rows. Checked:
+rows, and (two stages) keeps those whose |h| = |act(g) * up| passes a second per-neuron threshold, then their down
+rows. Checked, for one and two stages:
 - bit for bit against the same computation from the separate row ops (rows_matmul of the gate, the activation
   and mask in torch, rows_matmul of the active up rows, rows_axpy of the down rows) for ReLU, in every SIMD
   variant and both activation precisions; the libm activations (silu, gelu) within ACT_TOL of torch's, with the
@@ -51,8 +52,8 @@ def median_threshold(u: torch.Tensor, gate: ops.QWeight, act: str) -> float:
     return float(a.abs().median())
 
 
-def unfused(u, gate, up, down_t, cand, threshold, act, relu_up, kc):
-    """The row ops the kernel fuses: (y (1, D), active ids)."""
+def unfused(u, gate, up, down_t, cand, threshold, act, relu_up, kc, out_t=None):
+    """The row ops the kernel fuses: (y (1, D), active ids, up rows read)."""
     g = sparse.rows_matmul(u, gate, cand, kc) if cand is not None else ops.linear(u, gate, kc)
     a = ops.act(act, g)
     if isinstance(threshold, torch.Tensor):  # one per row of the weights
@@ -62,7 +63,22 @@ def unfused(u, gate, up, down_t, cand, threshold, act, relu_up, kc):
     rows = pos if cand is None else cand[pos]
     v = sparse.rows_matmul(u, up, rows, kc)
     h = a[:, pos] * (torch.relu(v) if relu_up else v)
-    return sparse.rows_axpy(h, down_t, rows, kc), rows
+    if out_t is None:
+        return sparse.rows_axpy(h, down_t, rows, kc), rows, rows.numel()
+    second = (h.abs() > out_t[rows]).view(-1)
+    return sparse.rows_axpy(h[:, second].contiguous(), down_t, rows[second], kc), rows[second], rows.numel()
+
+
+def out_thresholds(u, gate, up, act, seed=11):
+    """Per-neuron thresholds on |h| that drop about a third of the neurons passing the median gate threshold."""
+    h = ops.act(act, sparse.decode_rows(gate, None) @ u.reshape(-1)) * (
+        sparse.decode_rows(up, None) @ u.reshape(-1)
+    )
+    n = h.numel()
+    return (
+        float(h.abs().quantile(0.65))
+        * torch.from_numpy(np.random.default_rng(seed).uniform(0.5, 1.5, n)).float()
+    )
 
 
 @needs_kernels
@@ -77,15 +93,19 @@ def test_cats_kernel_equals_row_ops_bitwise(ggml_type, isa, act):
             # one value for every row, and one per row around it
             t_rows = t_one * torch.from_numpy(np.random.default_rng(n_rows).uniform(0.3, 1.7, n_rows)).float()
             scratch = torch.empty(ops.cats_scratch_bytes(n_rows, n_in), dtype=torch.uint8)
-            for (name, cand), relu_up, t in itertools.product(
-                candidates(n_rows).items(), [False, True], [t_one, t_rows]
+            t_out = out_thresholds(u, gate, up, "relu")
+            for (name, cand), relu_up, t, out_t in itertools.product(
+                candidates(n_rows).items(), [False, True], [t_one, t_rows], [None, t_out]
             ):
                 where = (
-                    f"{[t.name for t in types]} {isa} {act} N={n_rows} K={n_in} D={n_out} {name} {relu_up}"
+                    f"{[t.name for t in types]} {isa} {act} N={n_rows} K={n_in} D={n_out} {name} {relu_up} "
+                    f"two={out_t is not None}"
                 )
-                y, n_active = ops.cats_ffn(u, gate, up, down_t, cand, t, "relu", relu_up, kc, scratch=scratch)
-                y_ref, rows = unfused(u, gate, up, down_t, cand, t, "relu", relu_up, kc)
-                assert n_active == rows.numel(), where
+                y, n_active, n_up = ops.cats_ffn(
+                    u, gate, up, down_t, cand, t, "relu", relu_up, kc, out_thresholds=out_t, scratch=scratch
+                )
+                y_ref, rows, up_ref = unfused(u, gate, up, down_t, cand, t, "relu", relu_up, kc, out_t)
+                assert n_active == rows.numel() and n_up == up_ref, where
                 assert torch.equal(y, y_ref), where
 
 
@@ -99,7 +119,7 @@ def test_cats_kernel_libm_activations(act_name):
     for seed in range(4):
         u = make_x(1, 576, seed=seed)
         t = median_threshold(u, gate, act_name)
-        y, n_active = ops.cats_ffn(u, gate, up, down_t, None, t, act_name, False, kc)
+        y, n_active, _ = ops.cats_ffn(u, gate, up, down_t, None, t, act_name, False, kc)
         g = ops.linear(u, gate, kc)
         a = ops.act(act_name, g)
         v = ops.linear(u, up, kc)
@@ -130,7 +150,7 @@ def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
             t = median_threshold(x[0], gate, "relu")
             for (name, cand), relu_up in itertools.product(candidates(n_rows).items(), [False, True]):
                 where = f"{[t.name for t in types]} {act} T={n_tokens} N={n_rows} K={n_in} {name} {relu_up}"
-                y, n_active = ops.cats_ffn(x, gate, up, down_t, cand, t, "relu", relu_up, kc)
+                y, n_active, _ = ops.cats_ffn(x, gate, up, down_t, cand, t, "relu", relu_up, kc)
                 assert y.shape == (n_tokens, n_out) and y.dtype == torch.float32, where
                 wg, wu, wd = (sparse.decode_rows(w, cand).double() for w in (gate, up, down_t))
                 xg = fake_quant_act(x) if act == "q8" and types[0] in QUANT_TYPES else x
@@ -156,9 +176,9 @@ def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.F16], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tokens", [1, 3])
 def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
-    # one threshold per neuron (sparsify's files) and tokens forced dense (a sequence's first position): the
-    # kernel (T = 1) and the row ops (T > 1) against the masked dense reference; errors measured <= 8e-7 of
-    # the output scale, bound 5e-6 (a wrong mask moves whole neurons' h, far above it)
+    # one threshold per neuron (sparsify's files), one or two stages, and tokens forced dense (a sequence's
+    # first position): the kernel (T = 1) and the row ops (T > 1) against the masked dense reference; errors
+    # measured <= 8e-7 of the output scale, bound 5e-6 (a wrong mask moves whole neurons' h, far above it)
     kc = ops.KernelContext()
     n_rows = 90
     gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 128)
@@ -167,19 +187,25 @@ def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
         median_threshold(x[0], gate, "relu")
         * torch.from_numpy(np.random.default_rng(7).uniform(0.3, 1.7, n_rows)).float()
     )
+    t_out = out_thresholds(x[0], gate, up, "relu")
     dense_first = torch.zeros(n_tokens, dtype=torch.bool)
     dense_first[0] = True
-    for (name, cand), dense_rows in itertools.product(candidates(n_rows).items(), [None, dense_first]):
-        where = f"{ggml_type.name} T={n_tokens} {name} dense={dense_rows is not None}"
-        y, n_active = ops.cats_ffn(
-            x, gate, up, down_t, cand, t_rows, "relu", False, kc, dense_rows=dense_rows
+    for (name, cand), dense_rows, out_t in itertools.product(
+        candidates(n_rows).items(), [None, dense_first], [None, t_out]
+    ):
+        where = f"{ggml_type.name} T={n_tokens} {name} dense={dense_rows is not None} two={out_t is not None}"
+        y, n_active, n_up = ops.cats_ffn(
+            x, gate, up, down_t, cand, t_rows, "relu", False, kc, dense_rows=dense_rows, out_thresholds=out_t
         )
-        y_ref, mask = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t_rows, "relu", False, dense_rows)
+        y_ref, mask = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t_rows, "relu", False, dense_rows, out_t)
+        _, passed = sparse.cats_ffn_ref(x, gate, up, down_t, cand, t_rows, "relu", False, dense_rows)
         scale = float(y_ref.abs().max()) + 1e-30
-        assert n_active == int(mask.sum()), where
+        assert n_active == int(mask.sum()) and n_up == int(passed.sum()), where
+        if out_t is not None and name != "empty" and dense_rows is None:  # the second stage drops some
+            assert 0 < n_active < n_up, where
         assert torch.allclose(y, y_ref, rtol=0, atol=5e-6 * scale), where
         if dense_rows is not None and name == "all":  # the dense token is the dense FFN for that token
-            y_dense, n_dense = ops.cats_ffn(x[:1], gate, up, down_t, None, -1.0, "relu", False, kc)
+            y_dense, n_dense, _ = ops.cats_ffn(x[:1], gate, up, down_t, None, -1.0, "relu", False, kc)
             assert torch.allclose(y[:1], y_dense, rtol=0, atol=5e-6 * scale), where
             assert bool(mask[0].all()), where
 
@@ -192,10 +218,10 @@ def test_cats_prefill_branches_match_decode():
     gate, up, down_t = ffn_weights((GGMLType.Q4_0,) * 3, 200, 256, 128)
     x = make_x(5, 256)
     for t in (1e-3, 2.0):
-        y, n_active = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc)
+        y, n_active, _ = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc)
         rows = [ops.cats_ffn(x[i : i + 1], gate, up, down_t, None, t, "silu", False, kc) for i in range(5)]
-        assert n_active == sum(n for _, n in rows)
-        for i, (yi, _) in enumerate(rows):
+        assert n_active == sum(r[1] for r in rows)
+        for i, (yi, _, _) in enumerate(rows):
             assert torch.allclose(y[i], yi[0], rtol=1e-5, atol=1e-5 * float(yi.abs().max()) + 1e-30), (t, i)
 
 
@@ -205,14 +231,25 @@ def test_cats_independent_of_threads(ggml_type, act):
     gate, up, down_t = ffn_weights((ggml_type,) * 3, 600, 576, 544)
     u = make_x(1, 576)
     t = median_threshold(u, gate, "silu")
-    for name, cand in candidates(600).items():
+    t_out = out_thresholds(u, gate, up, "silu")
+    for (name, cand), out_t in itertools.product(candidates(600).items(), [None, t_out]):
         results = [
             ops.cats_ffn(
-                u, gate, up, down_t, cand, t, "silu", False, ops.KernelContext(n_threads=n, act_precision=act)
+                u,
+                gate,
+                up,
+                down_t,
+                cand,
+                t,
+                "silu",
+                False,
+                ops.KernelContext(n_threads=n, act_precision=act),
+                out_thresholds=out_t,
             )
             for n in (1, 2, 3)
         ]
-        assert all(torch.equal(r[0], results[0][0]) and r[1] == results[0][1] for r in results[1:]), name
+        same = all(torch.equal(r[0], results[0][0]) and r[1:] == results[0][1:] for r in results[1:])
+        assert same, (name, out_t is not None)
 
 
 @needs_kernels
@@ -221,14 +258,14 @@ def test_cats_threshold_extremes():
     gate, up, down_t = ffn_weights((GGMLType.Q8_0,) * 3, 64, 64, 32)
     u = make_x(1, 64)
     # a negative threshold keeps every neuron: the dense FFN over down_t
-    y, n_active = ops.cats_ffn(u, gate, up, down_t, None, -1.0, "silu", False, kc)
+    y, n_active, _ = ops.cats_ffn(u, gate, up, down_t, None, -1.0, "silu", False, kc)
     dense = sparse.rows_axpy(
         ops.gated(ops.linear(u, gate, kc), ops.linear(u, up, kc), "silu", False), down_t, None, kc
     )
     assert n_active == 64
     assert torch.allclose(y, dense, rtol=1e-5, atol=1e-5 * float(dense.abs().max()))
     # an infinite threshold keeps none
-    y, n_active = ops.cats_ffn(u, gate, up, down_t, None, float("inf"), "silu", False, kc)
+    y, n_active, _ = ops.cats_ffn(u, gate, up, down_t, None, float("inf"), "silu", False, kc)
     assert n_active == 0 and torch.equal(y, torch.zeros(1, 32))
 
 
@@ -241,6 +278,8 @@ def test_cats_validation():
             ops.cats_ffn(u, gate, up, down_t, torch.tensor(bad), 0.1, "silu", False)
     with pytest.raises(ValueError, match="NaN"):
         ops.cats_ffn(u, gate, up, down_t, None, float("nan"), "silu", False)
+    with pytest.raises(ValueError, match="thresholds for 20 rows"):
+        ops.cats_ffn(u, gate, up, down_t, None, 0.1, "silu", False, out_thresholds=torch.zeros(19))
     with pytest.raises(ValueError, match="features"):
         ops.cats_ffn(make_x(1, 32), gate, up, down_t, None, 0.1, "silu", False)
     with pytest.raises(ValueError, match="activation"):
@@ -253,9 +292,10 @@ def test_cats_validation():
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.F16], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tokens", [1, 4])
-def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens):
-    # the hot part (pool rows on the CPU stand-in, threshold decided there) plus the CPU part over the other
-    # neurons equals the whole layer computed on the CPU
+@pytest.mark.parametrize("two", [False, True], ids=["one-stage", "two-stage"])
+def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens, two):
+    # the hot part (pool rows on the CPU stand-in, thresholds decided there) plus the CPU part over the other
+    # neurons equals the whole layer computed on the CPU, with the same counts
     from powerinfer.runtime.pool import HotRows
 
     kc = ops.KernelContext()
@@ -272,12 +312,31 @@ def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens):
     cold[torch.from_numpy(hot_ids)] = False
     dense_rows = torch.zeros(n_tokens, dtype=torch.bool)
     dense_rows[-1] = True  # the last token computed densely on both sides
-    y_hot, n_hot = hot.launch_threshold(x, t[torch.from_numpy(hot_ids)], dense_rows, "silu", False)
-    hot.wait()
-    y_cpu, n_cpu = ops.cats_ffn(
-        x, gate, up, down_t, cold.nonzero().view(-1), t, "silu", False, kc, dense_rows=dense_rows
+    t_out = out_thresholds(x[0], gate, up, "silu") if two else None
+    hot_ids_t = torch.from_numpy(hot_ids)
+    y_hot, counts = hot.launch_threshold(
+        x, t[hot_ids_t], None if t_out is None else t_out[hot_ids_t], dense_rows, "silu", False
     )
-    y_all, n_all = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc, dense_rows=dense_rows)
+    hot.wait()
+    y_cpu, n_cpu, up_cpu = ops.cats_ffn(
+        x,
+        gate,
+        up,
+        down_t,
+        cold.nonzero().view(-1),
+        t,
+        "silu",
+        False,
+        kc,
+        dense_rows=dense_rows,
+        out_thresholds=t_out,
+    )
+    y_all, n_all, up_all = ops.cats_ffn(
+        x, gate, up, down_t, None, t, "silu", False, kc, dense_rows=dense_rows, out_thresholds=t_out
+    )
     scale = float(y_all.abs().max())
-    assert abs(int(n_hot) + n_cpu - n_all) <= 1
+    n_hot, up_hot = counts.tolist()
+    # a neuron at a threshold may fall either way between the pool's float path and the kernel's (none seen)
+    assert abs(n_hot + n_cpu - n_all) <= 1 and abs(up_hot + up_cpu - up_all) <= 1
+    assert (n_all < up_all) == (two and n_tokens > 1)  # one token: the dense one
     assert torch.allclose(y_hot + y_cpu, y_all, rtol=1e-4, atol=1e-5 * scale)

@@ -37,6 +37,7 @@ runner = CliRunner()
 PROSE = REPO / "tests" / "data" / "python-reference-prose.txt"
 METHOD, TARGET = "powerinfer.sparsity.method", "powerinfer.sparsity.target"
 THRESHOLDS, LAYER_SPARSITY = "powerinfer.sparsity.thresholds", "powerinfer.sparsity.layer_sparsity"
+UP_SPARSITY = "powerinfer.sparsity.up_sparsity"
 
 
 def rewrite(src: Path, dst: Path, keys: dict | None = None, tensors: dict | None = None) -> Path:
@@ -63,10 +64,12 @@ def sparsify(*args: str):
     return runner.invoke(app, ["sparsify", "-t", "1", *args])
 
 
-def check_file(model: Path, out: Path, target: float) -> tuple[np.ndarray, np.ndarray]:
+def check_file(
+    model: Path, out: Path, target: float, two: bool = True
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The contract shared by every output: PWRI, the keys, tensors copied except ffn_down -> ffn_down_t, each
-    followed by the layer's per-neuron thresholds; returns (per-neuron thresholds (n_layer, n_ff),
-    layer_sparsity)."""
+    followed by the layer's per-neuron thresholds on |act| and, for two stages, on |h|; returns (per-neuron
+    thresholds (n_layer, n_ff), layer_sparsity, the second stage's (n_layer, n_ff) or None)."""
     src, dst = read_gguf(model), read_gguf(out)
     assert dst.is_sparse and not src.is_sparse
     n_layer = int(src.metadata["llama.block_count"])
@@ -90,22 +93,28 @@ def check_file(model: Path, out: Path, target: float) -> tuple[np.ndarray, np.nd
         names.append(n.replace(".ffn_down.", ".ffn_down_t."))
         if n.endswith(".ffn_down.weight"):
             names.append(n.replace(".ffn_down.weight", ".ffn_act_threshold"))
+            if two:
+                names.append(n.replace(".ffn_down.weight", ".ffn_out_threshold"))
     assert list(dst.tensors) == names  # input order
+    assert (UP_SPARSITY in dst.metadata) == two
     for name, t in src.tensors.items():
         if ".ffn_down." not in name:
             assert dst.tensors[name].ggml_type == t.ggml_type and dst.tensors[name].shape == t.shape
             assert bytes(dst.tensors[name].data) == bytes(t.data), name
     n_ff = src.tensors["blk.0.ffn_down.weight"].shape[1]
-    neurons = []
+    neurons, outs = [], []
     for bid in range(n_layer):
-        t = dst.tensors[f"blk.{bid}.ffn_act_threshold"]
-        assert t.ggml_type == GGMLType.F32 and t.shape == (n_ff,)
-        v = np.asarray(t.data).view("<f4").astype(np.float64)
-        assert not np.isnan(v).any() and np.all(v >= 0)
-        if thresholds[bid] == 0:
-            assert np.all(v == 0)
-        neurons.append(v)
-    return np.stack(neurons), layer_sparsity
+        for kind, into in (("act", neurons), ("out", outs) if two else ("", None)):
+            if into is None:
+                continue
+            t = dst.tensors[f"blk.{bid}.ffn_{kind}_threshold"]
+            assert t.ggml_type == GGMLType.F32 and t.shape == (n_ff,)
+            v = np.asarray(t.data).view("<f4").astype(np.float64)
+            assert not np.isnan(v).any() and (np.all(v >= 0) or np.all(v == -1)), (kind, bid)
+            if kind == "act" and thresholds[bid] == 0:
+                assert np.all(v == 0)
+            into.append(v)
+    return np.stack(neurons), layer_sparsity, np.stack(outs) if two else None
 
 
 def transpose_error(model: Path, out: Path) -> float:
@@ -123,11 +132,19 @@ def transpose_error(model: Path, out: Path) -> float:
     return worst
 
 
-def measured_active_share(model: Path, text: Path, thresholds: np.ndarray, max_tokens: int, n_ctx: int):
-    """Share of calibration (token, neuron) pairs with |silu(gate_n u)| > thresholds[l, n] per layer, the
-    windows' first tokens left out (the engine runs them dense), from a dense run whose gate and up products are
-    recomputed with dequantized float32 weights (not the kernels sparsify used); also each neuron's mean
-    |up_n u| over the same tokens. Returns (share (n_layer,), tokens run, mean |up u| (n_layer, n_ff))."""
+def measured_active_share(
+    model: Path,
+    text: Path,
+    thresholds: np.ndarray,
+    max_tokens: int,
+    n_ctx: int,
+    outs: np.ndarray | None = None,
+):
+    """Share of calibration (token, neuron) pairs active per layer: |silu(gate_n u)| > thresholds[l, n] and,
+    with outs, |silu(gate_n u) * up_n u| > outs[l, n]; the windows' first tokens left out (the engine runs them
+    dense), from a dense run whose gate and up products are recomputed with dequantized float32 weights (not the
+    kernels sparsify used); also the share passing the gate stage and each neuron's mean |up_n u| over the same
+    tokens. Returns (share (n_layer,), tokens run, mean |up u| (n_layer, n_ff), gate-stage share (n_layer,))."""
     engine = Engine(model, EngineOptions(n_ctx=n_ctx, n_threads=1))
     ids = tokenize_corpus(engine, text.read_text(encoding="utf-8"))[:max_tokens]
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
@@ -136,6 +153,7 @@ def measured_active_share(model: Path, text: Path, thresholds: np.ndarray, max_t
     gates = [dense(f.gate) for f in ffns]  # type: ignore[attr-defined]
     ups = [dense(f.up) for f in ffns]
     active = np.zeros(len(gates))
+    passed = np.zeros(len(gates))
     seen = np.zeros(len(gates))
     up_sum = torch.zeros(len(gates), gates[0].shape[0], dtype=torch.float64)
     pos = [0] * len(gates)  # position in the current window of the next row each layer sees
@@ -143,10 +161,15 @@ def measured_active_share(model: Path, text: Path, thresholds: np.ndarray, max_t
     def observe(bid: int, x_norm: torch.Tensor, x_residual: torch.Tensor) -> None:
         rows = x_norm[1:] if pos[bid] == 0 else x_norm
         pos[bid] += x_norm.shape[0]
-        a = act("silu", rows @ gates[bid].T).abs()
-        active[bid] += float((a > torch.from_numpy(thresholds[bid]).float()).sum())
+        a = act("silu", rows @ gates[bid].T)
+        v = rows @ ups[bid].T
+        gate_pass = a.abs() > torch.from_numpy(thresholds[bid]).float()
+        passed[bid] += float(gate_pass.sum())
+        if outs is not None:
+            gate_pass &= (a * v).abs() > torch.from_numpy(outs[bid]).float()
+        active[bid] += float(gate_pass.sum())
         seen[bid] += a.numel()
-        up_sum[bid] += (rows @ ups[bid].T).abs().sum(0, dtype=torch.float64)
+        up_sum[bid] += v.abs().sum(0, dtype=torch.float64)
 
     engine.model.observers.append(observe)
     for w in windows:
@@ -154,7 +177,22 @@ def measured_active_share(model: Path, text: Path, thresholds: np.ndarray, max_t
         pos[:] = [0] * len(gates)
         engine.eval(w)
     n_scored = seen[0] / gates[0].shape[0]
-    return active / seen, sum(len(w) for w in windows), (up_sum / n_scored).numpy()
+    return active / seen, sum(len(w) for w in windows), (up_sum / n_scored).numpy(), passed / seen
+
+
+def check_out_scales(model: Path, outs: np.ndarray) -> None:
+    """The second stage's per-neuron thresholds are t2_l / ||down[:, n]||: times the down columns' norms
+    (float64 from the input's own ffn_down) they are one value per layer. Measured spread 2.1e-7 relative on
+    SmolLM2 (float32 rounding); bound 1e-6 (thresholds not divided by the norms spread by 30% or more). A layer
+    left dense (s_l = 0) holds -1 for every neuron."""
+    src = read_gguf(model)
+    for bid, row in enumerate(outs):
+        if np.all(row == -1):
+            continue
+        t = src.tensors[f"blk.{bid}.ffn_down.weight"]
+        norms = np.linalg.norm(dequantize(t.data, t.ggml_type, t.shape).astype(np.float64), axis=0)
+        scaled = row * norms
+        assert np.allclose(scaled, np.median(scaled), rtol=1e-6), bid
 
 
 def check_neuron_scales(neurons: np.ndarray, layer_t: np.ndarray, up_mean: np.ndarray) -> None:
@@ -179,19 +217,24 @@ def test_smollm2_greedy(tmp_path: Path):
     )
     assert r.exit_code == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    thresholds, layer_sparsity = check_file(model, out, 0.5)
-    assert summary["allocation"] == "greedy"
+    thresholds, layer_sparsity, outs = check_file(model, out, 0.5)
+    assert summary["allocation"] == "greedy" and summary["up_ratio"] == 0.5
     assert np.allclose(summary["layer_sparsity"], layer_sparsity, atol=1e-6)
     assert layer_sparsity.std() > 0.01  # greedy spreads the sparsity unevenly over layers
     # Q4_1 -> float -> transpose -> Q4_1: measured 0.088 relative RMS error over the worst layer (a Q4_1
     # round trip of random normal data costs 0.078); the bound is about 3x that
     assert transpose_error(model, out) < 0.25
-    share, n_tokens, up_mean = measured_active_share(model, text, thresholds, 1024, 512)
+    share, n_tokens, up_mean, up_share = measured_active_share(model, text, thresholds, 1024, 512, outs)
     assert n_tokens == summary["n_tokens"] and summary["n_kept"] == n_tokens - math.ceil(
         1024 / 511
     )  # first tokens left out
     assert np.all(np.abs(share - (1 - layer_sparsity)) < 0.01), (share, layer_sparsity)
+    # two stages (--up-ratio 0.5): the gate stage skips half of each layer's skipped share
+    assert np.all(np.abs(up_share - (1 - 0.5 * layer_sparsity)) < 0.01), (up_share, layer_sparsity)
+    assert np.allclose(summary["up_share"], up_share, atol=0.01)
     check_neuron_scales(thresholds, np.asarray(summary["thresholds"]), up_mean)
+    assert outs is not None
+    check_out_scales(model, outs)
     n_layer, n_ff = len(thresholds), summary["n_ff"]
     stats = load_activation_stats(out.parent / "activation", n_layer, n_ff)
     file_share = np.array([c.sum() / (summary["n_kept"] * n_ff) for c in stats])
@@ -199,19 +242,25 @@ def test_smollm2_greedy(tmp_path: Path):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "target", "allocation"),
-    [(GGMLType.F32, 0.5, "uniform"), (GGMLType.F16, 0.333, "greedy"), (GGMLType.Q8_0, 0.4, "greedy")],
+    ("dtype", "target", "allocation", "up_ratio"),
+    [
+        (GGMLType.F32, 0.5, "uniform", 1.0),
+        (GGMLType.F16, 0.333, "greedy", 0.5),
+        (GGMLType.Q8_0, 0.4, "greedy", 1.0),
+        (GGMLType.F32, 0.5, "uniform", 0.25),
+    ],
 )
-def test_tiny_models(tmp_path: Path, dtype: GGMLType, target: float, allocation: str):
+def test_tiny_models(tmp_path: Path, dtype: GGMLType, target: float, allocation: str, up_ratio: float):
     model = write_hf_llama_gguf(tiny_hf_llama(n_layer=3, seed=1), tmp_path / "tiny.gguf", dtype)
     text = calibration_text(tmp_path, 3000)  # byte-level vocabulary: one token per byte
     out = tmp_path / "tiny.cats.gguf"
     r = sparsify(
         "-m", str(model), "-f", str(text), "--sparsity", str(target), "--allocation", allocation,
-        "-o", str(out), "-c", "128", "--max-tokens", "1000",
+        "-o", str(out), "-c", "128", "--max-tokens", "1000", "--up-ratio", str(up_ratio),
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
-    thresholds, layer_sparsity = check_file(model, out, target)
+    two = up_ratio < 1
+    thresholds, layer_sparsity, outs = check_file(model, out, target, two)
     if allocation == "uniform":
         assert np.allclose(layer_sparsity, target)
     error = transpose_error(model, out)
@@ -220,8 +269,11 @@ def test_tiny_models(tmp_path: Path, dtype: GGMLType, target: float, allocation:
         assert error < 0.02  # measured 0.0053 (a Q8_0 round trip of random normal data: 0.0054)
     else:
         assert error == 0.0  # float types transpose exactly
-    share, n_tokens, _ = measured_active_share(model, text, thresholds, 1000, 128)
+    share, n_tokens, _, up_share = measured_active_share(model, text, thresholds, 1000, 128, outs)
     assert np.all(np.abs(share - (1 - layer_sparsity)) < 0.01), (share, layer_sparsity)
+    assert np.all(np.abs(up_share - (1 - up_ratio * layer_sparsity)) < 0.01), (up_share, layer_sparsity)
+    if outs is not None:
+        check_out_scales(model, outs)
     stats = load_activation_stats(tmp_path / "activation", len(thresholds), 128)
     n_kept = n_tokens - math.ceil(1000 / 127)  # windows of BOS + 127 tokens: their first tokens left out
     assert all(c.max() <= n_kept for c in stats)
@@ -250,7 +302,7 @@ def test_zero_sparsity_is_dense(tmp_path: Path):
     assert r.exit_code == 0, r.stderr
     out = default_output(model)
     assert out.name == "tiny.sparse.powerinfer.gguf"
-    thresholds, layer_sparsity = check_file(model, out, 0.0)
+    thresholds, layer_sparsity, _ = check_file(model, out, 0.0, two=False)  # no second stage at S = 0
     assert np.all(thresholds == 0) and np.all(layer_sparsity == 0)
     assert np.all(np.asarray(read_gguf(out).metadata[THRESHOLDS]) == 0)
 
@@ -284,6 +336,7 @@ def assert_refused(tmp_path: Path, r, *needles: str) -> None:
         (["--sparsity", "-0.1"], "[0, 1)"),
         (["--sparsity", "nan"], "[0, 1)"),
         (["--sparsity", "0.97"], "cannot be reached"),
+        (["--sparsity", "0.5", "--up-ratio", "1.5"], "--up-ratio must be in [0, 1]"),
         (["--sparsity", "0.5", "--method", "teal"], "--method teal is not implemented yet; use cats"),
         (["--sparsity", "0.5", "--method", "predictor"], "--method predictor is not implemented yet"),
         (["--sparsity", "0.5", "--max-tokens", "100"], "100 tokens"),

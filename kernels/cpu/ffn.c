@@ -376,12 +376,16 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
  * The per-thread lists are compacted in thread (= candidate) order, then phase 2 sums the down rows exactly
  * as pi_ffn_rows does. So y equals rows_matmul(gate, cand), the activation, the mask, rows_matmul(up, idx),
  * the gating and rows_axpy(down_t, idx) bit for bit for ReLU (libm activations otherwise), and does not depend
- * on the thread count. A candidate list in increasing order gives idx in increasing order. */
+ * on the thread count. A candidate list in increasing order gives idx in increasing order.
+ * Two-stage selection (out_thresholds not NULL): the neurons passing the gate threshold have their up rows
+ * read, and only those with |h_n| > out_thresholds[n] stay active (their down rows summed); *n_up receives the
+ * count of up rows read. */
 typedef struct {
     ffn_ctx c;        /* c.idx and c.h: the compacted active list and h; c.M its length */
     const int64_t *cand; /* NULL: rows 0..C) */
     int64_t C;
     const float *thresholds; /* N entries, by row (a NaN never passes) */
+    const float *out_thresholds; /* NULL, or N entries on |h| by row: the second stage */
     int64_t *idx;      /* C entries: the active rows, per-thread slices before compaction */
     float *a;          /* C entries: act(gate) then h of the active rows, per-thread slices before compaction */
 } cats_ctx;
@@ -403,9 +407,9 @@ static void cats_flush_up(const cats_ctx *k, const int64_t *pending, int n) {
 }
 
 /* candidates [i0, i1) of this thread: the gate rows and the threshold first (one stream through the gate), then
- * the up rows of the active ones (a second stream, prefetched CATS_UP_AHEAD rows ahead); returns the number
- * active (their rows at idx[i0..), their h at a[i0..)) */
-static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1) {
+ * the up rows of the active ones (a second stream, prefetched CATS_UP_AHEAD rows ahead), then the second stage
+ * if any; returns the number active (their rows at idx[i0..), their h at a[i0..)), the up rows read in *n_up */
+static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1, int64_t *n_up) {
     const ffn_ctx *c = &k->c;
     int64_t n_act = 0;
     for (int64_t i = i0; i < i1; i += ROWS_DOT_MAX) {
@@ -435,7 +439,17 @@ static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1) {
         for (int r = 0; r < R; r++) pending[r] = i0 + p + r;
         cats_flush_up(k, pending, R);
     }
-    return n_act;
+    *n_up = n_act;
+    if (k->out_thresholds == NULL) return n_act;
+    int64_t kept = 0; /* second stage: keep the neurons whose |h| passes, in order */
+    for (int64_t p = 0; p < n_act; p++) {
+        const int64_t row = k->idx[i0 + p];
+        const float h = k->a[i0 + p];
+        if (!(fabsf(h) > k->out_thresholds[row])) continue;
+        k->idx[i0 + kept] = row;
+        k->a[i0 + kept++] = h;
+    }
+    return kept;
 }
 
 /* Scratch of pi_cats_ffn over C candidates of K inputs: a/h (C floats), then the int8 activations (q8). */
@@ -449,17 +463,20 @@ PI_EXPORT int64_t pi_cats_ffn_scratch_bytes(int64_t C, int64_t K, int32_t q8_act
 }
 
 /* pi_cats_ffn(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
- *             cand, C, thresholds, act, relu_up, q8_act, idx, n_active, y, scratch, scratch_bytes, threads, isa):
- * as described above; kinds and act as for pi_ffn_rows; thresholds: N floats, one per row; cand: C candidate
+ *             cand, C, thresholds, out_thresholds, act, relu_up, q8_act, idx, n_active, n_up, y, scratch,
+ *             scratch_bytes, threads, isa):
+ * as described above; kinds and act as for pi_ffn_rows; thresholds: N floats, one per row; out_thresholds: NULL
+ * (one stage) or N floats; n_up may be NULL; cand: C candidate
  * rows in [0, N) (NULL: all rows,
  * C must equal N); idx must hold C entries. scratch: at least pi_cats_ffn_scratch_bytes(C, K, q8_act) bytes,
  * else PI_ERR_SCRATCH. */
 PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
                               int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
                               int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
-                              const int64_t *cand, int64_t C, const float *thresholds, int32_t act, int32_t relu_up,
-                              int32_t q8_act, int64_t *idx, int64_t *n_active, float *y, void *scratch,
-                              int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
+                              const int64_t *cand, int64_t C, const float *thresholds, const float *out_thresholds,
+                              int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx, int64_t *n_active,
+                              int64_t *n_up, float *y, void *scratch, int64_t scratch_bytes, int32_t n_threads,
+                              int32_t isa) {
     if (K < 0 || D < 0 || N < 0 || C < 0 || act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
     if (y == NULL || n_active == NULL || (C > 0 && (u == NULL || idx == NULL || thresholds == NULL)))
         return PI_ERR_SHAPE;
@@ -469,6 +486,7 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     for (int i = 0; i < 3; i++)
         if (check_weight(kinds[i], N, lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
     *n_active = 0;
+    if (n_up != NULL) *n_up = 0;
     if (C == 0) { /* cand may be NULL (an empty tensor has no data) */
         for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
         return PI_OK;
@@ -486,7 +504,8 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     float *a_buf = (float *)buf;
     act_q8 aq = {0};
     if (need_q8) ffn_quantize_u(table, u, K, buf + align_up((size_t)C * 4), &aq);
-    int64_t counts[PI_MAX_THREADS];
+    int64_t counts[PI_MAX_THREADS], ups[PI_MAX_THREADS]; /* active neurons and up rows read, per thread */
+    int64_t up_total = 0;
     cats_ctx k = {
         .c = {
             .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
@@ -498,18 +517,20 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
             .kind_down = down_kind,
             .units = axpy_units_for(level),
         },
-        .cand = cand, .C = C, .thresholds = thresholds, .idx = idx, .a = a_buf,
+        .cand = cand, .C = C, .thresholds = thresholds, .out_thresholds = out_thresholds, .idx = idx, .a = a_buf,
     };
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-        counts[me] = cats_phase1(&k, C * me / all, C * (me + 1) / all);
+        counts[me] = cats_phase1(&k, C * me / all, C * (me + 1) / all, &ups[me]);
 #pragma omp barrier
 #pragma omp single
         {
             /* compact the per-thread slices in thread (= candidate) order */
             int64_t M = counts[0];
+            up_total = ups[0];
             for (int64_t t = 1; t < all; t++) {
+                up_total += ups[t];
                 const int64_t src = C * t / all;
                 memmove(idx + M, idx + src, (size_t)counts[t] * sizeof(int64_t));
                 memmove(a_buf + M, a_buf + src, (size_t)counts[t] * sizeof(float));
@@ -522,6 +543,7 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
         ffn_phase2(&k.c, me, all);
     }
     *n_active = k.c.M;
+    if (n_up != NULL) *n_up = up_total;
     if (k.c.M == 0)
         for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
     return PI_OK;

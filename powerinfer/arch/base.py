@@ -200,7 +200,8 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
 
     PowerInfer files hold ffn_down_t (n_ff, n_embd) instead of ffn_down; predictors fc1 (r, n_embd), fc2 (n_ff, r)
     ("predictor"); "cats" files (`powerinfer sparsify`) thresholds on |act(gate)| instead: one per neuron
-    (blk.N.ffn_act_threshold) or, in files without that tensor, the layer's one value for every neuron.
+    (blk.N.ffn_act_threshold) or, in files without that tensor, the layer's one value for every neuron; with
+    blk.N.ffn_out_threshold, a second stage on |act(gate) * up| per neuron.
     """
     c, kc = config, src.kc
     gate_name, up_name = TensorNames.FFN_GATE.format(bid=bid), TensorNames.FFN_UP.format(bid=bid)
@@ -231,7 +232,9 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
             thresholds = src.vector(thr_name, c.n_ff).to("cpu")
         else:
             thresholds = torch.full((c.n_ff,), c.sparse_thresholds[bid], dtype=torch.float32)
-        return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace)
+        out_name = TensorNames.FFN_OUT_THRESHOLD.format(bid=bid)
+        out = src.vector(out_name, c.n_ff).to("cpu") if src.has(out_name) else None
+        return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace, out)
     if src.sparsity.selector != "none":
         raise ConfigError(f"unknown sparsity selector '{src.sparsity.selector}'")
     gate, up = src.matrix(gate_name, shape), src.matrix(up_name, shape)

@@ -112,6 +112,7 @@ def tensor_table(config: ModelConfig) -> TensorTable:
             TensorNames.FFN_DOWN: (c.n_embd, c.n_ff),
             TensorNames.FFN_DOWN_T: (c.n_ff, c.n_embd),
             TensorNames.FFN_ACT_THRESHOLD: (c.n_ff,),
+            TensorNames.FFN_OUT_THRESHOLD: (c.n_ff,),
             TensorNames.PRED_FC1: (f"rank.{bid}", c.n_embd),
             TensorNames.PRED_FC2: (c.n_ff, f"rank.{bid}"),
         }

@@ -45,12 +45,16 @@ def sparsity_table(result: SparsifyResult) -> Table:
         title=f"CATS sparsity {result.target} ({result.allocation}) over {result.n_tokens} tokens "
         f"({result.n_ff} neurons per layer)"
     )
-    for name in ("layer", "sparsity", "threshold", "active", "est. error"):
+    for name in ("layer", "sparsity", "threshold", "active", "up read", "est. error"):
         table.add_column(name, justify="right")
     errors = [None] * len(result.thresholds) if result.est_error is None else list(result.est_error)
-    rows = zip(result.layer_sparsity, result.thresholds, result.active_share, errors, strict=True)
-    for layer, (s, t, a, e) in enumerate(rows):
-        table.add_row(str(layer), f"{s:.3f}", f"{t:.4g}", f"{a:.1%}", "-" if e is None else f"{e:.2e}")
+    rows = zip(
+        result.layer_sparsity, result.thresholds, result.active_share, result.up_share, errors, strict=True
+    )
+    for layer, (s, t, a, up, e) in enumerate(rows):
+        table.add_row(
+            str(layer), f"{s:.3f}", f"{t:.4g}", f"{a:.1%}", f"{up:.1%}", "-" if e is None else f"{e:.2e}"
+        )
     return table
 
 
@@ -75,6 +79,15 @@ def sparsify(
             help="Per-layer sparsity: greedy (on per-layer output-error curves, mean = target) or uniform.",
         ),
     ] = Allocation.greedy,
+    up_ratio: Annotated[
+        float,
+        typer.Option(
+            "--up-ratio",
+            help="Share of a layer's skipped neurons whose up rows are skipped too, in [0, 1]. Below 1, two "
+            "stages: a looser gate threshold picks the up rows to read, then |act(gate x) * up x| * ||down col|| "
+            "picks the active neurons; 1 = one stage (CATS as published).",
+        ),
+    ] = 0.5,
     output: Annotated[
         Path | None,
         typer.Option(
@@ -112,6 +125,7 @@ def sparsify(
             sparsity=sparsity,
             method=method.value,
             allocation=allocation.value,
+            up_ratio=up_ratio,
             n_ctx=ctx_size,
             n_threads=threads(threads_),
             max_tokens=max_tokens,

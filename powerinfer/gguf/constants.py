@@ -123,6 +123,7 @@ class TensorNames:
     FFN_DOWN = "blk.{bid}.ffn_down.weight"
     FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"
     FFN_ACT_THRESHOLD = "blk.{bid}.ffn_act_threshold"  # F32 (n_ff,): per-neuron |act(gate)| thresholds (cats)
+    FFN_OUT_THRESHOLD = "blk.{bid}.ffn_out_threshold"  # F32 (n_ff,): per-neuron |act(gate) * up| thresholds
     PRED_FC1 = "blk.{bid}.fc1.weight"
     PRED_FC2 = "blk.{bid}.fc2.weight"
     GPU_IDX = "blk.{bid}.gpu_idx"

@@ -44,6 +44,7 @@ class SparseStats:
     tokens: np.ndarray  # (n_layer,) tokens seen
     active: np.ndarray  # (n_layer,) predicted active (token, neuron) pairs
     active_gpu: np.ndarray  # (n_layer,) of which served by the pool
+    up_read: np.ndarray  # (n_layer,) pairs whose up row was read (CATS's gate stage; = active otherwise)
     predictor_ms: float = 0.0
     # recall measurement (off unless track_recall() was called): truly active pairs, act(gate) > 0,
     # and of those the ones the selector marked active
@@ -52,7 +53,7 @@ class SparseStats:
 
     @classmethod
     def zeros(cls, n_layer: int) -> SparseStats:
-        return cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(3)))
+        return cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(4)))
 
     def track_recall(self) -> None:
         """Also compute every neuron's gate per token and count the truly active ones the selector found."""
@@ -108,13 +109,15 @@ class HotPart(Protocol):
         self,
         u: torch.Tensor,
         thresholds: torch.Tensor,
+        out_thresholds: torch.Tensor | None,
         dense_rows: torch.Tensor | None,
         act: str,
         relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue the hot part with CATS's selection (|act(gate)| > thresholds (k,) on the pool device; every
-        neuron for the tokens dense_rows (T,) marks), decided on the pool device; returns y (T, D) and the number
-        of active (token, neuron) pairs (a 0-d tensor), both on the CPU."""
+        """Queue the hot part with CATS's selection (|act(gate)| > thresholds (k,) and, with out_thresholds (k,),
+        |act(gate) * up| > out_thresholds, both on the pool device; every neuron for the tokens dense_rows (T,)
+        marks), decided on the pool device; returns y (T, D) and the counts (2,) of active (token, neuron) pairs
+        and of pairs passing the gate stage, both on the CPU."""
         ...
 
     def wait(self) -> None: ...
@@ -235,9 +238,21 @@ class SparseFFN:
         return ops.rows_axpy(h, self.down_t, idx_down, kc)  # (T, D)
 
 
+def neuron_thresholds(bid: int, values: torch.Tensor, n_ff: int) -> torch.Tensor:
+    """(n_ff,) float32 contiguous thresholds of layer bid; ConfigError for a wrong count or a NaN."""
+    t = values.detach().to("cpu", torch.float32).reshape(-1).contiguous()
+    if t.numel() != n_ff:
+        raise ConfigError(f"layer {bid}: {t.numel()} sparsity thresholds for {n_ff} neurons")
+    if bool(t.isnan().any()):
+        raise ConfigError(f"layer {bid}: a sparsity threshold is NaN")
+    return t
+
+
 class ThresholdFFN:
-    """CATS's thresholded gated FFN of one layer: dense gate, then the up/down rows of the neurons with
-    |act(gate . u)| > threshold; split between a pool part (hot neurons) and the CPU like SparseFFN."""
+    """CATS's thresholded gated FFN of one layer: dense gate, then the up rows of the neurons with
+    |act(gate . u)| > thresholds, and the down rows of those (or, with out_thresholds, of those whose
+    |act(gate . u) * up . u| > out_thresholds too); split between a pool part (hot neurons) and the CPU like
+    SparseFFN."""
 
     def __init__(
         self,
@@ -251,20 +266,23 @@ class ThresholdFFN:
         stats: SparseStats,
         kc: ops.KernelContext,
         workspace: Workspace | None = None,
+        out_thresholds: torch.Tensor | None = None,
     ) -> None:
         check_sparse_spec(spec)
         self.n_ff = gate.shape[0]
-        thresholds = thresholds.detach().to("cpu", torch.float32).reshape(-1).contiguous()
-        if thresholds.numel() != self.n_ff:
-            raise ConfigError(
-                f"layer {bid}: {thresholds.numel()} sparsity thresholds for {self.n_ff} neurons"
-            )
-        if bool(thresholds.isnan().any()):
-            raise ConfigError(f"layer {bid}: a sparsity threshold is NaN")
-        self.spec, self.bid, self.thresholds = spec, bid, thresholds  # (n_ff,) one per neuron
+        self.spec, self.bid = spec, bid
+        self.thresholds = neuron_thresholds(bid, thresholds, self.n_ff)  # (n_ff,) one per neuron
+        self.out_thresholds = (
+            None if out_thresholds is None else neuron_thresholds(bid, out_thresholds, self.n_ff)
+        )
         self.gate, self.up, self.down_t = gate, up, down_t  # (n_ff, D) each, down_t transposed
         self.hot, self.stats, self.kc = hot, stats, kc
-        self.hot_thresholds = None if hot is None else thresholds[hot.ids].to(hot.device)
+        self.hot_thresholds = None if hot is None else self.thresholds[hot.ids].to(hot.device)
+        self.hot_out_thresholds = (
+            None
+            if hot is None or self.out_thresholds is None
+            else self.out_thresholds[hot.ids].to(hot.device)
+        )
         # the CPU's candidate neurons: None = all of them; else those the pool does not hold
         self.cpu_ids: torch.Tensor | None = None
         if hot is not None:
@@ -291,19 +309,22 @@ class ThresholdFFN:
         if self.hot is not None:
             assert self.hot_thresholds is not None
             hot_out = self.hot.launch_threshold(
-                x_norm, self.hot_thresholds, dense_rows, spec.act, spec.relu_up
+                x_norm, self.hot_thresholds, self.hot_out_thresholds, dense_rows, spec.act, spec.relu_up
             )
-        y, n_cpu = ops.cats_ffn(
+        y, n_cpu, up_cpu = ops.cats_ffn(
             x_norm, self.gate, self.up, self.down_t, self.cpu_ids, self.thresholds, spec.act, spec.relu_up,
-            self.kc, dense_rows=dense_rows, scratch=self.workspace.get("ffn") if T == 1 else None,
+            self.kc, dense_rows=dense_rows, out_thresholds=self.out_thresholds,
+            scratch=self.workspace.get("ffn") if T == 1 else None,
         )  # fmt: skip
         s.tokens[self.bid] += T
         if hot_out is None or self.hot is None:
             s.active[self.bid] += n_cpu
+            s.up_read[self.bid] += up_cpu
             return y
         self.hot.wait()
-        y_hot, n_hot_t = hot_out
-        n_hot = int(n_hot_t)
+        y_hot, counts = hot_out
+        n_hot, up_hot = (int(v) for v in counts.tolist())
         s.active[self.bid] += n_cpu + n_hot
         s.active_gpu[self.bid] += n_hot
+        s.up_read[self.bid] += up_cpu + up_hot
         return y + y_hot

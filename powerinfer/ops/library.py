@@ -85,12 +85,12 @@ _PREDICT_FFN_ARGTYPES = (
     + (_ptr, _i64, _i32) * 3
     + (_i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
-# cats_ffn (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., cand, C, thresholds, act, relu_up,
-#           q8_act, idx, n_active, y, scratch, scratch_bytes, n_threads, isa)
+# cats_ffn (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., cand, C, thresholds, out_thresholds,
+#           act, relu_up, q8_act, idx, n_active, n_up, y, scratch, scratch_bytes, n_threads, isa)
 _CATS_FFN_ARGTYPES = (
     (_ptr, _i64, _i64, _i64)
     + (_ptr, _i64, _i32) * 3
-    + (_ptr, _i64, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
+    + (_ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
 # attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
 #              n_threads, isa)

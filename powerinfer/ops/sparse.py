@@ -340,24 +340,29 @@ def cats_ffn_ref(
     act: str = "silu",
     relu_up: bool = False,
     dense_rows: torch.Tensor | None = None,
+    out_thresholds: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The masked dense reference of `cats_ffn`: (y (T, D), mask (T, C)) with a = act(gate[cand] u),
-    mask = |a| > thresholds[cand] (every candidate for the tokens dense_rows marks), y = sum over the candidates
-    of a * up . u * mask times their down_t rows."""
+    h = a * up . u, mask = |a| > thresholds[cand] and (with out_thresholds) |h| > out_thresholds[cand] (every
+    candidate for the tokens dense_rows marks), y = sum over the candidates of h * mask times their down_t rows."""
     u = u.to(torch.float32)
     if u.dim() == 1:
         u = u[None]
     t = cats_thresholds(thresholds, gate.shape[0])
+    t_out = None if out_thresholds is None else cats_thresholds(out_thresholds, gate.shape[0])
     if cand is not None:
         t = t[cand]
+        t_out = None if t_out is None else t_out[cand]
     wg, wu = decode_rows(gate, cand), decode_rows(up, cand)
     a = activation.act(act, u @ wg.T)
     v = u @ wu.T
+    h = a * (torch.relu(v) if relu_up else v)
     mask = a.abs() > t
+    if t_out is not None:
+        mask &= h.abs() > t_out
     if dense_rows is not None:
         mask[dense_rows.to("cpu", torch.bool).reshape(-1)] = True
-    h = a * (torch.relu(v) if relu_up else v) * mask
-    return h @ decode_rows(down_t, cand), mask
+    return (h * mask) @ decode_rows(down_t, cand), mask
 
 
 def cats_ffn(
@@ -372,22 +377,28 @@ def cats_ffn(
     kc: KernelContext | None = None,
     *,
     dense_rows: torch.Tensor | None = None,
+    out_thresholds: torch.Tensor | None = None,
     scratch: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, int]:
-    """CATS FFN of u (T, K) over the candidate neurons `cand` (None: all rows): (y (T, D), active pairs).
+) -> tuple[torch.Tensor, int, int]:
+    """CATS FFN of u (T, K) over the candidate neurons `cand` (None: all rows): (y (T, D), active pairs, pairs
+    whose up row was read).
 
-    thresholds: one value, or one per row of the weights (n_rows,). A neuron is active for a token when
-    |act(gate_n . u)| > thresholds[n], or always for the tokens that dense_rows (bool (T,)) marks; y sums a_n * (up_n . u) * down_t[n]
-    over the active ones (relu on up . u when relu_up). Only the gate rows of the candidates and the up and down
-    rows of active neurons are read. One token with kernel weight types on the CPU: one kernel call (scratch: a
-    contiguous CPU tensor of at least `cats_scratch_bytes(C, K)` bytes, reused across calls); otherwise the
-    row ops (rows_matmul / linear, the mask in torch, rows_axpy) with per-token masks.
+    thresholds: one value, or one per row of the weights (n_rows,). A neuron passes the gate stage for a token
+    when |act(gate_n . u)| > thresholds[n]; its up row is then read and h_n = a_n * (up_n . u) (relu on up . u
+    when relu_up). It is active when it passed, and, with out_thresholds (n_rows,), when |h_n| > out_thresholds[n]
+    too (the second stage); for the tokens that dense_rows (bool (T,)) marks every neuron is active. y sums
+    h_n * down_t[n] over the active ones. Only the gate rows of the candidates, the up rows of those passing the
+    gate stage and the down rows of active neurons are read. One token with kernel weight types on the CPU: one
+    kernel call (scratch: a contiguous CPU tensor of at least `cats_scratch_bytes(C, K)` bytes, reused across
+    calls); otherwise the row ops (rows_matmul / linear, the masks in torch, rows_axpy) with per-token masks.
     """
     if kc is None:
         kc = default_context()
     act_code = activation_code(act)
     n_rows, n_cols = gate.shape
     thresholds = cats_thresholds(thresholds, n_rows)
+    if out_thresholds is not None:
+        out_thresholds = cats_thresholds(out_thresholds, n_rows)
     n_out = down_t.shape[1]
     if u.shape[-1] != n_cols:
         raise ValueError(f"cats_ffn: u has {u.shape[-1]} features, gate {gate.shape} expects {n_cols}")
@@ -417,22 +428,23 @@ def cats_ffn(
         scratch_bytes = _scratch_size(scratch, "cats_ffn")
         idx = torch.empty(max(n_cand, 1), dtype=torch.int64)
         y = torch.empty(1, n_out, dtype=torch.float32)
-        n_active = ctypes.c_int64()
+        n_active, n_up = ctypes.c_int64(), ctypes.c_int64()
         if dense_rows is not None:  # the one token runs dense: every neuron passes
-            thresholds = torch.full_like(thresholds, -1.0)
+            thresholds, out_thresholds = torch.full_like(thresholds, -1.0), None
         status = kernel(
             u.data_ptr(), n_cols, n_out, n_rows,
             gate._raw_ptr, gate._raw_stride, codes[0],
             up._raw_ptr, up._raw_stride, codes[1],
             down_t._raw_ptr, down_t._raw_stride, codes[2],
-            None if cand is None or n_cand == 0 else cand.data_ptr(), n_cand, thresholds.data_ptr(), act_code,
-            bool(relu_up), q8, idx.data_ptr(), ctypes.byref(n_active), y.data_ptr(),
+            None if cand is None or n_cand == 0 else cand.data_ptr(), n_cand, thresholds.data_ptr(),
+            None if out_thresholds is None else out_thresholds.data_ptr(), act_code,
+            bool(relu_up), q8, idx.data_ptr(), ctypes.byref(n_active), ctypes.byref(n_up), y.data_ptr(),
             scratch.data_ptr(), scratch_bytes, kc.n_threads, kc.level,
         )  # fmt: skip
         if status:
             needed = library.load().cats_ffn_scratch_bytes(n_cand, n_cols, q8)
             check_status(status, "cats_ffn", scratch_bytes, needed, "cats_scratch_bytes")
-        return y, int(n_active.value)
+        return y, int(n_active.value), int(n_up.value)
     if cand is not None:
         cand = _as_idx(cand)
     g = linear(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
@@ -440,14 +452,22 @@ def cats_ffn(
     mask = a.abs() > (thresholds if cand is None else thresholds[cand])
     if dense_rows is not None:
         mask[dense_rows] = True
+    n_up = int(mask.sum())
     union = mask.any(dim=0)
     sel = union.nonzero().view(-1)  # positions among the candidates
     n_cand = g.shape[1]
     if sel.numel() >= CATS_DENSE_UNION_SHARE * n_cand:
+        rows = cand
         v = linear(u, up, kc) if cand is None else rows_matmul(u, up, cand, kc)
-        h = a.mul_(torch.relu(v) if relu_up else v).mul_(mask)
-        return rows_axpy(h, down_t, cand, kc), int(mask.sum())
-    rows = sel if cand is None else cand[sel]
-    v = rows_matmul(u, up, rows, kc)
-    h = a[:, sel].mul_(torch.relu(v) if relu_up else v).mul_(mask[:, sel])
-    return rows_axpy(h, down_t, rows, kc), int(mask.sum())
+    else:
+        rows = sel if cand is None else cand[sel]
+        a, mask = a[:, sel], mask[:, sel]
+        v = rows_matmul(u, up, rows, kc)
+    h = a.mul_(torch.relu(v) if relu_up else v)
+    if out_thresholds is not None:
+        t_out = out_thresholds if rows is None else out_thresholds[rows]
+        keep = h.abs() > t_out
+        if dense_rows is not None:
+            keep[dense_rows] = True
+        mask &= keep
+    return rows_axpy(h.mul_(mask), down_t, rows, kc), int(mask.sum()), n_up

@@ -309,10 +309,19 @@ class Engine:
         c = self.config
         active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
         pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
-        cats = c.sparse_method == "cats"  # the gate is read for every neuron, up and down for the active ones
-        skipped = ("ffn_up.weight", "ffn_down_t.weight") + (() if cats else ("ffn_gate.weight",))
-        ffn_bytes = sum(self.gguf.tensors[n].n_bytes for n in self.gguf.tensors if n.endswith(skipped))
-        per_token = self.weight_bytes - ffn_bytes + ffn_bytes * sum(active) / len(active)
+        # cats: the gate is read for every neuron, up for those passing the gate stage, down for the active ones
+        cats = c.sparse_method == "cats"
+        up_share = (s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).tolist() if cats else active
+        share = sum(active) / len(active)
+        read = {"ffn_up.weight": sum(up_share) / len(up_share), "ffn_down_t.weight": share}
+        if not cats:
+            read["ffn_gate.weight"] = share
+        per_token = float(self.weight_bytes)
+        for name, t in self.gguf.tensors.items():
+            suffix = name.rsplit(".", 2)[-2:]
+            fraction = read.get(".".join(suffix))
+            if fraction is not None:
+                per_token -= t.n_bytes * (1.0 - fraction)
         per_layer = " ".join(f"{a:.2f}" for a in active)
         target = self.gguf.metadata.get(Keys.SPARSITY_TARGET)
         shown = f" {target:.2f}" if isinstance(target, (int, float)) and not isinstance(target, bool) else ""
@@ -321,8 +330,11 @@ class Engine:
             if cats
             else f"predictor {s.predictor_ms:.2f} ms in total"
         )
+        up_note = ""
+        if cats and sum(up_share) > sum(active) + 1e-9:
+            up_note = f" (up rows read for {sum(up_share) / len(up_share):.1%})"
         lines = [
-            f"sparse: {'active' if cats else 'predicted active'} {sum(active) / len(active):.1%} of FFN neurons, "
+            f"sparse: {'active' if cats else 'predicted active'} {share:.1%} of FFN neurons{up_note}, "
             f"per layer: {per_layer}",
             f"sparse: {pool:.1%} of active neurons served by the pool"
             + (f" on {self.pool_device}" if self.pool_device is not None else " (no pool: all on the CPU)"),

@@ -155,38 +155,46 @@ class HotRows:
         self,
         u: torch.Tensor,
         thresholds: torch.Tensor,
+        out_thresholds: torch.Tensor | None,
         dense_rows: torch.Tensor | None,
         act: str,
         relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Queue the hot part with CATS's selection: neurons with |act(gate . u)| > thresholds (k,) (on this
-        device), every neuron for the tokens dense_rows (T,) marks, decided here; returns y (T, D) and the
-        number of active (token, neuron) pairs (0-d int64), both on the CPU."""
+        device) and, with out_thresholds (k,), |act(gate . u) * up . u| > out_thresholds; every neuron for the
+        tokens dense_rows (T,) marks; decided here. Returns y (T, D) and the counts (2,) int64 of active (token,
+        neuron) pairs and of pairs passing the gate stage (whose up rows a sparse kernel reads), on the CPU."""
         if self.stream is None:
-            return self._compute_threshold(u, thresholds, dense_rows, act, relu_up)
+            return self._compute_threshold(u, thresholds, out_thresholds, dense_rows, act, relu_up)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if dense_rows is not None:
                 dense_rows = dense_rows.to(self.device, non_blocking=True)
             u = u.to(self.device, non_blocking=True)
-            y, n = self._compute_threshold(u, thresholds, dense_rows, act, relu_up)
+            y, n = self._compute_threshold(u, thresholds, out_thresholds, dense_rows, act, relu_up)
             return y.to("cpu", non_blocking=True), n.to("cpu", non_blocking=True)
 
     def _compute_threshold(
         self,
         u: torch.Tensor,
         thresholds: torch.Tensor,
+        out_thresholds: torch.Tensor | None,
         dense_rows: torch.Tensor | None,
         act: str,
         relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         a = ops.act(act, ops.linear(u, self.gate, self.kc))  # (T, k) float32
-        mask = a.abs() > thresholds
+        passed = a.abs() > thresholds
         if dense_rows is not None:
-            mask[dense_rows] = True
+            passed[dense_rows] = True
         v = ops.linear(u, self.up, self.kc)
-        h = a.mul_(torch.relu(v) if relu_up else v).mul_(mask)
-        return self.down_t.axpy(h, self.kc), mask.sum()
+        h = a.mul_(torch.relu(v) if relu_up else v)
+        mask = passed
+        if out_thresholds is not None:
+            mask = passed & (h.abs() > out_thresholds)
+            if dense_rows is not None:
+                mask[dense_rows] = True
+        return self.down_t.axpy(h.mul_(mask), self.kc), torch.stack([mask.sum(), passed.sum()])
 
     def _compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
         g = ops.linear(u, self.gate, self.kc)  # (T, k) float32

@@ -143,19 +143,40 @@ def up_scales(ffn: DenseFFN, u: torch.Tensor, kc: ops.KernelContext) -> torch.Te
     return (total / max(1, u.shape[0])).to(torch.float32)
 
 
+def down_norms(ffn: DenseFFN, kc: ops.KernelContext) -> torch.Tensor:
+    """||down[:, n]|| (n_ff,) float32: the size of neuron n's output per unit of its activation, read through
+    the FFN's own down weight (one identity chunk at a time)."""
+    n_ff = ffn.up.shape[0]
+    out = torch.empty(n_ff)
+    for i in range(0, n_ff, CHUNK_TOKENS):
+        n = min(CHUNK_TOKENS, n_ff - i)
+        eye = torch.zeros(n, n_ff)
+        eye[torch.arange(n), torch.arange(i, i + n)] = 1.0
+        out[i : i + n] = down_project(ffn, eye, kc).norm(dim=-1)
+    return out
+
+
 def magnitudes(
-    ffn: DenseFFN, u: torch.Tensor, kc: ops.KernelContext, scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Scores |act(gate u)| * scale (N, n_ff) float32 of FFN inputs u (N, n_embd) (scale None: 1), computed in
-    chunks of CHUNK_TOKENS."""
+    ffn: DenseFFN,
+    u: torch.Tensor,
+    kc: ops.KernelContext,
+    scale: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scores of FFN inputs u (N, n_embd), computed in chunks of CHUNK_TOKENS: the gate stage's
+    |act(gate u)| * scale (N, n_ff) float32 (scale None: 1) and, with out_scale, the output stage's
+    |h| * out_scale (h = act(gate u) * up u, the neuron's activation), else None."""
     assert ffn.gate is not None
     n_ff = ffn.gate.shape[0]
     out = torch.empty(u.shape[0], n_ff)
+    out2 = None if out_scale is None else torch.empty(u.shape[0], n_ff)
     for i in range(0, u.shape[0], CHUNK_TOKENS):
-        g = ops.linear(u[i : i + CHUNK_TOKENS].to(torch.float32).contiguous(), ffn.gate, kc)
-        a = ops.act(ffn.spec.act, g).abs_()
+        chunk = u[i : i + CHUNK_TOKENS].to(torch.float32).contiguous()
+        a = ops.act(ffn.spec.act, ops.linear(chunk, ffn.gate, kc)).abs_()
         out[i : i + CHUNK_TOKENS] = a if scale is None else a.mul_(scale)
-    return out
+        if out2 is not None and out_scale is not None:
+            out2[i : i + CHUNK_TOKENS] = ffn.hidden(chunk).abs_().mul_(out_scale)
+    return out, out2
 
 
 def neuron_thresholds(threshold: float, scale: torch.Tensor) -> np.ndarray:
@@ -178,18 +199,35 @@ def quantile(values: torch.Tensor, s: float) -> float:
     return float(torch.kthvalue(flat, min(k, flat.numel())).values)
 
 
-def grid_thresholds(values: torch.Tensor, grid: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Quantiles of `values` at each grid point (as `quantile` defines them), read from a sample of at most
-    QUANTILE_SAMPLE values: the error curves need no more precision than that."""
-    flat = values.reshape(-1)
+def stage_thresholds(
+    score: torch.Tensor, out_score: torch.Tensor | None, s: float, up_ratio: float
+) -> tuple[float, float | None]:
+    """(t1, t2) skipping the share s of the (token, neuron) pairs: t1 the (up_ratio * s)-quantile of the gate
+    stage's scores; t2 the s-quantile of the output stage's scores with the pairs below t1 counted as skipped
+    (None for one stage: out_score None or up_ratio >= 1, t1 then the s-quantile)."""
+    if out_score is None or up_ratio >= 1.0:
+        return quantile(score, s), None
+    t1 = quantile(score, up_ratio * s)
+    passed = torch.where(score > t1, out_score, torch.full_like(out_score, -1.0))
+    return t1, quantile(passed, s)
+
+
+def grid_thresholds(
+    score: torch.Tensor, out_score: torch.Tensor | None, grid: np.ndarray, up_ratio: float, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """stage_thresholds at each grid point, read from the same sample of at most QUANTILE_SAMPLE (token, neuron)
+    pairs of both scores: the error curves need no more precision than that."""
+    flat = score.reshape(-1)
+    flat2 = None if out_score is None else out_score.reshape(-1)
     if flat.numel() > QUANTILE_SAMPLE:
         gen = torch.Generator().manual_seed(seed)
-        flat = flat[torch.randint(0, flat.numel(), (QUANTILE_SAMPLE,), generator=gen)]
-    sample = flat.numpy()
-    k = np.round(grid * sample.size).astype(np.int64)
-    kth = np.clip(k - 1, 0, sample.size - 1)
-    ordered = np.partition(sample, np.unique(kth))  # one pass for every grid point
-    return np.where(k > 0, ordered[kth], 0.0).astype(np.float64)
+        pick = torch.randint(0, flat.numel(), (QUANTILE_SAMPLE,), generator=gen)
+        flat, flat2 = flat[pick], None if flat2 is None else flat2[pick]
+    pairs = [stage_thresholds(flat, flat2, float(g), up_ratio) for g in grid]
+    t1 = np.array([p[0] for p in pairs], dtype=np.float64)
+    if pairs[0][1] is None:
+        return t1, None
+    return t1, np.array([p[1] for p in pairs], dtype=np.float64)
 
 
 def down_project(ffn: DenseFFN, h: torch.Tensor, kc: ops.KernelContext) -> torch.Tensor:
@@ -206,39 +244,69 @@ def error_curve(
     u: torch.Tensor,
     x_residual: torch.Tensor,
     thresholds: np.ndarray,
+    out_thresholds: np.ndarray | None,
     kc: ops.KernelContext,
     scale: torch.Tensor | None = None,
+    out_scale: torch.Tensor | None = None,
 ) -> np.ndarray:
-    """Mean over tokens of ||y_dense - y_sparse||^2 / ||x||^2 at each threshold (neurons with score <= t off,
-    the score |act| * scale).
+    """Mean over tokens of ||y_dense - y_sparse||^2 / ||x||^2 at each (t1, t2) (a neuron is kept when its gate
+    score |act| * scale > t1 and, with out_thresholds, its output score |h| * out_scale > t2).
 
     u, x_residual: (E, n_embd) float32; one value per threshold."""
-    assert ffn.gate is not None
-    a = ops.act(ffn.spec.act, ops.linear(u, ffn.gate, kc)).abs_()  # (E, n_ff)
-    if scale is not None:
-        a.mul_(scale)
+    score, out_score = magnitudes(ffn, u, kc, scale, out_scale if out_thresholds is not None else None)
     h = ffn.hidden(u)  # (E, n_ff)
     E = u.shape[0]
-    dropped = torch.cat([h * (a <= float(t)) for t in thresholds])  # (G * E, n_ff): the skipped neurons' part
-    y = down_project(ffn, dropped.contiguous(), kc).view(len(thresholds), E, -1)  # (G, E, n_embd)
+    dropped = []
+    for i, t in enumerate(thresholds):
+        keep = score > float(t)
+        if out_thresholds is not None and out_score is not None:
+            keep &= out_score > float(out_thresholds[i])
+        dropped.append(h * ~keep)  # the skipped neurons' part
+    y = down_project(ffn, torch.cat(dropped).contiguous(), kc).view(len(thresholds), E, -1)  # (G, E, n_embd)
     norm = x_residual.pow(2).sum(-1).clamp_min(1e-12)  # (E,)
     return (y.pow(2).sum(-1) / norm).mean(-1).double().numpy()
 
 
 @dataclass
 class LayerThreshold:
-    threshold: float  # t_l on the scores |act| * w
+    threshold: float  # t_l on the gate scores |act| * w
     neurons: np.ndarray  # (n_ff,) float32: the engine's thresholds on |act|, t_l / w_n
-    counts: np.ndarray  # (n_ff,) tokens each neuron was active for (score > t_l)
+    counts: np.ndarray  # (n_ff,) tokens each neuron was active for
     active_share: float  # share of (token, neuron) pairs active
+    up_share: float  # share of (token, neuron) pairs whose up row is read (passing the gate stage)
+    out_threshold: float | None = None  # t2_l on the output scores |h| * ||down_n|| (two stages)
+    out_neurons: np.ndarray | None = (
+        None  # (n_ff,) float32: the engine's thresholds on |h|, t2_l / ||down_n||
+    )
 
 
 def layer_threshold(
-    ffn: DenseFFN, u: torch.Tensor, s: float, kc: ops.KernelContext, scale: torch.Tensor
+    ffn: DenseFFN,
+    u: torch.Tensor,
+    s: float,
+    kc: ops.KernelContext,
+    scale: torch.Tensor,
+    up_ratio: float = 1.0,
+    out_scale: torch.Tensor | None = None,
 ) -> LayerThreshold:
-    """t_l = the s-quantile of the scores |act(gate u)| * scale over all (token, neuron) pairs; 0 when s == 0."""
-    a = magnitudes(ffn, u, kc, scale)
-    t = quantile(a, s) if s > 0 else 0.0
-    active = a > t
+    """Thresholds skipping the share s of the (token, neuron) pairs of u: one stage (up_ratio >= 1 or no
+    out_scale), t_l the s-quantile of the gate scores |act(gate u)| * scale; else two (stage_thresholds)."""
+    two = out_scale is not None and up_ratio < 1.0 and s > 0
+    score, out_score = magnitudes(ffn, u, kc, scale, out_scale if two else None)
+    t1, t2 = stage_thresholds(score, out_score, s, up_ratio) if s > 0 else (0.0, None)
+    passed = score > t1
+    active = passed if t2 is None or out_score is None else passed & (out_score > t2)
     counts = active.sum(dim=0).numpy().astype(np.int64)
-    return LayerThreshold(t, neuron_thresholds(t, scale), counts, float(counts.sum()) / max(1, a.numel()))
+    n = max(1, score.numel())
+    out_neurons = None
+    if t2 is not None and out_scale is not None:
+        out_neurons = neuron_thresholds(t2, out_scale)
+    return LayerThreshold(
+        t1,
+        neuron_thresholds(t1, scale),
+        counts,
+        float(counts.sum()) / n,
+        float(passed.sum()) / n,
+        t2,
+        out_neurons,
+    )

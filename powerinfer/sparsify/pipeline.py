@@ -29,6 +29,7 @@ from powerinfer.sparsify.calibrate import (
     LayerThreshold,
     calibrate,
     dense_ffn,
+    down_norms,
     error_curve,
     grid_thresholds,
     layer_threshold,
@@ -54,6 +55,7 @@ class SparsifyOptions:
     sparsity: float  # target mean share S of skipped FFN neurons, in [0, 0.95]
     method: str = "cats"
     allocation: str = "greedy"
+    up_ratio: float = 0.5  # share of a layer's skipped neurons whose up rows are skipped too (1: one stage)
     n_ctx: int = 512  # calibration window (BOS + n_ctx-1 tokens)
     n_threads: int | None = None
     max_tokens: int = 4096  # calibration tokens used (0 = the whole file)
@@ -67,7 +69,9 @@ class SparsifyResult:
     allocation: str
     thresholds: np.ndarray  # (n_layer,) t_l
     layer_sparsity: np.ndarray  # (n_layer,) s_l
-    active_share: np.ndarray  # (n_layer,) share of calibration pairs with |act| > t_l
+    active_share: np.ndarray  # (n_layer,) share of calibration pairs active
+    up_share: np.ndarray  # (n_layer,) share of calibration pairs whose up row is read
+    up_ratio: float
     est_error: np.ndarray | None  # (n_layer,) estimated ||y_dense - y_sparse||^2 / ||x||^2 at s_l (greedy)
     n_tokens: int  # calibration tokens run
     n_kept: int  # of which kept for the thresholds and counts (all unless the sample budget was reached)
@@ -91,6 +95,8 @@ class SparsifyResult:
             "layer_sparsity": [round(float(s), 6) for s in self.layer_sparsity],
             "thresholds": [float(np.float32(t)) for t in self.thresholds],
             "active_share": [round(float(a), 6) for a in self.active_share],
+            "up_ratio": self.up_ratio,
+            "up_share": [round(float(a), 6) for a in self.up_share],
             "est_error": None if self.est_error is None else [round(float(e), 8) for e in self.est_error],
             "down_t_types": sorted(set(self.down_types.values())),
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
@@ -113,6 +119,8 @@ def check_options(opts: SparsifyOptions) -> None:
         raise InputError(
             f"unknown --allocation {printable(opts.allocation)} (expected one of {', '.join(ALLOCATIONS)})"
         )
+    if math.isnan(opts.up_ratio) or not 0.0 <= opts.up_ratio <= 1.0:
+        raise InputError(f"--up-ratio must be in [0, 1], got {opts.up_ratio}")
     s = opts.sparsity
     if math.isnan(s) or not 0.0 <= s < 1.0:
         raise InputError(f"--sparsity must be in [0, 1), got {s}")
@@ -158,25 +166,35 @@ def calibration_windows(engine: Engine, text: str, max_tokens: int) -> list[list
 
 
 def error_curves(
-    engine: Engine, calib: Calibration, progress: Progress | None = None, curves_too: bool = True
-) -> tuple[np.ndarray | None, list[torch.Tensor]]:
-    """Per layer, the output error of skipping the neurons whose score is below each GRID quantile
-    (n_layer, len(GRID)) (None unless curves_too), and the layers' score scales (mean |up . u| per neuron)."""
+    engine: Engine,
+    calib: Calibration,
+    up_ratio: float,
+    progress: Progress | None = None,
+    curves_too: bool = True,
+) -> tuple[np.ndarray | None, list[torch.Tensor], list[torch.Tensor | None]]:
+    """Per layer, the output error of skipping each GRID share of the neurons (n_layer, len(GRID)) (None unless
+    curves_too), and the layers' score scales: the gate stage's (mean |up . u| per neuron) and, for two stages
+    (up_ratio < 1), the output stage's (the norms of the down columns), else None."""
     n_layer = engine.config.n_layer
     curves = np.zeros((n_layer, len(GRID))) if curves_too else None
-    scales = []
+    scales: list[torch.Tensor] = []
+    out_scales: list[torch.Tensor | None] = []
     for bid in range(n_layer):
         ffn = dense_ffn(engine, bid)
         scale = up_scales(ffn, calib.u[bid], engine.kc)
+        out_scale = down_norms(ffn, engine.kc) if up_ratio < 1.0 else None
         if curves is not None:
-            thresholds = grid_thresholds(magnitudes(ffn, calib.u[bid], engine.kc, scale), GRID, seed=bid)
+            score, out_score = magnitudes(ffn, calib.u[bid], engine.kc, scale, out_scale)
+            t1, t2 = grid_thresholds(score, out_score, GRID, up_ratio, seed=bid)
+            del score, out_score
             curves[bid] = error_curve(
-                ffn, calib.error_u[bid], calib.error_x[bid], thresholds, engine.kc, scale
+                ffn, calib.error_u[bid], calib.error_x[bid], t1, t2, engine.kc, scale, out_scale
             )
         scales.append(scale)
+        out_scales.append(out_scale)
         if progress is not None:
             progress(bid + 1, n_layer)
-    return curves, scales
+    return curves, scales, out_scales
 
 
 def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -> SparsifyResult:
@@ -206,7 +224,9 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     t1 = time.perf_counter()
 
     # uniform needs no error curves (the slow part of allocation): only the scales
-    curves, scales = error_curves(engine, calib, report("allocate"), curves_too=opts.allocation == "greedy")
+    curves, scales, out_scales = error_curves(
+        engine, calib, opts.up_ratio, report("allocate"), curves_too=opts.allocation == "greedy"
+    )
     if curves is None:
         sparsity = allocate_uniform(opts.sparsity, c.n_layer)
     else:
@@ -215,7 +235,17 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     layers: list[LayerThreshold] = []
     for bid in range(c.n_layer):
         ffn = dense_ffn(engine, bid)
-        layers.append(layer_threshold(ffn, calib.u[bid], float(sparsity[bid]), engine.kc, scales[bid]))
+        layers.append(
+            layer_threshold(
+                ffn,
+                calib.u[bid],
+                float(sparsity[bid]),
+                engine.kc,
+                scales[bid],
+                opts.up_ratio,
+                out_scales[bid],
+            )
+        )
         if progress is not None:
             progress("threshold", bid + 1, c.n_layer)
     n_tokens, n_kept = calib.n_tokens, calib.n_kept
@@ -223,6 +253,13 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     t3 = time.perf_counter()
 
     thresholds = np.array([lt.threshold for lt in layers], dtype=np.float64)
+    # two stages in the file when any layer has them; a layer without (s_l = 0) keeps every neuron there
+    out_thresholds = None
+    if any(lt.out_neurons is not None for lt in layers):
+        out_thresholds = [
+            np.full(c.n_ff, -1.0, dtype=np.float32) if lt.out_neurons is None else lt.out_neurons
+            for lt in layers
+        ]
     out = Path(opts.output)
     types = write_sparse_gguf(
         engine.gguf,
@@ -232,6 +269,8 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         thresholds=thresholds,
         neuron_thresholds=[lt.neurons for lt in layers],
         layer_sparsity=sparsity,
+        out_thresholds=out_thresholds,
+        up_sparsity=None if out_thresholds is None else 1.0 - np.array([lt.up_share for lt in layers]),
         n_threads=opts.n_threads or 1,
         progress=report("write"),
     )
@@ -249,6 +288,8 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         thresholds=thresholds,
         layer_sparsity=sparsity,
         active_share=np.array([lt.active_share for lt in layers]),
+        up_share=np.array([lt.up_share for lt in layers]),
+        up_ratio=opts.up_ratio,
         est_error=None if curves is None else interpolate(curves, GRID, sparsity),
         n_tokens=n_tokens,
         n_kept=n_kept,

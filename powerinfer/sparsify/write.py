@@ -3,7 +3,8 @@
 Every tensor of the input is copied as stored, in input order, except `blk.N.ffn_down.weight` (n_embd, n_ff),
 which becomes `blk.N.ffn_down_t.weight` (n_ff, n_embd), its transpose, in the same ggml type where that type can
 be produced (else Q8_0, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
-per-neuron thresholds on |act(gate)|.
+per-neuron thresholds on |act(gate)|, and, for two-stage selection, `blk.N.ffn_out_threshold` (F32 (n_ff,)), its
+thresholds on |act(gate) * up|.
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ SPARSITY_METHOD_KEY = "powerinfer.sparsity.method"  # "cats"
 SPARSITY_TARGET_KEY = "powerinfer.sparsity.target"  # float32: the mean skipped share S asked for
 SPARSITY_THRESHOLDS_KEY = "powerinfer.sparsity.thresholds"  # float32[n_layer]: t_l on |act(gate u)|
 SPARSITY_LAYER_KEY = "powerinfer.sparsity.layer_sparsity"  # float32[n_layer]: calibrated s_l
-SPARSITY_KEYS = (SPARSITY_METHOD_KEY, SPARSITY_TARGET_KEY, SPARSITY_THRESHOLDS_KEY, SPARSITY_LAYER_KEY)
+SPARSITY_UP_KEY = "powerinfer.sparsity.up_sparsity"  # float32[n_layer]: calibrated share of up rows skipped
+SPARSITY_KEYS = (
+    SPARSITY_METHOD_KEY,
+    SPARSITY_TARGET_KEY,
+    SPARSITY_THRESHOLDS_KEY,
+    SPARSITY_LAYER_KEY,
+    SPARSITY_UP_KEY,
+)
 
 FFN_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.weight")
 CHUNK_ELEMENTS = 1 << 20  # elements per thread-pool work item
@@ -86,13 +94,17 @@ def write_sparse_gguf(
     thresholds: np.ndarray,
     neuron_thresholds: list[np.ndarray],
     layer_sparsity: np.ndarray,
+    out_thresholds: list[np.ndarray] | None = None,
+    up_sparsity: np.ndarray | None = None,
     n_threads: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, GGMLType]:
     """Write the sparsified copy of `model` to `path` (temp file, renamed into place).
 
     neuron_thresholds: per layer, the engine's thresholds on |act(gate)| (n_ff,), written as
-    blk.N.ffn_act_threshold (F32) after the layer's ffn_down_t. Returns the type each ffn_down_t was written in.
+    blk.N.ffn_act_threshold (F32) after the layer's ffn_down_t; out_thresholds (two-stage selection): per layer,
+    the thresholds on |act(gate) * up| (n_ff,), written as blk.N.ffn_out_threshold after it, with up_sparsity
+    (the share of up rows skipped per layer). Returns the type each ffn_down_t was written in.
     progress(done, total) counts ffn_down tensors.
     """
     writer = GGUFWriter(path, sparse=True, alignment=model.alignment)
@@ -105,6 +117,8 @@ def write_sparse_gguf(
     writer.add(SPARSITY_TARGET_KEY, float(target), ValueType.FLOAT32)
     writer.add(SPARSITY_THRESHOLDS_KEY, np.asarray(thresholds, dtype=np.float32), ValueType.ARRAY)
     writer.add(SPARSITY_LAYER_KEY, np.asarray(layer_sparsity, dtype=np.float32), ValueType.ARRAY)
+    if up_sparsity is not None:
+        writer.add(SPARSITY_UP_KEY, np.asarray(up_sparsity, dtype=np.float32), ValueType.ARRAY)
 
     downs = [t for t in model.tensors.values() if FFN_DOWN.fullmatch(t.name)]
     types: dict[str, GGMLType] = {}
@@ -129,6 +143,11 @@ def write_sparse_gguf(
                 raise FormatError(f"{printable(t.name)}: no thresholds of {n_ff} neurons for layer {bid}")
             thr = np.ascontiguousarray(neuron_thresholds[bid], dtype=np.float32)
             writer.add_tensor(TensorNames.FFN_ACT_THRESHOLD.format(bid=bid), thr, GGMLType.F32, (n_ff,))
+            if out_thresholds is not None:
+                if out_thresholds[bid].shape != (n_ff,):
+                    raise FormatError(f"{printable(t.name)}: no output thresholds of {n_ff} neurons")
+                out = np.ascontiguousarray(out_thresholds[bid], dtype=np.float32)
+                writer.add_tensor(TensorNames.FFN_OUT_THRESHOLD.format(bid=bid), out, GGMLType.F32, (n_ff,))
             done += 1
             if progress is not None:
                 progress(done, len(downs))
