@@ -4,9 +4,11 @@
 Rows, measured alternately in one process (run r of every row before run r + 1 of any), medians of --runs:
   dense      the dense input file (ffn_down as stored)
   same-dense the sparse file with every neuron computed (--dense-ffn: the same weights, ffn_down_t densely)
-  sparse     the sparse file (CATS: dense gate, the active neurons' up and down rows)
-Reports tokens/s, the speedup of sparse over both dense rows, the active share, and the weight bytes read per
-token by the sparse path against the ideal for the file's target S (gate + (1 - S) of up and down).
+  sparse     the sparse file (CATS: dense gate, the up rows of the neurons passing the gate stage, the active
+             neurons' down rows)
+Reports tokens/s, the speedup of sparse over both dense rows, the active share (and the share of up rows read),
+and the weight bytes read per token by the sparse path against the ideal for the file's target S (gate + (1 - S)
+of up and down).
 
 Usage: python scripts/bench_sparsify.py --dense MODEL.gguf --sparse MODEL.sparse.powerinfer.gguf [-t 2]
                                         [--runs 5] [--n-gen 32]
@@ -62,14 +64,17 @@ def main() -> None:
     assert s is not None
     c = sparse.config
     active = float(s.active.sum()) / float(s.tokens.sum() * c.n_ff)
+    up_read = float(s.up_read.sum()) / float(s.tokens.sum() * c.n_ff)
     tensors = sparse.gguf.tensors
-    ffn_ud = sum(t.n_bytes for n, t in tensors.items() if n.endswith(("ffn_up.weight", "ffn_down_t.weight")))
+    ffn_up = sum(t.n_bytes for n, t in tensors.items() if n.endswith("ffn_up.weight"))
+    ffn_down = sum(t.n_bytes for n, t in tensors.items() if n.endswith("ffn_down_t.weight"))
+    ffn_ud = ffn_up + ffn_down
     embd = tensors["token_embd.weight"].n_bytes if "output.weight" in tensors else 0
     read_all = (
         sparse.weight_bytes - embd
     )  # the embedding is read one row per token (unless tied to the output)
     target = float(sparse.gguf.metadata.get(Keys.SPARSITY_TARGET, 0.0))
-    measured = read_all - ffn_ud * (1 - active)
+    measured = read_all - ffn_up * (1 - up_read) - ffn_down * (1 - active)
     ideal = read_all - ffn_ud * target
     print(f"threads {args.threads}, {args.runs} runs of {args.n_gen} tokens, medians (tokens/s):")
     for name, rate in med.items():
@@ -79,7 +84,8 @@ def main() -> None:
         f"{med['sparse'] / med['same-dense']:.3f}x"
     )
     print(
-        f"  active share {active:.3f} (target S {target:.2f}); weight bytes per token: sparse "
+        f"  active share {active:.3f} (up rows read {up_read:.3f}, target S {target:.2f}); weight bytes per "
+        f"token: sparse "
         f"{measured / 2**20:.1f} MiB, ideal for S {ideal / 2**20:.1f} MiB, dense {read_all / 2**20:.1f} MiB; "
         f"sparse reads at {measured * med['sparse'] / 1e9:.1f} GB/s"
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_hf_llama, write_hf_llama_gguf
@@ -60,6 +61,25 @@ def test_zero_sparsity_gives_the_dense_logits(tiny_files):
     assert (logits(tiny_files["s0.0"], dense_ffn=True) - dense).abs().max() <= 1e-4
 
 
+def test_forced_active_two_stage_file_gives_the_dense_logits(tiny_files, tmp_path):
+    # the S = 0.5 file (two stages) with both threshold tensors rewritten to -1: every neuron passes both
+    # stages, so the logits are the dense input's (bound as above)
+    from powerinfer.gguf import GGUFWriter, read_gguf
+
+    src = read_gguf(tiny_files["s0.5"])
+    assert "blk.0.ffn_out_threshold" in src.tensors
+    path = tmp_path / "forced.powerinfer.gguf"
+    w = GGUFWriter(path, sparse=True)
+    src.copy_metadata(w)
+    for t in src.tensors.values():
+        data = t.data
+        if t.name.endswith(("ffn_act_threshold", "ffn_out_threshold")):
+            data = np.full(t.shape, -1.0, dtype=np.float32)
+        w.add_tensor(t.name, data, t.ggml_type, t.shape)
+    w.write()
+    assert (logits(path) - logits(tiny_files["dense"])).abs().max() <= 1e-4
+
+
 def test_half_sparsity_skips_half_and_changes_the_logits(tiny_files):
     e = Engine(tiny_files["s0.5"], EngineOptions(n_ctx=128))
     ids = ids_of(e, 40)
@@ -67,8 +87,11 @@ def test_half_sparsity_skips_half_and_changes_the_logits(tiny_files):
     s = e.sparse_stats
     share = float(s.active.sum()) / float(s.tokens.sum() * e.config.n_ff)
     assert 0.3 < share < 0.7  # calibrated for 0.5 on a different part of the text
+    # two stages (--up-ratio 0.5): up rows are read for about 1 - 0.25 of the neurons, more than are active
+    up_share = float(s.up_read.sum()) / float(s.tokens.sum() * e.config.n_ff)
+    assert share + 0.1 < up_share < 0.9
     report = "\n".join(e.sparse_report())
-    assert "cats thresholds" in report and "active" in report
+    assert "cats thresholds" in report and "active" in report and "up rows read" in report
     diff = (logits(tiny_files["s0.5"]) - logits(tiny_files["s0.5"], dense_ffn=True)).abs().max()
     assert diff > 1e-2
 
