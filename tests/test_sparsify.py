@@ -213,8 +213,9 @@ def test_smollm2_greedy(tmp_path: Path):
     out = tmp_path / "out" / "smollm2.powerinfer.gguf"
     out.parent.mkdir()
     r = sparsify(
-        "-m", str(model), "-f", str(text), "--sparsity", "0.5", "-o", str(out), "--max-tokens", "1024"
-    )
+        "-m", str(model), "-f", str(text), "--sparsity", "0.5", "-o", str(out), "--max-tokens", "1024",
+        "--allocation", "greedy",
+    )  # fmt: skip
     assert r.exit_code == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     thresholds, layer_sparsity, outs = check_file(model, out, 0.5)

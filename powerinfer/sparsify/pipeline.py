@@ -54,7 +54,9 @@ class SparsifyOptions:
     output: Path
     sparsity: float  # target mean share S of skipped FFN neurons, in [0, 0.95]
     method: str = "cats"
-    allocation: str = "greedy"
+    # uniform: with two stages, greedy on the per-layer error curves measured no better on SmolLM2 (S = 0.4:
+    # +1.65% against +1.46% uniform; S = 0.5: +2.81% against +2.65%), and it costs the curves
+    allocation: str = "uniform"
     up_ratio: float = 0.5  # share of a layer's skipped neurons whose up rows are skipped too (1: one stage)
     n_ctx: int = 512  # calibration window (BOS + n_ctx-1 tokens)
     n_threads: int | None = None
