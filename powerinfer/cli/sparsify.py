@@ -42,8 +42,9 @@ class Allocation(str, Enum):
 def sparsity_table(result: SparsifyResult) -> Table:
     """Per layer: calibrated sparsity, threshold, active share on the calibration text, estimated error."""
     table = Table(
-        title=f"CATS sparsity {result.target} ({result.allocation}) over {result.n_tokens} tokens "
-        f"({result.n_ff} neurons per layer)"
+        title=f"CATS sparsity {result.target} ({result.allocation}, "
+        f"{'one stage' if result.up_ratio >= 1 else f'two stages, up ratio {result.up_ratio:g}'}) over "
+        f"{result.n_tokens} tokens ({result.n_ff} neurons per layer)"
     )
     for name in ("layer", "sparsity", "threshold", "active", "up read", "est. error"):
         table.add_column(name, justify="right")
@@ -106,11 +107,12 @@ def sparsify(
     threads_: ThreadsOpt = 0,
     log_disable: LogDisableOpt = False,
 ) -> None:
-    """Sparsify a dense SiLU/GELU gated model without training (CATS): per-layer thresholds on |act(gate x)|.
+    """Sparsify a dense SiLU/GELU gated model without training (CATS): per-neuron thresholds on |act(gate x)|
+    and, in two stages (the default), on |act(gate x) * up x|.
 
-    Calibrates on the text of -f, writes a PowerInfer GGUF (ffn_down stored transposed as ffn_down_t, thresholds
-    in its metadata) and activation/activation_<N>.pt beside it. Prints a per-layer table on stderr and one JSON
-    line on stdout.
+    Calibrates on the text of -f, writes a PowerInfer GGUF (ffn_down stored transposed as ffn_down_t, the
+    thresholds as per-layer tensors) and activation/activation_<N>.pt beside it. Prints a per-layer table on
+    stderr and one JSON line on stdout.
     """
     setup_logging(log_disable)
     err_console.quiet = log_disable
