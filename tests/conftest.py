@@ -302,8 +302,9 @@ def write_relu_sparse_model(
 
 
 def random_q4_k(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
-    """Raw Q4_K blocks (a type without kernels, which the gguf package decodes but cannot produce): random
-    quants and sub-scales with small fp16 super-scales. uint8 (n_rows, n_cols / 256 * 144)."""
+    """Raw Q4_K blocks (a type without sparse row kernels yet, which the gguf package decodes but our quantize
+    cannot produce yet): random quants and sub-scales with small fp16 super-scales. uint8 (n_rows, n_cols / 256 *
+    144)."""
     assert n_cols % 256 == 0
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n_rows, n_cols // 256, 144), dtype=np.uint8)

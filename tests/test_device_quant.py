@@ -62,7 +62,7 @@ def test_device_weight_keeps_the_raw_blocks(ggml_type):
 
 
 def test_other_types_are_stored_as_f16_and_budgeted_so():
-    w = ops.QWeight.from_numpy(random_q4_k(9, 256), GGMLType.Q4_K, (9, 256))  # a type without kernels
+    w = ops.QWeight.from_numpy(random_q4_k(9, 256), GGMLType.Q4_K, (9, 256))  # a type without pool kernels
     dw = ops.DeviceWeight.from_qweight(w, "cpu", torch.tensor([2, 4]))
     assert dw.ggml_type == GGMLType.F16 and dw.n_bytes == 2 * 256 * 2 == pool_bytes(GGMLType.Q4_K, (2, 256))
     assert torch.equal(

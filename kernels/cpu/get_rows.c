@@ -5,6 +5,7 @@
  * This op moves a few rows per call, so a scalar loop (auto-vectorised by the compiler) is enough.
  */
 #include "common.h"
+#include "kquants.h"
 
 static void row_decode_f32(const uint8_t *row, int64_t K, float *out) { memcpy(out, row, (size_t)K * sizeof(float)); }
 
@@ -76,6 +77,12 @@ static void row_decode_q5_1(const uint8_t *row, int64_t K, float *out) {
     }
 }
 
+static void row_decode_q2_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q2_k(row, K, out); }
+static void row_decode_q3_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q3_k(row, K, out); }
+static void row_decode_q4_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q4_k(row, K, out); }
+static void row_decode_q5_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q5_k(row, K, out); }
+static void row_decode_q6_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q6_k(row, K, out); }
+
 typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *out);
 
 /* y[r, :] = decode(W[ids[r], :]) for r < n_ids; W has N rows of K elements, w_stride bytes apart. */
@@ -113,3 +120,8 @@ DEFINE_GET_ROWS(q4_1, QK, sizeof(block_q4_1))
 DEFINE_GET_ROWS(q8_0, QK, sizeof(block_q8_0))
 DEFINE_GET_ROWS(q5_0, QK, sizeof(block_q5_0))
 DEFINE_GET_ROWS(q5_1, QK, sizeof(block_q5_1))
+DEFINE_GET_ROWS(q2_k, QK_K, sizeof(block_q2_k))
+DEFINE_GET_ROWS(q3_k, QK_K, sizeof(block_q3_k))
+DEFINE_GET_ROWS(q4_k, QK_K, sizeof(block_q4_k))
+DEFINE_GET_ROWS(q5_k, QK_K, sizeof(block_q5_k))
+DEFINE_GET_ROWS(q6_k, QK_K, sizeof(block_q6_k))

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 
 #include "common.h"
+#include "kquants.h"
 #include "matmul.h"
 
 /* ---- scalar fallback ---------------------------------------------------------------------------------------- */
@@ -189,6 +190,35 @@ static void tile_q5_1_f_scalar(const uint8_t *row, int64_t K, const float *x, in
     tile_qf_scalar(4, sizeof(block_q5_1), row, K, x, x_stride, ntok, out);
 }
 
+/* K-quants: each super-block decoded (kquants.h), then one running sum per token */
+static void tile_kq_scalar(void (*decode)(const uint8_t *, int64_t, float *), int64_t block_bytes,
+                           const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
+    float acc[TILE_TQ];
+    for (int t = 0; t < ntok; t++) acc[t] = 0.0f;
+    for (int64_t i = 0; i < K / QK_K; i++) {
+        float w[QK_K];
+        decode(row + i * block_bytes, QK_K, w);
+        for (int t = 0; t < ntok; t++) {
+            const float *xb = x + t * x_stride + i * QK_K;
+            float a = acc[t];
+            for (int j = 0; j < QK_K; j++) a += w[j] * xb[j];
+            acc[t] = a;
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = acc[t];
+}
+#define DEFINE_TILE_KQ_SCALAR(type, block_t)                                                                   \
+    static void tile_##type##_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
+                                       float *out) {                                                           \
+        tile_kq_scalar(kq_decode_##type, sizeof(block_t), row, K, x, x_stride, ntok, out);                     \
+    }
+DEFINE_TILE_KQ_SCALAR(q2_k, block_q2_k)
+DEFINE_TILE_KQ_SCALAR(q3_k, block_q3_k)
+DEFINE_TILE_KQ_SCALAR(q4_k, block_q4_k)
+DEFINE_TILE_KQ_SCALAR(q5_k, block_q5_k)
+DEFINE_TILE_KQ_SCALAR(q6_k, block_q6_k)
+#undef DEFINE_TILE_KQ_SCALAR
+
 /* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
 #define DEFINE_DOT_SCALAR(type)                                                                                \
     static void dot_##type##_scalar(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out) { \
@@ -202,6 +232,11 @@ DEFINE_DOT_SCALAR(q4_1_f)
 DEFINE_DOT_SCALAR(q8_0_f)
 DEFINE_DOT_SCALAR(q5_0_f)
 DEFINE_DOT_SCALAR(q5_1_f)
+DEFINE_DOT_SCALAR(q2_k_f)
+DEFINE_DOT_SCALAR(q3_k_f)
+DEFINE_DOT_SCALAR(q4_k_f)
+DEFINE_DOT_SCALAR(q5_k_f)
+DEFINE_DOT_SCALAR(q6_k_f)
 #undef DEFINE_DOT_SCALAR
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
@@ -216,7 +251,9 @@ static const matmul_table matmul_tables[] = {
     {quantize_act_##isa, tile_q4_0_##isa, tile_q4_1_##isa, tile_q8_0_##isa, tile_f32_##isa, tile_f16_##isa,         \
      tile_bf16_##isa, tile_q4_0_f_##isa, tile_q4_1_f_##isa, tile_q8_0_f_##isa, tile_q5_0_f_##isa, tile_q5_1_f_##isa, \
      dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
-     dot_q5_0_f_##isa, dot_q5_1_f_##isa}
+     dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
+     tile_q5_k_f_##isa, tile_q6_k_f_##isa, dot_q2_k_f_##isa, dot_q3_k_f_##isa, dot_q4_k_f_##isa, dot_q5_k_f_##isa,   \
+     dot_q6_k_f_##isa}
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
     [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
@@ -368,6 +405,20 @@ static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeo
 #define row_bytes_q8_0_f row_bytes_q8_0
 static inline int64_t row_bytes_q5_0_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
 static inline int64_t row_bytes_q5_1_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
+static inline int64_t row_bytes_q2_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q2_k); }
+static inline int64_t row_bytes_q3_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q3_k); }
+static inline int64_t row_bytes_q4_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q4_k); }
+static inline int64_t row_bytes_q5_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q5_k); }
+static inline int64_t row_bytes_q6_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q6_k); }
+
+/* K-quant rows hold whole super-blocks of 256: any other K is a shape error (before the row size is trusted) */
+static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
+                                int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                                int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
+    (void)table;
+    if (K < 0 || K % QK_K != 0) return PI_ERR_SHAPE;
+    return matmul_float_tiled(row_bytes, tile, TILE_TQ, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
+}
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads, isa)
  * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k] with SIMD level isa (enum pi_isa). */
@@ -401,3 +452,11 @@ DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1)
 /* Q5_0 / Q5_1: float activations only (no int8 tiles): the kernel of both precisions */
 DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1)
 DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1)
+/* K-quants: float activations only (the exact kernel of both precisions); a K not a multiple of 256 fails the
+ * dot path's K check and is refused by matmul_kq_f_rows before any row is read */
+DEFINE_MATMUL(q2_k_f, matmul_kq_f_rows, table->dot_q2_k_f, QK_K, 1)
+DEFINE_MATMUL(q3_k_f, matmul_kq_f_rows, table->dot_q3_k_f, QK_K, 1)
+DEFINE_MATMUL(q4_k_f, matmul_kq_f_rows, table->dot_q4_k_f, QK_K, 1)
+DEFINE_MATMUL(q5_k_f, matmul_kq_f_rows, table->dot_q5_k_f, QK_K, 1)
+DEFINE_MATMUL(q6_k_f, matmul_kq_f_rows, table->dot_q6_k_f, QK_K, 1)
+

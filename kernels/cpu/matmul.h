@@ -40,6 +40,9 @@ typedef struct {
     tile_float_fn tile_f32, tile_f16, tile_bf16;
     tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f, tile_q5_0_f, tile_q5_1_f; /* float activations, ntok <= TILE_TQ */
     rows_dot_fn dot_f32, dot_f16, dot_bf16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f, dot_q5_0_f, dot_q5_1_f; /* T = 1 */
+    /* K-quants (super-blocks of 256), float activations: tiles (ntok <= TILE_TQ) and T = 1 rows */
+    tile_float_fn tile_q2_k_f, tile_q3_k_f, tile_q4_k_f, tile_q5_k_f, tile_q6_k_f;
+    rows_dot_fn dot_q2_k_f, dot_q3_k_f, dot_q4_k_f, dot_q5_k_f, dot_q6_k_f;
 } matmul_table;
 
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */

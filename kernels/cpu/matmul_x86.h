@@ -518,6 +518,81 @@ DEFINE_TILE_QF(q8_0, 2, block_q8_0)
 DEFINE_TILE_QF(q5_0, 3, block_q5_0)
 DEFINE_TILE_QF(q5_1, 4, block_q5_1)
 
+/* ---- K-quant weight x float activation (exact mode) ------------------------------------------------------ */
+
+/* A super-block of 256 is decoded (kquants.h: the reference dequantiser's float operations, so the weights are
+ * bit-equal to it) into 256 floats in memory, then FMA'd with x as the 8 blocks of 32 it holds, with the
+ * accumulators of tile_qf_n (vector j of block i to accumulator QF_ACC(i & 1, j)) and its horizontal sum. */
+TARGET_INLINE void FN(decode_kq)(const int kind, const uint8_t *blk, float *w) {
+    switch (kind) {
+        case 0: kq_decode_q2_k(blk, QK_K, w); break;
+        case 1: kq_decode_q3_k(blk, QK_K, w); break;
+        case 2: kq_decode_q4_k(blk, QK_K, w); break;
+        case 3: kq_decode_q5_k(blk, QK_K, w); break;
+        default: kq_decode_q6_k(blk, QK_K, w); break;
+    }
+}
+
+TARGET_INLINE void FN(tile_kq_n)(const int kind, const int64_t block_bytes, const uint8_t *row, int64_t K,
+                                 const float *x, int64_t x_stride, const int ntok, float *out) {
+    VF acc[QF_TILE][4];
+    float w[QK_K] __attribute__((aligned(64)));
+    for (int t = 0; t < ntok; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = VF_ZERO();
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        FN(decode_kq)(kind, row + s * block_bytes, w);
+#define KQ_TILE_BLOCK(i, parity)                                                                                 \
+    do {                                                                                                         \
+        const float *xb = x + s * QK_K + (i) * QK;                                                               \
+        _Pragma("GCC unroll 8") for (int t = 0; t < ntok; t++)                                                   \
+            _Pragma("GCC unroll 4") for (int j = 0; j < QF_V; j++)                                               \
+                acc[t][QF_ACC(parity, j)] = VF_FMA(VF_LOAD(w + (i) * QK + j * VF_N),                             \
+                                                   VF_LOAD(xb + t * x_stride + j * VF_N), acc[t][QF_ACC(parity, j)]); \
+    } while (0)
+        QF_FOR_BLOCKS(QK_K / QK, KQ_TILE_BLOCK);
+#undef KQ_TILE_BLOCK
+    }
+    for (int t = 0; t < ntok; t++) out[t] = QF_REDUCE(acc[t]);
+}
+
+#define DEFINE_TILE_KQ(type, kind, block_t)                                                                  \
+    TARGET static void FN(tile_##type##_f)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,   \
+                                           int ntok, float *out) {                                            \
+        for (int t0 = 0; t0 < ntok; t0 += QF_TILE, x += QF_TILE * x_stride, out += QF_TILE) {                 \
+            const int n = ntok - t0 < QF_TILE ? ntok - t0 : QF_TILE;                                          \
+            if (n == 1)                                                                                       \
+                FN(tile_kq_n)(kind, sizeof(block_t), row, K, x, x_stride, 1, out);                            \
+            else                                                                                              \
+                FN(tile_kq_n)(kind, sizeof(block_t), row, K, x, x_stride, n, out);                            \
+        }                                                                                                     \
+    }
+DEFINE_TILE_KQ(q2_k, 0, block_q2_k)
+DEFINE_TILE_KQ(q3_k, 1, block_q3_k)
+DEFINE_TILE_KQ(q4_k, 2, block_q4_k)
+DEFINE_TILE_KQ(q5_k, 3, block_q5_k)
+DEFINE_TILE_KQ(q6_k, 4, block_q6_k)
+
+/* R rows against one x, each with the operation sequence of tile_kq_n at ntok = 1 (bit-identical to it) */
+TARGET_INLINE void FN(dot_kq_n)(const int kind, const int64_t block_bytes, const uint8_t *const *rows, const int R,
+                                int64_t K, const float *x, float *out) {
+    VF acc[ROWS_DOT_MAX][4];
+    float w[ROWS_DOT_MAX][QK_K] __attribute__((aligned(64)));
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = VF_ZERO();
+    for (int64_t s = 0; s < K / QK_K; s++) {
+        for (int r = 0; r < R; r++) FN(decode_kq)(kind, rows[r] + s * block_bytes, w[r]);
+#define KQ_DOT_BLOCK(i, parity)                                                                                  \
+    do {                                                                                                         \
+        VF xv[QF_V];                                                                                             \
+        for (int j = 0; j < QF_V; j++) xv[j] = VF_LOAD(x + s * QK_K + (i) * QK + j * VF_N);                      \
+        for (int r = 0; r < R; r++)                                                                              \
+            for (int j = 0; j < QF_V; j++)                                                                       \
+                acc[r][QF_ACC(parity, j)] = VF_FMA(VF_LOAD(w[r] + (i) * QK + j * VF_N), xv[j], acc[r][QF_ACC(parity, j)]); \
+    } while (0)
+        QF_FOR_BLOCKS(QK_K / QK, KQ_DOT_BLOCK);
+#undef KQ_DOT_BLOCK
+    }
+    for (int r = 0; r < R; r++) out[r] = QF_REDUCE(acc[r]);
+}
+
 /* ---- one token, several rows: rows_dot_fn ------------------------------------------------------------- */
 
 /* R rows (R <= ROWS_DOT_MAX) against one x: per row the exact operation sequence of tile_qf_n / tile_float_n
@@ -595,6 +670,16 @@ TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, co
 #define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out)
 #define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out)
 #define DOT_BF16(n) FN(dot_float_n)(2, rows, n, K, x, out)
+#define DOT_Q2_K(n) FN(dot_kq_n)(0, sizeof(block_q2_k), rows, n, K, x, out)
+#define DOT_Q3_K(n) FN(dot_kq_n)(1, sizeof(block_q3_k), rows, n, K, x, out)
+#define DOT_Q4_K(n) FN(dot_kq_n)(2, sizeof(block_q4_k), rows, n, K, x, out)
+#define DOT_Q5_K(n) FN(dot_kq_n)(3, sizeof(block_q5_k), rows, n, K, x, out)
+#define DOT_Q6_K(n) FN(dot_kq_n)(4, sizeof(block_q6_k), rows, n, K, x, out)
+DEFINE_DOT(q2_k_f, DOT_Q2_K)
+DEFINE_DOT(q3_k_f, DOT_Q3_K)
+DEFINE_DOT(q4_k_f, DOT_Q4_K)
+DEFINE_DOT(q5_k_f, DOT_Q5_K)
+DEFINE_DOT(q6_k_f, DOT_Q6_K)
 DEFINE_DOT(q4_0_f, DOT_Q4_0)
 DEFINE_DOT(q4_1_f, DOT_Q4_1)
 DEFINE_DOT(q8_0_f, DOT_Q8_0)
@@ -608,12 +693,18 @@ DEFINE_DOT(bf16, DOT_BF16)
 #undef DOT_Q8_0
 #undef DOT_Q5_0
 #undef DOT_Q5_1
+#undef DOT_Q2_K
+#undef DOT_Q3_K
+#undef DOT_Q4_K
+#undef DOT_Q5_K
+#undef DOT_Q6_K
 #undef DOT_F32
 #undef DOT_F16
 #undef DOT_BF16
 #undef DEFINE_DOT
 
 #undef DEFINE_TILE_QF
+#undef DEFINE_TILE_KQ
 #undef QF_CASES
 #undef QF_V
 #undef QF_TILE

@@ -41,6 +41,17 @@ C_NAMES: Mapping[GGMLType, str] = MappingProxyType(
     }
 )
 assert frozenset(C_NAMES) == KERNEL_TYPES
+# K-quants: the row decoder pi_get_rows_<suffix> and the exact (float activation) matmul pi_matmul_<suffix>_f,
+# used in both precisions, so far; no sparse row kernels yet (those ops decode the rows they need)
+K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
+    {
+        GGMLType.Q2_K: "q2_k",
+        GGMLType.Q3_K: "q3_k",
+        GGMLType.Q4_K: "q4_k",
+        GGMLType.Q5_K: "q5_k",
+        GGMLType.Q6_K: "q6_k",
+    }
+)
 # types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
 QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
 # block types with only the exact kernels (pi_matmul_<suffix>_f), used in both precisions
@@ -142,6 +153,9 @@ def _open(path: str) -> Library:
         rows_matmul[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{q8_suffix}", _SPARSE_ARGTYPES)
         rows_matmul_f[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{f32_suffix}", _SPARSE_ARGTYPES)
         rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
+    for ggml_type, name in K_TYPES.items():
+        get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
+        matmul[ggml_type] = matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}_f", _MATMUL_ARGTYPES)
     return Library(
         path=path,
         isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),

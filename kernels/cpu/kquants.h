@@ -1,0 +1,178 @@
+/* The K-quant block formats of ggml (super-blocks of QK_K = 256 elements) and their scalar row decoders.
+ *
+ * Layouts, byte for byte as ggml writes them (little endian, fp16 IEEE binary16):
+ *   Q2_K  84 B: scales[16] (low nibble scale, high nibble min, per 16 elements), qs[64] (2-bit), d, dmin
+ *   Q3_K 110 B: hmask[32] (the third bit), qs[64] (low 2 bits), scales[12] (16 6-bit scales, biased by 32), d
+ *   Q4_K 144 B: d, dmin, scales[12] (8 6-bit scales and 8 6-bit mins, per 32 elements), qs[128] (4-bit)
+ *   Q5_K 176 B: d, dmin, scales[12] (as Q4_K), qh[32] (the fifth bit), qs[128] (low 4 bits)
+ *   Q6_K 210 B: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8, per 16 elements), d
+ * The decoders compute each element with the float operations of the reference dequantisers (ggml's and the
+ * gguf package's, which agree): Q2_K/Q4_K/Q5_K (d * scale) * q - (dmin * min), Q3_K (d * (scale - 32)) * q,
+ * Q6_K (d * scale) * q, every product and difference rounded to float32 (the build uses -ffp-contract=off).
+ */
+#ifndef POWERINFER_KERNELS_KQUANTS_H
+#define POWERINFER_KERNELS_KQUANTS_H
+
+#include "common.h"
+
+#define QK_K 256 /* elements per K-quant super-block */
+
+typedef struct {
+    uint8_t scales[QK_K / 16];
+    uint8_t qs[QK_K / 4];
+    uint16_t d, dmin;
+} block_q2_k;
+
+typedef struct {
+    uint8_t hmask[QK_K / 8];
+    uint8_t qs[QK_K / 4];
+    uint8_t scales[12];
+    uint16_t d;
+} block_q3_k;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qs[QK_K / 2];
+} block_q4_k;
+
+typedef struct {
+    uint16_t d, dmin;
+    uint8_t scales[12];
+    uint8_t qh[QK_K / 8];
+    uint8_t qs[QK_K / 2];
+} block_q5_k;
+
+typedef struct {
+    uint8_t ql[QK_K / 2];
+    uint8_t qh[QK_K / 4];
+    int8_t scales[QK_K / 16];
+    uint16_t d;
+} block_q6_k;
+
+_Static_assert(sizeof(block_q2_k) == 84, "block_q2_k must be 84 bytes");
+_Static_assert(sizeof(block_q3_k) == 110, "block_q3_k must be 110 bytes");
+_Static_assert(sizeof(block_q4_k) == 144, "block_q4_k must be 144 bytes");
+_Static_assert(sizeof(block_q5_k) == 176, "block_q5_k must be 176 bytes");
+_Static_assert(sizeof(block_q6_k) == 210, "block_q6_k must be 210 bytes");
+
+/* Scale and min j (0..7) of a Q4_K / Q5_K super-block: 6 bits each, j < 4 in the low 6 bits of bytes j and
+ * j + 4, j >= 4 as the nibbles of byte j + 4 with their top 2 bits in the top bits of bytes j - 4 and j. */
+static inline void kq_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+        *m = (uint8_t)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* The 16 6-bit scales of a Q3_K super-block (still biased by 32): the low 4 bits are the nibbles of bytes
+ * 0..7 (scales 0..7 low nibbles, 8..15 high nibbles), the top 2 bits come from bytes 8..11, two per scale. */
+static inline void kq3_scales(const uint8_t *packed, int8_t *out) {
+    for (int j = 0; j < 16; j++) {
+        const int low = j < 8 ? packed[j] & 0x0F : packed[j - 8] >> 4;
+        const int high = (packed[8 + (j & 3)] >> (2 * (j >> 2))) & 3;
+        out[j] = (int8_t)(low | (high << 4));
+    }
+}
+
+static inline void kq_decode_q2_k(const uint8_t *row, int64_t K, float *y) {
+    const block_q2_k *b = (const block_q2_k *)row;
+    for (int64_t i = 0; i < K / QK_K; i++, b++) {
+        const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
+        int is = 0;
+        for (int n = 0; n < QK_K; n += 128) {
+            const uint8_t *q = b->qs + n / 4;
+            for (int shift = 0; shift < 8; shift += 2) {
+                for (int half = 0; half < 2; half++, is++) {
+                    const float dl = d * (float)(b->scales[is] & 0x0F), ml = dmin * (float)(b->scales[is] >> 4);
+                    for (int l = 0; l < 16; l++) *y++ = dl * (float)((q[l + 16 * half] >> shift) & 3) - ml;
+                }
+            }
+        }
+    }
+}
+
+static inline void kq_decode_q3_k(const uint8_t *row, int64_t K, float *y) {
+    const block_q3_k *b = (const block_q3_k *)row;
+    for (int64_t i = 0; i < K / QK_K; i++, b++) {
+        const float d = fp16_to_fp32(b->d);
+        int8_t sc[16];
+        kq3_scales(b->scales, sc);
+        int is = 0;
+        uint8_t m = 1;
+        for (int n = 0; n < QK_K; n += 128) {
+            const uint8_t *q = b->qs + n / 4;
+            for (int shift = 0; shift < 8; shift += 2, m = (uint8_t)(m << 1)) {
+                for (int half = 0; half < 2; half++, is++) {
+                    const float dl = d * (float)(sc[is] - 32);
+                    for (int l = 16 * half; l < 16 * half + 16; l++) {
+                        const int v = ((q[l] >> shift) & 3) - ((b->hmask[l] & m) ? 0 : 4);
+                        *y++ = dl * (float)v;
+                    }
+                }
+            }
+        }
+    }
+}
+
+static inline void kq_decode_q4_k(const uint8_t *row, int64_t K, float *y) {
+    const block_q4_k *b = (const block_q4_k *)row;
+    for (int64_t i = 0; i < K / QK_K; i++, b++) {
+        const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
+        const uint8_t *q = b->qs;
+        for (int j = 0; j < 8; j += 2, q += 32) {
+            uint8_t sc, m;
+            kq_scale_min(j, b->scales, &sc, &m);
+            const float d1 = d * (float)sc, m1 = dmin * (float)m;
+            kq_scale_min(j + 1, b->scales, &sc, &m);
+            const float d2 = d * (float)sc, m2 = dmin * (float)m;
+            for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0x0F) - m1;
+            for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
+        }
+    }
+}
+
+static inline void kq_decode_q5_k(const uint8_t *row, int64_t K, float *y) {
+    const block_q5_k *b = (const block_q5_k *)row;
+    for (int64_t i = 0; i < K / QK_K; i++, b++) {
+        const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
+        const uint8_t *q = b->qs;
+        for (int j = 0; j < 8; j += 2, q += 32) {
+            uint8_t sc, m;
+            kq_scale_min(j, b->scales, &sc, &m);
+            const float d1 = d * (float)sc, m1 = dmin * (float)m;
+            kq_scale_min(j + 1, b->scales, &sc, &m);
+            const float d2 = d * (float)sc, m2 = dmin * (float)m;
+            const uint8_t u1 = (uint8_t)(1u << j), u2 = (uint8_t)(2u << j);
+            for (int l = 0; l < 32; l++) *y++ = d1 * (float)((q[l] & 0x0F) + ((b->qh[l] & u1) ? 16 : 0)) - m1;
+            for (int l = 0; l < 32; l++) *y++ = d2 * (float)((q[l] >> 4) + ((b->qh[l] & u2) ? 16 : 0)) - m2;
+        }
+    }
+}
+
+static inline void kq_decode_q6_k(const uint8_t *row, int64_t K, float *y) {
+    const block_q6_k *b = (const block_q6_k *)row;
+    for (int64_t i = 0; i < K / QK_K; i++, b++) {
+        const float d = fp16_to_fp32(b->d);
+        const uint8_t *ql = b->ql, *qh = b->qh;
+        const int8_t *sc = b->scales;
+        for (int n = 0; n < QK_K; n += 128, y += 128, ql += 64, qh += 32, sc += 8) {
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                y[l] = d * (float)sc[is] * (float)q1;
+                y[l + 32] = d * (float)sc[is + 2] * (float)q2;
+                y[l + 64] = d * (float)sc[is + 4] * (float)q3;
+                y[l + 96] = d * (float)sc[is + 6] * (float)q4;
+            }
+        }
+    }
+}
+
+#endif
