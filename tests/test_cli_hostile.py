@@ -498,9 +498,19 @@ def big_model(tmp_path_factory) -> Path:
     return path
 
 
+def _default_sigint() -> None:
+    # a test run started in the background by a non-interactive shell ignores SIGINT, and its children inherit
+    # that (a background job keeps ignoring Ctrl-C, as it should); these tests are about a terminal's Ctrl-C
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(*args: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "powerinfer", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "-m", "powerinfer", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_default_sigint,
     )
 
 
