@@ -68,6 +68,18 @@ static inline void kq_scale_min(int j, const uint8_t *q, uint8_t *sc, uint8_t *m
     }
 }
 
+/* The factors of 32-element groups j and j + 1 of a Q4_K / Q5_K super-block: d * scale and dmin * min */
+static inline void kq_pair_factors(int j, const uint8_t *scales, float d, float dmin, float *d1, float *m1,
+                                   float *d2, float *m2) {
+    uint8_t sc, m;
+    kq_scale_min(j, scales, &sc, &m);
+    *d1 = d * (float)sc;
+    *m1 = dmin * (float)m;
+    kq_scale_min(j + 1, scales, &sc, &m);
+    *d2 = d * (float)sc;
+    *m2 = dmin * (float)m;
+}
+
 /* The 16 6-bit scales of a Q3_K super-block (still biased by 32): the low 4 bits are the nibbles of bytes
  * 0..7 (scales 0..7 low nibbles, 8..15 high nibbles), the top 2 bits come from bytes 8..11, two per scale. */
 static inline void kq3_scales(const uint8_t *packed, int8_t *out) {
@@ -124,11 +136,8 @@ static inline void kq_decode_q4_k(const uint8_t *row, int64_t K, float *y) {
         const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
         const uint8_t *q = b->qs;
         for (int j = 0; j < 8; j += 2, q += 32) {
-            uint8_t sc, m;
-            kq_scale_min(j, b->scales, &sc, &m);
-            const float d1 = d * (float)sc, m1 = dmin * (float)m;
-            kq_scale_min(j + 1, b->scales, &sc, &m);
-            const float d2 = d * (float)sc, m2 = dmin * (float)m;
+            float d1, m1, d2, m2;
+            kq_pair_factors(j, b->scales, d, dmin, &d1, &m1, &d2, &m2);
             for (int l = 0; l < 32; l++) *y++ = d1 * (float)(q[l] & 0x0F) - m1;
             for (int l = 0; l < 32; l++) *y++ = d2 * (float)(q[l] >> 4) - m2;
         }
@@ -141,11 +150,8 @@ static inline void kq_decode_q5_k(const uint8_t *row, int64_t K, float *y) {
         const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
         const uint8_t *q = b->qs;
         for (int j = 0; j < 8; j += 2, q += 32) {
-            uint8_t sc, m;
-            kq_scale_min(j, b->scales, &sc, &m);
-            const float d1 = d * (float)sc, m1 = dmin * (float)m;
-            kq_scale_min(j + 1, b->scales, &sc, &m);
-            const float d2 = d * (float)sc, m2 = dmin * (float)m;
+            float d1, m1, d2, m2;
+            kq_pair_factors(j, b->scales, d, dmin, &d1, &m1, &d2, &m2);
             const uint8_t u1 = (uint8_t)(1u << j), u2 = (uint8_t)(2u << j);
             for (int l = 0; l < 32; l++) *y++ = d1 * (float)((q[l] & 0x0F) + ((b->qh[l] & u1) ? 16 : 0)) - m1;
             for (int l = 0; l < 32; l++) *y++ = d2 * (float)((q[l] >> 4) + ((b->qh[l] & u2) ? 16 : 0)) - m2;

@@ -177,10 +177,16 @@ def magnitudes(
     out2 = None if out_scale is None else torch.empty(u.shape[0], n_ff)
     for i in range(0, u.shape[0], CHUNK_TOKENS):
         chunk = u[i : i + CHUNK_TOKENS].to(torch.float32).contiguous()
-        a = ops.act(ffn.spec.act, ops.linear(chunk, ffn.gate, kc)).abs_()
+        g = ops.linear(chunk, ffn.gate, kc)
+        if out2 is not None and out_scale is not None:  # h as DenseFFN.hidden computes it, from the same g
+            v = ops.linear(chunk, ffn.up, kc)
+            if ffn.b_up is not None:
+                v = v + ffn.b_up
+            out2[i : i + CHUNK_TOKENS] = (
+                ops.gated(g, v, ffn.spec.act, ffn.spec.relu_up).abs_().mul_(out_scale)
+            )
+        a = ops.act(ffn.spec.act, g).abs_()
         out[i : i + CHUNK_TOKENS] = a if scale is None else a.mul_(scale)
-        if out2 is not None and out_scale is not None:
-            out2[i : i + CHUNK_TOKENS] = ffn.hidden(chunk).abs_().mul_(out_scale)
     return out, out2
 
 
