@@ -1,12 +1,13 @@
 """Quantize a GGUF or PowerInfer GGUF file, as llama.cpp's `quantize` does.
 
-Per-tensor rules follow llama.cpp's `llama_model_quantize_internal` / `get_k_quant_type` at PowerInfer's
-commit (spec 1.7): the predictor matrices fc1/fc2 become Q5_0 (Q4_0 for a Q4_0 target), `output.weight` Q8_0,
-where the original picks Q6_K, a type the `gguf` package cannot produce. A model without `output.weight` (tied
-embeddings: `token_embd.weight` is also the output head) gets the output rule on `token_embd.weight`, as later
-llama.cpp does; the original quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at Q4_0.
-Blocks come from `powerinfer.quant`, which wraps the `gguf` package's reference quantizers (bit-exact with
-ggml-quants.c).
+Per-tensor types follow llama.cpp's `llama_tensor_get_type` (powerinfer.quant.mix): the K-quant mixes
+(Q4_K_M gives half the attn_v and ffn_down matrices Q6_K, ...), output.weight Q6_K (Q8_0 when its rows are not
+a multiple of 256), and the fallback to a 32-element type when a row length is not a multiple of 256. A model
+without `output.weight` (tied embeddings: `token_embd.weight` is also the output head) gets the output rule on
+`token_embd.weight`, as later llama.cpp does; the original PowerInfer quantized it like any matrix, which costs
+SmolLM2-135M 8% perplexity at Q4_0. PowerInfer's own rule (spec 1.7) is kept for its predictor matrices: fc1/fc2
+become Q5_0 (Q4_0 for a Q4_0 target). Blocks come from `powerinfer.quant`: the `gguf` package's reference
+quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c) for K-quants and IQ4.
 """
 
 from __future__ import annotations
@@ -27,7 +28,18 @@ from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys,
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.gguf.writer import output_problem
 from powerinfer.printable import printable
-from powerinfer.quant import QUANTIZABLE, dequantize, quantize, row_bytes
+from powerinfer.quant import PRODUCIBLE, WEIGHT_TYPES, dequantize, quantize, row_bytes
+from powerinfer.quant.mix import (
+    Category,
+    MixState,
+    ModelFacts,
+    allows_quantization,
+    category,
+    fallback,
+    llama_order,
+    mix_type,
+    model_facts,
+)
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
@@ -44,61 +56,52 @@ class FileType:
     description: str
 
 
-# quantize.cpp's QUANT_OPTIONS that the gguf package can produce, plus BF16 (llama.cpp's later ftype 32)
+# quantize.cpp's QUANT_OPTIONS that we can produce, in its order (plus BF16, llama.cpp's ftype 32); a K-quant or
+# IQ4 TYPE names a mix (powerinfer.quant.mix): its ggml type is the default the mix rules start from
 FILE_TYPES: tuple[FileType, ...] = (
     FileType("Q4_0", 2, GGMLType.Q4_0, "4.5 bpw; the type PowerInfer's sparse models ship in"),
     FileType("Q4_1", 3, GGMLType.Q4_1, "5.0 bpw"),
     FileType("Q5_0", 8, GGMLType.Q5_0, "5.5 bpw"),
     FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw"),
+    FileType("Q2_K", 10, GGMLType.Q2_K, "2.6 bpw mix: attn_v Q3_K/Q4_K, ffn_down and attn_output Q3_K"),
+    FileType("Q2_K_S", 21, GGMLType.Q2_K, "2.6 bpw mix, smaller"),
+    FileType("Q3_K_S", 11, GGMLType.Q3_K, "3.4 bpw"),
+    FileType(
+        "Q3_K_M", 12, GGMLType.Q3_K, "3.9 bpw mix: attn_v Q5_K/Q4_K, ffn_down Q5_K/Q4_K, attn_output Q4_K"
+    ),
+    FileType("Q3_K_L", 13, GGMLType.Q3_K, "4.3 bpw mix: attn_v, ffn_down and attn_output Q5_K"),
+    FileType("IQ4_NL", 25, GGMLType.IQ4_NL, "4.5 bpw non-linear"),
+    FileType("IQ4_XS", 30, GGMLType.IQ4_XS, "4.25 bpw non-linear"),
+    FileType("Q4_K_S", 14, GGMLType.Q4_K, "4.5 bpw"),
+    FileType("Q4_K_M", 15, GGMLType.Q4_K, "4.8 bpw mix: half of attn_v and ffn_down Q6_K"),
+    FileType("Q5_K_S", 16, GGMLType.Q5_K, "5.5 bpw"),
+    FileType("Q5_K_M", 17, GGMLType.Q5_K, "5.7 bpw mix: half of attn_v and ffn_down Q6_K"),
+    FileType("Q6_K", 18, GGMLType.Q6_K, "6.6 bpw"),
     FileType("Q8_0", 7, GGMLType.Q8_0, "8.5 bpw"),
     FileType("F16", 1, GGMLType.F16, "16 bpw"),
     FileType("BF16", 32, GGMLType.BF16, "16 bpw"),
     FileType("F32", 0, GGMLType.F32, "32 bpw"),
     FileType("COPY", 0, None, "copy tensors as they are (general.file_type kept)"),
 )
-# names and numbers the original accepts whose blocks the gguf package cannot produce
-K_QUANT_FTYPES: dict[str, int] = {
-    "Q2_K": 10,
-    "Q3_K": 12,
-    "Q3_K_S": 11,
-    "Q3_K_M": 12,
-    "Q3_K_L": 13,
-    "Q4_K": 15,
-    "Q4_K_S": 14,
-    "Q4_K_M": 15,
-    "Q5_K": 17,
-    "Q5_K_S": 16,
-    "Q5_K_M": 17,
-    "Q6_K": 18,
-}
+# quantize.cpp's aliases
+ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 _BY_NAME = {ft.name: ft for ft in FILE_TYPES}
 _BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
 # ggml type -> llama_ftype, for a file without general.file_type (llama.cpp guesses from the commonest type)
-_FTYPE_OF_TYPE = {ft.ggml_type: ft.ftype for ft in FILE_TYPES if ft.ggml_type is not None}
+_FTYPE_OF_TYPE = {ft.ggml_type: ft.ftype for ft in reversed(FILE_TYPES) if ft.ggml_type is not None}
 FTYPE_GUESSED = 1024
-# source types that can be decoded besides QUANTIZABLE (the gguf package dequantizes K-quants)
-_DEQUANTIZABLE = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 
 
 def parse_file_type(text: str) -> FileType | None:
-    """TYPE by name (case-insensitive) or llama_ftype number; None when `text` is not a type at all.
-
-    Raises InputError for K-quant types, which the original accepts but cannot be produced here.
-    """
+    """TYPE by name (case-insensitive, quantize.cpp's aliases included) or llama_ftype number; None when `text`
+    is not a type at all."""
     name = text.strip().upper()
+    name = ALIASES.get(name, name)
     if name in _BY_NAME:
         return _BY_NAME[name]
     number = int(name) if name.lstrip("-").isdigit() else None
     if number is not None and number in _BY_NUMBER:
         return _BY_NUMBER[number]
-    k_name = (
-        name if name in K_QUANT_FTYPES else next((k for k, v in K_QUANT_FTYPES.items() if v == number), None)
-    )
-    if k_name is not None:
-        raise InputError(
-            f"type {k_name} is not supported: the gguf package has no K-quant quantizer "
-            f"(use one of {', '.join(_BY_NAME)})"
-        )
     return None
 
 
@@ -113,6 +116,19 @@ def require_file_type(text: str) -> FileType:
     return ft
 
 
+def require_tensor_type(text: str | None, flag: str) -> GGMLType | None:
+    """A ggml type name given to --output-tensor-type / --token-embedding-type (None stays None)."""
+    if text is None:
+        return None
+    name = text.strip().upper()
+    if name in GGMLType.__members__ and GGMLType[name] in PRODUCIBLE:
+        return GGMLType[name]
+    choices = ", ".join(t.name for t in sorted(PRODUCIBLE, key=lambda t: t.value))
+    raise InputError(
+        f"{flag}: unknown or unsupported ggml type '{printable(text, 40)}' (expected one of {choices})"
+    )
+
+
 @dataclass(frozen=True)
 class QuantizeOptions:
     input: Path
@@ -122,6 +138,8 @@ class QuantizeOptions:
     allow_requantize: bool = False
     leave_output_tensor: bool = False
     pure: bool = False
+    output_tensor_type: GGMLType | None = None  # --output-tensor-type: output.weight's type, no rule applied
+    token_embedding_type: GGMLType | None = None  # --token-embedding-type: token_embd.weight's type
 
 
 @dataclass(frozen=True)
@@ -166,51 +184,76 @@ def default_output(input_path: Path, file_type: FileType) -> Path:
 
 
 def tensor_type(
-    name: str, shape: tuple[int, ...], src_type: GGMLType, opts: QuantizeOptions, tied_output: bool = False
+    name: str,
+    shape: tuple[int, ...],
+    src_type: GGMLType,
+    opts: QuantizeOptions,
+    facts: ModelFacts,
+    state: MixState,
 ) -> tuple[GGMLType, str]:
-    """The destination ggml type of one tensor, and a note when a rule kept it in its source type.
+    """The destination ggml type of one tensor, and a note when a rule kept or changed its type.
 
-    tied_output: the model has no output.weight, so token_embd.weight is its output head too.
+    llama.cpp's llama_tensor_get_type: tensors llama.cpp never quantizes keep their type; --token-embedding-type
+    and --output-tensor-type apply as given; else, for a quantized target, the predictor rule (fc1/fc2) or the
+    mix rules (powerinfer.quant.mix; not with --pure), then the fallback for row lengths the type's block does
+    not divide. Called in llama.cpp's tensor order (mix.llama_order), which advances `state`.
     """
     target = opts.file_type.ggml_type
-    if target is None:
-        return src_type, ""
-    if len(shape) != 2 or not name.endswith("weight"):
+    if target is None or len(shape) != 2 or not allows_quantization(name, len(shape)):
         return src_type, ""
     if name == "output.weight" and opts.leave_output_tensor:
         return src_type, ""
-    new_type = target
-    if not opts.pure and target not in FLOAT_TYPES:
-        if name == "output.weight" or (tied_output and name == "token_embd.weight"):
-            new_type = GGMLType.Q8_0  # the original: Q6_K when n_embd % 256 == 0, which gguf cannot produce
-        elif name.endswith((".fc1.weight", ".fc2.weight")):
-            new_type = GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q5_0  # as the original
+    cat = category(name)
+    note = ""
+    if opts.token_embedding_type is not None and cat == Category.TOKEN_EMBD:
+        new_type = opts.token_embedding_type
+    elif opts.output_tensor_type is not None and cat == Category.OUTPUT:
+        new_type = opts.output_tensor_type
+    elif target in FLOAT_TYPES:
+        new_type = target
+    else:
+        new_type = target
+        if not opts.pure:
+            if name.endswith((".fc1.weight", ".fc2.weight")):
+                new_type = GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q5_0  # as the original
+            else:
+                new_type = mix_type(opts.file_type.ftype, target, name, shape[-1], facts, state)
+        chosen = new_type
+        new_type = fallback(chosen, shape[-1])
+        if new_type != chosen:
+            note = (
+                f"row length {shape[-1]} is not a multiple of the {chosen.name} block size "
+                f"{QUANT_SIZES[chosen][0]}: {new_type.name}"
+            )
     if new_type == src_type:
-        return src_type, ""
-    if src_type not in QUANTIZABLE and src_type not in _DEQUANTIZABLE:
+        return src_type, note
+    if src_type not in WEIGHT_TYPES:
         return src_type, f"{src_type.name} tensors cannot be converted: kept as {src_type.name}"
-    block = QUANT_SIZES[new_type][0]
-    if shape[-1] % block:
+    if shape[-1] % QUANT_SIZES[new_type][0]:  # an explicit --*-type the row length does not fit
         return src_type, (
             f"row length {shape[-1]} is not a multiple of the {new_type.name} block size "
-            f"{block}: kept as {src_type.name}"
+            f"{QUANT_SIZES[new_type][0]}: kept as {src_type.name}"
         )
-    return new_type, ""
+    return new_type, note
 
 
 def plan_tensors(model: GGUFFile, opts: QuantizeOptions) -> list[TensorPlan]:
     """The per-tensor plan in file order; raises InputError when it would requantize without permission."""
-    plans = []
-    tied = "output.weight" not in model.tensors
-    for t in model.tensors.values():
-        dst, note = tensor_type(t.name, t.shape, t.ggml_type, opts, tied_output=tied)
-        plan = TensorPlan(t.name, t.shape, t.ggml_type, dst, note)
-        if plan.converted and t.ggml_type not in FLOAT_TYPES and not opts.allow_requantize:
+    names = list(model.tensors)
+    facts = model_facts(dict(model.metadata), names)
+    state = MixState()
+    by_name = {}
+    for name in llama_order(names):  # the order the mix counters advance in
+        t = model.tensors[name]
+        dst, note = tensor_type(t.name, t.shape, t.ggml_type, opts, facts, state)
+        by_name[name] = TensorPlan(t.name, t.shape, t.ggml_type, dst, note)
+    plans = [by_name[name] for name in names]
+    for plan in plans:
+        if plan.converted and plan.src_type not in FLOAT_TYPES and not opts.allow_requantize:
             raise InputError(
-                f"requantizing from type {t.ggml_type.name} is disabled ({t.name} is already "
+                f"requantizing from type {plan.src_type.name} is disabled ({plan.name} is already "
                 f"quantized): pass --allow-requantize"
             )
-        plans.append(plan)
     return plans
 
 

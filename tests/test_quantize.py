@@ -26,6 +26,7 @@ from powerinfer.cli import app
 from powerinfer.errors import InputError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.quant import dequantize
+from powerinfer.quant.mix import MixState, llama_order, model_facts, use_more_bits
 from powerinfer.quantize import (
     QuantizeOptions,
     parse_file_type,
@@ -75,36 +76,111 @@ def test_type_names_and_numbers():
     assert parse_file_type("32").ggml_type == GGMLType.BF16
     assert parse_file_type("copy").ggml_type is None
     assert parse_file_type("model.gguf") is None
-    with pytest.raises(InputError, match="Q4_K_M is not supported"):
-        parse_file_type("q4_k_m")
-    with pytest.raises(InputError, match="Q6_K is not supported"):
-        parse_file_type("18")
+    # llama.cpp's K-quant mixes, their numbers and quantize.cpp's aliases
+    assert parse_file_type("q4_k_m").ftype == 15 and parse_file_type("Q4_K").name == "Q4_K_M"
+    assert parse_file_type("18").name == "Q6_K" and parse_file_type("Q3_K").name == "Q3_K_M"
+    assert parse_file_type("25").name == "IQ4_NL" and parse_file_type("30").ggml_type == GGMLType.IQ4_XS
+    assert parse_file_type("21").name == "Q2_K_S" and parse_file_type("Q2_K").ggml_type == GGMLType.Q2_K
+    assert parse_file_type("IQ2_XXS") is None and parse_file_type("19") is None  # types we cannot produce
     with pytest.raises(InputError, match="unknown quantization type 'Q9_9'"):
         require_file_type("Q9_9")
+
+
+def _types(opts: QuantizeOptions, tensors: dict[str, tuple[tuple[int, ...], GGMLType]], **meta) -> dict:
+    """tensor name -> (destination type, note) of a plan over `tensors` (name -> (shape, source type))."""
+    names = list(tensors)
+    facts = model_facts({"general.architecture": "llama", **meta}, names)
+    state = MixState()
+    out = {}
+    for name in llama_order(names):
+        shape, src = tensors[name]
+        out[name] = tensor_type(name, shape, src, opts, facts, state)
+    return out
 
 
 def test_per_tensor_rules():
     q4, q8, q41 = _opts("Q4_0"), _opts("Q8_0"), _opts("Q4_1")
     f16 = GGMLType.F16
-    assert tensor_type("blk.0.attn_norm.weight", (128,), GGMLType.F32, q4) == (GGMLType.F32, "")
-    assert tensor_type("blk.0.gpu_idx", (128,), GGMLType.I32, q4) == (GGMLType.I32, "")
-    assert tensor_type("blk.0.ffn_down_t.weight", (512, 128), f16, q41)[0] == GGMLType.Q4_1
-    assert tensor_type("token_embd.weight", (512, 128), f16, q4)[0] == GGMLType.Q4_0
-    # tied embeddings: token_embd.weight is the output head too and takes the output rule
-    assert tensor_type("token_embd.weight", (512, 128), f16, q4, tied_output=True)[0] == GGMLType.Q8_0
-    assert tensor_type("token_embd.weight", (512, 128), f16, _opts("Q4_0", pure=True), tied_output=True)[
-        0
-    ] == (GGMLType.Q4_0)
-    assert tensor_type("output.weight", (512, 128), f16, q4)[0] == GGMLType.Q8_0
-    assert tensor_type("output.weight", (512, 128), f16, _opts("Q4_0", leave_output_tensor=True))[0] == f16
-    assert tensor_type("output.weight", (512, 128), f16, _opts("Q4_0", pure=True))[0] == GGMLType.Q4_0
-    assert tensor_type("blk.3.fc1.weight", (64, 128), f16, q4)[0] == GGMLType.Q4_0
-    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q41)[0] == GGMLType.Q5_0
-    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, _opts("Q4_1", pure=True))[0] == GGMLType.Q4_1
-    assert tensor_type("blk.3.fc2.weight", (512, 64), f16, q8)[0] == GGMLType.Q5_0
-    assert tensor_type("output.weight", (512, 128), GGMLType.F32, _opts("F16"))[0] == f16
-    dst, note = tensor_type("blk.0.attn_q.weight", (128, 48), f16, q4)
-    assert dst == f16 and "row length 48 is not a multiple of the Q4_0 block size 32" in note
+    tensors = {
+        "token_embd.weight": ((512, 256), f16),
+        "blk.0.attn_norm.weight": ((256,), GGMLType.F32),
+        "blk.0.gpu_idx": ((512,), GGMLType.I32),
+        "blk.0.ffn_down_t.weight": ((512, 256), f16),
+        "blk.0.fc1.weight": ((64, 256), f16),
+        "blk.0.fc2.weight": ((512, 64), f16),
+        "blk.0.attn_q.weight": ((256, 48), f16),
+    }
+    with_output = {**tensors, "output.weight": ((512, 256), f16)}
+
+    def dst(opts, name, tied=False, **kw):
+        return _types(opts, tensors if tied else with_output, **kw)[name][0]
+
+    assert _types(q4, tensors)["blk.0.attn_norm.weight"] == (GGMLType.F32, "")
+    assert _types(q4, tensors)["blk.0.gpu_idx"] == (GGMLType.I32, "")
+    assert dst(q41, "blk.0.ffn_down_t.weight") == GGMLType.Q4_1
+    assert dst(q4, "token_embd.weight") == GGMLType.Q4_0
+    # tied embeddings: token_embd.weight is the output head too and takes the output rule (Q6_K: 256 | n_embd)
+    assert dst(q4, "token_embd.weight", tied=True) == GGMLType.Q6_K
+    assert dst(_opts("Q4_0", pure=True), "token_embd.weight", tied=True) == GGMLType.Q4_0
+    assert dst(q4, "output.weight") == GGMLType.Q6_K and dst(q8, "output.weight") == GGMLType.Q8_0
+    assert dst(_opts("Q4_0", leave_output_tensor=True), "output.weight") == f16
+    assert dst(_opts("Q4_0", pure=True), "output.weight") == GGMLType.Q4_0
+    assert dst(_opts("Q4_0", output_tensor_type=GGMLType.Q4_1), "output.weight") == GGMLType.Q4_1
+    assert dst(_opts("Q4_0", token_embedding_type=GGMLType.Q8_0), "token_embd.weight") == GGMLType.Q8_0
+    assert dst(q4, "blk.0.fc1.weight") == GGMLType.Q4_0
+    assert dst(q41, "blk.0.fc2.weight") == GGMLType.Q5_0
+    assert dst(_opts("Q4_1", pure=True), "blk.0.fc2.weight") == GGMLType.Q4_1
+    assert dst(q8, "blk.0.fc2.weight") == GGMLType.Q5_0
+    assert dst(_opts("F16"), "output.weight") == f16
+    # a row length no block divides: F16 (llama.cpp's last resort), with a note
+    got, note = _types(q4, with_output)["blk.0.attn_q.weight"]
+    assert got == f16 and "row length 48 is not a multiple of the Q4_0 block size 32" in note
+    # 256-element types fall back to a 32-element one when 256 does not divide the row (n_embd 576 here)
+    odd = {"blk.0.attn_k.weight": ((192, 576), f16), "output.weight": ((512, 576), f16)}
+    assert _types(_opts("Q4_K_S"), odd)["blk.0.attn_k.weight"][0] == GGMLType.Q5_0
+    assert _types(_opts("Q5_K_S"), odd)["blk.0.attn_k.weight"][0] == GGMLType.Q5_1
+    assert _types(_opts("Q6_K"), odd)["blk.0.attn_k.weight"][0] == GGMLType.Q8_0
+    assert _types(_opts("Q3_K_S"), odd)["blk.0.attn_k.weight"][0] == GGMLType.Q4_0
+    assert _types(_opts("IQ4_XS"), odd)["blk.0.attn_k.weight"][0] == GGMLType.IQ4_NL
+    assert _types(_opts("Q4_K_M"), odd)["output.weight"][0] == GGMLType.Q8_0
+
+
+def test_k_quant_mixes():
+    """llama.cpp's mixes on a 16-layer LLaMA (GQA 4): which layers' attn_v / ffn_down get more bits."""
+    f16 = GGMLType.F16
+    tensors = {"output.weight": ((512, 256), f16), "token_embd.weight": ((512, 256), f16)}
+    for i in range(16):
+        for kind in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+            tensors[f"blk.{i}.{kind}.weight"] = ((256, 256), f16)
+    meta = {"llama.block_count": 16, "llama.attention.head_count": 8, "llama.attention.head_count_kv": 2}
+
+    def layers(ftype: str, kind: str) -> list[str]:
+        got = _types(_opts(ftype), tensors, **meta)
+        return [got[f"blk.{i}.{kind}.weight"][0].name for i in range(16)]
+
+    # use_more_bits(i, 16): i < 2, i >= 14, (i - 2) % 3 == 2 -> layers 0, 1, 4, 7, 10, 13, 14, 15
+    more = [0, 1, 4, 7, 10, 13, 14, 15]
+    assert [i for i in range(16) if use_more_bits(i, 16)] == more
+    assert layers("Q4_K_M", "ffn_down") == ["Q6_K" if i in more else "Q4_K" for i in range(16)]
+    assert layers("Q4_K_M", "attn_v") == ["Q6_K" if i in more else "Q4_K" for i in range(16)]
+    assert layers("Q4_K_M", "attn_q") == ["Q4_K"] * 16
+    assert layers("Q5_K_M", "ffn_down") == ["Q6_K" if i in more else "Q5_K" for i in range(16)]
+    assert layers("Q4_K_S", "attn_v") == ["Q5_K"] * 4 + ["Q4_K"] * 12
+    assert layers("Q4_K_S", "ffn_down") == ["Q5_K"] * 2 + ["Q4_K"] * 14
+    assert layers("Q3_K_M", "attn_v") == ["Q5_K"] * 2 + ["Q4_K"] * 14
+    assert layers("Q3_K_M", "ffn_down") == ["Q5_K"] + ["Q4_K"] * 15
+    assert layers("Q3_K_M", "attn_output") == ["Q4_K"] * 16
+    assert layers("Q3_K_L", "ffn_down") == ["Q5_K"] * 16
+    assert layers("Q3_K_S", "ffn_down") == ["Q3_K"] * 16
+    assert layers("Q2_K", "attn_v") == ["Q4_K"] * 16  # GQA >= 4
+    assert layers("Q2_K", "ffn_down") == ["Q3_K"] * 16 and layers("Q2_K", "ffn_up") == ["Q2_K"] * 16
+    assert layers("Q2_K_S", "ffn_down") == ["Q4_K"] * 2 + ["Q2_K"] * 14
+    assert layers("IQ4_XS", "attn_v") == ["Q5_K"] * 16 and layers("IQ4_NL", "ffn_down")[:3] == [
+        "Q5_K", "Q5_K", "IQ4_NL",
+    ]  # fmt: skip
+    assert layers("Q6_K", "ffn_down") == ["Q6_K"] * 16
+    got = _types(_opts("Q4_K_M"), tensors, **meta)
+    assert got["output.weight"][0] == GGMLType.Q6_K and got["token_embd.weight"][0] == GGMLType.Q4_K
 
 
 @pytest.mark.parametrize("target", ["Q4_0", "Q8_0", "Q4_1"])
@@ -273,7 +349,13 @@ def _no_files_left(folder: Path, before: set[str]) -> None:
 def test_unknown_type(tiny_gguf):
     before = {p.name for p in tiny_gguf.parent.iterdir()}
     assert_one_error_line(run_quantize(str(tiny_gguf), "Q9_9"), "unknown quantization type 'Q9_9'")
-    assert_one_error_line(run_quantize(str(tiny_gguf), str(tiny_gguf.parent / "o.gguf"), "q4_k_m"), "Q4_K_M")
+    assert_one_error_line(
+        run_quantize(str(tiny_gguf), str(tiny_gguf.parent / "o.gguf"), "iq2_xxs"), "unknown quantization type"
+    )
+    assert_one_error_line(
+        run_quantize("--output-tensor-type", "q9", str(tiny_gguf), str(tiny_gguf.parent / "o.gguf"), "q8_0"),
+        "--output-tensor-type: unknown or unsupported ggml type 'q9'",
+    )
     assert_one_error_line(run_quantize(str(tiny_gguf), "q8_0", "two"), "invalid nthreads 'two'")
     _no_files_left(tiny_gguf.parent, before)
 

@@ -21,19 +21,22 @@ from powerinfer.quantize import (
     parse_file_type,
     quantize_model,
     require_file_type,
+    require_tensor_type,
 )
 
 HELP = (
     "Quantize a GGUF or PowerInfer GGUF file: IN [OUT] TYPE [NTHREADS] (llama.cpp quantize).\n\n"
-    "TYPE is a name (case-insensitive) or llama.cpp ftype number: "
+    "TYPE is a name (case-insensitive; Q3_K, Q4_K and Q5_K mean the _M mixes) or llama.cpp ftype number: "
     + ", ".join(f"{ft.name}" + (f" ({ft.ftype})" if ft.ggml_type is not None else "") for ft in FILE_TYPES)
     + ". Without OUT the output is <input dir>/ggml-model-<TYPE>.gguf. NTHREADS <= 0: all cores.\n\n"
-    "Only 2-D tensors whose names end in 'weight' are converted; 1-D tensors keep their type. Unless --pure, "
-    "for quantized targets output.weight becomes Q8_0 (the original picks Q6_K when n_embd % 256 == 0, a "
-    "K-quant that cannot be produced here) and the predictor matrices fc1/fc2 become Q4_0 for a Q4_0 "
-    "target and Q8_0 otherwise (the original picks Q5_0, which our kernels do not compute). Float targets "
-    "(F32, F16, BF16) convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI. "
-    "Logs and timings go to stderr."
+    "Only 2-D tensors whose names end in 'weight' are converted (not norms); 1-D tensors keep their type. "
+    "Unless --pure, quantized targets follow llama.cpp's per-tensor rules: the K-quant mixes (e.g. Q4_K_M "
+    "gives half the attn_v and ffn_down matrices Q6_K; ffn_down_t of sparse files counts as ffn_down), "
+    "output.weight Q6_K (Q8_0 when n_embd % 256 != 0), the predictor matrices fc1/fc2 Q4_0 for a Q4_0 target "
+    "and Q5_0 otherwise (as the original), and a 32-element type when a row length is not a multiple of 256 "
+    "(Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0, IQ4_XS -> IQ4_NL). Float targets (F32, F16, "
+    "BF16) convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI. Logs and timings go "
+    "to stderr."
 )
 
 
@@ -141,8 +144,18 @@ def quantize(
     ] = False,
     pure: Annotated[
         bool,
-        typer.Option("--pure", help="Every eligible tensor to TYPE: no output.weight / fc1 / fc2 rules."),
+        typer.Option("--pure", help="Every eligible tensor to TYPE: no mix, output.weight or fc1/fc2 rules."),
     ] = False,
+    output_tensor_type: Annotated[
+        str | None,
+        typer.Option("--output-tensor-type", metavar="GGML_TYPE", help="output.weight's type (e.g. Q8_0)."),
+    ] = None,
+    token_embedding_type: Annotated[
+        str | None,
+        typer.Option(
+            "--token-embedding-type", metavar="GGML_TYPE", help="token_embd.weight's type (e.g. Q8_0)."
+        ),
+    ] = None,
 ) -> None:
     setup_logging(False)
 
@@ -157,6 +170,8 @@ def quantize(
             allow_requantize=allow_requantize,
             leave_output_tensor=leave_output_tensor,
             pure=pure,
+            output_tensor_type=require_tensor_type(output_tensor_type, "--output-tensor-type"),
+            token_embedding_type=require_tensor_type(token_embedding_type, "--token-embedding-type"),
         )
         run_quantize(opts)
 

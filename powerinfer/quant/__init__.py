@@ -26,6 +26,10 @@ QUANTIZABLE = frozenset(
         GGMLType.Q8_0,
     }
 )
+# types `powerinfer quantize` produces: the gguf package's, and those of our C quantizers (K-quants, IQ4)
+PRODUCIBLE = QUANTIZABLE | frozenset(
+    GGMLType[name] for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+)
 # types our CPU kernels compute on directly (no dequantised copy): every type we can produce
 KERNEL_TYPES = QUANTIZABLE
 # weight types the ops compute on: the kernel types, and the block formats the gguf package decodes (K-quants,
