@@ -64,7 +64,6 @@ FILE_TYPES: tuple[FileType, ...] = (
     FileType("Q5_0", 8, GGMLType.Q5_0, "5.5 bpw"),
     FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw"),
     FileType("Q2_K", 10, GGMLType.Q2_K, "2.6 bpw mix: attn_v Q3_K/Q4_K, ffn_down and attn_output Q3_K"),
-    FileType("Q2_K_S", 21, GGMLType.Q2_K, "2.6 bpw mix, smaller"),
     FileType("Q3_K_S", 11, GGMLType.Q3_K, "3.4 bpw"),
     FileType(
         "Q3_K_M", 12, GGMLType.Q3_K, "3.9 bpw mix: attn_v Q5_K/Q4_K, ffn_down Q5_K/Q4_K, attn_output Q4_K"
@@ -85,6 +84,8 @@ FILE_TYPES: tuple[FileType, ...] = (
 )
 # quantize.cpp's aliases
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
+# mixes llama.cpp only makes with an importance matrix (which `quantize` does not read yet)
+NEEDS_IMATRIX = {"Q2_K_S": 21}
 _BY_NAME = {ft.name: ft for ft in FILE_TYPES}
 _BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
 # ggml type -> llama_ftype, for a file without general.file_type (llama.cpp guesses from the commonest type)
@@ -94,9 +95,12 @@ FTYPE_GUESSED = 1024
 
 def parse_file_type(text: str) -> FileType | None:
     """TYPE by name (case-insensitive, quantize.cpp's aliases included) or llama_ftype number; None when `text`
-    is not a type at all."""
+    is not a type at all. Raises InputError for a mix that needs an importance matrix."""
     name = text.strip().upper()
     name = ALIASES.get(name, name)
+    imatrix_name = next((k for k, v in NEEDS_IMATRIX.items() if name in (k, str(v))), None)
+    if imatrix_name is not None:
+        raise InputError(f"type {imatrix_name} needs an importance matrix (--imatrix), which is not supported")
     if name in _BY_NAME:
         return _BY_NAME[name]
     number = int(name) if name.lstrip("-").isdigit() else None

@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
 """Our `quantize` against llama.cpp's on the same conversion: blocks and perplexity, side by side.
 
-For each TYPE, the source model is quantized twice, by powerinfer.quantize and by llama.cpp's
-llama_model_quantize (through llama-cpp-python, which must be importable). Reported per type and per quantizer:
+The source model is first converted to F32 (by powerinfer.quantize); for each TYPE that F32 file is quantized
+twice, by powerinfer.quantize and by llama.cpp's llama_model_quantize (through llama-cpp-python, which must be importable). Reported per type and per quantizer:
   - tensor types and total bytes; how many tensors the two files hold in the same type and, of those, how many
-    are byte-identical (both quantize from the same dequantized floats with ggml's reference rounding);
+    are byte-identical, with a line per tensor that differs (rows, bytes, largest dequantized difference);
   - perplexity on the same token chunks, evaluated by our engine and by llama.cpp.
 The source itself (and a F32 copy, the "unquantized" reference) is measured the same way.
 
 Usage: python scripts/compare_quant_quality.py [-m MODEL.gguf] [--types Q8_0,Q4_0] [--pure] [-c 256]
-                                               [--chunks 40] [-t 2] [--text FILE] [--keep DIR]
+                                               [--chunks 40] [-t 2] [--text FILE] [--keep DIR] [--no-ppl]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import torch
 
 from powerinfer.eval import PerplexityOptions, perplexity, plan_chunks, tokenize_text
 from powerinfer.gguf import read_gguf
+from powerinfer.quant import dequantize
 from powerinfer.quantize import QuantizeOptions, quantize_model, require_file_type
 from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -61,19 +62,31 @@ def llama_cpp_quantize(src: Path, dst: Path, type_name: str, pure: bool, threads
         raise RuntimeError(f"llama_model_quantize failed with status {status}")
 
 
-def block_match(a: Path, b: Path) -> tuple[int, int, int]:
-    """(tensors in a, tensors of b with a's type, of those byte-identical)."""
+def block_match(a: Path, b: Path) -> tuple[int, int, int, list[str]]:
+    """(tensors in a, tensors of b with a's type, of those byte-identical, a line per difference)."""
     fa, fb = read_gguf(a), read_gguf(b)
     same_type = identical = 0
+    diffs = []
     for name, ta in fa.tensors.items():
         tb = fb.tensors.get(name)
         if tb is None or tb.ggml_type != ta.ggml_type:
+            theirs = "missing" if tb is None else tb.ggml_type.name
+            diffs.append(f"  {name}: ours {ta.ggml_type.name}, llama.cpp {theirs}")
             continue
         same_type += 1
-        identical += bool(
-            np.array_equal(np.asarray(ta.data).view(np.uint8), np.asarray(tb.data).view(np.uint8))
+        ra, rb = np.asarray(ta.data).view(np.uint8), np.asarray(tb.data).view(np.uint8)
+        if np.array_equal(ra, rb):
+            identical += 1
+            continue
+        rows_a, rows_b = ra.reshape(ta.shape[0], -1), rb.reshape(tb.shape[0], -1)
+        bad_rows = int((rows_a != rows_b).any(axis=1).sum())
+        da = dequantize(ra, ta.ggml_type, ta.shape)
+        db = dequantize(rb, tb.ggml_type, tb.shape)
+        diffs.append(
+            f"  {name} ({ta.ggml_type.name}): {bad_rows}/{ta.shape[0]} rows differ, "
+            f"{int((ra != rb).sum())} bytes, max |dequantized difference| {float(np.abs(da - db).max()):.3g}"
         )
-    return len(fa.tensors), same_type, identical
+    return len(fa.tensors), same_type, identical, diffs
 
 
 def type_summary(path: Path) -> str:
@@ -116,6 +129,7 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=40)
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    ap.add_argument("--no-ppl", action="store_true", help="compare types and bytes only")
     ap.add_argument(
         "--keep", type=Path, default=None, help="write the quantized files here instead of a temp dir"
     )
@@ -140,22 +154,27 @@ def main() -> int:
         rows = [("source", model, None), ("F32", f32, None)]
         for name in args.types.split(","):
             a, b = work / f"ours.{name}.gguf", work / f"llama.{name}.gguf"
-            ours(model, a, name, args.pure, args.threads)
-            llama_cpp_quantize(model, b, name, args.pure, args.threads)
+            # both from the same F32 file, as a user quantizes a converted model
+            ours(f32, a, name, args.pure, args.threads)
+            llama_cpp_quantize(f32, b, name, args.pure, args.threads)
             rows += [(f"{name} ours", a, b), (f"{name} llama.cpp", b, None)]
         print(f"{'file':<16} {'MiB':>7} {'PPL ours':>9} {'PPL llama.cpp':>14}  types / blocks vs llama.cpp")
         base = None
         for label, path, other in rows:
-            p_ours = our_ppl(path, tokens, args.ctx_size, args.chunks, args.threads)
-            p_ref = llama_cpp_ppl(path, chunks, args.ctx_size, args.threads)
+            nan = float("nan")
+            p_ours = nan if args.no_ppl else our_ppl(path, tokens, args.ctx_size, args.chunks, args.threads)
+            p_ref = nan if args.no_ppl else llama_cpp_ppl(path, chunks, args.ctx_size, args.threads)
             base = base or (p_ours if label == "F32" else None)
             extra = type_summary(path)
+            diffs: list[str] = []
             if other is not None:
-                n, same, identical = block_match(path, other)
+                n, same, identical, diffs = block_match(path, other)
                 extra += f" | {same}/{n} tensors in llama.cpp's type, {identical}/{same} byte-identical"
             rel = f" ({100 * (p_ours / base - 1):+.2f}% vs F32)" if base and label != "F32" else ""
             mib = path.stat().st_size / 2**20
             print(f"{label:<16} {mib:7.1f} {p_ours:9.4f} {p_ref:14.4f}{rel}  {extra}", flush=True)
+            for line in diffs[:20]:
+                print(line)
     return 0
 
 

@@ -80,7 +80,10 @@ def test_type_names_and_numbers():
     assert parse_file_type("q4_k_m").ftype == 15 and parse_file_type("Q4_K").name == "Q4_K_M"
     assert parse_file_type("18").name == "Q6_K" and parse_file_type("Q3_K").name == "Q3_K_M"
     assert parse_file_type("25").name == "IQ4_NL" and parse_file_type("30").ggml_type == GGMLType.IQ4_XS
-    assert parse_file_type("21").name == "Q2_K_S" and parse_file_type("Q2_K").ggml_type == GGMLType.Q2_K
+    assert parse_file_type("Q2_K").ggml_type == GGMLType.Q2_K
+    for q2_k_s in ("q2_k_s", "21"):  # llama.cpp refuses it without an importance matrix, and so do we
+        with pytest.raises(InputError, match="Q2_K_S needs an importance matrix"):
+            parse_file_type(q2_k_s)
     assert parse_file_type("IQ2_XXS") is None and parse_file_type("19") is None  # types we cannot produce
     with pytest.raises(InputError, match="unknown quantization type 'Q9_9'"):
         require_file_type("Q9_9")
@@ -174,7 +177,6 @@ def test_k_quant_mixes():
     assert layers("Q3_K_S", "ffn_down") == ["Q3_K"] * 16
     assert layers("Q2_K", "attn_v") == ["Q4_K"] * 16  # GQA >= 4
     assert layers("Q2_K", "ffn_down") == ["Q3_K"] * 16 and layers("Q2_K", "ffn_up") == ["Q2_K"] * 16
-    assert layers("Q2_K_S", "ffn_down") == ["Q4_K"] * 2 + ["Q2_K"] * 14
     assert layers("IQ4_XS", "attn_v") == ["Q5_K"] * 16 and layers("IQ4_NL", "ffn_down")[:3] == [
         "Q5_K", "Q5_K", "IQ4_NL",
     ]  # fmt: skip
