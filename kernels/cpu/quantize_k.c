@@ -4,9 +4,10 @@
  * (ggml_quantize_chunk with imatrix NULL): the K types take the reference row quantizers (quantize_row_q*_K_ref),
  * IQ4_NL and IQ4_XS the non-linear search with 7 trial scales either side. Bit-exactness needs the same float
  * operations in the same order: every sum below is a sequential float32 sum in element order, every product and
- * quotient is rounded to float32 on its own (the build uses -ffp-contract=off, so no FMA is formed), loops that
- * only compute independent per-element values are written apart from the sums so that the compiler can vectorise
- * them without changing a result.
+ * quotient is rounded to float32 on its own (the build uses -ffp-contract=off, so no FMA is formed). For speed,
+ * independent fits run side by side with their index innermost (the groups of a super-block for the asymmetric
+ * fit, the trial scales of one group for Q6_K and IQ4), so that the compiler vectorises across them: a SIMD lane
+ * does the same IEEE operations as the scalar code, and each lane's sums keep the element order.
  *
  * Per 256-element super-block (per 32 for IQ4_NL):
  *   Q2_K  16 groups of 16: an asymmetric 2-bit fit (scale, min) per group searched over 16 trial scales, least
@@ -102,80 +103,119 @@ static uint16_t fp32_to_fp16(float f) {
 /* ------------------------------------------------------------------------------------------------------------ */
 /* group fits                                                                                                   */
 
-/* Asymmetric fit of n (16 or 32) values to levels 0..nmax: x ~ scale * L - m with m >= 0. Starts from the
- * min/max grid, then tries iscale = (rmin + rdelta * k + nmax) / (max - min) for k = 0..nstep, each with its
- * weighted least-squares scale and offset (offset clamped to <= 0), keeping a trial only when its weighted error
- * (|diff| when use_abs, else diff^2) is strictly smaller. Writes L, *neg_min = m; returns scale. */
-static float fit_scale_min(int n, int nmax, const float *x, const float *w, uint8_t *L, float *neg_min, float rmin,
-                           float rdelta, int nstep, int use_abs) {
-    float lo = x[0], hi = x[0];
-    float sum_w = w[0];
-    float sum_x = sum_w * x[0];
-    for (int i = 1; i < n; i++) {
-        if (x[i] < lo) lo = x[i];
-        if (x[i] > hi) hi = x[i];
-        sum_w += w[i];
-        sum_x += w[i] * x[i];
-    }
-    if (lo > 0) lo = 0;
-    if (hi == lo) {
-        memset(L, 0, (size_t)n);
-        *neg_min = -lo;
-        return 0.0f;
-    }
-    /* a kept trial moves the offset lo, and the later trials grid from the new one */
-    float range = hi - lo;
-    float iscale = (float)nmax / range;
-    float scale = 1 / iscale;
-    float xs[32], diff[32];
-    for (int i = 0; i < n; i++) xs[i] = x[i] - lo;
-    for (int i = 0; i < n; i++) {
-        L[i] = (uint8_t)clamp_int(round_int(iscale * xs[i]), 0, nmax);
-        const float d = scale * (float)L[i] + lo - x[i];
-        diff[i] = use_abs ? fabsf(d) : d * d;
-    }
-    float best_error = 0;
-    for (int i = 0; i < n; i++) best_error += w[i] * diff[i];
+#define FIT_MAX_GROUPS 16 /* groups fitted side by side */
+#define FIT_MAX_ELEMS 32  /* elements per group */
 
-    float wl[32];
-    uint8_t trial[32];
-    for (int step = 0; step <= nstep; step++) {
-        iscale = (rmin + rdelta * (float)step + (float)nmax) / range;
+/* Asymmetric fits of G groups of n values each (x, w, L: element i of group g at [g * n + i]) to levels 0..nmax:
+ * x ~ scale * L - m with m >= 0. Per group: the min/max grid, then trial scales iscale = (rmin + rdelta * k +
+ * nmax) / (max - min) for k = 0..nstep, each with its weighted least-squares scale and offset (offset clamped to
+ * <= 0), a trial kept only when its weighted error (|diff| when use_abs, else diff^2) is strictly smaller; a kept
+ * trial's offset replaces min in the later trials' grids. A flat group (max == min once min is clamped to <= 0)
+ * gets L = 0 and scale 0. Writes L, scale[g] and neg_min[g] = m.
+ *
+ * The groups are independent; they run in lockstep with the group index innermost (the data transposed) so that
+ * the compiler vectorises across groups, while each group's sums stay sequential in element order. */
+static inline __attribute__((always_inline)) void fit_scale_min(const int G, const int n, const int nmax,
+                                                                const float *x, const float *w, uint8_t *L,
+                                                                float *scale, float *neg_min, float rmin,
+                                                                float rdelta, int nstep, int use_abs) {
+    float xt[FIT_MAX_ELEMS][FIT_MAX_GROUPS], wt[FIT_MAX_ELEMS][FIT_MAX_GROUPS];
+    float best_l[FIT_MAX_ELEMS][FIT_MAX_GROUPS], trial_l[FIT_MAX_ELEMS][FIT_MAX_GROUPS];
+    for (int g = 0; g < G; g++) {
         for (int i = 0; i < n; i++) {
-            trial[i] = (uint8_t)clamp_int(round_int(iscale * xs[i]), 0, nmax);
-            wl[i] = w[i] * (float)trial[i];
-        }
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
-        for (int i = 0; i < n; i++) {
-            sum_l += wl[i];
-            sum_l2 += wl[i] * (float)trial[i];
-            sum_xl += wl[i] * x[i];
-        }
-        const float D = sum_w * sum_l2 - sum_l * sum_l;
-        if (!(D > 0)) continue;
-        float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
-        float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
-        if (this_min > 0) {
-            this_min = 0;
-            this_scale = sum_xl / sum_l2;
-        }
-        for (int i = 0; i < n; i++) {
-            const float d = this_scale * (float)trial[i] + this_min - x[i];
-            diff[i] = use_abs ? fabsf(d) : d * d;
-        }
-        float error = 0;
-        for (int i = 0; i < n; i++) error += w[i] * diff[i];
-        if (error < best_error) {
-            memcpy(L, trial, (size_t)n);
-            best_error = error;
-            scale = this_scale;
-            lo = this_min;
-            range = hi - lo;
-            for (int i = 0; i < n; i++) xs[i] = x[i] - lo;
+            xt[i][g] = x[g * n + i];
+            wt[i][g] = w[g * n + i];
         }
     }
-    *neg_min = -lo;
-    return scale;
+    float lo[FIT_MAX_GROUPS], hi[FIT_MAX_GROUPS], sum_w[FIT_MAX_GROUPS], sum_x[FIT_MAX_GROUPS];
+    for (int g = 0; g < G; g++) {
+        lo[g] = hi[g] = xt[0][g];
+        sum_w[g] = wt[0][g];
+        sum_x[g] = sum_w[g] * xt[0][g];
+    }
+    for (int i = 1; i < n; i++) {
+#pragma omp simd
+        for (int g = 0; g < G; g++) {
+            lo[g] = xt[i][g] < lo[g] ? xt[i][g] : lo[g];
+            hi[g] = xt[i][g] > hi[g] ? xt[i][g] : hi[g];
+            sum_w[g] += wt[i][g];
+            sum_x[g] += wt[i][g] * xt[i][g];
+        }
+    }
+    float range[FIT_MAX_GROUPS], iscale[FIT_MAX_GROUPS], best_scale[FIT_MAX_GROUPS], flat_min[FIT_MAX_GROUPS];
+    int flat[FIT_MAX_GROUPS];
+    for (int g = 0; g < G; g++) {
+        lo[g] = lo[g] > 0 ? 0 : lo[g];
+        flat[g] = hi[g] == lo[g];
+        flat_min[g] = lo[g];
+        range[g] = hi[g] - lo[g];
+        iscale[g] = (float)nmax / range[g];
+        best_scale[g] = 1 / iscale[g];
+    }
+    float best_error[FIT_MAX_GROUPS] = {0};
+    for (int i = 0; i < n; i++) {
+#pragma omp simd
+        for (int g = 0; g < G; g++) {
+            const float l = (float)clamp_int(round_int(iscale[g] * (xt[i][g] - lo[g])), 0, nmax);
+            best_l[i][g] = l;
+            const float d = best_scale[g] * l + lo[g] - xt[i][g];
+            best_error[g] += wt[i][g] * (use_abs ? fabsf(d) : d * d);
+        }
+    }
+    for (int step = 0; step <= nstep; step++) {
+        float sum_l[FIT_MAX_GROUPS] = {0}, sum_l2[FIT_MAX_GROUPS] = {0}, sum_xl[FIT_MAX_GROUPS] = {0};
+        for (int g = 0; g < G; g++) iscale[g] = (rmin + rdelta * (float)step + (float)nmax) / range[g];
+        for (int i = 0; i < n; i++) {
+    #pragma omp simd
+        for (int g = 0; g < G; g++) {
+                const float l = (float)clamp_int(round_int(iscale[g] * (xt[i][g] - lo[g])), 0, nmax);
+                trial_l[i][g] = l;
+                const float wl = wt[i][g] * l;
+                sum_l[g] += wl;
+                sum_l2[g] += wl * l;
+                sum_xl[g] += wl * xt[i][g];
+            }
+        }
+        float this_scale[FIT_MAX_GROUPS], this_min[FIT_MAX_GROUPS], error[FIT_MAX_GROUPS] = {0};
+        int keep[FIT_MAX_GROUPS];
+#pragma omp simd
+        for (int g = 0; g < G; g++) {
+            const float D = sum_w[g] * sum_l2[g] - sum_l[g] * sum_l[g];
+            const float s = (sum_w[g] * sum_xl[g] - sum_x[g] * sum_l[g]) / D;
+            const float m = (sum_l2[g] * sum_x[g] - sum_l[g] * sum_xl[g]) / D;
+            this_scale[g] = m > 0 ? sum_xl[g] / sum_l2[g] : s;
+            this_min[g] = m > 0 ? 0.0f : m;
+            keep[g] = D > 0 && !flat[g]; /* D <= 0: the trial is skipped */
+        }
+        for (int i = 0; i < n; i++) {
+    #pragma omp simd
+        for (int g = 0; g < G; g++) {
+                const float d = this_scale[g] * trial_l[i][g] + this_min[g] - xt[i][g];
+                error[g] += wt[i][g] * (use_abs ? fabsf(d) : d * d);
+            }
+        }
+        int any = 0;
+#pragma omp simd
+        for (int g = 0; g < G; g++) {
+            keep[g] = keep[g] && error[g] < best_error[g];
+            any |= keep[g];
+            if (keep[g]) {
+                best_error[g] = error[g];
+                best_scale[g] = this_scale[g];
+                lo[g] = this_min[g];
+                range[g] = hi[g] - lo[g];
+            }
+        }
+        if (!any) continue;
+        for (int i = 0; i < n; i++) {
+            for (int g = 0; g < G; g++) best_l[i][g] = keep[g] ? trial_l[i][g] : best_l[i][g];
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        scale[g] = flat[g] ? 0.0f : best_scale[g];
+        neg_min[g] = flat[g] ? -flat_min[g] : -lo[g];
+        for (int i = 0; i < n; i++) L[g * n + i] = flat[g] ? 0 : (uint8_t)best_l[i][g];
+    }
 }
 
 /* The value of largest magnitude among n (the first one on ties) and that magnitude */
@@ -194,7 +234,10 @@ static inline float signed_max(int n, const float *x, float *amax_out) {
 
 /* Q6_K's symmetric fit of 16 values to levels -32..31 (stored + 32), weights x^2: the grid of the largest
  * magnitude, then 18 trial scales iscale = -(32 + 0.1 k) / max (k = -9..9, k != 0), each kept when its
- * least-squares score sumlx^2 / suml2 is strictly larger. Returns the scale (0 for an all-zero group, L = 0). */
+ * least-squares score sumlx^2 / suml2 is strictly larger. Returns the scale (0 for an all-zero group, L = 0).
+ * The trials are independent until the choice, so their sums run side by side (trial index innermost, each sum
+ * still sequential in element order) and the choice walks them in order afterwards. */
+#define Q6_TRIALS 20 /* the grid, 18 trial scales, one unused lane */
 static float fit_q6_group(const float *x, int8_t *L) {
     const int nmax = 32, n = 16;
     float amax;
@@ -208,32 +251,32 @@ static float fit_q6_group(const float *x, int8_t *L) {
         w[i] = x[i] * x[i];
         wx[i] = w[i] * x[i];
     }
-    int l[16];
-    float iscale = (float)-nmax / max;
-    for (int i = 0; i < n; i++) l[i] = clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1);
-    float sumlx = 0, suml2 = 0;
+    float iscale[Q6_TRIALS];
+    iscale[0] = (float)-nmax / max;
+    for (int t = 1; t < Q6_TRIALS; t++) {
+        const int k = t <= 9 ? t - 10 : (t <= 18 ? t - 9 : 9);
+        iscale[t] = -((float)nmax + 0.1f * (float)k) / max;
+    }
+    float sumlx[Q6_TRIALS] = {0}, suml2[Q6_TRIALS] = {0};
     for (int i = 0; i < n; i++) {
-        sumlx += wx[i] * (float)l[i];
-        suml2 += w[i] * (float)l[i] * (float)l[i];
-    }
-    for (int i = 0; i < n; i++) L[i] = (int8_t)(l[i] + nmax);
-    float scale = suml2 != 0 ? sumlx / suml2 : 0.0f;
-    float best = scale * sumlx;
-    for (int k = -9; k <= 9; k++) {
-        if (k == 0) continue;
-        iscale = -((float)nmax + 0.1f * (float)k) / max;
-        for (int i = 0; i < n; i++) l[i] = clamp_int(round_int(iscale * x[i]), -nmax, nmax - 1);
-        sumlx = suml2 = 0;
-        for (int i = 0; i < n; i++) {
-            sumlx += wx[i] * (float)l[i];
-            suml2 += w[i] * (float)l[i] * (float)l[i];
-        }
-        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
-            for (int i = 0; i < n; i++) L[i] = (int8_t)(l[i] + nmax);
-            scale = sumlx / suml2;
-            best = scale * sumlx;
+#pragma omp simd
+        for (int t = 0; t < Q6_TRIALS; t++) {
+            const float l = (float)clamp_int(round_int(iscale[t] * x[i]), -nmax, nmax - 1);
+            sumlx[t] += wx[i] * l;
+            suml2[t] += w[i] * l * l;
         }
     }
+    int chosen = 0;
+    float scale = suml2[0] != 0 ? sumlx[0] / suml2[0] : 0.0f;
+    float best = scale * sumlx[0];
+    for (int t = 1; t <= 18; t++) {
+        if (suml2[t] > 0 && sumlx[t] * sumlx[t] > best * suml2[t]) {
+            chosen = t;
+            scale = sumlx[t] / suml2[t];
+            best = scale * sumlx[t];
+        }
+    }
+    for (int i = 0; i < n; i++) L[i] = (int8_t)(clamp_int(round_int(iscale[chosen] * x[i]), -nmax, nmax - 1) + nmax);
     return scale;
 }
 
@@ -283,59 +326,52 @@ static float fit_q3_group(const float *x, int8_t *L) {
     return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
 }
 
-/* index of the level nearest v (the upper one on a tie; 0 / 15 beyond the ends, 15 for nan) */
-static inline int iq4_nearest(float v) {
-    if (v <= (float)iq4_levels[0]) return 0;
-    if (v >= (float)iq4_levels[15]) return 15;
-    int lo = 0, hi = 15; /* levels[lo] <= v < levels[hi] */
-    while (hi - lo > 1) {
-        const int mid = (lo + hi) / 2;
-        if (v < (float)iq4_levels[mid]) {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    return v - (float)iq4_levels[lo] < (float)iq4_levels[hi] - v ? lo : hi;
+/* The level nearest v: with the bracket levels[k] <= v < levels[k + 1] (k = 0 below the levels, 14 above them and
+ * for nan), the lower level when v is strictly nearer to it, else the upper one. This is the reference's bisection
+ * (which returns the end levels outright beyond the ends: the same levels) without branches, so that it
+ * vectorises. iq4_nearest_index gives the level's index, iq4_nearest_level its value. */
+static inline int iq4_nearest_index(float v) {
+    int k = 0;
+    for (int i = 1; i < 15; i++) k += !(v < (float)iq4_levels[i]);
+    return v - (float)iq4_levels[k] < (float)iq4_levels[k + 1] - v ? k : k + 1;
 }
 
-/* weighted sums sum w q x and sum w q^2 over 32 values at level indices idx */
-static inline void iq4_sums(const float *x, const float *w, const int *idx, float *sumqx, float *sumq2) {
-    float wq[32];
-    for (int j = 0; j < 32; j++) wq[j] = w[j] * (float)iq4_levels[idx[j]];
-    float sqx = 0, sq2 = 0;
-    for (int j = 0; j < 32; j++) {
-        sqx += wq[j] * x[j];
-        sq2 += wq[j] * (float)iq4_levels[idx[j]];
-    }
-    *sumqx = sqx;
-    *sumq2 = sq2;
+static inline float iq4_nearest_level(float v) {
+    float lower = (float)iq4_levels[0], upper = (float)iq4_levels[15];
+    for (int i = 1; i < 15; i++) lower = !(v < (float)iq4_levels[i]) ? (float)iq4_levels[i] : lower;
+    for (int i = 14; i > 0; i--) upper = v < (float)iq4_levels[i] ? (float)iq4_levels[i] : upper;
+    return v - lower < upper - v ? lower : upper;
 }
 
 /* The IQ4 scale of a group of 32 (weights x^2): the levels of d = max / 127, then 15 trial scales
  * id = (k - 127) / max (k = -7..7), keeping the least-squares d of the best score sumqx^2 / sumq2. Returns 0 for an
- * all-zero group. */
+ * all-zero group. The 16 grids' sums run side by side (as in fit_q6_group), the choice walks them in order. */
+#define IQ4_TRIALS 16
 static float fit_iq4_group(const float *x) {
     float amax;
     const float max = signed_max(32, x, &amax);
     if (amax < GROUP_EPS) return 0.0f;
     float w[32];
     for (int j = 0; j < 32; j++) w[j] = x[j] * x[j];
-    int idx[32];
-    float d = -max / (float)iq4_levels[0];
-    float id = 1 / d;
-    for (int j = 0; j < 32; j++) idx[j] = iq4_nearest(id * x[j]);
-    float sumqx, sumq2;
-    iq4_sums(x, w, idx, &sumqx, &sumq2);
-    d = sumq2 > 0 ? sumqx / sumq2 : 0.0f;
-    float best = d * sumqx;
-    for (int k = -7; k <= 7; k++) {
-        id = (float)(k + iq4_levels[0]) / max;
-        for (int j = 0; j < 32; j++) idx[j] = iq4_nearest(id * x[j]);
-        iq4_sums(x, w, idx, &sumqx, &sumq2);
-        if (sumq2 > 0 && sumqx * sumqx > best * sumq2) {
-            d = sumqx / sumq2;
-            best = d * sumqx;
+    float id[IQ4_TRIALS];
+    id[0] = 1 / (-max / (float)iq4_levels[0]);
+    for (int t = 1; t < IQ4_TRIALS; t++) id[t] = (float)(t - 8 + iq4_levels[0]) / max;
+    float sumqx[IQ4_TRIALS] = {0}, sumq2[IQ4_TRIALS] = {0};
+    for (int j = 0; j < 32; j++) {
+#pragma omp simd
+        for (int t = 0; t < IQ4_TRIALS; t++) {
+            const float q = iq4_nearest_level(id[t] * x[j]);
+            const float wq = w[j] * q;
+            sumqx[t] += wq * x[j];
+            sumq2[t] += wq * q;
+        }
+    }
+    float d = sumq2[0] > 0 ? sumqx[0] / sumq2[0] : 0.0f;
+    float best = d * sumqx[0];
+    for (int t = 1; t < IQ4_TRIALS; t++) {
+        if (sumq2[t] > 0 && sumqx[t] * sumqx[t] > best * sumq2[t]) {
+            d = sumqx[t] / sumq2[t];
+            best = d * sumqx[t];
         }
     }
     return d;
@@ -344,7 +380,7 @@ static float fit_iq4_group(const float *x) {
 /* the 32 nibbles of a group at scale 1 / inv_scale: qs[j] = idx[j] | idx[j + 16] << 4 */
 static void iq4_pack_group(const float *x, float inv_scale, uint8_t *qs) {
     int idx[32];
-    for (int j = 0; j < 32; j++) idx[j] = iq4_nearest(inv_scale * x[j]);
+    for (int j = 0; j < 32; j++) idx[j] = iq4_nearest_index(inv_scale * x[j]);
     for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(idx[j] | (idx[j + 16] << 4));
 }
 
@@ -365,11 +401,11 @@ static void pack_2bit(const uint8_t *L, uint8_t *qs) {
 static void quantize_block_q2_k(const float *x, uint8_t *out) {
     block_q2_k *y = (block_q2_k *)out;
     uint8_t L[QK_K];
-    float scales[16], mins[16], w[16];
+    float scales[16], mins[16], w[QK_K];
+    for (int i = 0; i < QK_K; i++) w[i] = fabsf(x[i]);
+    fit_scale_min(16, 16, 3, x, w, L, scales, mins, -0.5f, 0.1f, 15, 1);
     float max_scale = 0, max_min = 0;
     for (int g = 0; g < 16; g++) {
-        for (int l = 0; l < 16; l++) w[l] = fabsf(x[16 * g + l]);
-        scales[g] = fit_scale_min(16, 3, x + 16 * g, w, L + 16 * g, &mins[g], -0.5f, 0.1f, 15, 1);
         if (scales[g] > max_scale) max_scale = scales[g];
         if (mins[g] > max_min) max_min = mins[g];
     }
@@ -455,15 +491,21 @@ static void quantize_block_q3_k(const float *x, uint8_t *out) {
  * (packed as kq_scale_min reads them), then the requantized levels 0..nmax in L */
 static void quantize_block_k_asym(const float *x, int nmax, float rmin, int nstep, uint16_t *d_out, uint16_t *dmin_out,
                                   uint8_t *packed_scales, uint8_t *L) {
-    float scales[8], mins[8], w[32];
-    float max_scale = 0, max_min = 0;
+    float scales[8], mins[8], w[QK_K];
     for (int g = 0; g < 8; g++) {
         const float *xg = x + 32 * g;
         float sum_x2 = 0;
         for (int l = 0; l < 32; l++) sum_x2 += xg[l] * xg[l];
         const float av_x = sqrtf(sum_x2 / 32.0f);
-        for (int l = 0; l < 32; l++) w[l] = av_x + fabsf(xg[l]);
-        scales[g] = fit_scale_min(32, nmax, xg, w, L + 32 * g, &mins[g], rmin, 0.1f, nstep, 0);
+        for (int l = 0; l < 32; l++) w[32 * g + l] = av_x + fabsf(xg[l]);
+    }
+    if (nmax == 15) {
+        fit_scale_min(8, 32, 15, x, w, L, scales, mins, rmin, 0.1f, nstep, 0);
+    } else {
+        fit_scale_min(8, 32, 31, x, w, L, scales, mins, rmin, 0.1f, nstep, 0);
+    }
+    float max_scale = 0, max_min = 0;
+    for (int g = 0; g < 8; g++) {
         if (scales[g] > max_scale) max_scale = scales[g];
         if (mins[g] > max_min) max_min = mins[g];
     }
