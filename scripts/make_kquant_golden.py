@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.metadata
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +32,23 @@ MODEL = ROOT / "models" / "pydoc-relu-llama-8m.powerinfer.gguf"
 N_COLS = 256
 
 
-def ggml_quantizer():
-    """ggml_quantize_chunk of llama-cpp-python's ggml-base as f(ggml_type, x (rows, cols) float32) -> blocks."""
-    import llama_cpp
+def llama_cpp_version() -> str | None:
+    """The installed llama-cpp-python's version, None when it is not installed."""
+    try:
+        return importlib.metadata.version("llama_cpp_python")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+
+def ggml_quantizer():
+    """ggml_quantize_chunk of llama-cpp-python's ggml-base as f(ggml_type, x (rows, cols) float32) -> blocks.
+
+    The library is found in the package's directory without importing the package (its __init__ needs more
+    than this does)."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("llama-cpp-python is not installed")
+    lib_dir = Path(list(spec.submodule_search_locations)[0]) / "lib"
     paths = sorted(lib_dir.glob("libggml-base.*"))
     if not paths:
         raise FileNotFoundError(f"no libggml-base in {lib_dir}")
@@ -118,17 +132,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "data" / "kquant_golden.npz")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    import llama_cpp
-
     quantize = ggml_quantizer()
+    version = llama_cpp_version()
     x = golden_rows(args.seed)
-    arrays = {"x": x, "llama_cpp_version": np.array(llama_cpp.__version__)}
+    arrays = {"x": x, "llama_cpp_version": np.array(version)}
     for ggml_type in sorted(C_QUANTIZABLE):
         arrays[ggml_type.name] = quantize(ggml_type, x)
     np.savez_compressed(args.out, **arrays)
-    print(
-        f"{args.out}: {x.shape[0]} rows, {args.out.stat().st_size} bytes (llama-cpp-python {llama_cpp.__version__})"
-    )
+    print(f"{args.out}: {x.shape[0]} rows, {args.out.stat().st_size} bytes (llama-cpp-python {version})")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def golden_script():
 
 def llama_cpp_quantizer():
     """ggml_quantize_chunk of the installed llama-cpp-python (skip without it)."""
-    pytest.importorskip("llama_cpp")
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed")
     return golden_script().ggml_quantizer()
 
 
