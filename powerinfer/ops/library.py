@@ -106,6 +106,8 @@ _CATS_FFN_ARGTYPES = (
 # attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
 #              n_threads, isa)
 _ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32)
+# quantize_rows (ggml_type, src, n_rows, n_cols, dst, n_threads): float rows -> blocks (kernels/cpu/quantize_k.c)
+_QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,6 +134,8 @@ class Library:
     predict_ffn_scratch_bytes: Any
     cats_ffn_scratch_bytes: Any
     attn_decode_scratch_bytes: Any
+    # float32 rows -> Q2_K..Q6_K, IQ4_NL, IQ4_XS blocks, bit-exact with llama.cpp's quantizers (no imatrix)
+    quantize_rows: Any
 
 
 def _symbol(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any = _i32) -> Any:
@@ -173,6 +177,7 @@ def _open(path: str) -> Library:
         predict_ffn_scratch_bytes=_symbol(lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64), _i64),
         cats_ffn_scratch_bytes=_symbol(lib, "pi_cats_ffn_scratch_bytes", (_i64, _i64, _i32), _i64),
         attn_decode_scratch_bytes=_symbol(lib, "pi_attn_decode_scratch_bytes", (_i64, _i64), _i64),
+        quantize_rows=_symbol(lib, "pi_quantize_rows", _QUANTIZE_ROWS_ARGTYPES),
     )
 
 

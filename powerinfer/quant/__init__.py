@@ -1,7 +1,9 @@
 """Block formats: one registry of ggml types with reference (de)quantisation.
 
 The reference implementations are the `gguf` package's quantizers (the same maths as ggml-quants.c),
-so there is a single block decoder per format on the Python side.
+so there is a single block decoder per format on the Python side. The gguf package has no quantizer for the
+K-quants and IQ4_NL / IQ4_XS: those blocks come from our C quantizers (kernels/cpu/quantize_k.c, bit-exact with
+llama.cpp's quantizers without an importance matrix), so producing them needs the built kernels.
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ QUANTIZABLE = frozenset(
         GGMLType.Q8_0,
     }
 )
-# types `powerinfer quantize` produces: the gguf package's, and those of our C quantizers (K-quants, IQ4)
-PRODUCIBLE = QUANTIZABLE | frozenset(
+# types whose blocks the C kernels produce (pi_quantize_rows), bit-exact with llama.cpp's quantizers run without an
+# importance matrix; not in QUANTIZABLE, which also names the types the kernels compute on
+C_QUANTIZABLE = frozenset(
     GGMLType[name] for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 )
+# types `powerinfer quantize` produces
+PRODUCIBLE = QUANTIZABLE | C_QUANTIZABLE
 # types our CPU kernels compute on directly (no dequantised copy): every type we can produce
 KERNEL_TYPES = QUANTIZABLE
 # weight types the ops compute on: the kernel types, and the block formats the gguf package decodes (K-quants,
@@ -103,12 +108,41 @@ def dequantize(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...]) -> 
     return out.reshape(shape)
 
 
-def quantize(data: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
-    """Encode a float array into raw blocks (uint8, shape (rows, row_bytes)), bit-exact with ggml."""
-    if ggml_type not in QUANTIZABLE:
+def quantize(data: np.ndarray, ggml_type: GGMLType, n_threads: int = 1) -> np.ndarray:
+    """Encode a float array into raw blocks (uint8, shape (rows, row_bytes)), bit-exact with ggml.
+
+    QUANTIZABLE types come from the gguf package; C_QUANTIZABLE ones from the C kernels on `n_threads` threads
+    (FormatError when the kernels are not built)."""
+    if ggml_type not in QUANTIZABLE and ggml_type not in C_QUANTIZABLE:
         raise FormatError(f"quantizing to {ggml_type.name} is not supported")
     data = np.ascontiguousarray(data, dtype=np.float32)
     flat = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
-    row_bytes(ggml_type, flat.shape[-1])
+    rb = row_bytes(ggml_type, flat.shape[-1])
+    if ggml_type in C_QUANTIZABLE:
+        return _quantize_c(flat, ggml_type, rb, n_threads)
     out = _gguf_quants.quantize(flat, ggml_type)
     return np.ascontiguousarray(out).view(np.uint8).reshape(flat.shape[0], -1)
+
+
+def _quantize_c(flat: np.ndarray, ggml_type: GGMLType, rb: int, n_threads: int) -> np.ndarray:
+    """(rows, cols) contiguous float32 -> (rows, rb) blocks through pi_quantize_rows."""
+    from powerinfer.ops.library import check_status, load  # lazy: powerinfer.ops imports this module
+
+    library = load()
+    if library is None:
+        raise FormatError(
+            f"quantizing to {ggml_type.name} needs the C kernels, which are not built (build them with "
+            "`pip install -e .`)"
+        )
+    out = np.empty((flat.shape[0], rb), dtype=np.uint8)
+    status = library.quantize_rows(
+        int(ggml_type),
+        flat.ctypes.data,
+        flat.shape[0],
+        flat.shape[1],
+        out.ctypes.data,
+        max(1, int(n_threads)),
+    )
+    if status:
+        check_status(status, "quantize")
+    return out
