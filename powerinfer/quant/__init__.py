@@ -35,7 +35,7 @@ C_QUANTIZABLE = frozenset(
 )
 # types `powerinfer quantize` produces
 PRODUCIBLE = QUANTIZABLE | C_QUANTIZABLE
-# types our CPU kernels compute on directly (no dequantised copy): every type we can produce
+# types our CPU kernels compute on directly (no dequantised copy): the gguf package's quantizable types
 KERNEL_TYPES = QUANTIZABLE
 # weight types the ops compute on: the kernel types, and the block formats the gguf package decodes (K-quants,
 # IQ, TQ, ...; computed on a float32 copy). Q8_1 and Q8_K (activation formats), the integer types and F64 hold
