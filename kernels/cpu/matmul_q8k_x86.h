@@ -1,0 +1,443 @@
+/* SIMD bodies of the K-quant / IQ4 kernels, compiled twice through simd_variants.h (from matmul_q8k.c).
+ *
+ * Both variants work on 256-bit vectors with the same integer and float operations, so their results are
+ * bit-identical (and equal to the scalar fallback, see matmul_q8k.c): the AVX-512 one only fuses the int16
+ * multiply-adds (VNNI vpdpwssd / vpdpbusd), which gives the same exact integers.
+ *
+ * K-quant x Q8_K: per chunk of 32 elements, the 32 unsigned weight values u (bytes) times the 32 int8 activations
+ * with maddubs (16 int16 pair sums, no saturation: |u| <= 63 or, IQ4_XS, |kv| <= 127 with the sign moved onto x,
+ * |q| <= 127), then madd with the int16 scale of each half (8 int32 lanes, lane l = elements 4l..4l+3 of the
+ * chunk); the 8 chunks of a super-block add up in S. Offsets and mins come from the bsums: madd(bsums, coefficient
+ * per group of 16), lane l = groups 2l, 2l+1.
+ */
+
+#define SIMD_CAT_(a, b) a##_##b
+#define SIMD_CAT(a, b) SIMD_CAT_(a, b)
+#define FN(name) SIMD_CAT(name, SIMD_SUFFIX)
+#define TARGET __attribute__((target(SIMD_TARGET)))
+#define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
+
+TARGET_INLINE float FN(hsum256)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* acc + madd(a, b): int16 pairs multiplied and summed into 8 int32 lanes */
+TARGET_INLINE __m256i FN(madd_acc)(__m256i acc, __m256i a, __m256i b) {
+#if SIMD_AVX512
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+/* acc + sum over each group of 4 bytes of u (unsigned) * s (signed) */
+TARGET_INLINE __m256i FN(dot_u8s8)(__m256i acc, __m256i u, __m256i s) {
+#if SIMD_AVX512
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* {lo nibbles of the 16 bytes at p, hi nibbles}: 32 indices 0..15 in IQ4 element order */
+TARGET_INLINE __m256i FN(iq4_indices)(const uint8_t *p) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
+}
+
+TARGET_INLINE __m256i FN(iq4_table)(void) {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kvalues_iq4));
+}
+
+/* ---- Q8_K activation quantisation ----------------------------------------------------------------------- */
+
+/* 8 int32 vectors -> their 8 horizontal sums, in order */
+TARGET_INLINE __m256i FN(hsum8x8_epi32)(const __m256i *g) {
+    const __m256i e = _mm256_hadd_epi32(_mm256_hadd_epi32(g[0], g[1]), _mm256_hadd_epi32(g[2], g[3]));
+    const __m256i f = _mm256_hadd_epi32(_mm256_hadd_epi32(g[4], g[5]), _mm256_hadd_epi32(g[6], g[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31));
+}
+
+TARGET static void FN(quantize_q8k)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums) {
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < nb; i++, x += QK_K, qs += QK_K, bsums += QK_K / 16) {
+        /* max |x|; max_ps returns its second operand when the first is NaN: NaNs are skipped as in the reference */
+        __m256 amax = _mm256_setzero_ps();
+        for (int j = 0; j < QK_K; j += 8) amax = _mm256_max_ps(_mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)), amax);
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float am = _mm_cvtss_f32(m);
+        if (am == 0.0f) {
+            d[i] = 0.0f;
+            memset(qs, 0, QK_K);
+            memset(bsums, 0, QK_K / 16 * sizeof(int16_t));
+            continue;
+        }
+        /* the signed value: the first element of magnitude am */
+        const __m256 vam = _mm256_set1_ps(am);
+        int first = 0;
+        for (int j = 0; j < QK_K; j += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)), vam, _CMP_EQ_OQ));
+            if (hit) {
+                first = j + __builtin_ctz((unsigned)hit);
+                break;
+            }
+        }
+        const float iscale = -127.0f / x[first];
+        const __m256 vs = _mm256_set1_ps(iscale);
+        const __m256i top = _mm256_set1_epi32(127);
+        for (int half = 0; half < 2; half++) {
+            __m256i g[8]; /* int32 partial sums of the 8 groups of 16 of this half */
+            for (int c = 0; c < 4; c++) {
+                const float *xc = x + 128 * half + 32 * c;
+                __m256i v[4];
+                /* cvtps rounds half to even, like the reference's nearest_int */
+                for (int k = 0; k < 4; k++)
+                    v[k] = _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + 8 * k), vs)), top);
+                __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+                packed = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+                _mm256_storeu_si256((__m256i *)(qs + 128 * half + 32 * c), packed);
+                g[2 * c] = _mm256_add_epi32(v[0], v[1]);
+                g[2 * c + 1] = _mm256_add_epi32(v[2], v[3]);
+            }
+            const __m256i sums = FN(hsum8x8_epi32)(g); /* |sum| <= 16 * 127: packs does not saturate */
+            const __m128i s16 = _mm_packs_epi32(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+            _mm_storeu_si128((__m128i *)(bsums + 8 * half), s16);
+        }
+        d[i] = 1.0f / iscale;
+    }
+}
+
+/* ---- K-quant super-blocks in integer form ------------------------------------------------------------------ */
+
+typedef struct {
+    __m256i sc_lo, sc_hi; /* int16 scales of groups 0..7 / 8..15 (in both 128-bit lanes) */
+    __m256i corr;         /* int16 per group: sc * offset (Q3_K, Q6_K), subtracted with the bsums */
+    __m256i mn;           /* int16 per group: min (Q2_K, Q4_K, Q5_K) */
+    float d, dmin;
+} FN(kq8_sb);
+
+/* Q4_K / Q5_K: the 8 6-bit scales and 8 mins of the 12 packed bytes, as 32-bit words of 4 bytes each */
+TARGET_INLINE void FN(kq8_scales_k4)(const uint8_t *packed, uint32_t *sc_a, uint32_t *sc_b, uint32_t *m_a,
+                                    uint32_t *m_b) {
+    uint32_t a[3];
+    memcpy(a, packed, sizeof a);
+    *sc_a = a[0] & 0x3F3F3F3Fu;
+    *m_a = a[1] & 0x3F3F3F3Fu;
+    *sc_b = (a[2] & 0x0F0F0F0Fu) | ((a[0] >> 2) & 0x30303030u);
+    *m_b = ((a[2] >> 4) & 0x0F0F0F0Fu) | ((a[1] >> 2) & 0x30303030u);
+}
+
+/* 8 per-32 values (bytes) as 16 per-16 int16 */
+TARGET_INLINE __m256i FN(kq8_dup8)(uint32_t lo, uint32_t hi) {
+    const __m128i v = _mm_set_epi32(0, 0, (int)hi, (int)lo);
+    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+}
+
+TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) *p) {
+    __m256i sc16;
+    p->corr = p->mn = _mm256_setzero_si256();
+    p->dmin = 0.0f;
+    if (kind == KQ8_Q2_K) {
+        const block_q2_k *b = (const block_q2_k *)blk;
+        const __m128i s = _mm_loadu_si128((const __m128i *)b->scales), low4 = _mm_set1_epi8(0x0F);
+        sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
+        p->mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
+        p->d = _cvtsh_ss(b->d);
+        p->dmin = _cvtsh_ss(b->dmin);
+    } else if (kind == KQ8_Q3_K) {
+        const block_q3_k *b = (const block_q3_k *)blk;
+        uint32_t a[3];
+        memcpy(a, b->scales, sizeof a);
+        /* low 4 bits: nibbles of bytes 0..7; top 2 bits: bit pairs of bytes 8..11 (see kq3_scales) */
+        const uint32_t s0 = (a[0] & 0x0F0F0F0Fu) | ((a[2] << 4) & 0x30303030u);
+        const uint32_t s1 = (a[1] & 0x0F0F0F0Fu) | ((a[2] << 2) & 0x30303030u);
+        const uint32_t s2 = ((a[0] >> 4) & 0x0F0F0F0Fu) | (a[2] & 0x30303030u);
+        const uint32_t s3 = ((a[1] >> 4) & 0x0F0F0F0Fu) | ((a[2] >> 2) & 0x30303030u);
+        const __m128i s = _mm_sub_epi8(_mm_set_epi32((int)s3, (int)s2, (int)s1, (int)s0), _mm_set1_epi8(32));
+        sc16 = _mm256_cvtepi8_epi16(s);
+        p->corr = _mm256_slli_epi16(sc16, 2);
+        p->d = _cvtsh_ss(b->d);
+    } else if (kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
+        uint32_t sc_a, sc_b, m_a, m_b;
+        const uint16_t *dd = (const uint16_t *)blk; /* d, dmin lead both layouts */
+        FN(kq8_scales_k4)(kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->scales : ((const block_q5_k *)blk)->scales,
+                          &sc_a, &sc_b, &m_a, &m_b);
+        sc16 = FN(kq8_dup8)(sc_a, sc_b);
+        p->mn = FN(kq8_dup8)(m_a, m_b);
+        p->d = _cvtsh_ss(dd[0]);
+        p->dmin = _cvtsh_ss(dd[1]);
+    } else if (kind == KQ8_Q6_K) {
+        const block_q6_k *b = (const block_q6_k *)blk;
+        sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
+        p->corr = _mm256_slli_epi16(sc16, 5);
+        p->d = _cvtsh_ss(b->d);
+    } else {
+        const block_iq4_xs *b = (const block_iq4_xs *)blk;
+        uint32_t low;
+        memcpy(&low, b->scales_l, sizeof low);
+        /* int32 lane j: scale j = nibble j of scales_l | bits 2j, 2j+1 of scales_h << 4, minus 32 */
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)b->scales_h << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(0x30));
+        const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
+        /* each int32 lane as two equal int16: the per-16 layout below (group 2j and 2j + 1 take scale j) */
+        const __m256i pair = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+        p->sc_lo = _mm256_permute2x128_si256(pair, pair, 0x00);
+        p->sc_hi = _mm256_permute2x128_si256(pair, pair, 0x11);
+        p->d = _cvtsh_ss(b->d);
+        return;
+    }
+    p->sc_lo = _mm256_permute4x64_epi64(sc16, 0x44);
+    p->sc_hi = _mm256_permute4x64_epi64(sc16, 0xEE);
+}
+
+/* The int16 scales of chunk c (elements 32c..32c+31): group 2c in the low 128-bit lane, 2c + 1 in the high one */
+TARGET_INLINE __m256i FN(kq8_scale)(const FN(kq8_sb) *p, const int c) {
+    const int k = c & 3;
+    const __m256i ctrl = _mm256_set_m128i(_mm_set1_epi16((short)(((4 * k + 3) << 8) | (4 * k + 2))),
+                                          _mm_set1_epi16((short)(((4 * k + 1) << 8) | (4 * k))));
+    return _mm256_shuffle_epi8(c < 4 ? p->sc_lo : p->sc_hi, ctrl);
+}
+
+/* (v >> s) per byte with s = from - to moved onto bit `to` (mask: that bit), bits of the neighbour byte masked off */
+#define KQ8_BIT(v, from, to, mask)                                                                            \
+    ((from) >= (to) ? _mm256_and_si256(_mm256_srli_epi16(v, (from) - (to)), _mm256_set1_epi8(mask))          \
+                    : _mm256_and_si256(_mm256_slli_epi16(v, (to) - (from)), _mm256_set1_epi8(mask)))
+
+/* The 32 unsigned values of chunk c (IQ4_XS: |kv|, and *sg the signed kv) */
+TARGET_INLINE __m256i FN(kq8_chunk)(const int kind, const uint8_t *blk, const int c, __m256i *sg) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    switch (kind) {
+        case KQ8_Q2_K: {
+            const block_q2_k *b = (const block_q2_k *)blk;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * (c / 4)));
+            return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (c & 3)), _mm256_set1_epi8(3));
+        }
+        case KQ8_Q3_K: {
+            const block_q3_k *b = (const block_q3_k *)blk;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * (c / 4)));
+            const __m256i hm = _mm256_loadu_si256((const __m256i *)b->hmask);
+            const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * (c & 3)), _mm256_set1_epi8(3));
+            return _mm256_or_si256(low, KQ8_BIT(hm, c, 2, 0x04)); /* hmask bit c -> value bit 2 */
+        }
+        case KQ8_Q4_K:
+        case KQ8_Q5_K: {
+            const uint8_t *qs = kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->qs : ((const block_q5_k *)blk)->qs;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c / 2)));
+            const __m256i nib = _mm256_and_si256(c & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
+            if (kind == KQ8_Q4_K) return nib;
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)((const block_q5_k *)blk)->qh);
+            return _mm256_or_si256(nib, KQ8_BIT(qh, c, 4, 0x10)); /* qh bit c -> value bit 4 */
+        }
+        case KQ8_Q6_K: {
+            const block_q6_k *b = (const block_q6_k *)blk;
+            const int h = c / 4, k = c & 3;
+            const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (k & 1)));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
+            const __m256i nib = _mm256_and_si256(k >= 2 ? _mm256_srli_epi16(ql, 4) : ql, low4);
+            return _mm256_or_si256(nib, KQ8_BIT(qh, 2 * k, 4, 0x30)); /* qh bits 2k, 2k+1 -> value bits 4, 5 */
+        }
+        default: {
+            const block_iq4_xs *b = (const block_iq4_xs *)blk;
+            const __m256i idx = FN(iq4_indices)(b->qs + 16 * c);
+            const __m256i table = FN(iq4_table)();
+            *sg = _mm256_shuffle_epi8(table, idx);
+            return _mm256_shuffle_epi8(_mm256_abs_epi8(table), idx);
+        }
+    }
+}
+
+/* Activations of chunk c as the maddubs signed operand (IQ4_XS: the sign of the weight moved onto them) */
+TARGET_INLINE __m256i FN(kq8_act)(const int kind, __m256i x, __m256i sg) {
+    return kind == KQ8_IQ4_XS ? _mm256_sign_epi8(x, sg) : x;
+}
+
+/* The float step of one super-block: S (and M) into the 8 float lanes of acc */
+TARGET_INLINE __m256 FN(kq8_accumulate)(const int kind, const FN(kq8_sb) *p, __m256i S, const int16_t *bsums,
+                                        float dx, __m256 acc) {
+    if (kind == KQ8_Q3_K || kind == KQ8_Q6_K || kind == KQ8_Q2_K || kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
+        const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
+        if (kind == KQ8_Q3_K || kind == KQ8_Q6_K) S = _mm256_sub_epi32(S, _mm256_madd_epi16(bs, p->corr));
+        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p->d * dx), _mm256_cvtepi32_ps(S)));
+        if (kind == KQ8_Q3_K || kind == KQ8_Q6_K) return acc;
+        const __m256i M = _mm256_madd_epi16(bs, p->mn);
+        return _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p->dmin * dx), _mm256_cvtepi32_ps(M)));
+    }
+    return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p->d * dx), _mm256_cvtepi32_ps(S)));
+}
+
+/* One row, ntok tokens: each super-block decoded once (values and scales of its 8 chunks), then every token */
+TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, const uint8_t *row, const act_q8k *a,
+                                  int64_t t0, int ntok, float *out) {
+    __m256 acc[KQ8_TILE_T];
+    for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < a->nb; s++) {
+        const uint8_t *blk = row + s * block_bytes;
+        FN(kq8_sb) p;
+        FN(kq8_setup)(kind, blk, &p);
+        __m256i u[8], sg[8], sc[8];
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            sg[c] = _mm256_setzero_si256();
+            u[c] = FN(kq8_chunk)(kind, blk, c, &sg[c]);
+            sc[c] = FN(kq8_scale)(&p, c);
+        }
+        for (int t = 0; t < ntok; t++) {
+            const int64_t tb = (t0 + t) * a->nb + s;
+            const int8_t *xq = a->qs + (t0 + t) * a->K + s * QK_K;
+            __m256i S = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                const __m256i x = FN(kq8_act)(kind, _mm256_loadu_si256((const __m256i *)(xq + 32 * c)), sg[c]);
+                S = FN(madd_acc)(S, _mm256_maddubs_epi16(u[c], x), sc[c]);
+            }
+            acc[t] = FN(kq8_accumulate)(kind, &p, S, a->bsums + tb * 16, a->d[tb], acc[t]);
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
+}
+
+/* R rows, token 0: the rows interleaved chunk by chunk (one activation load for all), per row the arithmetic of
+ * kq8_tile_n */
+TARGET_INLINE void FN(kq8_dot_n)(const int kind, const int64_t block_bytes, const uint8_t *const *rows, const int R,
+                                 const act_q8k *a, float *out) {
+    __m256 acc[KQ8_ROWS_MAX];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < a->nb; s++) {
+        const int8_t *xq = a->qs + s * QK_K;
+        FN(kq8_sb) p[KQ8_ROWS_MAX];
+        __m256i S[KQ8_ROWS_MAX];
+        for (int r = 0; r < R; r++) {
+            FN(kq8_setup)(kind, rows[r] + s * block_bytes, &p[r]);
+            S[r] = _mm256_setzero_si256();
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; c++) {
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
+            for (int r = 0; r < R; r++) {
+                __m256i sg = _mm256_setzero_si256();
+                const __m256i u = FN(kq8_chunk)(kind, rows[r] + s * block_bytes, c, &sg);
+                S[r] = FN(madd_acc)(S[r], _mm256_maddubs_epi16(u, FN(kq8_act)(kind, x, sg)), FN(kq8_scale)(&p[r], c));
+            }
+        }
+        for (int r = 0; r < R; r++) acc[r] = FN(kq8_accumulate)(kind, &p[r], S[r], a->bsums + s * 16, a->d[s], acc[r]);
+    }
+    for (int r = 0; r < R; r++) out[r] = FN(hsum256)(acc[r]);
+}
+
+#define DEFINE_KQ8(type, kind, block_t)                                                                          \
+    TARGET static void FN(kq8_tile_##type)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) { \
+        FN(kq8_tile_n)(kind, sizeof(block_t), row, a, t0, ntok, out);                                           \
+    }                                                                                                           \
+    TARGET static void FN(kq8_dot_##type)(const uint8_t *const *rows, int R, const act_q8k *a, float *out) {     \
+        switch (R) {                                                                                            \
+            case 1: FN(kq8_dot_n)(kind, sizeof(block_t), rows, 1, a, out); break;                               \
+            case 2: FN(kq8_dot_n)(kind, sizeof(block_t), rows, 2, a, out); break;                               \
+            case 3: FN(kq8_dot_n)(kind, sizeof(block_t), rows, 3, a, out); break;                               \
+            default: FN(kq8_dot_n)(kind, sizeof(block_t), rows, KQ8_ROWS_MAX, a, out); break;                    \
+        }                                                                                                       \
+    }
+DEFINE_KQ8(q2_k, KQ8_Q2_K, block_q2_k)
+DEFINE_KQ8(q3_k, KQ8_Q3_K, block_q3_k)
+DEFINE_KQ8(q4_k, KQ8_Q4_K, block_q4_k)
+DEFINE_KQ8(q5_k, KQ8_Q5_K, block_q5_k)
+DEFINE_KQ8(q6_k, KQ8_Q6_K, block_q6_k)
+DEFINE_KQ8(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
+#undef DEFINE_KQ8
+#undef KQ8_BIT
+
+/* ---- IQ4_NL x Q8_0-style activations --------------------------------------------------------------------- */
+
+/* Per block: kv[index] . q_x as 8 int32 lanes (sign moved onto x), converted and FMA'd with d_w * d_x into the
+ * accumulator of the block's parity, one fixed horizontal sum at the end (as the Q8_0 tiles). */
+TARGET_INLINE void FN(tile_iq4_nl_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
+    const block_iq4_nl *b = (const block_iq4_nl *)row;
+    const __m256i table = FN(iq4_table)(), table_abs = _mm256_abs_epi8(table);
+    __m256 acc[2][TILE_T];
+    for (int t = 0; t < ntok; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < a->nb; i++) {
+        const __m256i idx = FN(iq4_indices)(b[i].qs);
+        const __m256i w = _mm256_shuffle_epi8(table, idx), wabs = _mm256_shuffle_epi8(table_abs, idx);
+        const float dw = _cvtsh_ss(b[i].d);
+        for (int t = 0; t < ntok; t++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->qs + (t0 + t) * a->K + i * QK));
+            const __m256i p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));
+            const float scale = dw * a->ds[((t0 + t) * a->nb + i) * 2];
+            acc[i & 1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc[i & 1][t]);
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(_mm256_add_ps(acc[0][t], acc[1][t]));
+}
+
+TARGET static void FN(tile_iq4_nl)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    switch (ntok) {
+        case 1: FN(tile_iq4_nl_n)(row, a, t0, 1, out); break;
+        case 2: FN(tile_iq4_nl_n)(row, a, t0, 2, out); break;
+        case 3: FN(tile_iq4_nl_n)(row, a, t0, 3, out); break;
+        default: FN(tile_iq4_nl_n)(row, a, t0, 4, out); break;
+    }
+}
+
+/* ---- exact IQ4: weights decoded to floats, float activations ------------------------------------------- */
+
+/* The 32 weights of an IQ4 block of scale `scale`: scale * (float)kv[index], the gguf decoder's product */
+TARGET_INLINE void FN(iq4_decode32)(const uint8_t *qs, float scale, __m256 *w) {
+    const __m256i v = _mm256_shuffle_epi8(FN(iq4_table)(), FN(iq4_indices)(qs));
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    const __m256 d = _mm256_set1_ps(scale);
+    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)));
+    w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))));
+    w[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)));
+    w[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))));
+}
+
+#define IQ4F_TILE 2 /* tokens per inner pass: 4 accumulators each, plus the 4 weight vectors, fit 16 registers */
+
+/* ntok <= IQ4F_TILE tokens; vector j of each 32 goes to accumulator j of its token, one fixed sum at the end */
+TARGET_INLINE void FN(tile_iq4_f_n)(const int xs, const uint8_t *row, int64_t K, const float *x, int64_t x_stride,
+                                    const int ntok, float *out) {
+    __m256 acc[IQ4F_TILE][4];
+    for (int t = 0; t < ntok; t++) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QK; i++) {
+        __m256 w[4];
+        if (xs) {
+            const block_iq4_xs *b = (const block_iq4_xs *)row + i / 8;
+            FN(iq4_decode32)(b->qs + 16 * (i % 8), _cvtsh_ss(b->d) * (float)iq4_xs_scale(b, (int)(i % 8)), w);
+        } else {
+            const block_iq4_nl *b = (const block_iq4_nl *)row + i;
+            FN(iq4_decode32)(b->qs, _cvtsh_ss(b->d), w);
+        }
+        for (int t = 0; t < ntok; t++)
+            for (int j = 0; j < 4; j++)
+                acc[t][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + t * x_stride + i * QK + 8 * j), acc[t][j]);
+    }
+    for (int t = 0; t < ntok; t++)
+        out[t] = FN(hsum256)(_mm256_add_ps(_mm256_add_ps(acc[t][0], acc[t][1]), _mm256_add_ps(acc[t][2], acc[t][3])));
+}
+
+#define DEFINE_TILE_IQ4_F(type, xs)                                                                          \
+    TARGET static void FN(tile_##type##_f)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,   \
+                                           int ntok, float *out) {                                            \
+        for (int t0 = 0; t0 < ntok; t0 += IQ4F_TILE, x += IQ4F_TILE * x_stride, out += IQ4F_TILE) {           \
+            if (ntok - t0 == 1)                                                                               \
+                FN(tile_iq4_f_n)(xs, row, K, x, x_stride, 1, out);                                            \
+            else                                                                                              \
+                FN(tile_iq4_f_n)(xs, row, K, x, x_stride, IQ4F_TILE, out);                                    \
+        }                                                                                                     \
+    }
+DEFINE_TILE_IQ4_F(iq4_nl, 0)
+DEFINE_TILE_IQ4_F(iq4_xs, 1)
+#undef DEFINE_TILE_IQ4_F
+#undef IQ4F_TILE
+
+#undef TARGET
+#undef TARGET_INLINE
+#undef FN
+#undef SIMD_CAT
+#undef SIMD_CAT_
