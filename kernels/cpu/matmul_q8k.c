@@ -45,14 +45,15 @@ typedef struct {
 
 enum kq8_kind { KQ8_Q2_K, KQ8_Q3_K, KQ8_Q4_K, KQ8_Q5_K, KQ8_Q6_K, KQ8_IQ4_XS, KQ8_N_KINDS };
 
-#define KQ8_TILE_T 8   /* tokens per tile: one super-block decode shared by all of them */
-#define KQ8_ROWS_MAX 4 /* rows per call of the one-token row dot */
+#define KQ8_TILE_T 8 /* tokens per tile: one super-block decode shared by all of them */
 
 typedef void (*quantize_q8k_fn)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums);
 /* out[t] = row . token t0 + t, t < ntok <= KQ8_TILE_T */
 typedef void (*kq8_tile_fn)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out);
-/* out[r] = rows[r] . token 0, r < R <= KQ8_ROWS_MAX: per row the arithmetic of the tile */
-typedef void (*kq8_dot_fn)(const uint8_t *const *rows, int R, const act_q8k *a, float *out);
+/* out[r] = row r . token 0 for the n_rows rows at w, w_stride bytes apart: per row the arithmetic of the tile.
+ * One row at a time (measured: interleaving 2 or 4 rows is no faster in cache, and for Q6_K 6x slower: the
+ * values, scales and accumulators of several rows exceed the 16 ymm registers). */
+typedef void (*kq8_dot_fn)(const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a, float *out);
 
 typedef struct {
     quantize_q8k_fn quantize;
@@ -213,8 +214,9 @@ static void kq8_tile_scalar(int kind, int64_t block_bytes, const uint8_t *row, c
     static void kq8_tile_##type##_scalar(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) { \
         kq8_tile_scalar(kind, sizeof(block_t), row, a, t0, ntok, out);                                          \
     }                                                                                                           \
-    static void kq8_dot_##type##_scalar(const uint8_t *const *rows, int R, const act_q8k *a, float *out) {       \
-        for (int r = 0; r < R; r++) kq8_tile_scalar(kind, sizeof(block_t), rows[r], a, 0, 1, out + r);         \
+    static void kq8_dot_##type##_scalar(const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,    \
+                                        float *out) {                                                           \
+        for (int64_t r = 0; r < n_rows; r++) kq8_tile_scalar(kind, sizeof(block_t), w + r * w_stride, a, 0, 1, out + r); \
     }
 DEFINE_KQ8_SCALAR(q2_k, KQ8_Q2_K, block_q2_k)
 DEFINE_KQ8_SCALAR(q3_k, KQ8_Q3_K, block_q3_k)
@@ -298,13 +300,8 @@ static const kq8_table kq8_tables[] = {
 
 /* Q8_K activations up to this size live on the stack (one token up to K = 32768 takes 37 KB) */
 #define KQ8_STACK_ACT_BYTES (48 * 1024)
-/* One-token rows up to this many bytes go KQ8_ROWS_MAX per row-dot call (fewer calls and setups for short rows);
- * longer ones KQ8_LONG_GROUP per call (measured: interleaving long rows slows the DRAM stream, as in matmul.c). */
-#define KQ8_SHORT_ROW 512
-#define KQ8_LONG_GROUP 1
-
 /* y[t * y_stride + n] = W[n] . x[t] with Q8_K activations; the caller has checked the arguments (K % 256 == 0). */
-static int32_t kq8_matmul(const kq8_table *tb, int kind, int64_t row_bytes, const uint8_t *w, int64_t w_stride,
+static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64_t w_stride,
                           int64_t N, int64_t K, const float *x, int64_t x_stride, int64_t T, float *y,
                           int64_t y_stride, int32_t n_threads) {
     if (N == 0 || T == 0) return PI_OK;
@@ -325,7 +322,6 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, int64_t row_bytes, cons
     };
     const kq8_tile_fn tile = tb->tile[kind];
     const kq8_dot_fn dot = tb->dot[kind];
-    const int group = row_bytes <= KQ8_SHORT_ROW ? KQ8_ROWS_MAX : KQ8_LONG_GROUP;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -333,15 +329,10 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, int64_t row_bytes, cons
         for (int64_t t = 0; t < T; t++)
             tb->quantize(x + t * x_stride, nb, a.qs + t * K, a.d + t * nb, a.bsums + t * nb * 16);
         if (T == 1) {
-            /* rows in contiguous ranges, `group` rows per row-dot call */
+            /* one contiguous range of rows per thread, one row-dot call for all of it */
             const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-            const int64_t n1 = N * (me + 1) / all;
-            for (int64_t n = N * me / all; n < n1; n += group) {
-                const int R = (int)min_i64(group, n1 - n);
-                const uint8_t *rows[KQ8_ROWS_MAX];
-                for (int r = 0; r < R; r++) rows[r] = w + (n + r) * w_stride;
-                dot(rows, R, &a, y + n);
-            }
+            const int64_t n0 = N * me / all, n1 = N * (me + 1) / all;
+            dot(w + n0 * w_stride, w_stride, n1 - n0, &a, y + n0);
         } else {
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
@@ -380,7 +371,7 @@ static inline int32_t matmul_args_ok(const uint8_t *w, int64_t w_stride, int64_t
         if (K < 0 || K % QK_K != 0) return PI_ERR_SHAPE;                                                      \
         const int64_t row_bytes = K / QK_K * (int64_t)sizeof(block_t);                                        \
         if (!matmul_args_ok(w, w_stride, N, K, row_bytes, x, x_stride, T, y, y_stride)) return PI_ERR_SHAPE;  \
-        return kq8_matmul(&kq8_tables[pi_isa_clamp(isa)], kind, row_bytes, w, w_stride, N, K, x, x_stride, T, y, \
+        return kq8_matmul(&kq8_tables[pi_isa_clamp(isa)], kind, w, w_stride, N, K, x, x_stride, T, y, \
                           y_stride, n_threads);                                                               \
     }
 DEFINE_MATMUL_KQ8(q2_k, KQ8_Q2_K, block_q2_k)

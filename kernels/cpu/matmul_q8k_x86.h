@@ -121,21 +121,18 @@ typedef struct {
     float d, dmin;
 } FN(kq8_sb);
 
-/* Q4_K / Q5_K: the 8 6-bit scales and 8 mins of the 12 packed bytes, as 32-bit words of 4 bytes each */
-TARGET_INLINE void FN(kq8_scales_k4)(const uint8_t *packed, uint32_t *sc_a, uint32_t *sc_b, uint32_t *m_a,
-                                    uint32_t *m_b) {
-    uint32_t a[3];
-    memcpy(a, packed, sizeof a);
-    *sc_a = a[0] & 0x3F3F3F3Fu;
-    *m_a = a[1] & 0x3F3F3F3Fu;
-    *sc_b = (a[2] & 0x0F0F0F0Fu) | ((a[0] >> 2) & 0x30303030u);
-    *m_b = ((a[2] >> 4) & 0x0F0F0F0Fu) | ((a[1] >> 2) & 0x30303030u);
-}
-
-/* 8 per-32 values (bytes) as 16 per-16 int16 */
-TARGET_INLINE __m256i FN(kq8_dup8)(uint32_t lo, uint32_t hi) {
-    const __m128i v = _mm_set_epi32(0, 0, (int)hi, (int)lo);
-    return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v));
+/* Q4_K / Q5_K: {scales 0..7, mins 0..7} as 16 bytes from the 12 packed ones (see kq_scale_min). Packed bytes
+ * 0..3, 4..7, 8..11 are the 32-bit words a0, a1, a2 (a 16-byte load: the block goes on after them):
+ * scales 0..3 = a0 & 63, 4..7 = (a2 & 15) | (a0 >> 6) << 4; mins 0..3 = a1 & 63, 4..7 = (a2 >> 4) | (a1 >> 6) << 4 */
+TARGET_INLINE __m128i FN(kq8_scales_k4)(const uint8_t *packed) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)packed);
+    const __m128i t1 = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)); /* a0 a2 a1 a2 */
+    const __m128i t2 = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)); /* a0 a0 a1 a1 */
+    const __m128i low = _mm_and_si128(_mm_srlv_epi32(t1, _mm_setr_epi32(0, 0, 0, 4)),
+                                      _mm_setr_epi32(0x3F3F3F3F, 0x0F0F0F0F, 0x3F3F3F3F, 0x0F0F0F0F));
+    const __m128i high = _mm_and_si128(_mm_srlv_epi32(t2, _mm_setr_epi32(0, 2, 0, 2)),
+                                       _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    return _mm_or_si128(low, high);
 }
 
 TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) *p) {
@@ -163,14 +160,15 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
         p->corr = _mm256_slli_epi16(sc16, 2);
         p->d = _cvtsh_ss(b->d);
     } else if (kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
-        uint32_t sc_a, sc_b, m_a, m_b;
-        const uint16_t *dd = (const uint16_t *)blk; /* d, dmin lead both layouts */
-        FN(kq8_scales_k4)(kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->scales : ((const block_q5_k *)blk)->scales,
-                          &sc_a, &sc_b, &m_a, &m_b);
-        sc16 = FN(kq8_dup8)(sc_a, sc_b);
-        p->mn = FN(kq8_dup8)(m_a, m_b);
-        p->d = _cvtsh_ss(dd[0]);
-        p->dmin = _cvtsh_ss(dd[1]);
+        const __m128i sm = FN(kq8_scales_k4)(kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->scales
+                                                                : ((const block_q5_k *)blk)->scales);
+        sc16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm)); /* each per-32 value for both groups of 16 */
+        p->mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+        uint32_t dm_bits; /* d, dmin lead both layouts */
+        memcpy(&dm_bits, blk, sizeof dm_bits);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
+        p->d = _mm_cvtss_f32(dm);
+        p->dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
     } else if (kind == KQ8_Q6_K) {
         const block_q6_k *b = (const block_q6_k *)blk;
         sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
@@ -272,7 +270,8 @@ TARGET_INLINE __m256 FN(kq8_accumulate)(const int kind, const FN(kq8_sb) *p, __m
     return _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p->d * dx), _mm256_cvtepi32_ps(S)));
 }
 
-/* One row, ntok tokens: each super-block decoded once (values and scales of its 8 chunks), then every token */
+/* One row, ntok tokens: each super-block decoded once (values and scales of its 8 chunks), then every token;
+ * ntok = 1 (a constant in the row dot) keeps everything in registers */
 TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, const uint8_t *row, const act_q8k *a,
                                   int64_t t0, int ntok, float *out) {
     __m256 acc[KQ8_TILE_T];
@@ -303,45 +302,13 @@ TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, con
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
 }
 
-/* R rows, token 0: the rows interleaved chunk by chunk (one activation load for all), per row the arithmetic of
- * kq8_tile_n */
-TARGET_INLINE void FN(kq8_dot_n)(const int kind, const int64_t block_bytes, const uint8_t *const *rows, const int R,
-                                 const act_q8k *a, float *out) {
-    __m256 acc[KQ8_ROWS_MAX];
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t s = 0; s < a->nb; s++) {
-        const int8_t *xq = a->qs + s * QK_K;
-        FN(kq8_sb) p[KQ8_ROWS_MAX];
-        __m256i S[KQ8_ROWS_MAX];
-        for (int r = 0; r < R; r++) {
-            FN(kq8_setup)(kind, rows[r] + s * block_bytes, &p[r]);
-            S[r] = _mm256_setzero_si256();
-        }
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; c++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + 32 * c));
-            for (int r = 0; r < R; r++) {
-                __m256i sg = _mm256_setzero_si256();
-                const __m256i u = FN(kq8_chunk)(kind, rows[r] + s * block_bytes, c, &sg);
-                S[r] = FN(madd_acc)(S[r], _mm256_maddubs_epi16(u, FN(kq8_act)(kind, x, sg)), FN(kq8_scale)(&p[r], c));
-            }
-        }
-        for (int r = 0; r < R; r++) acc[r] = FN(kq8_accumulate)(kind, &p[r], S[r], a->bsums + s * 16, a->d[s], acc[r]);
-    }
-    for (int r = 0; r < R; r++) out[r] = FN(hsum256)(acc[r]);
-}
-
 #define DEFINE_KQ8(type, kind, block_t)                                                                          \
     TARGET static void FN(kq8_tile_##type)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) { \
         FN(kq8_tile_n)(kind, sizeof(block_t), row, a, t0, ntok, out);                                           \
     }                                                                                                           \
-    TARGET static void FN(kq8_dot_##type)(const uint8_t *const *rows, int R, const act_q8k *a, float *out) {     \
-        switch (R) {                                                                                            \
-            case 1: FN(kq8_dot_n)(kind, sizeof(block_t), rows, 1, a, out); break;                               \
-            case 2: FN(kq8_dot_n)(kind, sizeof(block_t), rows, 2, a, out); break;                               \
-            case 3: FN(kq8_dot_n)(kind, sizeof(block_t), rows, 3, a, out); break;                               \
-            default: FN(kq8_dot_n)(kind, sizeof(block_t), rows, KQ8_ROWS_MAX, a, out); break;                    \
-        }                                                                                                       \
+    TARGET static void FN(kq8_dot_##type)(const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a, \
+                                          float *out) {                                                         \
+        for (int64_t n = 0; n < n_rows; n++) FN(kq8_tile_n)(kind, sizeof(block_t), w + n * w_stride, a, 0, 1, out + n); \
     }
 DEFINE_KQ8(q2_k, KQ8_Q2_K, block_q2_k)
 DEFINE_KQ8(q3_k, KQ8_Q3_K, block_q3_k)
