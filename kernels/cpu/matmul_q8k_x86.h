@@ -115,7 +115,9 @@ TARGET static void FN(quantize_q8k)(const float *x, int64_t nb, int8_t *qs, floa
 /* ---- K-quant super-blocks in integer form ------------------------------------------------------------------ */
 
 typedef struct {
-    __m256i sc_lo, sc_hi; /* int16 scales of groups 0..7 / 8..15 (in both 128-bit lanes) */
+    /* int16 scales of chunks 0..3 / 4..7 as int32 lanes of two equal int16: lane k of the low 128-bit half holds
+     * group 2k (first 16 elements of chunk k), lane k of the high half group 2k + 1 */
+    __m256i sc_lo, sc_hi;
     __m256i corr;         /* int16 per group: sc * offset (Q3_K, Q6_K), subtracted with the bsums */
     __m256i mn;           /* int16 per group: min (Q2_K, Q4_K, Q5_K) */
     float d, dmin;
@@ -135,6 +137,12 @@ TARGET_INLINE __m128i FN(kq8_scales_k4)(const uint8_t *packed) {
     return _mm_or_si128(low, high);
 }
 
+/* per-32 scales given as int16 pairs, int32 lane c = chunk c: both groups of chunk c take them */
+TARGET_INLINE void FN(kq8_scales_per32)(__m256i pairs, FN(kq8_sb) *p) {
+    p->sc_lo = _mm256_permute2x128_si256(pairs, pairs, 0x00);
+    p->sc_hi = _mm256_permute2x128_si256(pairs, pairs, 0x11);
+}
+
 TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) *p) {
     __m256i sc16;
     p->corr = p->mn = _mm256_setzero_si256();
@@ -148,27 +156,35 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
         p->dmin = _cvtsh_ss(b->dmin);
     } else if (kind == KQ8_Q3_K) {
         const block_q3_k *b = (const block_q3_k *)blk;
-        uint32_t a[3];
-        memcpy(a, b->scales, sizeof a);
-        /* low 4 bits: nibbles of bytes 0..7; top 2 bits: bit pairs of bytes 8..11 (see kq3_scales) */
-        const uint32_t s0 = (a[0] & 0x0F0F0F0Fu) | ((a[2] << 4) & 0x30303030u);
-        const uint32_t s1 = (a[1] & 0x0F0F0F0Fu) | ((a[2] << 2) & 0x30303030u);
-        const uint32_t s2 = ((a[0] >> 4) & 0x0F0F0F0Fu) | (a[2] & 0x30303030u);
-        const uint32_t s3 = ((a[1] >> 4) & 0x0F0F0F0Fu) | ((a[2] >> 2) & 0x30303030u);
-        const __m128i s = _mm_sub_epi8(_mm_set_epi32((int)s3, (int)s2, (int)s1, (int)s0), _mm_set1_epi8(32));
+        /* the 12 packed bytes as words a0, a1, a2 (no 16-byte load: the block ends 2 bytes after them). Scales
+         * 0..3, 4..7, 8..11, 12..15: low 4 bits a0 & 15, a1 & 15, a0 >> 4, a1 >> 4 (per byte); top 2 bits: bit
+         * pairs 0, 2, 4, 6 of a2 (see kq3_scales) */
+        int32_t a2;
+        memcpy(&a2, b->scales + 8, sizeof a2);
+        const __m128i v = _mm_insert_epi32(_mm_loadl_epi64((const __m128i *)b->scales), a2, 2);
+        const __m128i low = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 1, 0)),
+                                                         _mm_setr_epi32(0, 0, 4, 4)),
+                                          _mm_set1_epi8(0x0F));
+        const __m128i top = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2));
+        const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_sllv_epi32(top, _mm_setr_epi32(4, 2, 0, 0)),
+                                                          _mm_setr_epi32(0, 0, 0, 2)),
+                                           _mm_set1_epi8(0x30));
+        const __m128i s = _mm_sub_epi8(_mm_or_si128(low, high), _mm_set1_epi8(32));
         sc16 = _mm256_cvtepi8_epi16(s);
         p->corr = _mm256_slli_epi16(sc16, 2);
         p->d = _cvtsh_ss(b->d);
     } else if (kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
         const __m128i sm = FN(kq8_scales_k4)(kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->scales
                                                                 : ((const block_q5_k *)blk)->scales);
-        sc16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sm, sm)); /* each per-32 value for both groups of 16 */
-        p->mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm));
+        const __m256i sc = _mm256_cvtepu8_epi32(sm); /* per-32 scales, one per int32 lane */
+        FN(kq8_scales_per32)(_mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)), p);
+        p->mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sm, sm)); /* each per-32 min for both groups of 16 */
         uint32_t dm_bits; /* d, dmin lead both layouts */
         memcpy(&dm_bits, blk, sizeof dm_bits);
         const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
         p->d = _mm_cvtss_f32(dm);
         p->dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        return;
     } else if (kind == KQ8_Q6_K) {
         const block_q6_k *b = (const block_q6_k *)blk;
         sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
@@ -184,24 +200,21 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
         const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)b->scales_h << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
                                             _mm256_set1_epi32(0x30));
         const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
-        /* each int32 lane as two equal int16: the per-16 layout below (group 2j and 2j + 1 take scale j) */
-        const __m256i pair = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
-        p->sc_lo = _mm256_permute2x128_si256(pair, pair, 0x00);
-        p->sc_hi = _mm256_permute2x128_si256(pair, pair, 0x11);
+        FN(kq8_scales_per32)(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)), p);
         p->d = _cvtsh_ss(b->d);
         return;
     }
-    p->sc_lo = _mm256_permute4x64_epi64(sc16, 0x44);
-    p->sc_hi = _mm256_permute4x64_epi64(sc16, 0xEE);
+    /* per-16 scales g0..g15 -> int16 pairs: [g0 g1 g2 g3 | g8 g9 g10 g11], [g4 .. g7 | g12 .. g15] -> halves by chunk,
+     * then even groups low, odd groups high */
+    const __m256i u_lo = _mm256_unpacklo_epi16(sc16, sc16), u_hi = _mm256_unpackhi_epi16(sc16, sc16);
+    const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    p->sc_lo = _mm256_permutevar8x32_epi32(_mm256_permute2x128_si256(u_lo, u_hi, 0x20), even_odd);
+    p->sc_hi = _mm256_permutevar8x32_epi32(_mm256_permute2x128_si256(u_lo, u_hi, 0x31), even_odd);
 }
 
-/* The int16 scales of chunk c (elements 32c..32c+31): group 2c in the low 128-bit lane, 2c + 1 in the high one */
-TARGET_INLINE __m256i FN(kq8_scale)(const FN(kq8_sb) *p, const int c) {
-    const int k = c & 3;
-    const __m256i ctrl = _mm256_set_m128i(_mm_set1_epi16((short)(((4 * k + 3) << 8) | (4 * k + 2))),
-                                          _mm_set1_epi16((short)(((4 * k + 1) << 8) | (4 * k))));
-    return _mm256_shuffle_epi8(c < 4 ? p->sc_lo : p->sc_hi, ctrl);
-}
+/* The int16 scales of chunk c (elements 32c..32c+31): group 2c in the low 128-bit lane, 2c + 1 in the high one
+ * (an immediate shuffle: no control vector held in a register) */
+#define KQ8_SCALE(p, c) _mm256_shuffle_epi32((c) < 4 ? (p)->sc_lo : (p)->sc_hi, ((c) & 3) * 0x55)
 
 /* (v >> s) per byte with s = from - to moved onto bit `to` (mask: that bit), bits of the neighbour byte masked off */
 #define KQ8_BIT(v, from, to, mask)                                                                            \
@@ -285,7 +298,7 @@ TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, con
         for (int c = 0; c < 8; c++) {
             sg[c] = _mm256_setzero_si256();
             u[c] = FN(kq8_chunk)(kind, blk, c, &sg[c]);
-            sc[c] = FN(kq8_scale)(&p, c);
+            sc[c] = KQ8_SCALE(&p, c);
         }
         for (int t = 0; t < ntok; t++) {
             const int64_t tb = (t0 + t) * a->nb + s;
@@ -318,6 +331,7 @@ DEFINE_KQ8(q6_k, KQ8_Q6_K, block_q6_k)
 DEFINE_KQ8(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
 #undef DEFINE_KQ8
 #undef KQ8_BIT
+#undef KQ8_SCALE
 
 /* ---- IQ4_NL x Q8_0-style activations --------------------------------------------------------------------- */
 
