@@ -66,7 +66,8 @@ TARGET static void FN(quantize_q8k)(const float *x, int64_t nb, int8_t *qs, floa
     for (int64_t i = 0; i < nb; i++, x += QK_K, qs += QK_K, bsums += QK_K / 16) {
         /* max |x|; max_ps returns its second operand when the first is NaN: NaNs are skipped as in the reference */
         __m256 amax = _mm256_setzero_ps();
-        for (int j = 0; j < QK_K; j += 8) amax = _mm256_max_ps(_mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)), amax);
+        for (int j = 0; j < QK_K; j += 8)
+            amax = _mm256_max_ps(_mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)), amax);
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         m = _mm_max_ss(m, _mm_movehdup_ps(m));
@@ -81,7 +82,8 @@ TARGET static void FN(quantize_q8k)(const float *x, int64_t nb, int8_t *qs, floa
         const __m256 vam = _mm256_set1_ps(am);
         int first = 0;
         for (int j = 0; j < QK_K; j += 8) {
-            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j)), vam, _CMP_EQ_OQ));
+            const __m256 ax = _mm256_andnot_ps(sign_bit, _mm256_loadu_ps(x + j));
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(ax, vam, _CMP_EQ_OQ));
             if (hit) {
                 first = j + __builtin_ctz((unsigned)hit);
                 break;
@@ -195,17 +197,19 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
         uint32_t low;
         memcpy(&low, b->scales_l, sizeof low);
         /* int32 lane j: scale j = nibble j of scales_l | bits 2j, 2j+1 of scales_h << 4, minus 32 */
-        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
-                                            _mm256_set1_epi32(0x0F));
-        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)b->scales_h << 4), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
-                                            _mm256_set1_epi32(0x30));
-        const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
-        FN(kq8_scales_per32)(_mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16)), p);
+        const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)low), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+        const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32((int)b->scales_h << 4),
+                                             _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+        const __m256i v = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0x0F)),
+                                                           _mm256_and_si256(hi, _mm256_set1_epi32(0x30))),
+                                           _mm256_set1_epi32(32));
+        const __m256i pairs = _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+        FN(kq8_scales_per32)(pairs, p);
         p->d = _cvtsh_ss(b->d);
         return;
     }
-    /* per-16 scales g0..g15 -> int16 pairs: [g0 g1 g2 g3 | g8 g9 g10 g11], [g4 .. g7 | g12 .. g15] -> halves by chunk,
-     * then even groups low, odd groups high */
+    /* per-16 scales g0..g15 -> int16 pairs [g0 g1 g2 g3 | g8 g9 g10 g11], [g4 .. g7 | g12 .. g15] -> halves by
+     * chunk, then even groups low, odd groups high */
     const __m256i u_lo = _mm256_unpacklo_epi16(sc16, sc16), u_hi = _mm256_unpackhi_epi16(sc16, sc16);
     const __m256i even_odd = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     p->sc_lo = _mm256_permutevar8x32_epi32(_mm256_permute2x128_si256(u_lo, u_hi, 0x20), even_odd);
