@@ -323,17 +323,22 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
     const kq8_tile_fn tile = tb->tile[kind];
     const kq8_dot_fn dot = tb->dot[kind];
     const int32_t nt = threads_for_work(n_threads, N * K * T);
+    if (T == 1) {
+        /* one token: quantised here (about a microsecond), then one contiguous range of rows per thread and one
+         * row-dot call for all of it: a single fork/join */
+        tb->quantize(x, nb, a.qs, a.d, a.bsums);
 #pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            tb->quantize(x + t * x_stride, nb, a.qs + t * K, a.d + t * nb, a.bsums + t * nb * 16);
-        if (T == 1) {
-            /* one contiguous range of rows per thread, one row-dot call for all of it */
+        {
             const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
             const int64_t n0 = N * me / all, n1 = N * (me + 1) / all;
             dot(w + n0 * w_stride, w_stride, n1 - n0, &a, y + n0);
-        } else {
+        }
+    } else {
+#pragma omp parallel num_threads(nt) if (nt > 1)
+        {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                tb->quantize(x + t * x_stride, nb, a.qs + t * K, a.d + t * nb, a.bsums + t * nb * 16);
 #pragma omp for schedule(static)
             for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
                 const int64_t n1 = min_i64(n0 + TILE_N, N);
