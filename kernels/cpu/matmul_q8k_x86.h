@@ -344,20 +344,28 @@ DEFINE_KQ8(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
 TARGET_INLINE void FN(tile_iq4_nl_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
     const block_iq4_nl *b = (const block_iq4_nl *)row;
     const __m256i table = FN(iq4_table)(), table_abs = _mm256_abs_epi8(table);
-    __m256 acc[2][TILE_T];
-    for (int t = 0; t < ntok; t++) acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-    for (int64_t i = 0; i < a->nb; i++) {
-        const __m256i idx = FN(iq4_indices)(b[i].qs);
-        const __m256i w = _mm256_shuffle_epi8(table, idx), wabs = _mm256_shuffle_epi8(table_abs, idx);
-        const float dw = _cvtsh_ss(b[i].d);
-        for (int t = 0; t < ntok; t++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->qs + (t0 + t) * a->K + i * QK));
-            const __m256i p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));
-            const float scale = dw * a->ds[((t0 + t) * a->nb + i) * 2];
-            acc[i & 1][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), acc[i & 1][t]);
-        }
+    __m256 acc0[TILE_T], acc1[TILE_T];
+    for (int t = 0; t < ntok; t++) acc0[t] = acc1[t] = _mm256_setzero_ps();
+#define IQ4_NL_STEP(i, ACC)                                                                                     \
+    do {                                                                                                        \
+        const __m256i idx = FN(iq4_indices)(b[i].qs);                                                           \
+        const __m256i w = _mm256_shuffle_epi8(table, idx), wabs = _mm256_shuffle_epi8(table_abs, idx);          \
+        const float dw = _cvtsh_ss(b[i].d);                                                                     \
+        for (int t = 0; t < ntok; t++) {                                                                        \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(a->qs + (t0 + t) * a->K + (i) * QK));       \
+            const __m256i p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));             \
+            const float scale = dw * a->ds[((t0 + t) * a->nb + (i)) * 2];                                       \
+            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(scale), ACC[t]);                    \
+        }                                                                                                       \
+    } while (0)
+    int64_t i = 0;
+    for (; i + 1 < a->nb; i += 2) {
+        IQ4_NL_STEP(i, acc0);
+        IQ4_NL_STEP(i + 1, acc1);
     }
-    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(_mm256_add_ps(acc[0][t], acc[1][t]));
+    if (i < a->nb) IQ4_NL_STEP(i, acc0);
+#undef IQ4_NL_STEP
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(_mm256_add_ps(acc0[t], acc1[t]));
 }
 
 TARGET static void FN(tile_iq4_nl)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
