@@ -60,7 +60,7 @@ def test_get_rows_bit_equal_to_reference(ggml_type, n_threads):
 
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", list(K_TYPES), ids=lambda t: t.name)
-def test_linear_exact_against_float64_reference(ggml_type, act):
+def test_linear_exact_against_float64_reference(ggml_type):
     # x @ dequant(W).T in float64 from the gguf package's decoder: the kernel decodes the same float32 weights
     # and sums in float32 (measured max error 3.3e-8 of |x| @ |W|^T over the five types; bound 2e-7; one wrong
     # element of W moves y by ~1e-2 of it); decode (T = 1, the row-dot path) equals
@@ -71,7 +71,7 @@ def test_linear_exact_against_float64_reference(ggml_type, act):
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((11, n_cols)).astype(np.float32))
     dense = torch.from_numpy(dequantize(raw, ggml_type, (n_rows, n_cols))).double()
     exact, scale = x.double() @ dense.T, x.double().abs() @ dense.abs().T
-    kc = ops.KernelContext(act_precision=act)
+    kc = ops.KernelContext(act_precision="f32")  # "q8" (Q8_K activations): test_kquant_q8.py
     assert ggml_type in kc.supported_types()
     y = ops.linear(x, w, kc)
     assert ((y.double() - exact).abs() <= 2e-7 * scale + 1e-30).all()

@@ -191,15 +191,15 @@ def test_fallback_matches_kernels(ggml_type, act):
     assert (kernel_y - fallback_y).abs().max() <= tol * fallback_y.abs().max()
 
 
-def random_iq4_nl(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
-    """Raw IQ4_NL blocks (a type without kernels yet): random 4-bit indices, fp16 scales 0.01."""
-    blocks = np.random.default_rng(seed).integers(0, 256, size=(n_rows, n_cols // 32, 18), dtype=np.uint8)
-    blocks[:, :, :2] = np.array([0.01], dtype=np.float16).view(np.uint8)
+def random_tq2_0(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
+    """Raw TQ2_0 blocks (a type without kernels): random 2-bit ternary codes, fp16 scales 0.01 (last 2 bytes)."""
+    blocks = np.random.default_rng(seed).integers(0, 256, size=(n_rows, n_cols // 256, 66), dtype=np.uint8)
+    blocks[:, :, 64:] = np.array([0.01], dtype=np.float16).view(np.uint8)
     return blocks.reshape(n_rows, -1)
 
 
 def test_non_kernel_types_use_cached_dense_copy():
-    w = ops.QWeight.from_numpy(random_iq4_nl(7, 256), GGMLType.IQ4_NL, (7, 256))
+    w = ops.QWeight.from_numpy(random_tq2_0(7, 256), GGMLType.TQ2_0, (7, 256))
     x = make_x(3, 256)
     y = ops.linear(x, w)
     torch.testing.assert_close(y, reference.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -82,6 +82,8 @@ static void row_decode_q3_k(const uint8_t *row, int64_t K, float *out) { kq_deco
 static void row_decode_q4_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q4_k(row, K, out); }
 static void row_decode_q5_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q5_k(row, K, out); }
 static void row_decode_q6_k(const uint8_t *row, int64_t K, float *out) { kq_decode_q6_k(row, K, out); }
+static void row_decode_iq4_nl(const uint8_t *row, int64_t K, float *out) { kq_decode_iq4_nl(row, K, out); }
+static void row_decode_iq4_xs(const uint8_t *row, int64_t K, float *out) { kq_decode_iq4_xs(row, K, out); }
 
 typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *out);
 
@@ -125,3 +127,5 @@ DEFINE_GET_ROWS(q3_k, QK_K, sizeof(block_q3_k))
 DEFINE_GET_ROWS(q4_k, QK_K, sizeof(block_q4_k))
 DEFINE_GET_ROWS(q5_k, QK_K, sizeof(block_q5_k))
 DEFINE_GET_ROWS(q6_k, QK_K, sizeof(block_q6_k))
+DEFINE_GET_ROWS(iq4_nl, QK, sizeof(block_iq4_nl))
+DEFINE_GET_ROWS(iq4_xs, QK_K, sizeof(block_iq4_xs))

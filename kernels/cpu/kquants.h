@@ -181,4 +181,63 @@ static inline void kq_decode_q6_k(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
+/* ---- IQ4_NL / IQ4_XS: 4-bit indices into the non-linear table kvalues_iq4 ----------------------------------
+ *
+ *   IQ4_NL  18 B (32 elements):  d, qs[16]: element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of
+ *                                qs[j - 16]; x = d * kv[index]
+ *   IQ4_XS 136 B (256 elements): d, scales_h (u16: 2 high bits of sub-block scale j at bits 2j), scales_l[4] (low
+ *                                4 bits of scale j in nibble j & 1 of byte j / 2), qs[128] (sub-block j of 32 in
+ *                                qs[16j..16j+15] as IQ4_NL); x = (d * (scale - 32)) * kv[index]
+ * The decoders round as the gguf package does: one float product per element (two for IQ4_XS).
+ */
+typedef struct {
+    uint16_t d;
+    uint8_t qs[QK / 2];
+} block_iq4_nl;
+
+typedef struct {
+    uint16_t d;
+    uint16_t scales_h;
+    uint8_t scales_l[QK_K / 64];
+    uint8_t qs[QK_K / 2];
+} block_iq4_xs;
+
+_Static_assert(sizeof(block_iq4_nl) == 18, "block_iq4_nl must be 18 bytes");
+_Static_assert(sizeof(block_iq4_xs) == 136, "block_iq4_xs must be 136 bytes");
+
+static const int8_t kvalues_iq4[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* The scale of 32-element sub-block j (0..7) of an IQ4_XS super-block, bias removed: -32..31 */
+static inline int iq4_xs_scale(const block_iq4_xs *b, int j) {
+    const int low = (b->scales_l[j / 2] >> (4 * (j & 1))) & 0x0F;
+    const int high = (b->scales_h >> (2 * j)) & 3;
+    return (low | (high << 4)) - 32;
+}
+
+static inline void kq_decode_iq4_nl(const uint8_t *row, int64_t K, float *y) {
+    const block_iq4_nl *b = (const block_iq4_nl *)row;
+    for (int64_t i = 0; i < K / QK; i++, b++, y += QK) {
+        const float d = fp16_to_fp32(b->d);
+        for (int j = 0; j < QK / 2; j++) {
+            y[j] = d * (float)kvalues_iq4[b->qs[j] & 0x0F];
+            y[j + QK / 2] = d * (float)kvalues_iq4[b->qs[j] >> 4];
+        }
+    }
+}
+
+static inline void kq_decode_iq4_xs(const uint8_t *row, int64_t K, float *y) {
+    const block_iq4_xs *b = (const block_iq4_xs *)row;
+    for (int64_t i = 0; i < K / QK_K; i++, b++) {
+        const float d = fp16_to_fp32(b->d);
+        for (int j = 0; j < QK_K / 32; j++, y += 32) {
+            const float dl = d * (float)iq4_xs_scale(b, j);
+            const uint8_t *q = b->qs + 16 * j;
+            for (int l = 0; l < 16; l++) {
+                y[l] = dl * (float)kvalues_iq4[q[l] & 0x0F];
+                y[l + 16] = dl * (float)kvalues_iq4[q[l] >> 4];
+            }
+        }
+    }
+}
+
 #endif

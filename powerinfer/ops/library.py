@@ -41,8 +41,9 @@ C_NAMES: Mapping[GGMLType, str] = MappingProxyType(
     }
 )
 assert frozenset(C_NAMES) == KERNEL_TYPES
-# K-quants: the row decoder pi_get_rows_<suffix> and the exact (float activation) matmul pi_matmul_<suffix>_f,
-# used in both precisions, so far; no sparse row kernels yet (those ops decode the rows they need)
+# K-quants and IQ4: the row decoder pi_get_rows_<suffix>, the "q8" matmul pi_matmul_<suffix> (Q8_K activations;
+# IQ4_NL: int8 blocks of 32) and the exact (float activation) one pi_matmul_<suffix>_f; no sparse row kernels yet
+# (those ops decode the rows they need)
 K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
     {
         GGMLType.Q2_K: "q2_k",
@@ -50,6 +51,8 @@ K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
         GGMLType.Q4_K: "q4_k",
         GGMLType.Q5_K: "q5_k",
         GGMLType.Q6_K: "q6_k",
+        GGMLType.IQ4_NL: "iq4_nl",
+        GGMLType.IQ4_XS: "iq4_xs",
     }
 )
 # types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
@@ -159,7 +162,8 @@ def _open(path: str) -> Library:
         rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
     for ggml_type, name in K_TYPES.items():
         get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
-        matmul[ggml_type] = matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}_f", _MATMUL_ARGTYPES)
+        matmul[ggml_type] = _symbol(lib, f"pi_matmul_{name}", _MATMUL_ARGTYPES)
+        matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}_f", _MATMUL_ARGTYPES)
     return Library(
         path=path,
         isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),
