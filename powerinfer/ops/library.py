@@ -41,8 +41,9 @@ C_NAMES: Mapping[GGMLType, str] = MappingProxyType(
     }
 )
 assert frozenset(C_NAMES) == KERNEL_TYPES
-# K-quants: the row decoder pi_get_rows_<suffix> and the exact (float activation) matmul pi_matmul_<suffix>_f,
-# used in both precisions, so far; no sparse row kernels yet (those ops decode the rows they need)
+# K-quants: the row decoder pi_get_rows_<suffix>, the exact (float activation) matmul pi_matmul_<suffix>_f and
+# the sparse row kernels pi_rows_matmul_<suffix>_f / pi_rows_axpy_<suffix> (rows of whole super-blocks of 256);
+# the "q8" precision runs the exact kernels too until K-quant kernels with int8 activations exist
 K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
     {
         GGMLType.Q2_K: "q2_k",
@@ -56,7 +57,7 @@ K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
 QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
 # block types with only the exact kernels (pi_matmul_<suffix>_f), used in both precisions
 EXACT_ONLY_TYPES = frozenset({GGMLType.Q5_0, GGMLType.Q5_1})
-# weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.c)
+# weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.h)
 FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
     {
         GGMLType.Q4_0: 0,
@@ -67,6 +68,12 @@ FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
         GGMLType.BF16: 5,
         GGMLType.Q5_0: 6,
         GGMLType.Q5_1: 7,
+        # K-quants (float activations in both precisions, as EXACT_ONLY_TYPES)
+        GGMLType.Q2_K: 8,
+        GGMLType.Q3_K: 9,
+        GGMLType.Q4_K: 10,
+        GGMLType.Q5_K: 11,
+        GGMLType.Q6_K: 12,
     }
 )
 
@@ -156,6 +163,11 @@ def _open(path: str) -> Library:
     for ggml_type, name in K_TYPES.items():
         get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
         matmul[ggml_type] = matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}_f", _MATMUL_ARGTYPES)
+    for ggml_type, name in K_TYPES.items():  # sparse rows: the exact kernel of both precisions
+        rows_matmul[ggml_type] = rows_matmul_f[ggml_type] = _symbol(
+            lib, f"pi_rows_matmul_{name}_f", _SPARSE_ARGTYPES
+        )
+        rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
     return Library(
         path=path,
         isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),
