@@ -35,7 +35,8 @@ TESTS = Path(__file__).resolve().parent
 N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
 POOL_TYPES = sorted(quant.POOL_TYPES)  # the types the pool keeps as blocks
-WRITABLE_POOL_TYPES = sorted(quant.POOL_TYPES & quant.QUANTIZABLE)  # those our writer can quantize tiny models to
+# the pool types our writer can quantize the tiny models to (K-quants: random super-blocks, below)
+WRITABLE_POOL_TYPES = sorted(quant.POOL_TYPES & quant.QUANTIZABLE)
 # exact-mode C kernels decode blocks to the reference floats: pool and CPU differ in summation order only
 LOGIT_TOL = 1e-4
 KV_BYTES = kv_cache_bytes(2, 64, 64, 4)  # the engines below: 2 layers, n_ctx 64, 64 KV features, float32
@@ -183,7 +184,8 @@ def _k_quant_models(folder: Path, gate_up: GGMLType, down: GGMLType) -> tuple[Pa
 
 
 @pytest.mark.parametrize(
-    "gate_up, down", [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q2_K, GGMLType.Q5_K), (GGMLType.Q3_K, GGMLType.Q4_K)]
+    "gate_up, down",
+    [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q2_K, GGMLType.Q5_K), (GGMLType.Q3_K, GGMLType.Q4_K)],
 )
 def test_k_quant_sparse_ffn_on_the_cpu_and_in_the_pool(tmp_path, gate_up, down):
     """A K-quant PowerInfer file runs its sparse FFN on its blocks: all on the CPU (the fused predictor + FFN
@@ -268,8 +270,9 @@ def test_pool_bytes_for_the_same_neurons(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_in_the_interpreter():
-    """The CUDA pool's kernels (Q4_0, Q4_1, Q8_0, F16, F32; odd N, K 32..2048, T 1/3/17, split sums) and a whole
-    model with every pool weight on the Triton path, run on the CPU by TRITON_INTERPRET=1 (see the script)."""
+    """The CUDA pool's kernels (every pool type, K-quants included; odd N, K 32..2048, T 1/3/17, split sums) and
+    whole models with every pool weight on the Triton path, run on the CPU by TRITON_INTERPRET=1 (see the
+    script)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, str(TESTS / "triton_interpret_check.py")],
@@ -286,5 +289,5 @@ def test_triton_kernels_in_the_interpreter():
     assert {k[0] for k in kernels} == {t.name for t in POOL_TYPES}
     assert {k[4] for k in kernels} == {1, 3, 17} and {k[3] for k in kernels} >= {32, 64, 96, 2048}
     assert max(k[-1] for k in kernels) < 1e-5
-    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "BF16"}
+    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "BF16", "Q4_K/Q6_K"}
     assert max(report["engine"].values()) < 1e-4
