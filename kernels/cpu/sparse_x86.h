@@ -252,9 +252,22 @@ TARGET_INLINE void FN(axpy_units_kind)(const int kind, const axpy_ctx *c, int64_
 
 /* ---- K-quant kinds: work units are super-blocks of 256 ----------------------------------------------------- */
 
-/* A super-block of a row is decoded once into 256 floats in L1 (kquants.h: the reference dequantiser's float
+/* A super-block of a row is decoded once into 256 floats in L1 (kquants_x86.h: the reference dequantiser's float
  * operations, bit-equal to it), then applied to y AXPY_UNIT elements (SV_PER_UNIT vectors) at a time with the
  * same y = fma(h, w, y) per element, rows in order: the chain of every other kind and of the scalar variant. */
+
+#include "kquants_x86.h"
+
+/* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to kq_decode_kind) */
+TARGET_INLINE void FN(axpy_kq_decode)(const int kind, const uint8_t *blk, float *w) {
+    switch (kind) {
+        case KIND_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
+        case KIND_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
+        case KIND_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
+        case KIND_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
+        default: FN(kq_simd_q6_k)(blk, w); break;
+    }
+}
 
 /* T = 1, super-blocks [u0, u1) of y: the listed rows, AXPY_GROUP at a time (their super-blocks decoded side by
  * side, then each 32-element slice of y loaded once per group), the rows AXPY_AHEAD groups ahead prefetched a
@@ -275,7 +288,7 @@ TARGET_INLINE void FN(axpy_kq_t1)(const int kind, const axpy_ctx *c, int64_t u0,
         const uint8_t *const *rows_ahead = c->act_rows + (ahead < c->n_act ? ahead : 0);
         for (int64_t u = u0; u < u1; u++) {
             for (int r = 0; r < n_ahead; r++) prefetch_bytes(rows_ahead[r] + u * bytes, (int64_t)bytes);
-            for (int r = 0; r < n; r++) kq_decode_kind(kind, rows[r] + u * bytes, wbuf[r]);
+            for (int r = 0; r < n; r++) FN(axpy_kq_decode)(kind, rows[r] + u * bytes, wbuf[r]);
             float *yu = y + u * QK_K;
             for (int e = 0; e < QK_K; e += AXPY_UNIT) {
                 SV acc[SV_PER_UNIT];
@@ -314,7 +327,7 @@ TARGET_INLINE void FN(axpy_kq_tile)(const int kind, const axpy_ctx *c, int64_t u
             prefetch_bytes(c->w + row_of(c->idx, m + ROWS_PREFETCH_AHEAD) * c->w_stride + u0 * bytes,
                            (u1 - u0) * (int64_t)bytes);
         for (int64_t u = u0; u < u1; u++) {
-            kq_decode_kind(kind, row + u * bytes, w);
+            FN(axpy_kq_decode)(kind, row + u * bytes, w);
             for (int t = 0; t < ntok; t++) {
                 if (hs[t] == 0.0f) continue;
                 const SV hv = SV_SET1(hs[t]);
