@@ -2,8 +2,8 @@
  * FN / TARGET_INLINE, so they are compiled once per variant (no include guard on purpose).
  *
  * Each decodes one super-block of 256 elements into y[0..256) with the float operations of the scalar decoders in
- * kquants.h, in the same order (products and differences rounded separately, no FMA): the floats are bit-equal to
- * theirs and to the reference dequantiser's. Quants are widened 8 at a time to int32 lanes (exact in float32); the
+ * kquants.h (d * q - m as one FMA where d * q is exact, see kq_store_dm): the floats are bit-equal to theirs and to
+ * the reference dequantiser's. Quants are widened 8 at a time to int32 lanes (exact in float32); the
  * per-sub-block factors (d * scale, dmin * min) are computed in scalar code as kquants.h does. 256-bit vectors in
  * both variants (the decode is a small part of the work; the FMA loops of the callers use the wide vectors).
  */
@@ -11,9 +11,12 @@
 /* 8 bytes at p as 8 int32 lanes */
 TARGET_INLINE __m256i FN(kq_u8x8)(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
-/* y[0..8) = d * q - m (two roundings, as the reference) */
+/* y[0..8) = d * q - m. The reference rounds d * q, then the difference; here one FMA rounds the difference once,
+ * which is the same float because d * q is exact: d = fp16 super-scale (11 significant bits) times a sub-scale of
+ * at most 6 bits is exact in float32, and times q (at most 5 bits) still fits the 24-bit significand. The special
+ * values agree too (inf * 0 and inf - inf are NaN either way; zero signs: x - m = x + (-m) in both). */
 TARGET_INLINE void FN(kq_store_dm)(float *y, __m256i q, __m256 d, __m256 m) {
-    _mm256_storeu_ps(y, _mm256_sub_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m));
+    _mm256_storeu_ps(y, _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(q), m));
 }
 
 TARGET_INLINE void FN(kq_simd_q2_k)(const uint8_t *blk, float *y) {

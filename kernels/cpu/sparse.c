@@ -7,12 +7,12 @@
  * rows_axpy: y[t, :] = sum_m h[t, m] * W_t[idx[m], :] (idx NULL: all N rows). Rows with h[t, m] == 0 are skipped.
  *   Each output element is one sequential chain in index order: y = fma(h[t, m], w[m, e], y) over the rows with
  *   h != 0, starting from 0. Weights are decoded in registers to the reference dequantiser's floats (bit-equal,
- *   Q4_1 included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1, kquants.h).
- *   The OUTPUT dimension D is split over threads in units of 32 elements (a super-block of 256 for the K-quants,
- *   whose D must be a multiple of 256), each thread summing all rows for its slice, so there is no cross-thread
- *   reduction: the result
- *   depends neither on the thread count, nor on the SIMD variant (scalar uses fmaf), nor on the other tokens of
- *   the batch. (The original sums per-thread partial buffers without synchronisation, spec 4.3.)
+ *   Q4_1 included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1). The
+ *   OUTPUT dimension D is split over threads in units of 32 elements (a super-block of 256 for the K-quants, whose
+ *   D must be a multiple of 256), each thread summing all rows for its slice, so there is no cross-thread
+ *   reduction: the result depends neither on the thread count, nor on the SIMD variant (scalar uses fmaf), nor on
+ *   the other tokens of the batch. (The original sums per-thread partial buffers without synchronisation, spec
+ *   4.3.)
  *
  * Both validate row ids before any work (PI_ERR_INDEX) and accept M == 0 (rows_axpy then writes zeros). Every
  * kernel takes the SIMD level `isa` (enum pi_isa) last. The fused decode FFN built on them is in ffn.c.
@@ -213,6 +213,17 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
                 for (int j = 0; j < j1; j++) yu[j] = fmaf(hv, wv[j], yu[j]);
             }
         }
+    }
+}
+
+/* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
+static void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
+    switch (kind) {
+        case KIND_Q2_K: kq_decode_q2_k(blk, QK_K, out); break;
+        case KIND_Q3_K: kq_decode_q3_k(blk, QK_K, out); break;
+        case KIND_Q4_K: kq_decode_q4_k(blk, QK_K, out); break;
+        case KIND_Q5_K: kq_decode_q5_k(blk, QK_K, out); break;
+        default: kq_decode_q6_k(blk, QK_K, out); break;
     }
 }
 

@@ -43,17 +43,6 @@ static inline size_t kq_block_bytes(int kind) {
     }
 }
 
-/* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
-static inline void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
-    switch (kind) {
-        case KIND_Q2_K: kq_decode_q2_k(blk, QK_K, out); break;
-        case KIND_Q3_K: kq_decode_q3_k(blk, QK_K, out); break;
-        case KIND_Q4_K: kq_decode_q4_k(blk, QK_K, out); break;
-        case KIND_Q5_K: kq_decode_q5_k(blk, QK_K, out); break;
-        default: kq_decode_q6_k(blk, QK_K, out); break;
-    }
-}
-
 /* Everything a thread needs; with T = 1 the rows with h != 0 are listed a chunk at a time (axpy_t1_units). */
 typedef struct {
     const uint8_t *w;

@@ -9,6 +9,8 @@
  * y stays in L1). Storing and reloading y between groups or chunks does not change a bit of the chain.
  * T > 1: tokens AXPY_TILE_T at a time; each unit of each row is decoded once and applied to the tile's tokens
  * whose h is non-zero.
+ * K-quant kinds: a unit is a super-block of 256, decoded into a small buffer in L1 (kquants_x86.h) and applied 32
+ * elements at a time with the same per-element chain.
  */
 
 #define SIMD_CAT_(a, b) a##_##b
@@ -258,7 +260,7 @@ TARGET_INLINE void FN(axpy_units_kind)(const int kind, const axpy_ctx *c, int64_
 
 #include "kquants_x86.h"
 
-/* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to kq_decode_kind) */
+/* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to the scalar decoders of kquants.h) */
 TARGET_INLINE void FN(axpy_kq_decode)(const int kind, const uint8_t *blk, float *w) {
     switch (kind) {
         case KIND_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
