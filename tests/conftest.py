@@ -302,15 +302,24 @@ def write_relu_sparse_model(
 
 
 def random_q4_k(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
-    """Raw Q4_K blocks (a type without sparse row kernels yet, which the gguf package decodes but our quantize
-    cannot produce yet): random quants and sub-scales with small fp16 super-scales. uint8 (n_rows, n_cols / 256 *
-    144)."""
+    """Raw Q4_K blocks (a type the gguf package decodes but our quantize cannot produce yet): random quants and
+    sub-scales with small fp16 super-scales. uint8 (n_rows, n_cols / 256 * 144)."""
     assert n_cols % 256 == 0
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(n_rows, n_cols // 256, 144), dtype=np.uint8)
     scales = np.array([0.01, 0.002], dtype=np.float16).view(np.uint8)  # d, dmin
     blocks[:, :, :4] = scales
     return blocks.reshape(n_rows, -1)
+
+
+def random_tq2_0(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
+    """Raw TQ2_0 blocks of random weights (a type with no kernels here, which the gguf package quantizes and
+    decodes): uint8 (n_rows, n_cols / 256 * 66)."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gguf_quants
+
+    data = np.random.default_rng(seed).standard_normal((n_rows, n_cols)).astype(np.float32)
+    return np.ascontiguousarray(gguf_quants.quantize(data, GGMLQuantizationType.TQ2_0)).view(np.uint8)
 
 
 def assert_one_error_line(result, *needles: str) -> None:

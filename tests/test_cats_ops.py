@@ -23,6 +23,7 @@ import torch
 from test_sparse_ops import (
     ACT_TOL,
     KERNEL_TYPES,
+    KQ_TYPES,
     QUANT_TYPES,
     fake_quant_act,
     ffn_cases,
@@ -173,7 +174,9 @@ def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
 
 
 @needs_kernels
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.F16, GGMLType.Q4_K], ids=lambda t: t.name
+)
 @pytest.mark.parametrize("n_tokens", [1, 3])
 def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
     # one threshold per neuron (sparsify's files), one or two stages, and tokens forced dense (a sequence's
@@ -181,7 +184,7 @@ def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
     # measured <= 8e-7 of the output scale, bound 5e-6 (a wrong mask moves whole neurons' h, far above it)
     kc = ops.KernelContext()
     n_rows = 90
-    gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 128)
+    gate, up, down_t = ffn_weights((ggml_type,) * 3, n_rows, 256, 256 if ggml_type in KQ_TYPES else 128)
     x = make_x(n_tokens, 256)
     t_rows = (
         median_threshold(x[0], gate, "relu")
@@ -226,10 +229,13 @@ def test_cats_prefill_branches_match_decode():
 
 
 @needs_kernels
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.F16, GGMLType.Q5_1], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type", [GGMLType.Q4_0, GGMLType.F16, GGMLType.Q5_1, GGMLType.Q4_K], ids=lambda t: t.name
+)
 def test_cats_independent_of_threads(ggml_type, act):
-    gate, up, down_t = ffn_weights((ggml_type,) * 3, 600, 576, 544)
-    u = make_x(1, 576)
+    n_in, n_out = (768, 1280) if ggml_type in KQ_TYPES else (576, 544)
+    gate, up, down_t = ffn_weights((ggml_type,) * 3, 600, n_in, n_out)
+    u = make_x(1, n_in)
     t = median_threshold(u, gate, "silu")
     t_out = out_thresholds(u, gate, up, "silu")
     for (name, cand), out_t in itertools.product(candidates(600).items(), [None, t_out]):
@@ -290,7 +296,7 @@ def test_cats_validation():
 
 
 @needs_kernels
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_1, GGMLType.F16, GGMLType.Q4_K], ids=lambda t: t.name)
 @pytest.mark.parametrize("n_tokens", [1, 4])
 @pytest.mark.parametrize("two", [False, True], ids=["one-stage", "two-stage"])
 def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens, two):
@@ -308,6 +314,7 @@ def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens, two):
     )  # one per neuron
     hot_ids = np.sort(np.random.default_rng(5).permutation(n_rows)[:40])
     hot = HotRows(gate, up, down_t, hot_ids, torch.device("cpu"), kc)
+    assert all(w.ggml_type == ggml_type for w in (hot.gate, hot.up, hot.down_t))  # the file's blocks, not F16
     cold = torch.ones(n_rows, dtype=torch.bool)
     cold[torch.from_numpy(hot_ids)] = False
     dense_rows = torch.zeros(n_tokens, dtype=torch.bool)

@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_q4_k, write_relu_sparse_model
+from conftest import (
+    random_llama_state,
+    random_predictors,
+    random_tq2_0,
+    write_activation_stats,
+    write_llama_gguf,
+    write_relu_sparse_model,
+)
 
 from powerinfer import ops, quant
 from powerinfer.errors import PlacementError
@@ -28,6 +35,8 @@ TESTS = Path(__file__).resolve().parent
 N_FF = 128
 TOKENS = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
 POOL_TYPES = sorted(quant.POOL_TYPES)  # the types the pool keeps as blocks
+# the pool types our writer can quantize the tiny models to (K-quants: random super-blocks, below)
+WRITABLE_POOL_TYPES = sorted(quant.POOL_TYPES & quant.QUANTIZABLE)
 # exact-mode C kernels decode blocks to the reference floats: pool and CPU differ in summation order only
 LOGIT_TOL = 1e-4
 KV_BYTES = kv_cache_bytes(2, 64, 64, 4)  # the engines below: 2 layers, n_ctx 64, 64 KV features, float32
@@ -40,19 +49,24 @@ def _model(folder: Path, dtype: GGMLType, n_ff: int = N_FF, ffn_dtype: GGMLType 
 
 
 def _weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
+    if ggml_type in quant.K_QUANT_TYPES:  # random valid super-blocks (nothing quantizes to K-quants here yet)
+        from test_sparse_ops import make_weight
+
+        return make_weight(ggml_type, n_rows, n_cols, seed)
     w = np.random.default_rng(seed).normal(0, 1, (n_rows, n_cols)).astype(np.float32)
     return ops.QWeight.from_numpy(quantize(w, ggml_type), ggml_type, (n_rows, n_cols))
 
 
 @pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)
 def test_device_weight_keeps_the_raw_blocks(ggml_type):
-    w = _weight(ggml_type, 70, 96)
+    n_cols = 512 if ggml_type in quant.K_QUANT_TYPES else 96
+    w = _weight(ggml_type, 70, n_cols)
     ids = torch.tensor([3, 0, 69, 17, 18], dtype=torch.int64)
     dw = ops.DeviceWeight.from_qweight(w, torch.device("cpu"), ids)
-    assert dw.ggml_type == ggml_type and dw.shape == (5, 96) and dw.raw.dtype == torch.uint8
+    assert dw.ggml_type == ggml_type and dw.shape == (5, n_cols) and dw.raw.dtype == torch.uint8
     assert torch.equal(dw.raw, w.raw[ids])  # the file's bytes of those rows
-    assert dw.n_bytes == 5 * row_bytes(ggml_type, 96) == pool_bytes(ggml_type, (5, 96))
-    x = torch.randn(3, 96)
+    assert dw.n_bytes == 5 * row_bytes(ggml_type, n_cols) == pool_bytes(ggml_type, (5, n_cols))
+    x = torch.randn(3, n_cols)
     assert torch.equal(ops.linear(x, dw), sparse_ops.rows_matmul(x, w, ids))
     h = torch.randn(3, 5)
     assert torch.allclose(dw.axpy(h), sparse_ops.rows_axpy(h, w, ids), rtol=1e-6, atol=1e-6)
@@ -62,9 +76,9 @@ def test_device_weight_keeps_the_raw_blocks(ggml_type):
 
 
 def test_other_types_are_stored_as_f16_and_budgeted_so():
-    w = ops.QWeight.from_numpy(random_q4_k(9, 256), GGMLType.Q4_K, (9, 256))  # a type without pool kernels
+    w = ops.QWeight.from_numpy(random_tq2_0(9, 256), GGMLType.TQ2_0, (9, 256))  # a type without pool kernels
     dw = ops.DeviceWeight.from_qweight(w, "cpu", torch.tensor([2, 4]))
-    assert dw.ggml_type == GGMLType.F16 and dw.n_bytes == 2 * 256 * 2 == pool_bytes(GGMLType.Q4_K, (2, 256))
+    assert dw.ggml_type == GGMLType.F16 and dw.n_bytes == 2 * 256 * 2 == pool_bytes(GGMLType.TQ2_0, (2, 256))
     assert torch.equal(
         dw.raw.view(torch.float16).float(), ops.get_rows(w, torch.tensor([2, 4])).half().float()
     )
@@ -95,7 +109,7 @@ def _device_weights(engine: Engine) -> dict[str, ops.DeviceWeight]:
     return out
 
 
-@pytest.mark.parametrize("ggml_type", POOL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", WRITABLE_POOL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("share", [1.0, 0.5])
 def test_stand_in_pool_bytes_are_the_budgeted_bytes_and_logits_match(tmp_path, ggml_type, share):
     """The whole dense part and all (or half) of the FFN in the CPU stand-in pool, planned from a budget."""
@@ -124,6 +138,92 @@ def test_stand_in_pool_bytes_are_the_budgeted_bytes_and_logits_match(tmp_path, g
     assert sum(h.ids.numel() for h in hot) == int(share * 2 * N_FF)
     diff = (engine.logits_all(TOKENS) - ref).abs().max().item()
     assert diff <= LOGIT_TOL, diff
+
+
+def _k_quant_models(folder: Path, gate_up: GGMLType, down: GGMLType) -> tuple[Path, Path]:
+    """A ReLU PowerInfer model (n_embd 256, n_ff 512, 2 layers; dense part F32) whose gate/up rows are random
+    `gate_up` super-blocks and ffn_down_t rows random `down` ones, super-scales shrunk so that the weights have
+    about the scale of random_llama_state's; and the same model with those matrices decoded to F32 (the gguf
+    package's decoder). Returns (K-quant path, F32 path); activation stats beside both."""
+    from test_kquant_kernels import K_TYPES, random_k_blocks
+
+    from powerinfer.gguf import GGUFWriter
+    from powerinfer.quant import dequantize
+
+    n_embd, n_ff = 256, 512
+    src_path = folder / "src" / "m.powerinfer.gguf"
+    src_path.parent.mkdir(parents=True)
+    sd = random_llama_state(n_embd=n_embd, n_ff=n_ff, seed=4)
+    write_llama_gguf(src_path, sd, n_head=4, n_head_kv=4, act="relu", predictors=random_predictors(sd))
+    src = read_gguf(src_path)
+    paths = []
+    for variant in ("kq", "f32"):
+        path = folder / variant / "m.powerinfer.gguf"
+        path.parent.mkdir()
+        write_activation_stats(path.parent / "activation", 2, n_ff)
+        w = GGUFWriter(path, sparse=True)
+        src.copy_metadata(w)
+        for seed, t in enumerate(src.tensors.values()):
+            kind = t.name.split(".")[-2]
+            if kind not in ("ffn_gate", "ffn_up", "ffn_down_t"):
+                w.add_tensor(t.name, t.data, t.ggml_type, t.shape)
+                continue
+            ggml_type = down if kind == "ffn_down_t" else gate_up
+            raw = random_k_blocks(ggml_type, *t.shape, seed=seed)
+            blocks = raw.reshape(t.shape[0], -1, K_TYPES[ggml_type][0])
+            for off in K_TYPES[ggml_type][1]:  # super-scales / 50: weights of about 0.1 at most, not 10
+                scales = np.ascontiguousarray(blocks[:, :, off : off + 2]).view(np.float16) / np.float16(50)
+                blocks[:, :, off : off + 2] = scales.view(np.uint8)
+            if variant == "kq":
+                w.add_tensor(t.name, raw, ggml_type, t.shape)
+            else:
+                w.add_tensor(t.name, dequantize(raw, ggml_type, t.shape), GGMLType.F32)
+        w.write()
+        paths.append(path)
+    return paths[0], paths[1]
+
+
+@pytest.mark.parametrize(
+    "gate_up, down",
+    [(GGMLType.Q4_K, GGMLType.Q6_K), (GGMLType.Q2_K, GGMLType.Q5_K), (GGMLType.Q3_K, GGMLType.Q4_K)],
+)
+def test_k_quant_sparse_ffn_on_the_cpu_and_in_the_pool(tmp_path, gate_up, down):
+    """A K-quant PowerInfer file runs its sparse FFN on its blocks: all on the CPU (the fused predictor + FFN
+    kernel) and split with the CPU stand-in pool (half of the FFN, kept as the file's super-blocks), both against
+    the same model with the FFN decoded to F32, prefill and token-by-token decode. Measured over the three mixes:
+    max |logit diff| <= 8.4e-7 of the logits' scale (float32 summation order; about half the neurons active);
+    bound 1e-5."""
+    kq_path, f32_path = _k_quant_models(tmp_path, gate_up, down)
+    ref = Engine(f32_path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    scale = float(ref.abs().max())
+    cpu = Engine(kq_path, EngineOptions(n_ctx=64, n_threads=2))
+    ffn = cpu.model.ffns[0]
+    assert ffn.gate.ggml_type == gate_up and ffn.down_t.ggml_type == down and ffn.fused_decode
+    prefill = cpu.logits_all(TOKENS)
+    cpu.reset()
+    decode = torch.stack([cpu.eval([t]) for t in TOKENS])  # T = 1 steps: the fused kernel
+    for got in (prefill, decode):
+        assert (got - ref).abs().max() <= 1e-5 * scale
+    for f in cpu.model.ffns:  # no float copy of any FFN matrix was made
+        assert not (f.gate._dense or f.up._dense or f.down_t._dense)
+    fp = footprint_from_gguf(read_gguf(kq_path), 2, 512)
+    kv = kv_cache_bytes(2, 64, 256, 4)
+    budget = default_reserve_bytes(fp) + fp.dense_bytes + kv + fp.ffn_bytes // 2 + 1
+    pooled = Engine(
+        kq_path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+    )
+    hot = [f.hot for f in pooled.model.ffns]
+    assert all(h is not None for h in hot)
+    for h, neuron_bytes in zip(hot, fp.neuron_bytes, strict=True):
+        assert h.gate.ggml_type == gate_up and h.down_t.ggml_type == down  # the file's blocks, not F16
+        assert h.n_bytes == h.ids.numel() * neuron_bytes
+    assert 0 < sum(h.ids.numel() for h in hot) < 2 * 512
+    prefill = pooled.logits_all(TOKENS)
+    pooled.reset()
+    decode = torch.stack([pooled.eval([t]) for t in TOKENS])
+    for got in (prefill, decode):
+        assert (got - ref).abs().max() <= 1e-5 * scale
+    assert int(pooled.sparse_stats.active_gpu.sum()) > 0  # the pool computed some of the active neurons
 
 
 def test_a_budget_holds_3_5x_more_q4_0_neurons_than_f16(tmp_path, monkeypatch):
@@ -170,8 +270,9 @@ def test_pool_bytes_for_the_same_neurons(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_kernels_in_the_interpreter():
-    """The CUDA pool's kernels (Q4_0, Q4_1, Q8_0, F16, F32; odd N, K 32..2048, T 1/3/17, split sums) and a whole
-    model with every pool weight on the Triton path, run on the CPU by TRITON_INTERPRET=1 (see the script)."""
+    """The CUDA pool's kernels (every pool type, K-quants included; odd N, K 32..2048, T 1/3/17, split sums) and
+    whole models with every pool weight on the Triton path, run on the CPU by TRITON_INTERPRET=1 (see the
+    script)."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, str(TESTS / "triton_interpret_check.py")],
@@ -188,5 +289,5 @@ def test_triton_kernels_in_the_interpreter():
     assert {k[0] for k in kernels} == {t.name for t in POOL_TYPES}
     assert {k[4] for k in kernels} == {1, 3, 17} and {k[3] for k in kernels} >= {32, 64, 96, 2048}
     assert max(k[-1] for k in kernels) < 1e-5
-    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "BF16"}
+    assert set(report["engine"]) == {"Q4_0", "Q4_1", "Q5_0", "Q8_0", "F16", "BF16", "Q4_K/Q6_K"}
     assert max(report["engine"].values()) < 1e-4

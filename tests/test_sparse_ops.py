@@ -21,14 +21,17 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from conftest import random_q4_k
+from conftest import random_tq2_0
 
 from powerinfer import ops, quant
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import sparse
 from powerinfer.quant import quantize
 
-KERNEL_TYPES = sorted(quant.KERNEL_TYPES)  # every type the C kernels compute on
+# K-quants: rows of 256-element super-blocks, exact (float activation) kernels in both precisions; test weights are
+# random valid super-blocks (nothing here quantizes to them yet), the reference decodes them with the gguf package
+KQ_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+KERNEL_TYPES = sorted(quant.KERNEL_TYPES) + KQ_TYPES  # every type the C sparse kernels compute on
 QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
 BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
 SHAPES_T = [1, 3, 9]
@@ -52,11 +55,25 @@ def available_isas() -> list[str]:
 
 
 def cols_for(ggml_type: GGMLType) -> list[int]:
-    """Row lengths: any for F32/F16 (tails of every size), multiples of 32 for the quant types."""
+    """Row lengths: any for F32/F16 (tails of every size), multiples of 32 for the quant types, of 256 for the
+    K-quants."""
+    if ggml_type in KQ_TYPES:
+        return [256, 512]
     return [32, 576] if ggml_type in BLOCK_TYPES else [1, 7, 33, 100, 576]
 
 
+def long_cols(ggml_type: GGMLType) -> int:
+    """A row length of several blocks (super-blocks) for the type."""
+    return 768 if ggml_type in KQ_TYPES else 576
+
+
 def make_weight(ggml_type: GGMLType, n_rows: int, n_cols: int, seed: int = 0) -> ops.QWeight:
+    if ggml_type in KQ_TYPES:
+        # imported here: test_kquant_kernels imports this module
+        from test_kquant_kernels import random_k_blocks
+
+        raw = random_k_blocks(ggml_type, n_rows, n_cols, seed)
+        return ops.QWeight.from_numpy(raw, ggml_type, (n_rows, n_cols))
     data = np.random.default_rng(seed).standard_normal((n_rows, n_cols)).astype(np.float32)
     data[:, :3] = 0.0
     return ops.QWeight.from_numpy(quantize(data, ggml_type), ggml_type, (n_rows, n_cols))
@@ -125,8 +142,9 @@ def test_rows_matmul_matches_reference(ggml_type, isa, act):
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_rows_matmul_all_rows_is_linear(ggml_type, isa, act):
     kc = ops.KernelContext(act_precision=act, isa=isa)
-    w = make_weight(ggml_type, 300, 576)
-    x = make_x(9, 576)
+    n_cols = long_cols(ggml_type)
+    w = make_weight(ggml_type, 300, n_cols)
+    x = make_x(9, n_cols)
     dense = ops.linear(x, w, kc)
     assert torch.equal(sparse.rows_matmul(x, w, torch.arange(300), kc), dense)
     # any subset is the matching columns of the dense result, bit for bit
@@ -164,7 +182,8 @@ def test_rows_axpy_bitwise_invariants(ggml_type, act):
     # same bits for: every SIMD variant this CPU has, 1 or 2 threads, a token alone or in a batch, idx None or
     # arange, and whatever the activation precision (rows_axpy is always exact mode). 600 rows: the one-token
     # path lists the rows with h != 0 in chunks, which must not change a bit either.
-    n_rows, n_out = 600, 544 if ggml_type in BLOCK_TYPES else 547
+    # (K-quants: 5 super-blocks, split 2 + 3 over two threads)
+    n_rows, n_out = 600, 1280 if ggml_type in KQ_TYPES else 544 if ggml_type in BLOCK_TYPES else 547
     w = make_weight(ggml_type, n_rows, n_out)
     idx = subsets(n_rows)["random"]
     h = make_h(9, idx.numel())
@@ -186,8 +205,8 @@ def test_rows_axpy_bitwise_invariants(ggml_type, act):
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_rows_matmul_independent_of_threads(ggml_type, isa, act):
-    w = make_weight(ggml_type, 300, 576)
-    x = make_x(9, 576)
+    w = make_weight(ggml_type, 300, long_cols(ggml_type))
+    x = make_x(9, long_cols(ggml_type))
     idx = subsets(300)["random"]
     one = sparse.rows_matmul(x, w, idx, ops.KernelContext(n_threads=1, act_precision=act, isa=isa))
     two = sparse.rows_matmul(x, w, idx, ops.KernelContext(n_threads=2, act_precision=act, isa=isa))
@@ -208,8 +227,8 @@ def test_rows_axpy_dense_down_projection():
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_reference_path_gives_same_values(ggml_type):
-    w = make_weight(ggml_type, 70, 576)
-    x, idx = make_x(3, 576), subsets(70)["random"]
+    w = make_weight(ggml_type, 70, long_cols(ggml_type))
+    x, idx = make_x(3, long_cols(ggml_type)), subsets(70)["random"]
     h = make_h(3, idx.numel())
     kernel_mm, kernel_axpy = sparse.rows_matmul(x, w, idx), sparse.rows_axpy(h, w, idx)
     off = ops.KernelContext(enabled=False)
@@ -245,7 +264,7 @@ def test_missing_extension_runs_the_references(monkeypatch):
 
 
 def test_non_kernel_types_use_reference_without_warning():
-    w = ops.QWeight.from_numpy(random_q4_k(9, 256), GGMLType.Q4_K, (9, 256))
+    w = ops.QWeight.from_numpy(random_tq2_0(9, 256), GGMLType.TQ2_0, (9, 256))
     x, idx = make_x(3, 256), torch.tensor([8, 2])
     h = make_h(3, 2)
     with warnings.catch_warnings():
@@ -258,15 +277,16 @@ def test_non_kernel_types_use_reference_without_warning():
 @needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_validation(ggml_type):
-    w = make_weight(ggml_type, 20, 64)
-    x = make_x(2, 64)
+    n_cols = 256 if ggml_type in KQ_TYPES else 64
+    w = make_weight(ggml_type, 20, n_cols)
+    x = make_x(2, n_cols)
     for bad in ([20], [-1], [0, 25]):
         with pytest.raises(IndexError):
             sparse.rows_matmul(x, w, torch.tensor(bad))
         with pytest.raises(IndexError):
             sparse.rows_axpy(make_h(2, len(bad)), w, torch.tensor(bad))
     with pytest.raises(ValueError):
-        sparse.rows_matmul(make_x(2, 32), w, torch.tensor([1]))
+        sparse.rows_matmul(make_x(2, n_cols // 2), w, torch.tensor([1]))
     with pytest.raises(ValueError):
         sparse.rows_axpy(make_h(2, 3), w, torch.tensor([1, 2]))
     with pytest.raises(ValueError):
@@ -274,7 +294,7 @@ def test_validation(ggml_type):
     # empty selections and other index dtypes / layouts
     assert sparse.rows_matmul(x, w, torch.zeros(0, dtype=torch.int64)).shape == (2, 0)
     assert torch.equal(
-        sparse.rows_axpy(torch.zeros(2, 0), w, torch.zeros(0, dtype=torch.int64)), torch.zeros(2, 64)
+        sparse.rows_axpy(torch.zeros(2, 0), w, torch.zeros(0, dtype=torch.int64)), torch.zeros(2, n_cols)
     )
     idx32 = torch.tensor([5, 1, 7, 3], dtype=torch.int32)
     idx_strided = torch.tensor([5, 0, 1, 0, 7, 0, 3, 0])[::2]
@@ -306,17 +326,28 @@ def ffn_weights(types, n_rows: int, n_in: int, n_out: int, seed: int = 0):
 
 
 def ffn_cases(ggml_type: GGMLType):
-    """(gate, up, down) types: all of one type, and one mixed triple with it as the gate."""
+    """(gate, up, down) types: all of one type, and one mixed triple with it as the gate (a K-quant gate with a
+    Q8_0 up and another K-quant down, as the mixes of K-quant files have them)."""
+    if ggml_type in KQ_TYPES:
+        other_k = GGMLType.Q6_K if ggml_type != GGMLType.Q6_K else GGMLType.Q4_K
+        return [(ggml_type,) * 3, (ggml_type, GGMLType.Q8_0, other_k)]
     other = GGMLType.F16 if ggml_type in BLOCK_TYPES else GGMLType.Q8_0
     return [(ggml_type,) * 3, (ggml_type, other, GGMLType.Q4_0)]
 
 
 def ffn_shapes(types):
-    """(K, D) pairs valid for the types: odd lengths where every weight is F32/F16."""
-    if all(t not in BLOCK_TYPES for t in types):
+    """(K, D) pairs valid for the types: odd lengths where every weight is F32/F16, multiples of 256 for the
+    K-quants."""
+    if all(t not in BLOCK_TYPES and t not in KQ_TYPES for t in types):
         return [(1, 7), (33, 100), (576, 576)]
-    k = [32, 576] if any(t in BLOCK_TYPES for t in types[:2]) else [7, 100]
-    d = [64, 544] if types[2] in BLOCK_TYPES else [33, 547]
+    if any(t in KQ_TYPES for t in types[:2]):
+        k = [256, 768]
+    else:
+        k = [32, 576] if any(t in BLOCK_TYPES for t in types[:2]) else [7, 100]
+    if types[2] in KQ_TYPES:
+        d = [256, 768]
+    else:
+        d = [64, 544] if types[2] in BLOCK_TYPES else [33, 547]
     return list(zip(k, d, strict=False))
 
 
@@ -378,6 +409,8 @@ def test_ffn_rows_matches_reference(ggml_type, act):
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_ffn_rows_independent_of_threads(ggml_type, isa, act):
     n_rows, n_in, n_out = 600, 576, 544 if ggml_type in BLOCK_TYPES else 547
+    if ggml_type in KQ_TYPES:
+        n_in, n_out = 768, 1280
     types = (ggml_type,) * 3
     gate, up, down_t = ffn_weights(types, n_rows, n_in, n_out)
     u = make_x(1, n_in)[0]
@@ -406,9 +439,9 @@ def test_ffn_rows_fallbacks():
         y = sparse.ffn_rows(x[0], gate, up, down_t, idx, "relu", False, off)
     assert torch.equal(y, sparse.ffn_rows_ref(x[0], gate, up, down_t, idx, "relu", False))
     # a non-kernel type anywhere: the unfused ops (reference for that weight)
-    q4_k = ops.QWeight.from_numpy(random_q4_k(70, 256, seed=2), GGMLType.Q4_K, (70, 256))
-    y = sparse.ffn_rows(x[0], gate, up, q4_k, idx, "relu", False)
-    assert torch.equal(y, unfused(x[0], gate, up, q4_k, idx, False))
+    tq2 = ops.QWeight.from_numpy(random_tq2_0(70, 256, seed=2), GGMLType.TQ2_0, (70, 256))
+    y = sparse.ffn_rows(x[0], gate, up, tq2, idx, "relu", False)
+    assert torch.equal(y, unfused(x[0], gate, up, tq2, idx, False))
 
 
 @needs_kernels

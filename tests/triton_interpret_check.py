@@ -18,25 +18,36 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REL_TOL = 1e-5  # float32 accumulation over K <= 2048 terms (observed ~2e-7)
+REL_TOL = 1e-5  # float32 accumulation over K <= 2048 terms (observed ~2e-7; K-quants <= 3.4e-7)
 LOGIT_TOL = 1e-4  # whole model, Triton pool vs the all-CPU engine (same tolerance as the C stand-in)
 
 
 def check_kernels(failures: list[str]) -> list[list]:
+    from test_kquant_kernels import random_k_blocks
+
     from powerinfer.gguf.constants import GGMLType
     from powerinfer.ops import triton_quant
-    from powerinfer.quant import dequantize, quantize
+    from powerinfer.quant import K_QUANT_TYPES, dequantize, quantize
 
     rng = np.random.default_rng(0)
     out = []
-    # N not a multiple of the row tile (32/64), K from one block up; F16/F32 rows also of odd length
+    # N not a multiple of the row tile (32/64), K from one block up; F16/F32 rows also of odd length; K-quants
+    # from one super-block up (random valid super-blocks: nothing quantizes to them here yet)
     shapes = [(37, 32), (5, 64), (70, 96), (33, 2048)]
-    cases = [(t, n, k) for t in triton_quant.SUPPORTED_TYPES for n, k in shapes]
+    k_shapes = [(37, 256), (5, 512), (33, 2048)]
+    cases = [
+        (t, n, k)
+        for t in triton_quant.SUPPORTED_TYPES
+        for n, k in (k_shapes if t in K_QUANT_TYPES else shapes)
+    ]
     cases += [(GGMLType.F16, 9, 40), (GGMLType.F32, 9, 24)]
     for ggml_type, n_rows, n_cols in sorted(cases, key=lambda c: (c[0].value, c[1], c[2])):
-        w = rng.normal(0, 1, (n_rows, n_cols)).astype(np.float32)
-        w[0, :5] = 0.0  # zeros and a negative-zero scale somewhere
-        raw = torch.from_numpy(quantize(w, ggml_type))
+        if ggml_type in K_QUANT_TYPES:
+            raw = torch.from_numpy(random_k_blocks(ggml_type, n_rows, n_cols, seed=n_rows))
+        else:
+            w = rng.normal(0, 1, (n_rows, n_cols)).astype(np.float32)
+            w[0, :5] = 0.0  # zeros and a negative-zero scale somewhere
+            raw = torch.from_numpy(quantize(w, ggml_type))
         dense = torch.from_numpy(dequantize(raw.numpy(), ggml_type, (n_rows, n_cols)).copy()).double()
         big = n_cols == 2048  # the interpreter is slow there: one token, default split only
         for T in (1,) if big else (1, 3, 17):
@@ -60,7 +71,6 @@ def check_kernels(failures: list[str]) -> list[list]:
 
 def check_engine(failures: list[str]) -> dict[str, float]:
     """A whole model with every pool weight (attention, predictors, output, hot rows) on the Triton path."""
-    sys.path.insert(0, str(Path(__file__).parent))
     from conftest import write_relu_sparse_model
 
     from powerinfer import ops
@@ -74,9 +84,12 @@ def check_engine(failures: list[str]) -> dict[str, float]:
             return ops.DeviceWeight(w.raw, w.ggml_type, w.shape, backend="triton")
         return w
 
+    from test_device_quant import _k_quant_models
+
     tokens = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
+        models = []  # (name, path, n_ff, n_embd)
         for ggml_type in (
             GGMLType.Q4_0,
             GGMLType.Q4_1,
@@ -90,12 +103,18 @@ def check_engine(failures: list[str]) -> dict[str, float]:
             path = write_relu_sparse_model(
                 folder / "m.powerinfer.gguf", n_ff=128, seed=4, dtype=ggml_type, stats=True
             )
+            models.append((ggml_type.name, path, 128, 64))
+        # K-quant FFN rows (Q4_K gate/up, Q6_K down_t, as Q4_K_M files mix them), dense part F32
+        (Path(tmp) / "kq").mkdir()
+        models.append(
+            ("Q4_K/Q6_K", _k_quant_models(Path(tmp) / "kq", GGMLType.Q4_K, GGMLType.Q6_K)[0], 512, 256)
+        )
+        for name, path, n_ff, n_embd in models:
             ref = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(tokens)
             # a budget for the dense part and half of the FFN: hot and cold rows both in use
-            fp = footprint_from_gguf(read_gguf(path), 2, 128)
-            budget = (
-                default_reserve_bytes(fp) + fp.dense_bytes + kv_cache_bytes(2, 64, 64, 4) + fp.ffn_bytes // 2
-            )
+            fp = footprint_from_gguf(read_gguf(path), 2, n_ff)
+            kv_bytes = kv_cache_bytes(2, 64, n_embd, 4)
+            budget = default_reserve_bytes(fp) + fp.dense_bytes + kv_bytes + fp.ffn_bytes // 2
             engine = Engine(
                 path, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=budget / 2**30)
             )
@@ -113,14 +132,14 @@ def check_engine(failures: list[str]) -> dict[str, float]:
                     f.hot = HotRows(f.gate, f.up, f.down_t, ids, f.hot.device, engine.kc, backend="triton")
                     n_hot += f.hot.ids.numel()
             m.head.output = to_triton(m.head.output)
-            if not 0 < n_hot < 2 * 128 or not isinstance(m.layers[0].attn.wq, ops.DeviceWeight):
-                failures.append(f"engine {ggml_type.name}: unexpected placement ({n_hot} hot neurons)")
+            if not 0 < n_hot < 2 * n_ff or not isinstance(m.layers[0].attn.wq, ops.DeviceWeight):
+                failures.append(f"engine {name}: unexpected placement ({n_hot} hot neurons)")
             # prefill (T = 10, the tl.dot path) then decode steps (T = 1, broadcast path)
             got = torch.cat([engine.logits_all(tokens[:7])] + [engine.logits_all([t]) for t in tokens[7:]])
             err = (got - ref).abs().max().item()
-            out[ggml_type.name] = err
+            out[name] = err
             if not err < LOGIT_TOL:
-                failures.append(f"engine {ggml_type.name}: max |logit diff| {err:.3g}")
+                failures.append(f"engine {name}: max |logit diff| {err:.3g}")
     return out
 
 
@@ -128,6 +147,7 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") != "1":
         print("run with TRITON_INTERPRET=1", file=sys.stderr)
         return 2
+    sys.path.insert(0, str(Path(__file__).parent))  # conftest and the test modules' data helpers
     failures: list[str] = []
     report = {"kernels": check_kernels(failures), "engine": check_engine(failures), "failures": failures}
     print(json.dumps(report))

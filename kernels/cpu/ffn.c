@@ -59,6 +59,11 @@ static int64_t row_bytes_of(int kind, int64_t K) {
         case KIND_Q5_0: return K / QK * (int64_t)sizeof(block_q5_0);
         case KIND_Q5_1: return K / QK * (int64_t)sizeof(block_q5_1);
         case KIND_F32: return K * 4;
+        case KIND_Q2_K:
+        case KIND_Q3_K:
+        case KIND_Q4_K:
+        case KIND_Q5_K:
+        case KIND_Q6_K: return K / QK_K * (int64_t)kq_block_bytes(kind); /* K % QK_K == 0: check_weight */
         default: return K * 2;
     }
 }
@@ -71,6 +76,11 @@ static size_t unit_bytes_of(int kind) {
         case KIND_Q5_0: return sizeof(block_q5_0);
         case KIND_Q5_1: return sizeof(block_q5_1);
         case KIND_F32: return AXPY_UNIT * 4;
+        case KIND_Q2_K:
+        case KIND_Q3_K:
+        case KIND_Q4_K:
+        case KIND_Q5_K:
+        case KIND_Q6_K: return kq_block_bytes(kind); /* a unit is a super-block */
         default: return AXPY_UNIT * 2;
     }
 }
@@ -85,6 +95,12 @@ static ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t
         case KIND_BF16: m.dot = t->dot_bf16; break;
         case KIND_Q5_0: m.dot = t->dot_q5_0_f; break; /* no int8 tiles: float activations in both precisions */
         case KIND_Q5_1: m.dot = t->dot_q5_1_f; break;
+        /* K-quants: float activations in both precisions (the exact kernels), as Q5_0 / Q5_1 */
+        case KIND_Q2_K: m.dot = t->dot_q2_k_f; break;
+        case KIND_Q3_K: m.dot = t->dot_q3_k_f; break;
+        case KIND_Q4_K: m.dot = t->dot_q4_k_f; break;
+        case KIND_Q5_K: m.dot = t->dot_q5_k_f; break;
+        case KIND_Q6_K: m.dot = t->dot_q6_k_f; break;
         default: m.dot = t->dot_f16; break;
     }
     return m;
@@ -151,10 +167,11 @@ static void ffn_phase1(const ffn_ctx *c, int64_t m0, int64_t m1) {
 /* this thread's slice of the output units: the rows with h != 0, as rows_axpy sums them */
 static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all) {
     const axpy_ctx *d = &c->down;
-    const int64_t n_full = d->D / AXPY_UNIT, n_units = (d->D + AXPY_UNIT - 1) / AXPY_UNIT;
+    const int64_t unit = axpy_unit_of(c->kind_down);
+    const int64_t n_full = d->D / unit, n_units = (d->D + unit - 1) / unit;
     const int64_t u0 = n_units * me / all, u1 = n_units * (me + 1) / all;
     axpy_t1_units(c->units, c->kind_down, d, u0, min_i64(u1, n_full));
-    if (u1 > n_full) axpy_range_scalar(c->kind_down, d, n_full * AXPY_UNIT, d->D); /* partial unit: F32/F16 */
+    if (u1 > n_full) axpy_range_scalar(c->kind_down, d, n_full * unit, d->D); /* partial unit: F32/F16 */
 }
 
 /* Scratch of pi_ffn_rows over M neurons of K inputs: h (M floats), then the int8 activations in the q8 precision. */
@@ -182,11 +199,13 @@ PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act
     return (int64_t)(ffn_rows_scratch(M, K, q8_act != 0) + PI_SCRATCH_ALIGN);
 }
 
-/* A weight of n_rows rows of len elements of `kind`, stride bytes apart: a known kind, whole blocks, rows that
- * do not overlap, and a buffer when it has rows. */
+/* A weight of n_rows rows of len elements of `kind`, stride bytes apart: a known kind, whole blocks (super-blocks
+ * of 256 for the K-quants), rows that do not overlap, and a buffer when it has rows. The row size every later
+ * pointer is computed from (row_bytes_of) follows from the kind and len, so it is checked here first. */
 static int32_t check_weight(int32_t kind, int64_t n_rows, int64_t len, const uint8_t *w, int64_t stride) {
     if (kind < KIND_Q4_0 || kind > KIND_LAST) return PI_ERR_SHAPE;
     if (kind_is_block(kind) && len % QK != 0) return PI_ERR_SHAPE;
+    if (kind_is_kq(kind) && len % QK_K != 0) return PI_ERR_SHAPE;
     if (!stride_ok(n_rows, stride, row_bytes_of(kind, len))) return PI_ERR_SHAPE;
     return n_rows > 0 && w == NULL ? PI_ERR_SHAPE : PI_OK;
 }
@@ -194,7 +213,8 @@ static int32_t check_weight(int32_t kind, int64_t n_rows, int64_t len, const uin
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
  *             idx, M, act, relu_up, q8_act, y, scratch, scratch_bytes, threads, isa):
  * y (D,) as described above; gate and up are (N, K), down_t (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1,
- * 2 Q8_0, 3 F32, 4 F16, 5 BF16, 6 Q5_0, 7 Q5_1); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
+ * 2 Q8_0, 3 F32, 4 F16, 5 BF16, 6 Q5_0, 7 Q5_1, 8 Q2_K, 9 Q3_K, 10 Q4_K, 11 Q5_K, 12 Q6_K; a K-quant weight needs
+ * its row length, K or D, a multiple of 256); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
  * q8_act != 0 uses the int8 activation dot products of the quant types (the "q8" precision of rows_matmul).
  * scratch: at least pi_ffn_rows_scratch_bytes(M, K, q8_act) bytes, else PI_ERR_SCRATCH. */
 PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,

@@ -520,16 +520,18 @@ DEFINE_TILE_QF(q5_1, 4, block_q5_1)
 
 /* ---- K-quant weight x float activation (exact mode) ------------------------------------------------------ */
 
-/* A super-block of 256 is decoded (kquants.h: the reference dequantiser's float operations, so the weights are
+/* A super-block of 256 is decoded (kquants_x86.h: the reference dequantiser's float operations, so the weights are
  * bit-equal to it) into 256 floats in memory, then FMA'd with x as the 8 blocks of 32 it holds, with the
  * accumulators of tile_qf_n (vector j of block i to accumulator QF_ACC(i & 1, j)) and its horizontal sum. */
+#include "kquants_x86.h"
+
 TARGET_INLINE void FN(decode_kq)(const int kind, const uint8_t *blk, float *w) {
-    switch (kind) {
-        case 0: kq_decode_q2_k(blk, QK_K, w); break;
-        case 1: kq_decode_q3_k(blk, QK_K, w); break;
-        case 2: kq_decode_q4_k(blk, QK_K, w); break;
-        case 3: kq_decode_q5_k(blk, QK_K, w); break;
-        default: kq_decode_q6_k(blk, QK_K, w); break;
+    switch (kind) { /* SIMD decoders, bit-equal to kquants.h's */
+        case 0: FN(kq_simd_q2_k)(blk, w); break;
+        case 1: FN(kq_simd_q3_k)(blk, w); break;
+        case 2: FN(kq_simd_q4_k)(blk, w); break;
+        case 3: FN(kq_simd_q5_k)(blk, w); break;
+        default: FN(kq_simd_q6_k)(blk, w); break;
     }
 }
 

@@ -7,10 +7,12 @@
  * rows_axpy: y[t, :] = sum_m h[t, m] * W_t[idx[m], :] (idx NULL: all N rows). Rows with h[t, m] == 0 are skipped.
  *   Each output element is one sequential chain in index order: y = fma(h[t, m], w[m, e], y) over the rows with
  *   h != 0, starting from 0. Weights are decoded in registers to the reference dequantiser's floats (bit-equal,
- *   Q4_1 included: d * q then + m, rounded separately). The OUTPUT dimension D is split over threads in units of
- *   32 elements, each thread summing all rows for its slice, so there is no cross-thread reduction: the result
- *   depends neither on the thread count, nor on the SIMD variant (scalar uses fmaf), nor on the other tokens of
- *   the batch. (The original sums per-thread partial buffers without synchronisation, spec 4.3.)
+ *   Q4_1 included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1). The
+ *   OUTPUT dimension D is split over threads in units of 32 elements (a super-block of 256 for the K-quants, whose
+ *   D must be a multiple of 256), each thread summing all rows for its slice, so there is no cross-thread
+ *   reduction: the result depends neither on the thread count, nor on the SIMD variant (scalar uses fmaf), nor on
+ *   the other tokens of the batch. (The original sums per-thread partial buffers without synchronisation, spec
+ *   4.3.)
  *
  * Both validate row ids before any work (PI_ERR_INDEX) and accept M == 0 (rows_axpy then writes zeros). Every
  * kernel takes the SIMD level `isa` (enum pi_isa) last. The fused decode FFN built on them is in ffn.c.
@@ -109,6 +111,22 @@ DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q
 DEFINE_ROWS_MATMUL(q5_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_0), table->dot_q5_0_f, QK)
 DEFINE_ROWS_MATMUL(q5_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_1), table->dot_q5_1_f, QK)
 
+/* K-quants: float activations (the exact kernel of both precisions). Rows hold whole super-blocks of 256: any other
+ * K is a shape error before a row is read (the T = 1 path checks K % QK_K itself, the tiled one here). */
+static int32_t matmul_kq_f_rows_checked(const matmul_table *table, int64_t row_bytes, tile_float_fn tile,
+                                        const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N, int64_t K,
+                                        const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                                        int32_t n_threads) {
+    if (K % QK_K != 0) return PI_ERR_SHAPE;
+    return matmul_quant_f_rows(table, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
+}
+
+DEFINE_ROWS_MATMUL(q2_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q2_k), table->dot_q2_k_f, QK_K)
+DEFINE_ROWS_MATMUL(q3_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q3_k), table->dot_q3_k_f, QK_K)
+DEFINE_ROWS_MATMUL(q4_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q4_k), table->dot_q4_k_f, QK_K)
+DEFINE_ROWS_MATMUL(q5_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q5_k), table->dot_q5_k_f, QK_K)
+DEFINE_ROWS_MATMUL(q6_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q6_k), table->dot_q6_k_f, QK_K)
+
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
 /* Elements [j0, j1) of unit u of a row, decoded as the reference dequantiser does. */
@@ -198,7 +216,44 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
     }
 }
 
+/* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
+static void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
+    switch (kind) {
+        case KIND_Q2_K: kq_decode_q2_k(blk, QK_K, out); break;
+        case KIND_Q3_K: kq_decode_q3_k(blk, QK_K, out); break;
+        case KIND_Q4_K: kq_decode_q4_k(blk, QK_K, out); break;
+        case KIND_Q5_K: kq_decode_q5_k(blk, QK_K, out); break;
+        default: kq_decode_q6_k(blk, QK_K, out); break;
+    }
+}
+
+/* K-quant kinds, super-blocks [u0, u1) of y: each super-block of a row decoded once (kquants.h), then the same
+ * fmaf chain per element as the other kinds. T = 1 takes the listed rows, T > 1 every row with h != 0. */
+static void axpy_kq_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    const int64_t n_rows = c->T == 1 ? c->n_act : c->M;
+    for (int64_t t = 0; t < c->T; t++) {
+        float *yt = c->y + t * c->y_stride;
+        if (c->T != 1 || !c->accumulate)
+            for (int64_t e = u0 * QK_K; e < u1 * QK_K; e++) yt[e] = 0.0f;
+        for (int64_t m = 0; m < n_rows; m++) {
+            const float hv = c->T == 1 ? c->act_h[m] : c->h[t * c->h_stride + m];
+            if (hv == 0.0f) continue;
+            const uint8_t *row = c->T == 1 ? c->act_rows[m] : c->w + row_of(c->idx, m) * c->w_stride;
+            for (int64_t u = u0; u < u1; u++) {
+                float wv[QK_K];
+                kq_decode_kind(kind, row + u * c->unit_bytes, wv);
+                float *yu = yt + u * QK_K;
+                for (int j = 0; j < QK_K; j++) yu[j] = fmaf(hv, wv[j], yu[j]);
+            }
+        }
+    }
+}
+
 static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    if (kind_is_kq(kind)) {
+        axpy_kq_units_scalar(kind, c, u0, u1);
+        return;
+    }
     if (c->T != 1) {
         axpy_range_scalar(kind, c, u0 * AXPY_UNIT, u1 * AXPY_UNIT);
         return;
@@ -261,8 +316,12 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
                          int64_t y_stride, int32_t n_threads, int32_t isa) {
     if (N < 0 || M < 0 || D < 0 || T < 0) return PI_ERR_SHAPE;
     if (kind_is_block(kind) && D % QK != 0) return PI_ERR_SHAPE;
-    /* bytes of one row of D elements: D / 32 units of unit_bytes (a quant block, or 32 floats of 2 or 4 bytes) */
-    const int64_t row_bytes = kind_is_block(kind) ? D / QK * (int64_t)unit_bytes : D * (int64_t)(unit_bytes / AXPY_UNIT);
+    if (kind_is_kq(kind) && D % QK_K != 0) return PI_ERR_SHAPE; /* K-quant rows hold whole super-blocks */
+    /* bytes of one row of D elements: D / 32 units of unit_bytes (a quant block, or 32 floats of 2 or 4 bytes), or
+     * D / 256 super-blocks of unit_bytes for the K-quants */
+    const int64_t row_bytes = kind_is_kq(kind)      ? D / QK_K * (int64_t)unit_bytes
+                              : kind_is_block(kind) ? D / QK * (int64_t)unit_bytes
+                                                    : D * (int64_t)(unit_bytes / AXPY_UNIT);
     if (!stride_ok(N, w_stride, row_bytes) || !stride_ok(T, h_stride, M) || !stride_ok(T, y_stride, D))
         return PI_ERR_SHAPE;
     const int32_t status = check_ids(idx, M, N);
@@ -277,8 +336,9 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
         for (int64_t m = 0; m < M; m++) work_rows += h[m] != 0.0f;
     }
     const axpy_units_fn units = axpy_units_for(isa);
-    const int64_t n_full = D / AXPY_UNIT;
-    const int64_t n_units = (D + AXPY_UNIT - 1) / AXPY_UNIT;
+    const int64_t unit = axpy_unit_of(kind);
+    const int64_t n_full = D / unit;
+    const int64_t n_units = (D + unit - 1) / unit;
     int32_t nt = threads_for_work(n_threads, work_rows * D * T);
     if (nt > n_units) nt = (int32_t)n_units;
 #pragma omp parallel num_threads(nt)
@@ -289,7 +349,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
             axpy_t1_units(units, kind, &c, u0, min_i64(u1, n_full));
         else
             units(kind, &c, u0, min_i64(u1, n_full));
-        if (u1 > n_full) axpy_range_scalar(kind, &c, n_full * AXPY_UNIT, D); /* partial unit: F32/F16 only */
+        if (u1 > n_full) axpy_range_scalar(kind, &c, n_full * unit, D); /* partial unit: F32/F16 only */
     }
     return PI_OK;
 }
@@ -311,3 +371,9 @@ DEFINE_ROWS_AXPY(q4_1, KIND_Q4_1, sizeof(block_q4_1))
 DEFINE_ROWS_AXPY(q8_0, KIND_Q8_0, sizeof(block_q8_0))
 DEFINE_ROWS_AXPY(q5_0, KIND_Q5_0, sizeof(block_q5_0))
 DEFINE_ROWS_AXPY(q5_1, KIND_Q5_1, sizeof(block_q5_1))
+/* K-quants: D must be a multiple of 256 (PI_ERR_SHAPE otherwise); work units are super-blocks */
+DEFINE_ROWS_AXPY(q2_k, KIND_Q2_K, sizeof(block_q2_k))
+DEFINE_ROWS_AXPY(q3_k, KIND_Q3_K, sizeof(block_q3_k))
+DEFINE_ROWS_AXPY(q4_k, KIND_Q4_K, sizeof(block_q4_k))
+DEFINE_ROWS_AXPY(q5_k, KIND_Q5_K, sizeof(block_q5_k))
+DEFINE_ROWS_AXPY(q6_k, KIND_Q6_K, sizeof(block_q6_k))

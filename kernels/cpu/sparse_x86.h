@@ -9,6 +9,8 @@
  * y stays in L1). Storing and reloading y between groups or chunks does not change a bit of the chain.
  * T > 1: tokens AXPY_TILE_T at a time; each unit of each row is decoded once and applied to the tile's tokens
  * whose h is non-zero.
+ * K-quant kinds: a unit is a super-block of 256, decoded into a small buffer in L1 (kquants_x86.h) and applied 32
+ * elements at a time with the same per-element chain.
  */
 
 #define SIMD_CAT_(a, b) a##_##b
@@ -250,9 +252,112 @@ TARGET_INLINE void FN(axpy_units_kind)(const int kind, const axpy_ctx *c, int64_
     }
 }
 
+/* ---- K-quant kinds: work units are super-blocks of 256 ----------------------------------------------------- */
+
+/* A super-block of a row is decoded once into 256 floats in L1 (kquants_x86.h: the reference dequantiser's float
+ * operations, bit-equal to it), then applied to y AXPY_UNIT elements (SV_PER_UNIT vectors) at a time with the
+ * same y = fma(h, w, y) per element, rows in order: the chain of every other kind and of the scalar variant. */
+
+#include "kquants_x86.h"
+
+/* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to the scalar decoders of kquants.h) */
+TARGET_INLINE void FN(axpy_kq_decode)(const int kind, const uint8_t *blk, float *w) {
+    switch (kind) {
+        case KIND_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
+        case KIND_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
+        case KIND_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
+        case KIND_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
+        default: FN(kq_simd_q6_k)(blk, w); break;
+    }
+}
+
+/* T = 1, super-blocks [u0, u1) of y: the listed rows, AXPY_GROUP at a time (their super-blocks decoded side by
+ * side, then each 32-element slice of y loaded once per group), the rows AXPY_AHEAD groups ahead prefetched a
+ * super-block at a time as in FN(axpy_t1). */
+TARGET_INLINE void FN(axpy_kq_t1)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    float *y = c->y;
+    const size_t bytes = c->unit_bytes;
+    if (!c->accumulate)
+        for (int64_t e = u0 * QK_K; e < u1 * QK_K; e += SV_N) SV_STORE(y + e, SV_ZERO());
+    float wbuf[AXPY_GROUP][QK_K] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < c->n_act; g += AXPY_GROUP) {
+        const int n = (int)min_i64(AXPY_GROUP, c->n_act - g);
+        const uint8_t *const *rows = c->act_rows + g;
+        SV hv[AXPY_GROUP];
+        for (int r = 0; r < n; r++) hv[r] = SV_SET1(c->act_h[g + r]);
+        const int64_t ahead = g + AXPY_AHEAD * AXPY_GROUP;
+        const int n_ahead = ahead < c->n_act ? (int)min_i64(AXPY_GROUP, c->n_act - ahead) : 0;
+        const uint8_t *const *rows_ahead = c->act_rows + (ahead < c->n_act ? ahead : 0);
+        for (int64_t u = u0; u < u1; u++) {
+            for (int r = 0; r < n_ahead; r++) prefetch_bytes(rows_ahead[r] + u * bytes, (int64_t)bytes);
+            for (int r = 0; r < n; r++) FN(axpy_kq_decode)(kind, rows[r] + u * bytes, wbuf[r]);
+            float *yu = y + u * QK_K;
+            for (int e = 0; e < QK_K; e += AXPY_UNIT) {
+                SV acc[SV_PER_UNIT];
+                for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + e + j * SV_N);
+                for (int r = 0; r < n; r++)
+                    for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_FMA(hv[r], SV_LOAD(wbuf[r] + e + j * SV_N), acc[j]);
+                for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + e + j * SV_N, acc[j]);
+            }
+        }
+    }
+}
+
+/* T > 1, super-blocks [u0, u1) of y, tokens [t0, t0 + ntok): each super-block of a row with some h != 0 decoded
+ * once for the tile's tokens. */
+TARGET_INLINE void FN(axpy_kq_tile)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1, int64_t t0,
+                                    const int ntok) {
+    const size_t bytes = c->unit_bytes;
+    float *yt[AXPY_TILE_T];
+    const float *ht[AXPY_TILE_T];
+    for (int t = 0; t < ntok; t++) {
+        yt[t] = c->y + (t0 + t) * c->y_stride;
+        ht[t] = c->h + (t0 + t) * c->h_stride;
+        for (int64_t e = u0 * QK_K; e < u1 * QK_K; e += SV_N) SV_STORE(yt[t] + e, SV_ZERO());
+    }
+    float w[QK_K] __attribute__((aligned(64)));
+    for (int64_t m = 0; m < c->M; m++) {
+        float hs[AXPY_TILE_T];
+        int any = 0;
+        for (int t = 0; t < ntok; t++) {
+            hs[t] = ht[t][m];
+            any |= hs[t] != 0.0f;
+        }
+        if (!any) continue;
+        const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
+        if (m + ROWS_PREFETCH_AHEAD < c->M)
+            prefetch_bytes(c->w + row_of(c->idx, m + ROWS_PREFETCH_AHEAD) * c->w_stride + u0 * bytes,
+                           (u1 - u0) * (int64_t)bytes);
+        for (int64_t u = u0; u < u1; u++) {
+            FN(axpy_kq_decode)(kind, row + u * bytes, w);
+            for (int t = 0; t < ntok; t++) {
+                if (hs[t] == 0.0f) continue;
+                const SV hv = SV_SET1(hs[t]);
+                float *yu = yt[t] + u * QK_K;
+                for (int e = 0; e < QK_K; e += SV_N) SV_STORE(yu + e, SV_FMA(hv, SV_LOAD(w + e), SV_LOAD(yu + e)));
+            }
+        }
+    }
+}
+
+TARGET_INLINE void FN(axpy_kq_units)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    if (u1 <= u0) return;
+    if (c->T == 1) {
+        FN(axpy_kq_t1)(kind, c, u0, u1);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < c->T; t0 += AXPY_TILE_T)
+        FN(axpy_kq_tile)(kind, c, u0, u1, t0, (int)min_i64(AXPY_TILE_T, c->T - t0));
+}
+
 /* one specialised body per weight kind */
 TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     switch (kind) {
+        case KIND_Q2_K: FN(axpy_kq_units)(KIND_Q2_K, c, u0, u1); break;
+        case KIND_Q3_K: FN(axpy_kq_units)(KIND_Q3_K, c, u0, u1); break;
+        case KIND_Q4_K: FN(axpy_kq_units)(KIND_Q4_K, c, u0, u1); break;
+        case KIND_Q5_K: FN(axpy_kq_units)(KIND_Q5_K, c, u0, u1); break;
+        case KIND_Q6_K: FN(axpy_kq_units)(KIND_Q6_K, c, u0, u1); break;
         case KIND_Q4_0: FN(axpy_units_kind)(KIND_Q4_0, c, u0, u1); break;
         case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, c, u0, u1); break;
         case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, c, u0, u1); break;

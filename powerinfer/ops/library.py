@@ -42,8 +42,9 @@ C_NAMES: Mapping[GGMLType, str] = MappingProxyType(
 )
 assert frozenset(C_NAMES) == KERNEL_TYPES
 # K-quants and IQ4: the row decoder pi_get_rows_<suffix>, the "q8" matmul pi_matmul_<suffix> (Q8_K activations;
-# IQ4_NL: int8 blocks of 32) and the exact (float activation) one pi_matmul_<suffix>_f; no sparse row kernels yet
-# (those ops decode the rows they need)
+# IQ4_NL: int8 blocks of 32) and the exact (float activation) one pi_matmul_<suffix>_f. The K-quants (not IQ4) also
+# have the sparse row kernels pi_rows_matmul_<suffix>_f / pi_rows_axpy_<suffix> (rows of whole super-blocks of
+# 256), the exact ones in both precisions; IQ4 sparse ops decode the rows they need
 K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
     {
         GGMLType.Q2_K: "q2_k",
@@ -55,11 +56,12 @@ K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
         GGMLType.IQ4_XS: "iq4_xs",
     }
 )
+K_SPARSE_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 # types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
 QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
 # block types with only the exact kernels (pi_matmul_<suffix>_f), used in both precisions
 EXACT_ONLY_TYPES = frozenset({GGMLType.Q5_0, GGMLType.Q5_1})
-# weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.c)
+# weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.h)
 FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
     {
         GGMLType.Q4_0: 0,
@@ -70,6 +72,12 @@ FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
         GGMLType.BF16: 5,
         GGMLType.Q5_0: 6,
         GGMLType.Q5_1: 7,
+        # K-quants (float activations in both precisions, as EXACT_ONLY_TYPES)
+        GGMLType.Q2_K: 8,
+        GGMLType.Q3_K: 9,
+        GGMLType.Q4_K: 10,
+        GGMLType.Q5_K: 11,
+        GGMLType.Q6_K: 12,
     }
 )
 
@@ -164,6 +172,12 @@ def _open(path: str) -> Library:
         get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
         matmul[ggml_type] = _symbol(lib, f"pi_matmul_{name}", _MATMUL_ARGTYPES)
         matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}_f", _MATMUL_ARGTYPES)
+    for ggml_type, name in K_TYPES.items():  # sparse rows: the exact kernel of both precisions
+        if ggml_type in K_SPARSE_TYPES:
+            rows_matmul[ggml_type] = rows_matmul_f[ggml_type] = _symbol(
+                lib, f"pi_rows_matmul_{name}_f", _SPARSE_ARGTYPES
+            )
+            rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
     return Library(
         path=path,
         isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),

@@ -8,9 +8,11 @@ blocks in registers and accumulate in float32, so no dequantised copy of a weigh
   programs split the K columns and the N rows; each writes a partial sum and the partials are added in a fixed
   order (deterministic, no atomics).
 
-Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block layouts in kernels/cpu/common.h), F16, BF16 and F32. Each program decodes a tile of
-`BLOCKS` blocks of 32 elements per row as two halves: column c of a half is element 32 * (c // 16) + c % 16
-(low half) or that + 16 (high half), which is how Q4 blocks pack their nibbles. Few tokens (decode) multiply
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block layouts in kernels/cpu/common.h), the K-quants Q2_K..Q6_K (super-blocks
+of 256, kernels/cpu/kquants.h), F16, BF16 and F32. Each program decodes a tile of `BLOCKS` blocks of 32 elements
+per row as two halves: column c of a half is element 32 * (c // 16) + c % 16 (low half) or that + 16 (high
+half), which is how Q4 blocks pack their nibbles; a K-quant block of 32 is one eighth of its super-block, each
+element decoded with its sub-block's scale (and min) from the super-block's header. Few tokens (decode) multiply
 by broadcasting and summing; more tokens use tl.dot in IEEE float32 (no TF32). Both sum in float32: results
 equal x @ dequant(W).T up to summation order (relative error ~1e-6).
 
@@ -31,6 +33,7 @@ __all__ = ["SUPPORTED_TYPES", "axpy", "matmul"]
 
 # kernel codes of the weight types
 _F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16, _Q5_0, _Q5_1 = 0, 1, 2, 3, 4, 5, 6, 7
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 8, 9, 10, 11, 12
 _KINDS: dict[GGMLType, int] = {
     GGMLType.F32: _F32,
     GGMLType.F16: _F16,
@@ -40,6 +43,11 @@ _KINDS: dict[GGMLType, int] = {
     GGMLType.BF16: _BF16,
     GGMLType.Q5_0: _Q5_0,
     GGMLType.Q5_1: _Q5_1,
+    GGMLType.Q2_K: _Q2_K,
+    GGMLType.Q3_K: _Q3_K,
+    GGMLType.Q4_K: _Q4_K,
+    GGMLType.Q5_K: _Q5_K,
+    GGMLType.Q6_K: _Q6_K,
 }
 SUPPORTED_TYPES = frozenset(_KINDS)
 # dtype the float weights are passed as (the kernel reads elements, not bytes)
@@ -66,6 +74,63 @@ def _q5_high_bits(qh_ptr, j, mask):
     qh_lo = b0 | (b1 << 8)  # bits 0..15
     qh_hi = b2 | (b3 << 8)  # bits 16..31
     return ((qh_lo >> j) & 1) << 4, ((qh_hi >> j) & 1) << 4
+
+
+@triton.jit
+def _byte_at(ptr, mask):
+    """The uint8 at byte pointers ptr as int32 (0 where mask is False)."""
+    return tl.load(ptr, mask=mask, other=0).to(tl.int32)
+
+
+@triton.jit
+def _kq_value(sb, e, m, KIND: tl.constexpr):
+    """Element e (0..255, any shape) of the K-quant super-blocks at byte pointers sb, as float32 (0 where m is
+    False): the reference dequantiser's formula (kernels/cpu/kquants.h has the layouts)."""
+    if KIND == 10 or KIND == 11:  # Q4_K / Q5_K {fp16 d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]}
+        d = _fp16_at(sb, m)
+        dmin = _fp16_at(sb + 2, m)
+        j = e // 32  # sub-block: 6-bit scale and min j, nibbles of qs[32 * (j // 2) ..]
+        el = e % 32
+        s_j = _byte_at(sb + 4 + j, m)
+        s_j4 = _byte_at(sb + 8 + j, m)
+        s_jm4 = _byte_at(sb + 4 + tl.where(j >= 4, j - 4, j), m)
+        sc = tl.where(j < 4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
+        mn = tl.where(j < 4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
+        if KIND == 10:
+            b = _byte_at(sb + 16 + (j // 2) * 32 + el, m)
+            q = tl.where(j % 2 == 0, b & 15, b >> 4)
+        else:
+            b = _byte_at(sb + 48 + (j // 2) * 32 + el, m)
+            q = tl.where(j % 2 == 0, b & 15, b >> 4) | (((_byte_at(sb + 16 + el, m) >> j) & 1) << 4)
+        value = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
+    elif KIND == 12:  # Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d}: halves of 128, quarters of 32
+        n = e // 128
+        quarter = (e % 128) // 32
+        el = e % 32
+        b = _byte_at(sb + n * 64 + el + (quarter % 2) * 32, m)
+        hb = (_byte_at(sb + 128 + n * 32 + el, m) >> (2 * quarter)) & 3
+        q = (tl.where(quarter < 2, b & 15, b >> 4) | (hb << 4)) - 32
+        sc = tl.load(sb + 192 + n * 8 + el // 16 + 2 * quarter, mask=m, other=0).to(tl.int8, bitcast=True)
+        value = (_fp16_at(sb + 208, m) * sc.to(tl.float32)) * q.to(tl.float32)
+    else:  # Q2_K / Q3_K: halves of 128, 2-bit fields (shift 2 s) of 32 bytes, scales per 16 elements
+        n = e // 128
+        sh = (e % 128) // 32
+        el = e % 32
+        j = n * 8 + sh * 2 + el // 16  # the scale of these 16 elements
+        if KIND == 8:  # Q2_K {u8 scales[16] (low nibble scale, high nibble min); u8 qs[64]; fp16 d, dmin}
+            q = (_byte_at(sb + 16 + n * 32 + el, m) >> (2 * sh)) & 3
+            s = _byte_at(sb + j, m)
+            d = _fp16_at(sb + 80, m)
+            dmin = _fp16_at(sb + 82, m)
+            value = (d * (s & 15).to(tl.float32)) * q.to(tl.float32) - dmin * (s >> 4).to(tl.float32)
+        else:  # Q3_K {u8 hmask[32]; u8 qs[64]; u8 scales[12] (6-bit, biased by 32); fp16 d}
+            q = (_byte_at(sb + 32 + n * 32 + el, m) >> (2 * sh)) & 3
+            q = q - tl.where(((_byte_at(sb + el, m) >> (n * 4 + sh)) & 1) != 0, 0, 4)
+            low = tl.where(j < 8, _byte_at(sb + 96 + j % 8, m) & 15, _byte_at(sb + 96 + j % 8, m) >> 4)
+            high = (_byte_at(sb + 104 + (j & 3), m) >> (2 * (j >> 2))) & 3
+            sc = (low | (high << 4)) - 32
+            value = (_fp16_at(sb + 108, m) * sc.to(tl.float32)) * q.to(tl.float32)
+    return value
 
 
 @triton.jit
@@ -113,6 +178,21 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
             q = tl.load(blk_ptr + 8 + j[None, :], mask=m, other=0).to(tl.int32)
             lo = ((q & 15) | b_lo).to(tl.float32) * d + mn
             hi = ((q >> 4) | b_hi).to(tl.float32) * d + mn
+        elif KIND >= 8:  # K-quants: block blk is elements 32 * (blk % 8).. of super-block blk // 8
+            if KIND == 8:
+                sb_bytes = 84
+            elif KIND == 9:
+                sb_bytes = 110
+            elif KIND == 10:
+                sb_bytes = 144
+            elif KIND == 11:
+                sb_bytes = 176
+            else:
+                sb_bytes = 210
+            sb_ptr = base + ((blk // 8) * sb_bytes)[None, :]
+            e = ((blk % 8) * 32 + j)[None, :]
+            lo = _kq_value(sb_ptr, e, m, KIND)
+            hi = _kq_value(sb_ptr, e + 16, m, KIND)
         else:  # Q8_0 {fp16 d; i8 qs[32]}
             blk_ptr = base + (blk * 34)[None, :]
             d = _fp16_at(blk_ptr, m)

@@ -47,9 +47,12 @@ _DECODED_NAMES = (
 WEIGHT_TYPES = KERNEL_TYPES | frozenset(
     GGMLType[name] for name in _DECODED_NAMES if name in GGMLType.__members__
 )
+# K-quants: the CPU kernels compute on their blocks (dense, sparse rows, fused FFN) and so do the pool's Triton
+# kernels, but quantize cannot produce them yet
+K_QUANT_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 # types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks; a tensor of any
 # other type is decoded to F16 there
-POOL_TYPES = KERNEL_TYPES
+POOL_TYPES = KERNEL_TYPES | K_QUANT_TYPES
 
 
 def check_weight_type(ggml_type: GGMLType, name: str, where: str = "") -> None:
