@@ -100,7 +100,9 @@ def parse_file_type(text: str) -> FileType | None:
     name = ALIASES.get(name, name)
     imatrix_name = next((k for k, v in NEEDS_IMATRIX.items() if name in (k, str(v))), None)
     if imatrix_name is not None:
-        raise InputError(f"type {imatrix_name} needs an importance matrix (--imatrix), which is not supported")
+        raise InputError(
+            f"type {imatrix_name} needs an importance matrix (--imatrix), which is not supported"
+        )
     if name in _BY_NAME:
         return _BY_NAME[name]
     number = int(name) if name.lstrip("-").isdigit() else None

@@ -55,7 +55,9 @@ def median_threshold(u: torch.Tensor, gate: ops.QWeight, act: str) -> float:
 
 def unfused(u, gate, up, down_t, cand, threshold, act, relu_up, kc, out_t=None):
     """The row ops the kernel fuses: (y (1, D), active ids, up rows read)."""
-    g = sparse.rows_matmul(u, gate, cand, kc) if cand is not None else ops.linear(u, gate, kc)
+    # all rows: rows_matmul's arithmetic (K-quant rows are exact in both precisions; their dense q8 matmul is not)
+    all_kc = kc.exact if gate.ggml_type in KQ_TYPES else kc
+    g = sparse.rows_matmul(u, gate, cand, kc) if cand is not None else ops.linear(u, gate, all_kc)
     a = ops.act(act, g)
     if isinstance(threshold, torch.Tensor):  # one per row of the weights
         threshold = threshold if cand is None else threshold[cand]

@@ -115,6 +115,12 @@ class KernelContext:
         """A copy with some settings changed, e.g. kc.replace(act_precision="q8")."""
         return dataclasses.replace(self, **changes)
 
+    @functools.cached_property
+    def exact(self) -> KernelContext:
+        """This context with f32 activations (itself when it has them): the arithmetic of the sparse row kernels
+        of the types that have no int8-activation row kernels (K-quants), made once per context."""
+        return self if self.act_precision == "f32" else self.replace(act_precision="f32")
+
     def supported_types(self) -> frozenset[GGMLType]:
         """ggml types the C kernels compute in this context (empty when they are missing or disabled)."""
         return frozenset(self.kernels.matmul)

@@ -86,6 +86,12 @@ def _scratch_size(scratch: torch.Tensor, op: str) -> int:
     return scratch.numel() * scratch.element_size()
 
 
+def _all_rows(u: torch.Tensor, w: QWeight, kc: KernelContext) -> torch.Tensor:
+    """Every row of `w` with the arithmetic of rows_matmul: K-quant rows are exact in both precisions (there are
+    no int8-activation K-quant row kernels), while their dense "q8" matmul has its own int8 kernels."""
+    return linear(u, w, kc.exact if w.ggml_type in library.K_SPARSE_TYPES else kc)
+
+
 def rows_matmul(
     x: torch.Tensor, w: QWeight, idx: torch.Tensor, kc: KernelContext | None = None
 ) -> torch.Tensor:
@@ -447,7 +453,7 @@ def cats_ffn(
         return y, int(n_active.value), int(n_up.value)
     if cand is not None:
         cand = _as_idx(cand)
-    g = linear(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
+    g = _all_rows(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
     a = activation.act(act, g)
     mask = a.abs() > (thresholds if cand is None else thresholds[cand])
     if dense_rows is not None:
@@ -458,7 +464,7 @@ def cats_ffn(
     n_cand = g.shape[1]
     if sel.numel() >= CATS_DENSE_UNION_SHARE * n_cand:
         rows = cand
-        v = linear(u, up, kc) if cand is None else rows_matmul(u, up, cand, kc)
+        v = _all_rows(u, up, kc) if cand is None else rows_matmul(u, up, cand, kc)
     else:
         rows = sel if cand is None else cand[sel]
         a, mask = a[:, sel], mask[:, sel]
