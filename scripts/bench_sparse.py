@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Decode speed of the sparse (predictor-driven) FFN against the dense FFN on the same PowerInfer file (CPU).
 
-For each synthetic model in --dir (F16 and Q4_0 written by scripts/make_synthetic_model.py, the K-quant mixes by
-scripts/make_kquant_model.py, the other types by `powerinfer quantize` of the F16 file, see FILES), runs
-alternate:
+For each synthetic model in --dir (F16 and Q4_0 written by scripts/make_synthetic_model.py, the other types and
+mixes by `powerinfer quantize` of the F16 file, see FILES), runs alternate:
 a sparse engine (`Engine(path, EngineOptions(n_ctx, n_threads))`), then a dense one on the same weights
 (`EngineOptions(..., dense_ffn=True)`), each loaded fresh so only one engine is in memory at a time. Each run
 evaluates a short prompt (untimed) and then decodes --n-gen tokens greedily, one eval per token (timed). One
@@ -46,9 +45,8 @@ FILES = {
     "bf16": "synthetic-1.1b.bf16.powerinfer.gguf",
     "q5_0": "synthetic-1.1b.q5_0.powerinfer.gguf",
     "q5_1": "synthetic-1.1b.q5_1.powerinfer.gguf",
-    # K-quants: python scripts/make_kquant_model.py DIR/synthetic-1.1b.powerinfer.gguf DIR/<name> [--type q4_k]
+    # powerinfer quantize DIR/synthetic-1.1b.powerinfer.gguf DIR/synthetic-1.1b.q4_k_m.powerinfer.gguf Q4_K_M
     "q4_k_m": "synthetic-1.1b.q4_k_m.powerinfer.gguf",
-    "q4_k": "synthetic-1.1b.q4_k.powerinfer.gguf",
 }
 PROMPT = "The quick brown fox jumps over the lazy dog, then runs into the forest."
 FLOORS = {"q4_0": 2.0, "q4_k_m": 1.9}  # sparse / dense decode speed required at 10% active
@@ -134,7 +132,7 @@ def main() -> int:
     ap.add_argument(
         "--files",
         default="f16,q4_0",
-        help="comma-separated subset of f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k_m,q4_k",
+        help="comma-separated subset of f16,bf16,q4_0,q4_1,q5_0,q5_1,q8_0,q4_k_m",
     )
     ap.add_argument("--shape", default="1.1b", help="file name infix (synthetic-<shape>...), default 1.1b")
     ap.add_argument(
