@@ -45,23 +45,7 @@ enum {
  * IQ4_XS: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}, 136 bytes per 256: group g (of 32) has the 6-bit
  * scale (nibble g % 2 of scales_l[g / 2]) | (bits 2g, 2g+1 of scales_h) << 4, factor d * (scale - 32), and its
  * quants as an IQ4_NL block's qs at qs + 16 g. */
-typedef struct {
-    uint16_t d;
-    uint8_t qs[16];
-} quant_iq4_nl;
-
-typedef struct {
-    uint16_t d;
-    uint16_t scales_h;
-    uint8_t scales_l[QK_K / 64];
-    uint8_t qs[QK_K / 2];
-} quant_iq4_xs;
-
-_Static_assert(sizeof(quant_iq4_nl) == 18, "IQ4_NL blocks are 18 bytes");
-_Static_assert(sizeof(quant_iq4_xs) == 136, "IQ4_XS blocks are 136 bytes");
-
-/* the 16 levels of the non-linear 4-bit types, ascending */
-static const int8_t iq4_levels[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* (the IQ4 block structs and their 16 levels, kvalues_iq4, are kquants.h's, shared with the decoders) */
 
 #define GROUP_EPS 1e-15f /* a group whose largest |x| is below this is all zero */
 
@@ -332,14 +316,14 @@ static float fit_q3_group(const float *x, int8_t *L) {
  * vectorises. iq4_nearest_index gives the level's index, iq4_nearest_level its value. */
 static inline int iq4_nearest_index(float v) {
     int k = 0;
-    for (int i = 1; i < 15; i++) k += !(v < (float)iq4_levels[i]);
-    return v - (float)iq4_levels[k] < (float)iq4_levels[k + 1] - v ? k : k + 1;
+    for (int i = 1; i < 15; i++) k += !(v < (float)kvalues_iq4[i]);
+    return v - (float)kvalues_iq4[k] < (float)kvalues_iq4[k + 1] - v ? k : k + 1;
 }
 
 static inline float iq4_nearest_level(float v) {
-    float lower = (float)iq4_levels[0], upper = (float)iq4_levels[15];
-    for (int i = 1; i < 15; i++) lower = !(v < (float)iq4_levels[i]) ? (float)iq4_levels[i] : lower;
-    for (int i = 14; i > 0; i--) upper = v < (float)iq4_levels[i] ? (float)iq4_levels[i] : upper;
+    float lower = (float)kvalues_iq4[0], upper = (float)kvalues_iq4[15];
+    for (int i = 1; i < 15; i++) lower = !(v < (float)kvalues_iq4[i]) ? (float)kvalues_iq4[i] : lower;
+    for (int i = 14; i > 0; i--) upper = v < (float)kvalues_iq4[i] ? (float)kvalues_iq4[i] : upper;
     return v - lower < upper - v ? lower : upper;
 }
 
@@ -354,8 +338,8 @@ static float fit_iq4_group(const float *x) {
     float w[32];
     for (int j = 0; j < 32; j++) w[j] = x[j] * x[j];
     float id[IQ4_TRIALS];
-    id[0] = 1 / (-max / (float)iq4_levels[0]);
-    for (int t = 1; t < IQ4_TRIALS; t++) id[t] = (float)(t - 8 + iq4_levels[0]) / max;
+    id[0] = 1 / (-max / (float)kvalues_iq4[0]);
+    for (int t = 1; t < IQ4_TRIALS; t++) id[t] = (float)(t - 8 + kvalues_iq4[0]) / max;
     float sumqx[IQ4_TRIALS] = {0}, sumq2[IQ4_TRIALS] = {0};
     for (int j = 0; j < 32; j++) {
 #pragma omp simd
@@ -605,14 +589,14 @@ static void quantize_block_q6_k(const float *x, uint8_t *out) {
 }
 
 static void quantize_block_iq4_nl(const float *x, uint8_t *out) {
-    quant_iq4_nl *y = (quant_iq4_nl *)out;
+    block_iq4_nl *y = (block_iq4_nl *)out;
     const float d = fit_iq4_group(x);
     y->d = fp32_to_fp16(d);
     iq4_pack_group(x, d != 0 ? 1 / d : 0.0f, y->qs);
 }
 
 static void quantize_block_iq4_xs(const float *x, uint8_t *out) {
-    quant_iq4_xs *y = (quant_iq4_xs *)out;
+    block_iq4_xs *y = (block_iq4_xs *)out;
     float scales[8];
     float max_scale = 0, amax = 0;
     for (int g = 0; g < 8; g++) {
@@ -662,8 +646,8 @@ PI_EXPORT int32_t pi_quantize_rows(int32_t ggml_type, const float *src, int64_t 
     case QUANT_TYPE_Q4_K: fn = quantize_block_q4_k, block_bytes = sizeof(block_q4_k); break;
     case QUANT_TYPE_Q5_K: fn = quantize_block_q5_k, block_bytes = sizeof(block_q5_k); break;
     case QUANT_TYPE_Q6_K: fn = quantize_block_q6_k, block_bytes = sizeof(block_q6_k); break;
-    case QUANT_TYPE_IQ4_NL: fn = quantize_block_iq4_nl, block_elems = 32, block_bytes = sizeof(quant_iq4_nl); break;
-    case QUANT_TYPE_IQ4_XS: fn = quantize_block_iq4_xs, block_bytes = sizeof(quant_iq4_xs); break;
+    case QUANT_TYPE_IQ4_NL: fn = quantize_block_iq4_nl, block_elems = 32, block_bytes = sizeof(block_iq4_nl); break;
+    case QUANT_TYPE_IQ4_XS: fn = quantize_block_iq4_xs, block_bytes = sizeof(block_iq4_xs); break;
     default: return PI_ERR_SHAPE;
     }
     if (n_rows < 0 || n_cols < 0 || n_cols % block_elems != 0) return PI_ERR_SHAPE;
