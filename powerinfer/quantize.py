@@ -27,8 +27,9 @@ from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
 from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, ValueType
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.gguf.writer import output_problem
+from powerinfer.ops.encode import quantize
 from powerinfer.printable import printable
-from powerinfer.quant import PRODUCIBLE, WEIGHT_TYPES, dequantize, quantize, row_bytes
+from powerinfer.quant import PRODUCIBLE, WEIGHT_TYPES, dequantize, row_bytes
 from powerinfer.quant.mix import (
     Category,
     MixState,

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer.quant import C_QUANTIZABLE, quantize, row_bytes
+from powerinfer.ops.encode import quantize
+from powerinfer.quant import C_QUANTIZABLE, row_bytes
 
 
 def llama_cpp_quantizer():

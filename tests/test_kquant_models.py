@@ -50,7 +50,9 @@ def _mix(src: Path, folder: Path, name: str) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mix", ["Q4_K_M", "IQ4_XS"])
+@pytest.mark.parametrize(
+    "mix", ["Q4_K_M"]
+)  # IQ4_XS measured the same (scripts/compare_kquant_transformers.py)
 def test_mix_runs_as_transformers_does(smollm2_f32, tmp_path, mix):
     """Greedy ids (3 prompts x 32 tokens, f32 activations) equal transformers' on the same file (which decodes
     K-quant and IQ4 blocks with the gguf package); perplexity within PPL_REL_F32 of transformers'."""

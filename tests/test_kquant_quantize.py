@@ -20,7 +20,8 @@ from test_sparse_ops import needs_kernels
 from powerinfer.errors import FormatError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.ops import library
-from powerinfer.quant import C_QUANTIZABLE, KERNEL_TYPES, QUANTIZABLE, dequantize, quantize, row_bytes
+from powerinfer.ops.encode import quantize
+from powerinfer.quant import C_QUANTIZABLE, KERNEL_TYPES, QUANTIZABLE, dequantize, row_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "kquant_golden.npz"

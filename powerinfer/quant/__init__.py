@@ -111,41 +111,13 @@ def dequantize(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...]) -> 
     return out.reshape(shape)
 
 
-def quantize(data: np.ndarray, ggml_type: GGMLType, n_threads: int = 1) -> np.ndarray:
-    """Encode a float array into raw blocks (uint8, shape (rows, row_bytes)), bit-exact with ggml.
-
-    QUANTIZABLE types come from the gguf package; C_QUANTIZABLE ones from the C kernels on `n_threads` threads
-    (FormatError when the kernels are not built)."""
-    if ggml_type not in QUANTIZABLE and ggml_type not in C_QUANTIZABLE:
-        raise FormatError(f"quantizing to {ggml_type.name} is not supported")
+def quantize(data: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
+    """Encode a float array into raw blocks (uint8, shape (rows, row_bytes)), bit-exact with ggml: the QUANTIZABLE
+    types, through the gguf package. (C_QUANTIZABLE types: powerinfer.ops.encode.quantize, which has both.)"""
+    if ggml_type not in QUANTIZABLE:
+        raise FormatError(f"quantizing to {ggml_type.name} is not supported here")
     data = np.ascontiguousarray(data, dtype=np.float32)
     flat = data.reshape(-1, data.shape[-1]) if data.ndim else data.reshape(1, 1)
-    rb = row_bytes(ggml_type, flat.shape[-1])
-    if ggml_type in C_QUANTIZABLE:
-        return _quantize_c(flat, ggml_type, rb, n_threads)
+    row_bytes(ggml_type, flat.shape[-1])
     out = _gguf_quants.quantize(flat, ggml_type)
     return np.ascontiguousarray(out).view(np.uint8).reshape(flat.shape[0], -1)
-
-
-def _quantize_c(flat: np.ndarray, ggml_type: GGMLType, rb: int, n_threads: int) -> np.ndarray:
-    """(rows, cols) contiguous float32 -> (rows, rb) blocks through pi_quantize_rows."""
-    from powerinfer.ops.library import check_status, load  # lazy: powerinfer.ops imports this module
-
-    library = load()
-    if library is None:
-        raise FormatError(
-            f"quantizing to {ggml_type.name} needs the C kernels, which are not built (build them with "
-            "`pip install -e .`)"
-        )
-    out = np.empty((flat.shape[0], rb), dtype=np.uint8)
-    status = library.quantize_rows(
-        int(ggml_type),
-        flat.ctypes.data,
-        flat.shape[0],
-        flat.shape[1],
-        out.ctypes.data,
-        max(1, int(n_threads)),
-    )
-    if status:
-        check_status(status, "quantize")
-    return out
