@@ -31,9 +31,9 @@ from powerinfer.quant import quantize
 # K-quants: rows of 256-element super-blocks, exact (float activation) kernels in both precisions; test weights are
 # random valid super-blocks (nothing here quantizes to them yet), the reference decodes them with the gguf package
 KQ_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
-# the types the property tests run over: every 32-element/float type, and the K-quants with the three kinds of
-# super-block decoder (Q4_K/Q5_K share one with a high bit more, Q2_K/Q3_K one with Q3_K's extra bits); each K
-# decoder's rows are checked bit for bit in tests/test_kquant_sparse.py (CI time: the references are slow)
+# the types the property tests run over: every 32-element/float type, and three of the five K-quants (Q5_K is
+# Q4_K's scales plus a high bit; Q2_K is left to the decoder tests): every K decoder's rows are checked bit for bit
+# against the gguf package in tests/test_kquant_sparse.py (CI time: these tests' float64 references are slow)
 KERNEL_TYPES = sorted(quant.KERNEL_TYPES) + [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K]
 QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
 BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
