@@ -3,7 +3,8 @@
 The reference implementations are the `gguf` package's quantizers (the same maths as ggml-quants.c),
 so there is a single block decoder per format on the Python side. The gguf package has no quantizer for the
 K-quants and IQ4_NL / IQ4_XS: those blocks come from our C quantizers (kernels/cpu/quantize_k.c, bit-exact with
-llama.cpp's quantizers without an importance matrix), so producing them needs the built kernels.
+llama.cpp's quantizers without an importance matrix) through powerinfer.ops.encode, so producing them needs the
+built kernels.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ WEIGHT_TYPES = KERNEL_TYPES | frozenset(
     GGMLType[name] for name in _DECODED_NAMES if name in GGMLType.__members__
 )
 # K-quants: the CPU kernels compute on their blocks (dense, sparse rows, fused FFN) and so do the pool's Triton
-# kernels, but quantize cannot produce them yet
+# kernels
 K_QUANT_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
 # types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks; a tensor of any
 # other type is decoded to F16 there
