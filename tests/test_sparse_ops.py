@@ -318,7 +318,7 @@ def unfused(
 ) -> torch.Tensor:
     """The decode path before fusion: rows_matmul, rows_matmul, the gating in torch, rows_axpy."""
     g, v = sparse.rows_matmul(u, gate, idx, kc), sparse.rows_matmul(u, up, idx, kc)
-    return sparse.rows_axpy(ops.gated(g, v, act, relu_up), down_t, idx, kc)
+    return sparse.rows_axpy(ops.gated_ref(g, v, act, relu_up), down_t, idx, kc)
 
 
 def ffn_weights(types, n_rows: int, n_in: int, n_out: int, seed: int = 0):
@@ -507,7 +507,7 @@ def test_ffn_rows_activation_values(act_name, isa):
         idx = torch.arange(n_rows)
         h = sparse.ffn_rows(u, gate, up, eye, idx, act_name, relu_up, kc)
         g, v = sparse.rows_matmul(u, gate, idx, kc), sparse.rows_matmul(u, up, idx, kc)
-        want = ops.gated(g, v, act_name, relu_up)
+        want = ops.gated_ref(g, v, act_name, relu_up)
         vv = torch.relu(v) if relu_up else v
         err = (h.double() - want.double()).abs()
         assert (err <= ACT_TOL * g.double().abs() * vv.double().abs() + 1e-38).all(), (act_name, relu_up)
@@ -535,7 +535,7 @@ def test_ffn_rows_activations_vs_torch(ggml_type, act_name, act):
                 continue
             g, v = sparse.rows_matmul(u, gate, idx, kc).double(), sparse.rows_matmul(u, up, idx, kc).double()
             vv = torch.relu(v) if relu_up else v
-            h = ops.gated(g, v, act_name, relu_up).double()
+            h = ops.gated_ref(g, v, act_name, relu_up).double()
             wd = sparse.decode_rows(down_t, idx).double().abs()
             # the activation's difference per neuron, plus the two FMA chains rounding differently
             bound = (ACT_TOL * g.abs() * vv.abs()) @ wd + 1e-5 * (h.abs() @ wd) + 1e-30

@@ -17,6 +17,7 @@
 #include <math.h>
 #include <omp.h>
 
+#include "attention.h"
 #include "common.h"
 
 #define SIMD_SUFFIX scalar
@@ -46,30 +47,41 @@ PI_EXPORT int64_t pi_attn_decode_scratch_bytes(int64_t L, int64_t H) {
     return (int64_t)(align_up((size_t)(H * L) * sizeof(float)) + PI_SCRATCH_ALIGN);
 }
 
+/* KV heads [kvh0, kvh1) of one token: the RoPE of their query heads and of the KV head, the KV head's k and v written
+ * to cache row pos, then attention over positions 0..pos (see attention.h). */
+void attn_decode_heads(int32_t level, float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
+                       int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *scores, float *out,
+                       int64_t kvh0, int64_t kvh1) {
+    const rope_rotate_fn rope_rotate = attn_variants[level].rope_rotate;
+    const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
+    const int64_t G = H / Hkv, L = pos + 1, row = Hkv * D;
+    for (int64_t kvh = kvh0; kvh < kvh1; kvh++) {
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) rope_rotate(q + h * D, rope, D);
+        rope_rotate(k + kvh * D, rope, D);
+        memcpy(kc + pos * row + kvh * D, k + kvh * D, (size_t)D * sizeof(float));
+        memcpy(vc + pos * row + kvh * D, v + kvh * D, (size_t)D * sizeof(float));
+        attend_kv_head(q, kc, vc, row, kvh, G, L, D, scale, scores + kvh * G * L, out);
+    }
+}
+
 PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
                                  int64_t n_ctx, int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *out,
                                  void *scratch, int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
     if (pos < 0 || pos >= n_ctx || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0) return PI_ERR_SHAPE;
     if (q == NULL || k == NULL || v == NULL || rope == NULL || kc == NULL || vc == NULL || out == NULL) return PI_ERR_SHAPE;
-    const int64_t G = H / Hkv, L = pos + 1, row = Hkv * D;
+    const int64_t L = pos + 1;
     uint8_t *buf;
     const int32_t status = scratch_take(scratch, scratch_bytes, align_up((size_t)(H * L) * sizeof(float)), &buf);
     if (status != PI_OK) return status;
     const int32_t level = pi_isa_clamp(isa);
-    const rope_rotate_fn rope_rotate = attn_variants[level].rope_rotate;
-    const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
-    for (int64_t h = 0; h < H; h++) rope_rotate(q + h * D, rope, D);
-    for (int64_t h = 0; h < Hkv; h++) rope_rotate(k + h * D, rope, D);
-    memcpy(kc + pos * row, k, (size_t)row * sizeof(float));
-    memcpy(vc + pos * row, v, (size_t)row * sizeof(float));
     float *scores = (float *)buf; /* G * L per KV head */
     int32_t nt = threads_for_work(n_threads, 2 * H * L * D);
     if (nt > Hkv) nt = (int32_t)Hkv;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-        for (int64_t kvh = Hkv * me / all; kvh < Hkv * (me + 1) / all; kvh++)
-            attend_kv_head(q, kc, vc, row, kvh, G, L, D, scale, scores + kvh * G * L, out);
+        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, Hkv * me / all,
+                          Hkv * (me + 1) / all);
     }
     return PI_OK;
 }

@@ -22,20 +22,6 @@
  * does not depend on the thread count. With act = relu the gating is torch's relu(g) * v bit for bit; the other
  * activations use libm (expf, erff, tanhf) in torch's formulas, within a few float32 ulps of torch's. */
 #define FFN_AHEAD 2 /* pairs of neurons prefetched ahead */
-/* rows longer than this go through the float dot products one at a time: interleaving several long rows halves
- * the DRAM throughput (measured on a 2-core EPYC: the 22 gate matrices of a 1.1B Q4_0 model, one token, 45 ms
- * with 4 rows per call against 27 ms one row at a time), as for the dense matvec (matmul.c) */
-#define FFN_DOT_MAX_ROW 512
-
-enum ffn_act { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_LAST = ACT_GELU_TANH };
-
-typedef struct {
-    const uint8_t *w;
-    int64_t stride;
-    int64_t row_bytes;
-    rows_dot_fn dot;   /* float activations */
-    tile_quant_fn tq;  /* int8 activations ("q8" precision, quant types); NULL otherwise */
-} ffn_mat;
 
 typedef struct {
     ffn_mat gate, up;
@@ -50,23 +36,6 @@ typedef struct {
     int kind_down;
     axpy_units_fn units; /* the SIMD variant of the down rows */
 } ffn_ctx;
-
-static int64_t row_bytes_of(int kind, int64_t K) {
-    switch (kind) {
-        case KIND_Q4_0: return K / QK * (int64_t)sizeof(block_q4_0);
-        case KIND_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
-        case KIND_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
-        case KIND_Q5_0: return K / QK * (int64_t)sizeof(block_q5_0);
-        case KIND_Q5_1: return K / QK * (int64_t)sizeof(block_q5_1);
-        case KIND_F32: return K * 4;
-        case KIND_Q2_K:
-        case KIND_Q3_K:
-        case KIND_Q4_K:
-        case KIND_Q5_K:
-        case KIND_Q6_K: return K / QK_K * (int64_t)kq_block_bytes(kind); /* K % QK_K == 0: check_weight */
-        default: return K * 2;
-    }
-}
 
 static size_t unit_bytes_of(int kind) {
     switch (kind) {
@@ -85,27 +54,6 @@ static size_t unit_bytes_of(int kind) {
     }
 }
 
-static ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t *w, int64_t stride, int64_t K) {
-    ffn_mat m = {.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = NULL, .tq = NULL};
-    switch (kind) {
-        case KIND_Q4_0: m.dot = t->dot_q4_0_f; m.tq = q8 ? t->tile_q4_0 : NULL; break;
-        case KIND_Q4_1: m.dot = t->dot_q4_1_f; m.tq = q8 ? t->tile_q4_1 : NULL; break;
-        case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
-        case KIND_F32: m.dot = t->dot_f32; break;
-        case KIND_BF16: m.dot = t->dot_bf16; break;
-        case KIND_Q5_0: m.dot = t->dot_q5_0_f; break; /* no int8 tiles: float activations in both precisions */
-        case KIND_Q5_1: m.dot = t->dot_q5_1_f; break;
-        /* K-quants: float activations in both precisions (the exact kernels), as Q5_0 / Q5_1 */
-        case KIND_Q2_K: m.dot = t->dot_q2_k_f; break;
-        case KIND_Q3_K: m.dot = t->dot_q3_k_f; break;
-        case KIND_Q4_K: m.dot = t->dot_q4_k_f; break;
-        case KIND_Q5_K: m.dot = t->dot_q5_k_f; break;
-        case KIND_Q6_K: m.dot = t->dot_q6_k_f; break;
-        default: m.dot = t->dot_f16; break;
-    }
-    return m;
-}
-
 static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, const ffn_ctx *c, float *out) {
     if (m->tq != NULL)
         for (int r = 0; r < R; r++) m->tq(rows[r], c->a, 0, 1, out + r);
@@ -113,25 +61,6 @@ static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, 
         for (int r = 0; r < R; r++) m->dot(rows + r, 1, c->K, c->u, out + r);
     else
         m->dot(rows, R, c->K, c->u, out);
-}
-
-/* torch.relu: NaN stays NaN */
-static inline float relu_f(float x) { return x > 0.0f || x != x ? x : 0.0f; }
-
-/* The FFN activation (enum ffn_act), in the operation order of torch's CPU kernels (aten/src/ATen/native/cpu/
- * Activation.cpp): silu x / (1 + exp(-x)); gelu x * 0.5 * (1 + erf(x / sqrt 2)); gelu_tanh
- * 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 x^3))). -ffp-contract=off: every operation rounds. */
-static inline float ffn_act(int act, float x) {
-    switch (act) {
-        case ACT_SILU: return x / (1.0f + expf(-x));
-        case ACT_GELU: return x * 0.5f * (1.0f + erff(x * 0.70710678118654752440f));
-        case ACT_GELU_TANH: {
-            const float cube = x * x * x;
-            const float inner = 0.79788456080286535588f * (x + 0.044715f * cube);
-            return 0.5f * x * (1.0f + tanhf(inner));
-        }
-        default: return relu_f(x);
-    }
 }
 
 static inline void ffn_prefetch_pair(const ffn_ctx *c, int64_t m, int64_t m1) {
@@ -197,17 +126,6 @@ static void ffn_quantize_u(const matmul_table *table, const float *u, int64_t K,
 PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act) {
     if (M < 0 || K < 0) return -1;
     return (int64_t)(ffn_rows_scratch(M, K, q8_act != 0) + PI_SCRATCH_ALIGN);
-}
-
-/* A weight of n_rows rows of len elements of `kind`, stride bytes apart: a known kind, whole blocks (super-blocks
- * of 256 for the K-quants), rows that do not overlap, and a buffer when it has rows. The row size every later
- * pointer is computed from (row_bytes_of) follows from the kind and len, so it is checked here first. */
-static int32_t check_weight(int32_t kind, int64_t n_rows, int64_t len, const uint8_t *w, int64_t stride) {
-    if (kind < KIND_Q4_0 || kind > KIND_LAST) return PI_ERR_SHAPE;
-    if (kind_is_block(kind) && len % QK != 0) return PI_ERR_SHAPE;
-    if (kind_is_kq(kind) && len % QK_K != 0) return PI_ERR_SHAPE;
-    if (!stride_ok(n_rows, stride, row_bytes_of(kind, len))) return PI_ERR_SHAPE;
-    return n_rows > 0 && w == NULL ? PI_ERR_SHAPE : PI_OK;
 }
 
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
@@ -409,7 +327,6 @@ typedef struct {
     int64_t *idx;      /* C entries: the active rows, per-thread slices before compaction */
     float *a;          /* C entries: act(gate) then h of the active rows, per-thread slices before compaction */
 } cats_ctx;
-
 
 static inline int64_t cats_row(const cats_ctx *k, int64_t i) { return k->cand == NULL ? i : k->cand[i]; }
 

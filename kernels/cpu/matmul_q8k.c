@@ -34,15 +34,6 @@
 #include "kquants.h"
 #include "matmul.h"
 
-/* Activations of T tokens in Q8_K: arrays indexed [t * K + k], [t * nb + s] and [(t * nb + s) * 16 + g]. */
-typedef struct {
-    int8_t *qs;
-    float *d;
-    int16_t *bsums;
-    int64_t K;
-    int64_t nb;
-} act_q8k;
-
 enum kq8_kind { KQ8_Q2_K, KQ8_Q3_K, KQ8_Q4_K, KQ8_Q5_K, KQ8_Q6_K, KQ8_IQ4_XS, KQ8_N_KINDS };
 
 #define KQ8_TILE_T 8 /* tokens per tile: one super-block decode shared by all of them */
@@ -426,4 +417,26 @@ PI_EXPORT int32_t pi_quantize_q8_k(const float *x, int64_t K, int64_t T, int8_t 
     const int64_t nb = K / QK_K;
     for (int64_t t = 0; t < T; t++) tb->quantize(x + t * K, nb, qs + t * K, d + t * nb, bsums + t * nb * 16);
     return PI_OK;
+}
+
+/* ---- internal: one token's Q8_K activations and row ranges, for the fused decode kernels (matmul.h) ---------- */
+
+size_t kq8_act_bytes(int64_t K) {
+    const int64_t nb = K / QK_K;
+    return align_up((size_t)K) + align_up((size_t)nb * sizeof(float)) + align_up((size_t)nb * 16 * sizeof(int16_t));
+}
+
+void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a) {
+    const int64_t nb = K / QK_K;
+    a->qs = (int8_t *)buf;
+    a->d = (float *)(buf + align_up((size_t)K));
+    a->bsums = (int16_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * sizeof(float)));
+    a->K = K;
+    a->nb = nb;
+    kq8_tables[pi_isa_clamp(level)].quantize(x, nb, a->qs, a->d, a->bsums);
+}
+
+void kq8_rows(int32_t level, int k_index, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
+              float *out) {
+    kq8_tables[pi_isa_clamp(level)].dot[k_index](w, w_stride, n_rows, a, out);
 }

@@ -58,7 +58,7 @@ class Norm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.kind == "layer":
             return F.layer_norm(x, self.shape, self.weight, self.bias, self.spec.eps)
-        return F.rms_norm(x, self.shape, self.weight, self.spec.eps)
+        return ops.rms_norm(x, self.weight, self.spec.eps)
 
 
 class Rope:
@@ -151,6 +151,20 @@ class Attention:
             and rope.spec.n_rot == self.spec.head_dim
         )
         self.workspace.reserve("attn", ops.attn_scratch_bytes(n_ctx, self.spec.n_head))
+
+    def fuse(self, norm: Norm, n_ctx: int) -> ops.AttnBlock | None:
+        """This block behind `norm` as one fused op for one token at positions below n_ctx (after setup); None
+        where it has parts the fused op lacks or the kernels cannot run it."""
+        s = self.spec
+        if not self._one_kernel or norm.spec.kind == "layer" or self.wqkv is not None:
+            return None
+        assert self.wq is not None and self.wk is not None and self.wv is not None
+        block = ops.attn_block(
+            norm.weight, norm.spec.eps, self.wq, self.wk, self.wv, self.wo, s.n_head, s.n_head_kv, s.head_dim, self.kc
+        )
+        if block is not None:
+            self.workspace.reserve("attn_block", block.scratch_bytes(n_ctx))
+        return block
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, H * D), k and v (T, H_kv * D) of x (T, n_embd)."""
@@ -303,6 +317,16 @@ class DenseFFN:
         self.up, self.gate, self.down, self.down_t = up, gate, down, down_t
         self.b_up, self.b_down = biases
         self.kc = kc
+
+    def fuse(self, norm: Norm) -> ops.FFNBlock | None:
+        """This block behind `norm` as one fused op for one token; None where it has parts the fused op lacks
+        (no gate, biases, ffn_down_t) or the kernels cannot run it."""
+        if self.gate is None or self.down is None or self.b_up is not None or self.b_down is not None:
+            return None
+        if norm.spec.kind == "layer":
+            return None
+        spec = self.spec
+        return ops.ffn_block(norm.weight, norm.spec.eps, self.gate, self.up, self.down, spec.act, spec.relu_up, self.kc)
 
     def hidden(self, x_norm: torch.Tensor) -> torch.Tensor:
         """The neurons' activations h (T, n_ff)."""

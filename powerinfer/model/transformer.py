@@ -14,7 +14,8 @@ from typing import Protocol
 import torch
 
 from powerinfer.model.batch import StepBatch
-from powerinfer.model.blocks import FFN, Attention, Embedding, Head, KVLayer, Norm, Rope
+from powerinfer import ops
+from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
 FFNObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -35,6 +36,9 @@ class Layer:
     device: torch.device  # where the residual stream of this layer is computed
     post_attn_norm: Norm | None = None  # Gemma-style norms of each block's output
     post_ffn_norm: Norm | None = None
+    # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
+    fused_attn: ops.AttnBlock | None = None
+    fused_ffn: ops.FFNBlock | None = None
 
 
 class Transformer:
@@ -73,6 +77,14 @@ class Transformer:
                 if rope is not None:  # layers with the same spec share one table
                     rope = ropes.setdefault(rope.spec, rope)
             layer.attn.setup(rope, n_ctx)
+            layer.fused_attn = layer.fused_ffn = None
+            if placed or layer.ffn_norm is None or layer.post_attn_norm is not None or layer.post_ffn_norm is not None:
+                continue
+            layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
+            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN):
+                layer.fused_ffn = layer.ffn.fuse(layer.ffn_norm)
+                if layer.fused_ffn is not None:
+                    layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())
 
     def forward(
         self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None
@@ -80,6 +92,9 @@ class Transformer:
         """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all)."""
         placed = self.placed  # all on the CPU: no device moves (a no-op .to still costs ~1 us, 3 per layer)
         x = self.embedding(batch)  # (N, D)
+        if batch.kind == "run" and batch.segments[0].n == 1 and not placed and not self.observers:
+            x = self._forward_one(x.contiguous(), batch, kv)
+            return self.head(x if rows is None else x[rows])
         for bid, layer in enumerate(self.layers):
             if placed:
                 x = x.to(layer.device)
@@ -106,3 +121,41 @@ class Transformer:
         if not placed:
             return self.head(x)
         return self.head(x.to(self.head_device)).to("cpu")
+
+    def _forward_one(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        """The residual stream of one token of one sequence (all on the CPU): each layer's fused blocks where it
+        has them (one kernel call per block, x updated in place), op by op otherwise."""
+        seg = batch.segments[0]
+        seq, pos = seg.seq, seg.pos
+        for bid, layer in enumerate(self.layers):
+            attn = layer.fused_attn
+            if attn is None:
+                x = self._layer(layer, x, batch, kv.layer_view(bid))
+                continue
+            workspace = layer.attn.workspace
+            rope = layer.attn.rope
+            assert rope is not None
+            attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
+            if layer.fused_ffn is not None:
+                layer.fused_ffn(x, workspace.get("ffn_block"))
+                continue
+            assert layer.ffn_norm is not None
+            h = layer.ffn_norm(x)
+            f = layer.ffn(h, x, batch)
+            x = x + f
+        return x
+
+    def _layer(self, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:
+        """One layer op by op on the CPU (no device moves)."""
+        h = layer.attn_norm(x)
+        a = layer.attn(h, batch, kv)
+        if layer.post_attn_norm is not None:
+            a = layer.post_attn_norm(a)
+        if layer.ffn_norm is None:
+            return x + a + layer.ffn(h, x, batch)
+        x = x + a
+        h = layer.ffn_norm(x)
+        f = layer.ffn(h, x, batch)
+        if layer.post_ffn_norm is not None:
+            f = layer.post_ffn_norm(f)
+        return x + f

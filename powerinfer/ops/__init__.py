@@ -7,11 +7,11 @@ or a weight type has no kernel, every op falls back to its pure-torch reference 
 functions), which is also the oracle in tests.
 
 Modules: library (loading, symbols), context (KernelContext), weights (QWeight, DeviceWeight), dense (linear,
-get_rows), sparse (the sparse FFN ops), attention (decode attention), activation (FFN activations as data),
-reference (torch references), triton_quant (the CUDA pool's kernels, imported only for a CUDA pool).
+get_rows), layer (fused decode blocks, rms_norm), sparse (the sparse FFN ops), attention (decode attention),
+activation (FFN activations as data), reference (torch references), triton_quant (the CUDA pool's kernels, imported only for a CUDA pool).
 """
 
-from powerinfer.ops.activation import ACTIVATIONS, act, activation_code, gated
+from powerinfer.ops.activation import ACTIVATIONS, act, activation_code, gated, gated_ref
 from powerinfer.ops.attention import (
     ATTN_KERNEL_MAX_POS,
     apply_rope,
@@ -22,6 +22,7 @@ from powerinfer.ops.attention import (
 )
 from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_context
 from powerinfer.ops.dense import get_rows, linear
+from powerinfer.ops.layer import AttnBlock, FFNBlock, attn_block, ffn_block, rms_norm
 from powerinfer.ops.library import ISA_NAMES, isa_best, kernels_available
 from powerinfer.ops.sparse import (
     cats_ffn,
@@ -42,6 +43,11 @@ from powerinfer.ops.weights import DeviceWeight, QWeight
 
 __all__ = [
     "ACTIVATIONS",
+    "AttnBlock",
+    "FFNBlock",
+    "attn_block",
+    "ffn_block",
+    "rms_norm",
     "cats_ffn",
     "cats_ffn_ref",
     "cats_scratch_bytes",
@@ -65,6 +71,7 @@ __all__ = [
     "ffn_rows_ref",
     "ffn_scratch_bytes",
     "gated",
+    "gated_ref",
     "get_rows",
     "isa_best",
     "kernels_available",

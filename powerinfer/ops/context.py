@@ -49,9 +49,12 @@ class _Resolved:
     cats_ffn: Any
     attn_decode: Any
     ffn_kinds: Mapping[GGMLType, int]  # weight kind codes of ffn_rows / predict_ffn
+    attn_block: Any  # fused decode blocks (one token)
+    ffn_block: Any
+    rms_norm: Any
 
 
-_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, _EMPTY)
+_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, _EMPTY, None, None, None)
 
 
 @functools.cache
@@ -69,6 +72,9 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         cats_ffn=lib.cats_ffn,
         attn_decode=lib.attn_decode,
         ffn_kinds=library.FFN_KINDS,
+        attn_block=lib.attn_block,
+        ffn_block=lib.ffn_block,
+        rms_norm=lib.rms_norm,
     )
 
 

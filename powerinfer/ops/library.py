@@ -119,6 +119,12 @@ _CATS_FFN_ARGTYPES = (
 _ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32)
 # quantize_rows (ggml_type, src, n_rows, n_cols, dst, n_threads): float rows -> blocks (kernels/cpu/quantize_k.c)
 _QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
+# attn_block (desc, x, k_cache, v_cache, n_ctx, pos, rope, scratch, scratch_bytes, q8, n_threads, isa)
+_ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# ffn_block (desc, x, scratch, scratch_bytes, q8, n_threads, isa)
+_FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
+_RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,6 +153,13 @@ class Library:
     attn_decode_scratch_bytes: Any
     # float32 rows -> Q2_K..Q6_K, IQ4_NL, IQ4_XS blocks, bit-exact with llama.cpp's quantizers (no imatrix)
     quantize_rows: Any
+    # fused decode blocks of one token (kernels/cpu/layer.c) and RMSNorm
+    attn_block: Any
+    ffn_block: Any
+    attn_block_scratch_bytes: Any
+    ffn_block_scratch_bytes: Any
+    rms_norm: Any
+    gated: Any  # h = act(g) * up, the fused kernels' gating
 
 
 def _symbol(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any = _i32) -> Any:
@@ -196,6 +209,12 @@ def _open(path: str) -> Library:
         cats_ffn_scratch_bytes=_symbol(lib, "pi_cats_ffn_scratch_bytes", (_i64, _i64, _i32), _i64),
         attn_decode_scratch_bytes=_symbol(lib, "pi_attn_decode_scratch_bytes", (_i64, _i64), _i64),
         quantize_rows=_symbol(lib, "pi_quantize_rows", _QUANTIZE_ROWS_ARGTYPES),
+        attn_block=_symbol(lib, "pi_attn_block", _ATTN_BLOCK_ARGTYPES),
+        ffn_block=_symbol(lib, "pi_ffn_block", _FFN_BLOCK_ARGTYPES),
+        attn_block_scratch_bytes=_symbol(lib, "pi_attn_block_scratch_bytes", (_i64,) * 5, _i64),
+        ffn_block_scratch_bytes=_symbol(lib, "pi_ffn_block_scratch_bytes", (_i64, _i64), _i64),
+        rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),
+        gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
     )
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from powerinfer.ops import activation, library
-from powerinfer.ops.activation import activation_code, gated
+from powerinfer.ops.activation import activation_code, gated, gated_ref
 from powerinfer.ops.context import KernelContext, default_context
 from powerinfer.ops.dense import linear, output
 from powerinfer.ops.library import check_status
@@ -172,7 +172,7 @@ def ffn_rows_ref(
     """sum_j h_j * down_t[idx_j] with h = act(gate[idx] . u) * (relu(up[idx] . u) if relu_up else up[idx] . u);
     u (K,) -> (D,), (T, K) -> (T, D)."""
     u = u.to(torch.float32)
-    h = gated(rows_matmul_ref(u, gate, idx), rows_matmul_ref(u, up, idx), act, relu_up)
+    h = gated_ref(rows_matmul_ref(u, gate, idx), rows_matmul_ref(u, up, idx), act, relu_up)
     return rows_axpy_ref(h, down_t, idx)
 
 

@@ -1,0 +1,303 @@
+/* Fused decode blocks of one token: a whole attention block or a whole dense FFN block in one call and one
+ * parallel region, instead of a dozen ops (and as many fork/joins and Python round trips) per block.
+ *
+ *   pi_attn_block: x += wo . attention(rope(wq . n), rope(wk . n), wv . n),  n = rmsnorm(x) * norm
+ *   pi_ffn_block:  x += down . (act(gate . n) * up . n),                     n = rmsnorm(x) * norm
+ *
+ * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
+ * int8 blocks of Q4_0 / Q4_1 / Q8_0, Q8_K for the K-quants; float activations for the other types and in f32),
+ * attention is pi_attn_decode's (attention.h), the norm pi_rms_norm's and the gating pi_gated's (that of the fused
+ * sparse FFN, sparse.h): so a block gives the bits of the same ops called one by one. Rows are split over threads in contiguous ranges, one thread per output
+ * element: results do not depend on the thread count. Weights are described by pi_mat (kinds of enum axpy_kind)
+ * and checked on every call before any row is read; the caller's scratch holds every intermediate.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "attention.h"
+#include "sparse.h"
+
+/* One weight matrix: n_rows rows of n_cols elements of `kind` (enum axpy_kind), stride bytes apart. */
+typedef struct {
+    const uint8_t *w;
+    int64_t stride;
+    int64_t n_rows;
+    int64_t n_cols;
+    int32_t kind;
+    int32_t reserved;
+} pi_mat;
+
+/* A Llama-style attention block (no biases, full adjacent-pair RoPE): the ctypes mirror is powerinfer/ops/layer.py */
+typedef struct {
+    int64_t n_embd, n_head, n_head_kv, head_dim;
+    float eps, scale;
+    const float *norm; /* n_embd */
+    pi_mat wq, wk, wv, wo;
+} pi_attn_block_desc;
+
+/* A gated dense FFN block without biases */
+typedef struct {
+    int64_t n_embd, n_ff;
+    float eps;
+    int32_t act, relu_up, reserved;
+    const float *norm; /* n_embd */
+    pi_mat gate, up, down;
+} pi_ffn_block_desc;
+
+/* ---- RMSNorm --------------------------------------------------------------------------------------------------- */
+
+/* out = x / sqrt(mean(x^2) + eps) * w, the mean accumulated in double (x * r first, then * w, as torch's rms_norm) */
+static void rms_norm_row(const float *x, const float *w, int64_t D, float eps, float *out) {
+    double ss = 0.0;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < D; i++) ss += (double)x[i] * (double)x[i];
+    const float r = 1.0f / sqrtf((float)(ss / (double)D) + eps);
+    for (int64_t i = 0; i < D; i++) out[i] = x[i] * r * w[i];
+}
+
+/* pi_rms_norm(x, T, D, x_stride, w, eps, out, out_stride): each of T rows of D floats normed as rms_norm_row; w may
+ * be NULL (no weight). */
+PI_EXPORT int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, const float *w, float eps,
+                              float *out, int64_t out_stride) {
+    if (T < 0 || D <= 0 || !stride_ok(T, x_stride, D) || !stride_ok(T, out_stride, D)) return PI_ERR_SHAPE;
+    if (T > 0 && (x == NULL || out == NULL)) return PI_ERR_SHAPE;
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * x_stride;
+        float *ot = out + t * out_stride;
+        if (w != NULL) {
+            rms_norm_row(xt, w, D, eps, ot);
+        } else {
+            double ss = 0.0;
+            for (int64_t i = 0; i < D; i++) ss += (double)xt[i] * (double)xt[i];
+            const float r = 1.0f / sqrtf((float)(ss / (double)D) + eps);
+            for (int64_t i = 0; i < D; i++) ot[i] = xt[i] * r;
+        }
+    }
+    return PI_OK;
+}
+
+/* ---- the gating -------------------------------------------------------------------------------------------------- */
+
+/* pi_gated(g, u, n, act, relu_up, out): out[i] = act(g[i]) * (relu(u[i]) if relu_up else u[i]), act as enum ffn_act:
+ * the gating of the fused FFN kernels, for the op-by-op path (out may be g). */
+PI_EXPORT int32_t pi_gated(const float *g, const float *u, int64_t n, int32_t act, int32_t relu_up, float *out) {
+    if (n < 0 || act < ACT_RELU || act > ACT_LAST || (n > 0 && (g == NULL || u == NULL || out == NULL)))
+        return PI_ERR_SHAPE;
+    for (int64_t i = 0; i < n; i++) out[i] = ffn_act(act, g[i]) * (relu_up ? relu_f(u[i]) : u[i]);
+    return PI_OK;
+}
+
+/* ---- one token's matrix-vector products in row ranges ---------------------------------------------------------- */
+
+/* A vector prepared for the products of a phase: the floats, and where some matrix of the phase needs them in the
+ * q8 precision, its int8 blocks of 32 (Q4_0 / Q4_1 / Q8_0) and its Q8_K super-blocks (K-quants). */
+typedef struct {
+    const float *x;
+    act_q8 a;
+    act_q8k ak;
+} mv_input;
+
+static inline int mv_needs_q8(const pi_mat *m, int q8) { return q8 && m->kind <= KIND_Q8_0; }
+static inline int mv_needs_q8k(const pi_mat *m, int q8) { return q8 && kind_is_kq(m->kind); }
+
+static size_t mv_input_bytes(int64_t K) {
+    return align_up((size_t)K) + align_up((size_t)(K / QK) * 12) + kq8_act_bytes(K);
+}
+
+/* x (K) prepared in buf (mv_input_bytes(K)) for the matrices of one phase */
+static void mv_prepare(const matmul_table *t, int32_t level, const float *x, int64_t K, const pi_mat *const *mats,
+                       int n_mats, int q8, uint8_t *buf, mv_input *in) {
+    int need_q8 = 0, need_q8k = 0;
+    for (int i = 0; i < n_mats; i++) {
+        need_q8 |= mv_needs_q8(mats[i], q8);
+        need_q8k |= mv_needs_q8k(mats[i], q8);
+    }
+    in->x = x;
+    if (need_q8) {
+        const int64_t nb = K / QK;
+        in->a.qs = (int8_t *)buf;
+        in->a.ds = (float *)(buf + align_up((size_t)K));
+        in->a.isum = (int32_t *)(in->a.ds + 2 * nb);
+        in->a.K = K;
+        in->a.nb = nb;
+        t->quantize_act(x, nb, in->a.qs, in->a.ds, in->a.isum);
+    }
+    if (need_q8k) kq8_act_prepare(level, x, K, buf + align_up((size_t)K) + align_up((size_t)(K / QK) * 12), &in->ak);
+}
+
+/* y[n] = W[n] . x for n in [n0, n1): as pi_matmul_<type> computes row n at T = 1 in the precision q8 */
+static void mv_rows(const matmul_table *t, int32_t level, const pi_mat *m, int q8, const mv_input *in, int64_t n0,
+                    int64_t n1, float *y) {
+    if (n0 >= n1) return;
+    const int64_t stride = m->stride, K = m->n_cols;
+    if (mv_needs_q8k(m, q8)) {
+        kq8_rows(level, m->kind - KIND_Q2_K, m->w + n0 * stride, stride, n1 - n0, &in->ak, y + n0);
+        return;
+    }
+    const ffn_mat f = ffn_mat_of(t, m->kind, q8, m->w, stride, K);
+    if (f.tq != NULL) {
+        for (int64_t n = n0; n < n1; n++) f.tq(m->w + n * stride, &in->a, 0, 1, y + n);
+        return;
+    }
+    const int group = f.row_bytes > FFN_DOT_MAX_ROW ? 1 : ROWS_DOT_MAX;
+    for (int64_t n = n0; n < n1; n += group) {
+        const int R = (int)min_i64(group, n1 - n);
+        const uint8_t *rows[ROWS_DOT_MAX];
+        for (int r = 0; r < R; r++) rows[r] = m->w + (n + r) * stride;
+        f.dot(rows, R, K, in->x, y + n);
+    }
+}
+
+/* The rows of several matrices read by one input, numbered one after the other and split in contiguous ranges
+ * over the team: this thread's share. */
+static void mv_split(const matmul_table *t, int32_t level, const pi_mat *const *mats, float *const *ys, int n_mats,
+                     int q8, const mv_input *in, int64_t me, int64_t all) {
+    int64_t total = 0;
+    for (int i = 0; i < n_mats; i++) total += mats[i]->n_rows;
+    const int64_t r0 = total * me / all, r1 = total * (me + 1) / all;
+    int64_t off = 0;
+    for (int i = 0; i < n_mats; i++) {
+        const int64_t N = mats[i]->n_rows;
+        const int64_t lo = r0 > off ? r0 - off : 0, hi = r1 < off + N ? r1 - off : N;
+        if (lo < hi) mv_rows(t, level, mats[i], q8, in, lo, hi, ys[i]);
+        off += N;
+    }
+}
+
+/* ---- checks --------------------------------------------------------------------------------------------------- */
+
+/* a matrix of the expected shape whose rows fit its stride (check_weight: kind, whole blocks, buffer) */
+static int mat_ok(const pi_mat *m, int64_t n_rows, int64_t n_cols) {
+    if (m->n_rows != n_rows || m->n_cols != n_cols || n_rows <= 0 || n_cols <= 0) return 0;
+    return check_weight(m->kind, m->n_rows, m->n_cols, m->w, m->stride) == PI_OK;
+}
+
+static size_t attn_block_scratch(int64_t n_embd, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx) {
+    const int64_t n_q = H * D, n_kv = Hkv * D;
+    return align_up((size_t)n_embd * 4) * 2 + align_up((size_t)n_q * 4) * 2 + align_up((size_t)n_kv * 4) * 2 +
+           align_up((size_t)(H * n_ctx) * 4) + mv_input_bytes(n_embd > n_q ? n_embd : n_q);
+}
+
+static size_t ffn_block_scratch(int64_t n_embd, int64_t n_ff) {
+    return align_up((size_t)n_embd * 4) * 2 + align_up((size_t)n_ff * 4) * 2 + mv_input_bytes(n_embd > n_ff ? n_embd : n_ff);
+}
+
+/* Bytes of scratch pi_attn_block needs for positions below n_ctx, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_attn_block_scratch_bytes(int64_t n_embd, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                                              int64_t n_ctx) {
+    if (n_embd <= 0 || n_head <= 0 || n_head_kv <= 0 || head_dim <= 0 || n_ctx <= 0) return -1;
+    return (int64_t)(attn_block_scratch(n_embd, n_head, n_head_kv, head_dim, n_ctx) + PI_SCRATCH_ALIGN);
+}
+
+/* Bytes of scratch pi_ffn_block needs, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_ffn_block_scratch_bytes(int64_t n_embd, int64_t n_ff) {
+    if (n_embd <= 0 || n_ff <= 0) return -1;
+    return (int64_t)(ffn_block_scratch(n_embd, n_ff) + PI_SCRATCH_ALIGN);
+}
+
+/* ---- the attention block ---------------------------------------------------------------------------------------- */
+
+/* pi_attn_block(desc, x, kc, vc, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += the
+ * block's output for the token at pos; kc, vc: this sequence's cache of the layer, (n_ctx, n_head_kv, head_dim)
+ * float32, row pos written; rope: head_dim / 2 (cos, sin) pairs of position pos; scratch: at least
+ * pi_attn_block_scratch_bytes(..., n_ctx) bytes. */
+PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc, float *vc, int64_t n_ctx,
+                                int64_t pos, const float *rope, void *scratch, int64_t scratch_bytes, int32_t q8,
+                                int32_t n_threads, int32_t isa) {
+    if (b == NULL || x == NULL || kc == NULL || vc == NULL || rope == NULL || b->norm == NULL) return PI_ERR_SHAPE;
+    const int64_t E = b->n_embd, H = b->n_head, Hkv = b->n_head_kv, D = b->head_dim;
+    if (E <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0 || pos < 0 || pos >= n_ctx)
+        return PI_ERR_SHAPE;
+    const int64_t n_q = H * D, n_kv = Hkv * D;
+    if (!mat_ok(&b->wq, n_q, E) || !mat_ok(&b->wk, n_kv, E) || !mat_ok(&b->wv, n_kv, E) || !mat_ok(&b->wo, E, n_q))
+        return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, attn_block_scratch(E, H, Hkv, D, n_ctx), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *y = (float *)(buf + align_up((size_t)E * 4));
+    float *q = (float *)((uint8_t *)y + align_up((size_t)E * 4));
+    float *att = (float *)((uint8_t *)q + align_up((size_t)n_q * 4));
+    float *k = (float *)((uint8_t *)att + align_up((size_t)n_q * 4));
+    float *v = (float *)((uint8_t *)k + align_up((size_t)n_kv * 4));
+    float *scores = (float *)((uint8_t *)v + align_up((size_t)n_kv * 4));
+    uint8_t *prep = (uint8_t *)scores + align_up((size_t)(H * n_ctx) * 4);
+
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *t = matmul_table_for(level);
+    const pi_mat *qkv[3] = {&b->wq, &b->wk, &b->wv};
+    float *const qkv_out[3] = {q, k, v};
+    const pi_mat *out_mat[1] = {&b->wo};
+    const int32_t nt = threads_for_work(n_threads, (n_q + 2 * n_kv) * E + E * n_q);
+    mv_input in_x = {0}, in_att = {0};
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+#pragma omp single
+        {
+            rms_norm_row(x, b->norm, E, b->eps, xn);
+            mv_prepare(t, level, xn, E, qkv, 3, q8, prep, &in_x);
+        }
+        mv_split(t, level, qkv, qkv_out, 3, q8, &in_x, me, all);
+#pragma omp barrier
+        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, Hkv * me / all,
+                          Hkv * (me + 1) / all);
+#pragma omp barrier
+#pragma omp single
+        mv_prepare(t, level, att, n_q, out_mat, 1, q8, prep, &in_att);
+        const int64_t n0 = E * me / all, n1 = E * (me + 1) / all;
+        mv_rows(t, level, &b->wo, q8, &in_att, n0, n1, y);
+        for (int64_t n = n0; n < n1; n++) x[n] += y[n];
+    }
+    return PI_OK;
+}
+
+/* ---- the dense FFN block ---------------------------------------------------------------------------------------- */
+
+/* pi_ffn_block(desc, x, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += down . (act(gate . n) *
+ * (relu(up . n) if relu_up else up . n)), n = rmsnorm(x) * norm; act as enum ffn_act; gate and up (n_ff, n_embd),
+ * down (n_embd, n_ff); scratch: at least pi_ffn_block_scratch_bytes(n_embd, n_ff) bytes. */
+PI_EXPORT int32_t pi_ffn_block(const pi_ffn_block_desc *b, float *x, void *scratch, int64_t scratch_bytes, int32_t q8,
+                               int32_t n_threads, int32_t isa) {
+    if (b == NULL || x == NULL || b->norm == NULL) return PI_ERR_SHAPE;
+    const int64_t E = b->n_embd, F = b->n_ff;
+    if (E <= 0 || F <= 0 || b->act < ACT_RELU || b->act > ACT_LAST) return PI_ERR_SHAPE;
+    if (!mat_ok(&b->gate, F, E) || !mat_ok(&b->up, F, E) || !mat_ok(&b->down, E, F)) return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, ffn_block_scratch(E, F), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *y = (float *)(buf + align_up((size_t)E * 4));
+    float *g = (float *)((uint8_t *)y + align_up((size_t)E * 4));
+    float *u = (float *)((uint8_t *)g + align_up((size_t)F * 4));
+    uint8_t *prep = (uint8_t *)u + align_up((size_t)F * 4);
+
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *t = matmul_table_for(level);
+    const pi_mat *in_mats[2] = {&b->gate, &b->up};
+    const pi_mat *down_mat[1] = {&b->down};
+    const int32_t nt = threads_for_work(n_threads, 3 * E * F);
+    const int act = b->act, relu_up = b->relu_up != 0;
+    mv_input in_x = {0}, in_h = {0};
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+#pragma omp single
+        {
+            rms_norm_row(x, b->norm, E, b->eps, xn);
+            mv_prepare(t, level, xn, E, in_mats, 2, q8, prep, &in_x);
+        }
+        /* the same neurons' gate and up rows on one thread, so h needs no barrier between them */
+        const int64_t f0 = F * me / all, f1 = F * (me + 1) / all;
+        mv_rows(t, level, &b->gate, q8, &in_x, f0, f1, g);
+        mv_rows(t, level, &b->up, q8, &in_x, f0, f1, u);
+        for (int64_t f = f0; f < f1; f++) g[f] = ffn_act(act, g[f]) * (relu_up ? relu_f(u[f]) : u[f]);
+#pragma omp barrier
+#pragma omp single
+        mv_prepare(t, level, g, F, down_mat, 1, q8, prep, &in_h);
+        const int64_t n0 = E * me / all, n1 = E * (me + 1) / all;
+        mv_rows(t, level, &b->down, q8, &in_h, n0, n1, y);
+        for (int64_t n = n0; n < n1; n++) x[n] += y[n];
+    }
+    return PI_OK;
+}

@@ -1,0 +1,222 @@
+"""Fused decode blocks of one token (kernels/cpu/layer.c) and RMSNorm.
+
+`attn_block` and `ffn_block` describe a layer's attention block (norm, q/k/v, RoPE, KV write, attention, output
+projection, residual add) and its gated dense FFN block (norm, gate, up, activation, down, residual add) once, as
+a C struct of weight pointers; each call then runs the whole block on one token in one kernel call and one
+parallel region, updating the residual in place. They return None where the kernels do not apply (no kernels, a
+weight on a device or of a type without a kernel kind), and the caller runs the blocks op by op: that path is the
+reference, and the fused one gives its bits except the FFN activation (libm's instead of torch's).
+
+`rms_norm` is RMSNorm over the last dimension (the mean of squares accumulated in double).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from powerinfer.ops import library
+from powerinfer.ops.activation import activation_code
+from powerinfer.ops.context import KernelContext, default_context
+from powerinfer.ops.library import check_status
+
+if TYPE_CHECKING:
+    from powerinfer.ops.weights import DeviceWeight, QWeight
+
+__all__ = ["AttnBlock", "FFNBlock", "attn_block", "ffn_block", "rms_norm"]
+
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+
+
+class _Mat(ctypes.Structure):  # pi_mat
+    _fields_ = [("w", _ptr), ("stride", _i64), ("n_rows", _i64), ("n_cols", _i64), ("kind", _i32), ("reserved", _i32)]
+
+
+class _AttnDesc(ctypes.Structure):  # pi_attn_block_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_head", _i64), ("n_head_kv", _i64), ("head_dim", _i64), ("eps", _f32), ("scale", _f32),
+        ("norm", _ptr), ("wq", _Mat), ("wk", _Mat), ("wv", _Mat), ("wo", _Mat),
+    ]  # fmt: skip
+
+
+class _FFNDesc(ctypes.Structure):  # pi_ffn_block_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_ff", _i64), ("eps", _f32), ("act", _i32), ("relu_up", _i32), ("reserved", _i32),
+        ("norm", _ptr), ("gate", _Mat), ("up", _Mat), ("down", _Mat),
+    ]  # fmt: skip
+
+
+def _mat(w: QWeight | DeviceWeight | None, kc: KernelContext) -> _Mat | None:
+    """The kernel's description of a weight; None when the fused kernels cannot read it."""
+    if w is None or w.on_device:
+        return None
+    kind = kc.kernels.ffn_kinds.get(w.ggml_type)
+    if kind is None:
+        return None
+    n_rows, n_cols = w.shape
+    return _Mat(w._raw_ptr, w._raw_stride, n_rows, n_cols, kind, 0)
+
+
+def _norm_weight(weight: torch.Tensor, n: int) -> torch.Tensor | None:
+    if weight.shape != (n,) or not weight.is_cpu:
+        return None
+    return weight.to(torch.float32).contiguous()
+
+
+class AttnBlock:
+    """A layer's attention block for one token: x += wo . attention(rope(wq n), rope(wk n), wv n), n = norm(x)."""
+
+    def __init__(self, desc: _AttnDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+        self.desc, self._keep = desc, keep  # keep: the tensors the struct points into
+        self._desc_ref = ctypes.byref(desc)
+        self.kc = kc
+        self.n_embd, self.head_dim = desc.n_embd, desc.head_dim
+        self.row = desc.n_head_kv * desc.head_dim
+
+    def scratch_bytes(self, n_ctx: int) -> int:
+        """Scratch one call needs at positions below n_ctx."""
+        d = self.desc
+        return int(library.load().attn_block_scratch_bytes(d.n_embd, d.n_head, d.n_head_kv, d.head_dim, n_ctx))
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pos: int,
+        rope_pairs: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; k_cache, v_cache (n_ctx, H_kv, D) float32 contiguous,
+        row pos written; rope_pairs (n_positions, D / 2, 2) the (cos, sin) table; scratch of scratch_bytes(n_ctx)."""
+        n_ctx = k_cache.shape[0]
+        if (
+            x.numel() != self.n_embd
+            or x.dtype is not torch.float32
+            or k_cache.dtype is not torch.float32
+            or v_cache.dtype is not torch.float32
+            or k_cache.numel() != n_ctx * self.row
+            or v_cache.shape != k_cache.shape
+            or not (x.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+            or not 0 <= pos < rope_pairs.shape[0]
+            or rope_pairs[0].numel() != self.head_dim
+        ):
+            raise ValueError("attn_block: x, the caches or the RoPE table do not match the block")
+        kc = self.kc
+        status = kc.kernels.attn_block(
+            self._desc_ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_ctx, pos,
+            rope_pairs.data_ptr() + pos * self.head_dim * 4, scratch.data_ptr(), scratch.numel(),
+            kc.act_precision == "q8", kc.n_threads, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "attn_block", scratch.numel(), self.scratch_bytes(n_ctx), "AttnBlock.scratch_bytes")
+
+
+class FFNBlock:
+    """A layer's gated dense FFN block for one token: x += down . (act(gate n) * up n), n = norm(x)."""
+
+    def __init__(self, desc: _FFNDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+        self.desc, self._keep = desc, keep
+        self._desc_ref = ctypes.byref(desc)
+        self.kc = kc
+        self.n_embd = desc.n_embd
+
+    def scratch_bytes(self) -> int:
+        return int(library.load().ffn_block_scratch_bytes(self.desc.n_embd, self.desc.n_ff))
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes()."""
+        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
+            raise ValueError("ffn_block: x does not match the block")
+        kc = self.kc
+        status = kc.kernels.ffn_block(
+            self._desc_ref, x.data_ptr(), scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",
+            kc.n_threads, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "ffn_block", scratch.numel(), self.scratch_bytes(), "FFNBlock.scratch_bytes")
+
+
+def attn_block(
+    norm: torch.Tensor,
+    eps: float,
+    wq: QWeight | DeviceWeight,
+    wk: QWeight | DeviceWeight,
+    wv: QWeight | DeviceWeight,
+    wo: QWeight | DeviceWeight,
+    n_head: int,
+    n_head_kv: int,
+    head_dim: int,
+    kc: KernelContext | None = None,
+) -> AttnBlock | None:
+    """The fused attention block of these weights (RMSNorm weight `norm`, no biases, full adjacent-pair RoPE, scale
+    1 / sqrt(head_dim)); None where the kernels cannot run it."""
+    kc = kc or default_context()
+    if kc.kernels.attn_block is None:
+        return None
+    mats = [_mat(w, kc) for w in (wq, wk, wv, wo)]
+    n_embd = wo.shape[0]
+    weight = _norm_weight(norm, n_embd)
+    n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
+    if any(m is None for m in mats) or weight is None:
+        return None
+    shapes = [(m.n_rows, m.n_cols) for m in mats if m is not None]
+    if shapes != [(n_q, n_embd), (n_kv, n_embd), (n_kv, n_embd), (n_embd, n_q)] or head_dim % 2:
+        return None
+    desc = _AttnDesc(n_embd, n_head, n_head_kv, head_dim, eps, head_dim**-0.5, weight.data_ptr(), *mats)
+    return AttnBlock(desc, (weight, wq, wk, wv, wo), kc)
+
+
+def ffn_block(
+    norm: torch.Tensor,
+    eps: float,
+    gate: QWeight | DeviceWeight,
+    up: QWeight | DeviceWeight,
+    down: QWeight | DeviceWeight,
+    act: str,
+    relu_up: bool,
+    kc: KernelContext | None = None,
+) -> FFNBlock | None:
+    """The fused gated FFN block of these weights (RMSNorm weight `norm`, no biases, down (n_embd, n_ff)); None where
+    the kernels cannot run it."""
+    kc = kc or default_context()
+    if kc.kernels.ffn_block is None:
+        return None
+    mats = [_mat(w, kc) for w in (gate, up, down)]
+    n_ff, n_embd = gate.shape
+    weight = _norm_weight(norm, n_embd)
+    if any(m is None for m in mats) or weight is None:
+        return None
+    shapes = [(m.n_rows, m.n_cols) for m in mats if m is not None]
+    if shapes != [(n_ff, n_embd), (n_ff, n_embd), (n_embd, n_ff)]:
+        return None
+    desc = _FFNDesc(n_embd, n_ff, eps, activation_code(act), int(relu_up), 0, weight.data_ptr(), *mats)
+    return FFNBlock(desc, (weight, gate, up, down), kc)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension (a new tensor); the C kernel for float32 CPU
+    tensors, torch's rms_norm otherwise."""
+    D = x.shape[-1]
+    lib = library.load()
+    if (
+        lib is None
+        or not x.is_cpu
+        or x.dtype is not torch.float32
+        or (weight is not None and (weight.dtype is not torch.float32 or not weight.is_cpu or weight.shape != (D,)))
+        or D == 0
+    ):
+        return F.rms_norm(x, (D,), weight, eps)
+    x2 = x.reshape(-1, D).contiguous()
+    out = torch.empty(x2.shape, dtype=torch.float32)
+    w_ptr = None
+    if weight is not None:
+        weight = weight.contiguous()
+        w_ptr = weight.data_ptr()
+    status = lib.rms_norm(x2.data_ptr(), x2.shape[0], D, x2.stride(0), w_ptr, eps, out.data_ptr(), D)
+    if status:
+        check_status(status, "rms_norm")
+    return out.view(x.shape)
