@@ -14,6 +14,7 @@
  * result does not depend on the thread count. The body (attention_body.h) is compiled for baseline x86-64, AVX2
  * and AVX-512; `isa` (enum pi_isa, clamped to what the CPU has) picks one per call.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 

@@ -66,7 +66,7 @@ TARGET static void FN(rope_rotate)(float *x, const float *rope, int64_t D) {
 }
 
 /* the G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch */
-TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
+TARGET static void FN(attend_kv_head_generic)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
                                       int64_t G, int64_t L, int64_t D, float scale, float *s, float *out) {
     for (int64_t t = 0; t < L; t++) {
         const float *krow = kc + t * row + kvh * D;
@@ -83,6 +83,116 @@ TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const flo
         for (int64_t d = 0; d < D; d++) o[d] *= inv;
     }
 }
+
+
+#ifdef SIMD_TARGET
+/* 256-bit bodies (the same in the AVX2 and AVX-512 variants, so both give the same bits) for D % 8 == 0. */
+
+/* the 8 horizontal sums of a[0..7] as one vector: lane j = sum of a[j]'s lanes */
+TARGET_INLINE __m256 FN(hsum8x8)(const __m256 *a) {
+    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    /* s0123 = {a0 lo, a1 lo, a2 lo, a3 lo | a0 hi, a1 hi, a2 hi, a3 hi}, likewise s4567 for a4..a7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+TARGET_INLINE float FN(hsum256_att)(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* e^x lane by lane for x <= 0, the polynomial of exp_nonpositive */
+TARGET_INLINE __m256 FN(exp_nonpositive8)(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    const __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), magic), magic);
+    __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+    r = _mm256_sub_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* The G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch. Scores: 8 positions at a time
+ * per query head, each a dot product of D / 8 FMAs, the 8 sums reduced together; softmax with the vector exp;
+ * then out = sum_t p_t V[t] with the head's output in registers, 64 elements at a time. */
+TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
+                                      int64_t G, int64_t L, int64_t D, float scale, float *s, float *out) {
+    if (D % 8 != 0) {
+        FN(attend_kv_head_generic)(q, kc, vc, row, kvh, G, L, D, scale, s, out);
+        return;
+    }
+    const float *kbase = kc + kvh * D, *vbase = vc + kvh * D;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < G; g++) {
+        const float *qg = q + (kvh * G + g) * D;
+        float *sg = s + g * L;
+        int64_t t = 0;
+        for (; t + 8 <= L; t += 8) {
+            __m256 acc[8];
+            for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qg + d);
+                for (int j = 0; j < 8; j++)
+                    acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kbase + (t + j) * row + d), acc[j]);
+            }
+            _mm256_storeu_ps(sg + t, _mm256_mul_ps(FN(hsum8x8)(acc), vscale));
+        }
+        for (; t < L; t++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8)
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kbase + t * row + d), acc);
+            sg[t] = FN(hsum256_att)(acc) * scale;
+        }
+        /* softmax numerators and their sum */
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (t = 0; t + 8 <= L; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
+        float m = -INFINITY;
+        {
+            float lanes[8];
+            _mm256_storeu_ps(lanes, vmax);
+            for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        }
+        for (int64_t u = t; u < L; u++) m = sg[u] > m ? sg[u] : m;
+        const __m256 vm = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps();
+        for (t = 0; t + 8 <= L; t += 8) {
+            const __m256 e = FN(exp_nonpositive8)(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
+            _mm256_storeu_ps(sg + t, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = FN(hsum256_att)(vsum);
+        for (; t < L; t++) {
+            sg[t] = FN(exp_nonpositive)(sg[t] - m);
+            sum += sg[t];
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        float *o = out + (kvh * G + g) * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 64) {
+            const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
+            __m256 acc[8];
+            for (int j = 0; j < nv; j++) acc[j] = _mm256_setzero_ps();
+            for (int64_t u = 0; u < L; u++) {
+                const __m256 p = _mm256_broadcast_ss(sg + u);
+                const float *vrow = vbase + u * row + d0;
+                for (int j = 0; j < nv; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+            }
+            for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
+        }
+    }
+}
+#else
+#define attend_kv_head_scalar attend_kv_head_generic_scalar
+#endif
 
 #undef TARGET
 #undef TARGET_INLINE
