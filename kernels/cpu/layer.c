@@ -97,10 +97,6 @@ typedef struct {
     act_q8k ak;
 } mv_input;
 
-#ifndef MV_AHEAD_BYTES
-#define MV_AHEAD_BYTES 4096
-#endif
-
 static inline int mv_needs_q8(const pi_mat *m, int q8) { return q8 && m->kind <= KIND_Q8_0; }
 static inline int mv_needs_q8k(const pi_mat *m, int q8) { return q8 && kind_is_kq(m->kind); }
 
@@ -139,9 +135,7 @@ static void mv_rows(const matmul_table *t, int32_t level, const pi_mat *m, int q
         return;
     }
     const ffn_mat f = ffn_mat_of(t, m->kind, q8, m->w, stride, K);
-    /* the rows MV_AHEAD_BYTES ahead are prefetched: the compute per byte is high enough that the hardware
-     * prefetcher alone leaves the DRAM idle between rows */
-    const int64_t ahead = (MV_AHEAD_BYTES + f.row_bytes - 1) / f.row_bytes;
+    const int64_t ahead = matvec_rows_ahead(f.row_bytes);
     if (f.tq != NULL) {
         for (int64_t n = n0; n < n1; n++) {
             if (n + ahead < n1) prefetch_bytes(m->w + (n + ahead) * stride, f.row_bytes);

@@ -306,6 +306,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         .nb = nb,
     };
     const int32_t nt = threads_for_work(n_threads, N * K * T);
+    const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
 #pragma omp parallel num_threads(nt)
     {
 #pragma omp for schedule(static)
@@ -318,8 +319,11 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
                 const int ntok = (int)min_i64(TILE_T, T - t0);
                 for (int64_t n = n0; n < n1; n++) {
                     float out[TILE_T];
-                    if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N)
+                    if (rows == NULL) {
+                        if (ahead > 0 && n + ahead < N) prefetch_bytes(w + (n + ahead) * w_stride, row_bytes);
+                    } else if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                         prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+                    }
                     tile(w + row_of(rows, n) * w_stride, &a, t0, ntok, out);
                     for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
                 }
@@ -336,6 +340,7 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
     if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
+    const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
         const int64_t n1 = min_i64(n0 + TILE_N, N);
@@ -343,8 +348,11 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
             const int ntok = (int)min_i64(tile_t, T - t0);
             for (int64_t n = n0; n < n1; n++) {
                 float out[TILE_TQ > TILE_T ? TILE_TQ : TILE_T];
-                if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N)
+                if (rows == NULL) {
+                    if (ahead > 0 && n + ahead < N) prefetch_bytes(w + (n + ahead) * w_stride, row_bytes);
+                } else if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                     prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+                }
                 tile(w + row_of(rows, n) * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
                 for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
             }
@@ -374,8 +382,9 @@ int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_f
  * horizontal sum setup per group instead of per row, which counts for short rows such as the predictor's fc2.
  * Long exact-mode quant rows: one per call (less per-row overhead than the tiled driver). */
 static int32_t matvec_dot(rows_dot_fn dot, int group, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
-                          const float *x, float *y, int32_t n_threads) {
+                          int64_t row_bytes, const float *x, float *y, int32_t n_threads) {
     const int32_t nt = threads_for_work(n_threads, N * K);
+    const int64_t ahead = matvec_rows_ahead(row_bytes);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
@@ -383,7 +392,10 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, const uint8_t *w, int64_t 
         for (int64_t n = N * me / all; n < n1; n += group) {
             const int R = (int)min_i64(group, n1 - n);
             const uint8_t *rows[ROWS_DOT_MAX];
-            for (int r = 0; r < R; r++) rows[r] = w + (n + r) * w_stride;
+            for (int r = 0; r < R; r++) {
+                rows[r] = w + (n + r) * w_stride;
+                if (n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * w_stride, row_bytes);
+            }
             dot(rows, R, K, x, y + n);
         }
     }
@@ -434,10 +446,10 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
         const matmul_table *table = matmul_table_for(isa);                                                    \
         const rows_dot_fn dot_fn = dot_field;                                                                 \
         if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \
-            return matvec_dot(dot_fn, ROWS_DOT_MAX, w, w_stride, N, K, x, y, n_threads);                      \
+            return matvec_dot(dot_fn, ROWS_DOT_MAX, w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                      \
         if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0)             \
-            return matvec_dot(dot_fn, long_group, w, w_stride, N, K, x, y, n_threads);                        \
-        return driver(table, 0, table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
+            return matvec_dot(dot_fn, long_group, w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                        \
+        return driver(table, row_bytes_##type(K), table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
 DEFINE_MATMUL(f32, matmul_float_rows, table->dot_f32, 1, 0)
