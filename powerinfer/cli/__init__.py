@@ -18,6 +18,7 @@ from powerinfer.cli.common import exit_code_of_interrupt, install_signal_handler
 
 def _register(app: typer.Typer) -> None:
     from powerinfer.cli.batched import batched
+    from powerinfer.cli.bench import bench
     from powerinfer.cli.convert import convert
     from powerinfer.cli.main import main
     from powerinfer.cli.perplexity import perplexity_command
@@ -34,6 +35,7 @@ def _register(app: typer.Typer) -> None:
     app.command("quantize")(quantize)
     app.command("perplexity", help="Perplexity of a text file (llama.cpp perplexity).")(perplexity_command)
     app.command("batched", help="Decode several sequences in parallel (llama.cpp batched).")(batched)
+    app.command("bench", help="Measure prompt and decode speed (llama.cpp llama-bench).")(bench)
     app.command("server", help="Serve a model over HTTP (llama.cpp endpoints and the OpenAI API).")(server)
     app.command("convert", help="Convert a Hugging Face checkpoint into a PowerInfer or dense GGUF.")(convert)
 

@@ -1,0 +1,343 @@
+"""Prompt and decode speed measured as llama.cpp's llama-bench measures it.
+
+A run is the cartesian product models x n_batch x activation precision x threads x tests, where each -p value
+> 0 is a prompt test (ppN: N tokens evaluated from an empty cache in batches of n_batch) and each -n value > 0
+a generation test (tgN: N tokens decoded one at a time from an empty cache). Each test runs once to warm up
+(a tg test: one token), then `repetitions` timed times; a result holds the per-repetition nanoseconds and
+derives tokens/s and their sample standard deviation. Token ids are a fixed sequence away from the special
+ids, so no tokenizer is involved. One engine serves the consecutive tests of one (model, n_batch, precision,
+threads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import itertools
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from powerinfer.errors import InputError
+from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
+from powerinfer.gguf.reader import GGUFFile, read_gguf
+from powerinfer.printable import printable
+
+if TYPE_CHECKING:
+    import torch
+
+    from powerinfer.runtime.engine import Engine, EngineOptions
+
+# llama.cpp's llama_model_ftype_name for the general.file_type values we can meet
+FTYPE_NAMES: dict[int, str] = {
+    0: "all F32",
+    1: "F16",
+    2: "Q4_0",
+    3: "Q4_1",
+    7: "Q8_0",
+    8: "Q5_0",
+    9: "Q5_1",
+    10: "Q2_K - Medium",
+    11: "Q3_K - Small",
+    12: "Q3_K - Medium",
+    13: "Q3_K - Large",
+    14: "Q4_K - Small",
+    15: "Q4_K - Medium",
+    16: "Q5_K - Small",
+    17: "Q5_K - Medium",
+    18: "Q6_K",
+    21: "Q2_K - Small",
+    25: "IQ4_NL - 4.5 bpw",
+    30: "IQ4_XS - 4.25 bpw",
+    32: "BF16",
+}
+# the llama_ftype llama.cpp guesses from the commonest tensor type of a file without general.file_type
+FTYPE_OF_TYPE: dict[GGMLType, int] = {
+    GGMLType.F32: 0,
+    GGMLType.F16: 1,
+    GGMLType.Q4_0: 2,
+    GGMLType.Q4_1: 3,
+    GGMLType.Q8_0: 7,
+    GGMLType.Q5_0: 8,
+    GGMLType.Q5_1: 9,
+    GGMLType.Q2_K: 10,
+    GGMLType.Q3_K: 12,
+    GGMLType.Q4_K: 15,
+    GGMLType.Q5_K: 17,
+    GGMLType.Q6_K: 18,
+    GGMLType.IQ4_NL: 25,
+    GGMLType.IQ4_XS: 30,
+    GGMLType.BF16: 32,
+}
+SIZE_SCALES = ((1e12, "T"), (1e9, "B"), (1e6, "M"))
+FTYPE_GUESSED = 1024  # llama.cpp's LLAMA_FTYPE_GUESSED bit
+# predictor tensors of PowerInfer files: counted in params and size, left out of the size class so that a
+# sparse file and its dense twin get the same class
+PREDICTOR_SUFFIXES = tuple(
+    "." + template.split(".", 2)[2] for template in (TensorNames.PRED_FC1, TensorNames.PRED_FC2)
+)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a bench row says about a model file, read from its GGUF header."""
+
+    path: Path
+    arch: str
+    size_class: str  # general.size_label, else the weight count in its notation ("8.4M", "1.1B")
+    ftype_name: str  # llama.cpp's file type name ("Q4_0", "Q4_K - Medium")
+    sparse: bool  # a PowerInfer (PWRI) file: predictor-selected sparse FFN
+    size_bytes: int  # tensor data bytes
+    n_params: int  # elements of every tensor
+    n_ctx_train: int
+    n_vocab: int
+
+    @property
+    def description(self) -> str:
+        """llama-bench's model_type ("llama 1B Q4_0"), with " sparse" for PowerInfer files."""
+        return f"{self.arch} {self.size_class} {self.ftype_name}" + (" sparse" if self.sparse else "")
+
+
+def size_class(n_params: int) -> str:
+    """A weight count in the notation of GGUF's general.size_label (convert_hf_to_gguf): at least two
+    significant digits, suffix K, M, B or T."""
+    scale, suffix = next(((s, x) for s, x in SIZE_SCALES if n_params > s), (1e3, "K"))
+    scaled = n_params / scale
+    digits = max(2 - len(str(round(scaled)).lstrip("0")), 0)
+    return f"{scaled:.{digits}f}{suffix}"
+
+
+def ftype_name(gguf: GGUFFile) -> str:
+    """general.file_type as llama.cpp names it; without the key, llama.cpp's guess from the type most tensors
+    have, marked "(guessed)"."""
+    value = gguf.metadata.get(Keys.FILE_TYPE)
+    if not isinstance(value, int) or isinstance(value, bool):
+        counts: dict[GGMLType, int] = {}
+        for t in gguf.tensors.values():
+            counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
+        commonest = max(counts, key=counts.__getitem__) if counts else GGMLType.F32
+        value = FTYPE_OF_TYPE.get(commonest, -1) | FTYPE_GUESSED
+    name = FTYPE_NAMES.get(value & ~FTYPE_GUESSED, "unknown, may not work")
+    return name + (" (guessed)" if value & FTYPE_GUESSED else "")
+
+
+def model_info(path: Path) -> ModelInfo:
+    """Read a model file's header and check it as the engine would (FormatError / ConfigError otherwise)."""
+    from powerinfer.arch import load_config
+
+    gguf = read_gguf(path)
+    config = load_config(gguf)
+    n_params = sum(t.n_elements for t in gguf.tensors.values())
+    label = gguf.metadata.get("general.size_label")
+    if not isinstance(label, str) or not label.strip():
+        weights = sum(t.n_elements for t in gguf.tensors.values() if not t.name.endswith(PREDICTOR_SUFFIXES))
+        label = size_class(weights)
+    return ModelInfo(
+        path=path,
+        arch=printable(str(gguf.metadata.get(Keys.ARCHITECTURE)), 40),
+        size_class=printable(label.strip(), 20),
+        ftype_name=ftype_name(gguf),
+        sparse=gguf.is_sparse,
+        size_bytes=sum(t.n_bytes for t in gguf.tensors.values()),
+        n_params=n_params,
+        n_ctx_train=config.n_ctx_train,
+        n_vocab=config.n_vocab,
+    )
+
+
+@dataclass(frozen=True)
+class BenchTest:
+    """One row: a model, the engine settings and either a prompt test (n_gen 0) or a generation test."""
+
+    model: int  # index into the run's models
+    n_batch: int
+    act_precision: str
+    n_threads: int
+    n_prompt: int
+    n_gen: int
+
+    @property
+    def name(self) -> str:
+        """llama-bench's test name: ppN or tgN."""
+        return f"pp{self.n_prompt}" if self.n_prompt else f"tg{self.n_gen}"
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt + self.n_gen
+
+    @property
+    def engine_key(self) -> tuple[int, int, str, int]:
+        return (self.model, self.n_batch, self.act_precision, self.n_threads)
+
+
+@dataclass(frozen=True)
+class BenchParams:
+    """The value lists of one run (each flag's values in the order given)."""
+
+    models: tuple[ModelInfo, ...]
+    n_prompt: tuple[int, ...] = (512,)
+    n_gen: tuple[int, ...] = (128,)
+    n_threads: tuple[int, ...] = (1,)
+    act_precision: tuple[str, ...] = ("f32",)
+    n_batch: tuple[int, ...] = (512,)
+    repetitions: int = 5
+
+
+def bench_plan(params: BenchParams) -> list[BenchTest]:
+    """Every test of a run in llama-bench's order: models, then n_batch, precision and threads, then the
+    prompt tests and the generation tests of each combination."""
+    tests = []
+    for model, n_batch, act, n_threads in itertools.product(
+        range(len(params.models)), params.n_batch, params.act_precision, params.n_threads
+    ):
+        tests += [BenchTest(model, n_batch, act, n_threads, p, 0) for p in params.n_prompt if p > 0]
+        tests += [BenchTest(model, n_batch, act, n_threads, 0, n) for n in params.n_gen if n > 0]
+    return tests
+
+
+def check_context(params: BenchParams) -> None:
+    """Refuse, before any work, a test longer than a model's training context (the engine's limit)."""
+    longest = max((*params.n_prompt, *params.n_gen))
+    for info in params.models:
+        if longest > info.n_ctx_train:
+            flag = "-p" if longest in params.n_prompt else "-n"
+            raise InputError(
+                f"{flag} {longest} is longer than the training context of {printable(str(info.path))} "
+                f"({info.n_ctx_train} tokens)"
+            )
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else math.nan
+
+
+def stdev(values: list[float]) -> float:
+    """Sample standard deviation; 0 for fewer than two values (llama-bench's stdev)."""
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    """The timed repetitions of one test."""
+
+    test: BenchTest
+    model: ModelInfo
+    backend: str  # "CPU", or "CUDA" when a pool or layers run on a CUDA device
+    gpu_info: str
+    test_time: str  # ISO 8601, UTC, when the test started
+    samples_ns: tuple[int, ...]
+
+    @property
+    def samples_ts(self) -> list[float]:
+        return [self.test.n_tokens * 1e9 / ns for ns in self.samples_ns]
+
+    @property
+    def avg_ns(self) -> int:
+        return round(mean([float(ns) for ns in self.samples_ns]))
+
+    @property
+    def stddev_ns(self) -> int:
+        return round(stdev([float(ns) for ns in self.samples_ns]))
+
+    @property
+    def avg_ts(self) -> float:
+        return mean(self.samples_ts)
+
+    @property
+    def stddev_ts(self) -> float:
+        return stdev(self.samples_ts)
+
+
+def prompt_tokens(n_vocab: int, n: int) -> list[int]:
+    """A fixed, deterministic token sequence away from the special ids at the start of the vocabulary
+    (scripts/bench_decode.py's for vocabularies of 2000 and more)."""
+    low = min(1000, n_vocab // 2)
+    return [(low + 7919 * i) % (n_vocab - low) + low for i in range(n)]
+
+
+def _sync(logits: torch.Tensor) -> None:
+    import torch
+
+    if logits.device.type == "cuda":
+        torch.cuda.synchronize(logits.device)
+
+
+def _time_test(engine: Engine, test: BenchTest, tokens: list[int]) -> int:
+    """One repetition from an empty cache, in nanoseconds."""
+    engine.reset()
+    t0 = time.perf_counter_ns()
+    if test.n_prompt:
+        _sync(engine.eval(tokens[: test.n_prompt]))
+    for token in tokens[: test.n_gen]:
+        _sync(engine.eval([token]))
+    return max(time.perf_counter_ns() - t0, 1)  # a clock too coarse for the test must not divide by 0
+
+
+def cpu_info() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_bench(
+    params: BenchParams,
+    base: EngineOptions,
+    on_progress: Callable[[str], None] | None = None,
+) -> Iterator[BenchResult]:
+    """Run every test of bench_plan(params) and yield its result as it completes.
+
+    base: the EngineOptions every engine starts from (pool, VRAM budget, -ngl); n_ctx, n_batch, threads and
+    precision are set per engine.
+    """
+    from powerinfer.runtime.engine import Engine
+
+    tests = bench_plan(params)
+    n_ctx = max((*params.n_prompt, *params.n_gen, 1))
+    engine: Engine | None = None
+    key: tuple[int, int, str, int] | None = None
+    for i, test in enumerate(tests, 1):
+        info = params.models[test.model]
+        if on_progress is not None:
+            on_progress(
+                f"bench: {i}/{len(tests)}: {info.description}, threads {test.n_threads}, "
+                f"{test.act_precision}, n_batch {test.n_batch}, {test.name}"
+            )
+        if test.engine_key != key:
+            engine = None
+            gc.collect()  # the previous engine's weights go before the next one loads
+            options = dataclasses.replace(
+                base,
+                n_ctx=n_ctx,
+                n_batch=test.n_batch,
+                n_threads=test.n_threads,
+                act_precision=test.act_precision,
+            )
+            engine, key = Engine(os.fspath(info.path), options), test.engine_key
+        assert engine is not None
+        tokens = prompt_tokens(info.n_vocab, max(test.n_prompt, test.n_gen))
+        test_time = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        # warm-up as llama-bench: the whole prompt, or one generated token
+        warm = dataclasses.replace(test, n_gen=min(test.n_gen, 1))
+        _time_test(engine, warm, tokens)
+        samples = tuple(_time_test(engine, test, tokens) for _ in range(params.repetitions))
+        device = engine.pool_device
+        on_cuda = device is not None and device.type == "cuda"
+        gpu = ""
+        if on_cuda:
+            import torch
+
+            gpu = torch.cuda.get_device_name(device)
+        yield BenchResult(test, info, "CUDA" if on_cuda else "CPU", gpu, test_time, samples)
