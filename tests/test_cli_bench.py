@@ -188,7 +188,7 @@ def test_defaults(fake_run, dense: Path):
     assert result.exit_code == 0, result.stderr
     params = fake_run["params"]
     assert (params.n_prompt, params.n_gen, params.n_batch) == ((512,), (128,), (512,))
-    assert params.n_threads == (threads(0),) and params.act_precision == ("f32",)
+    assert params.n_threads == (threads(0),) and params.act_precision == ("q8",)
     assert params.repetitions == 5
     assert [row[-2] for row in table_rows(result.stdout)[2:]] == ["pp512", "tg128"]
 
@@ -250,7 +250,7 @@ def test_json_records_of_a_real_run(dense: Path):
     gguf = read_gguf(BUNDLED)
     for r in records:
         assert set(r) == RECORD_FIELDS
-        assert r["n_threads"] == 1 and r["n_batch"] == 512 and r["act_precision"] == "f32"
+        assert r["n_threads"] == 1 and r["n_batch"] == 512 and r["act_precision"] == "q8"
         assert r["backends"] == "CPU" and r["gpu_info"] == ""
         assert len(r["samples_ns"]) == len(r["samples_ts"]) == 2
         n_tokens = r["n_prompt"] + r["n_gen"]

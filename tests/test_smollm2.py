@@ -104,6 +104,8 @@ def test_cli_main_greedy_text(hf_model, hf_greedy):
             "2",
             "-c",
             "256",
+            "--act-precision",
+            "f32",  # the exact mode: transformers' greedy text
         ],
     )
     assert result.exit_code == 0, result.stderr

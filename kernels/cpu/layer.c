@@ -46,17 +46,27 @@ typedef struct {
 
 /* ---- RMSNorm --------------------------------------------------------------------------------------------------- */
 
-/* out = x / sqrt(mean(x^2) + eps) * w, the mean accumulated in double (x * r first, then * w, as torch's rms_norm) */
-static void rms_norm_row(const float *x, const float *w, int64_t D, float eps, float *out) {
+/* 1 / sqrt(mean(x^2) + eps), the mean accumulated and the root taken in double */
+static double rms_scale(const float *x, int64_t D, float eps) {
     double ss = 0.0;
 #pragma omp simd reduction(+ : ss)
     for (int64_t i = 0; i < D; i++) ss += (double)x[i] * (double)x[i];
-    const float r = 1.0f / sqrtf((float)(ss / (double)D) + eps);
-    for (int64_t i = 0; i < D; i++) out[i] = x[i] * r * w[i];
+    return 1.0 / sqrt(ss / (double)D + (double)eps);
 }
 
-/* pi_rms_norm(x, T, D, x_stride, w, eps, out, out_stride): each of T rows of D floats normed as rms_norm_row; w may
- * be NULL (no weight). */
+/* out = x * rms_scale(x) * w, each element rounded once (w NULL: no weight) */
+static void rms_norm_row(const float *x, const float *w, int64_t D, float eps, float *out) {
+    const double r = rms_scale(x, D, eps);
+    if (w == NULL) {
+        for (int64_t i = 0; i < D; i++) out[i] = (float)((double)x[i] * r);
+        return;
+    }
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) out[i] = (float)((double)x[i] * r * (double)w[i]);
+}
+
+/* pi_rms_norm(x, T, D, x_stride, w, eps, out, out_stride): each of T rows of D floats normed as rms_norm_row (within
+ * half an ulp of the exact value, where torch's float arithmetic rounds 2-3 times); w may be NULL (no weight). */
 PI_EXPORT int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, const float *w, float eps,
                               float *out, int64_t out_stride) {
     if (T < 0 || D <= 0 || !stride_ok(T, x_stride, D) || !stride_ok(T, out_stride, D)) return PI_ERR_SHAPE;
@@ -64,14 +74,7 @@ PI_EXPORT int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_st
     for (int64_t t = 0; t < T; t++) {
         const float *xt = x + t * x_stride;
         float *ot = out + t * out_stride;
-        if (w != NULL) {
-            rms_norm_row(xt, w, D, eps, ot);
-        } else {
-            double ss = 0.0;
-            for (int64_t i = 0; i < D; i++) ss += (double)xt[i] * (double)xt[i];
-            const float r = 1.0f / sqrtf((float)(ss / (double)D) + eps);
-            for (int64_t i = 0; i < D; i++) ot[i] = xt[i] * r;
-        }
+        rms_norm_row(xt, w, D, eps, ot);
     }
     return PI_OK;
 }

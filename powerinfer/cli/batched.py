@@ -12,7 +12,7 @@ import torch
 import typer
 
 from powerinfer.cli.common import (
-    ActPrecision,
+    DEFAULT_ACT_PRECISION,
     ActPrecisionOpt,
     CtxOpt,
     LogDisableOpt,
@@ -117,7 +117,7 @@ def batched(
         int | None, typer.Option("-n", "--n-len", help="Total tokens per sequence (prompt incl.).")
     ] = None,
     threads_: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads.")] = None,
-    act_precision: ActPrecisionOpt = ActPrecision.f32,
+    act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="VRAM budget (GiB).")] = None,
     ctx_size: CtxOpt = 0,
     temp: Annotated[float, typer.Option("--temp")] = 0.4,

@@ -28,6 +28,7 @@ from powerinfer.bench import (
     run_bench,
 )
 from powerinfer.cli.common import (
+    DEFAULT_ACT_PRECISION,
     ActPrecision,
     NglOpt,
     PoolDeviceOpt,
@@ -97,7 +98,7 @@ def parse_values(flag: str, given: list[str] | None, default: tuple[int, ...]) -
 def parse_act_precisions(given: list[str] | None) -> tuple[str, ...]:
     """--act-precision values (comma lists, repeated flags): f32 and q8."""
     if not given:
-        return (ActPrecision.f32.value,)
+        return (DEFAULT_ACT_PRECISION.value,)
     names = [item.strip() for text in given for item in text.split(",")]
     for name in names:
         if name not in ActPrecision.__members__:
@@ -343,7 +344,7 @@ def bench(
         ListOpt,
         typer.Option(
             "--act-precision",
-            help="Activations of the quant matmuls: f32 (exact, the default) or q8 (int8 blocks like llama.cpp); "
+            help="Activations of the quant matmuls: q8 (int8 blocks as llama.cpp, the default) or f32 (exact); "
             "comma lists and repeated flags give several.",
             metavar=LIST,
             show_default=False,

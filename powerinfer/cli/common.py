@@ -63,12 +63,16 @@ class ActPrecision(str, Enum):
     q8 = "q8"
 
 
+# the default of every command: int8 activation blocks as llama.cpp computes them (the speed a user expects of a
+# llama.cpp drop-in; f32 decodes the weights to floats in registers, exact against float references but slower)
+DEFAULT_ACT_PRECISION = ActPrecision.q8
+
 ActPrecisionOpt = Annotated[
     ActPrecision,
     typer.Option(
         "--act-precision",
-        help="Activations of the Q4_0/Q4_1/Q8_0 matmuls: f32 (exact) or q8 (int8 blocks like llama.cpp: "
-        "faster, not bit-comparable with float references).",
+        help="Activations of the quant matmuls: q8 (default: int8 blocks as llama.cpp computes them) or f32 "
+        "(weights decoded to floats: exact against float references such as transformers, slower).",
     ),
 ]
 SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]

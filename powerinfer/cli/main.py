@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from powerinfer.cli.common import (
-    ActPrecision,
+    DEFAULT_ACT_PRECISION,
     ActPrecisionOpt,
     BatchOpt,
     CtxOpt,
@@ -203,7 +203,7 @@ def main(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
-    act_precision: ActPrecisionOpt = ActPrecision.f32,
+    act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = _D.seed,
     temp: TempOpt = _D.temp,
     top_k: TopKOpt = _D.top_k,

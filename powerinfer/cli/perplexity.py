@@ -21,7 +21,7 @@ from rich.progress import (
 )
 
 from powerinfer.cli.common import (
-    ActPrecision,
+    DEFAULT_ACT_PRECISION,
     ActPrecisionOpt,
     BatchOpt,
     CtxOpt,
@@ -274,7 +274,7 @@ def perplexity_command(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
-    act_precision: ActPrecisionOpt = ActPrecision.f32,
+    act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = -1,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
     ppl_stride: Annotated[

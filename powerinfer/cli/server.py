@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from powerinfer.cli.common import (
-    ActPrecision,
+    DEFAULT_ACT_PRECISION,
     ActPrecisionOpt,
     BatchOpt,
     CtxOpt,
@@ -52,7 +52,7 @@ def server(
     ] = 4,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
-    act_precision: ActPrecisionOpt = ActPrecision.f32,
+    act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
     ] = -1,

@@ -160,7 +160,16 @@ class Attention:
             return None
         assert self.wq is not None and self.wk is not None and self.wv is not None
         block = ops.attn_block(
-            norm.weight, norm.spec.eps, self.wq, self.wk, self.wv, self.wo, s.n_head, s.n_head_kv, s.head_dim, self.kc
+            norm.weight,
+            norm.spec.eps,
+            self.wq,
+            self.wk,
+            self.wv,
+            self.wo,
+            s.n_head,
+            s.n_head_kv,
+            s.head_dim,
+            self.kc,
         )
         if block is not None:
             self.workspace.reserve("attn_block", block.scratch_bytes(n_ctx))
@@ -326,7 +335,9 @@ class DenseFFN:
         if norm.spec.kind == "layer":
             return None
         spec = self.spec
-        return ops.ffn_block(norm.weight, norm.spec.eps, self.gate, self.up, self.down, spec.act, spec.relu_up, self.kc)
+        return ops.ffn_block(
+            norm.weight, norm.spec.eps, self.gate, self.up, self.down, spec.act, spec.relu_up, self.kc
+        )
 
     def hidden(self, x_norm: torch.Tensor) -> torch.Tensor:
         """The neurons' activations h (T, n_ff)."""

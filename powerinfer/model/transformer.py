@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from powerinfer.model.batch import StepBatch
 from powerinfer import ops
+from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
@@ -78,7 +78,12 @@ class Transformer:
                     rope = ropes.setdefault(rope.spec, rope)
             layer.attn.setup(rope, n_ctx)
             layer.fused_attn = layer.fused_ffn = None
-            if placed or layer.ffn_norm is None or layer.post_attn_norm is not None or layer.post_ffn_norm is not None:
+            if (
+                placed
+                or layer.ffn_norm is None
+                or layer.post_attn_norm is not None
+                or layer.post_ffn_norm is not None
+            ):
                 continue
             layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
             if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN):

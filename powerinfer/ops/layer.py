@@ -32,7 +32,14 @@ _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.
 
 
 class _Mat(ctypes.Structure):  # pi_mat
-    _fields_ = [("w", _ptr), ("stride", _i64), ("n_rows", _i64), ("n_cols", _i64), ("kind", _i32), ("reserved", _i32)]
+    _fields_ = [
+        ("w", _ptr),
+        ("stride", _i64),
+        ("n_rows", _i64),
+        ("n_cols", _i64),
+        ("kind", _i32),
+        ("reserved", _i32),
+    ]
 
 
 class _AttnDesc(ctypes.Structure):  # pi_attn_block_desc
@@ -79,7 +86,9 @@ class AttnBlock:
     def scratch_bytes(self, n_ctx: int) -> int:
         """Scratch one call needs at positions below n_ctx."""
         d = self.desc
-        return int(library.load().attn_block_scratch_bytes(d.n_embd, d.n_head, d.n_head_kv, d.head_dim, n_ctx))
+        return int(
+            library.load().attn_block_scratch_bytes(d.n_embd, d.n_head, d.n_head_kv, d.head_dim, n_ctx)
+        )
 
     def __call__(
         self,
@@ -112,7 +121,9 @@ class AttnBlock:
             kc.act_precision == "q8", kc.n_threads, kc.level,
         )  # fmt: skip
         if status:
-            check_status(status, "attn_block", scratch.numel(), self.scratch_bytes(n_ctx), "AttnBlock.scratch_bytes")
+            check_status(
+                status, "attn_block", scratch.numel(), self.scratch_bytes(n_ctx), "AttnBlock.scratch_bytes"
+            )
 
 
 class FFNBlock:
@@ -206,7 +217,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
         lib is None
         or not x.is_cpu
         or x.dtype is not torch.float32
-        or (weight is not None and (weight.dtype is not torch.float32 or not weight.is_cpu or weight.shape != (D,)))
+        or (
+            weight is not None
+            and (weight.dtype is not torch.float32 or not weight.is_cpu or weight.shape != (D,))
+        )
         or D == 0
     ):
         return F.rms_norm(x, (D,), weight, eps)

@@ -1,0 +1,171 @@
+"""Fused decode blocks (kernels/cpu/layer.c): one kernel call per attention block and per dense FFN block of a
+token must give the bits of the same layer run op by op, in both activation precisions, at any thread count, for
+every weight type the kernels read; plus the RMSNorm and gating kernels against torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import random_llama_state, random_predictors, write_llama_gguf
+
+from powerinfer import ops
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.quantize import QuantizeOptions, quantize_model, require_file_type
+from powerinfer.runtime.engine import Engine, EngineOptions
+
+needs_kernels = pytest.mark.skipif(not ops.kernels_available(), reason="C kernels not built")
+
+PROMPT = [5, 9, 14, 3]
+DECODE = [7, 11, 4, 20, 6, 8]
+
+
+def decode_logits(engine: Engine) -> torch.Tensor:
+    engine.reset()
+    engine.eval(PROMPT)
+    return torch.stack([engine.eval([t]).clone() for t in DECODE])
+
+
+def fused_and_op_by_op(engine: Engine) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode logits with the fused blocks, then with every layer op by op (the fusion switched off)."""
+    fused = decode_logits(engine)
+    for layer in engine.model.layers:
+        layer.fused_attn = layer.fused_ffn = None
+    return fused, decode_logits(engine)
+
+
+@pytest.fixture(scope="module")
+def mixed_files(tmp_path_factory) -> dict[str, Path]:
+    """A 256-wide Llama (GQA 8:2, 2 layers) as F32, and quantized to mixes covering every kind the fused kernels
+    read: Q4_K_M (Q4_K, Q6_K), Q3_K_M (Q3_K, Q4_K, Q5_K), Q2_K (Q2_K, Q3_K, Q4_K), Q5_1, Q4_0, Q4_1, Q8_0, Q5_0,
+    F16, BF16."""
+    folder = tmp_path_factory.mktemp("fused")
+    sd = random_llama_state(n_embd=256, n_ff=512, n_head=8, n_head_kv=2, seed=3)
+    f32 = write_llama_gguf(folder / "f32.gguf", sd, n_head=8, n_head_kv=2)
+    files = {"F32": f32}
+    for name in ("Q4_K_M", "Q3_K_M", "Q2_K", "Q5_1", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "F16", "BF16"):
+        out = folder / f"{name}.gguf"
+        quantize_model(QuantizeOptions(f32, out, require_file_type(name), allow_requantize=True))
+        files[name] = out
+    return files
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M"]
+)
+def test_fused_blocks_equal_op_by_op(mixed_files, name, act):
+    """Logits of 6 decode steps: the fused blocks == the same layers op by op, bit for bit (1 and 2 threads)."""
+    for threads in (1, 2):
+        engine = Engine(mixed_files[name], EngineOptions(n_ctx=32, n_threads=threads, act_precision=act))
+        assert all(
+            layer.fused_attn is not None and layer.fused_ffn is not None for layer in engine.model.layers
+        )
+        fused, op_by_op = fused_and_op_by_op(engine)
+        assert torch.equal(fused, op_by_op), (name, act, threads)
+        assert fused.abs().max() > 0
+
+
+@needs_kernels
+def test_fused_blocks_thread_count_independent(mixed_files, act):
+    runs = [
+        decode_logits(Engine(mixed_files["Q4_K_M"], EngineOptions(n_ctx=32, n_threads=t, act_precision=act)))
+        for t in (1, 2, 3)
+    ]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+@needs_kernels
+def test_sparse_layers_fuse_attention_only(tmp_path):
+    """A PowerInfer file: attention blocks fused, the predicted sparse FFN op by op; the same logits as all op by
+    op."""
+    sd = random_llama_state(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, seed=5)
+    path = write_llama_gguf(
+        tmp_path / "sparse.powerinfer.gguf",
+        sd,
+        n_head=4,
+        n_head_kv=2,
+        predictors=random_predictors(sd),
+        act="relu",
+    )
+    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2))
+    assert all(layer.fused_attn is not None and layer.fused_ffn is None for layer in engine.model.layers)
+    fused, op_by_op = fused_and_op_by_op(engine)
+    assert torch.equal(fused, op_by_op)
+
+
+@needs_kernels
+def test_fused_blocks_beyond_the_attention_kernel_limit(tmp_path):
+    """Positions past ATTN_KERNEL_MAX_POS, where the op-by-op path switches to tensor ops: the fused kernel's
+    attention stays within float rounding of them (measured 2e-6 of the logits' scale)."""
+    sd = random_llama_state(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, seed=6)
+    n_ctx = ops.ATTN_KERNEL_MAX_POS + 40
+    path = write_llama_gguf(tmp_path / "long.gguf", sd, n_head=4, n_head_kv=2, n_ctx=n_ctx)
+    engine = Engine(path, EngineOptions(n_ctx=n_ctx, n_threads=1))
+    prompt = [(7 * i) % 28 + 3 for i in range(ops.ATTN_KERNEL_MAX_POS + 10)]
+    engine.eval(prompt)
+    fused = torch.stack([engine.eval([t]).clone() for t in DECODE])
+    for layer in engine.model.layers:
+        layer.fused_attn = layer.fused_ffn = None
+    engine.reset()
+    engine.eval(prompt)
+    op_by_op = torch.stack([engine.eval([t]).clone() for t in DECODE])
+    torch.testing.assert_close(fused, op_by_op, rtol=0, atol=2e-5 * float(op_by_op.abs().max()))
+
+
+@needs_kernels
+def test_rms_norm_kernel_matches_torch():
+    # measured: 1.2e-7 relative (the mean of squares in double vs torch's float reduction)
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((1, 576), (7, 64), (3, 4, 48)):
+        x = torch.randn(*shape, generator=gen) * 3
+        w = torch.rand(shape[-1], generator=gen) + 0.5
+        got = ops.rms_norm(x, w, 1e-5)
+        want = F.rms_norm(x, (shape[-1],), w, 1e-5)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ops.rms_norm(x, None, 1e-6), F.rms_norm(x, (shape[-1],), None, 1e-6))
+        # a strided view is read correctly
+        xt = torch.randn(shape[-1], 5, generator=gen).T
+        torch.testing.assert_close(ops.rms_norm(xt, w, 1e-5), F.rms_norm(xt, (shape[-1],), w, 1e-5))
+
+
+@needs_kernels
+def test_gated_kernel_matches_torch():
+    gen = torch.Generator().manual_seed(1)
+    g, u = torch.randn(4, 300, generator=gen) * 4, torch.randn(4, 300, generator=gen)
+    for act in ops.ACTIVATIONS:
+        for relu_up in (False, True):
+            got, want = ops.gated(g, u, act, relu_up), ops.gated_ref(g, u, act, relu_up)
+            if act == "relu":
+                assert torch.equal(got, want)
+                continue
+            # libm vs torch's vectorised activation: |act_kernel(g) - act_torch(g)| <= 1e-6 |g| (test_sparse_ops'
+            # ACT_TOL: measured 1e-7 .. 2.9e-7 |g|), times |up|; gelu near -5.5 cancels differently
+            up = torch.relu(u) if relu_up else u
+            assert ((got - want).abs() <= 1e-6 * g.abs() * up.abs() + 1e-30).all(), (act, relu_up)
+
+
+@needs_kernels
+def test_fused_block_rejects_mismatched_buffers(mixed_files):
+    engine = Engine(mixed_files["Q4_0"], EngineOptions(n_ctx=32, n_threads=1))
+    layer = engine.model.layers[0]
+    k_cache, v_cache = engine.kv.layer_view(0).slot(0)
+    scratch = layer.attn.workspace.get("attn_block")
+    pairs = layer.attn.rope.pairs
+    x = torch.zeros(1, 256)
+    with pytest.raises(ValueError, match="attn_block"):
+        layer.fused_attn(torch.zeros(1, 128), k_cache, v_cache, 0, pairs, scratch)
+    with pytest.raises(ValueError, match="attn_block"):
+        layer.fused_attn(x, k_cache, v_cache, 32, pairs, scratch)  # past the cache
+    with pytest.raises(ValueError, match="scratch buffer of 16 bytes is too small"):
+        layer.fused_attn(x, k_cache, v_cache, 0, pairs, torch.empty(16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="ffn_block"):
+        layer.fused_ffn(torch.zeros(1, 255), layer.attn.workspace.get("ffn_block"))
+    # a weight the kernels cannot read (a device weight, an unknown kind) is no fused block: None, not an error
+    assert (
+        ops.ffn_block(torch.ones(4), 1e-5, layer.ffn.gate, layer.ffn.up, layer.ffn.gate, "silu", False)
+        is None
+    )
+    assert GGMLType.Q4_0 in ops.default_context().kernels.ffn_kinds
