@@ -122,22 +122,24 @@ TARGET_INLINE __m256 FN(exp_nonpositive8)(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
-/* The G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch. Scores: 8 positions at a time
- * per query head, each a dot product of D / 8 FMAs, the 8 sums reduced together; softmax with the vector exp;
- * then out = sum_t p_t V[t] with the head's output in registers, 64 elements at a time. */
+/* The G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch. Scores: 8 positions at a time,
+ * for every query head while those 8 key rows are in L1 (each a dot product of D / 8 FMAs, the 8 sums reduced
+ * together); softmax with the vector exp; then out = sum_t p_t V[t], ATT_V_BLOCK value rows at a time for every
+ * query head (the head's partial sums, 64 elements at a time, in registers within a block). */
+#define ATT_V_BLOCK 64
 TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
                                       int64_t G, int64_t L, int64_t D, float scale, float *s, float *out) {
-    if (D % 8 != 0) {
+    if (D % 8 != 0 || G > 64) {
         FN(attend_kv_head_generic)(q, kc, vc, row, kvh, G, L, D, scale, s, out);
         return;
     }
     const float *kbase = kc + kvh * D, *vbase = vc + kvh * D;
+    const float *qh = q + kvh * G * D;
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (int64_t g = 0; g < G; g++) {
-        const float *qg = q + (kvh * G + g) * D;
-        float *sg = s + g * L;
-        int64_t t = 0;
-        for (; t + 8 <= L; t += 8) {
+    int64_t t = 0;
+    for (; t + 8 <= L; t += 8) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
             __m256 acc[8];
             for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) {
@@ -145,23 +147,28 @@ TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const flo
                 for (int j = 0; j < 8; j++)
                     acc[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kbase + (t + j) * row + d), acc[j]);
             }
-            _mm256_storeu_ps(sg + t, _mm256_mul_ps(FN(hsum8x8)(acc), vscale));
+            _mm256_storeu_ps(s + g * L + t, _mm256_mul_ps(FN(hsum8x8)(acc), vscale));
         }
-        for (; t < L; t++) {
+    }
+    for (; t < L; t++) {
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = qh + g * D;
             __m256 acc = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8)
                 acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kbase + t * row + d), acc);
-            sg[t] = FN(hsum256_att)(acc) * scale;
+            s[g * L + t] = FN(hsum256_att)(acc) * scale;
         }
-        /* softmax numerators and their sum */
+    }
+    /* softmax numerators and their sums */
+    float inv[64]; /* 1 / sum per query head; G <= 64 here, else the generic body below */
+    for (int64_t g = 0; g < G; g++) {
+        float *sg = s + g * L;
         __m256 vmax = _mm256_set1_ps(-INFINITY);
         for (t = 0; t + 8 <= L; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
         float m = -INFINITY;
-        {
-            float lanes[8];
-            _mm256_storeu_ps(lanes, vmax);
-            for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
         for (int64_t u = t; u < L; u++) m = sg[u] > m ? sg[u] : m;
         const __m256 vm = _mm256_set1_ps(m);
         __m256 vsum = _mm256_setzero_ps();
@@ -175,18 +182,30 @@ TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const flo
             sg[t] = FN(exp_nonpositive)(sg[t] - m);
             sum += sg[t];
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / sum);
-        float *o = out + (kvh * G + g) * D;
-        for (int64_t d0 = 0; d0 < D; d0 += 64) {
-            const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
-            __m256 acc[8];
-            for (int j = 0; j < nv; j++) acc[j] = _mm256_setzero_ps();
-            for (int64_t u = 0; u < L; u++) {
-                const __m256 p = _mm256_broadcast_ss(sg + u);
-                const float *vrow = vbase + u * row + d0;
-                for (int j = 0; j < nv; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+        inv[g] = 1.0f / sum;
+    }
+    /* the weighted values, a block of positions at a time for every head, accumulated in out */
+    for (int64_t t0 = 0; t0 < L; t0 += ATT_V_BLOCK) {
+        const int64_t t1 = t0 + ATT_V_BLOCK < L ? t0 + ATT_V_BLOCK : L;
+        for (int64_t g = 0; g < G; g++) {
+            const float *sg = s + g * L;
+            float *o = out + (kvh * G + g) * D;
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
+                __m256 acc[8];
+                for (int j = 0; j < nv; j++) acc[j] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d0 + 8 * j);
+                for (int64_t u = t0; u < t1; u++) {
+                    const __m256 p = _mm256_broadcast_ss(sg + u);
+                    const float *vrow = vbase + u * row + d0;
+                    for (int j = 0; j < nv; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+                }
+                if (t1 == L) {
+                    const __m256 vinv = _mm256_set1_ps(inv[g]);
+                    for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], vinv));
+                } else {
+                    for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
+                }
             }
-            for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], inv));
         }
     }
 }

@@ -23,10 +23,11 @@ __all__ = [
     "decode_attention",
 ]
 
-# up to this position the decode-attention kernel beats the tensor ops (measured on 32 heads x 64, GQA 8:1, 2 threads:
-# 40 vs 63 us at 128 positions, 67 vs 70 us at 256, 95 vs 81 us at 384: its per-row dot products end in a horizontal
-# sum each, where torch runs a matrix product)
-ATTN_KERNEL_MAX_POS = 256
+# up to this position the decode-attention kernel runs (its scores scratch grows with the position). Measured, one
+# thread, kernel / tensor ops (decode_attention): 9 heads x 64, GQA 3:1: 73 / 147 us at 256 positions, 162 / 373 at
+# 1024, 555 / 1486 at 4096; 32 heads x 64, GQA 8:1: 136 / 162, 417 / 392, 1964 / 2100: it wins or ties at every
+# length since its scores are computed 8 positions at a time with the key rows shared by the grouped heads.
+ATTN_KERNEL_MAX_POS = 1 << 16
 
 
 def attn_scratch_bytes(n_ctx: int, n_head: int) -> int:
