@@ -174,6 +174,21 @@ static void mv_split(const matmul_table *t, int32_t level, const pi_mat *const *
     }
 }
 
+/* The start of a block, on one thread: xn = rmsnorm(x) * norm, prepared for the matrices that read it. */
+static void norm_prepare(const matmul_table *t, int32_t level, const float *x, const float *norm, int64_t E, float eps,
+                         const pi_mat *const *mats, int n_mats, int q8, float *xn, uint8_t *prep, mv_input *in) {
+    rms_norm_row(x, norm, E, eps, xn);
+    mv_prepare(t, level, xn, E, mats, n_mats, q8, prep, in);
+}
+
+/* The end of a block: this thread's share of the output projection's rows (into y), added to the residual x. */
+static void project_add(const matmul_table *t, int32_t level, const pi_mat *m, int q8, const mv_input *in,
+                        int64_t me, int64_t all, float *y, float *x) {
+    const int64_t N = m->n_rows, n0 = N * me / all, n1 = N * (me + 1) / all;
+    mv_rows(t, level, m, q8, in, n0, n1, y);
+    for (int64_t n = n0; n < n1; n++) x[n] += y[n];
+}
+
 /* ---- checks --------------------------------------------------------------------------------------------------- */
 
 /* a matrix of the expected shape whose rows fit its stride (check_weight: kind, whole blocks, buffer) */
@@ -244,10 +259,7 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
 #pragma omp single
-        {
-            rms_norm_row(x, b->norm, E, b->eps, xn);
-            mv_prepare(t, level, xn, E, qkv, 3, q8, prep, &in_x);
-        }
+        norm_prepare(t, level, x, b->norm, E, b->eps, qkv, 3, q8, xn, prep, &in_x);
         mv_split(t, level, qkv, qkv_out, 3, q8, &in_x, me, all);
 #pragma omp barrier
         attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, Hkv * me / all,
@@ -255,9 +267,7 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
 #pragma omp barrier
 #pragma omp single
         mv_prepare(t, level, att, n_q, out_mat, 1, q8, prep, &in_att);
-        const int64_t n0 = E * me / all, n1 = E * (me + 1) / all;
-        mv_rows(t, level, &b->wo, q8, &in_att, n0, n1, y);
-        for (int64_t n = n0; n < n1; n++) x[n] += y[n];
+        project_add(t, level, &b->wo, q8, &in_att, me, all, y, x);
     }
     return PI_OK;
 }
@@ -293,10 +303,7 @@ PI_EXPORT int32_t pi_ffn_block(const pi_ffn_block_desc *b, float *x, void *scrat
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
 #pragma omp single
-        {
-            rms_norm_row(x, b->norm, E, b->eps, xn);
-            mv_prepare(t, level, xn, E, in_mats, 2, q8, prep, &in_x);
-        }
+        norm_prepare(t, level, x, b->norm, E, b->eps, in_mats, 2, q8, xn, prep, &in_x);
         /* the same neurons' gate and up rows on one thread, so h needs no barrier between them */
         const int64_t f0 = F * me / all, f1 = F * (me + 1) / all;
         mv_rows(t, level, &b->gate, q8, &in_x, f0, f1, g);
@@ -305,9 +312,7 @@ PI_EXPORT int32_t pi_ffn_block(const pi_ffn_block_desc *b, float *x, void *scrat
 #pragma omp barrier
 #pragma omp single
         mv_prepare(t, level, g, F, down_mat, 1, q8, prep, &in_h);
-        const int64_t n0 = E * me / all, n1 = E * (me + 1) / all;
-        mv_rows(t, level, &b->down, q8, &in_h, n0, n1, y);
-        for (int64_t n = n0; n < n1; n++) x[n] += y[n];
+        project_add(t, level, &b->down, q8, &in_h, me, all, y, x);
     }
     return PI_OK;
 }
