@@ -2,10 +2,11 @@
 
 Tolerances:
 - F32, F16: max|y - ref| <= 1e-5 * (|x| @ |W|.T), the float32 rounding scale of each output.
-- Q4_0, Q4_1, Q8_0, activation precision "f32" (default, exact mode): x stays float32, so the same bound as
-  F32/F16 against x @ dequant(W).T.
-- Q4_0, Q4_1, Q8_0, activation precision "q8": the kernels quantise x to int8 blocks of 32 (scale amax/127), as
-  ggml does. Against the plain reference: |y - ref| <= 1e-2 * ||x_t|| * ||W_n|| per output and NMSE <= 1e-3.
+- Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, activation precision "f32" (default, exact mode): x stays float32, so the same
+  bound as F32/F16 against x @ dequant(W).T.
+- Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, activation precision "q8": the kernels quantise x to int8 blocks of 32 (scale
+  amax/127), as ggml does. Against the plain reference: |y - ref| <= 1e-2 * ||x_t|| * ||W_n|| per output and
+  NMSE <= 1e-3.
   Against the reference fed the same int8-rounded x: max|y - ref| <= 1e-5 * (|x_q| @ |W|.T), i.e. the
   integer block arithmetic is exact and only float summation order differs.
 """
@@ -29,8 +30,9 @@ from powerinfer.ops import reference
 from powerinfer.quant import dequantize, quantize
 
 KERNEL_TYPES = sorted(quant.KERNEL_TYPES)  # every type the C kernels compute on
-QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
-BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
+# rows of 32-element blocks: exact (f32) and int8 (q8) kernels
+QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1}
+BLOCK_TYPES = QUANT_TYPES
 SHAPES_K = [32, 64, 576, 1536]
 SHAPES_N = [1, 7, 64, 300]
 SHAPES_T = [1, 3, 17]
@@ -127,7 +129,8 @@ def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
 @needs_isa("avx512")
 def test_simd_variants_agree_on_quant_types():
     # q8: AVX2 and AVX-512 use the same integer dot products and float accumulation order (AVX-512 takes Q4
-    # blocks two per 512-bit vector: an odd block count leaves a 256-bit tail block; one token or a batch).
+    # blocks two per 512-bit vector: an odd block count leaves a 256-bit tail block; Q5 and Q8_0 take the 256-bit
+    # steps with dpbusd for maddubs + madd; one token or a batch).
     # The variant is an argument of each call: the two contexts alternate on the same data.
     avx2 = ops.KernelContext(act_precision="q8", isa="avx2")
     avx512 = avx2.replace(isa="avx512")

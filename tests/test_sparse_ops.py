@@ -35,8 +35,9 @@ KQ_TYPES = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType
 # Q4_K's scales plus a high bit; Q2_K is left to the decoder tests): every K decoder's rows are checked bit for bit
 # against the gguf package in tests/test_kquant_sparse.py (CI time: these tests' float64 references are slow)
 KERNEL_TYPES = sorted(quant.KERNEL_TYPES) + [GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q6_K]
-QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0}  # exact and int8 (q8) kernels
-BLOCK_TYPES = QUANT_TYPES | {GGMLType.Q5_0, GGMLType.Q5_1}  # rows of 32-element blocks
+# rows of 32-element blocks: exact (f32) and int8 (q8) kernels
+QUANT_TYPES = {GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1}
+BLOCK_TYPES = QUANT_TYPES
 SHAPES_T = [1, 3, 9]
 
 ACT_TOL = 1e-6  # |act_kernel(g) - act_torch(g)| <= ACT_TOL * |g|: a few times the measured 1e-7 .. 2.9e-7

@@ -154,7 +154,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
     if (idx == NULL) return PI_ERR_SHAPE;
     int32_t status = check_ids(idx, M, N);
     if (status != PI_OK) return status;
-    const int need_q8 = q8_act && (gate_kind <= KIND_Q8_0 || up_kind <= KIND_Q8_0);
+    const int need_q8 = q8_act && (kind_has_q8_tile(gate_kind) || kind_has_q8_tile(up_kind));
     uint8_t *buf;
     status = scratch_take(scratch, scratch_bytes, ffn_rows_scratch(M, K, need_q8), &buf);
     if (status != PI_OK) return status;
@@ -435,7 +435,7 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     if (cand == NULL && C != N) return PI_ERR_SHAPE;
     int32_t status = cand == NULL ? PI_OK : check_ids(cand, C, N);
     if (status != PI_OK) return status;
-    const int need_q8 = q8_act && (gate_kind <= KIND_Q8_0 || up_kind <= KIND_Q8_0);
+    const int need_q8 = q8_act && (kind_has_q8_tile(gate_kind) || kind_has_q8_tile(up_kind));
     uint8_t *buf;
     status = scratch_take(scratch, scratch_bytes, cats_ffn_scratch(C, K, need_q8), &buf);
     if (status != PI_OK) return status;

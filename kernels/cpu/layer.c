@@ -5,7 +5,7 @@
  *   pi_ffn_block:  x += down . (act(gate . n) * up . n),                     n = rmsnorm(x) * norm
  *
  * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
- * int8 blocks of Q4_0 / Q4_1 / Q8_0, Q8_K for the K-quants; float activations for the other types and in f32),
+ * int8 blocks of Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1, Q8_K for the K-quants; float activations for the other types and in f32),
  * attention is pi_attn_decode's (attention.h), the norm pi_rms_norm's and the gating pi_gated's (that of the fused
  * sparse FFN, sparse.h): so a block gives the bits of the same ops called one by one. Rows are split over threads in contiguous ranges, one thread per output
  * element: results do not depend on the thread count. Weights are described by pi_mat (kinds of enum axpy_kind)
@@ -93,14 +93,14 @@ PI_EXPORT int32_t pi_gated(const float *g, const float *u, int64_t n, int32_t ac
 /* ---- one token's matrix-vector products in row ranges ---------------------------------------------------------- */
 
 /* A vector prepared for the products of a phase: the floats, and where some matrix of the phase needs them in the
- * q8 precision, its int8 blocks of 32 (Q4_0 / Q4_1 / Q8_0) and its Q8_K super-blocks (K-quants). */
+ * q8 precision, its int8 blocks of 32 (kind_has_q8_tile) and its Q8_K super-blocks (K-quants). */
 typedef struct {
     const float *x;
     act_q8 a;
     act_q8k ak;
 } mv_input;
 
-static inline int mv_needs_q8(const pi_mat *m, int q8) { return q8 && m->kind <= KIND_Q8_0; }
+static inline int mv_needs_q8(const pi_mat *m, int q8) { return q8 && kind_has_q8_tile(m->kind); }
 static inline int mv_needs_q8k(const pi_mat *m, int q8) { return q8 && kind_is_kq(m->kind); }
 
 static size_t mv_input_bytes(int64_t K) {

@@ -1,10 +1,12 @@
 /* matmul: y[t, n] = sum_k W[n, k] * x[t, k] for T tokens, W given as raw ggml rows.
  *
- * Quant types (Q4_0, Q4_1, Q8_0) quantise the activations once per call into int8 blocks of 32
+ * Quant types (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) quantise the activations once per call into int8 blocks of 32
  * (x ~= d * q, |q| <= 127, plus sum(q) per block) and compute integer block dot products scaled per block:
  *   Q4_0:  d_w * d_x * (q_w . q_x - 8 * sum(q_x))
  *   Q4_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
  *   Q8_0:  d_w * d_x * (q_w . q_x)
+ *   Q5_0:  d_w * d_x * (q_w . q_x - 16 * sum(q_x))        (q_w the 5-bit values 0..31)
+ *   Q5_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
  * F32, F16 and BF16 weights use float FMA directly.
  *
  * Exact mode (pi_matmul_<type>_f, quant types only): the activations stay float32. Each weight block is decoded
@@ -94,6 +96,44 @@ static void tile_q8_0_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, in
             acc += (float)dot * (fp16_to_fp32(b[i].d) * xds[2 * i]);
         }
         out[t] = acc;
+    }
+}
+
+/* Q5_0 / Q5_1: the 5-bit values q (0..31) dotted with x as integers; Q5_0 subtracts 16 * sum(x) (x = (q - 16) * d),
+ * Q5_1 adds m * d_x * sum(x) as Q4_1 does */
+static void tile_q5_0_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    const block_q5_0 *b = (const block_q5_0 *)row;
+    for (int t = 0; t < ntok; t++) {
+        const int8_t *xq = a->qs + (t0 + t) * a->K;
+        const float *xds = a->ds + (t0 + t) * a->nb * 2;
+        const int32_t *xi = a->isum + (t0 + t) * a->nb;
+        float acc = 0.0f;
+        for (int64_t i = 0; i < a->nb; i++) {
+            int q[QK];
+            q5_values(b[i].qh, b[i].qs, q);
+            int32_t dot = 0;
+            for (int j = 0; j < QK; j++) dot += q[j] * xq[i * QK + j];
+            acc += (float)(dot - 16 * xi[i]) * (fp16_to_fp32(b[i].d) * xds[2 * i]);
+        }
+        out[t] = acc;
+    }
+}
+
+static void tile_q5_1_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    const block_q5_1 *b = (const block_q5_1 *)row;
+    for (int t = 0; t < ntok; t++) {
+        const int8_t *xq = a->qs + (t0 + t) * a->K;
+        const float *xds = a->ds + (t0 + t) * a->nb * 2;
+        float acc = 0.0f, bias = 0.0f;
+        for (int64_t i = 0; i < a->nb; i++) {
+            int q[QK];
+            q5_values(b[i].qh, b[i].qs, q);
+            int32_t dot = 0;
+            for (int j = 0; j < QK; j++) dot += q[j] * xq[i * QK + j];
+            acc += (float)dot * (fp16_to_fp32(b[i].d) * xds[2 * i]);
+            bias += fp16_to_fp32(b[i].m) * xds[2 * i + 1];
+        }
+        out[t] = acc + bias;
     }
 }
 
@@ -248,7 +288,8 @@ DEFINE_DOT_SCALAR(q6_k_f)
 
 static const matmul_table matmul_tables[] = {
 #define MATMUL_TABLE(isa)                                                                                           \
-    {quantize_act_##isa, tile_q4_0_##isa, tile_q4_1_##isa, tile_q8_0_##isa, tile_f32_##isa, tile_f16_##isa,         \
+    {quantize_act_##isa, tile_q4_0_##isa, tile_q4_1_##isa, tile_q8_0_##isa, tile_q5_0_##isa, tile_q5_1_##isa,       \
+     tile_f32_##isa, tile_f16_##isa,                                                                               \
      tile_bf16_##isa, tile_q4_0_f_##isa, tile_q4_1_f_##isa, tile_q8_0_f_##isa, tile_q5_0_f_##isa, tile_q5_1_f_##isa, \
      dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
      dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
@@ -415,8 +456,10 @@ static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeo
 #define row_bytes_q4_0_f row_bytes_q4_0
 #define row_bytes_q4_1_f row_bytes_q4_1
 #define row_bytes_q8_0_f row_bytes_q8_0
-static inline int64_t row_bytes_q5_0_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
-static inline int64_t row_bytes_q5_1_f(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
+static inline int64_t row_bytes_q5_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
+static inline int64_t row_bytes_q5_1(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
+#define row_bytes_q5_0_f row_bytes_q5_0
+#define row_bytes_q5_1_f row_bytes_q5_1
 static inline int64_t row_bytes_q2_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q2_k); }
 static inline int64_t row_bytes_q3_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q3_k); }
 static inline int64_t row_bytes_q4_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q4_k); }
@@ -458,10 +501,11 @@ DEFINE_MATMUL(bf16, matmul_float_rows, table->dot_bf16, 1, 0)
 DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)
+DEFINE_MATMUL(q5_0, matmul_quant_rows, NULL, QK, 0)
+DEFINE_MATMUL(q5_1, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, table->dot_q4_0_f, QK, 1)
 DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, table->dot_q4_1_f, QK, 1)
 DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1)
-/* Q5_0 / Q5_1: float activations only (no int8 tiles): the kernel of both precisions */
 DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1)
 DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1)
 /* K-quants: float activations only (the exact kernel of both precisions); a K not a multiple of 256 fails the

@@ -36,7 +36,7 @@ typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const 
 
 typedef struct {
     quantize_act_fn quantize_act;
-    tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0;
+    tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0, tile_q5_0, tile_q5_1;
     tile_float_fn tile_f32, tile_f16, tile_bf16;
     tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f, tile_q5_0_f, tile_q5_1_f; /* float activations, ntok <= TILE_TQ */
     rows_dot_fn dot_f32, dot_f16, dot_bf16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f, dot_q5_0_f, dot_q5_1_f; /* T = 1 */

@@ -2,10 +2,11 @@
  *   SIMD_SUFFIX avx2,   SIMD_TARGET "avx2,fma,f16c",                 SIMD_AVX512 0
  *   SIMD_SUFFIX avx512, SIMD_TARGET "...,avx512f,avx512bw,avx512vl,avx512vnni", SIMD_AVX512 1
  *
- * Quant types work on 256-bit vectors, one block of 32 per step, in both variants. They differ only in the
- * u8 x s8 dot product: AVX2 uses maddubs+madd, AVX-512 uses VNNI dpbusd. The integer results are equal (no
- * int16 saturation is reachable: |u| <= 128, |s| <= 127) and the float accumulation is the same, so both
- * variants give bit-identical output. F32/F16 use 512-bit vectors in the AVX-512 variant.
+ * Quant types work on 256-bit vectors, one block of 32 per step, in both variants (AVX-512 takes Q4 blocks two
+ * at a time in 512-bit vectors, lane by lane the same steps). They differ only in the u8 x s8 dot product: AVX2
+ * uses maddubs+madd, AVX-512 uses VNNI dpbusd. The integer results are equal (no int16 saturation is reachable:
+ * |u| <= 128, |s| <= 127) and the float accumulation is the same, so both variants give bit-identical output.
+ * F32/F16 use 512-bit vectors in the AVX-512 variant.
  *
  * Each output is accumulated in two vector accumulators (even and odd blocks) and one fixed horizontal sum,
  * whatever the token tile size, so a token's result does not depend on T or on the thread count.
@@ -76,7 +77,22 @@ TARGET_INLINE __m256i FN(unpack_q4)(const uint8_t *qs) {
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(0x0F));
 }
 
-/* One block step for ntok tokens; KIND 0 = Q4_0, 1 = Q4_1, 2 = Q8_0; ACC/BIAS are the parity accumulators. */
+/* 32 weights of a Q5 block as unsigned bytes 0..31 in element order: the nibbles, and bit j of qh (little endian)
+ * as 16 in byte j. qh is spread with one byte shuffle (byte j takes qh byte j / 8), the bit 1 << (j % 8) of
+ * each byte kept and compared to itself: 0xFF where set, masked to 0x10. */
+TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) {
+    uint32_t qh;
+    memcpy(&qh, qh_bytes, sizeof qh);
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh), _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                       0x0303030303030303LL));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    return _mm256_or_si256(FN(unpack_q4)(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+/* One block step for ntok tokens; KIND 0 = Q4_0, 1 = Q4_1, 2 = Q8_0, 3 = Q5_0, 4 = Q5_1; ACC/BIAS are the parity
+ * accumulators. Q5_1 is Q4_1 with the fifth bit (the same bias term), Q5_0 is Q4_0 with 16 for 8. */
 #define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
     do {                                                                                                     \
         __m256i w, wabs = _mm256_setzero_si256();                                                            \
@@ -89,10 +105,18 @@ TARGET_INLINE __m256i FN(unpack_q4)(const uint8_t *qs) {
             memcpy(&dm_bits, &b1[i].d, sizeof dm_bits);                                                      \
             w = FN(unpack_q4)(b1[i].qs);                                                                     \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
-        } else {                                                                                             \
+        } else if ((KIND) == 2) {                                                                            \
             w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
             wabs = _mm256_sign_epi8(w, w);                                                                   \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b8[i].d));                                                   \
+        } else if ((KIND) == 3) {                                                                            \
+            w = FN(unpack_q5)(b50[i].qh, b50[i].qs);                                                         \
+            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b50[i].d));                                                  \
+        } else {                                                                                             \
+            uint32_t dm_bits;                                                                                \
+            memcpy(&dm_bits, &b51[i].d, sizeof dm_bits);                                                     \
+            w = FN(unpack_q5)(b51[i].qh, b51[i].qs);                                                         \
+            dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
         }                                                                                                    \
         for (int t = 0; t < ntok; t++) {                                                                     \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[t] + (i) * QK));                      \
@@ -101,12 +125,14 @@ TARGET_INLINE __m256i FN(unpack_q4)(const uint8_t *qs) {
             __m256i p;                                                                                       \
             if ((KIND) == 0) /* (q - 8) . x = q . x - 8 sum(x): subtract sum(x) from each of the 8 lanes */ \
                 p = FN(dot_u8s8)(_mm256_set1_epi32(-xi[t][i]), w, xv);                                       \
-            else if ((KIND) == 1)                                                                            \
-                p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
-            else                                                                                             \
+            else if ((KIND) == 3) /* (q - 16) . x: 2 sum(x) from each of the 8 lanes */                      \
+                p = FN(dot_u8s8)(_mm256_set1_epi32(-2 * xi[t][i]), w, xv);                                   \
+            else if ((KIND) == 2)                                                                            \
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
+            else                                                                                             \
+                p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
             ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), ACC[t]);           \
-            if ((KIND) == 1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                                           \
+            if ((KIND) == 1 || (KIND) == 4) BIAS[t] = _mm_add_ps(BIAS[t], scale);                            \
         }                                                                                                    \
     } while (0)
 
@@ -115,12 +141,14 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     const block_q4_0 *b0 = (const block_q4_0 *)row;
     const block_q4_1 *b1 = (const block_q4_1 *)row;
     const block_q8_0 *b8 = (const block_q8_0 *)row;
+    const block_q5_0 *b50 = (const block_q5_0 *)row;
+    const block_q5_1 *b51 = (const block_q5_1 *)row;
     const int64_t nb = a->nb;
     const int8_t *xq[TILE_T];
     const float *xds[TILE_T];
     const int32_t *xi[TILE_T];
     __m256 acc0[TILE_T], acc1[TILE_T];
-    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q4_1 m terms */
+    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q4_1 / Q5_1 m terms */
     for (int t = 0; t < ntok; t++) {
         xq[t] = a->qs + (t0 + t) * a->K;
         xds[t] = a->ds + (t0 + t) * nb * 2;
@@ -130,7 +158,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     }
     int64_t i = 0;
 #if SIMD_AVX512
-    if (kind != 2) {
+    if (kind == 0 || kind == 1) { /* Q8_0 and Q5 take the 256-bit steps below */
         /* Q4 on 512-bit vectors: blocks i (even, low half) and i + 1 (odd, high half) in one vector. Lane by lane
          * this is the 256-bit QUANT_STEP pair (same int32 dots, same float products, same FMA into the same
          * accumulator lane): acc0/acc1 are the low/high halves of acc, bias0/bias1 lanes 0-1/2-3 of bias. */
@@ -213,6 +241,8 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
 DEFINE_TILE_QUANT(q4_0, 0)
 DEFINE_TILE_QUANT(q4_1, 1)
 DEFINE_TILE_QUANT(q8_0, 2)
+DEFINE_TILE_QUANT(q5_0, 3)
+DEFINE_TILE_QUANT(q5_1, 4)
 
 #undef DEFINE_TILE_QUANT
 

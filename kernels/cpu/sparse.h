@@ -24,6 +24,10 @@ enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND
 /* block types: rows made of 32-element blocks (the others are plain float arrays or K-quant super-blocks) */
 static inline int kind_is_block(int kind) { return kind <= KIND_Q8_0 || kind == KIND_Q5_0 || kind == KIND_Q5_1; }
 
+/* kinds with int8-activation tiles (tile_quant_fn): in the "q8" precision their products read x as int8 blocks of
+ * 32 (act_q8), quantised once per vector */
+static inline int kind_has_q8_tile(int kind) { return kind <= KIND_Q8_0 || kind == KIND_Q5_0 || kind == KIND_Q5_1; }
+
 /* K-quant kinds: rows made of super-blocks of QK_K = 256, which are also their work units along D (a row length
  * that is not a multiple of 256 is a shape error) */
 static inline int kind_is_kq(int kind) { return kind >= KIND_Q2_K && kind <= KIND_Q6_K; }
@@ -92,7 +96,7 @@ typedef struct {
     int64_t stride;
     int64_t row_bytes;
     rows_dot_fn dot;   /* float activations */
-    tile_quant_fn tq;  /* int8 activations ("q8" precision, quant types); NULL otherwise */
+    tile_quant_fn tq;  /* int8 activations ("q8" precision, kind_has_q8_tile kinds); NULL otherwise */
 } ffn_mat;
 
 static inline int64_t row_bytes_of(int kind, int64_t K) {
@@ -120,9 +124,9 @@ static inline ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const 
         case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
         case KIND_F32: m.dot = t->dot_f32; break;
         case KIND_BF16: m.dot = t->dot_bf16; break;
-        case KIND_Q5_0: m.dot = t->dot_q5_0_f; break; /* no int8 tiles: float activations in both precisions */
-        case KIND_Q5_1: m.dot = t->dot_q5_1_f; break;
-        /* K-quants: float activations in both precisions (the exact kernels), as Q5_0 / Q5_1 */
+        case KIND_Q5_0: m.dot = t->dot_q5_0_f; m.tq = q8 ? t->tile_q5_0 : NULL; break;
+        case KIND_Q5_1: m.dot = t->dot_q5_1_f; m.tq = q8 ? t->tile_q5_1 : NULL; break;
+        /* K-quants: float activations in both precisions here (their q8 matvec is kq8_rows, matmul_q8k.c) */
         case KIND_Q2_K: m.dot = t->dot_q2_k_f; break;
         case KIND_Q3_K: m.dot = t->dot_q3_k_f; break;
         case KIND_Q4_K: m.dot = t->dot_q4_k_f; break;

@@ -57,10 +57,9 @@ K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
     }
 )
 K_SPARSE_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
-# types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one
-QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0})
-# block types with only the exact kernels (pi_matmul_<suffix>_f), used in both precisions
-EXACT_ONLY_TYPES = frozenset({GGMLType.Q5_0, GGMLType.Q5_1})
+# types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one: every block
+# type of 32 elements
+QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1})
 # weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.h)
 FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
     {
@@ -72,7 +71,7 @@ FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
         GGMLType.BF16: 5,
         GGMLType.Q5_0: 6,
         GGMLType.Q5_1: 7,
-        # K-quants (float activations in both precisions, as EXACT_ONLY_TYPES)
+        # K-quants (float activations in both precisions here: their "q8" is the dense matmul's Q8_K kernel)
         GGMLType.Q2_K: 8,
         GGMLType.Q3_K: 9,
         GGMLType.Q4_K: 10,
@@ -172,13 +171,12 @@ def _open(path: str) -> Library:
     lib = ctypes.CDLL(path)
     matmul, matmul_f, get_rows, rows_matmul, rows_matmul_f, rows_axpy = {}, {}, {}, {}, {}, {}
     for ggml_type, name in C_NAMES.items():
-        # "q8" precision: int8 kernels for the quant types, the exact ones for Q5_x, the float ones for the rest
-        q8_suffix = "_f" if ggml_type in EXACT_ONLY_TYPES else ""
-        f32_suffix = "_f" if ggml_type in QUANT_TYPES | EXACT_ONLY_TYPES else ""
-        matmul[ggml_type] = _symbol(lib, f"pi_matmul_{name}{q8_suffix}", _MATMUL_ARGTYPES)
+        # "q8" precision: int8 kernels for the quant types, the float ones for the rest; "f32": the exact ones
+        f32_suffix = "_f" if ggml_type in QUANT_TYPES else ""
+        matmul[ggml_type] = _symbol(lib, f"pi_matmul_{name}", _MATMUL_ARGTYPES)
         matmul_f[ggml_type] = _symbol(lib, f"pi_matmul_{name}{f32_suffix}", _MATMUL_ARGTYPES)
         get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
-        rows_matmul[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{q8_suffix}", _SPARSE_ARGTYPES)
+        rows_matmul[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}", _SPARSE_ARGTYPES)
         rows_matmul_f[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{f32_suffix}", _SPARSE_ARGTYPES)
         rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
     for ggml_type, name in K_TYPES.items():
