@@ -67,6 +67,7 @@ def bench_llama_cpp(
 ) -> dict[str, list[float]] | None:
     try:
         import llama_cpp
+        import numpy as np
     except ImportError:
         return None
     llm = llama_cpp.Llama(
@@ -79,7 +80,8 @@ def bench_llama_cpp(
         verbose=False,
         logits_all=False,
     )
-    tokens = prompt_tokens(llm.n_vocab(), n_prompt)
+    n_vocab = llm.n_vocab()
+    tokens = prompt_tokens(n_vocab, n_prompt)
     llm.reset()
     llm.eval(tokens[:8])
     pp, tg = [], []
@@ -92,7 +94,9 @@ def bench_llama_cpp(
         t = time.perf_counter()
         for _ in range(n_gen):
             llm.eval([token])
-            token = int(llm.scores[llm.n_tokens - 1].argmax())
+            # the last token's logits from the context (llm.scores is not filled without logits_all, and it has
+            # only n_batch rows)
+            token = int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,)).argmax())
         tg.append(n_gen / (time.perf_counter() - t))
     return {"pp": pp, "tg": tg}
 
