@@ -101,26 +101,7 @@ class Transformer:
             x = self._forward_one(x.contiguous(), batch, kv)
             return self.head(x if rows is None else x[rows])
         for bid, layer in enumerate(self.layers):
-            if placed:
-                x = x.to(layer.device)
-            h = layer.attn_norm(x)
-            a = layer.attn(h, batch, kv.layer_view(bid))
-            if layer.post_attn_norm is not None:
-                a = layer.post_attn_norm(a)
-            if placed:
-                a = a.to(x.device)
-            if layer.ffn_norm is None:  # parallel block: attention and FFN read the same normed input
-                f = layer.ffn(h, x, batch)
-                x = x + a + (f.to(x.device) if placed else f)
-                continue
-            x = x + a
-            h = layer.ffn_norm(x)
-            for observe in self.observers:
-                observe(bid, h, x)
-            f = layer.ffn(h, x, batch)
-            if layer.post_ffn_norm is not None:
-                f = layer.post_ffn_norm(f)
-            x = x + (f.to(x.device) if placed else f)
+            x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
         if rows is not None:
             x = x[rows]
         if not placed:
@@ -135,7 +116,7 @@ class Transformer:
         for bid, layer in enumerate(self.layers):
             attn = layer.fused_attn
             if attn is None:
-                x = self._layer(layer, x, batch, kv.layer_view(bid))
+                x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
                 continue
             workspace = layer.attn.workspace
             rope = layer.attn.rope
@@ -150,17 +131,25 @@ class Transformer:
             x = x + f
         return x
 
-    def _layer(self, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:
-        """One layer op by op on the CPU (no device moves)."""
+    def _layer(self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:
+        """One layer op by op: the residual stream after it (on the layer's device when placed)."""
+        placed = self.placed
+        if placed:
+            x = x.to(layer.device)
         h = layer.attn_norm(x)
         a = layer.attn(h, batch, kv)
         if layer.post_attn_norm is not None:
             a = layer.post_attn_norm(a)
-        if layer.ffn_norm is None:
-            return x + a + layer.ffn(h, x, batch)
+        if placed:
+            a = a.to(x.device)
+        if layer.ffn_norm is None:  # parallel block: attention and FFN read the same normed input
+            f = layer.ffn(h, x, batch)
+            return x + a + (f.to(x.device) if placed else f)
         x = x + a
         h = layer.ffn_norm(x)
+        for observe in self.observers:
+            observe(bid, h, x)
         f = layer.ffn(h, x, batch)
         if layer.post_ffn_norm is not None:
             f = layer.post_ffn_norm(f)
-        return x + f
+        return x + (f.to(x.device) if placed else f)
