@@ -12,6 +12,7 @@ quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import time
@@ -206,7 +207,7 @@ def tensor_type(
     not divide. Called in llama.cpp's tensor order (mix.llama_order), which advances `state`.
     """
     target = opts.file_type.ggml_type
-    if target is None or len(shape) != 2 or not allows_quantization(name, len(shape)):
+    if target is None or len(shape) != 2 or not allows_quantization(name, len(shape), facts.powerinfer_file):
         return src_type, ""
     if name == "output.weight" and opts.leave_output_tensor:
         return src_type, ""
@@ -248,6 +249,8 @@ def plan_tensors(model: GGUFFile, opts: QuantizeOptions) -> list[TensorPlan]:
     """The per-tensor plan in file order; raises InputError when it would requantize without permission."""
     names = list(model.tensors)
     facts = model_facts(dict(model.metadata), names)
+    if model.is_sparse:  # PowerInfer's quantize: no tied-output rule (OPT's token_embd takes the target type)
+        facts = dataclasses.replace(facts, powerinfer_file=True, tied_embeddings=False)
     state = MixState()
     by_name = {}
     for name in llama_order(names):  # the order the mix counters advance in

@@ -35,12 +35,13 @@ def missing_data(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
-def fixture_dir() -> Path:
-    """../shared/fixtures/tiny-relu-llama (the original PowerInfer's files and ground truth); every test that
-    needs ../shared finds it through here."""
-    if not FIXTURE.is_dir():
-        missing_data(f"{FIXTURE} is not present (../shared/fixtures, the PowerInfer ground-truth fixture)")
-    return FIXTURE
+def fixture_dir(name: str = "tiny-relu-llama") -> Path:
+    """../shared/fixtures/<name> (the original PowerInfer's files and ground truth: tiny-relu-llama,
+    tiny-relu-falcon, tiny-relu-opt); every test that needs ../shared finds it through here."""
+    path = FIXTURE.parent / name
+    if not path.is_dir():
+        missing_data(f"{path} is not present (../shared/fixtures, the PowerInfer ground-truth fixtures)")
+    return path
 
 
 def smollm2_path() -> Path:

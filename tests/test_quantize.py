@@ -209,14 +209,20 @@ def test_fixture_round_trip(tmp_path, target):
     assert torch.isfinite(engine.logits_all([1, 414, 481])).all()
 
 
-def test_fixture_q4_0_equals_the_original(tmp_path):
+# tensors of the original's Q4_0 file that ours has byte-identical (measured: llama 36 of 47 with 14 differing
+# blocks of 16896, falcon 36 of 44 with 11 of 12800, opt 73 of 76 with 4 of 11784)
+Q4_FIXTURES = {"tiny-relu-llama": 36, "tiny-relu-falcon": 36, "tiny-relu-opt": 73}
+
+
+@pytest.mark.parametrize("fixture", list(Q4_FIXTURES))
+def test_fixture_q4_0_equals_the_original(tmp_path, fixture):
     """Against the original quantize's tiny.q4.powerinfer.gguf: same header and tensor table; blocks
     identical except a handful where the original binary's fused multiply-add rounds x*id + 8.5 differently
     (one nibble)."""
-    src = fixture_dir() / "tiny.powerinfer.gguf"
+    src = fixture_dir(fixture) / "tiny.powerinfer.gguf"
     out = tmp_path / "q4.gguf"
     quantize_model(QuantizeOptions(src, out, require_file_type("Q4_0"), n_threads=2))
-    ours, theirs = read_gguf(out), read_gguf(fixture_dir() / "tiny.q4.powerinfer.gguf")
+    ours, theirs = read_gguf(out), read_gguf(fixture_dir(fixture) / "tiny.q4.powerinfer.gguf")
     assert ours.data_offset == theirs.data_offset
     assert {k: v for k, v in ours.metadata.items() if not isinstance(v, (list, np.ndarray))} == {
         k: v for k, v in theirs.metadata.items() if not isinstance(v, (list, np.ndarray))
@@ -237,7 +243,7 @@ def test_fixture_q4_0_equals_the_original(tmp_path):
         assert (a[bad, :2] == b[bad, :2]).all()  # same scale
         nib = lambda x: np.concatenate([x[:, 2:] & 15, x[:, 2:] >> 4], 1).astype(int)  # noqa: E731
         assert np.abs(nib(a[bad]) - nib(b[bad])).sum() == len(bad)  # exactly one nibble off by one per block
-    assert "output.weight" in identical and len(identical) >= 36
+    assert len(identical) >= Q4_FIXTURES[fixture]
     assert n_diff <= 20
 
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from powerinfer.arch import bamboo, llama
+from powerinfer.arch import bamboo, falcon, llama, opt
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -31,6 +31,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(llama.LlamaConfig.from_gguf, llama.build, llama.check),
     "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build, bamboo.check),
+    "falcon": Architecture(falcon.FalconConfig.from_gguf, falcon.build, falcon.check),
+    "opt": Architecture(opt.OPTConfig.from_gguf, opt.build, opt.check),
 }
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from powerinfer.errors import ConfigError, FormatError
-from powerinfer.gguf.constants import Keys, TensorNames
+from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.blocks import FFN, DenseFFN
 from powerinfer.model.config import ModelConfig
@@ -196,8 +196,10 @@ def vector(src: WeightSource, template: str, n: int, bid: int | None = None) -> 
 
 
 def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
-    """A layer's gated FFN from the standard tensor names: sparse when the source asks for a selector.
+    """A layer's FFN from the standard tensor names: sparse when the source asks for a selector.
 
+    Gated down(act(gate u) * up u) or, when the spec is ungated (Falcon, OPT), down(act(up u + b_up)) + b_down
+    with OPT's biases (`ffn_up.bias`, `ffn_down.bias` / `ffn_down_t.bias`) when the spec has them.
     PowerInfer files hold ffn_down_t (n_ff, n_embd) instead of ffn_down; predictors fc1 (r, n_embd), fc2 (n_ff, r)
     ("predictor"); "cats" files (`powerinfer sparsify`) thresholds on |act(gate)| instead: one per neuron
     (blk.N.ffn_act_threshold) or, in files without that tensor, the layer's one value for every neuron; with
@@ -207,6 +209,7 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     gate_name, up_name = TensorNames.FFN_GATE.format(bid=bid), TensorNames.FFN_UP.format(bid=bid)
     down_name, down_t_name = TensorNames.FFN_DOWN.format(bid=bid), TensorNames.FFN_DOWN_T.format(bid=bid)
     shape = (c.n_ff, c.n_embd)
+    gated, with_bias = c.ffn.gated, c.ffn.bias
     if src.sparsity.selector == "predictor":
         if src.stats is None:
             raise ConfigError("sparse FFNs need a statistics owner")
@@ -216,11 +219,18 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
                 f"predictor {TensorNames.PRED_FC1.format(bid=bid)} has shape {fc1.shape}, expected (r, {c.n_embd})"
             )
         fc2 = src.matrix(TensorNames.PRED_FC2.format(bid=bid), (c.n_ff, fc1.shape[0]))
-        gate, up = src.host_matrix(gate_name, shape), src.host_matrix(up_name, shape)
+        gate = src.host_matrix(gate_name, shape) if gated else None
+        up = src.host_matrix(up_name, shape)
         down_t = src.host_matrix(down_t_name, shape)
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if with_bias:
+            biases = (
+                src.vector(bias_of(up_name), c.n_ff).to("cpu"),
+                src.vector(bias_of(down_t_name), c.n_embd).to("cpu"),
+            )
         selector = PredictorSelector(fc1, fc2, c.sparse_threshold, kc)
-        hot = src.hot_rows(bid, gate, up, down_t)
-        return SparseFFN(c.ffn, bid, selector, gate, up, down_t, hot, src.stats, kc, src.workspace)
+        hot = src.hot_rows(bid, gate, up, down_t, biases[0])
+        return SparseFFN(c.ffn, bid, selector, gate, up, down_t, hot, src.stats, kc, src.workspace, biases)
     if src.sparsity.selector == "cats":
         if src.stats is None:
             raise ConfigError("sparse FFNs need a statistics owner")
@@ -237,7 +247,12 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
         return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace, out)
     if src.sparsity.selector != "none":
         raise ConfigError(f"unknown sparsity selector '{src.sparsity.selector}'")
-    gate, up = src.matrix(gate_name, shape), src.matrix(up_name, shape)
-    if src.has(down_name):
-        return DenseFFN(c.ffn, up, gate, src.matrix(down_name, (c.n_embd, c.n_ff)), None, kc)
-    return DenseFFN(c.ffn, up, gate, None, src.matrix(down_t_name, shape), kc)
+    gate = src.matrix(gate_name, shape) if gated else None
+    up = src.matrix(up_name, shape)
+    down_used = down_name if src.has(down_name) else down_t_name
+    dense_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+    if with_bias:
+        dense_biases = (src.vector(bias_of(up_name), c.n_ff), src.vector(bias_of(down_used), c.n_embd))
+    if down_used == down_name:
+        return DenseFFN(c.ffn, up, gate, src.matrix(down_name, (c.n_embd, c.n_ff)), None, kc, dense_biases)
+    return DenseFFN(c.ffn, up, gate, None, src.matrix(down_t_name, shape), kc, dense_biases)

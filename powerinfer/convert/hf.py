@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
+from powerinfer.convert import falcon_opt
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError
@@ -332,6 +333,10 @@ def convert_checkpoint(
     if not config_path.is_file():
         raise FormatError(f"{printable(str(hf_dir))}: no config.json (not a Hugging Face model folder)")
     config = read_json(config_path)
+    if config.get("model_type") in falcon_opt.MODEL_TYPES:
+        return _convert_falcon_opt(
+            hf_dir, outfile, config, config_path, predictor_dir, outtype, dense, on_tensor
+        )
     c = HFConfig.from_dict(config, config_path)
     ckpt = Checkpoint(hf_dir)
     mapping = _map_names(ckpt, c)
@@ -351,6 +356,51 @@ def convert_checkpoint(
     vocab.add_to(writer)
     total = len(mapping) + (2 * c.n_layer if predictors is not None else 0)
     for i, (name, data) in enumerate(_tensors(ckpt, c, mapping, sparse, predictors)):
+        if on_tensor is not None:
+            on_tensor(name, i, total)
+        ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32
+        src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
+        writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
+    writer.write()
+    return ConversionResult(
+        outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size
+    )
+
+
+def _convert_falcon_opt(
+    hf_dir: Path,
+    outfile: Path,
+    config: dict[str, Any],
+    config_path: Path,
+    predictor_dir: Path | None,
+    outtype: str,
+    dense: bool,
+    on_tensor: Callable[[str, int, int], None] | None,
+) -> ConversionResult:
+    """A Falcon or OPT checkpoint (powerinfer.convert.falcon_opt); the same checks-then-write order as Llama's."""
+    matrix_type, file_type = OUTTYPES[outtype]
+    c = falcon_opt.read_config(config, config_path)
+    ckpt = Checkpoint(hf_dir)
+    tied = config.get("tie_word_embeddings", True) is not False
+    mapping = falcon_opt.map_names(ckpt.names(), c, tied)
+    n_positions = falcon_opt.check_shapes(c, mapping, ckpt.shape)
+    vocab = load_vocab(hf_dir, config)
+    vocab.pad_to(c.n_vocab)
+    sparse = predictor_dir is not None and not dense
+    if predictor_dir is not None and dense:
+        log.warning("--dense: ignoring the predictor folder %s", predictor_dir)
+    if sparse and c.activation != "relu":
+        raise ConfigError(
+            f"PowerInfer's sparse {c.arch} graph is ReLU; this checkpoint's activation is {printable(c.activation)}"
+        )
+    predictors = load_predictors(Path(predictor_dir), c.n_layer, c.n_embd, c.n_ff) if sparse else None
+    if sparse:
+        vocab.pre = None  # PowerInfer's converter writes none (its runtime splits with the GPT-2 regex)
+    writer = GGUFWriter(outfile, sparse=sparse)
+    falcon_opt.add_metadata(writer, c, file_type, sparse, predictors, n_positions)
+    vocab.add_to(writer)
+    total = len(mapping) + (2 * c.n_layer if predictors is not None else 0)
+    for i, (name, data) in enumerate(falcon_opt.tensors(ckpt.get, c, mapping, sparse, predictors)):
         if on_tensor is not None:
             on_tensor(name, i, total)
         ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32

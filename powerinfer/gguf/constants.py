@@ -70,6 +70,8 @@ class Keys:
     HEAD_COUNT = "{arch}.attention.head_count"
     HEAD_COUNT_KV = "{arch}.attention.head_count_kv"
     LAYERNORM_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
+    LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"
+    TENSOR_DATA_LAYOUT = "{arch}.tensor_data_layout"
     ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
     ROPE_FREQ_BASE = "{arch}.rope.freq_base"
     ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
@@ -128,3 +130,12 @@ class TensorNames:
     PRED_FC2 = "blk.{bid}.fc2.weight"
     GPU_IDX = "blk.{bid}.gpu_idx"
     GPU_BUCKET = "blk.{bid}.gpu_bucket"
+    # Falcon and OPT
+    POS_EMBD = "position_embd.weight"
+    ATTN_NORM_2 = "blk.{bid}.attn_norm_2.weight"  # Falcon's ln_attn (attn_norm is its ln_mlp)
+    ATTN_QKV = "blk.{bid}.attn_qkv.weight"
+
+
+def bias_of(weight_name: str) -> str:
+    """The bias tensor's name beside a weight template or name (`x.weight` -> `x.bias`)."""
+    return weight_name.removesuffix(".weight") + ".bias"

@@ -362,7 +362,8 @@ class DenseFFN:
 
 
 class Embedding:
-    """Token rows of the embedding matrix, optionally scaled (Gemma: sqrt(n_embd)) and with learned positions."""
+    """Token rows of the embedding matrix, optionally scaled (Gemma: sqrt(n_embd)) and with learned positions
+    (row position + position_offset of `positions`: OPT's table starts 2 rows in)."""
 
     def __init__(
         self,
@@ -370,15 +371,18 @@ class Embedding:
         kc: ops.KernelContext,
         scale: float | None = None,
         positions: ops.QWeight | None = None,
+        position_offset: int = 0,
     ) -> None:
         self.weight, self.kc, self.scale, self.positions = weight, kc, scale, positions
+        self.position_offset = position_offset
 
     def __call__(self, batch: StepBatch) -> torch.Tensor:
         x = ops.get_rows(self.weight, batch.tokens, self.kc)  # (N, D)
         if self.scale is not None:
             x = x * self.scale
         if self.positions is not None:
-            x = x + ops.get_rows(self.positions, batch.positions, self.kc)
+            rows = batch.positions + self.position_offset if self.position_offset else batch.positions
+            x = x + ops.get_rows(self.positions, rows, self.kc)
         return x
 
 

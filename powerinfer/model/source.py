@@ -45,7 +45,14 @@ class WeightSource(Protocol):
         """A 1-D float32 tensor of n elements on the device the plan gave its tensor."""
         ...
 
-    def hot_rows(self, layer: int, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight) -> HotPart | None:
+    def hot_rows(
+        self,
+        layer: int,
+        gate: ops.QWeight | None,
+        up: ops.QWeight,
+        down_t: ops.QWeight,
+        b_up: torch.Tensor | None = None,
+    ) -> HotPart | None:
         """The pool part of a layer's sparse FFN (None: every neuron on the CPU)."""
         ...
 

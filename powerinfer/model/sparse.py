@@ -63,7 +63,8 @@ class SparseStats:
 
 
 def check_sparse_spec(spec: FFNSpec) -> None:
-    """Sparse FFNs compute gated FFNs without biases (gate, up, down_t); ConfigError otherwise."""
+    """Threshold-selected (CATS) FFNs compute gated FFNs without biases (gate, up, down_t); ConfigError
+    otherwise. Predictor-selected FFNs (SparseFFN) also take ungated FFNs with biases (Falcon, OPT)."""
     if not spec.gated:
         raise ConfigError("sparse FFNs need a gated FFN (gate, up, down_t); this model's FFN has no gate")
     if spec.bias:
@@ -124,26 +125,33 @@ class HotPart(Protocol):
 
 
 class SparseFFN:
-    """Selector-driven gated FFN of one layer, split between a pool part and the CPU."""
+    """Selector-driven FFN of one layer, split between a pool part and the CPU: gated (gate, up, down_t) or, with
+    gate None, ungated act(up . u + b_up) (Falcon, OPT); OPT's biases b_up (n_ff,) and b_down (D,) as the
+    original adds them: b_up to the active neurons' up values, b_down to the output."""
 
     def __init__(
         self,
         spec: FFNSpec,
         bid: int,
         selector: Selector,
-        gate: ops.QWeight,
+        gate: ops.QWeight | None,
         up: ops.QWeight,
         down_t: ops.QWeight,
         hot: HotPart | None,
         stats: SparseStats,
         kc: ops.KernelContext,
         workspace: Workspace | None = None,
+        biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),  # up (n_ff,), down (D,)
     ) -> None:
-        check_sparse_spec(spec)
+        if (gate is None) == spec.gated:
+            raise ConfigError("sparse FFN: give a gate matrix exactly when the spec is gated")
+        if (biases != (None, None)) != spec.bias:
+            raise ConfigError("sparse FFN: biases given do not match the spec")
         self.spec, self.bid, self.selector = spec, bid, selector
         self.gate, self.up, self.down_t = gate, up, down_t  # (n_ff, D) each, down_t transposed
+        self.b_up, self.b_down = biases
         self.hot, self.stats, self.kc = hot, stats, kc
-        self.n_ff = gate.shape[0]
+        self.n_ff = up.shape[0]
         self.cpu_rows = torch.ones(self.n_ff, dtype=torch.bool)  # False where the pool owns the neuron
         if hot is not None:
             self.cpu_rows[hot.ids] = False
@@ -151,13 +159,15 @@ class SparseFFN:
         # select() then rows()); False forces the separate steps (tests that compare the two)
         self.fused_decode = (
             hot is None
+            and gate is not None
+            and not spec.bias
             and isinstance(selector, PredictorSelector)
             and isinstance(selector.fc1, ops.QWeight)
             and isinstance(selector.fc2, ops.QWeight)
         )
         self.workspace = workspace or Workspace()
         rank = selector.fc1.shape[0] if isinstance(selector, PredictorSelector) else 0
-        self.workspace.reserve("ffn", ops.ffn_scratch_bytes(self.n_ff, gate.shape[1], rank))
+        self.workspace.reserve("ffn", ops.ffn_scratch_bytes(self.n_ff, up.shape[1], rank))
 
     def __call__(
         self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
@@ -166,6 +176,7 @@ class SparseFFN:
         if self.fused_decode and x_norm.shape[0] == 1 and s.true_active is None:
             sel = self.selector
             assert isinstance(sel, PredictorSelector)
+            assert self.gate is not None
             # None where the kernel does not apply (q8 precision, non-kernel weight types, pool weights)
             fused = ops.predict_ffn(
                 x_residual, x_norm, sel.fc1, sel.fc2, sel.threshold, self.gate, self.up, self.down_t,
@@ -198,11 +209,11 @@ class SparseFFN:
             n_cpu = int(cpu_active.sum())
         s.tokens[self.bid] += T
         if s.true_active is not None and s.true_hit is not None:
-            truth = (ops.linear(x_norm, self.gate, self.kc) > 0).to(
-                active.device
-            )  # (T, n_ff), PowerInfer's label
+            truth = (self._pre_act(x_norm) > 0).to(active.device)  # (T, n_ff), PowerInfer's label
             s.true_active[self.bid] += int(truth.sum())
             s.true_hit[self.bid] += int((truth & active).sum())
+        if self.b_down is not None:
+            y = y + self.b_down
         if y_hot is None or self.hot is None:
             s.active[self.bid] += n_cpu
             return y
@@ -212,30 +223,43 @@ class SparseFFN:
         self.hot.wait()
         return y + y_hot
 
+    def _pre_act(self, u: torch.Tensor) -> torch.Tensor:
+        """What decides whether a neuron fires: gate . u (gated) or up . u + b_up (ungated), (T, n_ff)."""
+        if self.gate is not None:
+            return ops.linear(u, self.gate, self.kc)
+        v = ops.linear(u, self.up, self.kc)
+        return v if self.b_up is None else v + self.b_up
+
+    def _hidden(self, u: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        """Activations (T, M) of the neurons idx (None: all) for every token."""
+        spec, kc = self.spec, self.kc
+        up = ops.linear(u, self.up, kc) if idx is None else ops.rows_matmul(u, self.up, idx, kc)
+        if self.gate is None:
+            if self.b_up is not None:
+                up = up + (self.b_up if idx is None else self.b_up[idx])
+            return ops.act(spec.act, up)
+        g = ops.linear(u, self.gate, kc) if idx is None else ops.rows_matmul(u, self.gate, idx, kc)
+        return ops.gated(g, up, spec.act, spec.relu_up)
+
     def rows(self, u: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """FFN output (T, D) of the neurons idx computed for every token (no mask)."""
+        """FFN output (T, D) of the neurons idx computed for every token (no mask, no down bias)."""
         spec = self.spec
-        if u.shape[0] == 1:  # decode: one fused kernel call (bit-identical to the unfused ops below)
+        if u.shape[0] == 1 and self.gate is not None:
+            # decode: one fused kernel call (bit-identical to the unfused ops below)
             return ops.ffn_rows(
                 u, self.gate, self.up, self.down_t, idx, spec.act, spec.relu_up, self.kc
             )  # (1, D)
-        g = ops.rows_matmul(u, self.gate, idx, self.kc)  # (T, M)
-        up = ops.rows_matmul(u, self.up, idx, self.kc)
-        return ops.rows_axpy(ops.gated(g, up, spec.act, spec.relu_up), self.down_t, idx, self.kc)  # (T, D)
+        return ops.rows_axpy(self._hidden(u, idx), self.down_t, idx, self.kc)  # (T, D)
 
     def cold(self, u: torch.Tensor, cpu_active: torch.Tensor) -> torch.Tensor:
         """The CPU part: only rows active for some token (per-token masks applied), dense if most are."""
-        spec, kc = self.spec, self.kc
         union = cpu_active.any(dim=0)  # (n_ff,)
         idx = torch.nonzero(union).squeeze(1)  # (M,)
         if idx.numel() >= DENSE_UNION_SHARE * self.n_ff:
-            g, up, mask, idx_down = ops.linear(u, self.gate, kc), ops.linear(u, self.up, kc), cpu_active, None
+            h, idx_down = self._hidden(u, None) * cpu_active, None
         else:
-            g = ops.rows_matmul(u, self.gate, idx, kc)  # (T, M)
-            up = ops.rows_matmul(u, self.up, idx, kc)
-            mask, idx_down = cpu_active[:, idx], idx
-        h = ops.gated(g, up, spec.act, spec.relu_up) * mask
-        return ops.rows_axpy(h, self.down_t, idx_down, kc)  # (T, D)
+            h, idx_down = self._hidden(u, idx) * cpu_active[:, idx], idx
+        return ops.rows_axpy(h, self.down_t, idx_down, self.kc)  # (T, D)
 
 
 def neuron_thresholds(bid: int, values: torch.Tensor, n_ff: int) -> torch.Tensor:

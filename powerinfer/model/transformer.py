@@ -31,9 +31,12 @@ class KVStore(Protocol):
 class Layer:
     attn_norm: Norm
     attn: Attention
-    ffn_norm: Norm | None  # None: parallel attention and FFN from the same norm (Falcon-style)
+    ffn_norm: Norm | None  # None: parallel attention and FFN from the same norm (Falcon-7B-style)
     ffn: FFN
     device: torch.device  # where the residual stream of this layer is computed
+    # attention and FFN both read the layer input (Falcon): x + attn(attn_norm(x)) + ffn(ffn_norm(x)), with
+    # ffn_norm None meaning the attention's normed input
+    parallel: bool = False
     post_attn_norm: Norm | None = None  # Gemma-style norms of each block's output
     post_ffn_norm: Norm | None = None
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
@@ -80,6 +83,7 @@ class Transformer:
             layer.fused_attn = layer.fused_ffn = None
             if (
                 placed
+                or layer.parallel
                 or layer.ffn_norm is None
                 or layer.post_attn_norm is not None
                 or layer.post_ffn_norm is not None
@@ -142,8 +146,11 @@ class Transformer:
             a = layer.post_attn_norm(a)
         if placed:
             a = a.to(x.device)
-        if layer.ffn_norm is None:  # parallel block: attention and FFN read the same normed input
-            f = layer.ffn(h, x, batch)
+        if layer.parallel or layer.ffn_norm is None:  # parallel block: attention and FFN read the layer input
+            u = h if layer.ffn_norm is None else layer.ffn_norm(x)
+            for observe in self.observers:
+                observe(bid, u, x)
+            f = layer.ffn(u, x, batch)
             return x + a + (f.to(x.device) if placed else f)
         x = x + a
         h = layer.ffn_norm(x)

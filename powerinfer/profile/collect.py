@@ -22,7 +22,7 @@ import torch
 
 from powerinfer import ops
 from powerinfer.errors import ConfigError, InputError
-from powerinfer.model.blocks import FFN
+from powerinfer.model.blocks import FFN, DenseFFN
 from powerinfer.model.config import ModelConfig
 from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
@@ -80,17 +80,19 @@ class FiringRecorder:
     """Observes one layer's dense FFN input: counts firing neurons, optionally keeps (predictor input, mask)."""
 
     def __init__(self, ffn: FFN, config: ModelConfig, kc: ops.KernelContext, keep_samples: bool) -> None:
-        gate = getattr(ffn, "gate", None)
-        if gate is None or not hasattr(ffn, "down"):
+        if not isinstance(ffn, DenseFFN):
             raise ConfigError("profiling needs the dense FFN (run the engine with dense_ffn=True)")
-        self.gate = gate
+        # a neuron fires when ReLU(gate . u) > 0, or ReLU(up . u + b_up) > 0 in ungated FFNs (Falcon, OPT)
+        self.gate = ffn.gate if ffn.gate is not None else ffn.up
+        self.bias = ffn.b_up if ffn.gate is None else None
         self.kc = kc
-        self.up = getattr(ffn, "up", None) if config.relu_up else None
+        self.up = ffn.up if config.relu_up else None
         self.counts = torch.zeros(config.n_ff, dtype=torch.int64)
         self.samples: LayerSamples | None = LayerSamples() if keep_samples else None
 
     def __call__(self, x_norm: torch.Tensor, x_residual: torch.Tensor) -> None:
-        fired = ops.linear(x_norm, self.gate, self.kc) > 0  # (T, n_ff), the same matmul the dense FFN does
+        pre = ops.linear(x_norm, self.gate, self.kc)  # (T, n_ff), the same matmul the dense FFN does
+        fired = (pre if self.bias is None else pre + self.bias) > 0
         if self.up is not None:
             fired &= ops.linear(x_norm, self.up, self.kc) > 0
         self.counts += fired.sum(dim=0)

@@ -78,11 +78,14 @@ def category(name: str) -> Category:
     return next((cat for sub, cat in _CATEGORY_SUBSTRINGS if sub in name), Category.OTHER)
 
 
-def allows_quantization(name: str, n_dims: int) -> bool:
-    """llama.cpp's tensor_allows_quantization for the tensors of the architectures we load."""
+def allows_quantization(name: str, n_dims: int, powerinfer_file: bool = False) -> bool:
+    """llama.cpp's tensor_allows_quantization for the tensors of the architectures we load; in a PowerInfer
+    (PWRI) file every 2-D weight but the norms, as PowerInfer's quantize does (OPT's position table included)."""
     if n_dims < 2 or not name.endswith("weight"):
         return False
-    return not any(s in name for s in _NEVER_QUANTIZED) and name not in _NEVER_QUANTIZED_NAMES
+    if any(s in name for s in _NEVER_QUANTIZED):
+        return False
+    return powerinfer_file or name not in _NEVER_QUANTIZED_NAMES
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class ModelFacts:
     is_70b: bool  # llama.cpp's LLM_TYPE_70B (LLaMA, 80 layers, grouped-query attention)
     tied_embeddings: bool  # no output.weight: token_embd is the output head too
     n_attention_wv: int  # tensors in the attn_v-like categories
+    powerinfer_file: bool = False  # a PWRI file: PowerInfer's quantize rules
 
 
 def model_facts(metadata: dict[str, object], names: list[str]) -> ModelFacts:

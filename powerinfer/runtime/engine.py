@@ -107,7 +107,7 @@ class Engine:
             raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
         self.gguf = read_gguf(model_path)
         self.config = c = load_config(self.gguf)
-        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, powerinfer_file=self.gguf.is_sparse)
         if self.tokenizer.n_vocab != c.n_vocab:
             raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {c.n_vocab}")
         self.n_ctx = o.n_ctx if o.n_ctx > 0 else c.n_ctx_train

@@ -89,11 +89,18 @@ class Loader:
             self.device_vectors.append(v)
         return v
 
-    def hot_rows(self, layer: int, gate: ops.QWeight, up: ops.QWeight, down_t: ops.QWeight) -> HotPart | None:
+    def hot_rows(
+        self,
+        layer: int,
+        gate: ops.QWeight | None,
+        up: ops.QWeight,
+        down_t: ops.QWeight,
+        b_up: torch.Tensor | None = None,
+    ) -> HotPart | None:
         ids = self.plan.pool_neurons(layer)
         if ids is None or self.device is None:
             return None
-        hot = HotRows(gate, up, down_t, ids, self.device, self.kc, self.plan.backend)
+        hot = HotRows(gate, up, down_t, ids, self.device, self.kc, self.plan.backend, b_up)
         self.hot.append(hot)
         return hot
 

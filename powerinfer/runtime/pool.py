@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.errors import PlacementError, PowerInferError
+from powerinfer.errors import ConfigError, PlacementError, PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.config import ModelConfig
 from powerinfer.placement import (
@@ -119,26 +119,33 @@ class HotRows:
 
     def __init__(
         self,
-        gate: ops.QWeight,
+        gate: ops.QWeight | None,
         up: ops.QWeight,
         down_t: ops.QWeight,
         ids: np.ndarray,
         device: torch.device,
         kc: ops.KernelContext,
         backend: str | None = None,
+        b_up: torch.Tensor | None = None,
     ) -> None:
         self.device = device
         self.kc = kc
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))  # (k,) neuron ids, ascending
-        # only the hot rows' blocks are copied: no second full copy of the FFN on the device
-        self.gate = ops.DeviceWeight.from_qweight(gate, device, self.ids, backend, kc)  # (k, D)
+        # only the hot rows' blocks are copied: no second full copy of the FFN on the device; gate None: an
+        # ungated FFN act(up . u + b_up) (Falcon, OPT)
+        self.gate = (
+            None if gate is None else ops.DeviceWeight.from_qweight(gate, device, self.ids, backend, kc)
+        )
         self.up = ops.DeviceWeight.from_qweight(up, device, self.ids, backend, kc)  # (k, D)
         self.down_t = ops.DeviceWeight.from_qweight(down_t, device, self.ids, backend, kc)  # (k, D)
+        self.b_up = None if b_up is None else b_up.to("cpu")[self.ids].to(device)  # (k,)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def n_bytes(self) -> int:
-        return self.gate.n_bytes + self.up.n_bytes + self.down_t.n_bytes
+        gate = 0 if self.gate is None else self.gate.n_bytes
+        bias = 0 if self.b_up is None else self.b_up.numel() * 4
+        return gate + self.up.n_bytes + self.down_t.n_bytes + bias
 
     def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
         """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
@@ -183,6 +190,8 @@ class HotRows:
         act: str,
         relu_up: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.gate is None:
+            raise ConfigError("threshold (CATS) sparsity needs a gated FFN")
         a = ops.act(act, ops.linear(u, self.gate, self.kc))  # (T, k) float32
         passed = a.abs() > thresholds
         if dense_rows is not None:
@@ -197,9 +206,11 @@ class HotRows:
         return self.down_t.axpy(h.mul_(mask), self.kc), torch.stack([mask.sum(), passed.sum()])
 
     def _compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
-        g = ops.linear(u, self.gate, self.kc)  # (T, k) float32
-        up = ops.linear(u, self.up, self.kc)
-        h = ops.gated(g, up, act, relu_up).mul_(active)
+        up = ops.linear(u, self.up, self.kc)  # (T, k) float32
+        if self.gate is None:
+            h = ops.act(act, up if self.b_up is None else up + self.b_up).mul_(active)
+        else:
+            h = ops.gated(ops.linear(u, self.gate, self.kc), up, act, relu_up).mul_(active)
         return self.down_t.axpy(h, self.kc)  # (T, D) float32
 
     def wait(self) -> None:

@@ -102,7 +102,7 @@ class InputRecorder:
 def calibrate(engine: Engine, windows: list[list[int]], progress: Progress | None = None) -> Calibration:
     """Run the windows through the dense engine and keep each layer's FFN inputs (see the module docstring)."""
     c = engine.config
-    if any(layer.ffn_norm is None for layer in engine.model.layers):
+    if any(layer.ffn_norm is None or layer.parallel for layer in engine.model.layers):
         raise ConfigError(
             f"sparsify needs sequential blocks with an FFN norm; {c.arch} runs attention and FFN in parallel"
         )

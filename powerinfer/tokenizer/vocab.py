@@ -158,7 +158,11 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- construction
     @classmethod
-    def from_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+    def from_metadata(cls, metadata: dict[str, Any], powerinfer_file: bool = False) -> Tokenizer:
+        """The tokenizer a GGUF's metadata describes. powerinfer_file: a PowerInfer (PWRI) file; one without
+        `tokenizer.ggml.pre` (PowerInfer's converter writes none) is tokenized as PowerInfer does: byte-level BPE
+        split with the GPT-2 regex and no BOS in main and perplexity (its loader ignores
+        `tokenizer.ggml.add_bos_token` for BPE; README section 8.2 of the Falcon/OPT fixtures)."""
         md = metadata
         model = md.get(Keys.TOKENIZER_MODEL)
         if model is None:
@@ -209,13 +213,16 @@ class Tokenizer:
             self.add_space_prefix = True
             add_bos_default = True
             self.pre = None
-            family, ignore_merges = "", False
+            family, ignore_merges, legacy = "", False, False
         else:
             bos, eos, unk = 11, 11, None  # llama.cpp's BPE defaults
             self.add_space_prefix = False
             pre = md.get(Keys.TOKENIZER_PRE)
             if pre is not None and not isinstance(pre, str):
                 raise ConfigError(f"{Keys.TOKENIZER_PRE} must be a string, got {type(pre).__name__}")
+            legacy = pre is None and powerinfer_file  # written by PowerInfer's own converter
+            if legacy:
+                pre = "gpt2"
             if pre is None:
                 log.warning(
                     "%s is missing; using the 'default' pre-tokenizer (quality may be degraded)",
@@ -234,6 +241,8 @@ class Tokenizer:
             self.pre = pre
         self.add_space_prefix = _get_bool(md, Keys.TOKENIZER_ADD_SPACE_PREFIX, self.add_space_prefix)
         self.add_bos = _get_bool(md, Keys.TOKENIZER_ADD_BOS, add_bos_default)
+        if self.kind == "bpe" and legacy:
+            self.add_bos = False
         self.add_eos = _get_bool(md, Keys.TOKENIZER_ADD_EOS, False)
 
         def special_id(key: str, default: int | None) -> int | None:
