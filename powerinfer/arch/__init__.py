@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from powerinfer.arch import bamboo, llama
+from powerinfer.arch import bamboo, llama, qwen2, qwen3
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -31,6 +31,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(llama.LlamaConfig.from_gguf, llama.build, llama.check),
     "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build, bamboo.check),
+    "qwen2": Architecture(qwen2.Qwen2Config.from_gguf, qwen2.build, qwen2.check),
+    "qwen3": Architecture(qwen3.Qwen3Config.from_gguf, qwen3.build, qwen3.check),
 }
 
 
