@@ -232,6 +232,14 @@ def test_mistral_window_beyond_its_length(checkpoints, tmp_path: Path):
     # token by token beyond the window: the masked SDPA path, not the whole-context decode kernel
     ours = torch.stack([engine.eval([t]) for t in ids])
     assert (ours - windowed).abs().max() <= 1e-5
+    # two sequences decoded together (positions 4.. and 9..): the batched path's window mask
+    batch = Engine(path, EngineOptions(n_ctx=64, n_threads=2, n_seq=2))
+    batch.prefill(0, ids[:4])
+    batch.prefill(1, ids[:9])
+    for i in range(12):
+        logits = batch.decode([0, 1], [ids[4 + i], ids[9 + i]])
+        want = torch.stack([windowed[4 + i], windowed[9 + i]])
+        assert (logits - want).abs().max() <= 1e-5, i
 
 
 def test_converted_tensors_and_keys(checkpoints, tmp_path: Path):

@@ -2,7 +2,8 @@
 
 The output follows PowerInfer's convert.py (spec section 1): the same metadata keys, values, types and order;
 q/k rows permuted for llama.cpp's adjacent-pair RoPE; in a PowerInfer (PWRI) file `ffn_down_t` holds HF
-`down_proj` transposed to (n_ff, n_embd) and the per-layer predictors follow as `blk.N.fc1`/`fc2`.
+`down_proj` transposed to (n_ff, n_embd) and the per-layer predictors follow as `blk.N.fc1`/`fc2`. Families
+that share Llama's tensors with a difference (Mistral, Qwen2, Qwen3) are described in convert/families.py.
 """
 
 from __future__ import annotations
