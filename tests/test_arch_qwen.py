@@ -384,3 +384,36 @@ def test_convert_refusals(checkpoints, tmp_path: Path):
     r = runner.invoke(app, ["convert", str(bad), "--outfile", str(out)])
     assert_one_error_line(r, "max_window_layers")
     assert not out.exists()
+
+
+def test_config_from_metadata(checkpoints, tmp_path: Path):
+    """Head size, window and their bad values, from the metadata of converted files."""
+    from powerinfer.arch import ARCHITECTURES
+    from powerinfer.errors import ConfigError
+
+    md = dict(read_gguf(convert(checkpoints["qwen3"][0], tmp_path / "q3.gguf", "f16")).metadata)
+    config = ARCHITECTURES["qwen3"].config(md, False)
+    a = config.attention
+    assert (a.head_dim, a.n_embd_q, a.qk_norm is not None, a.bias, a.rope.kind) == (
+        32,
+        128,
+        True,
+        False,
+        "neox",
+    )
+    assert a.sliding_window is None and config.n_embd == 64
+    with pytest.raises(ConfigError, match="value length 16 != key length 32"):
+        ARCHITECTURES["qwen3"].config(md | {"qwen3.attention.value_length": 16}, False)
+    md = dict(read_gguf(convert(checkpoints["mistral"][0], tmp_path / "m.gguf", "f16")).metadata)
+    assert ARCHITECTURES["llama"].config(md, False).attention.sliding_window == WINDOW
+    assert (
+        ARCHITECTURES["llama"]
+        .config(md | {"llama.attention.sliding_window": 0}, False)
+        .attention.sliding_window
+        is None
+    )
+    with pytest.raises(ConfigError, match="some layers only"):
+        ARCHITECTURES["llama"].config(md | {"llama.attention.sliding_window_pattern": [True, False]}, False)
+    md = dict(read_gguf(convert(checkpoints["qwen2"][0], tmp_path / "q2.gguf", "f16")).metadata)
+    a = ARCHITECTURES["qwen2"].config(md, False).attention
+    assert (a.head_dim, a.bias, a.qk_norm, a.rope.kind, a.rope.base) == (16, True, None, "neox", 1e6)

@@ -296,7 +296,7 @@ def decoder_config(cls: type[C], metadata: dict[str, Any], sparse: bool, variant
     """The config of a Llama-layout file from its `{arch}.*` keys; `sparse` is True for PWRI files.
 
     A `{arch}.attention.sliding_window` key makes every layer's attention local (Mistral as our converter writes
-    it); files without it attend to the whole context.
+    it; 0 or no key: the whole context); a window on some layers only (a pattern) is refused.
     """
     arch = metadata[Keys.ARCHITECTURE]
     m = MetadataView(metadata, arch)
@@ -308,6 +308,11 @@ def decoder_config(cls: type[C], metadata: dict[str, Any], sparse: bool, variant
         raise ConfigError(f"head count {n_head} is not a multiple of KV head count {n_head_kv}")
     eps = m.require(Keys.LAYERNORM_RMS_EPS, float, minimum=0.0)
     window = m.optional(Keys.SLIDING_WINDOW, None)
+    pattern = metadata.get(Keys.SLIDING_WINDOW_PATTERN.format(arch=arch))
+    if window and pattern is not None and not all(pattern):
+        raise ConfigError(
+            f"{arch}: a sliding window on some layers only is unsupported for this architecture"
+        )
     attention = AttentionSpec(
         n_head,
         n_head_kv,

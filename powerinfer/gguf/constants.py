@@ -73,6 +73,9 @@ class Keys:
     KEY_LENGTH = "{arch}.attention.key_length"  # head size of q and k when it is not n_embd / n_head
     VALUE_LENGTH = "{arch}.attention.value_length"
     SLIDING_WINDOW = "{arch}.attention.sliding_window"
+    SLIDING_WINDOW_PATTERN = (
+        "{arch}.attention.sliding_window_pattern"  # per layer: True where the window applies
+    )
     ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
     ROPE_FREQ_BASE = "{arch}.rope.freq_base"
     ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
