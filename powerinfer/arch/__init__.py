@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from powerinfer.arch import bamboo, falcon, llama, opt
+from powerinfer.arch import bamboo, falcon, llama, opt, qwen2, qwen3
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -33,6 +33,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build, bamboo.check),
     "falcon": Architecture(falcon.FalconConfig.from_gguf, falcon.build, falcon.check),
     "opt": Architecture(opt.OPTConfig.from_gguf, opt.build, opt.check),
+    "qwen2": Architecture(qwen2.Qwen2Config.from_gguf, qwen2.build, qwen2.check),
+    "qwen3": Architecture(qwen3.Qwen3Config.from_gguf, qwen3.build, qwen3.check),
 }
 
 

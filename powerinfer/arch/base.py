@@ -1,11 +1,12 @@
-"""Shared parts of architecture modules: typed metadata access, the common config and the FFN builder."""
+"""Shared parts of architecture modules: typed metadata access, the FFN builder and the Llama-layout decoder
+(config, tensor table, build) that llama, qwen2 and qwen3 compose with their own variant."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -13,10 +14,12 @@ import torch
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.model.blocks import FFN, DenseFFN
+from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, Norm, Rope
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.sparse import PredictorSelector, SparseFFN, ThresholdFFN
+from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
+from powerinfer.model.transformer import Layer, Transformer
 from powerinfer.printable import printable
 from powerinfer.quant import check_weight_type
 
@@ -256,3 +259,220 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     if down_used == down_name:
         return DenseFFN(c.ffn, up, gate, src.matrix(down_name, (c.n_embd, c.n_ff)), None, kc, dense_biases)
     return DenseFFN(c.ffn, up, gate, None, src.matrix(down_t_name, shape), kc, dense_biases)
+
+
+# ---- the Llama-layout decoder (pre-norm blocks, attention, gated FFN) that llama, qwen2 and qwen3 share
+
+
+def head_size(m: MetadataView, n_embd: int, n_head: int) -> int:
+    """The head size: {arch}.attention.key_length when the file has it (Qwen3), else n_embd / n_head."""
+    head_dim = m.optional(Keys.KEY_LENGTH, None, minimum=1)
+    if head_dim is None:
+        if n_embd % n_head:
+            raise ConfigError(f"embedding length {n_embd} is not divisible by head count {n_head}")
+        return n_embd // n_head
+    value_dim = m.optional(Keys.VALUE_LENGTH, head_dim)
+    if value_dim != head_dim:
+        raise ConfigError(f"value length {value_dim} != key length {head_dim} (unsupported)")
+    return int(head_dim)
+
+
+def rope_spec(m: MetadataView, kind: str, head_dim: int) -> RopeSpec:
+    """Full-head RoPE of `kind` with the file's frequency base and linear scaling."""
+    rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
+    if rope_dim != head_dim:
+        raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
+    scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
+    if scaling not in ("none", "linear"):
+        raise ConfigError(f"unsupported rope scaling type '{printable(scaling)}'")
+    rope_scale = m.optional(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0
+    if rope_scale <= 0:
+        raise ConfigError(f"rope scaling factor must be positive (got {rope_scale})")
+    rope_base = m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float)
+    if rope_base <= 0:
+        raise ConfigError(f"rope frequency base must be positive (got {rope_base})")
+    return RopeSpec(kind, head_dim, rope_base, rope_scale)
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    """What sets a Llama-layout family apart: RoPE pairing, q/k/v biases, per-head QK-norm, ReLU(up)."""
+
+    rope: str = "adjacent"  # "adjacent": q/k rows permuted by the converter (llama); "neox": as in HF
+    bias: bool = False
+    qk_norm: bool = False
+    relu_up: bool = False
+
+
+C = TypeVar("C", bound=ModelConfig)
+
+
+def decoder_config(cls: type[C], metadata: dict[str, Any], sparse: bool, variant: DecoderVariant) -> C:
+    """The config of a Llama-layout file from its `{arch}.*` keys; `sparse` is True for PWRI files.
+
+    A `{arch}.attention.sliding_window` key makes every layer's attention local (Mistral as our converter writes
+    it; 0 or no key: the whole context); a window on some layers only (a pattern) is refused.
+    """
+    arch = metadata[Keys.ARCHITECTURE]
+    m = MetadataView(metadata, arch)
+    n_embd = m.require(Keys.EMBEDDING_LENGTH, minimum=1)
+    n_head = m.require(Keys.HEAD_COUNT, minimum=1)
+    head_dim = head_size(m, n_embd, n_head)
+    n_head_kv = m.optional(Keys.HEAD_COUNT_KV, n_head)
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise ConfigError(f"head count {n_head} is not a multiple of KV head count {n_head_kv}")
+    eps = m.require(Keys.LAYERNORM_RMS_EPS, float, minimum=0.0)
+    window = m.optional(Keys.SLIDING_WINDOW, None)
+    pattern = metadata.get(Keys.SLIDING_WINDOW_PATTERN.format(arch=arch))
+    if window and pattern is not None and not all(pattern):
+        raise ConfigError(
+            f"{arch}: a sliding window on some layers only is unsupported for this architecture"
+        )
+    attention = AttentionSpec(
+        n_head,
+        n_head_kv,
+        head_dim,
+        rope_spec(m, variant.rope, head_dim),
+        bias=variant.bias,
+        qk_norm=NormSpec("rms", eps) if variant.qk_norm else None,
+        sliding_window=window or None,  # 0: no window
+    )
+    n_layer = m.require(Keys.BLOCK_COUNT, minimum=1)
+    method, thresholds = sparse_method(metadata, sparse, n_layer)
+    # PowerInfer's own sparse files are ReLU models; sparsify records the activation it calibrated
+    relu = (sparse and method == "predictor") or variant.relu_up
+    return cls(
+        arch=arch,
+        n_vocab=n_vocab_of(metadata),
+        n_ctx_train=m.require(Keys.CONTEXT_LENGTH, minimum=1),
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_ff=m.require(Keys.FEED_FORWARD_LENGTH, minimum=1),
+        attention=attention,
+        ffn=FFNSpec(
+            act=ffn_activation(metadata, "relu" if relu else "silu"), gated=True, relu_up=variant.relu_up
+        ),
+        norm=NormSpec("rms", eps),
+        sparse=sparse,
+        sparse_threshold=sparse_threshold(metadata),
+        sparse_method=method,
+        sparse_thresholds=thresholds,
+    )
+
+
+# tensors of one layer every Llama-layout file holds (norms, attention, gate and up)
+DECODER_LAYER_TENSORS = 9
+
+
+def decoder_tensor_table(config: ModelConfig) -> TensorTable:
+    """Every tensor a Llama-layout or PowerInfer file may hold, with the shape the config gives it; PowerInfer
+    files hold ffn_down_t (n_ff, n_embd) instead of ffn_down and per-layer predictors fc1 (r, n_embd) -> fc2
+    (n_ff, r); q/k/v biases and q/k norms are required exactly when the attention spec has them."""
+    c, a = config, config.attention
+    shapes: dict[str, tuple[int | str, ...]] = {
+        TensorNames.TOKEN_EMBD: (c.n_vocab, c.n_embd),
+        TensorNames.OUTPUT: (c.n_vocab, c.n_embd),  # absent: tied to the embedding
+        TensorNames.OUTPUT_NORM: (c.n_embd,),
+    }
+    required = {TensorNames.TOKEN_EMBD, TensorNames.OUTPUT_NORM}
+    one_of = []
+    for bid in range(c.n_layer):
+        layer: dict[str, tuple[int | str, ...]] = {
+            TensorNames.ATTN_NORM: (c.n_embd,),
+            TensorNames.ATTN_Q: (a.n_embd_q, c.n_embd),
+            TensorNames.ATTN_K: (a.n_embd_kv, c.n_embd),
+            TensorNames.ATTN_V: (a.n_embd_kv, c.n_embd),
+            TensorNames.ATTN_OUT: (c.n_embd, a.n_embd_q),
+            TensorNames.FFN_NORM: (c.n_embd,),
+            TensorNames.FFN_GATE: (c.n_ff, c.n_embd),
+            TensorNames.FFN_UP: (c.n_ff, c.n_embd),
+        }
+        if a.bias:
+            layer |= {
+                TensorNames.ATTN_Q_BIAS: (a.n_embd_q,),
+                TensorNames.ATTN_K_BIAS: (a.n_embd_kv,),
+                TensorNames.ATTN_V_BIAS: (a.n_embd_kv,),
+            }
+        if a.qk_norm is not None:
+            layer |= {TensorNames.ATTN_Q_NORM: (a.head_dim,), TensorNames.ATTN_K_NORM: (a.head_dim,)}
+        required |= {t.format(bid=bid) for t in layer}
+        layer |= {
+            TensorNames.FFN_DOWN: (c.n_embd, c.n_ff),
+            TensorNames.FFN_DOWN_T: (c.n_ff, c.n_embd),
+            TensorNames.FFN_ACT_THRESHOLD: (c.n_ff,),
+            TensorNames.FFN_OUT_THRESHOLD: (c.n_ff,),
+            TensorNames.PRED_FC1: (f"rank.{bid}", c.n_embd),
+            TensorNames.PRED_FC2: (c.n_ff, f"rank.{bid}"),
+        }
+        shapes |= {t.format(bid=bid): shape for t, shape in layer.items()}
+        if c.sparse:
+            needs = (TensorNames.FFN_DOWN_T, TensorNames.PRED_FC1, TensorNames.PRED_FC2)
+            required |= {t.format(bid=bid) for t in needs[: 3 if c.sparse_method == "predictor" else 1]}
+        else:
+            one_of.append((TensorNames.FFN_DOWN.format(bid=bid), TensorNames.FFN_DOWN_T.format(bid=bid)))
+    return TensorTable(shapes, frozenset(required), tuple(one_of))
+
+
+def check_decoder(config: ModelConfig, gguf: GGUFFile) -> None:
+    """The file holds every tensor a Llama-layout model of `config` reads, each of the expected type and shape."""
+    check_layer_count(gguf, config, DECODER_LAYER_TENSORS)
+    check_tensors(gguf, config, decoder_tensor_table(config))
+
+
+def decoder_attention(config: ModelConfig, bid: int, src: WeightSource) -> Attention:
+    """A layer's attention block with the parts its spec declares (biases, per-head QK-norm)."""
+    c, a = config, config.attention
+
+    def name(template: str) -> str:
+        return template.format(bid=bid)
+
+    biases: tuple[torch.Tensor | None, ...] = (None, None, None, None)
+    if a.bias:
+        biases = (
+            src.vector(name(TensorNames.ATTN_Q_BIAS), a.n_embd_q),
+            src.vector(name(TensorNames.ATTN_K_BIAS), a.n_embd_kv),
+            src.vector(name(TensorNames.ATTN_V_BIAS), a.n_embd_kv),
+            None,
+        )
+    q_norm = k_norm = None
+    if a.qk_norm is not None:
+        q_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_Q_NORM), a.head_dim))
+        k_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_K_NORM), a.head_dim))
+    return Attention(
+        a,
+        src.matrix(name(TensorNames.ATTN_Q), (a.n_embd_q, c.n_embd)),
+        src.matrix(name(TensorNames.ATTN_K), (a.n_embd_kv, c.n_embd)),
+        src.matrix(name(TensorNames.ATTN_V), (a.n_embd_kv, c.n_embd)),
+        src.matrix(name(TensorNames.ATTN_OUT), (c.n_embd, a.n_embd_q)),
+        src.kc,
+        biases=biases,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        workspace=src.workspace,
+    )
+
+
+def build_decoder(config: ModelConfig, src: WeightSource) -> Transformer:
+    """The Llama-layout transformer from placed weights: pre-norm attention and gated FFN in every layer."""
+    c, kc = config, src.kc
+    embd = src.host_matrix(TensorNames.TOKEN_EMBD, (c.n_vocab, c.n_embd))
+    layers = [
+        Layer(
+            attn_norm=Norm(c.norm, src.vector(TensorNames.ATTN_NORM.format(bid=bid), c.n_embd)),
+            attn=decoder_attention(c, bid, src),
+            ffn_norm=Norm(c.norm, src.vector(TensorNames.FFN_NORM.format(bid=bid), c.n_embd)),
+            ffn=gated_ffn(c, bid, src),
+            device=src.layer_device(bid),
+        )
+        for bid in range(c.n_layer)
+    ]
+    output = src.matrix(TensorNames.OUTPUT, (c.n_vocab, c.n_embd)) if src.has(TensorNames.OUTPUT) else embd
+    head = Head(Norm(c.norm, src.vector(TensorNames.OUTPUT_NORM, c.n_embd)), output, kc)
+    rope = c.attention.rope
+    return Transformer(
+        Embedding(embd, kc),
+        layers,
+        head,
+        src.head_device(),
+        rope_factory=None if rope is None else (lambda bid, n_ctx: Rope(rope, n_ctx)),
+    )

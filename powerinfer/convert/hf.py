@@ -2,7 +2,8 @@
 
 The output follows PowerInfer's convert.py (spec section 1): the same metadata keys, values, types and order;
 q/k rows permuted for llama.cpp's adjacent-pair RoPE; in a PowerInfer (PWRI) file `ffn_down_t` holds HF
-`down_proj` transposed to (n_ff, n_embd) and the per-layer predictors follow as `blk.N.fc1`/`fc2`.
+`down_proj` transposed to (n_ff, n_embd) and the per-layer predictors follow as `blk.N.fc1`/`fc2`. Families
+that share Llama's tensors with a difference (Mistral, Qwen2, Qwen3) are described in convert/families.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
 from powerinfer.convert import falcon_opt
+from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_shape
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError
@@ -33,7 +35,7 @@ OUTTYPES: dict[str, tuple[GGMLType, int]] = {
     "f16": (GGMLType.F16, 1),
     "q8_0": (GGMLType.Q8_0, 7),
 }
-ARCHITECTURES = ("llama", "bamboo")
+ARCHITECTURES = tuple(FAMILIES)  # HF model_type values (convert/families.py)
 ACTIVATIONS = ("silu", "relu")
 
 # HF name (after the layer prefix) -> GGUF template
@@ -72,12 +74,22 @@ class HFConfig:
     rope_theta: float | None
     rope_scale: float | None  # linear RoPE scaling factor
     activation: str
+    family: Family = FAMILIES["llama"]
+    head_dim: int = 0  # 0: n_embd / n_head
+    head_dim_key: bool = False  # config.json has head_dim (written as key_length where the family does)
+    sliding_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            object.__setattr__(self, "head_dim", self.n_embd // self.n_head)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], path: Path) -> HFConfig:
         model_type = cfg.get("model_type")
-        if model_type is None and "LlamaForCausalLM" in (cfg.get("architectures") or []):
-            model_type = "llama"
+        if model_type is None:
+            model_type = next(
+                (CLASS_NAMES[a] for a in cfg.get("architectures") or [] if a in CLASS_NAMES), None
+            )
         if model_type not in ARCHITECTURES:
             arch = model_type or (cfg.get("architectures") or ["?"])[0]
             raise ConfigError(
@@ -98,12 +110,18 @@ class HFConfig:
 
         n_embd, n_head = need("hidden_size"), need("num_attention_heads")
         n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
-        if n_head <= 0 or n_embd % n_head or n_head_kv <= 0 or n_head % n_head_kv:
+        family = FAMILIES[model_type]
+        head_dim = cfg.get("head_dim")
+        free = family.free_head_dim and head_dim is not None
+        if n_head <= 0 or (n_embd % n_head and not free) or n_head_kv <= 0 or n_head % n_head_kv:
             raise ConfigError(
                 f"{path}: hidden_size {n_embd}, {n_head} heads and {n_head_kv} KV heads do not fit"
             )
-        head_dim = cfg.get("head_dim")
-        if head_dim is not None and head_dim != n_embd // n_head:
+        if free and (
+            isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2
+        ):
+            raise ConfigError(f"{printable(str(path))}: head_dim must be a positive even integer")
+        if head_dim is not None and not free and head_dim != n_embd // n_head:
             raise ConfigError(
                 f"{printable(str(path))}: head_dim {head_dim} != hidden_size / num_attention_heads"
             )
@@ -122,7 +140,7 @@ class HFConfig:
                 f"{path}: unsupported hidden_act '{activation}' (supported: {', '.join(ACTIVATIONS)})"
             )
         return cls(
-            arch=model_type,
+            arch=family.arch,
             n_vocab=need("vocab_size"),
             n_ctx=need("max_position_embeddings"),
             n_embd=n_embd,
@@ -134,6 +152,10 @@ class HFConfig:
             rope_theta=None if rope_theta is None else float(rope_theta),
             rope_scale=rope_scale,
             activation=activation,
+            family=family,
+            head_dim=head_dim if free else n_embd // n_head,
+            head_dim_key=head_dim is not None,
+            sliding_window=family.window(cfg, path),
         )
 
 
@@ -211,18 +233,20 @@ class ConversionResult:
 
 
 def _expected_shapes(c: HFConfig) -> dict[str, tuple[int, ...]]:
-    n_embd_gqa = c.n_embd // c.n_head * c.n_head_kv
+    n_embd_gqa, n_embd_q = c.head_dim * c.n_head_kv, c.head_dim * c.n_head
     per_layer = {
         TensorNames.ATTN_NORM: (c.n_embd,),
         TensorNames.FFN_NORM: (c.n_embd,),
-        TensorNames.ATTN_Q: (c.n_embd, c.n_embd),
-        TensorNames.ATTN_OUT: (c.n_embd, c.n_embd),
+        TensorNames.ATTN_Q: (n_embd_q, c.n_embd),
+        TensorNames.ATTN_OUT: (c.n_embd, n_embd_q),
         TensorNames.ATTN_K: (n_embd_gqa, c.n_embd),
         TensorNames.ATTN_V: (n_embd_gqa, c.n_embd),
         TensorNames.FFN_GATE: (c.n_ff, c.n_embd),
         TensorNames.FFN_UP: (c.n_ff, c.n_embd),
         TensorNames.FFN_DOWN: (c.n_embd, c.n_ff),  # HF orientation, before any transpose
     }
+    for template, size in c.family.extra.values():
+        per_layer[template] = extra_shape(size, c.n_head, c.n_head_kv, c.head_dim)
     out = {t.format(bid=b): s for b in range(c.n_layer) for t, s in per_layer.items()}
     out[TensorNames.TOKEN_EMBD] = out[TensorNames.OUTPUT] = (c.n_vocab, c.n_embd)
     out[TensorNames.OUTPUT_NORM] = (c.n_embd,)
@@ -235,17 +259,20 @@ def _map_names(ckpt: Checkpoint, c: HFConfig) -> dict[str, str]:
     for hf_name in ckpt.names():
         gguf_name = _GLOBAL_TENSORS.get(hf_name)
         m = _LAYER_RE.fullmatch(hf_name)
-        if m and m.group(2) in _LAYER_TENSORS and int(m.group(1)) < c.n_layer:
-            gguf_name = _LAYER_TENSORS[m.group(2)].format(bid=int(m.group(1)))
+        if m and int(m.group(1)) < c.n_layer:
+            template = _LAYER_TENSORS.get(m.group(2)) or c.family.extra.get(m.group(2), (None,))[0]
+            gguf_name = gguf_name if template is None else template.format(bid=int(m.group(1)))
         if gguf_name is None:
             if hf_name.endswith("rotary_emb.inv_freq"):
                 continue  # recomputed from rope.freq_base
             raise FormatError(f"unexpected tensor '{printable(hf_name)}' in the checkpoint")
         mapping[gguf_name] = hf_name
-    if TensorNames.OUTPUT not in mapping and TensorNames.TOKEN_EMBD in mapping:
+    if TensorNames.OUTPUT not in mapping and TensorNames.TOKEN_EMBD in mapping and c.family.tied_output:
         # tied embeddings: PowerInfer's loader requires output.weight
         mapping[TensorNames.OUTPUT] = mapping[TensorNames.TOKEN_EMBD]
     expected = _expected_shapes(c)
+    if TensorNames.OUTPUT not in mapping and not c.family.tied_output:
+        del expected[TensorNames.OUTPUT]  # tied: the head reads token_embd
     for gguf_name, shape in expected.items():
         if gguf_name not in mapping:
             raise FormatError(f"the checkpoint has no tensor for {printable(gguf_name)}")
@@ -270,10 +297,16 @@ def _add_metadata(
     w.add(k(Keys.EMBEDDING_LENGTH), c.n_embd, u32)
     w.add(k(Keys.BLOCK_COUNT), c.n_layer, u32)
     w.add(k(Keys.FEED_FORWARD_LENGTH), c.n_ff, u32)
-    w.add(k(Keys.ROPE_DIMENSION_COUNT), c.n_embd // c.n_head, u32)
+    if c.family.rope_dim_key:
+        w.add(k(Keys.ROPE_DIMENSION_COUNT), c.head_dim, u32)
     w.add(k(Keys.HEAD_COUNT), c.n_head, u32)
     w.add(k(Keys.HEAD_COUNT_KV), c.n_head_kv, u32)
     w.add(k(Keys.LAYERNORM_RMS_EPS), c.rms_eps, ValueType.FLOAT32)
+    if c.family.key_length and c.head_dim_key:
+        w.add(k(Keys.KEY_LENGTH), c.head_dim, u32)
+        w.add(k(Keys.VALUE_LENGTH), c.head_dim, u32)
+    if c.sliding_window is not None:
+        w.add(k(Keys.SLIDING_WINDOW), c.sliding_window, u32)
     if c.rope_theta is not None:
         w.add(k(Keys.ROPE_FREQ_BASE), c.rope_theta, ValueType.FLOAT32)
     if c.rope_scale is not None:
@@ -293,9 +326,9 @@ def _tensors(
     """(GGUF name, row-major array) pairs, in checkpoint order, then the predictors layer by layer."""
     for gguf_name, hf_name in mapping.items():
         data = ckpt.get(hf_name)
-        if gguf_name.endswith(".attn_q.weight"):
+        if gguf_name.endswith(".attn_q.weight") and c.family.permute_qk:
             data = permute_rope(data, c.n_head)
-        elif gguf_name.endswith(".attn_k.weight"):
+        elif gguf_name.endswith(".attn_k.weight") and c.family.permute_qk:
             data = permute_rope(data, c.n_head_kv)
         elif gguf_name.endswith(".ffn_down.weight") and sparse:
             gguf_name = gguf_name.replace(".ffn_down.", ".ffn_down_t.")
@@ -316,7 +349,8 @@ def convert_checkpoint(
     dense: bool = False,
     on_tensor: Callable[[str, int, int], None] | None = None,
 ) -> ConversionResult:
-    """Convert a HF Llama/Bamboo checkpoint; `on_tensor(name, index, total)` reports progress per tensor.
+    """Convert a HF Llama/Bamboo/Mistral/Qwen2/Qwen3 checkpoint; `on_tensor(name, index, total)` reports
+    progress per tensor.
 
     Every input is read and checked before anything is written; the file appears atomically at the end.
     """
@@ -343,6 +377,11 @@ def convert_checkpoint(
     vocab = load_vocab(hf_dir, config)
     vocab.pad_to(c.n_vocab)
     sparse = predictor_dir is not None and not dense
+    if sparse and not c.family.sparse:
+        raise InputError(
+            f"a PowerInfer predictor folder is for llama/bamboo checkpoints; '{c.arch}' "
+            f"({config.get('model_type')}) converts to a dense GGUF only (omit the predictor folder)"
+        )
     if predictor_dir is not None and dense:
         log.warning("--dense: ignoring the predictor folder %s", predictor_dir)
     predictors = load_predictors(Path(predictor_dir), c.n_layer, c.n_embd, c.n_ff) if sparse else None

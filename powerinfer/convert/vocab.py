@@ -42,6 +42,7 @@ class Vocab:
     special_ids: dict[str, int] = field(default_factory=dict)  # "bos"/"eos"/... -> id, in write order
     add_bos: bool | None = None
     add_eos: bool | None = None
+    chat_template: str | None = None
 
     def pad_to(self, n_vocab: int) -> None:
         """Append placeholder tokens so the vocabulary covers every embedding row."""
@@ -76,6 +77,8 @@ class Vocab:
             writer.add(Keys.TOKENIZER_ADD_BOS, self.add_bos, ValueType.BOOL)
         if self.add_eos is not None:
             writer.add(Keys.TOKENIZER_ADD_EOS, self.add_eos, ValueType.BOOL)
+        if self.chat_template is not None:
+            writer.add(Keys.CHAT_TEMPLATE, self.chat_template, ValueType.STRING)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -94,10 +97,29 @@ def load_vocab(hf_dir: Path, config: dict[str, Any]) -> Vocab:
     tok_config_path = hf_dir / "tokenizer_config.json"
     tok_config = read_json(tok_config_path) if tok_config_path.is_file() else {}
     if (hf_dir / "tokenizer.model").is_file():
-        return _sentencepiece_vocab(hf_dir, config, tok_config)
-    if (hf_dir / "tokenizer.json").is_file():
-        return _bpe_vocab(hf_dir, config, tok_config)
-    raise FormatError(f"{printable(str(hf_dir))}: no tokenizer.model or tokenizer.json")
+        vocab = _sentencepiece_vocab(hf_dir, config, tok_config)
+    elif (hf_dir / "tokenizer.json").is_file():
+        vocab = _bpe_vocab(hf_dir, config, tok_config)
+    else:
+        raise FormatError(f"{printable(str(hf_dir))}: no tokenizer.model or tokenizer.json")
+    vocab.chat_template = chat_template(hf_dir, tok_config)
+    return vocab
+
+
+def chat_template(hf_dir: Path, tok_config: dict[str, Any]) -> str | None:
+    """The chat template as llama.cpp's converter finds it: chat_template.jinja (transformers' own file since
+    4.43) over tokenizer_config.json's chat_template (a string, or named templates: the "default" one)."""
+    jinja = hf_dir / "chat_template.jinja"
+    if jinja.is_file():
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise FormatError(f"{printable(str(jinja))}: cannot read: {printable(str(e))}") from None
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _config_special_ids(config: dict[str, Any], n_vocab: int) -> dict[str, int]:

@@ -72,6 +72,12 @@ class Keys:
     LAYERNORM_RMS_EPS = "{arch}.attention.layer_norm_rms_epsilon"
     LAYERNORM_EPS = "{arch}.attention.layer_norm_epsilon"
     TENSOR_DATA_LAYOUT = "{arch}.tensor_data_layout"
+    KEY_LENGTH = "{arch}.attention.key_length"  # head size of q and k when it is not n_embd / n_head
+    VALUE_LENGTH = "{arch}.attention.value_length"
+    SLIDING_WINDOW = "{arch}.attention.sliding_window"
+    SLIDING_WINDOW_PATTERN = (
+        "{arch}.attention.sliding_window_pattern"  # per layer: True where the window applies
+    )
     ROPE_DIMENSION_COUNT = "{arch}.rope.dimension_count"
     ROPE_FREQ_BASE = "{arch}.rope.freq_base"
     ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
@@ -119,6 +125,11 @@ class TensorNames:
     ATTN_K = "blk.{bid}.attn_k.weight"
     ATTN_V = "blk.{bid}.attn_v.weight"
     ATTN_OUT = "blk.{bid}.attn_output.weight"
+    ATTN_Q_BIAS = "blk.{bid}.attn_q.bias"
+    ATTN_K_BIAS = "blk.{bid}.attn_k.bias"
+    ATTN_V_BIAS = "blk.{bid}.attn_v.bias"
+    ATTN_Q_NORM = "blk.{bid}.attn_q_norm.weight"  # per-head RMSNorm weights (head_dim,)
+    ATTN_K_NORM = "blk.{bid}.attn_k_norm.weight"
     FFN_NORM = "blk.{bid}.ffn_norm.weight"
     FFN_GATE = "blk.{bid}.ffn_gate.weight"
     FFN_UP = "blk.{bid}.ffn_up.weight"

@@ -20,6 +20,15 @@ from powerinfer.gguf.constants import TensorNames
 from powerinfer.placement.planner import Placement
 
 _ATTN = (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V, TensorNames.ATTN_OUT)
+# the vectors an attention block computes with beside its matrices (Qwen2 biases, Qwen3 QK-norms): they move
+# with it, or a device attention would add CPU tensors; names a file lacks are never asked for
+_ATTN_VECTORS = (
+    TensorNames.ATTN_Q_BIAS,
+    TensorNames.ATTN_K_BIAS,
+    TensorNames.ATTN_V_BIAS,
+    TensorNames.ATTN_Q_NORM,
+    TensorNames.ATTN_K_NORM,
+)
 _PRED = (TensorNames.PRED_FC1, TensorNames.PRED_FC2)
 
 
@@ -83,8 +92,8 @@ def sparse_plan(
 ) -> DevicePlan:
     """The sparse planner's result as a device plan.
 
-    A layer's attention moves only when all four of its matrices were planned there (its KV cache with it),
-    a predictor only as fc1 and fc2 together.
+    A layer's attention moves only when all four of its matrices were planned there (its KV cache and its
+    bias / QK-norm vectors with it), a predictor only as fc1 and fc2 together.
     """
     planned = set(placement.gpu_tensors)
     tensors: set[str] = set()
@@ -92,7 +101,7 @@ def sparse_plan(
     for bid in range(n_layer):
         attn = {t.format(bid=bid) for t in _ATTN}
         if attn <= planned:
-            tensors |= attn
+            tensors |= attn | {t.format(bid=bid) for t in _ATTN_VECTORS}
             kv_layers.add(bid)
         pred = {t.format(bid=bid) for t in _PRED}
         if pred <= planned:

@@ -29,7 +29,9 @@ EXACT_MAX_CELLS = 20_000_000
 CATEGORIES = ("reserve", "attn", "pred", "ffn_io", "output", "kv", "ffn")
 
 # offload order inside each level, per layer (spec 3.1); only tensors present in the file are used
-_ATTN_SUFFIXES = ("attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_output")
+_ATTN_SUFFIXES = (
+    "attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_q_norm", "attn_k_norm", "attn_output",
+)  # fmt: skip
 _PRED_SUFFIXES = ("fc1", "fc2")
 _FFN_IO_SUFFIXES = ("ffn_norm",)
 
