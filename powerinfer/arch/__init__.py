@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from powerinfer.arch import bamboo, llama
+from powerinfer.arch import bamboo, gemma3, llama, phi3
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -31,6 +31,8 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {
     "llama": Architecture(llama.LlamaConfig.from_gguf, llama.build, llama.check),
     "bamboo": Architecture(bamboo.BambooConfig.from_gguf, bamboo.build, bamboo.check),
+    "gemma3": Architecture(gemma3.Gemma3Config.from_gguf, gemma3.build, gemma3.check),
+    "phi3": Architecture(phi3.Phi3Config.from_gguf, phi3.build, phi3.check),
 }
 
 

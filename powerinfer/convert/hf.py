@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
+from powerinfer.convert import gemma_phi
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError
@@ -33,6 +34,10 @@ OUTTYPES: dict[str, tuple[GGMLType, int]] = {
     "q8_0": (GGMLType.Q8_0, 7),
 }
 ARCHITECTURES = ("llama", "bamboo")
+# HF model_type -> the converter of a family kept in its own module (dense GGUF only): it writes the file
+FAMILY_CONVERTERS: dict[str, Callable[..., GGUFWriter]] = dict.fromkeys(
+    gemma_phi.FAMILIES, gemma_phi.convert_family
+)
 ACTIVATIONS = ("silu", "relu")
 
 # HF name (after the layer prefix) -> GGUF template
@@ -332,6 +337,15 @@ def convert_checkpoint(
     if not config_path.is_file():
         raise FormatError(f"{printable(str(hf_dir))}: no config.json (not a Hugging Face model folder)")
     config = read_json(config_path)
+    family = FAMILY_CONVERTERS.get(config.get("model_type"))  # type: ignore[arg-type]
+    if family is not None:
+        if predictor_dir is not None and not dense:
+            raise ConfigError(
+                f"{config['model_type']}: PowerInfer's sparse format covers llama/bamboo only; convert without "
+                f"the predictor folder (a dense GGUF; `powerinfer sparsify` makes it sparse)"
+            )
+        w = family(hf_dir, outfile, config, Checkpoint(hf_dir), matrix_type, file_type, on_tensor)
+        return ConversionResult(outfile, False, outtype, len(w.tensors), len(w.kv), outfile.stat().st_size)
     c = HFConfig.from_dict(config, config_path)
     ckpt = Checkpoint(hf_dir)
     mapping = _map_names(ckpt, c)
