@@ -81,7 +81,7 @@ def randomize(model, fp16: bool, norm_low: float, norm_high: float, seed: int) -
                 p.copy_(p.half().float())
 
 
-def tiny_gemma3(fp16: bool = False, seed: int = 0):
+def tiny_gemma3(fp16: bool = False, seed: int = 0, query_pre_attn_scalar: int = 32):
     cfg = transformers.Gemma3TextConfig(
         vocab_size=N_VOCAB,
         hidden_size=64,
@@ -90,7 +90,7 @@ def tiny_gemma3(fp16: bool = False, seed: int = 0):
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,  # not hidden_size / heads
-        query_pre_attn_scalar=32,
+        query_pre_attn_scalar=query_pre_attn_scalar,
         sliding_window=WINDOW,
         max_position_embeddings=128,
         rms_norm_eps=1e-6,
@@ -316,3 +316,13 @@ def test_convert_refuses(tmp_path, models, tokenizer_model):
     r = runner.invoke(app, ["convert", str(folder), "--outfile", str(tmp_path / "x.gguf")])
     assert_one_error_line(r, "longrope")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_gemma3_query_scale(tmp_path, tokenizer_model):
+    # query_pre_attn_scalar other than key_length (llama.cpp assumes it from the model size): our
+    # attention.scale key carries it
+    hf = tiny_gemma3(seed=3, query_pre_attn_scalar=20)
+    path = convert(hf_folder(hf, tmp_path / "g", tokenizer_model), tmp_path / "g.gguf")
+    assert read_gguf(path).metadata["gemma3.attention.scale"] == pytest.approx(20**-0.5)
+    ours = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    assert (ours - reference(hf, TOKENS)).abs().max() <= 1e-4

@@ -84,9 +84,8 @@ class Gemma3Config(ModelConfig):
         if rope_dim != head_dim:
             raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
         if m.optional(FINAL_LOGIT_SOFTCAPPING, 0.0, float) != 0.0:
-            raise ConfigError(
-                f"'{m._key(FINAL_LOGIT_SOFTCAPPING)}' is set: logit soft-capping is unsupported"
-            )
+            key = FINAL_LOGIT_SOFTCAPPING.format(arch=arch)
+            raise ConfigError(f"metadata key '{key}' is set: logit soft-capping is unsupported")
         scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
         if scaling not in ("none", "linear"):
             raise ConfigError(f"unsupported rope scaling type '{printable(scaling)}'")

@@ -337,7 +337,7 @@ def convert_checkpoint(
     if not config_path.is_file():
         raise FormatError(f"{printable(str(hf_dir))}: no config.json (not a Hugging Face model folder)")
     config = read_json(config_path)
-    family = FAMILY_CONVERTERS.get(config.get("model_type"))  # type: ignore[arg-type]
+    family = FAMILY_CONVERTERS.get(str(config.get("model_type")))
     if family is not None:
         if predictor_dir is not None and not dense:
             raise ConfigError(
