@@ -282,6 +282,9 @@ def test_sparsify_dense_and_cpu_pool(models, arch, budget, tmp_path):
     assert r.exit_code == 0, r.stderr
     assert "blk.0.ffn_down_t.weight" in read_gguf(out).tensors
     want = Engine(dense, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    # the dense file with every layer on the CPU stand-in (phi3: halves of ffn_up as DeviceWeight rows)
+    offload = Engine(dense, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=99))
+    assert (offload.logits_all(TOKENS) - want).abs().max() <= 1e-4  # measured 0.0
     cpu = Engine(out, EngineOptions(n_ctx=64, n_threads=2))
     assert cpu.sparse_stats is not None
     got = cpu.logits_all(TOKENS)
