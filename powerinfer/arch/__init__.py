@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from powerinfer.arch import bamboo, falcon, llama, opt, qwen2, qwen3
+from powerinfer.arch import bamboo, falcon, gemma3, llama, opt, phi3, qwen2, qwen3
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -35,6 +35,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "opt": Architecture(opt.OPTConfig.from_gguf, opt.build, opt.check),
     "qwen2": Architecture(qwen2.Qwen2Config.from_gguf, qwen2.build, qwen2.check),
     "qwen3": Architecture(qwen3.Qwen3Config.from_gguf, qwen3.build, qwen3.check),
+    "gemma3": Architecture(gemma3.Gemma3Config.from_gguf, gemma3.build, gemma3.check),
+    "phi3": Architecture(phi3.Phi3Config.from_gguf, phi3.build, phi3.check),
 }
 
 

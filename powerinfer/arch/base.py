@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from powerinfer import ops
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
@@ -198,6 +199,18 @@ def vector(src: WeightSource, template: str, n: int, bid: int | None = None) -> 
     return src.vector(template.format(bid=bid), n)
 
 
+def gate_up(src: WeightSource, bid: int, shape: tuple[int, int], host: bool) -> tuple[Any, Any]:
+    """A layer's gate and up matrices, each (n_ff, n_embd): ffn_gate and ffn_up, or, in files without ffn_gate
+    (Phi-3), the two halves of ffn_up (2 n_ff, n_embd), gate first; `host`: both from the memory-mapped file."""
+    read = src.host_matrix if host else src.matrix
+    gate_name, up_name = TensorNames.FFN_GATE.format(bid=bid), TensorNames.FFN_UP.format(bid=bid)
+    if src.has(gate_name):
+        return read(gate_name, shape), read(up_name, shape)
+    n_ff, n_embd = shape
+    fused = read(up_name, (2 * n_ff, n_embd))
+    return ops.weight_rows(fused, 0, n_ff), ops.weight_rows(fused, n_ff, 2 * n_ff)
+
+
 def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     """A layer's FFN from the standard tensor names: sparse when the source asks for a selector.
 
@@ -209,7 +222,7 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     blk.N.ffn_out_threshold, a second stage on |act(gate) * up| per neuron.
     """
     c, kc = config, src.kc
-    gate_name, up_name = TensorNames.FFN_GATE.format(bid=bid), TensorNames.FFN_UP.format(bid=bid)
+    up_name = TensorNames.FFN_UP.format(bid=bid)
     down_name, down_t_name = TensorNames.FFN_DOWN.format(bid=bid), TensorNames.FFN_DOWN_T.format(bid=bid)
     shape = (c.n_ff, c.n_embd)
     gated, with_bias = c.ffn.gated, c.ffn.bias
@@ -222,8 +235,10 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
                 f"predictor {TensorNames.PRED_FC1.format(bid=bid)} has shape {fc1.shape}, expected (r, {c.n_embd})"
             )
         fc2 = src.matrix(TensorNames.PRED_FC2.format(bid=bid), (c.n_ff, fc1.shape[0]))
-        gate = src.host_matrix(gate_name, shape) if gated else None
-        up = src.host_matrix(up_name, shape)
+        if gated:
+            gate, up = gate_up(src, bid, shape, host=True)
+        else:
+            gate, up = None, src.host_matrix(up_name, shape)
         down_t = src.host_matrix(down_t_name, shape)
         biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
         if with_bias:
@@ -237,7 +252,7 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     if src.sparsity.selector == "cats":
         if src.stats is None:
             raise ConfigError("sparse FFNs need a statistics owner")
-        gate, up = src.host_matrix(gate_name, shape), src.host_matrix(up_name, shape)
+        gate, up = gate_up(src, bid, shape, host=True)
         down_t = src.host_matrix(down_t_name, shape)
         hot = src.hot_rows(bid, gate, up, down_t)
         thr_name = TensorNames.FFN_ACT_THRESHOLD.format(bid=bid)
@@ -250,8 +265,7 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
         return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace, out)
     if src.sparsity.selector != "none":
         raise ConfigError(f"unknown sparsity selector '{src.sparsity.selector}'")
-    gate = src.matrix(gate_name, shape) if gated else None
-    up = src.matrix(up_name, shape)
+    gate, up = gate_up(src, bid, shape, host=False) if gated else (None, src.matrix(up_name, shape))
     down_used = down_name if src.has(down_name) else down_t_name
     dense_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if with_bias:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
-from powerinfer.convert import falcon_opt
+from powerinfer.convert import falcon_opt, gemma_phi
 from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_shape
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
@@ -36,6 +36,11 @@ OUTTYPES: dict[str, tuple[GGMLType, int]] = {
     "q8_0": (GGMLType.Q8_0, 7),
 }
 ARCHITECTURES = tuple(FAMILIES)  # HF model_type values (convert/families.py)
+# HF model_type -> the converter of a family kept in its own module (dense GGUF only): it writes the file
+FAMILY_CONVERTERS: dict[str, Callable[..., GGUFWriter]] = dict.fromkeys(
+    gemma_phi.FAMILIES, gemma_phi.convert_family
+)
+SUPPORTED_MODEL_TYPES = (*ARCHITECTURES, *falcon_opt.MODEL_TYPES, *FAMILY_CONVERTERS)
 ACTIVATIONS = ("silu", "relu")
 
 # HF name (after the layer prefix) -> GGUF template
@@ -93,7 +98,7 @@ class HFConfig:
         if model_type not in ARCHITECTURES:
             arch = model_type or (cfg.get("architectures") or ["?"])[0]
             raise ConfigError(
-                f"{path}: unsupported architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})"
+                f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
 
         def need(key: str, kind: type = int) -> Any:
@@ -371,6 +376,15 @@ def convert_checkpoint(
         return _convert_falcon_opt(
             hf_dir, outfile, config, config_path, predictor_dir, outtype, dense, on_tensor
         )
+    family = FAMILY_CONVERTERS.get(str(config.get("model_type")))
+    if family is not None:
+        if predictor_dir is not None and not dense:
+            raise ConfigError(
+                f"{config['model_type']}: PowerInfer's sparse format covers llama/bamboo/falcon/opt only; convert without "
+                f"the predictor folder (a dense GGUF; `powerinfer sparsify` makes it sparse)"
+            )
+        w = family(hf_dir, outfile, config, Checkpoint(hf_dir), matrix_type, file_type, on_tensor)
+        return ConversionResult(outfile, False, outtype, len(w.tensors), len(w.kv), outfile.stat().st_size)
     c = HFConfig.from_dict(config, config_path)
     ckpt = Checkpoint(hf_dir)
     mapping = _map_names(ckpt, c)
@@ -379,7 +393,7 @@ def convert_checkpoint(
     sparse = predictor_dir is not None and not dense
     if sparse and not c.family.sparse:
         raise InputError(
-            f"a PowerInfer predictor folder is for llama/bamboo checkpoints; '{c.arch}' "
+            f"a PowerInfer predictor folder is for llama/bamboo/falcon/opt checkpoints; '{c.arch}' "
             f"({config.get('model_type')}) converts to a dense GGUF only (omit the predictor folder)"
         )
     if predictor_dir is not None and dense:

@@ -138,7 +138,11 @@ class Attention:
         self.rope: Rope | None = None
         self._one_kernel = False
         self.plain = (
-            wqkv is None and all(b is None for b in biases) and q_norm is None and spec.sliding_window is None
+            wqkv is None
+            and all(b is None for b in biases)
+            and q_norm is None
+            and spec.sliding_window is None
+            and spec.scale is None
         )
 
     def setup(self, rope: Rope | None, n_ctx: int) -> None:
@@ -247,13 +251,13 @@ class Attention:
         keys, values = kv.update(seq, pos, k, v)  # (pos+T, H_kv, D)
         window = s.sliding_window
         if T == 1 and (window is None or pos < window):
-            return ops.decode_attention(q, keys, values)
+            return ops.decode_attention(q, keys, values, s.scale)
         qh, kh, vh = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)  # (H, T, D)
         # query i sits at absolute position pos+i and sees keys 0..pos+i (and, with a window, > pos+i-window)
         mask = torch.ones(T, pos + T, dtype=torch.bool, device=q.device).tril(diagonal=pos)
         if window is not None:
             mask &= ~torch.ones_like(mask).tril(diagonal=pos - window)
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True, scale=s.scale)
         return out.transpose(0, 1).reshape(T, s.n_embd_q)
 
     def _decode(
@@ -293,6 +297,7 @@ class Attention:
             values.transpose(1, 2),
             attn_mask=mask[:, None, None, :],
             enable_gqa=True,
+            scale=s.scale,
         )  # (B, H, 1, D)
         return out.reshape(B, s.n_embd_q)
 

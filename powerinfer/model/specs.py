@@ -53,6 +53,7 @@ class AttentionSpec:
     out_bias: bool = False
     qk_norm: NormSpec | None = None  # per-head norm of q and k before RoPE
     sliding_window: int | None = None  # a query at p sees keys p - window < j <= p
+    scale: float | None = None  # softmax scale of q.k (None: 1 / sqrt(head_dim))
 
     def __post_init__(self) -> None:
         if self.n_head <= 0 or self.n_head_kv <= 0 or self.n_head % self.n_head_kv:
@@ -63,6 +64,8 @@ class AttentionSpec:
             raise ConfigError(f"RoPE dimension {self.rope.n_rot} exceeds the head size {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding window must be positive (got {self.sliding_window})")
+        if self.scale is not None and not self.scale > 0:
+            raise ConfigError(f"attention scale must be positive (got {self.scale})")
 
     @property
     def n_embd_q(self) -> int:

@@ -39,7 +39,7 @@ from powerinfer.ops.sparse import (
     rows_matmul,
     rows_matmul_ref,
 )
-from powerinfer.ops.weights import DeviceWeight, QWeight
+from powerinfer.ops.weights import DeviceWeight, QWeight, weight_rows
 
 __all__ = [
     "ACTIVATIONS",
@@ -81,4 +81,5 @@ __all__ = [
     "rows_axpy_ref",
     "rows_matmul",
     "rows_matmul_ref",
+    "weight_rows",
 ]

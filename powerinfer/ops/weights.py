@@ -6,6 +6,7 @@ this module sits above powerinfer.ops.dense and powerinfer.ops.sparse in the imp
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from powerinfer.ops.dense import get_rows, linear
 from powerinfer.ops.sparse import rows_axpy
 from powerinfer.quant import POOL_TYPES, row_bytes
 
-__all__ = ["DeviceWeight", "QWeight"]
+__all__ = ["DeviceWeight", "QWeight", "weight_rows"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -181,3 +182,11 @@ class DeviceWeight:
             return rows_axpy(h.to("cpu"), host, None, kc)
         h = h.to(self.raw.device, non_blocking=True)
         return self._triton.axpy(h, self.raw, self.ggml_type, self.shape[1])
+
+
+def weight_rows(w: QWeight | DeviceWeight, start: int, stop: int) -> QWeight | DeviceWeight:
+    """Rows start..stop-1 of w as a weight of the same kind and device, sharing its bytes (no copy): one half
+    of a fused matrix such as Phi-3's gate_up."""
+    if not 0 <= start < stop <= w.shape[0]:
+        raise ValueError(f"rows {start}..{stop} outside a weight of {w.shape[0]} rows")
+    return dataclasses.replace(w, raw=w.raw[start:stop], shape=(stop - start, w.shape[1]))

@@ -30,10 +30,19 @@ CATEGORIES = ("reserve", "attn", "pred", "ffn_io", "output", "kv", "ffn")
 
 # offload order inside each level, per layer (spec 3.1); only tensors present in the file are used
 _ATTN_SUFFIXES = (
-    "attn_norm", "attn_norm_2", "attn_q", "attn_k", "attn_v", "attn_qkv", "attn_q_norm", "attn_k_norm", "attn_output",
-)  # fmt: skip
+    "attn_norm",
+    "attn_norm_2",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_qkv",
+    "attn_q_norm",
+    "attn_k_norm",
+    "attn_output",
+    "post_attention_norm",
+)
 _PRED_SUFFIXES = ("fc1", "fc2")
-_FFN_IO_SUFFIXES = ("ffn_norm",)
+_FFN_IO_SUFFIXES = ("ffn_norm", "post_ffw_norm")
 
 
 @dataclass(frozen=True)
@@ -121,7 +130,8 @@ def footprint_from_gguf(gguf: GGUFFile, n_layer: int, n_ff: int) -> ModelFootpri
                 else:
                     continue
             info = tensors[name]
-            if n_ff not in info.shape:
+            # a fused gate_up (Phi-3: ffn_up of 2 n_ff rows, no ffn_gate) holds both halves of each neuron
+            if n_ff not in info.shape and 2 * n_ff not in info.shape:
                 raise FormatError(f"{gguf.path}: tensor {name} shape {info.shape} lacks the FFN size {n_ff}")
             total += -(-pool_bytes(info.ggml_type, info.shape) // n_ff)  # ceil: byte share of one neuron
         neuron_bytes.append(total)
