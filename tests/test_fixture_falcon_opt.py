@@ -9,6 +9,7 @@ order of additions; F16 never reaches one on these prompts, Q4_0 does on one pro
 from __future__ import annotations
 
 import json
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from conftest import assert_one_error_line, fixture_dir
 from test_convert import assert_same_gguf
 from typer.testing import CliRunner
 
+from powerinfer.arch.base import ACTIVATION_KEY
 from powerinfer.cli import app
 from powerinfer.convert import convert_hf_to_gguf
 from powerinfer.eval.perplexity import PerplexityOptions, perplexity
@@ -226,3 +228,21 @@ def test_missing_tensor_is_one_error_line(tmp_path, fixture, drop):
     bad = _without(fixture_dir(fixture) / MODELS["f16"], tmp_path / "bad.gguf", drop)
     r = runner.invoke(app, ["main", "-m", str(bad), "-p", "x", "-n", "1"])
     assert_one_error_line(r, f"missing required tensor '{drop}'")
+
+
+def test_refinedweb_config_converts_alike(tmp_path):
+    """The same Falcon checkpoint described by an original RWForCausalLM config.json (model_type RefinedWeb, its
+    own key names): the same file as the original converter's (which fails on it, README 8.6b)."""
+    f = fixture_dir("tiny-relu-falcon")
+    hf = tmp_path / "hf"
+    shutil.copytree(f / "hf", hf)
+    config = json.loads((hf / "config.json").read_text())
+    config = {
+        "architectures": ["RWForCausalLM"], "model_type": "RefinedWeb", "n_embed": config["hidden_size"],
+        "n_head": config["num_attention_heads"], "n_head_kv": config["num_kv_heads"],
+        "n_layer": config["num_hidden_layers"], "vocab_size": config["vocab_size"], "alibi": False, "bias": False,
+        "parallel_attn": True, "layer_norm_epsilon": 1e-5, "bos_token_id": 0, "eos_token_id": 0, "activation": "relu",
+    }  # fmt: skip
+    (hf / "config.json").write_text(json.dumps(config))
+    out = convert_hf_to_gguf(hf, tmp_path / "m.gguf", predictor_dir=f / "predictor")
+    assert_same_gguf(out, f / MODELS["f16"], ignore=(ACTIVATION_KEY,))

@@ -28,7 +28,11 @@ from powerinfer.gguf.writer import GGUFWriter
 from powerinfer.printable import printable
 
 U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
-MODEL_TYPES = ("falcon", "opt")  # config.json model_type values this module converts
+# config.json model_type values this module converts: RefinedWeb / RefinedWebModel are the original Falcon-40B /
+# Falcon-7B checkpoints (RWForCausalLM, their own key names)
+MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel", "opt")
+_RW_KEYS = {"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+            "n_head_kv": "num_kv_heads"}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,10 @@ def _refuse(path: Path, cond: bool, what: str) -> None:
 def read_config(cfg: dict[str, Any], path: Path) -> FamilyConfig:
     """The Falcon or OPT config of a config.json (model_type falcon / opt), refusing variants we cannot run."""
     arch = cfg.get("model_type")
+    if arch in ("RefinedWeb", "RefinedWebModel"):
+        cfg = {_RW_KEYS.get(k, k): v for k, v in cfg.items()}
+        cfg.setdefault("new_decoder_architecture", arch == "RefinedWeb")
+        arch = "falcon"
     n_embd, n_head = _number(cfg, path, "hidden_size"), _number(cfg, path, "num_attention_heads")
     _refuse(
         path, n_head <= 0 or n_embd % n_head != 0, f"hidden_size {n_embd} is not a multiple of {n_head} heads"
