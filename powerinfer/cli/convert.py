@@ -53,7 +53,7 @@ def convert(
         bool, typer.Option("--dense", help="Write a plain llama.cpp GGUF (ffn_down, no predictors).")
     ] = False,
 ) -> None:
-    """Convert a Hugging Face Llama/Bamboo (PowerInfer GGUF or dense) or Mistral/Qwen2/Qwen3 (dense) checkpoint."""
+    """Convert a Hugging Face Llama/Bamboo/Falcon/OPT (PowerInfer GGUF or dense) or Mistral/Qwen2/Qwen3/Gemma 3/Phi-3 (dense) checkpoint."""
     result = run_guarded(_convert, hf_dir, predictor_dir, outfile, outtype, dense)
     kind = "PowerInfer (PWRI)" if result.sparse else "dense GGUF"
     typer.echo(
