@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
+from powerinfer.convert.common import config_number
 from powerinfer.convert.predictor import Predictors
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames, ValueType, bias_of
@@ -52,19 +53,6 @@ class FamilyConfig:
     rope_theta: float = 10000.0
 
 
-def _number(cfg: dict[str, Any], path: Path, key: str, kind: type = int, default: Any = None) -> Any:
-    value = cfg.get(key, default)
-    if value is None:
-        raise ConfigError(f"{printable(str(path))}: missing required key '{key}'")
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (kind is int and value != int(value))
-    ):
-        raise ConfigError(f"{printable(str(path))}: '{key}' must be a number, got {printable(value)}")
-    return kind(value)
-
-
 def _refuse(path: Path, cond: bool, what: str) -> None:
     if cond:
         raise ConfigError(f"{printable(str(path))}: {what}")
@@ -77,7 +65,7 @@ def read_config(cfg: dict[str, Any], path: Path) -> FamilyConfig:
         cfg = {_RW_KEYS.get(k, k): v for k, v in cfg.items()}
         cfg.setdefault("new_decoder_architecture", arch == "RefinedWeb")
         arch = "falcon"
-    n_embd, n_head = _number(cfg, path, "hidden_size"), _number(cfg, path, "num_attention_heads")
+    n_embd, n_head = config_number(cfg, path, "hidden_size"), config_number(cfg, path, "num_attention_heads")
     _refuse(
         path, n_head <= 0 or n_embd % n_head != 0, f"hidden_size {n_embd} is not a multiple of {n_head} heads"
     )
@@ -91,7 +79,7 @@ def read_config(cfg: dict[str, Any], path: Path) -> FamilyConfig:
         )
         new_decoder = bool(cfg.get("new_decoder_architecture"))
         if new_decoder:
-            n_head_kv = _number(cfg, path, "num_kv_heads", default=1)
+            n_head_kv = config_number(cfg, path, "num_kv_heads", default=1)
         else:
             _refuse(path, not cfg.get("multi_query", True), "Falcon's per-head q/k/v layout is not supported")
             n_head_kv = 1
@@ -99,13 +87,13 @@ def read_config(cfg: dict[str, Any], path: Path) -> FamilyConfig:
         rope = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
         return FamilyConfig(
             arch="falcon",
-            n_vocab=_number(cfg, path, "vocab_size"),
+            n_vocab=config_number(cfg, path, "vocab_size"),
             n_embd=n_embd,
-            n_layer=_number(cfg, path, "num_hidden_layers"),
-            n_ff=_number(cfg, path, "ffn_hidden_size", default=4 * n_embd),
+            n_layer=config_number(cfg, path, "num_hidden_layers"),
+            n_ff=config_number(cfg, path, "ffn_hidden_size", default=4 * n_embd),
             n_head=n_head,
             n_head_kv=n_head_kv,
-            eps=_number(cfg, path, "layer_norm_epsilon", float, default=1e-5),
+            eps=config_number(cfg, path, "layer_norm_epsilon", float, default=1e-5),
             activation=str(cfg.get("activation", "gelu")),
             new_decoder=new_decoder,
             rope_theta=float(rope),
@@ -124,10 +112,10 @@ def read_config(cfg: dict[str, Any], path: Path) -> FamilyConfig:
     _refuse(path, act != "relu", f"OPT activation '{printable(act)}' is not supported (relu only)")
     return FamilyConfig(
         arch="opt",
-        n_vocab=_number(cfg, path, "vocab_size"),
+        n_vocab=config_number(cfg, path, "vocab_size"),
         n_embd=n_embd,
-        n_layer=_number(cfg, path, "num_hidden_layers"),
-        n_ff=_number(cfg, path, "ffn_dim"),
+        n_layer=config_number(cfg, path, "num_hidden_layers"),
+        n_ff=config_number(cfg, path, "ffn_dim"),
         n_head=n_head,
         n_head_kv=n_head,
         eps=1e-5,

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch import gemma3, phi3
+from powerinfer.convert.common import config_number, write_tensors
 from powerinfer.convert.vocab import (
     ADDED_TOKEN_SCORE,
     TOKEN_CONTROL,
@@ -63,19 +64,6 @@ _PHI3_LAYER = _COMMON_LAYER | {
 }
 
 
-def _need(cfg: dict[str, Any], path: Path, key: str, kind: type = int) -> Any:
-    value = cfg.get(key)
-    if value is None:
-        raise ConfigError(f"{printable(str(path))}: missing required key '{key}'")
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (kind is int and value != int(value))
-    ):
-        raise ConfigError(f"{printable(str(path))}: '{key}' must be a number, got {printable(value)}")
-    return kind(value)
-
-
 @dataclass(frozen=True)
 class Family:
     """One HF family: GGUF architecture, HF layer tensor names -> GGUF templates, metadata writer, and the
@@ -102,14 +90,14 @@ def _common_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path, arch: str) 
     def k(template: str) -> str:
         return template.format(arch=arch)
 
-    n_embd, n_head = _need(cfg, path, "hidden_size"), _need(cfg, path, "num_attention_heads")
-    w.add(k(Keys.CONTEXT_LENGTH), _need(cfg, path, "max_position_embeddings"), U32)
+    n_embd, n_head = config_number(cfg, path, "hidden_size"), config_number(cfg, path, "num_attention_heads")
+    w.add(k(Keys.CONTEXT_LENGTH), config_number(cfg, path, "max_position_embeddings"), U32)
     w.add(k(Keys.EMBEDDING_LENGTH), n_embd, U32)
-    w.add(k(Keys.BLOCK_COUNT), _need(cfg, path, "num_hidden_layers"), U32)
-    w.add(k(Keys.FEED_FORWARD_LENGTH), _need(cfg, path, "intermediate_size"), U32)
+    w.add(k(Keys.BLOCK_COUNT), config_number(cfg, path, "num_hidden_layers"), U32)
+    w.add(k(Keys.FEED_FORWARD_LENGTH), config_number(cfg, path, "intermediate_size"), U32)
     w.add(k(Keys.HEAD_COUNT), n_head, U32)
     w.add(k(Keys.HEAD_COUNT_KV), int(cfg.get("num_key_value_heads") or n_head), U32)
-    w.add(k(Keys.LAYERNORM_RMS_EPS), _need(cfg, path, "rms_norm_eps", float), F32)
+    w.add(k(Keys.LAYERNORM_RMS_EPS), config_number(cfg, path, "rms_norm_eps", float), F32)
     return n_embd, n_head
 
 
@@ -125,7 +113,7 @@ def _gemma3_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path) -> None:
             f"{printable(str(path))}: bidirectional attention (embedding models) is unsupported"
         )
     n_embd, n_head = _common_metadata(w, cfg, path, "gemma3")
-    n_layer = _need(cfg, path, "num_hidden_layers")
+    n_layer = config_number(cfg, path, "num_hidden_layers")
     head_dim = int(cfg.get("head_dim") or 256)
     pattern = gemma3.SWA_PATTERN
     want = ["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(n_layer)]
@@ -174,7 +162,7 @@ def _phi3_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path) -> None:
             f"{printable(str(path))}: unsupported RoPE scaling '{printable(rope_type)}' (LongRoPE)"
         )
     n_embd, n_head = _common_metadata(w, cfg, path, "phi3")
-    orig = cfg.get("original_max_position_embeddings") or _need(cfg, path, "max_position_embeddings")
+    orig = cfg.get("original_max_position_embeddings") or config_number(cfg, path, "max_position_embeddings")
     w.add(k("{arch}.rope.scaling.original_context_length"), int(orig), U32)
     factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
     w.add(k(Keys.ROPE_DIMENSION_COUNT), int(factor * n_embd) // n_head, U32)
@@ -220,7 +208,7 @@ def convert_family(
     """Write the dense GGUF of a Gemma 3 or Phi-3 checkpoint (`ckpt`: hf.Checkpoint); returns the writer."""
     path = hf_dir / "config.json"
     family = FAMILIES[config["model_type"]]
-    n_layer = _need(config, path, "num_hidden_layers")
+    n_layer = config_number(config, path, "num_hidden_layers")
     tied = bool(config.get("tie_word_embeddings", family.arch == "gemma3"))
     mapping: dict[str, str] = {}  # GGUF name -> HF name, in checkpoint order
     for hf_name in ckpt.names():
@@ -254,12 +242,6 @@ def convert_family(
     vocab.add_to(writer)
     if family.add_space_prefix is not None:
         writer.add(Keys.TOKENIZER_ADD_SPACE_PREFIX, family.add_space_prefix, ValueType.BOOL)
-    for i, (name, hf_name) in enumerate(mapping.items()):
-        if on_tensor is not None:
-            on_tensor(name, i, len(mapping))
-        data = family.transform(name, ckpt.get(hf_name))
-        ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32
-        src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
-        writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
-    writer.write()
+    tensors = ((name, family.transform(name, ckpt.get(hf_name))) for name, hf_name in mapping.items())
+    write_tensors(writer, tensors, len(mapping), matrix_type, on_tensor)
     return writer

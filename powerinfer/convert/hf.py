@@ -19,6 +19,7 @@ import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
 from powerinfer.convert import falcon_opt, gemma_phi
+from powerinfer.convert.common import config_number, write_tensors
 from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_shape
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
@@ -102,16 +103,7 @@ class HFConfig:
             )
 
         def need(key: str, kind: type = int) -> Any:
-            value = cfg.get(key)
-            if value is None:
-                raise ConfigError(f"{printable(str(path))}: missing required key '{key}'")
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or (kind is int and value != int(value))
-            ):
-                raise ConfigError(f"{printable(str(path))}: '{key}' must be a number, got {printable(value)}")
-            return kind(value)
+            return config_number(cfg, path, key, kind)
 
         n_embd, n_head = need("hidden_size"), need("num_attention_heads")
         n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
@@ -408,13 +400,7 @@ def convert_checkpoint(
     _add_metadata(writer, c, hf_dir.resolve().name, file_type, predictors)
     vocab.add_to(writer)
     total = len(mapping) + (2 * c.n_layer if predictors is not None else 0)
-    for i, (name, data) in enumerate(_tensors(ckpt, c, mapping, sparse, predictors)):
-        if on_tensor is not None:
-            on_tensor(name, i, total)
-        ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32
-        src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
-        writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
-    writer.write()
+    write_tensors(writer, _tensors(ckpt, c, mapping, sparse, predictors), total, matrix_type, on_tensor)
     return ConversionResult(
         outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size
     )
@@ -453,13 +439,8 @@ def _convert_falcon_opt(
     falcon_opt.add_metadata(writer, c, file_type, sparse, predictors, n_positions)
     vocab.add_to(writer)
     total = len(mapping) + (2 * c.n_layer if predictors is not None else 0)
-    for i, (name, data) in enumerate(falcon_opt.tensors(ckpt.get, c, mapping, sparse, predictors)):
-        if on_tensor is not None:
-            on_tensor(name, i, total)
-        ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32
-        src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
-        writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
-    writer.write()
+    tensors = falcon_opt.tensors(ckpt.get, c, mapping, sparse, predictors)
+    write_tensors(writer, tensors, total, matrix_type, on_tensor)
     return ConversionResult(
         outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size
     )

@@ -1,0 +1,49 @@
+"""What every checkpoint converter shares: reading numbers from config.json, writing the tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from powerinfer.errors import ConfigError
+from powerinfer.gguf.constants import GGMLType
+from powerinfer.gguf.writer import GGUFWriter
+from powerinfer.printable import printable
+
+
+def config_number(cfg: dict[str, Any], path: Path, key: str, kind: type = int, default: Any = None) -> Any:
+    """config.json's number `key` as `kind` (an int must be integral; a bool is no number); `default` when the key
+    is absent or null, ConfigError when it is required (default None) or not a number."""
+    value = cfg.get(key)
+    if value is None:
+        value = default
+    if value is None:
+        raise ConfigError(f"{printable(str(path))}: missing required key '{key}'")
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and value != int(value))
+    ):
+        raise ConfigError(f"{printable(str(path))}: '{key}' must be a number, got {printable(value)}")
+    return kind(value)
+
+
+def write_tensors(
+    writer: GGUFWriter,
+    tensors: Iterable[tuple[str, np.ndarray]],
+    total: int,
+    matrix_type: GGMLType,
+    on_tensor: Callable[[str, int, int], None] | None,
+) -> None:
+    """Add (GGUF name, row-major array) pairs, matrices as `matrix_type` and vectors as F32, then write the file
+    (atomically: a temp file renamed into place); `on_tensor(name, index, total)` reports progress."""
+    for i, (name, data) in enumerate(tensors):
+        if on_tensor is not None:
+            on_tensor(name, i, total)
+        ggml_type = matrix_type if data.ndim >= 2 else GGMLType.F32
+        src = data if ggml_type == GGMLType.F16 else data.astype(np.float32)
+        writer.add_tensor(name, np.ascontiguousarray(src), ggml_type)
+    writer.write()
