@@ -228,6 +228,77 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
 
 #undef QUANT_STEP
 
+/* Lane j of the result: the sum of the 8 lanes of p_j (exact integers, so any order gives the same value). */
+TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* Q4_0 rows, 8 blocks per step: block i + j's exact integer dot q . x - 8 sum(x) lands in lane j, is converted
+ * once and multiplied by d_w d_x (one float product) into lane j of the token's accumulator; a last partial group
+ * fills lanes 0.. and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every
+ * ntok, thread count and SIMD variant (dpbusd and maddubs + madd give the same integers), so a token's result does
+ * not depend on its batch. The row's 8 blocks are unpacked once per step into `wu` and shared by the ntok tokens. */
+TARGET_INLINE __m256 FN(q4_0_group)(const uint8_t *wu, const int8_t *xq, __m256i isum, __m256 scale, __m256 acc) {
+    __m256i p[8];
+#define Q4G_DOT(j)                                                                                            \
+    p[j] = FN(dot_u8s8)(_mm256_setzero_si256(), _mm256_load_si256((const __m256i *)(wu + (j) * QK)),          \
+                        _mm256_loadu_si256((const __m256i *)(xq + (j) * QK)))
+    Q4G_DOT(0); Q4G_DOT(1); Q4G_DOT(2); Q4G_DOT(3); Q4G_DOT(4); Q4G_DOT(5); Q4G_DOT(6); Q4G_DOT(7);
+#undef Q4G_DOT
+    const __m256i q = _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, acc);
+}
+
+TARGET_INLINE void FN(tile_q4_0_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
+    const block_q4_0 *b = (const block_q4_0 *)row;
+    const int64_t nb = a->nb, K = a->K;
+    _Alignas(32) uint8_t wu[8 * QK];
+    __m256 acc[TILE_T];
+    for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= nb; g += 8) {
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b[g + j].qs));
+        const __m128i dh = _mm_setr_epi16((short)b[g].d, (short)b[g + 1].d, (short)b[g + 2].d, (short)b[g + 3].d,
+                                          (short)b[g + 4].d, (short)b[g + 5].d, (short)b[g + 6].d, (short)b[g + 7].d);
+        const __m256 dw = _mm256_cvtph_ps(dh);
+        for (int t = 0; t < ntok; t++) {
+            const int64_t tt = t0 + t;
+            const float *ds = a->ds + (tt * nb + g) * 2;
+            /* {d0 d1 d4 d5 | d2 d3 d6 d7} of the {d, d sum} pairs, then in block order */
+            const __m256 e = _mm256_shuffle_ps(_mm256_loadu_ps(ds), _mm256_loadu_ps(ds + 8), 0x88);
+            const __m256 dx = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+            const __m256i isum = _mm256_loadu_si256((const __m256i *)(a->isum + tt * nb + g));
+            acc[t] = FN(q4_0_group)(wu, a->qs + tt * K + g * QK, isum, _mm256_mul_ps(dw, dx), acc[t]);
+        }
+    }
+    if (g < nb) { /* the last n < 8 blocks: zero weights, scales and sums in the unused lanes */
+        const int n = (int)(nb - g);
+        uint16_t dh[8] = {0};
+        memset(wu, 0, sizeof wu);
+        for (int j = 0; j < n; j++) {
+            _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b[g + j].qs));
+            dh[j] = b[g + j].d;
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        for (int t = 0; t < ntok; t++) {
+            const int64_t tt = t0 + t;
+            _Alignas(32) int8_t xt[8 * QK] = {0};
+            int32_t it[8] = {0};
+            float dt[8] = {0};
+            memcpy(xt, a->qs + tt * K + g * QK, (size_t)n * QK);
+            for (int j = 0; j < n; j++) {
+                it[j] = a->isum[tt * nb + g + j];
+                dt[j] = a->ds[(tt * nb + g + j) * 2];
+            }
+            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dt));
+            acc[t] = FN(q4_0_group)(wu, xt, _mm256_loadu_si256((const __m256i *)it), scale, acc[t]);
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
+}
+
 #define DEFINE_TILE_QUANT(type, kind)                                                                     \
     TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         switch (ntok) {                                                                                   \
@@ -238,7 +309,14 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
         }                                                                                                 \
     }
 
-DEFINE_TILE_QUANT(q4_0, 0)
+TARGET static void FN(tile_q4_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    switch (ntok) {
+        case 1: FN(tile_q4_0_n)(row, a, t0, 1, out); break;
+        case 2: FN(tile_q4_0_n)(row, a, t0, 2, out); break;
+        case 3: FN(tile_q4_0_n)(row, a, t0, 3, out); break;
+        default: FN(tile_q4_0_n)(row, a, t0, 4, out); break;
+    }
+}
 DEFINE_TILE_QUANT(q4_1, 1)
 DEFINE_TILE_QUANT(q8_0, 2)
 DEFINE_TILE_QUANT(q5_0, 3)
