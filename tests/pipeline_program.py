@@ -29,7 +29,9 @@ def engine_options(spec: dict, pipeline: bool) -> EngineOptions:
         act_precision="f32",
         pool_device="cpu" if pool is not None else None,
         vram_budget_gib=pool,
-        pipeline=pipeline_options(spec.get("split"), spec.get("timeout", 30.0), os.environ) if pipeline else None,
+        pipeline=pipeline_options(spec.get("split"), spec.get("timeout", 30.0), os.environ)
+        if pipeline
+        else None,
     )
 
 

@@ -26,7 +26,14 @@ from powerinfer.gguf.reader import read_gguf
 from powerinfer.arch import load_config
 from powerinfer.model.batch import StepBatch
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.pipeline import DistEnv, PipelineOptions, balance, parse_split, plan_stages, stage_view
+from powerinfer.runtime.pipeline import (
+    DistEnv,
+    PipelineOptions,
+    balance,
+    parse_split,
+    plan_stages,
+    stage_view,
+)
 from tests.conftest import REPO, fixture_dir, smollm2_path
 from tests.pipeline_program import compute, engine_options
 
@@ -162,7 +169,9 @@ def test_cli_wrong_split_is_one_error_line(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     for split, message in (("1,2", "covers 3 layers"), ("1,1,2", "gives 3 stages")):
-        result = CliRunner().invoke(app, ["main", "-m", str(model), "-p", "a", "-n", "1", "--pipeline-split", split])
+        result = CliRunner().invoke(
+            app, ["main", "-m", str(model), "-p", "a", "-n", "1", "--pipeline-split", split]
+        )
         assert result.exit_code == 1
         lines = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
         assert len(lines) == 1 and message in lines[0]
@@ -191,10 +200,12 @@ def test_killed_rank_ends_every_other_rank_with_one_error_line() -> None:
     procs = start_ranks(3, argv)
     assert procs[0].stdout is not None
     os.set_blocking(procs[0].stdout.fileno(), False)
-    deadline, seen = time.monotonic() + TIMEOUT, ""
+    deadline, seen = time.monotonic() + TIMEOUT, b""
     while len(seen) < 20 and time.monotonic() < deadline and procs[0].poll() is None:
-        seen += procs[0].stdout.read() or ""
-        time.sleep(0.05)
+        try:
+            seen += os.read(procs[0].stdout.fileno(), 4096)
+        except BlockingIOError:
+            time.sleep(0.05)
     assert len(seen) >= 20, "no generation before the kill"
     procs[1].send_signal(signal.SIGKILL)
     t0 = time.monotonic()
@@ -231,9 +242,23 @@ def test_torchrun_perplexity_and_greedy_text_equal_single_process(tmp_path: Path
     model = fixture_dir() / "tiny.powerinfer.gguf"
     text = fixture_dir() / "text.txt"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    common = ["-m", "powerinfer", "perplexity", "-m", str(model), "-f", str(text), "-c", "64", "--chunks", "3"]
+    common = [
+        "-m",
+        "powerinfer",
+        "perplexity",
+        "-m",
+        str(model),
+        "-f",
+        str(text),
+        "-c",
+        "64",
+        "--chunks",
+        "3",
+    ]
     common += ["-t", "1", "--act-precision", "f32", "--log-disable"]
-    single_run = subprocess.run([sys.executable, *common], env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    single_run = subprocess.run(
+        [sys.executable, *common], env=env, capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert single_run.returncode == 0, single_run.stderr
     port = free_port()
     launch = [torchrun, "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]

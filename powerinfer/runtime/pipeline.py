@@ -283,11 +283,16 @@ class Pipeline:
 
     # ------------------------------------------------------------------ transport
     def _fail(self, error: BaseException, peer: int, what: str) -> DistributedError:
+        """The error of a failed transfer with `peer`, or the failure another rank saw first: a rank whose
+        neighbour died exits too, and the ranks after it should name the neighbour, not it."""
         self.broken = True
-        host = self.hosts[peer] if hasattr(self, "hosts") else "?"
-        return DistributedError(
-            f"pipeline rank {peer} ({host}): {_cause(error, self.timeout_s)}, while {what}"
-        )
+        message = f"pipeline rank {peer} ({self.hosts[peer]}): {_cause(error, self.timeout_s)}, while {what}"
+        try:  # the store lives with rank 0 (or torchrun's agent) and may be gone as well
+            self.store.set_timeout(timedelta(seconds=min(5.0, self.timeout_s)))
+            message = self.store.compare_set("failure", "", message).decode() or message
+        except (RuntimeError, ValueError, OSError):
+            pass
+        return DistributedError(message)
 
     def _send(self, t: torch.Tensor, peer: int, what: str) -> dist.Work:
         try:
