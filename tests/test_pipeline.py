@@ -20,10 +20,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from powerinfer.arch import load_config
 from powerinfer.cli import app
 from powerinfer.errors import InputError
 from powerinfer.gguf.reader import read_gguf
-from powerinfer.arch import load_config
 from powerinfer.model.batch import StepBatch
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.pipeline import (
