@@ -71,6 +71,7 @@ def main() -> None:
     assert engine.pipeline is not None
     if engine.pipeline.rank != 0:
         engine.pipeline.serve(engine)
+        torch.save({"pool_bytes": engine.loader.device_bytes}, f"{spec['out']}.rank{engine.pipeline.rank}")
         return
     result = compute(engine, spec)
     result["ring_bytes"] = torch.tensor(engine.pipeline.ring_bytes)

@@ -233,6 +233,8 @@ def test_sparse_fixture_three_stages_with_a_pool_equal_single_process(tmp_path: 
     want = single(spec)
     got = run_program(tmp_path, 3, {**spec, "split": "1,2,1"})
     assert_same(got, want)
+    pools = [torch.load(tmp_path / f"rank0.pt.rank{r}")["pool_bytes"] for r in (1, 2)]
+    assert pools[0] > 0 and pools[1] == 0  # only rank 1 planned a pool, for its own 2 layers
 
 
 def test_torchrun_perplexity_and_greedy_text_equal_single_process(tmp_path: Path) -> None:

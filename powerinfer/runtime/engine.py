@@ -154,7 +154,7 @@ class Engine:
         if self.stage is not None:
             from powerinfer.runtime.pipeline import connect
 
-            self.pipeline = connect(self.stage, c, self.gguf.path)
+            self.pipeline = connect(self.stage, c, self.gguf)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
 
     def _check_context_memory(self) -> None:

@@ -239,9 +239,10 @@ def _cause(error: BaseException, timeout_s: float) -> str:
 class Pipeline:
     """This rank's end of the ring: rank 0 drives steps (`forward`, `fork`, `close`), other ranks `serve`."""
 
-    def __init__(self, stage: Stage, n_embd: int, model_path: str) -> None:
+    def __init__(self, stage: Stage, n_embd: int, gguf: GGUFFile) -> None:
         self.stage = stage
-        self.model_path = model_path
+        self.model_path = gguf.path
+        self.gguf = gguf  # keeps the mapping alive until `close` reports its resident pages
         self.rank = stage.rank
         self.n_stages = stage.n_stages
         self.n_embd = n_embd
@@ -483,6 +484,6 @@ def memory_report(path: str, rank: int) -> str:
     )
 
 
-def connect(stage: Stage, config: ModelConfig, model_path: str) -> Pipeline:
+def connect(stage: Stage, config: ModelConfig, gguf: GGUFFile) -> Pipeline:
     """Join the other ranks (rendezvous at MASTER_ADDR:MASTER_PORT, then a gloo group over TCP)."""
-    return Pipeline(stage, config.n_embd, model_path)
+    return Pipeline(stage, config.n_embd, gguf)
