@@ -191,6 +191,7 @@ def test_cli_unreachable_master_ends_within_the_timeout(monkeypatch: pytest.Monk
     assert len(lines) == 1 and "rank 1: cannot reach the master 127.0.0.1" in lines[0], result.output
 
 
+@pytest.mark.slow
 def test_killed_rank_ends_every_other_rank_with_one_error_line() -> None:
     """3 stages decoding; the middle rank is killed mid-generation; ranks 0 and 2 exit 1 with one error line
     naming rank 1, well within --dist-timeout."""
@@ -219,6 +220,7 @@ def test_killed_rank_ends_every_other_rank_with_one_error_line() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- equality
+@pytest.mark.slow
 def test_smollm2_two_stages_equal_single_process(tmp_path: Path) -> None:
     spec = {"model": str(smollm2_path()), "n_ctx": 64, "n_seq": 3, "n_predict": 4}
     want = single(spec)
@@ -227,6 +229,7 @@ def test_smollm2_two_stages_equal_single_process(tmp_path: Path) -> None:
     assert int(got["ring_bytes"]) > 0
 
 
+@pytest.mark.slow
 def test_sparse_fixture_three_stages_with_a_pool_equal_single_process(tmp_path: Path) -> None:
     """The PWRI file (predictors) over 3 ranks, rank 1 with a CPU stand-in pool under its own budget."""
     spec = {"model": str(fixture_dir() / "tiny.powerinfer.gguf"), "n_seq": 4, "pool": {"1": 0.001}}
@@ -237,6 +240,7 @@ def test_sparse_fixture_three_stages_with_a_pool_equal_single_process(tmp_path: 
     assert pools[0] > 0 and pools[1] == 0  # only rank 1 planned a pool, for its own 2 layers
 
 
+@pytest.mark.slow
 def test_torchrun_perplexity_and_greedy_text_equal_single_process(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
