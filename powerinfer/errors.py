@@ -19,3 +19,7 @@ class PlacementError(PowerInferError):
 
 class InputError(PowerInferError):
     """User input (prompt, flags) cannot be processed, e.g. a prompt longer than the context."""
+
+
+class DistributedError(PowerInferError):
+    """A pipeline rank died, cannot be reached or disagrees with the others (runtime.pipeline)."""

@@ -28,6 +28,13 @@ from powerinfer.cli.common import (
     threads,
     utf8_argument,
 )
+from powerinfer.cli.distributed import (
+    DEFAULT_DIST_TIMEOUT,
+    DistTimeoutOpt,
+    PipelineSplitOpt,
+    pipeline,
+    serve_if_worker,
+)
 from powerinfer.errors import InputError
 from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine, EngineOptions
@@ -125,6 +132,8 @@ def batched(
     top_p: Annotated[float, typer.Option("--top-p")] = 0.9,
     seed: Annotated[int, typer.Option("-s", "--seed")] = 1234,
     pool_device: PoolDeviceOpt = None,
+    pipeline_split: PipelineSplitOpt = None,
+    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Decode PARALLEL sequences of LEN tokens together (llama.cpp batched)."""
@@ -162,11 +171,13 @@ def batched(
                 n_ctx=ctx_size if ctx_size > 0 else length,
                 n_batch=max(length, parallel),
                 n_seq=parallel,
+                pipeline=pipeline(pipeline_split, dist_timeout),
             ),
             sampling=sampling_params(
                 temp=temp, top_k=top_k, top_p=top_p, min_p=0.0, repeat_penalty=1.0, seed_=seed
             ),
         )
+        serve_if_worker(opts.model, opts.engine)  # ranks > 0 of a pipeline serve rank 0 and exit
         out = sys.stdout
         out.write(
             f"params: model = {path}, prompt = {prompts[0]}, n_parallel = {parallel}, n_len = {length}, "

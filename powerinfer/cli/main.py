@@ -41,6 +41,13 @@ from powerinfer.cli.common import (
     setup_logging,
     utf8_argument,
 )
+from powerinfer.cli.distributed import (
+    DEFAULT_DIST_TIMEOUT,
+    DistTimeoutOpt,
+    PipelineSplitOpt,
+    pipeline,
+    serve_if_worker,
+)
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions, Timings
 from powerinfer.sampling import Sampler, SamplingParams
@@ -230,6 +237,8 @@ def main(
     no_display_prompt: Annotated[
         bool, typer.Option("--no-display-prompt", help="Do not echo the prompt.")
     ] = False,
+    pipeline_split: PipelineSplitOpt = None,
+    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Generate text from a prompt (llama.cpp `main`)."""
@@ -261,6 +270,7 @@ def main(
                 n_ctx=ctx_size,
                 n_batch=batch_size,
                 n_gpu_layers=n_gpu_layers,
+                pipeline=pipeline(pipeline_split, dist_timeout),
             ),
             sampling=sampling_params(
                 temp=temp,
@@ -274,6 +284,7 @@ def main(
                 seed_=seed,
             ),
         )
+        serve_if_worker(opts.model, opts.engine)  # ranks > 0 of a pipeline serve rank 0 and exit
         run_main(opts)
 
     run_guarded(body)

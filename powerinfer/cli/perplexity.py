@@ -42,6 +42,13 @@ from powerinfer.cli.common import (
     run_guarded,
     setup_logging,
 )
+from powerinfer.cli.distributed import (
+    DEFAULT_DIST_TIMEOUT,
+    DistTimeoutOpt,
+    PipelineSplitOpt,
+    pipeline,
+    serve_if_worker,
+)
 from powerinfer.cli.main import format_timings
 from powerinfer.errors import InputError
 from powerinfer.eval import (
@@ -303,6 +310,8 @@ def perplexity_command(
     reset_gpu_index: ResetIdxOpt = False,
     disable_gpu_index: DisableIdxOpt = False,
     pool_device: PoolDeviceOpt = None,
+    pipeline_split: PipelineSplitOpt = None,
+    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Perplexity of a text (llama.cpp `perplexity`); with --kl-divergence the cost of sparsity vs dense."""
@@ -330,11 +339,15 @@ def perplexity_command(
                 disable_gpu_index=disable_gpu_index,
                 n_ctx=n_ctx,
                 n_batch=min(batch_size, n_ctx),
+                pipeline=pipeline(pipeline_split, dist_timeout),
             ),
             kl_divergence=kl_divergence,
             kl_base=kl_divergence_base,
             seed=random_seed(seed),
         )
+        if run.engine.pipeline is not None and (kl_divergence or kl_divergence_base is not None):
+            raise InputError("--kl-divergence and --kl-divergence-base do not run in a pipeline (torchrun)")
+        serve_if_worker(run.model, run.engine)  # ranks > 0 of a pipeline serve rank 0 and exit
         run_perplexity(run)
 
     run_guarded(body)

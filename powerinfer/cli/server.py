@@ -36,6 +36,13 @@ from powerinfer.cli.common import (
     sampling_params,
     setup_logging,
 )
+from powerinfer.cli.distributed import (
+    DEFAULT_DIST_TIMEOUT,
+    DistTimeoutOpt,
+    PipelineSplitOpt,
+    pipeline,
+    serve_if_worker,
+)
 from powerinfer.errors import InputError
 from powerinfer.sampling import SamplingParams
 
@@ -124,6 +131,8 @@ def server(
             help="Open connections; past it the oldest one without a complete request is closed (503 if none).",
         ),
     ] = 512,
+    pipeline_split: PipelineSplitOpt = None,
+    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
@@ -161,6 +170,7 @@ def server(
                 n_batch=batch_size,
                 n_seq=parallel,
                 n_gpu_layers=n_gpu_layers,
+                pipeline=pipeline(pipeline_split, dist_timeout),
             ),
             sampling=sampling_params(
                 seed_=seed,
@@ -187,6 +197,7 @@ def server(
             write_timeout_s=write_timeout,
             max_connections=max_connections,
         )
+        serve_if_worker(opts.model, opts.engine)  # ranks > 0 of a pipeline serve rank 0 and exit
         Server(opts).run()
 
     run_guarded(body)

@@ -99,16 +99,21 @@ class Transformer:
         self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None
     ) -> torch.Tensor:
         """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all)."""
-        placed = self.placed  # all on the CPU: no device moves (a no-op .to still costs ~1 us, 3 per layer)
-        x = self.embedding(batch)  # (N, D)
-        if batch.kind == "run" and batch.segments[0].n == 1 and not placed and not self.observers:
-            x = self._forward_one(x.contiguous(), batch, kv)
-            return self.head(x if rows is None else x[rows])
+        return self.logits(self.forward_layers(self.embedding(batch), batch, kv), rows)
+
+    def forward_layers(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        """The residual stream x (N, D) after every layer (a pipeline stage runs only these)."""
+        if batch.kind == "run" and batch.segments[0].n == 1 and not self.placed and not self.observers:
+            return self._forward_one(x.contiguous(), batch, kv)
         for bid, layer in enumerate(self.layers):
             x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
+        return x
+
+    def logits(self, x: torch.Tensor, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """The head over the residual stream's `rows` (None: all), on the CPU."""
         if rows is not None:
             x = x[rows]
-        if not placed:
+        if not self.placed:  # all on the CPU: no device moves (a no-op .to still costs ~1 us, 3 per layer)
             return self.head(x)
         return self.head(x.to(self.head_device)).to("cpu")
 

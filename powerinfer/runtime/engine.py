@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.pipeline import Pipeline, PipelineOptions, Stage
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,7 @@ class EngineOptions:
     dense_ffn: bool = False  # PWRI files: compute every FFN neuron (no predictor)
     pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
     gpu_index_path: str | None = None  # use this GPU index instead of planning one
+    pipeline: PipelineOptions | None = None  # one stage of several ranks (runtime.pipeline)
 
 
 @dataclass
@@ -107,6 +112,14 @@ class Engine:
             raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
         self.gguf = read_gguf(model_path)
         self.config = c = load_config(self.gguf)
+        self.stage: Stage | None = None
+        self.pipeline: Pipeline | None = None
+        if o.pipeline is not None:  # this rank's layers only: a view of the file with n_layer of them
+            from powerinfer.runtime.pipeline import plan_stage, stage_view
+
+            self.stage = plan_stage(o.pipeline, self.gguf, c)
+            self.gguf, c = stage_view(self.gguf, c, self.stage.layers)
+            self.config = c
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, powerinfer_file=self.gguf.is_sparse)
         if self.tokenizer.n_vocab != c.n_vocab:
             raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {c.n_vocab}")
@@ -138,6 +151,10 @@ class Engine:
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
         )
         self.model.setup(self.n_ctx, placed=self.plan.device is not None)
+        if self.stage is not None:
+            from powerinfer.runtime.pipeline import connect
+
+            self.pipeline = connect(self.stage, c, self.gguf)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
 
     def _check_context_memory(self) -> None:
@@ -178,7 +195,8 @@ class Engine:
             device = pool_device(request)
             if device is None:
                 return DevicePlan()
-            return plan_pool(self.gguf, c, request, device, self.n_ctx)
+            layers = self.stage.layers if self.stage is not None else None
+            return plan_pool(self.gguf, c, request, device, self.n_ctx, layers)
         if o.n_gpu_layers > 0:
             if o.pool_device is None and not torch.cuda.is_available():
                 log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
@@ -226,7 +244,10 @@ class Engine:
                 rows = slice(-1, None)
             elif batch.kind == "mixed":
                 rows = torch.tensor([seg.start + seg.n - 1 for seg in batch.segments])
-        logits = self.model.forward(batch, kv, rows)
+        if self.pipeline is not None:
+            logits = self.pipeline.forward(self.model, batch, kv, rows)
+        else:
+            logits = self.model.forward(batch, kv, rows)
         for seg in batch.segments:
             kv.n_past[seg.seq] = seg.pos + seg.n
         return logits
@@ -262,6 +283,8 @@ class Engine:
             if not 0 <= s < self.kv.n_seq:
                 raise InputError(f"sequence {s} out of range (0..{self.kv.n_seq - 1})")
         self.kv.copy_slot(src, dst, self.kv.n_past[src])
+        if self.pipeline is not None:
+            self.pipeline.fork(src, dst, self.kv.n_past[src])
 
     def free(self, seq: int) -> None:
         """Forget a sequence; its slot can take a new prompt."""

@@ -73,23 +73,40 @@ def budget_bytes(request: PoolRequest, device: torch.device) -> int:
 
 
 def plan_pool(
-    gguf: GGUFFile, config: ModelConfig, request: PoolRequest, device: torch.device, n_ctx: int
+    gguf: GGUFFile,
+    config: ModelConfig,
+    request: PoolRequest,
+    device: torch.device,
+    n_ctx: int,
+    layers: range | None = None,
 ) -> DevicePlan:
-    """The device plan of a sparse model: an explicit GPU index, else the cached or a new plan."""
+    """The device plan of a sparse model: an explicit GPU index, else the cached or a new plan.
+
+    layers: the file's layers a pipeline stage holds (config and gguf then describe them as layers 0..k-1);
+    the stage plans them alone, under its own budget, and does not share the cached GPU index."""
     c = config
+    first = 0 if layers is None else layers.start
     if request.gpu_index_path is not None:
-        index = read_gpu_index(request.gpu_index_path, c.n_layer, c.n_ff)
-        neurons = [np.asarray(b, dtype=np.int64) for b in index.gpu_bucket]
+        index = read_gpu_index(request.gpu_index_path, c.n_layer if layers is None else None, c.n_ff)
+        if layers is not None:
+            if len(index.gpu_bucket) < layers.stop:
+                raise PlacementError(
+                    f"GPU index {request.gpu_index_path} has fewer than {layers.stop} layers"
+                )
+        buckets = index.gpu_bucket[first : first + c.n_layer]
+        neurons = [np.asarray(b, dtype=np.int64) for b in buckets]
         return neurons_plan(neurons, str(device), f"FFN neurons from {request.gpu_index_path}")
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     model_path = Path(gguf.path)
     try:
-        stats = load_activation_stats(model_path.parent / "activation", c.n_layer, c.n_ff)
+        stats = load_activation_stats(model_path.parent / "activation", first + c.n_layer, c.n_ff)[first:]
     except PowerInferError as e:
         log.warning("%s; every FFN neuron stays on the CPU", e)
         stats = None
     cache = gpu_index_path(model_path)
-    cached = load_cached_gpu_index(cache, n_layer=c.n_layer, n_ff=c.n_ff, reset=request.reset_gpu_index)
+    cached = None
+    if layers is None:
+        cached = load_cached_gpu_index(cache, n_layer=c.n_layer, n_ff=c.n_ff, reset=request.reset_gpu_index)
     kv_bytes = kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
     placement = plan(
         footprint_from_gguf(gguf, c.n_layer, c.n_ff),
@@ -100,7 +117,7 @@ def plan_pool(
         cached_index=cached,
         ffn_offload=not request.disable_gpu_index,
     )
-    if placement.ffn_source == "solved":
+    if placement.ffn_source == "solved" and layers is None:
         try:
             write_gpu_index(cache, placement.to_gpu_index())
         except (OSError, PowerInferError) as e:
