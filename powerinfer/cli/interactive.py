@@ -210,9 +210,9 @@ class InteractiveRun:
             self.out.write(text)
             self.out.flush()
 
-    def evaluate(self, tokens: list[int]) -> Any:
-        """Bring the cache to `tokens`; their last logits."""
-        logits, _ = self.session.sync(tokens)
+    def evaluate(self, tokens: list[int], logits: bool = True) -> Any:
+        """Bring the cache to `tokens`; their last logits (None without `logits` when the cache held them)."""
+        logits, _ = self.session.sync(tokens, logits)
         if self.cache is not None:
             self.cache.first_evaluation(self.engine, tokens)
         return logits
@@ -286,7 +286,7 @@ class InteractiveRun:
             self.write(prompt)
         context = prompt_ids
         if io.interactive_first:
-            self.evaluate(context)
+            self.evaluate(context, logits=False)
         else:
             context, _, end = self.reply(context)
             if not io.waits_for_input:
@@ -325,7 +325,7 @@ class InteractiveRun:
         system = self.io.system_prompt or prompt
         messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
         if messages:
-            self.evaluate(chat_tokens(self.fmt, messages, add_generation_prompt=False))
+            self.evaluate(chat_tokens(self.fmt, messages, add_generation_prompt=False), logits=False)
         while True:
             self.write("\n> ")
             text = read_input(self.stdin, self.io.multiline_input)

@@ -45,14 +45,19 @@ class Session:
         self.engine = engine
         self.cached: list[int] = []
 
-    def sync(self, tokens: list[int]) -> tuple[torch.Tensor, int]:
-        """Evaluate what `tokens` adds to the cache (at least its last token, for its logits).
+    def sync(self, tokens: list[int], logits: bool = True) -> tuple[torch.Tensor | None, int]:
+        """Evaluate what `tokens` adds to the cache (with `logits`, at least its last token, for its logits).
 
-        Returns the last token's logits (n_vocab,) and how many tokens were evaluated. The prompt timings count
-        only those. An interrupt leaves `cached` as far as the evaluation got."""
+        Returns the last token's logits (n_vocab,), None when nothing was evaluated, and how many tokens were
+        evaluated. The prompt timings count only those. An interrupt leaves `cached` as far as the evaluation
+        got."""
         e = self.engine
         if not tokens:
             raise InputError("nothing to evaluate (empty token list)")
+        if not logits and self.cached[: len(tokens)] == tokens:
+            e.kv.n_past[0] = len(tokens)
+            self.cached = list(tokens)
+            return None, 0
         if len(tokens) > e.n_ctx:
             raise InputError(
                 f"context is full: {len(tokens)} tokens exceed the context size {e.n_ctx} (-c); "
