@@ -224,8 +224,12 @@ class InteractiveRun:
 
     def reply(self, context: list[int]) -> tuple[list[int], str, str]:
         """Generate after `context`: (the tokens of the sequence now, the reply's text, how it ended:
-        eos | stop | length | interrupted). Ctrl-C ends the reply only when the run is interactive."""
+        eos | stop | length | interrupted). Ctrl-C ends the reply only when the run is interactive.
+
+        The reply's last text is shown once generation is over, so that a Ctrl-C sent on seeing it (a reverse
+        prompt) reaches the prompt and ends the run, as the user means it to."""
         seq = None
+        final: Event | None = None
         end = "length"
         try:
             logits = self.evaluate(context)
@@ -233,8 +237,10 @@ class InteractiveRun:
             seq = events[0].seq
             while True:
                 for ev in events:
-                    self._show(ev)
-                    end = ev.end or end
+                    if ev.end is None:
+                        self._show(ev)
+                    else:
+                        final = ev
                 if not self.gen.live:
                     break
                 events = self.gen.step()
@@ -243,10 +249,11 @@ class InteractiveRun:
                 raise
             interrupt_handled()
             end = "interrupted"
-            last = self.gen.end(0)
-            if last is not None:
-                seq = last.seq
-                self.write(last.text)
+            final = self.gen.end(0) or final
+        if final is not None:
+            seq = final.seq
+            self._show(final)
+            end = end if end == "interrupted" else final.end or end
         history = seq.history if seq is not None else context
         self.session.settle(history)
         return list(history), seq.text if seq is not None else "", end

@@ -12,6 +12,7 @@ import hashlib
 import os
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -131,7 +132,9 @@ def load_session(path: Path, engine: Engine) -> list[int]:
     """Read a session file into slot 0 and return its tokens; FormatError (nothing changed) when the file is
     not a session of this model, mode and shape or does not fit the context."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's notes on odd pickles: the refusal below says it in one line
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, ValueError, EOFError, OSError, AttributeError, KeyError, TypeError) as e:
         raise FormatError(f"not a readable session file ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != SESSION_FORMAT:
