@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_llama_state, smollm2_path, write_llama_gguf
+from typer.testing import CliRunner
 
+import powerinfer.cli.main as cli_main
 from powerinfer.chat_templates import BUILTIN_TEMPLATES, chat_template_source
+from powerinfer.cli import app
 from powerinfer.cli.interactive import chat_tokens, read_input
 from powerinfer.errors import FormatError, InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
@@ -281,3 +284,90 @@ def test_interactive_reverse_prompt_then_ctrl_c_at_the_prompt(tmp_path, referenc
     history = history + tok.encode(" What is 2+2?\n", add_bos=False, parse_special=False)
     _, text = reference.generate(history, n, ("User:",))
     assert second == text + "User:"
+
+
+# ---------------------------------------------------------------- the CLI in-process on a tiny model
+
+runner = CliRunner()
+
+
+def test_interactive_options_reach_the_library(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.setdefault("opts", opts))
+    args = ["main", "-m", "m.gguf", "-cnv", "-sys", "be brief\\n", "-e", "-r", "A:", "-r", "B:"]
+    args += ["--in-prefix", "[", "--in-suffix", "]", "--multiline-input", "--chat-template", "chatml"]
+    args += ["--prompt-cache", str(tmp_path / "s.bin"), "--prompt-cache-all"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    o = seen["opts"].interactive
+    assert (o.interactive, o.interactive_first, o.conversation) == (True, True, True)
+    assert o.system_prompt == "be brief\n" and o.reverse_prompts == ("A:", "B:")
+    assert (o.in_prefix, o.in_suffix, o.multiline_input) == ("[", "]", True)
+    assert o.chat_template == BUILTIN_TEMPLATES["chatml"] and o.chat_stop == ("<|im_end|>",)
+    assert (o.prompt_cache, o.prompt_cache_all, o.prompt_cache_ro) == (tmp_path / "s.bin", True, False)
+    seen.clear()
+    assert runner.invoke(app, ["main", "-m", "m.gguf", "-p", "x"]).exit_code == 0
+    assert not seen["opts"].interactive.needs_session  # plain main keeps its one-shot path
+    for bad, needle in (
+        (["--prompt-cache-all"], "need --prompt-cache"),
+        (["--chat-template", "nope"], "neither a built-in"),
+        (["-r", ""], "cannot be empty"),
+        (["--prompt-cache", str(tmp_path / "no" / "s.bin")], "session file"),
+    ):
+        result = runner.invoke(app, ["main", "-m", "m.gguf", *bad])
+        assert result.exit_code == 1 and needle in result.stderr, result.stderr
+
+
+def _greedy(engine: Engine, prompt: list[int], n: int) -> tuple[list[int], str]:
+    gen = Generator(engine)
+    params = GenParams(SamplingParams(temp=0, seed=1), n_predict=n)
+    seq = gen.start(0, prompt, params, Sampler(params.sampling))[0].seq
+    while gen.live:
+        gen.step()
+    assert seq is not None
+    return seq.history, seq.text
+
+
+def test_interactive_from_a_pipe_with_prefix_and_suffix(tmp_path):
+    """-i with stdin a pipe: the reply after -n tokens hands over; the input goes in between --in-prefix and
+    --in-suffix (both shown); end of input ends the run with exit code 0."""
+    model = _tiny(tmp_path / "m.gguf")
+    args = ["main", "-m", str(model), "-c", "64", "-t", "1", "--temp", "0", "-s", "1", "-n", "3", "-p", "ab"]
+    result = runner.invoke(app, [*args, "-i", "--in-prefix", "[", "--in-suffix", "]"], input="hello\n")
+    assert result.exit_code == 0, result.stderr
+    assert "main: interactive mode on." in result.stderr and "Input prefix: '['" in result.stderr
+    engine = Engine(model, EngineOptions(n_ctx=64, n_threads=1, act_precision="q8"))
+    tok = engine.tokenizer
+    history, first = _greedy(engine, tok.encode("ab"), 3)
+    history += tok.encode("[", add_bos=False) + tok.encode("hello\n", add_bos=False, parse_special=False)
+    _, second = _greedy(engine, history + tok.encode("]", add_bos=False), 3)
+    assert result.stdout == "ab" + first + "[]" + second + "[\n"  # the prefix shown again, then end of input
+
+
+def test_prompt_cache_reuses_the_prompt_and_refuses_another_model(tmp_path):
+    model, cache = _tiny(tmp_path / "m.gguf"), tmp_path / "cache.bin"
+    args = ["main", "-m", str(model), "-c", "64", "-t", "1", "--temp", "0", "-s", "1", "-n", "4"]
+    plain = runner.invoke(app, [*args, "-p", "abcdefgh ij"])
+    first = runner.invoke(app, [*args, "-p", "abcdefgh", "--prompt-cache", str(cache)])
+    assert first.exit_code == 0 and "session file does not exist, will create." in first.stderr
+    second = runner.invoke(app, [*args, "-p", "abcdefgh ij", "--prompt-cache", str(cache)])
+    assert second.exit_code == 0, second.stderr
+    tok = Engine(model, EngineOptions(n_ctx=64)).tokenizer
+    n_old, n_new = len(tok.encode("abcdefgh")), len(tok.encode("abcdefgh ij"))
+    assert f"main: loaded a session with prompt size of {n_old} tokens" in second.stderr
+    assert f"main: session file matches {n_old} / {n_new} tokens of prompt" in second.stderr
+    assert int(TIMINGS.search(second.stderr).group(1)) == n_new - n_old
+    assert second.stdout == plain.stdout  # the same text as without the cache
+
+    other = _tiny(tmp_path / "o.gguf", seed=3)
+    before = cache.read_bytes()
+    third = runner.invoke(
+        app, [*args, "-m", str(other), "-p", "abcdefgh ij", "--prompt-cache", str(cache), "--prompt-cache-ro"]
+    )
+    assert third.exit_code == 0, third.stderr
+    warnings = [line for line in third.stderr.splitlines() if "warning" in line]
+    assert warnings == [
+        f"main: warning: cannot use session file '{cache}': it was saved with another model file; starting fresh"
+    ]
+    assert int(TIMINGS.search(third.stderr).group(1)) == n_new
+    assert cache.read_bytes() == before  # read-only
