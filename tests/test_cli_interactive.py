@@ -113,6 +113,10 @@ def test_session_file_round_trip_and_refusals(tmp_path):
     small = Engine(tmp_path / "m.gguf", EngineOptions(n_ctx=4))
     with pytest.raises(FormatError, match="context size"):
         load_session(path, small)
+    big = tmp_path / "big.bin"
+    big.write_bytes(bytes(1 << 20))
+    with pytest.raises(FormatError, match="more than a session"):
+        load_session(big, engine)
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(FormatError, match="not a readable"):
         load_session(path, engine)
@@ -184,6 +188,7 @@ def _crlf(text: str) -> str:
     return text.replace("\r\n", "\n")
 
 
+@pytest.mark.slow
 def test_conversation_three_turns_ctrl_c_and_prompt_cache(tmp_path, reference):
     """-cnv on a terminal: three turns, the second interrupted by Ctrl-C; the replies are greedy generation of
     the same conversation; each turn evaluates only its new tokens; a second run (stdin a pipe) loads the system
@@ -254,6 +259,7 @@ def test_conversation_three_turns_ctrl_c_and_prompt_cache(tmp_path, reference):
     assert reply and full[0].startswith(reply), (reply, full[0])
 
 
+@pytest.mark.slow
 def test_interactive_reverse_prompt_then_ctrl_c_at_the_prompt(tmp_path, reference):
     """-i -r on a terminal: generation stops when the output ends with the reverse prompt and the user's line
     goes on the context; Ctrl-C at the prompt ends the run with the timings and exit code 130."""

@@ -359,5 +359,10 @@ def run_session(
     display_prompt: bool,
 ) -> int:
     """Run interactive `main` on stdin and stdout; the exit code."""
-    run = InteractiveRun(engine, sampler, io, sampling, n_predict, ignore_eos, sys.stdout, sys.stdin)
+    stdin = sys.stdin
+    if hasattr(
+        stdin, "reconfigure"
+    ):  # bytes typed or piped that are not UTF-8 become U+FFFD, not a traceback
+        stdin.reconfigure(errors="replace")
+    run = InteractiveRun(engine, sampler, io, sampling, n_predict, ignore_eos, sys.stdout, stdin)
     return run.run(prompt, prompt_ids, display_prompt)

@@ -131,6 +131,17 @@ def save_session(path: Path, engine: Engine, tokens: list[int]) -> None:
 def load_session(path: Path, engine: Engine) -> list[int]:
     """Read a session file into slot 0 and return its tokens; FormatError (nothing changed) when the file is
     not a session of this model, mode and shape or does not fit the context."""
+    ident = session_identity(engine)
+    c = engine.config
+    max_bytes = c.n_layer * engine.n_ctx * c.n_head_kv * c.head_dim * 2 * 8 + engine.n_ctx * 8 + (1 << 16)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise FormatError(f"cannot read it ({e.strerror})") from None
+    if size > max_bytes:
+        raise FormatError(
+            f"{size} bytes is more than a session of this model and context holds ({max_bytes})"
+        )
     try:
         with warnings.catch_warnings():  # torch's notes on odd pickles: the refusal below says it in one line
             warnings.simplefilter("ignore")
@@ -141,7 +152,6 @@ def load_session(path: Path, engine: Engine) -> list[int]:
         raise FormatError("not a powerinfer session file")
     if state.get("version") != SESSION_VERSION:
         raise FormatError(f"session format version {state.get('version')!r}, expected {SESSION_VERSION}")
-    ident = session_identity(engine)
     if state.get("model") != ident.model:
         raise FormatError("it was saved with another model file")
     if state.get("mode") != ident.mode:
