@@ -118,10 +118,15 @@ def save_session(path: Path, engine: Engine, tokens: list[int]) -> None:
         "values": values,
     }
     folder = path.parent if str(path.parent) else Path(".")
+    try:
+        mode = path.stat().st_mode & 0o777  # a rewrite keeps the file's permissions
+    except OSError:
+        mode = 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
