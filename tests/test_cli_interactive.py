@@ -197,7 +197,7 @@ def test_conversation_three_turns_ctrl_c_and_prompt_cache(tmp_path, reference):
 
     pexpect = pytest.importorskip("pexpect")
     cache, err = tmp_path / "session.bin", tmp_path / "err.txt"
-    n = 24
+    n = 16
     child = _spawn(err, "-cnv", "-sys", SYSTEM, "-n", str(n), "--prompt-cache", str(cache))
     questions = ["What is the capital of France?", "Write a long poem about the sea.", "And of Germany?"]
     replies = []
