@@ -391,6 +391,12 @@ def raise_pending_signal() -> None:
         raise KeyboardInterrupt if signum == signal.SIGINT else Terminated(signum)
 
 
+def interrupt_handled() -> None:
+    """A Ctrl-C was caught and acted on (interactive `main` interjects): forget it, so that it is not raised
+    again at exit; other signals stay recorded."""
+    _pending[:] = [s for s in _pending if s != signal.SIGINT]
+
+
 def exit_code_of_interrupt(e: KeyboardInterrupt) -> int:
     """Print the one line of an interrupt ("interrupted" / "terminated") and return its exit code."""
     _pending.clear()

@@ -32,6 +32,7 @@ from powerinfer.cli.common import (
     TopKOpt,
     TopPOpt,
     VramOpt,
+    check_output_file,
     engine_options,
     err_console,
     read_text_file,
@@ -48,6 +49,7 @@ from powerinfer.cli.distributed import (
     pipeline,
     serve_if_worker,
 )
+from powerinfer.cli.interactive import InteractiveOptions, run_session
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions, Timings
 from powerinfer.sampling import Sampler, SamplingParams
@@ -118,6 +120,7 @@ class MainOptions:
     display_prompt: bool
     engine: EngineOptions
     sampling: SamplingParams
+    interactive: InteractiveOptions = InteractiveOptions()
 
 
 def format_timings(tm: Timings) -> list[str]:
@@ -138,8 +141,25 @@ def format_timings(tm: Timings) -> list[str]:
     ]
 
 
+def print_timings(engine: Engine) -> None:
+    """The timings block, the decode bandwidth and the sparse report, on stderr."""
+    err = err_console
+    tm = engine.timings
+    for line in format_timings(tm):
+        err.print(line, markup=False)
+    if tm.n_eval and tm.eval_ms > 0:
+        gbs = engine.weight_bytes * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
+        err.print(
+            f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)",
+            markup=False,
+        )
+    for line in engine.sparse_report():
+        err.print(line, markup=False)
+
+
 def run_main(opts: MainOptions) -> None:
-    """Load the model, stream the continuation of the prompt to stdout and timings to stderr."""
+    """Load the model, stream the continuation of the prompt to stdout and timings to stderr (an interactive
+    run that ends with Ctrl-C at the prompt exits with code 130 after them)."""
     engine = Engine(opts.model, opts.engine)
     tok = engine.tokenizer
     c = engine.config
@@ -153,10 +173,11 @@ def run_main(opts: MainOptions) -> None:
     )
     for line in engine.placement_report():
         err.print(line, markup=False)
-    prompt_ids = tok.encode(opts.prompt, add_bos=None, parse_special=True)
-    if not prompt_ids:
+    chat = opts.interactive.conversation
+    prompt_ids = [] if chat else tok.encode(opts.prompt, add_bos=None, parse_special=True)
+    if not prompt_ids and not chat:
         prompt_ids = [tok.bos_id] if tok.bos_id is not None else []
-    if not prompt_ids:
+    if not prompt_ids and not chat:
         raise InputError("empty prompt and the vocabulary has no BOS token to start from")
     if opts.verbose_prompt:
         err.print(f"main: prompt: '{opts.prompt}'")
@@ -174,6 +195,22 @@ def run_main(opts: MainOptions) -> None:
         f"generate: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
         f"n_predict = {opts.n_predict}, n_threads = {engine.kc.n_threads}"
     )
+    if opts.interactive.needs_session:
+        code = run_session(
+            engine,
+            sampler,
+            opts.interactive,
+            opts.sampling,
+            opts.prompt,
+            prompt_ids,
+            opts.n_predict,
+            opts.ignore_eos,
+            opts.display_prompt,
+        )
+        print_timings(engine)
+        if code:
+            raise typer.Exit(code=code)
+        return
     out = sys.stdout
     if opts.display_prompt:
         out.write(opts.prompt)
@@ -187,17 +224,59 @@ def run_main(opts: MainOptions) -> None:
     out.write(decoder.flush())
     out.write("\n")
     out.flush()
-    tm = engine.timings
-    for line in format_timings(tm):
-        err.print(line, markup=False)
-    if tm.n_eval and tm.eval_ms > 0:
-        gbs = engine.weight_bytes * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
-        err.print(
-            f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)",
-            markup=False,
-        )
-    for line in engine.sparse_report():
-        err.print(line, markup=False)
+    print_timings(engine)
+
+
+def interactive_options(
+    *,
+    interactive: bool,
+    interactive_first: bool,
+    conversation: bool,
+    chat_template: str | None,
+    system_prompt: str,
+    reverse_prompts: list[str],
+    in_prefix: str,
+    in_suffix: str,
+    multiline_input: bool,
+    prompt_cache: Path | None,
+    prompt_cache_all: bool,
+    prompt_cache_ro: bool,
+    escape: bool,
+) -> InteractiveOptions:
+    """InteractiveOptions from the flags: texts checked as UTF-8 (and unescaped with -e), the template resolved,
+    the session file's folder checked before any work."""
+
+    def text(value: str, option: str) -> str:
+        value = utf8_argument(value, option)
+        return process_escapes(value) if escape else value
+
+    reverse = tuple(text(r, "-r") for r in reverse_prompts)
+    if any(not r for r in reverse):
+        raise InputError("-r: a reverse prompt cannot be empty")
+    source, stops = None, ()
+    if chat_template is not None:
+        from powerinfer.chat_templates import chat_template_source
+
+        source, stops = chat_template_source(utf8_argument(chat_template, "--chat-template"))
+    if prompt_cache is not None and not prompt_cache_ro:
+        check_output_file(prompt_cache, "session file")
+    if (prompt_cache_all or prompt_cache_ro) and prompt_cache is None:
+        raise InputError("--prompt-cache-all and --prompt-cache-ro need --prompt-cache FILE")
+    return InteractiveOptions(
+        interactive=interactive or interactive_first or conversation,
+        interactive_first=interactive_first or conversation,
+        conversation=conversation,
+        chat_template=source,
+        chat_stop=stops,
+        system_prompt=text(system_prompt, "-sys"),
+        reverse_prompts=reverse,
+        in_prefix=text(in_prefix, "--in-prefix"),
+        in_suffix=text(in_suffix, "--in-suffix"),
+        multiline_input=multiline_input,
+        prompt_cache=prompt_cache,
+        prompt_cache_all=prompt_cache_all,
+        prompt_cache_ro=prompt_cache_ro,
+    )
 
 
 def main(
@@ -240,6 +319,78 @@ def main(
     pipeline_split: PipelineSplitOpt = None,
     dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     log_disable: LogDisableOpt = False,
+    interactive: Annotated[
+        bool,
+        typer.Option(
+            "-i",
+            "--interactive",
+            help="Interactive: after the reply (a reverse prompt, -n tokens or end of text) read more input "
+            "from stdin; Ctrl-C interjects, Ctrl-C at the prompt or end of input quits.",
+        ),
+    ] = False,
+    interactive_first: Annotated[
+        bool, typer.Option("--interactive-first", help="Interactive, and wait for input before generating.")
+    ] = False,
+    conversation: Annotated[
+        bool,
+        typer.Option(
+            "-cnv",
+            "--conversation",
+            help="Chat: each input is a user message, formatted with the chat template; the '> ' marker asks.",
+        ),
+    ] = False,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template",
+            help="-cnv template: a Jinja2 file or a built-in name (chatml, llama3, zephyr, gemma); default: the "
+            "model's tokenizer.chat_template, else chatml.",
+            show_default=False,
+        ),
+    ] = None,
+    system_prompt: Annotated[
+        str, typer.Option("-sys", "--system-prompt", help="-cnv system message (default: -p).")
+    ] = "",
+    reverse_prompt: Annotated[
+        list[str] | None,
+        typer.Option(
+            "-r",
+            "--reverse-prompt",
+            help="Stop generating when the output ends with this text and (with -i) hand over to the user; "
+            "repeatable.",
+            show_default=False,
+        ),
+    ] = None,
+    in_prefix: Annotated[
+        str, typer.Option("--in-prefix", help="-i: text put (and shown) before each input.")
+    ] = "",
+    in_suffix: Annotated[
+        str, typer.Option("--in-suffix", help="-i: text put (and shown) after each input.")
+    ] = "",
+    multiline_input: Annotated[
+        bool,
+        typer.Option(
+            "--multiline-input",
+            help="Input goes on over lines until one ends in \\ (without it, a line ending in \\ goes on); "
+            "a line ending in / ends the input without its newline.",
+        ),
+    ] = False,
+    prompt_cache: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-cache",
+            help="Session file: load the evaluated prompt (tokens and KV cache) from it, evaluate only what "
+            "is new, save the prompt to it.",
+            show_default=False,
+        ),
+    ] = None,
+    prompt_cache_all: Annotated[
+        bool,
+        typer.Option("--prompt-cache-all", help="Save the generated tokens too, at the end of the run."),
+    ] = False,
+    prompt_cache_ro: Annotated[
+        bool, typer.Option("--prompt-cache-ro", help="Read the session file, never write it.")
+    ] = False,
 ) -> None:
     """Generate text from a prompt (llama.cpp `main`)."""
     setup_logging(log_disable)
@@ -282,6 +433,21 @@ def main(
                 frequency_penalty=frequency_penalty,
                 presence_penalty=presence_penalty,
                 seed_=seed,
+            ),
+            interactive=interactive_options(
+                interactive=interactive,
+                interactive_first=interactive_first,
+                conversation=conversation,
+                chat_template=chat_template,
+                system_prompt=system_prompt,
+                reverse_prompts=reverse_prompt or [],
+                in_prefix=in_prefix,
+                in_suffix=in_suffix,
+                multiline_input=multiline_input,
+                prompt_cache=prompt_cache,
+                prompt_cache_all=prompt_cache_all,
+                prompt_cache_ro=prompt_cache_ro,
+                escape=escape,
             ),
         )
         serve_if_worker(opts.model, opts.engine)  # ranks > 0 of a pipeline serve rank 0 and exit

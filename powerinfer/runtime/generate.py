@@ -88,8 +88,11 @@ def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 class Generator:
     """Sequences of one engine, advanced together one token per step."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, keep: bool = False) -> None:
+        """With `keep`, an ended sequence leaves its slot's KV cache as it is (the interactive `main` goes on
+        from it next turn); `kv.n_past` then counts its evaluated tokens, the first of `Sequence.history`."""
         self.engine = engine
+        self.keep = keep
         self.tokenizer = engine.tokenizer
         self.eog = engine.tokenizer.eog_ids
         self.timings = engine.timings
@@ -228,7 +231,8 @@ class Generator:
 
     def _finish(self, seq: Sequence, reason: str, stopping_word: str = "", token: int | None = None) -> Event:
         self.live.pop(seq.slot, None)
-        self.engine.free(seq.slot)
+        if not self.keep:
+            self.engine.free(seq.slot)
         if reason != "stop":
             seq.text += seq.decoder.flush()
         text = seq.text[seq.sent :]

@@ -130,3 +130,17 @@ class KVCache:
             view.k[dst, :n] = view.k[src, :n]
             view.v[dst, :n] = view.v[src, :n]
         self.n_past[dst] = n
+
+    def read_slot(self, seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n positions of sequence seq: keys and values (n_layer, n, H_kv, D) on the CPU."""
+        keys = torch.stack([view.k[seq, :n].cpu() for view in self.layers])
+        values = torch.stack([view.v[seq, :n].cpu() for view in self.layers])
+        return keys, values
+
+    def write_slot(self, seq: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make sequence seq hold keys and values (n_layer, n, H_kv, D), as read_slot returns them."""
+        n = keys.shape[1]
+        for view, k, v in zip(self.layers, keys, values, strict=True):
+            view.k[seq, :n] = k.to(view.k.device, view.k.dtype)
+            view.v[seq, :n] = v.to(view.v.device, view.v.dtype)
+        self.n_past[seq] = n
