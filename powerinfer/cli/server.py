@@ -83,7 +83,14 @@ def server(
         float, typer.Option("-to", "--timeout", help="Seconds a request may wait plus generate.")
     ] = 600.0,
     alias: Annotated[
-        str | None, typer.Option("-a", "--alias", help="Model name shown by the API.", show_default=False)
+        str | None,
+        typer.Option(
+            "-a",
+            "--alias",
+            help="Model id listed by /v1/models and echoed in every response's 'model' (default: the file "
+            "name); requests may name any model, the loaded one serves them all.",
+            show_default=False,
+        ),
     ] = None,
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests waiting beyond the slots (503 past it).")

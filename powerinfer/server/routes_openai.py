@@ -138,7 +138,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     """Renders `messages` with the model's chat template (GGUF `tokenizer.chat_template`, Jinja2 sandbox;
     ChatML when the model has none) and generates the assistant's answer."""
     st = _state(request)
-    st.check_model(body.model)
     messages = [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
     ]
@@ -192,7 +191,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
 async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
     """Continues `prompt` (tokenized as `powerinfer main` does). `echo` prepends the prompt to the text."""
     st = _state(request)
-    st.check_model(body.model)
     p = body.prompt
     if isinstance(p, list) and p and all(isinstance(x, str) for x in p):
         if len(p) != 1:

@@ -85,7 +85,7 @@ class _OpenAIBase(_Sampling):
     """Fields shared by /v1/completions and /v1/chat/completions (top_k, min_p, repeat_penalty and
     repeat_last_n are llama.cpp extensions)."""
 
-    model: str | None = Field(None, description="the served model's alias or file name; absent: that model")
+    model: str | None = Field(None, description="any name: the loaded model serves every request")
     temperature: float | None = Field(None, ge=0, le=2)
     max_tokens: int | None = Field(None, description=">= 1; clamped to the free context")
     n: int = Field(1, ge=1, le=1, description="only 1 choice is supported")

@@ -16,7 +16,6 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from powerinfer.printable import printable
 from powerinfer.runtime.engine import EngineOptions
 from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
@@ -127,8 +126,9 @@ class ServerState:
         self.options = options
         self.tokenizer = worker.tokenizer
         self.formatter = ChatFormatter(self.tokenizer, options.chat_template)
+        # the id /v1/models lists and every response's `model` field (llama-server reports its --alias too,
+        # whatever name the request gave); a request's `model` never selects: the loaded model serves all
         self.model_id = options.alias or options.model.name
-        self.model_names = {self.model_id, options.model.name, options.model.stem}
         self.created = int(time.time())
         self.n_ctx = worker.n_ctx
 
@@ -158,15 +158,6 @@ class ServerState:
         if cap >= 0 and (n < 0 or n > cap):
             n = cap
         return n
-
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ApiError(
-                404,
-                f"The model '{printable(name)}' does not exist; this server serves '{printable(self.model_id)}'",
-                param="model",
-                code="model_not_found",
-            )
 
     def encode(self, text: str) -> list[int]:
         """Prompt text to tokens as `powerinfer main` does (BOS per the vocabulary, special tokens parsed)."""
