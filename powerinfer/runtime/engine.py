@@ -263,6 +263,14 @@ class Engine:
                 raise InputError(f"sequence {s} out of range (0..{self.kv.n_seq - 1})")
         self.kv.copy_slot(src, dst, self.kv.n_past[src])
 
+    def keep(self, seq: int, n: int) -> None:
+        """Shorten sequence `seq` to its first n positions, which must still hold the tokens they were
+        evaluated with (free only resets the length, so a freed slot's rows stay until overwritten); the next
+        step continues at n. Prompt reuse."""
+        if not 0 <= n <= self.n_ctx:
+            raise InputError(f"cannot keep {n} positions of a context of {self.n_ctx}")
+        self.kv.n_past[seq] = n
+
     def free(self, seq: int) -> None:
         """Forget a sequence; its slot can take a new prompt."""
         self.kv.n_past[seq] = 0

@@ -11,10 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from powerinfer.printable import printable
+from powerinfer.server import logprobs
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import ChatCompletionRequest, OpenAICompletionRequest, _OpenAIBase
 from powerinfer.server.state import JSONRoute, ServerState, sse, timings
-from powerinfer.server.worker import Chunk, Done, Failed, GenParams
+from powerinfer.server.worker import Chunk, Done, Failed, GenParams, SlotRequest, TokenProb
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=JSONRoute)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "timeout": "length", "cancelled": "stop"}
@@ -90,12 +91,13 @@ async def _run(
     body: _OpenAIBase,
     prompt: list[int],
     params: GenParams,
+    options: SlotRequest,
     kind: str,
-    chunk: Callable[[str | None, str | None], dict[str, Any]],
+    chunk: Callable[[str | None, str | None, tuple[TokenProb, ...]], dict[str, Any]],
     final: Callable[[Done], dict[str, Any]],
 ) -> Any:
     """Run one generation; answer with the final object, or stream chunks then `data: [DONE]`."""
-    req, queue = st.start(prompt, params)
+    req, queue = st.start(prompt, params, options)
     if not body.stream:
         done = await st.collect(request, req, queue)
         return final(done)
@@ -113,16 +115,16 @@ async def _run(
 
     async def stream() -> AsyncIterator[str]:
         if kind == "chat":
-            yield event(chunk("", None))
+            yield event(chunk("", None, ()))
         async for ev in st.events(request, req, queue, first):
             if isinstance(ev, Chunk):
-                yield event(chunk(ev.text, None))
+                yield event(chunk(ev.text, None, ev.probs))
             elif isinstance(ev, Done):
-                last = chunk(None, FINISH[ev.reason])
+                last = chunk(None, FINISH[ev.reason], ev.probs[ev.n_probs_sent :])
                 last["timings"] = timings(ev)
                 yield event(last)
                 if include_usage:
-                    usage = chunk(None, None)
+                    usage = chunk(None, None, ())
                     usage["choices"] = []
                     usage["usage"] = _usage(ev)
                     yield sse(usage)
@@ -148,9 +150,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
         st.formatter.stop,
     )
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    options = await st.slot_request(
+        body, body.response_format, (body.top_logprobs or 0) if body.logprobs else None
+    )
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-    def chunk(text: str | None, finish: str | None) -> dict[str, Any]:
+    def probs_of(probs: tuple[TokenProb, ...]) -> dict[str, Any] | None:
+        return logprobs.chat(st.tokenizer, probs) if options.logprobs else None
+
+    def chunk(text: str | None, finish: str | None, probs: tuple[TokenProb, ...]) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if text == "":
             delta = {"role": "assistant", "content": ""}
@@ -162,7 +172,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "created": created,
             "model": st.model_id,
             "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": probs_of(probs), "finish_reason": finish}],
         }
 
     def final(done: Done) -> dict[str, Any]:
@@ -176,7 +186,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": done.text},
-                    "logprobs": None,
+                    "logprobs": probs_of(done.probs),
                     "finish_reason": FINISH[done.reason],
                 }
             ],
@@ -184,7 +194,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "timings": timings(done),
         }
 
-    return await _run(request, st, body, prompt, params, "chat", chunk, final)
+    return await _run(request, st, body, prompt, params, options, "chat", chunk, final)
 
 
 @router.post("/completions", summary="Text completion (OpenAI)")
@@ -205,23 +215,29 @@ async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
     params = _params(st, body, body.max_tokens, ())
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = text if body.echo else ""
+    options = await st.slot_request(body, body.response_format, body.logprobs)
+    offset = {"text": len(echo)}  # text_offset of the next token
 
-    def chunk(piece: str | None, finish: str | None) -> dict[str, Any]:
+    def chunk(piece: str | None, finish: str | None, probs: tuple[TokenProb, ...]) -> dict[str, Any]:
+        lp = None
+        if options.logprobs:
+            lp = logprobs.completion(st.tokenizer, probs, offset["text"])
+            offset["text"] += sum(len(t) for t in lp["tokens"])
         return {
             "id": cid,
             "object": "text_completion",
             "created": created,
             "model": st.model_id,
             "system_fingerprint": FINGERPRINT,
-            "choices": [{"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}],
+            "choices": [{"index": 0, "text": piece or "", "logprobs": lp, "finish_reason": finish}],
         }
 
     def final(done: Done) -> dict[str, Any]:
-        out = chunk(echo + done.text, FINISH[done.reason])
+        out = chunk(echo + done.text, FINISH[done.reason], done.probs)
         out["usage"] = _usage(done)
         out["timings"] = timings(done)
         return out
 
     if echo and body.stream:
         raise ApiError(400, "echo is not supported with stream", param="echo")
-    return await _run(request, st, body, prompt, params, "text", chunk, final)
+    return await _run(request, st, body, prompt, params, options, "text", chunk, final)

@@ -8,7 +8,7 @@ reduction to uint32 are llama.cpp's (see powerinfer.sampling).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,9 +29,19 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, description="reduced modulo 2**32; -1 (0xFFFFFFFF) or absent: random")
 
 
-class CompletionRequest(_Sampling):
-    """llama.cpp `POST /completion`. Unknown llama.cpp fields (cache_prompt, tfs_z, typical_p, mirostat*,
-    n_keep, penalize_nl, n_probs, slot_id, image_data ...) are accepted and ignored."""
+class _Constrained(_Sampling):
+    """Fields every generating endpoint shares: prompt reuse and structured output (llama.cpp's names)."""
+
+    cache_prompt: bool = Field(
+        True, description="reuse the slot's KV cache for the prompt's common prefix with its previous request"
+    )
+    grammar: str | None = Field(None, description="GBNF grammar (llama.cpp's format) the output must follow")
+    json_schema: dict[str, Any] | None = Field(None, description="JSON schema the output must follow")
+
+
+class CompletionRequest(_Constrained):
+    """llama.cpp `POST /completion`. Unknown llama.cpp fields (tfs_z, typical_p, mirostat*, n_keep,
+    penalize_nl, slot_id, image_data ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -47,7 +57,12 @@ class CompletionRequest(_Sampling):
     logit_bias: list[tuple[int, float | bool]] = Field(
         default_factory=list, description="[token, bias]; bias false bans the token"
     )
-    grammar: str | None = Field(None, description="not supported: must be empty")
+    n_probs: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="completion_probabilities: each token's logprob and this many alternatives",
+    )
 
 
 class TokenizeRequest(_Strict):
@@ -81,7 +96,17 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _OpenAIBase(_Sampling):
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON following `json_schema.schema`."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="llama.cpp: the schema here")
+
+
+class _OpenAIBase(_Constrained):
     """Fields shared by /v1/completions and /v1/chat/completions (top_k, min_p, repeat_penalty and
     repeat_last_n are llama.cpp extensions)."""
 
@@ -104,6 +129,9 @@ class _OpenAIBase(_Sampling):
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, description="alias of max_tokens")
+    response_format: ResponseFormat | None = None
+    logprobs: bool = Field(False, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
 
 
 class OpenAICompletionRequest(_OpenAIBase):
@@ -111,3 +139,7 @@ class OpenAICompletionRequest(_OpenAIBase):
         description="one prompt: a string, a list of one string, or token ids"
     )
     echo: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="log-probabilities of the tokens and this many alternatives"
+    )
+    response_format: ResponseFormat | None = None

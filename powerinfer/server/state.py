@@ -20,8 +20,19 @@ from powerinfer.runtime.engine import EngineOptions
 from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
 from powerinfer.server.errors import ApiError
-from powerinfer.server.schemas import _Sampling
-from powerinfer.server.worker import Done, Event, Failed, GenParams, GenRequest, QueueFull, Worker
+from powerinfer.server.grammar import Grammars
+from powerinfer.server.schemas import ResponseFormat, _Constrained, _Sampling
+from powerinfer.server.slots import Constraint
+from powerinfer.server.worker import (
+    Done,
+    Event,
+    Failed,
+    GenParams,
+    GenRequest,
+    QueueFull,
+    SlotRequest,
+    Worker,
+)
 
 PUBLIC_PATHS = frozenset({"/", "/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -126,6 +137,7 @@ class ServerState:
         self.options = options
         self.tokenizer = worker.tokenizer
         self.formatter = ChatFormatter(self.tokenizer, options.chat_template)
+        self.grammars = Grammars(self.tokenizer)
         # the id /v1/models lists and every response's `model` field (llama-server reports its --alias too,
         # whatever name the request gave); a request's `model` never selects: the loaded model serves all
         self.model_id = options.alias or options.model.name
@@ -159,6 +171,43 @@ class ServerState:
             n = cap
         return n
 
+    async def slot_request(
+        self, body: _Constrained, response_format: ResponseFormat | None = None, n_top: int | None = None
+    ) -> SlotRequest:
+        """The request's prompt reuse, log-probabilities (n_top: None for none, else the alternatives per
+        token) and output constraint (grammar, json_schema or response_format; 400 for a bad one)."""
+        given = [name for name in ("grammar", "json_schema") if getattr(body, name) not in (None, "")]
+        if response_format is not None and response_format.type != "text":
+            given.append("response_format")
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {' and '.join(given)}, not both", param=given[1])
+        constraint: Constraint | None = None
+        if body.grammar:
+            constraint = await asyncio.to_thread(self.grammars.compile, "gbnf", body.grammar, "grammar")
+        elif body.json_schema is not None:
+            constraint = await asyncio.to_thread(
+                self.grammars.compile, "json_schema", body.json_schema, "json_schema"
+            )
+        elif response_format is not None and response_format.type != "text":
+            schema = response_format.schema_
+            if response_format.type == "json_schema":
+                inner = response_format.json_schema or {}
+                schema = inner.get("schema", schema)
+                if not isinstance(schema, dict):
+                    raise ApiError(
+                        400,
+                        "response_format.json_schema.schema must be a JSON schema object",
+                        param="response_format",
+                    )
+            kind, source = ("json_schema", schema) if schema is not None else ("json", None)
+            constraint = await asyncio.to_thread(self.grammars.compile, kind, source, "response_format")
+        return SlotRequest(
+            cache_prompt=body.cache_prompt,
+            logprobs=n_top is not None,
+            n_top=n_top or 0,
+            constraint=constraint,
+        )
+
     def encode(self, text: str) -> list[int]:
         """Prompt text to tokens as `powerinfer main` does (BOS per the vocabulary, special tokens parsed)."""
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
@@ -187,12 +236,18 @@ class ServerState:
         return tokens
 
     # ------------------------------------------------------------------ running a generation
-    def start(self, prompt: list[int], params: GenParams) -> tuple[GenRequest, asyncio.Queue[Event]]:
+    def start(
+        self, prompt: list[int], params: GenParams, options: SlotRequest | None = None
+    ) -> tuple[GenRequest, asyncio.Queue[Event]]:
         """Hand a generation to the worker; 503 when the queue is full."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         req = GenRequest(
-            prompt, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), self.options.timeout_s
+            prompt,
+            params,
+            lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+            self.options.timeout_s,
+            options,
         )
         try:
             self.worker.submit(req)
@@ -244,9 +299,11 @@ def sse(obj: Any) -> str:
 
 
 def timings(done: Done) -> dict[str, float]:
-    """llama.cpp's per-request timings object."""
-    pn, pm, gn, gm = done.n_prompt, done.prompt_ms, done.n_predicted, done.predicted_ms
+    """llama.cpp's per-request timings object; prompt_n counts the prompt tokens evaluated, without those
+    reused from the slot's cache (cache_n)."""
+    pn, pm, gn, gm = done.n_evaluated, done.prompt_ms, done.n_predicted, done.predicted_ms
     return {
+        "cache_n": done.n_prompt - pn,
         "prompt_n": pn,
         "prompt_ms": pm,
         "prompt_per_token_ms": pm / pn if pn else 0.0,
