@@ -26,7 +26,7 @@ def smol():
     path = smollm2_path()
     openai = pytest.importorskip("openai")
     engine = Engine(path, EngineOptions(n_ctx=256, n_threads=2))
-    opts = ServerOptions(model=path, engine=EngineOptions(n_ctx=512, n_seq=4, n_threads=2))
+    opts = ServerOptions(model=path, engine=EngineOptions(n_ctx=512, n_seq=4, n_threads=2), embedding=True)
     with live_server(opts) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         yield srv, client, engine
@@ -261,4 +261,25 @@ def test_chat_turns_evaluate_only_their_new_tokens(smol):
     assert (
         again["timings"]["prompt_n"] == previous
         and again["choices"][0]["message"] == body["choices"][0]["message"]
+    )
+
+
+def test_embeddings_equal_mean_pooled_transformers_hidden_states(smol):
+    transformers = pytest.importorskip("transformers")
+    srv, client, engine = smol
+    path = smollm2_path()
+    model = transformers.AutoModel.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    texts = ["The cat sat on the mat.", "Paris is the capital of France"]
+    out = client.embeddings.create(model="text-embedding-3-small", input=texts)
+    assert [d.index for d in out.data] == [0, 1]
+    for text, item in zip(texts, out.data, strict=True):
+        ids = engine.tokenizer.encode(text)
+        with torch.no_grad():
+            want = model(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+        got = torch.tensor(item.embedding)
+        assert abs(float(got.norm()) - 1) < 1e-5
+        assert 1 - float(torch.nn.functional.cosine_similarity(got, want, dim=0)) < 1e-4
+    status, body, _ = request(srv, "POST", "/embedding", {"content": texts[0]})
+    assert status == 200 and torch.allclose(
+        torch.tensor(body["embedding"]), torch.tensor(out.data[0].embedding), atol=1e-5
     )

@@ -131,6 +131,14 @@ def server(
             help="Open connections; past it the oldest one without a complete request is closed (503 if none).",
         ),
     ] = 512,
+    embedding: Annotated[
+        bool,
+        typer.Option(
+            "--embedding",
+            help="Serve POST /v1/embeddings and /embedding: the mean of the final-normed hidden states over "
+            "the input's tokens (or the GGUF's pooling type), L2-normalised.",
+        ),
+    ] = False,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
@@ -193,6 +201,7 @@ def server(
             read_timeout_s=read_timeout,
             write_timeout_s=write_timeout,
             max_connections=max_connections,
+            embedding=embedding,
         )
         Server(opts).run()
 

@@ -96,21 +96,23 @@ class Transformer:
                     layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())
 
     def forward(
-        self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None
+        self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None, hidden: bool = False
     ) -> torch.Tensor:
-        """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all)."""
+        """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all); with `hidden`, the
+        final-normed hidden states (n_rows, n_embd) instead (embeddings)."""
         placed = self.placed  # all on the CPU: no device moves (a no-op .to still costs ~1 us, 3 per layer)
+        head = self.head.norm if hidden else self.head
         x = self.embedding(batch)  # (N, D)
         if batch.kind == "run" and batch.segments[0].n == 1 and not placed and not self.observers:
             x = self._forward_one(x.contiguous(), batch, kv)
-            return self.head(x if rows is None else x[rows])
+            return head(x if rows is None else x[rows])
         for bid, layer in enumerate(self.layers):
             x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
         if rows is not None:
             x = x[rows]
         if not placed:
-            return self.head(x)
-        return self.head(x.to(self.head_device)).to("cpu")
+            return head(x)
+        return head(x.to(self.head_device)).to("cpu")
 
     def _forward_one(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """The residual stream of one token of one sequence (all on the CPU): each layer's fused blocks where it

@@ -197,12 +197,18 @@ class Engine:
 
     @torch.inference_mode()
     def step(
-        self, seq_ids: list[int], tokens: list[int], positions: list[int], all_logits: bool = False
+        self,
+        seq_ids: list[int],
+        tokens: list[int],
+        positions: list[int],
+        all_logits: bool = False,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run tokens (of any sequences, at their positions) through the model.
 
         Returns logits (n, n_vocab): for every token when all_logits, else for the last token of each run of
-        one sequence. A sequence's positions continue from at most its current length (lower rewinds it).
+        one sequence; with `hidden`, the final-normed hidden states (n, n_embd) of the same rows instead.
+        A sequence's positions continue from at most its current length (lower rewinds it).
         """
         kv = self.kv
         for s, t in zip(seq_ids, tokens, strict=True):
@@ -226,7 +232,7 @@ class Engine:
                 rows = slice(-1, None)
             elif batch.kind == "mixed":
                 rows = torch.tensor([seg.start + seg.n - 1 for seg in batch.segments])
-        logits = self.model.forward(batch, kv, rows)
+        logits = self.model.forward(batch, kv, rows, hidden=hidden)
         for seg in batch.segments:
             kv.n_past[seg.seq] = seg.pos + seg.n
         return logits
@@ -249,6 +255,18 @@ class Engine:
 
     def _chunk(self, seq: int, chunk: list[int], pos: int, all_logits: bool) -> torch.Tensor:
         return self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))), all_logits=all_logits)
+
+    def hidden_states(self, seq: int, tokens: list[int]) -> torch.Tensor:
+        """The final-normed hidden states (T, n_embd) of tokens evaluated into sequence `seq` from position 0,
+        in chunks of n_batch (embeddings); the sequence holds them afterwards."""
+        if not tokens or len(tokens) > self.n_ctx:
+            raise InputError(f"cannot embed {len(tokens)} tokens with a context of {self.n_ctx}")
+        self.free(seq)
+        out = [
+            self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))), True, hidden=True)
+            for chunk, pos in self._chunks(tokens, 0)
+        ]
+        return torch.cat(out)
 
     def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """Append tokens[i] to sequence seqs[i] (distinct); logits (len(seqs), n_vocab)."""

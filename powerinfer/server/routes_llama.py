@@ -14,7 +14,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Str
 
 from powerinfer.server import logprobs
 from powerinfer.server.errors import ApiError
-from powerinfer.server.schemas import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from powerinfer.server.schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    LlamaEmbeddingRequest,
+    TokenizeRequest,
+)
 from powerinfer.server.state import JSONRoute, ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
@@ -146,6 +151,19 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
                 yield ApiError(event.status, event.message).sse()
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/embedding", tags=["llama.cpp"], summary="Embedding (llama.cpp; needs --embedding)")
+async def embedding(body: LlamaEmbeddingRequest, request: Request) -> Any:
+    """`{"embedding": [...]}` for one text; `[{"index", "embedding"}, ...]` for a list of texts. Pooling and
+    normalisation as /v1/embeddings."""
+    st = _state(request)
+    if isinstance(body.content, str):
+        return {"embedding": (await st.embed(request, st.encode(body.content))).vector}
+    return [
+        {"index": i, "embedding": (await st.embed(request, st.encode(text))).vector}
+        for i, text in enumerate(body.content)
+    ]
 
 
 @router.post("/tokenize", tags=["llama.cpp"], summary="Text to token ids")

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from powerinfer.printable import printable
 from powerinfer.server import logprobs
 from powerinfer.server.errors import ApiError
-from powerinfer.server.schemas import ChatCompletionRequest, OpenAICompletionRequest, _OpenAIBase
+from powerinfer.server.schemas import (
+    ChatCompletionRequest,
+    EmbeddingRequest,
+    OpenAICompletionRequest,
+    _OpenAIBase,
+)
 from powerinfer.server.state import JSONRoute, ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams, SlotRequest, TokenProb
 
@@ -241,3 +248,30 @@ async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
     if echo and body.stream:
         raise ApiError(400, "echo is not supported with stream", param="echo")
     return await _run(request, st, body, prompt, params, options, "text", chunk, final)
+
+
+@router.post("/embeddings", summary="Embeddings (OpenAI; needs --embedding)")
+async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
+    """The mean of the final-normed hidden states over each input's tokens (or the pooling the model's
+    GGUF names), L2-normalised."""
+    st = _state(request)
+    inputs = body.input if isinstance(body.input, list) else [body.input]
+    if inputs and all(isinstance(x, int) for x in inputs):
+        inputs = [inputs]  # one list of token ids
+    if not inputs:
+        raise ApiError(400, "input is empty", param="input")
+    data, n_tokens = [], 0
+    for i, item in enumerate(inputs):
+        tokens = st.encode(item) if isinstance(item, str) else [int(t) for t in item]  # type: ignore[union-attr]
+        out = await st.embed(request, tokens)
+        n_tokens += out.n_prompt
+        vector: Any = out.vector
+        if body.encoding_format == "base64":
+            vector = base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+        data.append({"object": "embedding", "index": i, "embedding": vector})
+    return {
+        "object": "list",
+        "data": data,
+        "model": st.model_id,
+        "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+    }

@@ -143,3 +143,18 @@ class OpenAICompletionRequest(_OpenAIBase):
         None, ge=0, le=20, description="log-probabilities of the tokens and this many alternatives"
     )
     response_format: ResponseFormat | None = None
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI `POST /v1/embeddings`: one text, several, token ids, or lists of token ids."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: float32 little-endian")
+    user: str | None = None
+
+
+class LlamaEmbeddingRequest(_Strict):
+    """llama.cpp `POST /embedding`: `content` is a text or a list of texts."""
+
+    content: str | list[str]

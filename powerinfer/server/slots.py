@@ -46,6 +46,7 @@ class SlotRequest:
     logprobs: bool = False  # record each generated token's log-probability
     n_top: int = 0  # and this many alternatives
     constraint: Constraint | None = None
+    embed: bool = False  # no generation: the prompt's pooled hidden state (an Embedded event)
     probs: list[TokenProb] = field(default_factory=list)
     n_evaluated: int = 0  # prompt tokens actually evaluated (the rest came from the cache)
 

@@ -25,6 +25,7 @@ from powerinfer.server.schemas import ResponseFormat, _Constrained, _Sampling
 from powerinfer.server.slots import Constraint
 from powerinfer.server.worker import (
     Done,
+    Embedded,
     Event,
     Failed,
     GenParams,
@@ -55,6 +56,7 @@ class ServerOptions:
     read_timeout_s: float = 20.0  # to receive a whole request: line, headers and body
     write_timeout_s: float = 60.0  # a response may stall this long because the client does not read
     max_connections: int = 512  # open connections; past it the oldest one still sending a request is closed
+    embedding: bool = False  # serve /v1/embeddings and /embedding
 
 
 # API field names of the sampling parameters (the SamplingParams field in the value)
@@ -283,6 +285,20 @@ class ServerState:
                 if await http.is_disconnected():
                     self.worker.cancel(req)
                     return None
+
+    async def embed(self, http: Request, tokens: list[int]) -> Embedded:
+        """The pooled embedding of `tokens` (501 unless the server runs with --embedding)."""
+        if not self.options.embedding:
+            raise ApiError(
+                501, "embeddings are off: start the server with --embedding", type="not_supported_error"
+            )
+        req, queue = self.start(self.check_prompt(tokens), GenParams(), SlotRequest(embed=True))
+        event = await self.next_event(http, req, queue)
+        if isinstance(event, Failed):
+            raise ApiError(event.status, event.message)
+        if not isinstance(event, Embedded):
+            raise ApiError(499, "client closed the request")
+        return event
 
     async def collect(self, http: Request, req: GenRequest, queue: asyncio.Queue[Event]) -> Done:
         """Wait for the end of a non-streamed generation."""

@@ -79,7 +79,15 @@ class Failed:
     message: str
 
 
-Event = Chunk | Done | Failed
+@dataclass(frozen=True)
+class Embedded:
+    """The pooled, L2-normalised final hidden state of an embedding request's tokens."""
+
+    vector: list[float]
+    n_prompt: int
+
+
+Event = Chunk | Done | Failed | Embedded
 Sink = Callable[[Event], None]
 
 
@@ -150,6 +158,9 @@ class Worker:
         self.tokenizer = engine.tokenizer
         self.gen = SlotGenerator(engine)
         self.n_slots = engine.kv.n_seq
+        md = engine.gguf.metadata
+        # llama.cpp's pooling types: 1 mean, 2 first token (CLS), 3 last token; none (0) and absent: mean
+        self.pooling = int(md.get(f"{md.get('general.architecture', '')}.pooling_type", 1) or 1)
         self.n_ctx = engine.n_ctx
         self.max_queue = max_queue
         self.metrics = Metrics()
@@ -297,7 +308,29 @@ class Worker:
     def _active(self) -> list[_Slot]:
         return [s for s in self._slots if s is not None]
 
+    def _embed(self, seq: _Slot) -> None:
+        """Run an embedding request in its slot: pooled final hidden state, then free the slot."""
+        t = time.perf_counter()
+        prompt = seq.req.prompt
+        try:
+            self.gen.cached[seq.slot] = []  # its KV rows are overwritten
+            h = self.engine.hidden_states(seq.slot, prompt).float()  # (T, n_embd)
+            self.engine.free(seq.slot)
+            v = h[0] if self.pooling == 2 else h[-1] if self.pooling == 3 else h.mean(dim=0)
+            v = v / v.norm().clamp_min(1e-12)
+        except Exception as e:
+            self._fail_with(seq, e, "embedding")
+            return
+        self._release(seq)
+        self.metrics.prompt_tokens_total += len(prompt)
+        self.metrics.prompt_seconds_total += time.perf_counter() - t
+        self.metrics.requests_total += 1
+        seq.req.emit(Embedded(v.tolist(), len(prompt)))
+
     def _prefill(self, seq: _Slot) -> None:
+        if seq.req.options.embed:
+            self._embed(seq)
+            return
         t = time.perf_counter()
         try:
             events = self.gen.start_request(seq.slot, seq.req.prompt, seq.req.params, seq.req.options)
