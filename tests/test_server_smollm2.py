@@ -283,3 +283,66 @@ def test_embeddings_equal_mean_pooled_transformers_hidden_states(smol):
     assert status == 200 and torch.allclose(
         torch.tensor(body["embedding"]), torch.tensor(out.data[0].embedding), atol=1e-5
     )
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def test_tool_calls(smol):
+    srv, client, engine = smol
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    out = client.chat.completions.create(
+        model="x", messages=messages, tools=[WEATHER], tool_choice="required", max_tokens=40, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(
+        json.loads(call.function.arguments)["city"], str
+    )
+    stream = client.chat.completions.create(
+        model="x",
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=40,
+        temperature=0,
+        stream=True,
+    )
+    last = [c for c in stream if c.choices][-1].choices[0]
+    assert (
+        last.finish_reason == "tool_calls"
+        and last.delta.tool_calls[0].function.arguments == call.function.arguments
+    )
+    # the call and its result go back into the prompt for the next turn
+    follow = client.chat.completions.create(
+        model="x",
+        messages=[
+            *messages,
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'},
+        ],
+        tools=[WEATHER],
+        max_tokens=4,
+        temperature=0,
+    )
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_tool_call_parsing():
+    from powerinfer.server import tools
+
+    content, calls = tools.parse('Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert content == "Sure." and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    assert tools.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])

@@ -77,7 +77,8 @@ class Grammars:
 
     def compile(self, kind: str, source: Any, field: str) -> GrammarMatcher:
         """A matcher for `kind`: "json" (any JSON object), "json_schema" (a schema, dict or JSON text) or
-        "gbnf" (llama.cpp's grammar format, root rule `root`). Blocking: call it off the event loop."""
+        "gbnf" (llama.cpp's grammar format, root rule `root`) or "tool_call" (one `<tool_call>` whose JSON
+        follows one of the schemas in `source`). Blocking: call it off the event loop."""
         compiler = self._get_compiler()
         xgr = _xgrammar()
         try:
@@ -88,6 +89,15 @@ class Grammars:
                 if not isinstance(schema, dict):
                     raise ValueError("a JSON schema must be an object")
                 compiled = compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+            elif kind == "tool_call":  # source: one JSON schema per allowed call
+                calls = [xgr.Grammar.from_json_schema(json.dumps(c), any_whitespace=False) for c in source]
+                compiled = compiler.compile_grammar(
+                    xgr.Grammar.concat(
+                        xgr.Grammar.from_ebnf('root ::= "<tool_call>"'),
+                        xgr.Grammar.union(*calls),
+                        xgr.Grammar.from_ebnf('root ::= "</tool_call>"'),
+                    )
+                )
             else:
                 compiled = compiler.compile_grammar(source)
         except ApiError:

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from powerinfer.printable import printable
-from powerinfer.server import logprobs
+from powerinfer.server import logprobs, tools
 from powerinfer.server.errors import ApiError
 from powerinfer.server.schemas import (
     ChatCompletionRequest,
@@ -102,8 +102,10 @@ async def _run(
     kind: str,
     chunk: Callable[[str | None, str | None, tuple[TokenProb, ...]], dict[str, Any]],
     final: Callable[[Done], dict[str, Any]],
+    tail: Callable[[Done, dict[str, Any]], None] | None = None,
 ) -> Any:
-    """Run one generation; answer with the final object, or stream chunks then `data: [DONE]`."""
+    """Run one generation; answer with the final object, or stream chunks then `data: [DONE]` (`tail` may
+    amend the last chunk)."""
     req, queue = st.start(prompt, params, options)
     if not body.stream:
         done = await st.collect(request, req, queue)
@@ -129,6 +131,8 @@ async def _run(
             elif isinstance(ev, Done):
                 last = chunk(None, FINISH[ev.reason], ev.probs[ev.n_probs_sent :])
                 last["timings"] = timings(ev)
+                if tail is not None:
+                    tail(ev, last)
                 yield event(last)
                 if include_usage:
                     usage = chunk(None, None, ())
@@ -147,10 +151,33 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     """Renders `messages` with the model's chat template (GGUF `tokenizer.chat_template`, Jinja2 sandbox;
     ChatML when the model has none) and generates the assistant's answer."""
     st = _state(request)
-    messages = [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages
-    ]
-    prompt = st.check_prompt(st.formatter.tokens(messages))
+    mode, offered = tools.tool_choice(
+        body.tool_choice, [t.model_dump(exclude_none=True) for t in body.tools or []]
+    )
+    inline = bool(offered) and not st.formatter.renders_tools  # tools described in a system message
+    messages: list[dict[str, Any]] = []
+    for m in body.messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name:
+            msg["name"] = m.name
+        if m.tool_call_id:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            calls = [c.model_dump() for c in m.tool_calls]
+            if inline:
+                msg["content"] = (msg["content"] + "".join(tools.call_text(c) for c in calls)).strip()
+            else:
+                msg["tool_calls"] = calls
+        messages.append(msg)
+    if inline:
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {
+                **messages[0],
+                "content": messages[0]["content"] + "\n\n" + tools.system_prompt(offered),
+            }
+        else:
+            messages.insert(0, {"role": "system", "content": tools.system_prompt(offered)})
+    prompt = st.check_prompt(st.formatter.tokens(messages, None if inline else offered or None))
     params = _params(
         st,
         body,
@@ -160,9 +187,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     options = await st.slot_request(
-        body, body.response_format, (body.top_logprobs or 0) if body.logprobs else None
+        body,
+        body.response_format,
+        (body.top_logprobs or 0) if body.logprobs else None,
+        tools.call_schema(offered) if mode == "required" else None,
     )
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def answer(done: Done) -> tuple[dict[str, Any], str]:
+        """The assistant message and finish_reason; tool calls parsed out of the text when tools were given."""
+        content, calls = tools.parse(done.text) if offered else (done.text, [])
+        if not calls:
+            return {"role": "assistant", "content": done.text}, FINISH[done.reason]
+        return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+
+    def tail(done: Done, last: dict[str, Any]) -> None:
+        message, finish = answer(done)
+        if "tool_calls" in message:
+            calls = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+            last["choices"][0]["delta"] = {"tool_calls": calls}
+            last["choices"][0]["finish_reason"] = finish
 
     def probs_of(probs: tuple[TokenProb, ...]) -> dict[str, Any] | None:
         return logprobs.chat(st.tokenizer, probs) if options.logprobs else None
@@ -192,16 +236,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": done.text},
+                    "message": answer(done)[0],
                     "logprobs": probs_of(done.probs),
-                    "finish_reason": FINISH[done.reason],
+                    "finish_reason": answer(done)[1],
                 }
             ],
             "usage": _usage(done),
             "timings": timings(done),
         }
 
-    return await _run(request, st, body, prompt, params, options, "chat", chunk, final)
+    return await _run(request, st, body, prompt, params, options, "chat", chunk, final, tail)
 
 
 @router.post("/completions", summary="Text completion (OpenAI)")

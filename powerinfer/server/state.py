@@ -174,17 +174,26 @@ class ServerState:
         return n
 
     async def slot_request(
-        self, body: _Constrained, response_format: ResponseFormat | None = None, n_top: int | None = None
+        self,
+        body: _Constrained,
+        response_format: ResponseFormat | None = None,
+        n_top: int | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> SlotRequest:
         """The request's prompt reuse, log-probabilities (n_top: None for none, else the alternatives per
-        token) and output constraint (grammar, json_schema or response_format; 400 for a bad one)."""
+        token) and output constraint (grammar, json_schema, response_format or `tool_calls`, the schemas of
+        a required tool call; 400 for a bad one)."""
         given = [name for name in ("grammar", "json_schema") if getattr(body, name) not in (None, "")]
         if response_format is not None and response_format.type != "text":
             given.append("response_format")
+        if tool_calls:
+            given.append("tool_choice")
         if len(given) > 1:
             raise ApiError(400, f"give one of {' and '.join(given)}, not both", param=given[1])
         constraint: Constraint | None = None
-        if body.grammar:
+        if tool_calls:
+            constraint = await asyncio.to_thread(self.grammars.compile, "tool_call", tool_calls, "tools")
+        elif body.grammar:
             constraint = await asyncio.to_thread(self.grammars.compile, "gbnf", body.grammar, "grammar")
         elif body.json_schema is not None:
             constraint = await asyncio.to_thread(
