@@ -139,14 +139,14 @@ def test_logprobs_equal_the_engines_log_softmax(smol):
 SCHEMA = {
     "type": "object",
     "properties": {
-        "name": {"type": "string", "maxLength": 12},
+        "name": {"type": "string", "maxLength": 8},
         "age": {"type": "integer", "minimum": 1, "maximum": 99},
         "colour": {"enum": ["red", "green", "blue"]},
         "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 2},
         "home": {
             "type": "object",
             "properties": {
-                "city": {"type": "string", "maxLength": 10},
+                "city": {"type": "string", "maxLength": 8},
                 "floor": {"type": "integer", "minimum": 0, "maximum": 9},
             },
             "required": ["city", "floor"],
@@ -156,6 +156,7 @@ SCHEMA = {
 }
 
 
+@pytest.mark.slow
 def test_json_schema_answers_from_four_slots_all_validate(smol):
     jsonschema = pytest.importorskip("jsonschema")
     srv, client, engine = smol
@@ -165,7 +166,7 @@ def test_json_schema_answers_from_four_slots_all_validate(smol):
         out = client.chat.completions.create(
             model="gpt-4o",
             messages=[{"role": "user", "content": f"Describe person number {i} as JSON."}],
-            max_tokens=90,
+            max_tokens=72,
             temperature=0.7,
             seed=i,
             response_format=fmt,
@@ -264,6 +265,7 @@ def test_chat_turns_evaluate_only_their_new_tokens(smol):
     )
 
 
+@pytest.mark.slow
 def test_embeddings_equal_mean_pooled_transformers_hidden_states(smol):
     transformers = pytest.importorskip("transformers")
     srv, client, engine = smol
