@@ -322,11 +322,13 @@ def test_tool_calls(smol):
         temperature=0,
         stream=True,
     )
-    last = [c for c in stream if c.choices][-1].choices[0]
+    chunks = [c.choices[0] for c in stream if c.choices]
+    last = chunks[-1]
     assert (
         last.finish_reason == "tool_calls"
         and last.delta.tool_calls[0].function.arguments == call.function.arguments
     )
+    assert "".join(c.delta.content or "" for c in chunks) == ""  # the call's text is not streamed as content
     # the call and its result go back into the prompt for the next turn
     follow = client.chat.completions.create(
         model="x",
@@ -348,3 +350,6 @@ def test_tool_call_parsing():
     content, calls = tools.parse('Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
     assert content == "Sure." and calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
     assert tools.parse("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
+    stream = tools.ContentStream()
+    assert [stream.feed(p) for p in ("Hi <", "tool", "_call>{}", "x")] == ["Hi ", "", "", ""]
+    assert stream.rest() == "<tool_call>{}x"

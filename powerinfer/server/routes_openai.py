@@ -201,12 +201,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             return {"role": "assistant", "content": done.text}, FINISH[done.reason]
         return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
+    content = tools.ContentStream()  # streamed text, tool calls held back
+
     def tail(done: Done, last: dict[str, Any]) -> None:
         message, finish = answer(done)
         if "tool_calls" in message:
             calls = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
             last["choices"][0]["delta"] = {"tool_calls": calls}
             last["choices"][0]["finish_reason"] = finish
+        elif offered and (rest := content.rest()):
+            last["choices"][0]["delta"] = {"content": rest}
 
     def probs_of(probs: tuple[TokenProb, ...]) -> dict[str, Any] | None:
         return logprobs.chat(st.tokenizer, probs) if options.logprobs else None
@@ -216,7 +220,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         if text == "":
             delta = {"role": "assistant", "content": ""}
         elif text is not None:
-            delta = {"content": text}
+            delta = {"content": content.feed(text) if offered else text}
         return {
             "id": cid,
             "object": "chat.completion.chunk",

@@ -17,7 +17,36 @@ from typing import Any
 
 from powerinfer.server.errors import ApiError
 
+OPEN = "<tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+class ContentStream:
+    """The streamed content of an answer that may hold tool calls: text before the first `<tool_call>` goes
+    out as it comes, from the tag on it is kept for the parser (a partial tag at the end waits)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.sent = 0
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        cut = self.text.find(OPEN)
+        if cut < 0:
+            cut = len(self.text)
+            for n in range(min(len(OPEN) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(OPEN[:n]):
+                    cut -= n
+                    break
+        out = self.text[self.sent : cut] if cut > self.sent else ""
+        self.sent = max(self.sent, cut)
+        return out
+
+    def rest(self) -> str:
+        """What was held back (the answer had no call after all)."""
+        out = self.text[self.sent :]
+        self.sent = len(self.text)
+        return out
 
 
 def tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]]) -> tuple[str, list[Any]]:
