@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -407,3 +408,13 @@ def test_metrics_report_sparsity_and_pool_share(tmp_path):
             float(stats.active_gpu.sum()) / active
         )
         assert values["powerinfer_sparse_gpu_active_share"] > 0
+
+
+def test_constrained_requests_without_xgrammar_get_one_line_naming_the_package(live, reference, monkeypatch):
+    from powerinfer.server.errors import ApiError
+    from powerinfer.server.grammar import Grammars
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails as if it were not installed
+    with pytest.raises(ApiError) as e:
+        Grammars(reference.tokenizer).compile("json", None, "response_format")
+    assert e.value.status == 501 and "pip install xgrammar" in e.value.message and "\n" not in e.value.message

@@ -215,6 +215,7 @@ async def props(request: Request) -> dict[str, Any]:
         "chat_template": st.formatter.template,
         "chat_template_fallback": st.formatter.fallback,
         "sparse": st.worker.engine.sparse_stats is not None,
+        "embedding": st.options.embedding,
         "default_generation_settings": {
             **dataclasses.asdict(s),
             "temperature": s.temp,
