@@ -1,10 +1,12 @@
 """The generation worker: one thread owns the Engine and its Generator and runs continuous batching.
 
-HTTP handlers build a GenRequest (prompt tokens, generation parameters, a sink callback) and `submit` it.
-The worker admits pending requests into free KV slots between decode steps (`Generator.start`: prefill, first
-token), then advances every live sequence by one token per `Generator.step`, the loop `main` and `batched`
-use too. A finished, failed or cancelled sequence frees its slot before the next step, so a waiting request
-joins the running batch at once.
+HTTP handlers build a GenRequest (prompt tokens, generation parameters, per-slot options, a sink callback)
+and `submit` it. The worker admits pending requests into free KV slots between decode steps, each into the
+free slot whose cached tokens share the longest prefix with its prompt (`SlotGenerator.start_request`:
+prefill of the rest, first token), then advances every live sequence by one token per `Generator.step`, the
+loop `main` and `batched` use too. A finished, failed or cancelled sequence frees its slot before the next
+step, so a waiting request joins the running batch at once. An embedding request borrows a free slot for
+one prefill.
 
 Each request is isolated: an exception in its prefill or sampling ends that request alone (400 for a
 PowerInferError, i.e. bad input, 500 otherwise) and a failed decode step ends the requests of that batch; the
