@@ -265,12 +265,11 @@ def test_chat_turns_evaluate_only_their_new_tokens(smol):
     )
 
 
-@pytest.mark.slow
-def test_embeddings_equal_mean_pooled_transformers_hidden_states(smol):
-    transformers = pytest.importorskip("transformers")
+def test_embeddings_equal_mean_pooled_transformers_hidden_states(smol, hf_model):
+    """hf_model (conftest, shared by the session): transformers' model loaded from the same GGUF; its base
+    model's last_hidden_state is the final norm's output."""
     srv, client, engine = smol
-    path = smollm2_path()
-    model = transformers.AutoModel.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    model = hf_model[1].model
     texts = ["The cat sat on the mat.", "Paris is the capital of France"]
     out = client.embeddings.create(model="text-embedding-3-small", input=texts)
     assert [d.index for d in out.data] == [0, 1]
