@@ -418,3 +418,11 @@ def test_constrained_requests_without_xgrammar_get_one_line_naming_the_package(l
     with pytest.raises(ApiError) as e:
         Grammars(reference.tokenizer).compile("json", None, "response_format")
     assert e.value.status == 501 and "pip install xgrammar" in e.value.message and "\n" not in e.value.message
+
+
+def test_grammar_on_the_tiny_model_ends_where_the_grammar_does(live):
+    for ignore_eos in (False, True):
+        payload = {"prompt": "x", "grammar": 'root ::= "ab" [0-9]', "n_predict": 8, "ignore_eos": ignore_eos}
+        status, body, _ = request(live, "POST", "/completion", {**payload, "temperature": 0})
+        assert status == 200 and body["content"][:2] == "ab" and body["content"][2:].isdigit(), body
+        assert len(body["content"]) == 3 and body["stopped_eos"]

@@ -107,6 +107,11 @@ class SlotGenerator(Generator):
         logprobs = torch.log_softmax(logits.float(), dim=-1) if req.logprobs else None
         if req.constraint is not None:
             logits = req.constraint.mask(logits)
+            if seq.params.ignore_eos and self.eog:  # the grammar is complete: nothing but an end is left
+                allowed = torch.isfinite(logits)
+                allowed[list(self.eog)] = False
+                if not bool(allowed.any()):
+                    return self._finish(seq, "eos")
         ev = super()._accept(seq, logits)
         if ev.token is not None:
             if req.constraint is not None and ev.end is None:
