@@ -59,6 +59,7 @@ def test_cli_builds_server_options(tmp_path, monkeypatch):
             "4096",
             "-t",
             "1",
+            "--embedding",
         ],
     )
     assert result.exit_code == 0, result.output
@@ -67,7 +68,9 @@ def test_cli_builds_server_options(tmp_path, monkeypatch):
     assert o.engine.n_seq == 3 and o.engine.n_ctx == 256 and o.engine.n_threads == 1
     assert o.api_key == "k1" and o.timeout_s == 30 and o.alias == "mine" and o.max_queue == 7
     assert o.max_body_bytes == 4096 and o.sampling.temp == 0.5 and o.sampling.top_k == 40
-    assert o.sampling.repeat_penalty == 1.1 and o.n_predict == -1
+    assert o.sampling.repeat_penalty == 1.1 and o.n_predict == -1 and o.embedding
+    help_text = CliRunner().invoke(app, ["server", "--help"], env={"COLUMNS": "200"}).output
+    assert "--embedding" in help_text and "--alias" in help_text
 
 
 def test_cli_rejects_zero_slots(tmp_path):

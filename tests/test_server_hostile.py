@@ -63,6 +63,7 @@ def live(tiny_model: Path):
         engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1),
         max_queue=64,
         read_timeout_s=READ_TIMEOUT,
+        embedding=True,
     )
     with live_server(opts) as srv:
         yield srv
@@ -599,7 +600,7 @@ def test_bad_ports_and_hosts_give_one_error_line(tiny_model, tmp_path):
 FIELDS = (
     "prompt n_predict temperature top_k top_p min_p repeat_penalty repeat_last_n frequency_penalty presence_penalty "
     "seed logit_bias stop stream ignore_eos max_tokens messages model grammar content tokens n echo stream_options "
-    "add_special"
+    "add_special cache_prompt n_probs json_schema response_format logprobs top_logprobs tools tool_choice input"
 ).split()
 
 
@@ -618,7 +619,20 @@ def _fuzz_strategies():
         lambda inner: (
             st.lists(inner, max_size=4)
             | st.dictionaries(
-                st.sampled_from(["role", "content", "type", "text", "5", "include_usage"]) | text,
+                st.sampled_from(
+                    [
+                        "role",
+                        "content",
+                        "type",
+                        "text",
+                        "5",
+                        "include_usage",
+                        "json_schema",
+                        "schema",
+                        "properties",
+                    ]
+                )
+                | text,
                 inner,
                 max_size=4,
             )
@@ -637,7 +651,15 @@ def _fuzz_strategies():
         optional={f: values for f in FIELDS if f not in ("prompt", "messages")},
     )
     path = st.sampled_from(
-        ["/completion", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+        [
+            "/completion",
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/tokenize",
+            "/detokenize",
+            "/v1/embeddings",
+            "/embedding",
+        ]
     )
     return path, st.one_of(body, plausible)
 

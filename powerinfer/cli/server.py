@@ -90,7 +90,14 @@ def server(
         float, typer.Option("-to", "--timeout", help="Seconds a request may wait plus generate.")
     ] = 600.0,
     alias: Annotated[
-        str | None, typer.Option("-a", "--alias", help="Model name shown by the API.", show_default=False)
+        str | None,
+        typer.Option(
+            "-a",
+            "--alias",
+            help="Model id listed by /v1/models and echoed in every response's 'model' (default: the file "
+            "name); requests may name any model, the loaded one serves them all.",
+            show_default=False,
+        ),
     ] = None,
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests waiting beyond the slots (503 past it).")
@@ -133,6 +140,14 @@ def server(
     ] = 512,
     pipeline_split: PipelineSplitOpt = None,
     dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
+    embedding: Annotated[
+        bool,
+        typer.Option(
+            "--embedding",
+            help="Serve POST /v1/embeddings and /embedding: the mean of the final-normed hidden states over "
+            "the input's tokens (or the GGUF's pooling type), L2-normalised.",
+        ),
+    ] = False,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
@@ -196,6 +211,7 @@ def server(
             read_timeout_s=read_timeout,
             write_timeout_s=write_timeout,
             max_connections=max_connections,
+            embedding=embedding,
         )
         serve_if_worker(opts.model, opts.engine)  # ranks > 0 of a pipeline serve rank 0 and exit
         Server(opts).run()

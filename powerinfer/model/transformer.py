@@ -96,10 +96,11 @@ class Transformer:
                     layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())
 
     def forward(
-        self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None
+        self, batch: StepBatch, kv: KVStore, rows: slice | torch.Tensor | None = None, hidden: bool = False
     ) -> torch.Tensor:
-        """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all)."""
-        return self.logits(self.forward_layers(self.embedding(batch), batch, kv), rows)
+        """Logits (n_rows, n_vocab) of the batch's tokens at `rows` (None: all); with `hidden`, the
+        final-normed hidden states (n_rows, n_embd) instead (embeddings)."""
+        return self.logits(self.forward_layers(self.embedding(batch), batch, kv), rows, hidden)
 
     def forward_layers(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """The residual stream x (N, D) after every layer (a pipeline stage runs only these)."""
@@ -109,13 +110,16 @@ class Transformer:
             x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
         return x
 
-    def logits(self, x: torch.Tensor, rows: slice | torch.Tensor | None = None) -> torch.Tensor:
-        """The head over the residual stream's `rows` (None: all), on the CPU."""
+    def logits(
+        self, x: torch.Tensor, rows: slice | torch.Tensor | None = None, hidden: bool = False
+    ) -> torch.Tensor:
+        """The head over the residual stream's `rows` (None: all), on the CPU; with `hidden`, the final norm only."""
         if rows is not None:
             x = x[rows]
+        head = self.head.norm if hidden else self.head
         if not self.placed:  # all on the CPU: no device moves (a no-op .to still costs ~1 us, 3 per layer)
-            return self.head(x)
-        return self.head(x.to(self.head_device)).to("cpu")
+            return head(x)
+        return head(x.to(self.head_device)).to("cpu")
 
     def _forward_one(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """The residual stream of one token of one sequence (all on the CPU): each layer's fused blocks where it

@@ -113,7 +113,7 @@ def plot_curves(path: Path, profile: ActivationProfile) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.info("matplotlib is not installed: no plot (pip install matplotlib)")
+        log.info("matplotlib is not installed: no plot (pip install 'powerinfer[plot]')")
         return None
     fig, ax = plt.subplots(figsize=(6, 4.5), dpi=100)
     x = np.arange(1, profile.n_ff + 1) / profile.n_ff

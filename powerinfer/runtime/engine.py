@@ -215,12 +215,18 @@ class Engine:
 
     @torch.inference_mode()
     def step(
-        self, seq_ids: list[int], tokens: list[int], positions: list[int], all_logits: bool = False
+        self,
+        seq_ids: list[int],
+        tokens: list[int],
+        positions: list[int],
+        all_logits: bool = False,
+        hidden: bool = False,
     ) -> torch.Tensor:
         """Run tokens (of any sequences, at their positions) through the model.
 
         Returns logits (n, n_vocab): for every token when all_logits, else for the last token of each run of
-        one sequence. A sequence's positions continue from at most its current length (lower rewinds it).
+        one sequence; with `hidden`, the final-normed hidden states (n, n_embd) of the same rows instead.
+        A sequence's positions continue from at most its current length (lower rewinds it).
         """
         kv = self.kv
         for s, t in zip(seq_ids, tokens, strict=True):
@@ -245,9 +251,11 @@ class Engine:
             elif batch.kind == "mixed":
                 rows = torch.tensor([seg.start + seg.n - 1 for seg in batch.segments])
         if self.pipeline is not None:
+            if hidden:
+                raise InputError("embeddings are not served by a pipeline of several ranks")
             logits = self.pipeline.forward(self.model, batch, kv, rows)
         else:
-            logits = self.model.forward(batch, kv, rows)
+            logits = self.model.forward(batch, kv, rows, hidden=hidden)
         for seg in batch.segments:
             kv.n_past[seg.seq] = seg.pos + seg.n
         return logits
@@ -271,6 +279,18 @@ class Engine:
     def _chunk(self, seq: int, chunk: list[int], pos: int, all_logits: bool) -> torch.Tensor:
         return self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))), all_logits=all_logits)
 
+    def hidden_states(self, seq: int, tokens: list[int]) -> torch.Tensor:
+        """The final-normed hidden states (T, n_embd) of tokens evaluated into sequence `seq` from position 0,
+        in chunks of n_batch (embeddings); the sequence holds them afterwards."""
+        if not tokens or len(tokens) > self.n_ctx:
+            raise InputError(f"cannot embed {len(tokens)} tokens with a context of {self.n_ctx}")
+        self.free(seq)
+        out = [
+            self.step([seq] * len(chunk), chunk, list(range(pos, pos + len(chunk))), True, hidden=True)
+            for chunk, pos in self._chunks(tokens, 0)
+        ]
+        return torch.cat(out)
+
     def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """Append tokens[i] to sequence seqs[i] (distinct); logits (len(seqs), n_vocab)."""
         if len(set(seqs)) != len(seqs):
@@ -285,6 +305,14 @@ class Engine:
         self.kv.copy_slot(src, dst, self.kv.n_past[src])
         if self.pipeline is not None:
             self.pipeline.fork(src, dst, self.kv.n_past[src])
+
+    def keep(self, seq: int, n: int) -> None:
+        """Shorten sequence `seq` to its first n positions, which must still hold the tokens they were
+        evaluated with (free only resets the length, so a freed slot's rows stay until overwritten); the next
+        step continues at n. Prompt reuse."""
+        if not 0 <= n <= self.n_ctx:
+            raise InputError(f"cannot keep {n} positions of a context of {self.n_ctx}")
+        self.kv.n_past[seq] = n
 
     def free(self, seq: int) -> None:
         """Forget a sequence; its slot can take a new prompt."""

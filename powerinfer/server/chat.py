@@ -58,11 +58,22 @@ class ChatFormatter:
     def _special_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self.tokenizer.token_text(token_id)
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template reads the `tools` variable (else the tools go into a system message)."""
+        return "tools" in self.template
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """The prompt text of a conversation; template errors (e.g. roles out of order) raise InputError."""
         try:
             return _compile(self.template).render(
                 messages=list(messages),
+                tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._special_text(self.tokenizer.bos_id),
                 eos_token=self._special_text(self.tokenizer.eos_id),
@@ -74,10 +85,12 @@ class ChatFormatter:
         except (TypeError, ValueError, KeyError, AttributeError) as e:
             raise InputError(f"chat template failed on these messages: {e}") from None
 
-    def tokens(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+    def tokens(
+        self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Prompt token ids: the rendered text with special tokens parsed; BOS added as the vocabulary says,
         unless the template already wrote it."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
         tok = self.tokenizer
         bos = self._special_text(tok.bos_id)
         add_bos = tok.add_bos and not (bos and text.startswith(bos))

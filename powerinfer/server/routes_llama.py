@@ -12,8 +12,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
+from powerinfer.server import logprobs
 from powerinfer.server.errors import ApiError
-from powerinfer.server.schemas import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from powerinfer.server.schemas import (
+    CompletionRequest,
+    DetokenizeRequest,
+    LlamaEmbeddingRequest,
+    TokenizeRequest,
+)
 from powerinfer.server.state import JSONRoute, ServerState, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
@@ -96,10 +102,6 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     last event holding the final object (content "", timings). `n_predict` < -2 is an error; a value past the
     free context is clamped (generation stops when the context is full, `stopped_limit`)."""
     st = _state(request)
-    if body.grammar:
-        raise ApiError(
-            400, "grammar-constrained sampling is not supported", param="grammar", type="not_supported_error"
-        )
     prompt = st.check_prompt(_prompt_tokens(st, body.prompt))
     bias = []
     for tid, b in body.logit_bias:
@@ -118,10 +120,14 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
         tuple(s for s in body.stop if s),
         tuple(bias),
     )
-    req, queue = st.start(prompt, params)
+    options = await st.slot_request(body, n_top=body.n_probs if body.n_probs > 0 else None)
+    req, queue = st.start(prompt, params, options)
     if not body.stream:
         done = await st.collect(request, req, queue)
-        return _final(st, body, params, done, done.text)
+        out = _final(st, body, params, done, done.text)
+        if options.logprobs:
+            out["completion_probabilities"] = logprobs.llama(st.tokenizer, done.probs)
+        return out
     first = await st.next_event(request, req, queue)
     if first is None:
         raise ApiError(499, "client closed the request")
@@ -131,13 +137,33 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     async def stream() -> AsyncIterator[str]:
         async for event in st.events(request, req, queue, first):
             if isinstance(event, Chunk):
-                yield sse({"content": event.text, "stop": False, "slot_id": event.slot, "multimodal": False})
+                out = {"content": event.text, "stop": False, "slot_id": event.slot, "multimodal": False}
+                if options.logprobs:
+                    out["completion_probabilities"] = logprobs.llama(st.tokenizer, event.probs)
+                yield sse(out)
             elif isinstance(event, Done):
-                yield sse(_final(st, body, params, event, ""))
+                out = _final(st, body, params, event, "")
+                if options.logprobs:  # tokens whose text was held back (a stop word may have begun)
+                    rest = event.probs[event.n_probs_sent :]
+                    out["completion_probabilities"] = logprobs.llama(st.tokenizer, rest)
+                yield sse(out)
             else:
                 yield ApiError(event.status, event.message).sse()
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@router.post("/embedding", tags=["llama.cpp"], summary="Embedding (llama.cpp; needs --embedding)")
+async def embedding(body: LlamaEmbeddingRequest, request: Request) -> Any:
+    """`{"embedding": [...]}` for one text; `[{"index", "embedding"}, ...]` for a list of texts. Pooling and
+    normalisation as /v1/embeddings."""
+    st = _state(request)
+    if isinstance(body.content, str):
+        return {"embedding": (await st.embed(request, st.encode(body.content))).vector}
+    return [
+        {"index": i, "embedding": (await st.embed(request, st.encode(text))).vector}
+        for i, text in enumerate(body.content)
+    ]
 
 
 @router.post("/tokenize", tags=["llama.cpp"], summary="Text to token ids")
@@ -189,6 +215,7 @@ async def props(request: Request) -> dict[str, Any]:
         "chat_template": st.formatter.template,
         "chat_template_fallback": st.formatter.fallback,
         "sparse": st.worker.engine.sparse_stats is not None,
+        "embedding": st.options.embedding,
         "default_generation_settings": {
             **dataclasses.asdict(s),
             "temperature": s.temp,

@@ -8,7 +8,7 @@ reduction to uint32 are llama.cpp's (see powerinfer.sampling).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,9 +29,19 @@ class _Sampling(_Strict):
     seed: int | None = Field(None, description="reduced modulo 2**32; -1 (0xFFFFFFFF) or absent: random")
 
 
-class CompletionRequest(_Sampling):
-    """llama.cpp `POST /completion`. Unknown llama.cpp fields (cache_prompt, tfs_z, typical_p, mirostat*,
-    n_keep, penalize_nl, n_probs, slot_id, image_data ...) are accepted and ignored."""
+class _Constrained(_Sampling):
+    """Fields every generating endpoint shares: prompt reuse and structured output (llama.cpp's names)."""
+
+    cache_prompt: bool = Field(
+        True, description="reuse the slot's KV cache for the prompt's common prefix with its previous request"
+    )
+    grammar: str | None = Field(None, description="GBNF grammar (llama.cpp's format) the output must follow")
+    json_schema: dict[str, Any] | None = Field(None, description="JSON schema the output must follow")
+
+
+class CompletionRequest(_Constrained):
+    """llama.cpp `POST /completion`. Unknown llama.cpp fields (tfs_z, typical_p, mirostat*, n_keep,
+    penalize_nl, slot_id, image_data ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -47,7 +57,12 @@ class CompletionRequest(_Sampling):
     logit_bias: list[tuple[int, float | bool]] = Field(
         default_factory=list, description="[token, bias]; bias false bans the token"
     )
-    grammar: str | None = Field(None, description="not supported: must be empty")
+    n_probs: int = Field(
+        0,
+        ge=0,
+        le=20,
+        description="completion_probabilities: each token's logprob and this many alternatives",
+    )
 
 
 class TokenizeRequest(_Strict):
@@ -64,10 +79,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = "{}"
+
+
+class ToolCall(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -81,11 +109,21 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _OpenAIBase(_Sampling):
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: text, any JSON object, or JSON following `json_schema.schema`."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="llama.cpp: the schema here")
+
+
+class _OpenAIBase(_Constrained):
     """Fields shared by /v1/completions and /v1/chat/completions (top_k, min_p, repeat_penalty and
     repeat_last_n are llama.cpp extensions)."""
 
-    model: str | None = Field(None, description="the served model's alias or file name; absent: that model")
+    model: str | None = Field(None, description="any name: the loaded model serves every request")
     temperature: float | None = Field(None, ge=0, le=2)
     max_tokens: int | None = Field(None, description=">= 1; clamped to the free context")
     n: int = Field(1, ge=1, le=1, description="only 1 choice is supported")
@@ -101,9 +139,27 @@ class _OpenAIBase(_Sampling):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+class FunctionSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class ChatCompletionRequest(_OpenAIBase):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, description="alias of max_tokens")
+    response_format: ResponseFormat | None = None
+    logprobs: bool = Field(False, description="each generated token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="alternatives per token (needs logprobs)")
+    tools: list[Tool] | None = Field(None, max_length=64)
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class OpenAICompletionRequest(_OpenAIBase):
@@ -111,3 +167,22 @@ class OpenAICompletionRequest(_OpenAIBase):
         description="one prompt: a string, a list of one string, or token ids"
     )
     echo: bool = False
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="log-probabilities of the tokens and this many alternatives"
+    )
+    response_format: ResponseFormat | None = None
+
+
+class EmbeddingRequest(_Strict):
+    """OpenAI `POST /v1/embeddings`: one text, several, token ids, or lists of token ids."""
+
+    input: str | list[str] | list[int] | list[list[int]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = Field("float", description="base64: float32 little-endian")
+    user: str | None = None
+
+
+class LlamaEmbeddingRequest(_Strict):
+    """llama.cpp `POST /embedding`: `content` is a text or a list of texts."""
+
+    content: str | list[str]

@@ -16,13 +16,24 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
-from powerinfer.printable import printable
 from powerinfer.runtime.engine import EngineOptions
 from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
 from powerinfer.server.errors import ApiError
-from powerinfer.server.schemas import _Sampling
-from powerinfer.server.worker import Done, Event, Failed, GenParams, GenRequest, QueueFull, Worker
+from powerinfer.server.grammar import Grammars
+from powerinfer.server.schemas import ResponseFormat, _Constrained, _Sampling
+from powerinfer.server.slots import Constraint
+from powerinfer.server.worker import (
+    Done,
+    Embedded,
+    Event,
+    Failed,
+    GenParams,
+    GenRequest,
+    QueueFull,
+    SlotRequest,
+    Worker,
+)
 
 PUBLIC_PATHS = frozenset({"/", "/health", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json"})
 
@@ -45,6 +56,7 @@ class ServerOptions:
     read_timeout_s: float = 20.0  # to receive a whole request: line, headers and body
     write_timeout_s: float = 60.0  # a response may stall this long because the client does not read
     max_connections: int = 512  # open connections; past it the oldest one still sending a request is closed
+    embedding: bool = False  # serve /v1/embeddings and /embedding
 
 
 # API field names of the sampling parameters (the SamplingParams field in the value)
@@ -127,8 +139,10 @@ class ServerState:
         self.options = options
         self.tokenizer = worker.tokenizer
         self.formatter = ChatFormatter(self.tokenizer, options.chat_template)
+        self.grammars = Grammars(self.tokenizer)
+        # the id /v1/models lists and every response's `model` field (llama-server reports its --alias too,
+        # whatever name the request gave); a request's `model` never selects: the loaded model serves all
         self.model_id = options.alias or options.model.name
-        self.model_names = {self.model_id, options.model.name, options.model.stem}
         self.created = int(time.time())
         self.n_ctx = worker.n_ctx
 
@@ -159,14 +173,51 @@ class ServerState:
             n = cap
         return n
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name not in self.model_names:
-            raise ApiError(
-                404,
-                f"The model '{printable(name)}' does not exist; this server serves '{printable(self.model_id)}'",
-                param="model",
-                code="model_not_found",
+    async def slot_request(
+        self,
+        body: _Constrained,
+        response_format: ResponseFormat | None = None,
+        n_top: int | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
+    ) -> SlotRequest:
+        """The request's prompt reuse, log-probabilities (n_top: None for none, else the alternatives per
+        token) and output constraint (grammar, json_schema, response_format or `tool_calls`, the schemas of
+        a required tool call; 400 for a bad one)."""
+        given = [name for name in ("grammar", "json_schema") if getattr(body, name) not in (None, "")]
+        if response_format is not None and response_format.type != "text":
+            given.append("response_format")
+        if tool_calls:
+            given.append("tool_choice")
+        if len(given) > 1:
+            raise ApiError(400, f"give one of {' and '.join(given)}, not both", param=given[1])
+        constraint: Constraint | None = None
+        if tool_calls:
+            constraint = await asyncio.to_thread(self.grammars.compile, "tool_call", tool_calls, "tools")
+        elif body.grammar:
+            constraint = await asyncio.to_thread(self.grammars.compile, "gbnf", body.grammar, "grammar")
+        elif body.json_schema is not None:
+            constraint = await asyncio.to_thread(
+                self.grammars.compile, "json_schema", body.json_schema, "json_schema"
             )
+        elif response_format is not None and response_format.type != "text":
+            schema = response_format.schema_
+            if response_format.type == "json_schema":
+                inner = response_format.json_schema or {}
+                schema = inner.get("schema", schema)
+                if not isinstance(schema, dict):
+                    raise ApiError(
+                        400,
+                        "response_format.json_schema.schema must be a JSON schema object",
+                        param="response_format",
+                    )
+            kind, source = ("json_schema", schema) if schema is not None else ("json", None)
+            constraint = await asyncio.to_thread(self.grammars.compile, kind, source, "response_format")
+        return SlotRequest(
+            cache_prompt=body.cache_prompt,
+            logprobs=n_top is not None,
+            n_top=n_top or 0,
+            constraint=constraint,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Prompt text to tokens as `powerinfer main` does (BOS per the vocabulary, special tokens parsed)."""
@@ -196,12 +247,18 @@ class ServerState:
         return tokens
 
     # ------------------------------------------------------------------ running a generation
-    def start(self, prompt: list[int], params: GenParams) -> tuple[GenRequest, asyncio.Queue[Event]]:
+    def start(
+        self, prompt: list[int], params: GenParams, options: SlotRequest | None = None
+    ) -> tuple[GenRequest, asyncio.Queue[Event]]:
         """Hand a generation to the worker; 503 when the queue is full."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Event] = asyncio.Queue()
         req = GenRequest(
-            prompt, params, lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev), self.options.timeout_s
+            prompt,
+            params,
+            lambda ev: loop.call_soon_threadsafe(queue.put_nowait, ev),
+            self.options.timeout_s,
+            options,
         )
         try:
             self.worker.submit(req)
@@ -238,6 +295,20 @@ class ServerState:
                     self.worker.cancel(req)
                     return None
 
+    async def embed(self, http: Request, tokens: list[int]) -> Embedded:
+        """The pooled embedding of `tokens` (501 unless the server runs with --embedding)."""
+        if not self.options.embedding:
+            raise ApiError(
+                501, "embeddings are off: start the server with --embedding", type="not_supported_error"
+            )
+        req, queue = self.start(self.check_prompt(tokens), GenParams(), SlotRequest(embed=True))
+        event = await self.next_event(http, req, queue)
+        if isinstance(event, Failed):
+            raise ApiError(event.status, event.message)
+        if not isinstance(event, Embedded):
+            raise ApiError(499, "client closed the request")
+        return event
+
     async def collect(self, http: Request, req: GenRequest, queue: asyncio.Queue[Event]) -> Done:
         """Wait for the end of a non-streamed generation."""
         async for event in self.events(http, req, queue):
@@ -253,9 +324,11 @@ def sse(obj: Any) -> str:
 
 
 def timings(done: Done) -> dict[str, float]:
-    """llama.cpp's per-request timings object."""
-    pn, pm, gn, gm = done.n_prompt, done.prompt_ms, done.n_predicted, done.predicted_ms
+    """llama.cpp's per-request timings object; prompt_n counts the prompt tokens evaluated, without those
+    reused from the slot's cache (cache_n)."""
+    pn, pm, gn, gm = done.n_evaluated, done.prompt_ms, done.n_predicted, done.predicted_ms
     return {
+        "cache_n": done.n_prompt - pn,
         "prompt_n": pn,
         "prompt_ms": pm,
         "prompt_per_token_ms": pm / pn if pn else 0.0,

@@ -1,10 +1,12 @@
 """The generation worker: one thread owns the Engine and its Generator and runs continuous batching.
 
-HTTP handlers build a GenRequest (prompt tokens, generation parameters, a sink callback) and `submit` it.
-The worker admits pending requests into free KV slots between decode steps (`Generator.start`: prefill, first
-token), then advances every live sequence by one token per `Generator.step`, the loop `main` and `batched`
-use too. A finished, failed or cancelled sequence frees its slot before the next step, so a waiting request
-joins the running batch at once.
+HTTP handlers build a GenRequest (prompt tokens, generation parameters, per-slot options, a sink callback)
+and `submit` it. The worker admits pending requests into free KV slots between decode steps, each into the
+free slot whose cached tokens share the longest prefix with its prompt (`SlotGenerator.start_request`:
+prefill of the rest, first token), then advances every live sequence by one token per `Generator.step`, the
+loop `main` and `batched` use too. A finished, failed or cancelled sequence frees its slot before the next
+step, so a waiting request joins the running batch at once. An embedding request borrows a free slot for
+one prefill.
 
 Each request is isolated: an exception in its prefill or sampling ends that request alone (400 for a
 PowerInferError, i.e. bad input, 500 otherwise) and a failed decode step ends the requests of that batch; the
@@ -25,11 +27,22 @@ from powerinfer.errors import PowerInferError
 from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.generate import Event as GenEvent
-from powerinfer.runtime.generate import Generator, GenParams
+from powerinfer.runtime.generate import GenParams
+from powerinfer.server.slots import SlotGenerator, SlotRequest, TokenProb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Chunk", "Done", "Failed", "GenParams", "GenRequest", "QueueFull", "Worker"]
+__all__ = [
+    "Chunk",
+    "Done",
+    "Failed",
+    "GenParams",
+    "GenRequest",
+    "QueueFull",
+    "SlotRequest",
+    "TokenProb",
+    "Worker",
+]
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,7 @@ class Chunk:
     text: str
     n_tokens: int  # tokens generated so far
     slot: int
+    probs: tuple[TokenProb, ...] = ()  # of the tokens generated since the previous chunk (when requested)
 
 
 @dataclass(frozen=True)
@@ -54,6 +68,9 @@ class Done:
     n_predicted: int
     prompt_ms: float
     predicted_ms: float
+    n_evaluated: int = 0  # prompt tokens evaluated; the others came from the slot's cache
+    probs: tuple[TokenProb, ...] = ()  # every generated token's (when requested)
+    n_probs_sent: int = 0  # how many of `probs` went out with the chunks
 
 
 @dataclass(frozen=True)
@@ -64,7 +81,15 @@ class Failed:
     message: str
 
 
-Event = Chunk | Done | Failed
+@dataclass(frozen=True)
+class Embedded:
+    """The pooled, L2-normalised final hidden state of an embedding request's tokens."""
+
+    vector: list[float]
+    n_prompt: int
+
+
+Event = Chunk | Done | Failed | Embedded
 Sink = Callable[[Event], None]
 
 
@@ -76,10 +101,17 @@ class GenRequest:
     """One generation: built by an HTTP handler, run by the worker, events delivered through `sink`."""
 
     def __init__(
-        self, prompt: list[int], params: GenParams, sink: Sink, timeout_s: float | None = None
+        self,
+        prompt: list[int],
+        params: GenParams,
+        sink: Sink,
+        timeout_s: float | None = None,
+        options: SlotRequest | None = None,
     ) -> None:
         self.prompt = prompt
         self.params = params
+        self.options = options or SlotRequest()
+        self.n_probs_sent = 0
         self.sink = sink
         self.created = time.perf_counter()
         self.deadline = None if timeout_s is None or timeout_s <= 0 else self.created + timeout_s
@@ -126,12 +158,16 @@ class Worker:
     def __init__(self, engine: Engine, max_queue: int = 32) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.gen = Generator(engine)
+        self.gen = SlotGenerator(engine)
         self.n_slots = engine.kv.n_seq
+        md = engine.gguf.metadata
+        # llama.cpp's pooling types: 1 mean, 2 first token (CLS), 3 last token; none (0) and absent: mean
+        self.pooling = int(md.get(f"{md.get('general.architecture', '')}.pooling_type", 1) or 1)
         self.n_ctx = engine.n_ctx
         self.max_queue = max_queue
         self.metrics = Metrics()
         self._slots: list[_Slot | None] = [None] * self.n_slots
+        self._last_used = [0.0] * self.n_slots
         self._pending: deque[GenRequest] = deque()
         self._cond = threading.Condition()
         self._running = True
@@ -213,18 +249,21 @@ class Worker:
             # while sequences are decoding, admit one new prompt per step: its prefill stalls them once,
             # instead of once per newcomer (a burst of arrivals at an idle server is admitted at once)
             budget = 1 if any(s is not None for s in self._slots) else self.n_slots
-            for i in range(self.n_slots):
-                while self._slots[i] is None and self._pending and len(admitted) < budget:
-                    req = self._pending.popleft()
-                    if req.cancelled.is_set():
-                        self.metrics.requests_cancelled += 1
-                        continue
-                    if req.deadline is not None and now > req.deadline:
-                        expired.append(req)
-                        continue
-                    seq = _Slot(req, i, time.perf_counter())
-                    self._slots[i] = seq
-                    admitted.append(seq)
+            while self._pending and len(admitted) < budget:
+                free = [i for i in range(self.n_slots) if self._slots[i] is None]
+                if not free:
+                    break
+                req = self._pending.popleft()
+                if req.cancelled.is_set():
+                    self.metrics.requests_cancelled += 1
+                    continue
+                if req.deadline is not None and now > req.deadline:
+                    expired.append(req)
+                    continue
+                seq = _Slot(req, self._pick_slot(req, free), time.perf_counter())
+                self._slots[seq.slot] = seq
+                self._last_used[seq.slot] = seq.t_start
+                admitted.append(seq)
             if expired and self._pending:  # expired requests further back in the queue
                 keep = deque(r for r in self._pending if r.deadline is None or now <= r.deadline)
                 expired += [r for r in self._pending if r not in keep]
@@ -248,6 +287,16 @@ class Worker:
             self.metrics.kv_tokens = sum(self.engine.kv.n_past)
         return True
 
+    def _pick_slot(self, req: GenRequest, free: list[int]) -> int:
+        """The free slot whose cache shares the longest prefix with the prompt (as llama-server picks);
+        ties, and requests without cache_prompt, take the least recently used one."""
+
+        def score(i: int) -> tuple[int, float]:
+            reuse = self.gen.reusable(i, req.prompt) if req.options.cache_prompt and req.prompt else 0
+            return reuse, -self._last_used[i]
+
+        return max(free, key=score)
+
     def _recover(self) -> None:
         """After an unexpected failure: every request holding a slot ends with a 500, the slots are freed."""
         for seq in self._active():
@@ -261,14 +310,36 @@ class Worker:
     def _active(self) -> list[_Slot]:
         return [s for s in self._slots if s is not None]
 
+    def _embed(self, seq: _Slot) -> None:
+        """Run an embedding request in its slot: pooled final hidden state, then free the slot."""
+        t = time.perf_counter()
+        prompt = seq.req.prompt
+        try:
+            self.gen.cached[seq.slot] = []  # its KV rows are overwritten
+            h = self.engine.hidden_states(seq.slot, prompt).float()  # (T, n_embd)
+            self.engine.free(seq.slot)
+            v = h[0] if self.pooling == 2 else h[-1] if self.pooling == 3 else h.mean(dim=0)
+            v = v / v.norm().clamp_min(1e-12)
+        except Exception as e:
+            self._fail_with(seq, e, "embedding")
+            return
+        self._release(seq)
+        self.metrics.prompt_tokens_total += len(prompt)
+        self.metrics.prompt_seconds_total += time.perf_counter() - t
+        self.metrics.requests_total += 1
+        seq.req.emit(Embedded(v.tolist(), len(prompt)))
+
     def _prefill(self, seq: _Slot) -> None:
+        if seq.req.options.embed:
+            self._embed(seq)
+            return
         t = time.perf_counter()
         try:
-            events = self.gen.start(seq.slot, seq.req.prompt, seq.req.params)
+            events = self.gen.start_request(seq.slot, seq.req.prompt, seq.req.params, seq.req.options)
         except Exception as e:  # this request fails, the others go on
             self._fail_with(seq, e, "prompt evaluation")
             return
-        self.metrics.prompt_tokens_total += len(seq.req.prompt)
+        self.metrics.prompt_tokens_total += seq.req.options.n_evaluated
         self.metrics.prompt_seconds_total += time.perf_counter() - t
         for ev in events:
             self._deliver(ev)
@@ -297,8 +368,11 @@ class Worker:
         seq = ev.seq
         if ev.token is not None:
             self.metrics.predicted_tokens_total += 1
+        req = holder.req
         if ev.text:
-            holder.req.emit(Chunk(ev.text, seq.n_gen, ev.slot))
+            probs = tuple(req.options.probs[req.n_probs_sent :])
+            req.n_probs_sent += len(probs)
+            req.emit(Chunk(ev.text, seq.n_gen, ev.slot, probs))
         if ev.end is None:
             return
         self._release(holder)
@@ -316,6 +390,9 @@ class Worker:
                 seq.n_gen,
                 seq.prompt_ms,
                 (time.perf_counter() - seq.t_first) * 1e3 if seq.t_first else 0.0,
+                req.options.n_evaluated,
+                tuple(req.options.probs),
+                req.n_probs_sent,
             )
         )
 
