@@ -146,7 +146,7 @@ def test_choose_groups_exact_matches_brute_force_mixed_costs():
 
 def test_choose_groups_greedy_fallback_bound_and_monotone():
     rng = np.random.default_rng(3)
-    for _ in range(60):
+    for _ in range(30):
         n_layer, n_groups = int(rng.integers(2, 4)), int(rng.integers(3, 5))
         sums = -np.sort(-rng.random((n_layer, n_groups)) * 50, axis=1)
         costs = [int(rng.integers(1, 9)) for _ in range(n_layer)]

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REL_TOL = 1e-5  # float32 accumulation over K <= 2048 terms (observed ~2e-7; K-quants <= 3.4e-7)
+REL_TOL = 1e-5  # float32 accumulation over K <= 1024 terms (observed ~2e-7; K-quants <= 3.4e-7)
 LOGIT_TOL = 1e-4  # whole model, Triton pool vs the all-CPU engine (same tolerance as the C stand-in)
 
 
@@ -33,8 +33,8 @@ def check_kernels(failures: list[str]) -> list[list]:
     out = []
     # N not a multiple of the row tile (32/64), K from one block up; F16/F32 rows also of odd length; K-quants
     # from one super-block up (random valid super-blocks: nothing quantizes to them here yet)
-    shapes = [(37, 32), (5, 64), (70, 96), (33, 2048)]
-    k_shapes = [(37, 256), (5, 512), (33, 2048)]
+    shapes = [(37, 32), (5, 64), (70, 96), (33, 1024)]
+    k_shapes = [(37, 256), (5, 512), (33, 1024)]
     cases = [
         (t, n, k)
         for t in triton_quant.SUPPORTED_TYPES
@@ -49,8 +49,10 @@ def check_kernels(failures: list[str]) -> list[list]:
             w[0, :5] = 0.0  # zeros and a negative-zero scale somewhere
             raw = torch.from_numpy(quantize(w, ggml_type))
         dense = torch.from_numpy(dequantize(raw.numpy(), ggml_type, (n_rows, n_cols)).copy()).double()
-        big = n_cols == 2048  # the interpreter is slow there: one token, default split only
-        for T in (1,) if big else (1, 3, 17):
+        # the interpreter is slow: K = 1024 one token, default split only; T = 17 (the tl.dot path) on the
+        # shape whose N is not a multiple of the row tile and K several blocks (70 x 96) only
+        big = n_cols == 1024
+        for T in (1,) if big else (1, 3, 17) if (n_rows, n_cols) == (70, 96) else (1, 3):
             x = torch.randn(T, n_cols, dtype=torch.float64)
             h = torch.randn(T, n_rows, dtype=torch.float64)
             h[:, ::3] = 0.0  # inactive neurons
@@ -86,18 +88,13 @@ def check_engine(failures: list[str]) -> dict[str, float]:
 
     from test_device_quant import _k_quant_models
 
-    tokens = [1, 5, 17, 99, 200, 3, 41, 250, 8, 77]
+    tokens = [1, 5, 17, 99, 200, 3, 41]  # the interpreter is slow: a prefill of 5 and two decode steps
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         models = []  # (name, path, n_ff, n_embd)
-        for ggml_type in (
-            GGMLType.Q4_0,
-            GGMLType.Q4_1,
-            GGMLType.Q5_0,
-            GGMLType.Q8_0,
-            GGMLType.F16,
-            GGMLType.BF16,
-        ):
+        # whole models for one block format, one float format and the K-quant mix (the interpreter is slow: the
+        # kernel checks above cover every pool type on its own)
+        for ggml_type in (GGMLType.Q4_0, GGMLType.F16):
             folder = Path(tmp) / ggml_type.name
             folder.mkdir()
             path = write_relu_sparse_model(
@@ -134,8 +131,9 @@ def check_engine(failures: list[str]) -> dict[str, float]:
             m.head.output = to_triton(m.head.output)
             if not 0 < n_hot < 2 * n_ff or not isinstance(m.layers[0].attn.wq, ops.DeviceWeight):
                 failures.append(f"engine {name}: unexpected placement ({n_hot} hot neurons)")
-            # prefill (T = 10, the tl.dot path) then decode steps (T = 1, broadcast path)
-            got = torch.cat([engine.logits_all(tokens[:7])] + [engine.logits_all([t]) for t in tokens[7:]])
+            # a prefill of 5 tokens and decode steps of 1 (both broadcast-and-sum; the kernel checks above take
+            # the tl.dot path at T = 17)
+            got = torch.cat([engine.logits_all(tokens[:5])] + [engine.logits_all([t]) for t in tokens[5:]])
             err = (got - ref).abs().max().item()
             out[name] = err
             if not err < LOGIT_TOL:
