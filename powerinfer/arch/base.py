@@ -199,6 +199,12 @@ def vector(src: WeightSource, template: str, n: int, bid: int | None = None) -> 
     return src.vector(template.format(bid=bid), n)
 
 
+def norm_with_bias(config: ModelConfig, src: WeightSource, template: str, bid: int | None = None) -> Norm:
+    """The norm named by `template` (of layer bid) with its bias beside it (Falcon's and OPT's LayerNorms)."""
+    name = template.format(bid=bid)
+    return Norm(config.norm, src.vector(name, config.n_embd), src.vector(bias_of(name), config.n_embd))
+
+
 def gate_up(src: WeightSource, bid: int, shape: tuple[int, int], host: bool) -> tuple[Any, Any]:
     """A layer's gate and up matrices, each (n_ff, n_embd): ffn_gate and ffn_up, or, in files without ffn_gate
     (Phi-3), the two halves of ffn_up (2 n_ff, n_embd), gate first; `host`: both from the memory-mapped file."""

@@ -21,13 +21,14 @@ from powerinfer.arch.base import (
     ffn_activation,
     gated_ffn,
     n_vocab_of,
+    norm_with_bias,
     sparse_method,
     sparse_threshold,
 )
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.model.blocks import Attention, Embedding, Head, Norm, Rope
+from powerinfer.model.blocks import Attention, Embedding, Head, Rope
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
@@ -122,11 +123,6 @@ def check(config: ModelConfig, gguf: GGUFFile) -> None:
     check_tensors(gguf, config, tensor_table(config))
 
 
-def _norm(config: ModelConfig, src: WeightSource, template: str, bid: int | None = None) -> Norm:
-    name = template.format(bid=bid)
-    return Norm(config.norm, src.vector(name, config.n_embd), src.vector(bias_of(name), config.n_embd))
-
-
 def build(config: ModelConfig, src: WeightSource) -> Transformer:
     c, kc, a = config, src.kc, config.attention
     embd = src.host_matrix(TensorNames.TOKEN_EMBD, (c.n_vocab, c.n_embd))
@@ -135,11 +131,11 @@ def build(config: ModelConfig, src: WeightSource) -> Transformer:
         qkv = src.matrix(TensorNames.ATTN_QKV.format(bid=bid), (a.n_embd_q + 2 * a.n_embd_kv, c.n_embd))
         wo = src.matrix(TensorNames.ATTN_OUT.format(bid=bid), (c.n_embd, a.n_embd_q))
         attn = Attention(a, None, None, None, wo, kc, wqkv=qkv, workspace=src.workspace)
-        mlp_norm = _norm(c, src, TensorNames.ATTN_NORM, bid)
+        mlp_norm = norm_with_bias(c, src, TensorNames.ATTN_NORM, bid)
         two_norms = src.has(TensorNames.ATTN_NORM_2.format(bid=bid))
         layers.append(
             Layer(
-                attn_norm=_norm(c, src, TensorNames.ATTN_NORM_2, bid) if two_norms else mlp_norm,
+                attn_norm=norm_with_bias(c, src, TensorNames.ATTN_NORM_2, bid) if two_norms else mlp_norm,
                 attn=attn,
                 ffn_norm=mlp_norm if two_norms else None,
                 ffn=gated_ffn(c, bid, src),
@@ -148,7 +144,7 @@ def build(config: ModelConfig, src: WeightSource) -> Transformer:
             )
         )
     output = src.matrix(TensorNames.OUTPUT, (c.n_vocab, c.n_embd)) if src.has(TensorNames.OUTPUT) else embd
-    head = Head(_norm(c, src, TensorNames.OUTPUT_NORM), output, kc)
+    head = Head(norm_with_bias(c, src, TensorNames.OUTPUT_NORM), output, kc)
     rope = a.rope
     assert rope is not None
     return Transformer(

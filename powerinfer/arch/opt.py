@@ -22,13 +22,14 @@ from powerinfer.arch.base import (
     ffn_activation,
     gated_ffn,
     n_vocab_of,
+    norm_with_bias,
     sparse_method,
     sparse_threshold,
 )
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.model.blocks import Attention, Embedding, Head, Norm
+from powerinfer.model.blocks import Attention, Embedding, Head
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec
@@ -141,11 +142,6 @@ def check(config: ModelConfig, gguf: GGUFFile) -> None:
         )
 
 
-def _norm(config: ModelConfig, src: WeightSource, template: str, bid: int | None = None) -> Norm:
-    name = template.format(bid=bid)
-    return Norm(config.norm, src.vector(name, config.n_embd), src.vector(bias_of(name), config.n_embd))
-
-
 def build(config: ModelConfig, src: WeightSource) -> Transformer:
     c, kc, a = config, src.kc, config.attention
     embd = src.host_matrix(TensorNames.TOKEN_EMBD, (c.n_vocab, c.n_embd))
@@ -168,14 +164,14 @@ def build(config: ModelConfig, src: WeightSource) -> Transformer:
         attn = Attention(a, wq, wk, wv, wo, kc, biases=(bq, bk, bv, bo), workspace=src.workspace)
         layers.append(
             Layer(
-                attn_norm=_norm(c, src, TensorNames.ATTN_NORM, bid),
+                attn_norm=norm_with_bias(c, src, TensorNames.ATTN_NORM, bid),
                 attn=attn,
-                ffn_norm=_norm(c, src, TensorNames.FFN_NORM, bid),
+                ffn_norm=norm_with_bias(c, src, TensorNames.FFN_NORM, bid),
                 ffn=gated_ffn(c, bid, src),
                 device=src.layer_device(bid),
             )
         )
     output = src.matrix(TensorNames.OUTPUT, (c.n_vocab, c.n_embd)) if src.has(TensorNames.OUTPUT) else embd
-    head = Head(_norm(c, src, TensorNames.OUTPUT_NORM), output, kc)
+    head = Head(norm_with_bias(c, src, TensorNames.OUTPUT_NORM), output, kc)
     embedding = Embedding(embd, kc, positions=positions, position_offset=POSITION_OFFSET)
     return Transformer(embedding, layers, head, src.head_device())
