@@ -41,17 +41,6 @@ SWA_PATTERN = 6  # llama.cpp: layers il % 6 < 5 slide, the 6th is global
 SWA_ROPE_BASE = 10000.0
 N_LAYER_27B = 62  # llama.cpp scales q of the 27B by 1/sqrt(n_embd / n_head)
 
-KEY_LENGTH = "{arch}.attention.key_length"
-VALUE_LENGTH = "{arch}.attention.value_length"
-SLIDING_WINDOW = "{arch}.attention.sliding_window"
-ATTENTION_SCALE = "{arch}.attention.scale"
-FINAL_LOGIT_SOFTCAPPING = "{arch}.final_logit_softcapping"
-
-ATTN_Q_NORM = "blk.{bid}.attn_q_norm.weight"
-ATTN_K_NORM = "blk.{bid}.attn_k_norm.weight"
-ATTN_POST_NORM = "blk.{bid}.post_attention_norm.weight"
-FFN_POST_NORM = "blk.{bid}.post_ffw_norm.weight"
-
 
 @dataclass(frozen=True)
 class Gemma3Config(ModelConfig):
@@ -77,14 +66,16 @@ class Gemma3Config(ModelConfig):
         n_head = m.require(Keys.HEAD_COUNT, minimum=1)
         n_head_kv = m.optional(Keys.HEAD_COUNT_KV, n_head, minimum=1)
         n_layer = m.require(Keys.BLOCK_COUNT, minimum=1)
-        head_dim = m.optional(KEY_LENGTH, n_embd // n_head if n_embd % n_head == 0 else 0, minimum=1)
-        if m.optional(VALUE_LENGTH, head_dim) != head_dim:
-            raise ConfigError(f"value length {m.optional(VALUE_LENGTH, head_dim)} != key length {head_dim}")
+        head_dim = m.optional(Keys.KEY_LENGTH, n_embd // n_head if n_embd % n_head == 0 else 0, minimum=1)
+        if m.optional(Keys.VALUE_LENGTH, head_dim) != head_dim:
+            raise ConfigError(
+                f"value length {m.optional(Keys.VALUE_LENGTH, head_dim)} != key length {head_dim}"
+            )
         rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
         if rope_dim != head_dim:
             raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
-        if m.optional(FINAL_LOGIT_SOFTCAPPING, 0.0, float) != 0.0:
-            key = FINAL_LOGIT_SOFTCAPPING.format(arch=arch)
+        if m.optional(Keys.FINAL_LOGIT_SOFTCAPPING, 0.0, float) != 0.0:
+            key = Keys.FINAL_LOGIT_SOFTCAPPING.format(arch=arch)
             raise ConfigError(f"metadata key '{key}' is set: logit soft-capping is unsupported")
         scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
         if scaling not in ("none", "linear"):
@@ -93,9 +84,9 @@ class Gemma3Config(ModelConfig):
         rope_base = m.optional(Keys.ROPE_FREQ_BASE, 1_000_000.0, float)
         if rope_scale <= 0 or rope_base <= 0:
             raise ConfigError(f"rope base {rope_base} and scaling factor {rope_scale} must be positive")
-        window = m.optional(SLIDING_WINDOW, 0) or None  # 0 or absent: every layer global
+        window = m.optional(Keys.SLIDING_WINDOW, 0) or None  # 0 or absent: every layer global
         default_scale = (n_embd // n_head if n_layer == N_LAYER_27B else head_dim) ** -0.5
-        scale = m.optional(ATTENTION_SCALE, default_scale, float)
+        scale = m.optional(Keys.ATTENTION_SCALE, default_scale, float)
         eps = m.require(Keys.LAYERNORM_RMS_EPS, float, minimum=0.0)
         method, thresholds = sparse_method(metadata, sparse, n_layer)
         return cls(
@@ -129,10 +120,10 @@ def tensor_table(config: ModelConfig) -> TensorTable:
     base = llama.tensor_table(config)
     c = config
     extra = {
-        ATTN_Q_NORM: (c.head_dim,),
-        ATTN_K_NORM: (c.head_dim,),
-        ATTN_POST_NORM: (c.n_embd,),
-        FFN_POST_NORM: (c.n_embd,),
+        TensorNames.ATTN_Q_NORM: (c.head_dim,),
+        TensorNames.ATTN_K_NORM: (c.head_dim,),
+        TensorNames.ATTN_POST_NORM: (c.n_embd,),
+        TensorNames.FFN_POST_NORM: (c.n_embd,),
     }
     shapes = {t.format(bid=bid): s for bid in range(c.n_layer) for t, s in extra.items()}
     return TensorTable(base.shapes | shapes, base.required | frozenset(shapes), base.one_of)
@@ -163,8 +154,8 @@ def build(config: ModelConfig, src: WeightSource) -> Transformer:
             src.matrix(name(TensorNames.ATTN_V), (a.n_embd_kv, c.n_embd)),
             src.matrix(name(TensorNames.ATTN_OUT), (c.n_embd, a.n_embd_q)),
             kc,
-            q_norm=Norm(c.norm, src.vector(name(ATTN_Q_NORM), a.head_dim)),
-            k_norm=Norm(c.norm, src.vector(name(ATTN_K_NORM), a.head_dim)),
+            q_norm=Norm(c.norm, src.vector(name(TensorNames.ATTN_Q_NORM), a.head_dim)),
+            k_norm=Norm(c.norm, src.vector(name(TensorNames.ATTN_K_NORM), a.head_dim)),
             workspace=src.workspace,
         )
         layers.append(
@@ -174,8 +165,8 @@ def build(config: ModelConfig, src: WeightSource) -> Transformer:
                 ffn_norm=Norm(c.norm, src.vector(name(TensorNames.FFN_NORM), c.n_embd)),
                 ffn=gated_ffn(c, bid, src),
                 device=src.layer_device(bid),
-                post_attn_norm=Norm(c.norm, src.vector(name(ATTN_POST_NORM), c.n_embd)),
-                post_ffn_norm=Norm(c.norm, src.vector(name(FFN_POST_NORM), c.n_embd)),
+                post_attn_norm=Norm(c.norm, src.vector(name(TensorNames.ATTN_POST_NORM), c.n_embd)),
+                post_ffn_norm=Norm(c.norm, src.vector(name(TensorNames.FFN_POST_NORM), c.n_embd)),
             )
         )
     output = src.matrix(TensorNames.OUTPUT, (c.n_vocab, c.n_embd)) if src.has(TensorNames.OUTPUT) else embd

@@ -35,8 +35,6 @@ from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
 from powerinfer.model.transformer import Layer, Transformer
 from powerinfer.printable import printable
 
-SLIDING_WINDOW = "{arch}.attention.sliding_window"
-ATTN_QKV = "blk.{bid}.attn_qkv.weight"
 ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
 
@@ -75,7 +73,7 @@ class Phi3Config(ModelConfig):
                 m.optional(Keys.HEAD_COUNT_KV, n_head, minimum=1),
                 head_dim,
                 RopeSpec("neox", n_rot, rope_base),
-                sliding_window=m.optional(SLIDING_WINDOW, 0) or None,
+                sliding_window=m.optional(Keys.SLIDING_WINDOW, 0) or None,
             ),
             ffn=FFNSpec(act=ffn_activation(metadata, "silu"), gated=True),
             norm=NormSpec("rms", m.require(Keys.LAYERNORM_RMS_EPS, float, minimum=0.0)),
@@ -93,11 +91,11 @@ def tensor_table(config: ModelConfig, gguf: GGUFFile) -> TensorTable:
     c, a = config, config.attention
     shapes, required = dict(base.shapes), set(base.required)
     for bid in range(c.n_layer):
-        if ATTN_QKV.format(bid=bid) in gguf.tensors:
+        if TensorNames.ATTN_QKV.format(bid=bid) in gguf.tensors:
             names = (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V)
             required -= {t.format(bid=bid) for t in names}
-            shapes[ATTN_QKV.format(bid=bid)] = (a.n_embd_q + 2 * a.n_embd_kv, c.n_embd)
-            required.add(ATTN_QKV.format(bid=bid))
+            shapes[TensorNames.ATTN_QKV.format(bid=bid)] = (a.n_embd_q + 2 * a.n_embd_kv, c.n_embd)
+            required.add(TensorNames.ATTN_QKV.format(bid=bid))
         if TensorNames.FFN_GATE.format(bid=bid) not in gguf.tensors:
             required.discard(TensorNames.FFN_GATE.format(bid=bid))
             shapes[TensorNames.FFN_UP.format(bid=bid)] = (2 * c.n_ff, c.n_embd)
@@ -125,8 +123,8 @@ def build(config: ModelConfig, src: WeightSource) -> Transformer:
             return template.format(bid=bid)  # noqa: B023 - used within this iteration
 
         wo = src.matrix(name(TensorNames.ATTN_OUT), (c.n_embd, a.n_embd_q))
-        if src.has(name(ATTN_QKV)):
-            qkv = src.matrix(name(ATTN_QKV), (a.n_embd_q + 2 * a.n_embd_kv, c.n_embd))
+        if src.has(name(TensorNames.ATTN_QKV)):
+            qkv = src.matrix(name(TensorNames.ATTN_QKV), (a.n_embd_q + 2 * a.n_embd_kv, c.n_embd))
             attn = Attention(
                 dataclasses.replace(a, fused_qkv=True),
                 None,

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer.arch import gemma3, phi3
+from powerinfer.arch import gemma3
 from powerinfer.convert.common import config_number, write_tensors
 from powerinfer.convert.vocab import (
     ADDED_TOKEN_SCORE,
@@ -49,16 +49,16 @@ _GEMMA3_LAYER = _COMMON_LAYER | {
     "self_attn.q_proj.weight": TensorNames.ATTN_Q,
     "self_attn.k_proj.weight": TensorNames.ATTN_K,
     "self_attn.v_proj.weight": TensorNames.ATTN_V,
-    "self_attn.q_norm.weight": gemma3.ATTN_Q_NORM,
-    "self_attn.k_norm.weight": gemma3.ATTN_K_NORM,
-    "post_attention_layernorm.weight": gemma3.ATTN_POST_NORM,
+    "self_attn.q_norm.weight": TensorNames.ATTN_Q_NORM,
+    "self_attn.k_norm.weight": TensorNames.ATTN_K_NORM,
+    "post_attention_layernorm.weight": TensorNames.ATTN_POST_NORM,
     "pre_feedforward_layernorm.weight": TensorNames.FFN_NORM,
-    "post_feedforward_layernorm.weight": gemma3.FFN_POST_NORM,
+    "post_feedforward_layernorm.weight": TensorNames.FFN_POST_NORM,
     "mlp.gate_proj.weight": TensorNames.FFN_GATE,
     "mlp.up_proj.weight": TensorNames.FFN_UP,
 }
 _PHI3_LAYER = _COMMON_LAYER | {
-    "self_attn.qkv_proj.weight": phi3.ATTN_QKV,
+    "self_attn.qkv_proj.weight": TensorNames.ATTN_QKV,
     "post_attention_layernorm.weight": TensorNames.FFN_NORM,
     "mlp.gate_up_proj.weight": TensorNames.FFN_UP,
 }
@@ -134,10 +134,10 @@ def _gemma3_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path) -> None:
         or local_type != "default"
     ):
         raise ConfigError(f"{printable(str(path))}: sliding layers must use plain RoPE with base 10000")
-    w.add(k(gemma3.KEY_LENGTH), head_dim, U32)
-    w.add(k(gemma3.VALUE_LENGTH), head_dim, U32)
+    w.add(k(Keys.KEY_LENGTH), head_dim, U32)
+    w.add(k(Keys.VALUE_LENGTH), head_dim, U32)
     w.add(k(Keys.ROPE_FREQ_BASE), float(full.get("rope_theta", 1_000_000.0)), F32)
-    w.add(k(gemma3.SLIDING_WINDOW), int(cfg.get("sliding_window") or 0), U32)
+    w.add(k(Keys.SLIDING_WINDOW), int(cfg.get("sliding_window") or 0), U32)
     rope_type = full.get("rope_type", full.get("type", "default"))
     if rope_type == "linear":
         w.add(k(Keys.ROPE_SCALING_TYPE), "linear", STR)
@@ -148,7 +148,7 @@ def _gemma3_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path) -> None:
     scalar = float(cfg.get("query_pre_attn_scalar") or head_dim)
     default = (n_embd // n_head if n_layer == gemma3.N_LAYER_27B else head_dim) ** -0.5
     if not math.isclose(scalar**-0.5, default, rel_tol=1e-6):
-        w.add(k(gemma3.ATTENTION_SCALE), scalar**-0.5, F32)
+        w.add(k(Keys.ATTENTION_SCALE), scalar**-0.5, F32)
 
 
 def _phi3_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path) -> None:
@@ -167,7 +167,7 @@ def _phi3_metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path) -> None:
     factor = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
     w.add(k(Keys.ROPE_DIMENSION_COUNT), int(factor * n_embd) // n_head, U32)
     w.add(k(Keys.ROPE_FREQ_BASE), float(rope.get("rope_theta", 10000.0)), F32)
-    w.add(k(phi3.SLIDING_WINDOW), int(cfg.get("sliding_window") or 0), U32)
+    w.add(k(Keys.SLIDING_WINDOW), int(cfg.get("sliding_window") or 0), U32)
 
 
 def _gemma3_transform(name: str, data: np.ndarray) -> np.ndarray:

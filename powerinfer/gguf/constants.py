@@ -75,6 +75,8 @@ class Keys:
     KEY_LENGTH = "{arch}.attention.key_length"  # head size of q and k when it is not n_embd / n_head
     VALUE_LENGTH = "{arch}.attention.value_length"
     SLIDING_WINDOW = "{arch}.attention.sliding_window"
+    ATTENTION_SCALE = "{arch}.attention.scale"  # Gemma 3's query scale when not 1 / sqrt(key_length)
+    FINAL_LOGIT_SOFTCAPPING = "{arch}.final_logit_softcapping"
     SLIDING_WINDOW_PATTERN = (
         "{arch}.attention.sliding_window_pattern"  # per layer: True where the window applies
     )
@@ -130,6 +132,8 @@ class TensorNames:
     ATTN_V_BIAS = "blk.{bid}.attn_v.bias"
     ATTN_Q_NORM = "blk.{bid}.attn_q_norm.weight"  # per-head RMSNorm weights (head_dim,)
     ATTN_K_NORM = "blk.{bid}.attn_k_norm.weight"
+    ATTN_POST_NORM = "blk.{bid}.post_attention_norm.weight"  # Gemma's norms of each block's output
+    FFN_POST_NORM = "blk.{bid}.post_ffw_norm.weight"
     FFN_NORM = "blk.{bid}.ffn_norm.weight"
     FFN_GATE = "blk.{bid}.ffn_gate.weight"
     FFN_UP = "blk.{bid}.ffn_up.weight"
