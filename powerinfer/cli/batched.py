@@ -15,6 +15,7 @@ from powerinfer.cli.common import (
     DEFAULT_ACT_PRECISION,
     ActPrecisionOpt,
     CtxOpt,
+    FixedThreadsOpt,
     LogDisableOpt,
     ModelOpt,
     PoolDeviceOpt,
@@ -124,6 +125,7 @@ def batched(
         int | None, typer.Option("-n", "--n-len", help="Total tokens per sequence (prompt incl.).")
     ] = None,
     threads_: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads.")] = None,
+    fixed_threads: FixedThreadsOpt = False,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="VRAM budget (GiB).")] = None,
     ctx_size: CtxOpt = 0,
@@ -164,6 +166,7 @@ def batched(
             # every stream has its own KV slot, so a slot needs only LEN positions
             engine=engine_options(
                 threads_=n_threads,
+                fixed_threads=fixed_threads,
                 act_precision=act_precision,
                 vram_budget=budget,
                 pool_device=pool_device,

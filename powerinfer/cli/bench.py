@@ -30,6 +30,7 @@ from powerinfer.bench import (
 from powerinfer.cli.common import (
     DEFAULT_ACT_PRECISION,
     ActPrecision,
+    FixedThreadsOpt,
     NglOpt,
     PoolDeviceOpt,
     VramOpt,
@@ -364,6 +365,7 @@ def bench(
     n_gpu_layers: NglOpt = 0,
     pool_device: PoolDeviceOpt = None,
     progress: Annotated[bool, typer.Option("--progress", help="Print a line per test on stderr.")] = False,
+    fixed_threads: FixedThreadsOpt = False,
 ) -> None:
     """Measure prompt (ppN) and decode (tgN) speed as llama-bench does: tokens/s, mean ± stddev."""
     setup_logging(False)
@@ -385,6 +387,7 @@ def bench(
             vram_budget=vram_budget,
             pool_device=pool_device,
             n_gpu_layers=n_gpu_layers,
+            fixed_threads=fixed_threads,
         )
         paths = list(model) if model else [resolve_model(None)]
         params = BenchParams(

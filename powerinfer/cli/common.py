@@ -54,6 +54,13 @@ ModelOpt = Annotated[
 CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = from the model).")]
 BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")]
 ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (<= 0: all cores).")]
+FixedThreadsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fixed-threads",
+        help="Always run -t threads (default: fewer while other busy processes share the cores).",
+    ),
+]
 
 
 class ActPrecision(str, Enum):
@@ -297,6 +304,7 @@ def engine_options(
     pool_device: str | None,
     reset_gpu_index: bool = False,
     disable_gpu_index: bool = False,
+    fixed_threads: bool = False,
     **fields: Any,
 ) -> EngineOptions:
     """EngineOptions from the options every engine command shares (threads, precision, pool), plus `fields`."""
@@ -304,6 +312,7 @@ def engine_options(
 
     return EngineOptions(
         n_threads=threads(threads_),
+        fixed_threads=fixed_threads,
         act_precision=act_precision.value,
         vram_budget_gib=resolve_vram_budget(vram_budget),
         reset_gpu_index=reset_gpu_index,

@@ -16,6 +16,7 @@ from powerinfer.cli.common import (
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
+    FixedThreadsOpt,
     FrequencyPenaltyOpt,
     LogDisableOpt,
     MinPOpt,
@@ -289,6 +290,7 @@ def main(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
+    fixed_threads: FixedThreadsOpt = False,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = _D.seed,
     temp: TempOpt = _D.temp,
@@ -413,6 +415,7 @@ def main(
             display_prompt=not no_display_prompt,
             engine=engine_options(
                 threads_=threads_,
+                fixed_threads=fixed_threads,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

@@ -26,6 +26,7 @@ from powerinfer.cli.common import (
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
+    FixedThreadsOpt,
     LogDisableOpt,
     ModelOpt,
     PoolDeviceOpt,
@@ -281,6 +282,7 @@ def perplexity_command(
     ctx_size: CtxOpt = 512,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
+    fixed_threads: FixedThreadsOpt = False,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = -1,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
@@ -332,6 +334,7 @@ def perplexity_command(
             ppl=PerplexityOptions(n_ctx=ctx_size, n_chunks=chunks, stride=ppl_stride),
             engine=engine_options(
                 threads_=threads_,
+                fixed_threads=fixed_threads,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

@@ -14,6 +14,7 @@ from powerinfer.cli.common import (
     BatchOpt,
     CtxOpt,
     DisableIdxOpt,
+    FixedThreadsOpt,
     FrequencyPenaltyOpt,
     LogDisableOpt,
     MinPOpt,
@@ -59,6 +60,7 @@ def server(
     ] = 4,
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
+    fixed_threads: FixedThreadsOpt = False,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
@@ -176,6 +178,7 @@ def server(
             model=resolve_model(model),
             engine=engine_options(
                 threads_=threads_,
+                fixed_threads=fixed_threads,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

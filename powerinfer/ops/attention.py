@@ -96,7 +96,7 @@ def attn_decode(
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         n_ctx, pos, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), scratch.data_ptr(),
-        scratch_bytes, kc.n_threads, kc.level,
+        scratch_bytes, kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         needed = library.load().attn_decode_scratch_bytes(pos + 1, n_head)

@@ -28,12 +28,26 @@ import torch
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops import library
 
-__all__ = ["ACT_PRECISIONS", "MAX_THREADS", "KernelContext", "default_context"]
+__all__ = ["ACT_PRECISIONS", "MAX_THREADS", "KernelContext", "ThreadCell", "default_context"]
 
 ACT_PRECISIONS = ("f32", "q8")
 MAX_THREADS = 1024  # the kernels clamp above this (PI_MAX_THREADS)
 
 _EMPTY: Mapping[Any, Any] = MappingProxyType({})
+
+
+class ThreadCell:
+    """The threads the kernels of a context run now: the context's n_threads unless the runtime lowered it
+    while the cores are shared with other busy processes (runtime.threads.ThreadGovernor). The one mutable
+    part of a context; contexts made from one another by replace() share it when their n_threads agree."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __repr__(self) -> str:
+        return f"ThreadCell({self.n})"
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +96,8 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
 class KernelContext:
     """Settings of the CPU kernels, fixed at construction.
 
-    n_threads: threads of each kernel call (1..MAX_THREADS; default torch.get_num_threads() when made).
+    n_threads: threads of each kernel call (1..MAX_THREADS; default torch.get_num_threads() when made); the
+        most they use: `threads.n` is what they use now (see ThreadCell).
     act_precision: "f32" (exact) or "q8" (int8 activation blocks) for the quant matmuls.
     isa: SIMD variant "scalar", "avx2" or "avx512"; None = the best this CPU has. A variant above it is a
         ValueError (the kernels are compiled for each; the CPU decides what runs).
@@ -96,6 +111,7 @@ class KernelContext:
     # resolved in __post_init__; not compared, not set by callers
     level: int = field(init=False, repr=False, compare=False)  # the kernels' isa argument
     kernels: _Resolved = field(init=False, repr=False, compare=False)
+    threads: ThreadCell = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = self.n_threads
@@ -116,10 +132,20 @@ class KernelContext:
             )
         object.__setattr__(self, "level", level)
         object.__setattr__(self, "kernels", _resolve(lib, bool(self.enabled), self.act_precision))
+        object.__setattr__(self, "threads", ThreadCell(n))
 
     def replace(self, **changes: Any) -> KernelContext:
-        """A copy with some settings changed, e.g. kc.replace(act_precision="q8")."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some settings changed, e.g. kc.replace(act_precision="q8"); it shares this context's
+        ThreadCell when its n_threads is the same."""
+        new = dataclasses.replace(self, **changes)
+        if new.n_threads == self.n_threads:
+            object.__setattr__(new, "threads", self.threads)
+        return new
+
+    @property
+    def threads_now(self) -> int:
+        """Threads of the next kernel call (threads.n)."""
+        return self.threads.n
 
     @functools.cached_property
     def exact(self) -> KernelContext:

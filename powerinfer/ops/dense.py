@@ -68,7 +68,7 @@ def linear(x: torch.Tensor, w: QWeight | DeviceWeight, kc: KernelContext | None 
     n_tokens, y = output(x, n_rows)
     status = kernel(
         w._raw_ptr, w._raw_stride, n_rows, n_cols, x.data_ptr(), n_cols, n_tokens, y.data_ptr(), n_rows,
-        kc.n_threads, kc.level,
+        kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "linear")
@@ -91,7 +91,7 @@ def get_rows(w: QWeight, ids: torch.Tensor, kc: KernelContext | None = None) -> 
     y = torch.empty(n_ids, n_cols, dtype=torch.float32)
     status = kernel(
         w._raw_ptr, w._raw_stride, w.shape[0], n_cols, flat.data_ptr(), n_ids, y.data_ptr(), n_cols,
-        kc.n_threads, kc.level,
+        kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "get_rows")

@@ -118,7 +118,7 @@ class AttnBlock:
         status = kc.kernels.attn_block(
             self._desc_ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_ctx, pos,
             rope_pairs.data_ptr() + pos * self.head_dim * 4, scratch.data_ptr(), scratch.numel(),
-            kc.act_precision == "q8", kc.n_threads, kc.level,
+            kc.act_precision == "q8", kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
             check_status(
@@ -145,7 +145,7 @@ class FFNBlock:
         kc = self.kc
         status = kc.kernels.ffn_block(
             self._desc_ref, x.data_ptr(), scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",
-            kc.n_threads, kc.level,
+            kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
             check_status(status, "ffn_block", scratch.numel(), self.scratch_bytes(), "FFNBlock.scratch_bytes")

@@ -111,7 +111,7 @@ def rows_matmul(
     n_tokens, y = output(x, n_sel)
     status = kernel(
         w._raw_ptr, w._raw_stride, w.shape[0], n_cols, idx.data_ptr(), n_sel, x.data_ptr(), n_cols, n_tokens,
-        y.data_ptr(), n_sel, kc.n_threads, kc.level,
+        y.data_ptr(), n_sel, kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "rows_matmul")
@@ -141,7 +141,7 @@ def rows_axpy(
     n_tokens, y = output(h, n_out)
     status = kernel(
         w_t._raw_ptr, w_t._raw_stride, n_rows, n_out, None if idx is None else idx.data_ptr(), n_sel,
-        h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, kc.n_threads, kc.level,
+        h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "rows_axpy")
@@ -229,7 +229,7 @@ def ffn_rows(
         up._raw_ptr, up._raw_stride, up_kind,
         down_t._raw_ptr, down_t._raw_stride, down_kind,
         idx.data_ptr(), n_sel, act_code, bool(relu_up), q8, y.data_ptr(), scratch.data_ptr(), scratch_bytes,
-        kc.n_threads, kc.level,
+        kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         needed = library.load().ffn_rows_scratch_bytes(n_sel, n_cols, q8)
@@ -298,7 +298,7 @@ def predict_ffn(
         up._raw_ptr, up._raw_stride, codes[3],
         down_t._raw_ptr, down_t._raw_stride, codes[4],
         act_code, bool(relu_up), idx.data_ptr(), ctypes.byref(n_active), ctypes.byref(seconds), y.data_ptr(),
-        scratch.data_ptr(), scratch_bytes, kc.n_threads, kc.level,
+        scratch.data_ptr(), scratch_bytes, kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         needed = library.load().predict_ffn_scratch_bytes(n_rows, rank)
@@ -445,7 +445,7 @@ def cats_ffn(
             None if cand is None or n_cand == 0 else cand.data_ptr(), n_cand, thresholds.data_ptr(),
             None if out_thresholds is None else out_thresholds.data_ptr(), act_code,
             bool(relu_up), q8, idx.data_ptr(), ctypes.byref(n_active), ctypes.byref(n_up), y.data_ptr(),
-            scratch.data_ptr(), scratch_bytes, kc.n_threads, kc.level,
+            scratch.data_ptr(), scratch_bytes, kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
             needed = library.load().cats_ffn_scratch_bytes(n_cand, n_cols, q8)

@@ -31,6 +31,7 @@ from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
+from powerinfer.runtime.threads import ThreadGovernor
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
 
@@ -65,6 +66,7 @@ class EngineOptions:
     pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
     gpu_index_path: str | None = None  # use this GPU index instead of planning one
     pipeline: PipelineOptions | None = None  # one stage of several ranks (runtime.pipeline)
+    fixed_threads: bool = False  # False: fewer kernel threads while the cores are shared (runtime.threads)
 
 
 @dataclass
@@ -155,6 +157,10 @@ class Engine:
             from powerinfer.runtime.pipeline import connect
 
             self.pipeline = connect(self.stage, c, self.gguf)
+        # a step that waits on a device or on other ranks is not a sign of shared cores
+        waits = self.pipeline is not None or (self.pool_device is not None and self.pool_device.type != "cpu")
+        adapt = not (o.fixed_threads or waits) and self.kc.n_threads > 1 and self.kc.uses_kernels
+        self.governor = ThreadGovernor(self.kc) if adapt else None
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
 
     def _check_context_memory(self) -> None:
@@ -254,6 +260,10 @@ class Engine:
             if hidden:
                 raise InputError("embeddings are not served by a pipeline of several ranks")
             logits = self.pipeline.forward(self.model, batch, kv, rows)
+        elif self.governor is not None:
+            self.governor.begin()
+            logits = self.model.forward(batch, kv, rows, hidden=hidden)
+            self.governor.end()
         else:
             logits = self.model.forward(batch, kv, rows, hidden=hidden)
         for seg in batch.segments:

@@ -1,0 +1,86 @@
+"""ThreadGovernor: fewer kernel threads while the CPU cores are shared with other busy processes.
+
+The kernels' OpenMP regions end in barriers, and their threads spin there. When another CPU-bound process
+shares the cores, the scheduler takes a core from one of our threads for a whole time slice and every region
+waits for it: on a 2-core machine with one competing process, -t 2 decoded at 29 tok/s against 62 at -t 1
+(README, "Shared cores"). Such a stall shows in the thread that runs the steps: it gets less CPU time than
+wall time (our threads never sleep inside a step). So after each step the governor adds up both, and once a
+window of WINDOW_S seconds is full:
+- if the calling thread had less than LOW_SHARE of the wall time, the kernels run fewer threads from the next
+  step on (about the share of the cores they got, at least one less);
+- at fewer threads than the context's n_threads it tries all of them again after PROBE_S seconds; a probe
+  that finds the cores still shared doubles the wait (up to PROBE_MAX_S), one that finds them free restores
+  the first wait.
+A quiet machine sees shares of 0.97-1.0 and never leaves n_threads. Front ends that wait inside a step (a
+CUDA pool, pipeline stages receiving from other ranks) do not use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from powerinfer.ops import KernelContext
+
+log = logging.getLogger(__name__)
+
+WINDOW_S = 0.1  # steps are judged over at least this much wall time
+LOW_SHARE = 0.8  # CPU time / wall time of the stepping thread below this: the cores are shared
+PROBE_S = 2.0  # first wait before trying all threads again
+PROBE_MAX_S = 32.0
+
+
+@dataclass
+class ThreadGovernor:
+    kc: KernelContext
+    wall: float = 0.0
+    cpu: float = 0.0
+    probe_wait: float = PROBE_S
+    changed_at: float = 0.0
+    probing: bool = False
+    # the step being timed: (perf_counter, thread_time) at its start
+    _start: tuple[float, float] | None = None
+
+    @property
+    def n_max(self) -> int:
+        return self.kc.n_threads
+
+    def begin(self) -> None:
+        self._start = (time.perf_counter(), time.thread_time())
+
+    def end(self) -> None:
+        if self._start is None:
+            return
+        now, cpu = time.perf_counter(), time.thread_time()
+        self.wall += now - self._start[0]
+        self.cpu += cpu - self._start[1]
+        self._start = None
+        if self.wall >= WINDOW_S:
+            self.judge(self.cpu / self.wall, now)
+            self.wall = self.cpu = 0.0
+
+    def judge(self, share: float, now: float) -> None:
+        """One full window: `share` = CPU time / wall time of the stepping thread over it."""
+        cell = self.kc.threads
+        n = cell.n
+        if share < LOW_SHARE and n > 1:
+            if self.probing:  # all threads were tried again and the cores are still shared
+                self.probe_wait = min(self.probe_wait * 2, PROBE_MAX_S)
+            self._set(max(1, min(n - 1, int(share * n))), now, f"CPU share {share:.2f}")
+            self.probing = False
+        elif self.probing:
+            self.probing = False
+            self.probe_wait = PROBE_S
+            log.info("threads: %d (the cores are free again)", n)
+        elif n < self.n_max and now - self.changed_at >= self.probe_wait:
+            self._set(self.n_max, now, "probe")
+            self.probing = True
+
+    def _set(self, n: int, now: float, why: str) -> None:
+        self.kc.threads.n = n
+        torch.set_num_threads(n)  # torch's own ops (prompt attention, norms) wait at barriers too
+        self.changed_at = now
+        log.debug("threads: %d (%s)", n, why)

@@ -1,0 +1,114 @@
+"""The thread governor's decisions (runtime.threads), fed CPU shares directly: no timing in tests."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from powerinfer.ops import KernelContext
+from powerinfer.runtime import threads as th
+from powerinfer.runtime.threads import ThreadGovernor
+
+
+@pytest.fixture
+def keep_torch_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def test_context_shares_its_thread_cell() -> None:
+    kc = KernelContext(n_threads=2)
+    assert kc.threads_now == 2
+    assert kc.exact.threads is kc.threads or kc.act_precision == "f32"
+    q8 = kc.replace(act_precision="q8")
+    assert q8.threads is kc.threads  # the fused and the exact kernels follow one governor
+    assert kc.replace(n_threads=1).threads is not kc.threads
+    kc.threads.n = 1
+    assert q8.threads_now == 1 and q8.n_threads == 2 and q8 == kc.replace(act_precision="q8")
+
+
+def test_governor_drops_probes_and_backs_off(keep_torch_threads) -> None:
+    kc = KernelContext(n_threads=2)
+    g = ThreadGovernor(kc)
+    g.judge(0.99, 0.0)  # a quiet machine: nothing changes
+    assert kc.threads_now == 2
+    g.judge(0.66, 1.0)  # 3 busy threads on 2 cores: each gets two thirds
+    assert kc.threads_now == 1 and torch.get_num_threads() == 1
+    g.judge(1.0, 1.0 + th.PROBE_S / 2)  # too early to try again
+    assert kc.threads_now == 1
+    g.judge(1.0, 1.0 + th.PROBE_S)  # the probe
+    assert kc.threads_now == 2 and g.probing
+    g.judge(0.6, 1.2 + th.PROBE_S)  # still shared: back to one, the next probe waits twice as long
+    assert kc.threads_now == 1 and g.probe_wait == 2 * th.PROBE_S
+    t = 1.2 + th.PROBE_S
+    g.judge(1.0, t + th.PROBE_S)
+    assert kc.threads_now == 1
+    g.judge(1.0, t + 2 * th.PROBE_S)
+    assert kc.threads_now == 2
+    g.judge(0.98, t + 2 * th.PROBE_S + 0.1)  # free again: stays, and the wait is reset
+    assert kc.threads_now == 2 and g.probe_wait == th.PROBE_S and not g.probing
+
+
+def test_governor_steps_down_by_the_share(keep_torch_threads) -> None:
+    kc = KernelContext(n_threads=8)
+    g = ThreadGovernor(kc)
+    g.judge(0.5, 0.0)
+    assert kc.threads_now == 4
+    g.judge(0.79, 0.1)  # at least one less each time
+    assert kc.threads_now == 3
+    for _ in range(5):
+        g.judge(0.1, 0.2)
+    assert kc.threads_now == 1  # never below one
+
+
+def test_backoff_is_capped(keep_torch_threads) -> None:
+    kc = KernelContext(n_threads=2)
+    g = ThreadGovernor(kc)
+    now = 0.0
+    g.judge(0.5, now)
+    for _ in range(10):
+        now += g.probe_wait
+        g.judge(1.0, now)
+        assert g.probing
+        g.judge(0.5, now)
+    assert g.probe_wait == th.PROBE_MAX_S
+
+
+def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
+    from conftest import random_llama_state, write_llama_gguf
+    from typer.testing import CliRunner
+
+    import powerinfer.cli.main as cli_main
+    from powerinfer.cli import app
+    from powerinfer.runtime.engine import Engine, EngineOptions
+
+    path = write_llama_gguf(tmp_path / "tiny.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
+    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2))
+    assert engine.governor is not None and engine.governor.kc is engine.kc
+    before = engine.step([0, 0, 0], [1, 2, 3], [0, 1, 2])
+    engine.governor.judge(0.5, 0.0)  # as if the cores were shared: one thread, the same logits
+    assert engine.kc.threads_now == 1
+    engine.reset()
+    assert torch.equal(engine.step([0, 0, 0], [1, 2, 3], [0, 1, 2]), before)
+    assert Engine(path, EngineOptions(n_ctx=32, n_threads=2, fixed_threads=True)).governor is None
+    assert Engine(path, EngineOptions(n_ctx=32, n_threads=1)).governor is None  # nothing to lower
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def engine_of(path, options):
+        seen.append(options.fixed_threads)
+        raise Stop
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(cli_main, "Engine", engine_of)
+    try:
+        runner = CliRunner()
+        for extra in ([], ["--fixed-threads"]):
+            runner.invoke(app, ["main", "-m", str(path), "-p", "hi", "-n", "1", *extra])
+    finally:
+        mp.undo()
+    assert seen == [False, True]
