@@ -95,6 +95,23 @@ def test_linear_matches_reference(ggml_type, isa, act):
 
 
 @needs_kernels
+@pytest.mark.parametrize("ggml_type", [GGMLType.F32, GGMLType.F16, GGMLType.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize(("n_rows", "n_cols"), [(37, 83), (19, 8), (33, 40)])
+def test_float_row_pairs_equal_single_rows(ggml_type, n_rows, n_cols, isa):
+    """Prompts of float weights go in row pairs x 3 tokens: an odd row left over, a vector tail and a scalar tail
+    (K = 83, 8, 40) give the bits of one token at a time, and stay within float error of the reference."""
+    w = make_weight(ggml_type, n_rows, n_cols)
+    x = make_x(8, n_cols)
+    kc = ops.KernelContext(n_threads=2, isa=isa)
+    batch = ops.linear(x, w, kc)
+    single = torch.stack([ops.linear(x[t], w, kc) for t in range(x.shape[0])])
+    assert torch.equal(batch, single)
+    dense = reference.dense(w).double()
+    scale = x.double().abs() @ dense.abs().T
+    assert ((batch.double() - x.double() @ dense.T).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
     w = make_weight(ggml_type, 300, 576)

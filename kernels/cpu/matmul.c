@@ -284,11 +284,19 @@ static const matmul_table matmul_tables[] = {
      dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
      dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
      tile_q5_k_f_##isa, tile_q6_k_f_##isa, dot_q2_k_f_##isa, dot_q3_k_f_##isa, dot_q4_k_f_##isa, dot_q5_k_f_##isa,   \
-     dot_q6_k_f_##isa}
+     dot_q6_k_f_##isa, TILE2(isa, f32), TILE2(isa, f16), TILE2(isa, bf16)}
+#define TILE2(isa, type) tile2_##type##_##isa
+#define tile2_f32_scalar NULL
+#define tile2_f16_scalar NULL
+#define tile2_bf16_scalar NULL
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
     [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
 #undef MATMUL_TABLE
+#undef TILE2
+#undef tile2_f32_scalar
+#undef tile2_f16_scalar
+#undef tile2_bf16_scalar
 };
 
 /* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar. */
@@ -399,6 +407,61 @@ int32_t matmul_float_rows(const matmul_table *table, int64_t row_bytes, tile_flo
     return matmul_float_tiled(row_bytes, tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
+/* Float weights, several tokens: row pairs x TILE_T2 tokens (tile2), the same bits as matmul_float_rows with `tile`.
+ * Each activation vector loaded feeds two rows (one before), each weight vector TILE_T2 tokens: the prompt
+ * matmuls of F16 models were bound by loads. */
+static int32_t matmul_float_pairs(tile_float2_fn tile2, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
+                                  int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
+                                  int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
+    if (tile2 == NULL || T < 2)
+        return matmul_float_tiled(row_bytes, tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride,
+                                  n_threads);
+    if (N < 0 || K < 0) return PI_ERR_SHAPE;
+    if (N == 0) return PI_OK;
+    const int32_t nt = threads_for_work(n_threads, N * K * T);
+#pragma omp parallel for num_threads(nt) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
+        const int64_t n1 = min_i64(n0 + TILE_N, N);
+        for (int64_t t0 = 0; t0 < T; t0 += TILE_T2) {
+            const int ntok = (int)min_i64(TILE_T2, T - t0);
+            const float *xt = x + t0 * x_stride;
+            float *yt = y + t0 * y_stride;
+            int64_t n = n0;
+            for (; n + 1 < n1; n += 2) {
+                if (rows != NULL && row_bytes > 0 && t0 == 0 && n + 1 + ROWS_PREFETCH_AHEAD < N) {
+                    prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+                    prefetch_bytes(w + rows[n + 1 + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+                }
+                float oa[TILE_T2], ob[TILE_T2];
+                tile2(w + row_of(rows, n) * w_stride, w + row_of(rows, n + 1) * w_stride, K, xt, x_stride, ntok, oa, ob);
+                for (int j = 0; j < ntok; j++) {
+                    yt[j * y_stride + n] = oa[j];
+                    yt[j * y_stride + n + 1] = ob[j];
+                }
+            }
+            if (n < n1) {
+                float out[TILE_T];
+                tile(w + row_of(rows, n) * w_stride, K, xt, x_stride, ntok, out);
+                for (int j = 0; j < ntok; j++) yt[j * y_stride + n] = out[j];
+            }
+        }
+    }
+    return PI_OK;
+}
+
+#define DEFINE_FLOAT_DRIVER(type)                                                                                  \
+    static int32_t matmul_##type##_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile,          \
+                                        const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,        \
+                                        int64_t K, const float *x, int64_t x_stride, int64_t T, float *y,          \
+                                        int64_t y_stride, int32_t n_threads) {                                     \
+        return matmul_float_pairs(table->tile2_##type, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T,   \
+                                  y, y_stride, n_threads);                                                         \
+    }
+DEFINE_FLOAT_DRIVER(f32)
+DEFINE_FLOAT_DRIVER(f16)
+DEFINE_FLOAT_DRIVER(bf16)
+#undef DEFINE_FLOAT_DRIVER
+
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
 int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
                             int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
@@ -485,9 +548,9 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
         return driver(table, row_bytes_##type(K), table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
-DEFINE_MATMUL(f32, matmul_float_rows, table->dot_f32, 1, 0)
-DEFINE_MATMUL(f16, matmul_float_rows, table->dot_f16, 1, 0)
-DEFINE_MATMUL(bf16, matmul_float_rows, table->dot_bf16, 1, 0)
+DEFINE_MATMUL(f32, matmul_f32_rows, table->dot_f32, 1, 0)
+DEFINE_MATMUL(f16, matmul_f16_rows, table->dot_f16, 1, 0)
+DEFINE_MATMUL(bf16, matmul_bf16_rows, table->dot_bf16, 1, 0)
 DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0)
 DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)

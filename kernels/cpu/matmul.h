@@ -15,6 +15,7 @@
 #define TILE_T 4  /* tokens per tile */
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
+#define TILE_T2 3 /* tokens per tile of the two-row float kernels (prompts) */
 
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
@@ -28,6 +29,10 @@ typedef struct {
 typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
 typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
+/* Two rows, ntok <= TILE_T2 tokens: out_a / out_b as the matching tile_float_fn computes them for each row (the same
+ * bits); each activation vector is loaded once for both rows, each weight vector once for all tokens. */
+typedef void (*tile_float2_fn)(const uint8_t *row_a, const uint8_t *row_b, int64_t K, const float *x, int64_t x_stride,
+                               int ntok, float *out_a, float *out_b);
 /* One token, R <= ROWS_DOT_MAX rows at once: out[r] = rows[r] . x, each row with exactly the arithmetic of the
  * matching tile_float_fn at ntok = 1 (the rows only interleave, for instruction-level parallelism). */
 typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out);
@@ -43,6 +48,7 @@ typedef struct {
     /* K-quants (super-blocks of 256), float activations: tiles (ntok <= TILE_TQ) and T = 1 rows */
     tile_float_fn tile_q2_k_f, tile_q3_k_f, tile_q4_k_f, tile_q5_k_f, tile_q6_k_f;
     rows_dot_fn dot_q2_k_f, dot_q3_k_f, dot_q4_k_f, dot_q5_k_f, dot_q6_k_f;
+    tile_float2_fn tile2_f32, tile2_f16, tile2_bf16; /* NULL: one row at a time */
 } matmul_table;
 
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */

@@ -388,6 +388,73 @@ TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K
     for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
 }
 
+/* Two rows: per (row, token) exactly tile_float_n's chain (acc0 the even vectors, acc1 the odd ones, the scalar
+ * tail, one final sum), so the same bits. 4 * TILE_T2 accumulators, two weight vectors and one activation vector
+ * fit the 16 ymm registers: the even halves first, then the odd ones. (Measured on the 1.1B F16 prompt, 1 thread:
+ * +15-20% over one row x 4 tokens; passes of 256 columns, or tokens copied off the 4 KB stride, were slower.) */
+TARGET_INLINE void FN(tile2_float_n)(const int fmt, const uint8_t *row_a, const uint8_t *row_b, int64_t K,
+                                     const float *x, int64_t x_stride, const int ntok, float *out_a, float *out_b) {
+    const uint16_t *a16 = (const uint16_t *)row_a, *b16 = (const uint16_t *)row_b;
+    const float *a32 = (const float *)row_a, *b32 = (const float *)row_b;
+    VF a0[TILE_T2], a1[TILE_T2], b0[TILE_T2], b1[TILE_T2];
+    float ta[TILE_T2], tb[TILE_T2];
+    for (int t = 0; t < ntok; t++) {
+        a0[t] = a1[t] = b0[t] = b1[t] = VF_ZERO();
+        ta[t] = tb[t] = 0.0f;
+    }
+    int64_t k = 0;
+    for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
+        const VF wa0 = VF_LOAD_W(fmt, a16, a32, k), wb0 = VF_LOAD_W(fmt, b16, b32, k);
+        for (int t = 0; t < ntok; t++) {
+            const VF xv = VF_LOAD(x + t * x_stride + k);
+            a0[t] = VF_FMA(wa0, xv, a0[t]);
+            b0[t] = VF_FMA(wb0, xv, b0[t]);
+        }
+        const VF wa1 = VF_LOAD_W(fmt, a16, a32, k + VF_N), wb1 = VF_LOAD_W(fmt, b16, b32, k + VF_N);
+        for (int t = 0; t < ntok; t++) {
+            const VF xv = VF_LOAD(x + t * x_stride + k + VF_N);
+            a1[t] = VF_FMA(wa1, xv, a1[t]);
+            b1[t] = VF_FMA(wb1, xv, b1[t]);
+        }
+    }
+    if (k + VF_N <= K) {
+        const VF wa0 = VF_LOAD_W(fmt, a16, a32, k), wb0 = VF_LOAD_W(fmt, b16, b32, k);
+        for (int t = 0; t < ntok; t++) {
+            const VF xv = VF_LOAD(x + t * x_stride + k);
+            a0[t] = VF_FMA(wa0, xv, a0[t]);
+            b0[t] = VF_FMA(wb0, xv, b0[t]);
+        }
+        k += VF_N;
+    }
+    for (; k < K; k++) {
+        const float wa = W_SCALAR(fmt, a16, a32, k), wb = W_SCALAR(fmt, b16, b32, k);
+        for (int t = 0; t < ntok; t++) {
+            ta[t] += wa * x[t * x_stride + k];
+            tb[t] += wb * x[t * x_stride + k];
+        }
+    }
+    for (int t = 0; t < ntok; t++) {
+        out_a[t] = VF_HSUM(VF_ADD(a0[t], a1[t])) + ta[t];
+        out_b[t] = VF_HSUM(VF_ADD(b0[t], b1[t])) + tb[t];
+    }
+}
+
+#define DEFINE_TILE2_FLOAT(type, fmt)                                                                          \
+    TARGET static void FN(tile2_##type)(const uint8_t *row_a, const uint8_t *row_b, int64_t K, const float *x,   \
+                                        int64_t x_stride, int ntok, float *out_a, float *out_b) {                \
+        switch (ntok) {                                                                                       \
+            case 1: FN(tile2_float_n)(fmt, row_a, row_b, K, x, x_stride, 1, out_a, out_b); break;            \
+            case 2: FN(tile2_float_n)(fmt, row_a, row_b, K, x, x_stride, 2, out_a, out_b); break;            \
+            default: FN(tile2_float_n)(fmt, row_a, row_b, K, x, x_stride, 3, out_a, out_b); break;           \
+        }                                                                                                     \
+    }
+
+DEFINE_TILE2_FLOAT(f32, 0)
+DEFINE_TILE2_FLOAT(f16, 1)
+DEFINE_TILE2_FLOAT(bf16, 2)
+
+#undef DEFINE_TILE2_FLOAT
+
 #define DEFINE_TILE_FLOAT(type, fmt)                                                                     \
     TARGET static void FN(tile_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,      \
                                        int ntok, float *out) {                                               \
