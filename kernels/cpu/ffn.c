@@ -21,7 +21,7 @@
  * So y is bit-identical to rows_matmul(gate), rows_matmul(up), the gating in float32, rows_axpy(down_t), and
  * does not depend on the thread count. With act = relu the gating is torch's relu(g) * v bit for bit; the other
  * activations use libm (expf, erff, tanhf) in torch's formulas, within a few float32 ulps of torch's. */
-#define FFN_AHEAD 2 /* pairs of neurons prefetched ahead */
+#define FFN_AHEAD 6 /* pairs of neurons prefetched ahead */
 
 typedef struct {
     ffn_mat gate, up;
