@@ -143,6 +143,30 @@ def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
 
 
 @needs_kernels
+@pytest.mark.parametrize(
+    ("n_head", "n_head_kv", "head_dim"), [(9, 3, 64), (6, 3, 24), (15, 5, 32), (4, 1, 64)]
+)
+def test_attn_decode_heads_shared_by_threads(n_head, n_head_kv, head_dim, isa):
+    """Past 128 positions, KV heads that do not split evenly over the threads are shared by all of them (scores
+    by position groups, softmax by query head, values by output lanes): the bits of one thread, at group-aligned
+    and ragged lengths, and torch's attention within float error (2e-6, as above)."""
+    n_ctx = 203
+    gen, rot, pairs, k_cache, v_cache = attn_case(n_head, n_head_kv, head_dim, n_ctx, seed=2)
+    for pos in (126, 127, 135, 200, n_ctx - 1):
+        q, k, v = qkv(gen, n_head, n_head_kv, head_dim)
+        outs = []
+        for threads in (1, 2, 3, 4):
+            kc, vc = k_cache.clone(), v_cache.clone()
+            ctx = ops.KernelContext(n_threads=threads, isa=isa)
+            outs.append(ops.attn_decode(q, k, v, pairs[pos], kc, vc, pos, ctx))
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), pos
+        qr = ops.apply_rope(q.view(1, n_head, head_dim), rot[pos : pos + 1])
+        keys, values = kc[: pos + 1].transpose(0, 1), vc[: pos + 1].transpose(0, 1)
+        want = F.scaled_dot_product_attention(qr.transpose(0, 1), keys, values, enable_gqa=True)
+        torch.testing.assert_close(outs[0], want.transpose(0, 1).reshape(1, -1), rtol=2e-6, atol=2e-6)
+
+
+@needs_kernels
 @needs_isa("avx512")
 def test_simd_variants_agree_on_quant_types():
     # q8: AVX2 and AVX-512 use the same integer dot products and float accumulation order (AVX-512 takes Q4

@@ -10,8 +10,9 @@
  *
  * Per KV head, the G query heads that share it read each cached row once. Softmax subtracts the row maximum and
  * uses a polynomial exp (Cephes, ~1e-7 relative); the weighted sum of V is divided by the sum of weights at the
- * end. KV heads are split over threads; each output element is computed by one thread in a fixed order, so the
- * result does not depend on the thread count. The body (attention_body.h) is compiled for baseline x86-64, AVX2
+ * end. KV heads are split over threads, or, when they do not split evenly, every part of each head (attend_team);
+ * each score, sum and output element is computed by one thread in a fixed order, so the result does not depend
+ * on the thread count. The body (attention_body.h) is compiled for baseline x86-64, AVX2
  * and AVX-512; `isa` (enum pi_isa, clamped to what the CPU has) picks one per call.
  */
 #include <immintrin.h>
@@ -31,28 +32,34 @@
 typedef void (*rope_rotate_fn)(float *x, const float *rope, int64_t D);
 typedef void (*attend_kv_head_fn)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
                                   int64_t G, int64_t L, int64_t D, float scale, float *s, float *out);
+typedef void (*attend_team_fn)(const float *q, const float *kc, const float *vc, int64_t Hkv, int64_t G, int64_t L,
+                               int64_t D, float scale, float *s, float *inv, float *out, int64_t me, int64_t all);
 
 static const struct {
     rope_rotate_fn rope_rotate;
     attend_kv_head_fn attend_kv_head;
+    attend_team_fn attend_team; /* NULL: KV heads split over threads only */
 } attn_variants[] = {
-    [PI_ISA_SCALAR] = {rope_rotate_scalar, attend_kv_head_scalar},
-    [PI_ISA_AVX2] = {rope_rotate_avx2, attend_kv_head_avx2},
-    [PI_ISA_AVX512] = {rope_rotate_avx512, attend_kv_head_avx512},
+    [PI_ISA_SCALAR] = {rope_rotate_scalar, attend_kv_head_scalar, NULL},
+    [PI_ISA_AVX2] = {rope_rotate_avx2, attend_kv_head_avx2, attend_team_avx2},
+    [PI_ISA_AVX512] = {rope_rotate_avx512, attend_kv_head_avx512, attend_team_avx512},
 };
 
-/* Bytes of scratch pi_attn_decode needs at L = pos + 1 positions with H query heads (the scores of every head),
- * the alignment slack included; -1 for non-positive sizes. */
+/* Floats of the attention scratch: the scores of every head, then 1 / (sum of weights) per head. */
+size_t attn_scores_bytes(int64_t L, int64_t H) { return align_up((size_t)(H * L + H) * sizeof(float)); }
+
+/* Bytes of scratch pi_attn_decode needs at L = pos + 1 positions with H query heads, the alignment slack
+ * included; -1 for non-positive sizes. */
 PI_EXPORT int64_t pi_attn_decode_scratch_bytes(int64_t L, int64_t H) {
     if (L <= 0 || H <= 0) return -1;
-    return (int64_t)(align_up((size_t)(H * L) * sizeof(float)) + PI_SCRATCH_ALIGN);
+    return (int64_t)(attn_scores_bytes(L, H) + PI_SCRATCH_ALIGN);
 }
 
 /* KV heads [kvh0, kvh1) of one token: the RoPE of their query heads and of the KV head, the KV head's k and v written
  * to cache row pos, then attention over positions 0..pos (see attention.h). */
 void attn_decode_heads(int32_t level, float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
                        int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *scores, float *out,
-                       int64_t kvh0, int64_t kvh1) {
+                       int64_t kvh0, int64_t kvh1, int attend) {
     const rope_rotate_fn rope_rotate = attn_variants[level].rope_rotate;
     const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
     const int64_t G = H / Hkv, L = pos + 1, row = Hkv * D;
@@ -61,7 +68,26 @@ void attn_decode_heads(int32_t level, float *q, float *k, const float *v, const 
         rope_rotate(k + kvh * D, rope, D);
         memcpy(kc + pos * row + kvh * D, k + kvh * D, (size_t)D * sizeof(float));
         memcpy(vc + pos * row + kvh * D, v + kvh * D, (size_t)D * sizeof(float));
-        attend_kv_head(q, kc, vc, row, kvh, G, L, D, scale, scores + kvh * G * L, out);
+        if (attend) attend_kv_head(q, kc, vc, row, kvh, G, L, D, scale, scores + kvh * G * L, out);
+    }
+}
+
+/* Several threads share each KV head when the heads do not split evenly over them (SmolLM2: 3 KV heads on 2
+ * threads left one thread a third of the time idle) and the context is long enough for the two extra barriers to
+ * pay: the same bits either way (attend_team). */
+#define ATT_TEAM_MIN_L 128
+
+void attn_decode_part(int32_t level, float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
+                      int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *scores, float *out,
+                      int64_t me, int64_t all) {
+    const attend_team_fn team = attn_variants[level].attend_team;
+    const int64_t G = H / Hkv, L = pos + 1, kvh0 = Hkv * me / all, kvh1 = Hkv * (me + 1) / all;
+    if (all > 1 && team != NULL && Hkv % all != 0 && L >= ATT_TEAM_MIN_L && D % 8 == 0 && G <= 64) {
+        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 0);
+#pragma omp barrier
+        team(q, kc, vc, Hkv, G, L, D, scale, scores, scores + H * L, out, me, all);
+    } else {
+        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 1);
     }
 }
 
@@ -72,17 +98,16 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
     if (q == NULL || k == NULL || v == NULL || rope == NULL || kc == NULL || vc == NULL || out == NULL) return PI_ERR_SHAPE;
     const int64_t L = pos + 1;
     uint8_t *buf;
-    const int32_t status = scratch_take(scratch, scratch_bytes, align_up((size_t)(H * L) * sizeof(float)), &buf);
+    const int32_t status = scratch_take(scratch, scratch_bytes, attn_scores_bytes(L, H), &buf);
     if (status != PI_OK) return status;
     const int32_t level = pi_isa_clamp(isa);
     float *scores = (float *)buf; /* G * L per KV head */
     int32_t nt = threads_for_work(n_threads, 2 * H * L * D);
-    if (nt > Hkv) nt = (int32_t)Hkv;
+    if (nt > Hkv && L < ATT_TEAM_MIN_L) nt = (int32_t)Hkv;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, Hkv * me / all,
-                          Hkv * (me + 1) / all);
+        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, me, all);
     }
     return PI_OK;
 }

@@ -125,19 +125,17 @@ TARGET_INLINE __m256 FN(exp_nonpositive8)(__m256 x) {
 /* The G query heads of KV head kvh over L = pos + 1 positions; s: G * L scratch. Scores: 8 positions at a time,
  * for every query head while those 8 key rows are in L1 (each a dot product of D / 8 FMAs, the 8 sums reduced
  * together); softmax with the vector exp; then out = sum_t p_t V[t], ATT_V_BLOCK value rows at a time for every
- * query head (the head's partial sums, 64 elements at a time, in registers within a block). */
+ * query head (the head's partial sums, 64 elements at a time, in registers within a block).
+ * In parts, so that several threads can share one KV head with the same bits (attn_decode_team): scores of the
+ * 8-position groups in [t0, t1) (multiples of 8 below L & ~7) and of the tail positions; the softmax of one query
+ * head's row; the values for the output lanes [d0, d1) (multiples of 8: every lane sums over t in order). */
 #define ATT_V_BLOCK 64
-TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
-                                      int64_t G, int64_t L, int64_t D, float scale, float *s, float *out) {
-    if (D % 8 != 0 || G > 64) {
-        FN(attend_kv_head_generic)(q, kc, vc, row, kvh, G, L, D, scale, s, out);
-        return;
-    }
-    const float *kbase = kc + kvh * D, *vbase = vc + kvh * D;
+TARGET_INLINE void FN(att_scores)(const float *q, const float *kc, int64_t row, int64_t kvh, int64_t G, int64_t L,
+                                  int64_t D, float scale, float *s, int64_t t0, int64_t t1) {
+    const float *kbase = kc + kvh * D;
     const float *qh = q + kvh * G * D;
     const __m256 vscale = _mm256_set1_ps(scale);
-    int64_t t = 0;
-    for (; t + 8 <= L; t += 8) {
+    for (int64_t t = t0; t < t1; t += 8) {
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * D;
             __m256 acc[8];
@@ -150,7 +148,13 @@ TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const flo
             _mm256_storeu_ps(s + g * L + t, _mm256_mul_ps(FN(hsum8x8)(acc), vscale));
         }
     }
-    for (; t < L; t++) {
+}
+
+TARGET_INLINE void FN(att_scores_tail)(const float *q, const float *kc, int64_t row, int64_t kvh, int64_t G,
+                                       int64_t L, int64_t D, float scale, float *s) {
+    const float *kbase = kc + kvh * D;
+    const float *qh = q + kvh * G * D;
+    for (int64_t t = L & ~(int64_t)7; t < L; t++) {
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qh + g * D;
             __m256 acc = _mm256_setzero_ps();
@@ -159,39 +163,44 @@ TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const flo
             s[g * L + t] = FN(hsum256_att)(acc) * scale;
         }
     }
-    /* softmax numerators and their sums */
-    float inv[64]; /* 1 / sum per query head; G <= 64 here, else the generic body below */
-    for (int64_t g = 0; g < G; g++) {
-        float *sg = s + g * L;
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        for (t = 0; t + 8 <= L; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
-        float m = -INFINITY;
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmax);
-        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-        for (int64_t u = t; u < L; u++) m = sg[u] > m ? sg[u] : m;
-        const __m256 vm = _mm256_set1_ps(m);
-        __m256 vsum = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= L; t += 8) {
-            const __m256 e = FN(exp_nonpositive8)(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
-            _mm256_storeu_ps(sg + t, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = FN(hsum256_att)(vsum);
-        for (; t < L; t++) {
-            sg[t] = FN(exp_nonpositive)(sg[t] - m);
-            sum += sg[t];
-        }
-        inv[g] = 1.0f / sum;
+}
+
+/* sg (L scores of one query head) -> the softmax numerators in place; returns 1 / their sum */
+TARGET_INLINE float FN(att_softmax)(float *sg, int64_t L) {
+    int64_t t;
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (t = 0; t + 8 <= L; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + t));
+    float m = -INFINITY;
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmax);
+    for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    for (int64_t u = t; u < L; u++) m = sg[u] > m ? sg[u] : m;
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= L; t += 8) {
+        const __m256 e = FN(exp_nonpositive8)(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vm));
+        _mm256_storeu_ps(sg + t, e);
+        vsum = _mm256_add_ps(vsum, e);
     }
-    /* the weighted values, a block of positions at a time for every head, accumulated in out */
+    float sum = FN(hsum256_att)(vsum);
+    for (; t < L; t++) {
+        sg[t] = FN(exp_nonpositive)(sg[t] - m);
+        sum += sg[t];
+    }
+    return 1.0f / sum;
+}
+
+/* out lanes [d0, d1) of the G heads of kvh = sum_t p_t V[t] * inv[g] */
+TARGET_INLINE void FN(att_values)(const float *vc, int64_t row, int64_t kvh, int64_t G, int64_t L, int64_t D,
+                                  const float *s, const float *inv, float *out, int64_t d_begin, int64_t d_end) {
+    const float *vbase = vc + kvh * D;
     for (int64_t t0 = 0; t0 < L; t0 += ATT_V_BLOCK) {
         const int64_t t1 = t0 + ATT_V_BLOCK < L ? t0 + ATT_V_BLOCK : L;
         for (int64_t g = 0; g < G; g++) {
             const float *sg = s + g * L;
             float *o = out + (kvh * G + g) * D;
-            for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                const int nv = (int)((D - d0 < 64 ? D - d0 : 64) / 8);
+            for (int64_t d0 = d_begin; d0 < d_end; d0 += 64) {
+                const int nv = (int)((d_end - d0 < 64 ? d_end - d0 : 64) / 8);
                 __m256 acc[8];
                 for (int j = 0; j < nv; j++) acc[j] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d0 + 8 * j);
                 for (int64_t u = t0; u < t1; u++) {
@@ -207,6 +216,42 @@ TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const flo
                 }
             }
         }
+    }
+}
+
+TARGET static void FN(attend_kv_head)(const float *q, const float *kc, const float *vc, int64_t row, int64_t kvh,
+                                      int64_t G, int64_t L, int64_t D, float scale, float *s, float *out) {
+    if (D % 8 != 0 || G > 64) {
+        FN(attend_kv_head_generic)(q, kc, vc, row, kvh, G, L, D, scale, s, out);
+        return;
+    }
+    FN(att_scores)(q, kc, row, kvh, G, L, D, scale, s, 0, L & ~(int64_t)7);
+    FN(att_scores_tail)(q, kc, row, kvh, G, L, D, scale, s);
+    float inv[64]; /* 1 / sum per query head; G <= 64 here, else the generic body above */
+    for (int64_t g = 0; g < G; g++) inv[g] = FN(att_softmax)(s + g * L, L);
+    FN(att_values)(vc, row, kvh, G, L, D, s, inv, out, 0, D);
+}
+
+/* Thread `me` of `all` in a team sharing every KV head (attn_decode_team): the parts of attend_kv_head split over
+ * the team, with barriers between them; scores of KV head kvh at s + kvh * G * L, inv: H floats. The same bits
+ * as attend_kv_head per head. Needs D % 8 == 0 and G <= 64. */
+TARGET static void FN(attend_team)(const float *q, const float *kc, const float *vc, int64_t Hkv, int64_t G,
+                                   int64_t L, int64_t D, float scale, float *s, float *inv, float *out, int64_t me,
+                                   int64_t all) {
+    const int64_t row = Hkv * D, n8 = L / 8, groups = Hkv * n8;
+    for (int64_t i = groups * me / all, i1 = groups * (me + 1) / all; i < i1;) {
+        const int64_t kvh = i / n8, g0 = i % n8, g1 = kvh == (i1 - 1) / n8 ? (i1 - 1) % n8 + 1 : n8;
+        FN(att_scores)(q, kc, row, kvh, G, L, D, scale, s + kvh * G * L, 8 * g0, 8 * g1);
+        i += g1 - g0;
+    }
+    for (int64_t kvh = me; kvh < Hkv; kvh += all) FN(att_scores_tail)(q, kc, row, kvh, G, L, D, scale, s + kvh * G * L);
+#pragma omp barrier
+    for (int64_t h = Hkv * G * me / all; h < Hkv * G * (me + 1) / all; h++) inv[h] = FN(att_softmax)(s + h * L, L);
+#pragma omp barrier
+    const int64_t chunk = D % 32 == 0 ? 32 : D, n_chunks = D / chunk, items = Hkv * n_chunks;
+    for (int64_t i = items * me / all; i < items * (me + 1) / all; i++) {
+        const int64_t kvh = i / n_chunks, d0 = (i % n_chunks) * chunk;
+        FN(att_values)(vc, row, kvh, G, L, D, s + kvh * G * L, inv + kvh * G, out, d0, d0 + chunk);
     }
 }
 #else

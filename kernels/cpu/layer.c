@@ -200,7 +200,7 @@ static int mat_ok(const pi_mat *m, int64_t n_rows, int64_t n_cols) {
 static size_t attn_block_scratch(int64_t n_embd, int64_t H, int64_t Hkv, int64_t D, int64_t n_ctx) {
     const int64_t n_q = H * D, n_kv = Hkv * D;
     return align_up((size_t)n_embd * 4) * 2 + align_up((size_t)n_q * 4) * 2 + align_up((size_t)n_kv * 4) * 2 +
-           align_up((size_t)(H * n_ctx) * 4) + mv_input_bytes(n_embd > n_q ? n_embd : n_q);
+           attn_scores_bytes(n_ctx, H) + mv_input_bytes(n_embd > n_q ? n_embd : n_q);
 }
 
 static size_t ffn_block_scratch(int64_t n_embd, int64_t n_ff) {
@@ -246,7 +246,7 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
     float *k = (float *)((uint8_t *)att + align_up((size_t)n_q * 4));
     float *v = (float *)((uint8_t *)k + align_up((size_t)n_kv * 4));
     float *scores = (float *)((uint8_t *)v + align_up((size_t)n_kv * 4));
-    uint8_t *prep = (uint8_t *)scores + align_up((size_t)(H * n_ctx) * 4);
+    uint8_t *prep = (uint8_t *)scores + attn_scores_bytes(n_ctx, H);
 
     const int32_t level = pi_isa_clamp(isa);
     const matmul_table *t = matmul_table_for(level);
@@ -262,8 +262,7 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
         norm_prepare(t, level, x, b->norm, E, b->eps, qkv, 3, q8, xn, prep, &in_x);
         mv_split(t, level, qkv, qkv_out, 3, q8, &in_x, me, all);
 #pragma omp barrier
-        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, Hkv * me / all,
-                          Hkv * (me + 1) / all);
+        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, me, all);
 #pragma omp barrier
 #pragma omp single
         mv_prepare(t, level, att, n_q, out_mat, 1, q8, prep, &in_att);

@@ -27,7 +27,7 @@ from powerinfer.ops import KernelContext
 
 log = logging.getLogger(__name__)
 
-WINDOW_S = 0.1  # steps are judged over at least this much wall time
+WINDOW_S = 0.05  # steps are judged over at least this much wall time
 LOW_SHARE = 0.8  # CPU time / wall time of the stepping thread below this: the cores are shared
 PROBE_S = 2.0  # first wait before trying all threads again
 PROBE_MAX_S = 32.0
