@@ -195,23 +195,24 @@ TARGET_INLINE float FN(att_softmax)(float *sg, int64_t L) {
     return 1.0f / sum;
 }
 
-/* 64 output lanes at o over positions [t0, t1): the body of att_values for a whole block of 8 vectors */
+/* nv * 8 output lanes (nv <= 8) at o over positions [t0, t1): called with a constant nv where it can be, which keeps
+ * acc in registers (a variable count spilled it: ~1/3 of the attention time at 2048 positions) */
 TARGET_INLINE void FN(att_values_block)(const float *vbase, int64_t row, const float *sg, int64_t t0, int64_t t1,
-                                        float inv, int64_t L, float *o) {
+                                        float inv, int64_t L, float *o, const int nv) {
     __m256 acc[8];
-    for (int j = 0; j < 8; j++) acc[j] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * j);
+    for (int j = 0; j < nv; j++) acc[j] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * j);
     for (int64_t u = t0; u < t1; u++) {
         const __m256 p = _mm256_broadcast_ss(sg + u);
         const float *vrow = vbase + u * row;
         if (u + ATT_PF < L)
-            for (int d = 0; d < 64; d += 16) __builtin_prefetch(vrow + ATT_PF * row + d, 0, 3);
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
+            for (int d = 0; d < 8 * nv; d += 16) __builtin_prefetch(vrow + ATT_PF * row + d, 0, 3);
+        for (int j = 0; j < nv; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
     }
     if (t1 == L) {
         const __m256 vinv = _mm256_set1_ps(inv);
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], vinv));
+        for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(acc[j], vinv));
     } else {
-        for (int j = 0; j < 8; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
+        for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + 8 * j, acc[j]);
     }
 }
 
@@ -226,24 +227,10 @@ TARGET_INLINE void FN(att_values)(const float *vc, int64_t row, int64_t kvh, int
             float *o = out + (kvh * G + g) * D;
             for (int64_t d0 = d_begin; d0 < d_end; d0 += 64) {
                 const int nv = (int)((d_end - d0 < 64 ? d_end - d0 : 64) / 8);
-                if (nv == 8) { /* a constant count keeps acc in registers (a variable one spilled it: ~1/3 of the
-                                * attention time at 2048 positions) */
-                    FN(att_values_block)(vbase + d0, row, sg, t0, t1, inv[g], L, o + d0);
-                    continue;
-                }
-                __m256 acc[8];
-                for (int j = 0; j < nv; j++) acc[j] = t0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(o + d0 + 8 * j);
-                for (int64_t u = t0; u < t1; u++) {
-                    const __m256 p = _mm256_broadcast_ss(sg + u);
-                    const float *vrow = vbase + u * row + d0;
-                    for (int j = 0; j < nv; j++) acc[j] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8 * j), acc[j]);
-                }
-                if (t1 == L) {
-                    const __m256 vinv = _mm256_set1_ps(inv[g]);
-                    for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], vinv));
-                } else {
-                    for (int j = 0; j < nv; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
-                }
+                if (nv == 8)
+                    FN(att_values_block)(vbase + d0, row, sg, t0, t1, inv[g], L, o + d0, 8);
+                else
+                    FN(att_values_block)(vbase + d0, row, sg, t0, t1, inv[g], L, o + d0, nv);
             }
         }
     }

@@ -260,12 +260,12 @@ class Engine:
             if hidden:
                 raise InputError("embeddings are not served by a pipeline of several ranks")
             logits = self.pipeline.forward(self.model, batch, kv, rows)
-        elif self.governor is not None:
-            self.governor.begin()
-            logits = self.model.forward(batch, kv, rows, hidden=hidden)
-            self.governor.end()
         else:
+            if self.governor is not None:
+                self.governor.begin()
             logits = self.model.forward(batch, kv, rows, hidden=hidden)
+            if self.governor is not None:
+                self.governor.end()
         for seg in batch.segments:
             kv.n_past[seg.seq] = seg.pos + seg.n
         return logits
