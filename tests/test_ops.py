@@ -112,6 +112,34 @@ def test_float_row_pairs_equal_single_rows(ggml_type, n_rows, n_cols, isa):
 
 
 @needs_kernels
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    ("n_rows", "n_cols", "n_tokens"), [(27, 416, 4), (27, 416, 9), (8, 32, 5), (61, 768, 6)]
+)
+def test_quant_panels_equal_single_rows(ggml_type, n_rows, n_cols, n_tokens, isa):
+    """From TILE8_MIN_T = 4 tokens, Q4_0 rows go by panels of 8 (rows in vector lanes), the last N % 8 rows and the
+    last nb % 8 blocks included: the bits of one token at a time, dense and through a sparse row list, with rows of
+    all-15 nibbles against activations of -127 (the largest int16 pair sums the AVX2 panel adds up)."""
+    rng = np.random.default_rng(3)
+    data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    data[1] = 0.875  # nibble 15 everywhere but the first of each block (-1: d = 1/8, nibble 0)
+    data[1, ::32] = -1.0
+    w = ops.QWeight.from_numpy(quantize(data, ggml_type), ggml_type, (n_rows, n_cols))
+    x = make_x(n_tokens, n_cols)
+    x[-1] = -1.0
+    kc = ops.KernelContext(n_threads=2, act_precision="q8", isa=isa)
+    batch = ops.linear(x, w, kc)
+    single = torch.stack([ops.linear(x[t], w, kc) for t in range(n_tokens)])
+    assert torch.equal(batch, single)
+    idx = torch.from_numpy(rng.permutation(n_rows)[: max(9, n_rows - 5)].astype(np.int64))
+    assert torch.equal(ops.rows_matmul(x, w, idx, kc), single[:, idx])
+    dense = reference.dense(w).double()
+    xq = fake_quant_act(x).double()
+    scale = xq.abs() @ dense.abs().T
+    assert ((batch.double() - xq @ dense.T).abs() <= 1e-5 * scale + 1e-30).all()
+
+
+@needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
     w = make_weight(ggml_type, 300, 576)

@@ -317,6 +317,93 @@ TARGET static void FN(tile_q4_0)(const uint8_t *row, const act_q8 *a, int64_t t0
         default: FN(tile_q4_0_n)(row, a, t0, 4, out); break;
     }
 }
+/* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
+
+/* Eight rows x all tokens. The rows' blocks are first transposed into `panel` (PANEL_BYTES_PER_BLOCK per block): vector
+ * j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of that step
+ * (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no horizontal sum per
+ * block. The arithmetic is tile_q4_0's, row by row: the same exact integer q . x - 8 sum(x) per block, the same
+ * float product d_w d_x, the same FMA into accumulator b % 8 (tile_q4_0's lane), and its hsum256 order at the end
+ * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), so every output has the same bits as from tile_q4_0. */
+TARGET static void FN(tile8_q4_0)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
+                                  int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i r[8];
+        uint16_t dh[8];
+        for (int i = 0; i < 8; i++) {
+            const block_q4_0 *blk = (const block_q4_0 *)rows[i] + b;
+            r[i] = FN(unpack_q4)(blk->qs);
+            dh[i] = blk->d;
+        }
+        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+        const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+        __m256i *v = (__m256i *)(panel + b * PANEL_BYTES_PER_BLOCK);
+        _mm256_store_si256(v + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+        _mm256_store_si256(v + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+        _mm256_store_si256(v + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+        _mm256_store_si256(v + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+        _mm256_store_si256(v + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+        _mm256_store_si256(v + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+        _mm256_store_si256(v + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+        _mm256_store_si256(v + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+        _mm256_store_ps((float *)(v + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int8_t *xq = a->qs + t * K;
+        const float *ds = a->ds + t * nb * 2;
+        const int32_t *is = a->isum + t * nb;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
+               acc6 = acc0, acc7 = acc0;
+#if SIMD_AVX512
+#define P8_DOTS(v, xb)                                                                                         \
+    __m256i q = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3));        \
+    for (int j = 0; j < 8; j++)                                                                               \
+        q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + j), _mm256_set1_epi32(*(const int32_t *)((xb) + 4 * j)));
+#else /* 8 pair sums of <= 2 * 15 * 128 each stay below 2^15: one madd per block */
+#define P8_DOTS(v, xb)                                                                                         \
+    __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), _mm256_set1_epi32(*(const int32_t *)(xb)));          \
+    for (int j = 1; j < 8; j++)                                                                               \
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j),                           \
+                                                         _mm256_set1_epi32(*(const int32_t *)((xb) + 4 * j)))); \
+    const __m256i q = _mm256_sub_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),                            \
+                                       _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3));
+#endif
+#define P8_STEP(ACC)                                                                                           \
+    do {                                                                                                       \
+        const __m256i *v = (const __m256i *)(panel + b * PANEL_BYTES_PER_BLOCK);                                   \
+        const int8_t *xb = xq + b * QK;                                                                        \
+        P8_DOTS(v, xb)                                                                                         \
+        const __m256 scale = _mm256_mul_ps(_mm256_load_ps((const float *)(v + 8)), _mm256_set1_ps(ds[2 * b]));  \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, ACC);                                              \
+        b++;                                                                                                   \
+    } while (0)
+        int64_t b = 0;
+        for (; b + 8 <= nb; ) {
+            P8_STEP(acc0); P8_STEP(acc1); P8_STEP(acc2); P8_STEP(acc3);
+            P8_STEP(acc4); P8_STEP(acc5); P8_STEP(acc6); P8_STEP(acc7);
+        }
+        if (b < nb) P8_STEP(acc0);
+        if (b < nb) P8_STEP(acc1);
+        if (b < nb) P8_STEP(acc2);
+        if (b < nb) P8_STEP(acc3);
+        if (b < nb) P8_STEP(acc4);
+        if (b < nb) P8_STEP(acc5);
+        if (b < nb) P8_STEP(acc6);
+#undef P8_STEP
+#undef P8_DOTS
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc0, acc4), _mm256_add_ps(acc2, acc6)),
+                                         _mm256_add_ps(_mm256_add_ps(acc1, acc5), _mm256_add_ps(acc3, acc7)));
+        _mm256_storeu_ps(y + t * y_stride, sum);
+    }
+}
+
 DEFINE_TILE_QUANT(q4_1, 1)
 DEFINE_TILE_QUANT(q8_0, 2)
 DEFINE_TILE_QUANT(q5_0, 3)
