@@ -284,7 +284,7 @@ static const matmul_table matmul_tables[] = {
      dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
      dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
      tile_q5_k_f_##isa, tile_q6_k_f_##isa, dot_q2_k_f_##isa, dot_q3_k_f_##isa, dot_q4_k_f_##isa, dot_q5_k_f_##isa,   \
-     dot_q6_k_f_##isa, TILE2(isa, f32), TILE2(isa, f16), TILE2(isa, bf16), TILE2(isa, q4_0)}
+     dot_q6_k_f_##isa, TILE2(isa, f32), TILE2(isa, f16), TILE2(isa, bf16), TILE2(isa, q4_0), TILE2(isa, q8_0)}
 #define TILE2(isa, type) tile2_##type##_##isa
 #define tile2_f32_scalar NULL
 #define tile2_f16_scalar NULL
@@ -292,6 +292,9 @@ static const matmul_table matmul_tables[] = {
 #define tile2_q4_0_scalar NULL
 #define tile2_q4_0_avx2 tile8_q4_0_avx2
 #define tile2_q4_0_avx512 tile8_q4_0_avx512
+#define tile2_q8_0_scalar NULL
+#define tile2_q8_0_avx2 tile8_q8_0_avx2
+#define tile2_q8_0_avx512 tile8_q8_0_avx512
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
     [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
@@ -303,6 +306,9 @@ static const matmul_table matmul_tables[] = {
 #undef tile2_q4_0_scalar
 #undef tile2_q4_0_avx2
 #undef tile2_q4_0_avx512
+#undef tile2_q8_0_scalar
+#undef tile2_q8_0_avx2
+#undef tile2_q8_0_avx512
 };
 
 /* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar. */
@@ -353,9 +359,11 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     const int32_t nt = threads_for_work(n_threads, N * K * T);
     const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
-    const tile8_quant_fn tile8 = T >= TILE8_MIN_T && tile == table->tile_q4_0 ? table->tile8_q4_0 : NULL;
+    const tile8_quant_fn tile8 = tile == table->tile_q4_0 && T >= TILE8_MIN_T_Q4_0   ? table->tile8_q4_0
+                                 : tile == table->tile_q8_0 && T >= TILE8_MIN_T_Q8_0 ? table->tile8_q8_0
+                                                                                     : NULL;
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
-    const size_t panel_bytes = (size_t)nb * PANEL_BYTES_PER_BLOCK;
+    const size_t panel_bytes = (size_t)nb * PANEL_MAX_BYTES_PER_BLOCK;
     uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
     if (n8 > 0 && panels == NULL) {
         if (scratch != on_stack) free(scratch);

@@ -16,9 +16,11 @@
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
 #define TILE_T2 3 /* tokens per tile of the two-row float kernels (prompts) */
-#define TILE8_MIN_T 4 /* tokens from which Q4_0 rows go by panels of 8 (tile8_quant_fn) */
-/* a panel block: 8 vectors of 4 weights x 8 rows, then the 8 rows' d as floats */
-#define PANEL_BYTES_PER_BLOCK (9 * 32)
+/* tokens from which Q4_0 / Q8_0 rows go by panels of 8 (tile8_quant_fn); measured on the 1.1B shapes, 1 thread:
+ * Q4_0 panels are faster from 4 tokens, Q8_0 ones (+40% at 64) from about 12 */
+#define TILE8_MIN_T_Q4_0 4
+#define TILE8_MIN_T_Q8_0 12
+#define PANEL_MAX_BYTES_PER_BLOCK (17 * 32) /* a block of 8 rows in the panel of a tile8_quant_fn, at most */
 
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
@@ -31,7 +33,8 @@ typedef struct {
 
 typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
 typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
-/* Eight rows (rows[0..7]) x T tokens into y[t * y_stride + r]; `panel` holds nb * 288 bytes, 32-byte aligned. */
+/* Eight rows (rows[0..7]) x T tokens into y[t * y_stride + r]; `panel`: nb * PANEL_MAX_BYTES_PER_BLOCK bytes,
+ * 32-byte aligned. */
 typedef void (*tile8_quant_fn)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
                                int64_t y_stride);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
@@ -55,7 +58,7 @@ typedef struct {
     tile_float_fn tile_q2_k_f, tile_q3_k_f, tile_q4_k_f, tile_q5_k_f, tile_q6_k_f;
     rows_dot_fn dot_q2_k_f, dot_q3_k_f, dot_q4_k_f, dot_q5_k_f, dot_q6_k_f;
     tile_float2_fn tile2_f32, tile2_f16, tile2_bf16; /* NULL: one row at a time */
-    tile8_quant_fn tile8_q4_0;                       /* prompts, the bits of tile_q4_0; NULL: row by row */
+    tile8_quant_fn tile8_q4_0, tile8_q8_0; /* prompts, the bits of tile_q4_0 / tile_q8_0; NULL: row by row */
 } matmul_table;
 
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */

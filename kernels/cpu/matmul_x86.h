@@ -299,6 +299,67 @@ TARGET_INLINE void FN(tile_q4_0_n)(const uint8_t *row, const act_q8 *a, int64_t 
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
 }
 
+/* Q8_0 rows like Q4_0 rows: 8 blocks per step, block i + j's exact integer dot |q| . sign(x, q) in lane j, one
+ * float product d_w d_x and one FMA per lane, hsum256 at the end; the panels of 8 rows (tile8_q8_0) repeat it. */
+TARGET_INLINE __m256 FN(q8_0_group)(const __m256i *w, const int8_t *xq, __m256 scale, __m256 acc) {
+    __m256i p[8];
+    for (int j = 0; j < 8; j++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * QK));
+        p[j] = FN(dot_u8s8)(_mm256_setzero_si256(), _mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xv, w[j]));
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(FN(sum8_epi32)(p)), scale, acc);
+}
+
+TARGET_INLINE void FN(tile_q8_0_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
+    const block_q8_0 *b = (const block_q8_0 *)row;
+    const int64_t nb = a->nb, K = a->K;
+    __m256i w[8];
+    __m256 acc[TILE_T];
+    for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 8 <= nb; g += 8) {
+        for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
+        const __m128i dh = _mm_setr_epi16((short)b[g].d, (short)b[g + 1].d, (short)b[g + 2].d, (short)b[g + 3].d,
+                                          (short)b[g + 4].d, (short)b[g + 5].d, (short)b[g + 6].d, (short)b[g + 7].d);
+        const __m256 dw = _mm256_cvtph_ps(dh);
+        for (int t = 0; t < ntok; t++) {
+            const int64_t tt = t0 + t;
+            const float *ds = a->ds + (tt * nb + g) * 2;
+            const __m256 e = _mm256_shuffle_ps(_mm256_loadu_ps(ds), _mm256_loadu_ps(ds + 8), 0x88);
+            const __m256 dx = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+            acc[t] = FN(q8_0_group)(w, a->qs + tt * K + g * QK, _mm256_mul_ps(dw, dx), acc[t]);
+        }
+    }
+    if (g < nb) { /* the last n < 8 blocks: zero weights, scales and activations in the unused lanes */
+        const int n = (int)(nb - g);
+        uint16_t dh[8] = {0};
+        for (int j = 0; j < 8; j++) w[j] = _mm256_setzero_si256();
+        for (int j = 0; j < n; j++) {
+            w[j] = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
+            dh[j] = b[g + j].d;
+        }
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        for (int t = 0; t < ntok; t++) {
+            const int64_t tt = t0 + t;
+            _Alignas(32) int8_t xt[8 * QK] = {0};
+            float dt[8] = {0};
+            memcpy(xt, a->qs + tt * K + g * QK, (size_t)n * QK);
+            for (int j = 0; j < n; j++) dt[j] = a->ds[(tt * nb + g + j) * 2];
+            acc[t] = FN(q8_0_group)(w, xt, _mm256_mul_ps(dw, _mm256_loadu_ps(dt)), acc[t]);
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
+}
+
+TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    switch (ntok) {
+        case 1: FN(tile_q8_0_n)(row, a, t0, 1, out); break;
+        case 2: FN(tile_q8_0_n)(row, a, t0, 2, out); break;
+        case 3: FN(tile_q8_0_n)(row, a, t0, 3, out); break;
+        default: FN(tile_q8_0_n)(row, a, t0, 4, out); break;
+    }
+}
+
 #define DEFINE_TILE_QUANT(type, kind)                                                                     \
     TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         switch (ntok) {                                                                                   \
@@ -319,7 +380,30 @@ TARGET static void FN(tile_q4_0)(const uint8_t *row, const act_q8 *a, int64_t t0
 }
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
-/* Eight rows x all tokens. The rows' blocks are first transposed into `panel` (PANEL_BYTES_PER_BLOCK per block): vector
+/* v[j] lane i = 32-bit element j of r[i]: an 8 x 8 transpose of 32-bit elements */
+TARGET_INLINE void FN(transpose8_epi32)(const __m256i *r, __m256i *v) {
+    const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+    const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+    const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+    const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+    const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
+    const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
+    const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
+    _mm256_store_si256(v + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
+    _mm256_store_si256(v + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
+    _mm256_store_si256(v + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
+    _mm256_store_si256(v + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
+    _mm256_store_si256(v + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
+    _mm256_store_si256(v + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
+    _mm256_store_si256(v + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
+    _mm256_store_si256(v + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+}
+
+#define PANEL_Q4_0 (9 * 32) /* panel bytes per block: 8 vectors of 4 weights x 8 rows, the 8 rows' d as floats */
+#define PANEL_Q8_0 (17 * 32) /* the same with the 8 vectors of |q| after the 8 of q */
+
+/* Eight rows x all tokens. The rows' blocks are first transposed into `panel` (PANEL_Q4_0 per block): vector
  * j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of that step
  * (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no horizontal sum per
  * block. The arithmetic is tile_q4_0's, row by row: the same exact integer q . x - 8 sum(x) per block, the same
@@ -336,23 +420,8 @@ TARGET static void FN(tile8_q4_0)(const uint8_t *const *rows, const act_q8 *a, i
             r[i] = FN(unpack_q4)(blk->qs);
             dh[i] = blk->d;
         }
-        const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-        const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-        const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-        const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-        const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-        const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-        const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-        const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-        __m256i *v = (__m256i *)(panel + b * PANEL_BYTES_PER_BLOCK);
-        _mm256_store_si256(v + 0, _mm256_permute2x128_si256(u0, u4, 0x20));
-        _mm256_store_si256(v + 1, _mm256_permute2x128_si256(u1, u5, 0x20));
-        _mm256_store_si256(v + 2, _mm256_permute2x128_si256(u2, u6, 0x20));
-        _mm256_store_si256(v + 3, _mm256_permute2x128_si256(u3, u7, 0x20));
-        _mm256_store_si256(v + 4, _mm256_permute2x128_si256(u0, u4, 0x31));
-        _mm256_store_si256(v + 5, _mm256_permute2x128_si256(u1, u5, 0x31));
-        _mm256_store_si256(v + 6, _mm256_permute2x128_si256(u2, u6, 0x31));
-        _mm256_store_si256(v + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
+        __m256i *v = (__m256i *)(panel + b * PANEL_Q4_0);
+        FN(transpose8_epi32)(r, v);
         _mm256_store_ps((float *)(v + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
     }
     for (int64_t t = 0; t < T; t++) {
@@ -377,7 +446,7 @@ TARGET static void FN(tile8_q4_0)(const uint8_t *const *rows, const act_q8 *a, i
 #endif
 #define P8_STEP(ACC)                                                                                           \
     do {                                                                                                       \
-        const __m256i *v = (const __m256i *)(panel + b * PANEL_BYTES_PER_BLOCK);                                   \
+        const __m256i *v = (const __m256i *)(panel + b * PANEL_Q4_0);                                   \
         const int8_t *xb = xq + b * QK;                                                                        \
         P8_DOTS(v, xb)                                                                                         \
         const __m256 scale = _mm256_mul_ps(_mm256_load_ps((const float *)(v + 8)), _mm256_set1_ps(ds[2 * b]));  \
@@ -404,8 +473,67 @@ TARGET static void FN(tile8_q4_0)(const uint8_t *const *rows, const act_q8 *a, i
     }
 }
 
+/* Q8_0 by panels of 8 rows: tile8_q4_0's scheme with tile_q8_0's integer per block, |q| . sign(x, q) */
+TARGET static void FN(tile8_q8_0)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
+                                  int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i r[8];
+        uint16_t dh[8];
+        for (int i = 0; i < 8; i++) {
+            const block_q8_0 *blk = (const block_q8_0 *)rows[i] + b;
+            r[i] = _mm256_loadu_si256((const __m256i *)blk->qs);
+            dh[i] = blk->d;
+        }
+        __m256i *v = (__m256i *)(panel + b * PANEL_Q8_0);
+        FN(transpose8_epi32)(r, v);
+        for (int j = 0; j < 8; j++) _mm256_store_si256(v + 8 + j, _mm256_sign_epi8(v[j], v[j]));
+        _mm256_store_ps((float *)(v + 16), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int8_t *xq = a->qs + t * K;
+        const float *ds = a->ds + t * nb * 2;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
+               acc6 = acc0, acc7 = acc0;
+#if SIMD_AVX512
+#define P8_DOT(q, v, j, xb) q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + 8 + (j)), _mm256_sign_epi8(xb, _mm256_load_si256((v) + (j))))
+#else
+#define P8_DOT(q, v, j, xb)                                                                                        \
+    q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((v) + 8 + (j)),              \
+                                                                   _mm256_sign_epi8(xb, _mm256_load_si256((v) + (j)))), \
+                                              _mm256_set1_epi16(1)))
+#endif
+#define P8_STEP(ACC)                                                                                           \
+    do {                                                                                                       \
+        const __m256i *v = (const __m256i *)(panel + b * PANEL_Q8_0);                                          \
+        const int8_t *xb = xq + b * QK;                                                                        \
+        __m256i q = _mm256_setzero_si256();                                                                    \
+        for (int j = 0; j < 8; j++) P8_DOT(q, v, j, _mm256_set1_epi32(*(const int32_t *)(xb + 4 * j)));      \
+        const __m256 scale = _mm256_mul_ps(_mm256_load_ps((const float *)(v + 16)), _mm256_set1_ps(ds[2 * b])); \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, ACC);                                              \
+        b++;                                                                                                   \
+    } while (0)
+        int64_t b = 0;
+        for (; b + 8 <= nb; ) {
+            P8_STEP(acc0); P8_STEP(acc1); P8_STEP(acc2); P8_STEP(acc3);
+            P8_STEP(acc4); P8_STEP(acc5); P8_STEP(acc6); P8_STEP(acc7);
+        }
+        if (b < nb) P8_STEP(acc0);
+        if (b < nb) P8_STEP(acc1);
+        if (b < nb) P8_STEP(acc2);
+        if (b < nb) P8_STEP(acc3);
+        if (b < nb) P8_STEP(acc4);
+        if (b < nb) P8_STEP(acc5);
+        if (b < nb) P8_STEP(acc6);
+#undef P8_STEP
+#undef P8_DOT
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc0, acc4), _mm256_add_ps(acc2, acc6)),
+                                         _mm256_add_ps(_mm256_add_ps(acc1, acc5), _mm256_add_ps(acc3, acc7)));
+        _mm256_storeu_ps(y + t * y_stride, sum);
+    }
+}
+
 DEFINE_TILE_QUANT(q4_1, 1)
-DEFINE_TILE_QUANT(q8_0, 2)
 DEFINE_TILE_QUANT(q5_0, 3)
 DEFINE_TILE_QUANT(q5_1, 4)
 
