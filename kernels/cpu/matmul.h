@@ -15,7 +15,7 @@
 #define TILE_T 4  /* tokens per tile */
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
-#define TILE_T2 3 /* tokens per tile of the two-row float kernels (prompts) */
+#define TILE_T2 3 /* tokens per tile of the four-row float kernels (prompts) */
 /* tokens from which Q4_0 / Q8_0 rows go by panels of 8 (tile8_quant_fn); measured on the 1.1B shapes, 1 thread:
  * Q4_0 panels are faster from 4 tokens, Q8_0 ones (+40% at 64) from about 12 */
 #define TILE8_MIN_T_Q4_0 4
@@ -38,10 +38,14 @@ typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, i
 typedef void (*tile8_quant_fn)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
                                int64_t y_stride);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
-/* Two rows, ntok <= TILE_T2 tokens: out_a / out_b as the matching tile_float_fn computes them for each row (the same
- * bits); each activation vector is loaded once for both rows, each weight vector once for all tokens. */
-typedef void (*tile_float2_fn)(const uint8_t *row_a, const uint8_t *row_b, int64_t K, const float *x, int64_t x_stride,
-                               int ntok, float *out_a, float *out_b);
+/* Four rows x ntok <= TILE_T2 tokens into out[r * TILE_T2 + t], as the matching
+ * tile_float_fn computes each (the same bits); each activation vector loaded feeds 4 rows, each weight vector
+ * TILE_T2 tokens. Columns [k0, k1) only: k0 > 0 carries the accumulators on from `state` (TILE4_STATE_BYTES,
+ * 64-byte aligned), k1 < K (k1 - k0 a multiple of TILE4_K_UNIT) leaves them there; the call with k1 = K writes out. */
+typedef void (*tile_float4_fn)(const uint8_t *const *rows, int64_t K, int64_t k0, int64_t k1,
+                               const float *x, int64_t x_stride, int ntok, void *state, float *out);
+#define TILE4_STATE_BYTES (2 * 4 * TILE_T2 * 64)
+#define TILE4_K_UNIT 32
 /* One token, R <= ROWS_DOT_MAX rows at once: out[r] = rows[r] . x, each row with exactly the arithmetic of the
  * matching tile_float_fn at ntok = 1 (the rows only interleave, for instruction-level parallelism). */
 typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out);
@@ -57,7 +61,7 @@ typedef struct {
     /* K-quants (super-blocks of 256), float activations: tiles (ntok <= TILE_TQ) and T = 1 rows */
     tile_float_fn tile_q2_k_f, tile_q3_k_f, tile_q4_k_f, tile_q5_k_f, tile_q6_k_f;
     rows_dot_fn dot_q2_k_f, dot_q3_k_f, dot_q4_k_f, dot_q5_k_f, dot_q6_k_f;
-    tile_float2_fn tile2_f32, tile2_f16, tile2_bf16; /* NULL: one row at a time */
+    tile_float4_fn tile4_f32, tile4_f16, tile4_bf16; /* prompts; NULL: one row at a time */
     tile8_quant_fn tile8_q4_0, tile8_q8_0; /* prompts, the bits of tile_q4_0 / tile_q8_0; NULL: row by row */
 } matmul_table;
 

@@ -603,72 +603,68 @@ TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K
     for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
 }
 
-/* Two rows: per (row, token) exactly tile_float_n's chain (acc0 the even vectors, acc1 the odd ones, the scalar
- * tail, one final sum), so the same bits. 4 * TILE_T2 accumulators, two weight vectors and one activation vector
- * fit the 16 ymm registers: the even halves first, then the odd ones. (Measured on the 1.1B F16 prompt, 1 thread:
- * +15-20% over one row x 4 tokens; passes of 256 columns, or tokens copied off the 4 KB stride, were slower.) */
-TARGET_INLINE void FN(tile2_float_n)(const int fmt, const uint8_t *row_a, const uint8_t *row_b, int64_t K,
-                                     const float *x, int64_t x_stride, const int ntok, float *out_a, float *out_b) {
-    const uint16_t *a16 = (const uint16_t *)row_a, *b16 = (const uint16_t *)row_b;
-    const float *a32 = (const float *)row_a, *b32 = (const float *)row_b;
-    VF a0[TILE_T2], a1[TILE_T2], b0[TILE_T2], b1[TILE_T2];
-    float ta[TILE_T2], tb[TILE_T2];
-    for (int t = 0; t < ntok; t++) {
-        a0[t] = a1[t] = b0[t] = b1[t] = VF_ZERO();
-        ta[t] = tb[t] = 0.0f;
-    }
-    int64_t k = 0;
-    for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
-        const VF wa0 = VF_LOAD_W(fmt, a16, a32, k), wb0 = VF_LOAD_W(fmt, b16, b32, k);
-        for (int t = 0; t < ntok; t++) {
-            const VF xv = VF_LOAD(x + t * x_stride + k);
-            a0[t] = VF_FMA(wa0, xv, a0[t]);
-            b0[t] = VF_FMA(wb0, xv, b0[t]);
+/* Four rows x ntok <= TILE_T2 tokens over columns [k0, k1): per (row, token) exactly
+ * tile_float_n's two chains (acc0 over the even vectors, acc1 over the odd ones, the scalar tail, one final sum),
+ * so the same bits. The chains are independent, so the even vectors of the columns go first with the 12 acc0 in
+ * registers, then the odd ones with the 12 acc1 (12 accumulators, 3 activation vectors and one weight vector: the
+ * 16 ymm registers); `state` keeps them between calls. Measured in L1, 1 thread: 4 rows x 3 tokens by parity
+ * ~80 GFLOP/s against ~66 for two rows x 3 tokens with both parities live. */
+TARGET_INLINE void FN(tile4_float_n)(const int fmt, const uint8_t *const *rows, int64_t K, int64_t k0,
+                                     int64_t k1, const float *x, int64_t x_stride, const int ntok, void *state,
+                                     float *out) {
+    VF *sv = (VF *)state; /* [parity][row][token] */
+    const uint8_t *const r0 = rows[0], *const r1 = rows[1], *const r2 = rows[2], *const r3 = rows[3];
+    const int64_t kend = k0 + (k1 - k0) / (2 * VF_N) * (2 * VF_N);
+    const int last = k1 == K, extra = last && kend + VF_N <= K; /* one more even vector at kend */
+    for (int par = 0; par < 2; par++) {
+        VF acc[4][TILE_T2];
+        for (int r = 0; r < 4; r++)
+            for (int t = 0; t < ntok; t++) acc[r][t] = k0 == 0 ? VF_ZERO() : sv[(par * 4 + r) * TILE_T2 + t];
+        const int64_t stop = par == 0 && extra ? kend + VF_N : kend;
+        for (int64_t k = k0 + par * VF_N; k + VF_N <= stop; k += 2 * VF_N) {
+            VF xv[TILE_T2];
+            for (int t = 0; t < ntok; t++) xv[t] = VF_LOAD(x + t * x_stride + k);
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *row = r == 0 ? r0 : r == 1 ? r1 : r == 2 ? r2 : r3;
+                const VF wv = VF_LOAD_W(fmt, (const uint16_t *)row, (const float *)row, k);
+                for (int t = 0; t < ntok; t++) acc[r][t] = VF_FMA(wv, xv[t], acc[r][t]);
+            }
         }
-        const VF wa1 = VF_LOAD_W(fmt, a16, a32, k + VF_N), wb1 = VF_LOAD_W(fmt, b16, b32, k + VF_N);
-        for (int t = 0; t < ntok; t++) {
-            const VF xv = VF_LOAD(x + t * x_stride + k + VF_N);
-            a1[t] = VF_FMA(wa1, xv, a1[t]);
-            b1[t] = VF_FMA(wb1, xv, b1[t]);
-        }
+        for (int r = 0; r < 4; r++)
+            for (int t = 0; t < ntok; t++) sv[(par * 4 + r) * TILE_T2 + t] = acc[r][t];
     }
-    if (k + VF_N <= K) {
-        const VF wa0 = VF_LOAD_W(fmt, a16, a32, k), wb0 = VF_LOAD_W(fmt, b16, b32, k);
-        for (int t = 0; t < ntok; t++) {
-            const VF xv = VF_LOAD(x + t * x_stride + k);
-            a0[t] = VF_FMA(wa0, xv, a0[t]);
-            b0[t] = VF_FMA(wb0, xv, b0[t]);
+    if (!last) return;
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *row = rows[r];
+        const uint16_t *w16 = (const uint16_t *)row;
+        const float *w32 = (const float *)row;
+        float tail[TILE_T2];
+        for (int t = 0; t < ntok; t++) tail[t] = 0.0f;
+        for (int64_t k = extra ? kend + VF_N : kend; k < K; k++) {
+            const float wk = W_SCALAR(fmt, w16, w32, k);
+            for (int t = 0; t < ntok; t++) tail[t] += wk * x[t * x_stride + k];
         }
-        k += VF_N;
-    }
-    for (; k < K; k++) {
-        const float wa = W_SCALAR(fmt, a16, a32, k), wb = W_SCALAR(fmt, b16, b32, k);
-        for (int t = 0; t < ntok; t++) {
-            ta[t] += wa * x[t * x_stride + k];
-            tb[t] += wb * x[t * x_stride + k];
-        }
-    }
-    for (int t = 0; t < ntok; t++) {
-        out_a[t] = VF_HSUM(VF_ADD(a0[t], a1[t])) + ta[t];
-        out_b[t] = VF_HSUM(VF_ADD(b0[t], b1[t])) + tb[t];
+        for (int t = 0; t < ntok; t++)
+            out[r * TILE_T2 + t] = VF_HSUM(VF_ADD(sv[r * TILE_T2 + t], sv[(4 + r) * TILE_T2 + t])) + tail[t];
     }
 }
 
-#define DEFINE_TILE2_FLOAT(type, fmt)                                                                          \
-    TARGET static void FN(tile2_##type)(const uint8_t *row_a, const uint8_t *row_b, int64_t K, const float *x,   \
-                                        int64_t x_stride, int ntok, float *out_a, float *out_b) {                \
+#define DEFINE_TILE4_FLOAT(type, fmt)                                                                          \
+    TARGET static void FN(tile4_##type)(const uint8_t *const *rows, int64_t K, int64_t k0,                       \
+                                        int64_t k1, const float *x, int64_t x_stride, int ntok, void *state,     \
+                                        float *out) {                                                            \
         switch (ntok) {                                                                                       \
-            case 1: FN(tile2_float_n)(fmt, row_a, row_b, K, x, x_stride, 1, out_a, out_b); break;            \
-            case 2: FN(tile2_float_n)(fmt, row_a, row_b, K, x, x_stride, 2, out_a, out_b); break;            \
-            default: FN(tile2_float_n)(fmt, row_a, row_b, K, x, x_stride, 3, out_a, out_b); break;           \
+            case 1: FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, 1, state, out); break;    \
+            case 2: FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, 2, state, out); break;    \
+            default: FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, 3, state, out); break;   \
         }                                                                                                     \
     }
 
-DEFINE_TILE2_FLOAT(f32, 0)
-DEFINE_TILE2_FLOAT(f16, 1)
-DEFINE_TILE2_FLOAT(bf16, 2)
+DEFINE_TILE4_FLOAT(f32, 0)
+DEFINE_TILE4_FLOAT(f16, 1)
+DEFINE_TILE4_FLOAT(bf16, 2)
 
-#undef DEFINE_TILE2_FLOAT
+#undef DEFINE_TILE4_FLOAT
 
 #define DEFINE_TILE_FLOAT(type, fmt)                                                                     \
     TARGET static void FN(tile_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,      \
