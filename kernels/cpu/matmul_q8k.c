@@ -37,6 +37,8 @@
 enum kq8_kind { KQ8_Q2_K, KQ8_Q3_K, KQ8_Q4_K, KQ8_Q5_K, KQ8_Q6_K, KQ8_IQ4_XS, KQ8_N_KINDS };
 
 #define KQ8_TILE_T 8 /* tokens per tile: one super-block decode shared by all of them */
+#define KQ8_PANEL_Q4_K (8 * 10 * 32 + 2 * 32) /* per super-block of 8 rows: 8 chunks x (8 vectors, scales, mins), d, dmin */
+#define KQ8_TILE8_MIN_T 4                      /* tokens from which Q4_K rows go by panels of 8 */
 
 typedef void (*quantize_q8k_fn)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums);
 /* out[t] = row . token t0 + t, t < ntok <= KQ8_TILE_T */
@@ -50,6 +52,10 @@ typedef struct {
     quantize_q8k_fn quantize;
     kq8_tile_fn tile[KQ8_N_KINDS];
     kq8_dot_fn dot[KQ8_N_KINDS];
+    /* Q4_K prompts by panels of 8 rows: rows[0..7] x T tokens into y[t * y_stride + r], the bits of the tile;
+     * `panel` holds nb * KQ8_PANEL_Q4_K bytes, 32-byte aligned (NULL: row by row) */
+    void (*tile8_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
+                       int64_t y_stride);
     tile_quant_fn tile_iq4_nl;                    /* Q8_0-style activations (act_q8) */
     tile_float_fn tile_iq4_nl_f, tile_iq4_xs_f; /* float activations, ntok <= TILE_TQ */
 } kq8_table;
@@ -99,6 +105,7 @@ typedef struct {
     int16_t sc[16], corr[16], mn[16];
     float d, dmin;
     int has_min;
+    int reduce; /* Q4_K: S and M summed over the super-block first, one float step into lane (block % 8) */
 } kq8_int_block;
 
 static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
@@ -148,6 +155,7 @@ static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
         o->d = fp16_to_fp32(dd[0]);
         o->dmin = fp16_to_fp32(dd[1]);
         o->has_min = 1;
+        o->reduce = kind == KQ8_Q4_K;
     } else if (kind == KQ8_Q6_K) {
         const block_q6_k *b = (const block_q6_k *)blk;
         for (int e = 0; e < QK_K; e++) {
@@ -173,7 +181,8 @@ static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
 }
 
 /* One super-block of one token into the 8 lane accumulators */
-static void kq8_lanes_scalar(const kq8_int_block *b, const int8_t *xq, const int16_t *bs, float dx, float *acc) {
+static void kq8_lanes_scalar(const kq8_int_block *b, const int8_t *xq, const int16_t *bs, float dx, float *acc,
+                             int64_t s_index) {
     int32_t S[8] = {0}, M[8] = {0};
     for (int e = 0; e < QK_K; e++) S[(e % 32) / 4] += b->sc[e / 16] * (b->w[e] * xq[e]);
     for (int l = 0; l < 8; l++) {
@@ -181,6 +190,14 @@ static void kq8_lanes_scalar(const kq8_int_block *b, const int8_t *xq, const int
         M[l] = b->mn[2 * l] * bs[2 * l] + b->mn[2 * l + 1] * bs[2 * l + 1];
     }
     const float dd = b->d * dx, dm = b->dmin * dx;
+    if (b->reduce) {
+        int32_t s = 0, m = 0;
+        for (int l = 0; l < 8; l++) s += S[l], m += M[l];
+        float *lane = acc + (s_index & 7);
+        *lane = *lane + dd * (float)s;
+        *lane = *lane - dm * (float)m;
+        return;
+    }
     for (int l = 0; l < 8; l++) {
         acc[l] = acc[l] + dd * (float)S[l];
         if (b->has_min) acc[l] = acc[l] - dm * (float)M[l];
@@ -195,7 +212,7 @@ static void kq8_tile_scalar(int kind, int64_t block_bytes, const uint8_t *row, c
         kq8_int_scalar(kind, row + s * block_bytes, &b);
         for (int t = 0; t < ntok; t++) {
             const int64_t tb = (t0 + t) * a->nb + s;
-            kq8_lanes_scalar(&b, a->qs + (t0 + t) * a->K + s * QK_K, a->bsums + tb * 16, a->d[tb], acc[t]);
+            kq8_lanes_scalar(&b, a->qs + (t0 + t) * a->K + s * QK_K, a->bsums + tb * 16, a->d[tb], acc[t], s);
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = kq8_lanes_sum(acc[t]);
@@ -279,12 +296,17 @@ static const kq8_table kq8_tables[] = {
          kq8_tile_iq4_xs_##isa},                                                                                   \
         {kq8_dot_q2_k_##isa, kq8_dot_q3_k_##isa, kq8_dot_q4_k_##isa, kq8_dot_q5_k_##isa, kq8_dot_q6_k_##isa,        \
          kq8_dot_iq4_xs_##isa},                                                                                    \
+        KQ8_TILE8(isa),                                                                                            \
         tile_iq4_nl_##isa, tile_iq4_nl_f_##isa, tile_iq4_xs_f_##isa,                                               \
     }
+#define KQ8_TILE8(isa) kq8_tile8_q4_k_##isa
+#define kq8_tile8_q4_k_scalar NULL
     [PI_ISA_SCALAR] = KQ8_TABLE(scalar),
     [PI_ISA_AVX2] = KQ8_TABLE(avx2),
     [PI_ISA_AVX512] = KQ8_TABLE(avx512),
 #undef KQ8_TABLE
+#undef KQ8_TILE8
+#undef kq8_tile8_q4_k_scalar
 };
 
 /* ---- driver ------------------------------------------------------------------------------------------------ */
@@ -325,13 +347,30 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
             dot(w + n0 * w_stride, w_stride, n1 - n0, &a, y + n0);
         }
     } else {
+        /* several tokens: Q4_K by panels of 8 rows (the same bits), the last N % 8 rows and the other kinds by tiles */
+        const int64_t n8 = kind == KQ8_Q4_K && tb->tile8_q4_k != NULL && T >= KQ8_TILE8_MIN_T ? N / 8 * 8 : 0;
+        const size_t panel_bytes = (size_t)nb * KQ8_PANEL_Q4_K;
+        uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
+        if (n8 > 0 && panels == NULL) {
+            if (scratch != on_stack) free(scratch);
+            return PI_ERR_ALLOC;
+        }
 #pragma omp parallel num_threads(nt) if (nt > 1)
         {
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < T; t++)
                 tb->quantize(x + t * x_stride, nb, a.qs + t * K, a.d + t * nb, a.bsums + t * nb * 16);
+            if (n8 > 0) {
+                uint8_t *panel = panels + (size_t)omp_get_thread_num() * panel_bytes;
+#pragma omp for schedule(static) nowait
+                for (int64_t n0 = 0; n0 < n8; n0 += 8) {
+                    const uint8_t *r8[8];
+                    for (int i = 0; i < 8; i++) r8[i] = w + (n0 + i) * w_stride;
+                    tb->tile8_q4_k(r8, &a, T, panel, y + n0, y_stride);
+                }
+            }
 #pragma omp for schedule(static)
-            for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
+            for (int64_t n0 = n8; n0 < N; n0 += TILE_N) {
                 const int64_t n1 = min_i64(n0 + TILE_N, N);
                 for (int64_t t0 = 0; t0 < T; t0 += KQ8_TILE_T) {
                     const int ntok = (int)min_i64(KQ8_TILE_T, T - t0);
@@ -343,6 +382,7 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
                 }
             }
         }
+        free(panels);
     }
     if (scratch != on_stack) free(scratch);
     return PI_OK;

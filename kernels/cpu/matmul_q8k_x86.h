@@ -319,6 +319,121 @@ TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, con
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
 }
 
+/* Q4_K rows: per super-block the exact integers S (scales x dots) and M (mins x bsums), 8 super-blocks at a time
+ * summed into the lanes (lane j = super-block g + j), then one float step per lane: acc_j + d_j dx_j S_j - dmin_j
+ * dx_j M_j, hsum256 at the end. The same float steps lane by lane as kq8_tile8_q4_k, whose lanes are rows. */
+TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) {
+    const block_q4_k *b = (const block_q4_k *)row;
+    const int64_t nb = a->nb;
+    __m256 acc[KQ8_TILE_T];
+    for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < nb; g += 8) {
+        const int n = (int)min_i64(8, nb - g);
+        __m256i S[KQ8_TILE_T][8], M[KQ8_TILE_T][8];
+        float d[8] = {0}, dmin[8] = {0};
+        for (int j = 0; j < 8; j++) {
+            if (j >= n) {
+                for (int t = 0; t < ntok; t++) S[t][j] = M[t][j] = _mm256_setzero_si256();
+                continue;
+            }
+            const uint8_t *blk = (const uint8_t *)(b + g + j);
+            FN(kq8_sb) p;
+            FN(kq8_setup)(KQ8_Q4_K, blk, &p);
+            d[j] = p.d, dmin[j] = p.dmin;
+            __m256i u[8], sc[8], unused;
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                u[c] = FN(kq8_chunk)(KQ8_Q4_K, blk, c, &unused);
+                sc[c] = KQ8_SCALE(&p, c);
+            }
+            for (int t = 0; t < ntok; t++) {
+                const int64_t tb = (t0 + t) * nb + g + j;
+                const int8_t *xq = a->qs + (t0 + t) * a->K + (g + j) * QK_K;
+                __m256i acc_s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    acc_s = FN(madd_acc)(acc_s, _mm256_maddubs_epi16(u[c], _mm256_loadu_si256((const __m256i *)(xq + 32 * c))),
+                                         sc[c]);
+                S[t][j] = acc_s;
+                M[t][j] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + tb * 16)), p.mn);
+            }
+        }
+        const __m256 dv = _mm256_loadu_ps(d), mv = _mm256_loadu_ps(dmin);
+        for (int t = 0; t < ntok; t++) {
+            float dx[8] = {0};
+            memcpy(dx, a->d + (t0 + t) * nb + g, (size_t)n * sizeof(float));
+            const __m256 x = _mm256_loadu_ps(dx);
+            acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(dv, x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(S[t]))));
+            acc[t] = _mm256_sub_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(mv, x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(M[t]))));
+        }
+    }
+    for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
+}
+
+#include "simd_transpose.h"
+
+/* Q4_K prompts, 8 rows at once with the rows in the vector lanes (as tile8_q4_0 in matmul_x86.h): per super-block
+ * the rows' chunks are transposed into `panel` (vector j of chunk c: weights 4j..4j+3 of each row, row r in lane r)
+ * with each row's chunk scales and mins as int16 pairs in its lane, so one broadcast of 4 activations meets all 8
+ * rows. Per row the integers of kq8_tile_q4_k_n (S: 8 pair sums of <= 2 x 15 x 127 per int16, then madd with the
+ * scale; M: mins times the bsum pairs) and its float steps into accumulator sb % 8 (its lane), then its hsum256
+ * order ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the same bits. */
+TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel,
+                                      float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    for (int64_t sb = 0; sb < nb; sb++) {
+        __m256i *v = (__m256i *)(panel + sb * KQ8_PANEL_Q4_K);
+        _Alignas(16) uint8_t sm[8][16];
+        uint16_t dh[8], mh[8];
+        for (int r = 0; r < 8; r++) {
+            const block_q4_k *blk = (const block_q4_k *)rows[r] + sb;
+            _mm_store_si128((__m128i *)sm[r], FN(kq8_scales_k4)(blk->scales));
+            uint16_t dm[2];
+            memcpy(dm, blk, sizeof dm);
+            dh[r] = dm[0], mh[r] = dm[1];
+        }
+        for (int c = 0; c < 8; c++, v += 10) {
+            __m256i u[8], unused;
+            for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
+            FN(transpose8_epi32)(u, v);
+            int32_t sc[8], mn[8];
+            for (int r = 0; r < 8; r++) sc[r] = sm[r][c] * 0x10001, mn[r] = sm[r][8 + c] * 0x10001;
+            _mm256_store_si256(v + 8, _mm256_loadu_si256((const __m256i *)sc));
+            _mm256_store_si256(v + 9, _mm256_loadu_si256((const __m256i *)mn));
+        }
+        _mm256_store_ps((float *)v, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+        _mm256_store_ps((float *)(v + 1), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh)));
+    }
+    for (int64_t t = 0; t < T; t++) {
+        __m256 acc8[8];
+        for (int l = 0; l < 8; l++) acc8[l] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nb; sb++) {
+            __m256 acc = acc8[sb & 7];
+            const __m256i *v = (const __m256i *)(panel + sb * KQ8_PANEL_Q4_K);
+            const int8_t *xq = a->qs + t * K + sb * QK_K;
+            const int16_t *bs = a->bsums + (t * nb + sb) * 16;
+            __m256i S = _mm256_setzero_si256(), M = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++, v += 10) {
+                const int8_t *xc = xq + 32 * c;
+                __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), _mm256_set1_epi32(*(const int32_t *)xc));
+                for (int j = 1; j < 8; j++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(v + j),
+                                                                     _mm256_set1_epi32(*(const int32_t *)(xc + 4 * j))));
+                S = FN(madd_acc)(S, s16, _mm256_load_si256(v + 8));
+                M = FN(madd_acc)(M, _mm256_load_si256(v + 9), _mm256_set1_epi32(*(const int32_t *)(bs + 2 * c)));
+            }
+            const __m256 dx = _mm256_set1_ps(a->d[t * nb + sb]);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps((const float *)v), dx), _mm256_cvtepi32_ps(S)));
+            acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_load_ps((const float *)(v + 1)), dx),
+                                                   _mm256_cvtepi32_ps(M)));
+            acc8[sb & 7] = acc;
+        }
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc8[0], acc8[4]), _mm256_add_ps(acc8[2], acc8[6])),
+                                         _mm256_add_ps(_mm256_add_ps(acc8[1], acc8[5]), _mm256_add_ps(acc8[3], acc8[7])));
+        _mm256_storeu_ps(y + t * y_stride, sum);
+    }
+}
+
 #define DEFINE_KQ8(type, kind, block_t)                                                                          \
     TARGET static void FN(kq8_tile_##type)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) { \
         FN(kq8_tile_n)(kind, sizeof(block_t), row, a, t0, ntok, out);                                           \
@@ -329,7 +444,45 @@ TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, con
     }
 DEFINE_KQ8(q2_k, KQ8_Q2_K, block_q2_k)
 DEFINE_KQ8(q3_k, KQ8_Q3_K, block_q3_k)
-DEFINE_KQ8(q4_k, KQ8_Q4_K, block_q4_k)
+TARGET static void FN(kq8_tile_q4_k)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) {
+    FN(kq8_tile_q4_k_n)(row, a, t0, ntok, out);
+}
+/* One token: kq8_tile_q4_k_n's arithmetic with each chunk's values made as they are used (nothing to share) and
+ * the group's S and M in registers */
+TARGET static void FN(kq8_dot_q4_k)(const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a, float *out) {
+    const int64_t nb = a->nb;
+    for (int64_t n = 0; n < n_rows; n++) {
+        const block_q4_k *b = (const block_q4_k *)(w + n * w_stride);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t g = 0; g < nb; g += 8) {
+            const int cnt = (int)min_i64(8, nb - g);
+            __m256i S[8], M[8];
+            float d[8] = {0}, dmin[8] = {0}, dx[8] = {0};
+            for (int j = 0; j < 8; j++) {
+                S[j] = M[j] = _mm256_setzero_si256();
+                if (j >= cnt) continue;
+                const uint8_t *blk = (const uint8_t *)(b + g + j);
+                FN(kq8_sb) p;
+                FN(kq8_setup)(KQ8_Q4_K, blk, &p);
+                d[j] = p.d, dmin[j] = p.dmin, dx[j] = a->d[g + j];
+                const int8_t *xq = a->qs + (g + j) * QK_K;
+                __m256i acc_s = _mm256_setzero_si256(), unused;
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    acc_s = FN(madd_acc)(acc_s,
+                                         _mm256_maddubs_epi16(FN(kq8_chunk)(KQ8_Q4_K, blk, c, &unused),
+                                                              _mm256_loadu_si256((const __m256i *)(xq + 32 * c))),
+                                         KQ8_SCALE(&p, c));
+                S[j] = acc_s;
+                M[j] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + (g + j) * 16)), p.mn);
+            }
+            const __m256 x = _mm256_loadu_ps(dx);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(d), x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(S))));
+            acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dmin), x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(M))));
+        }
+        out[n] = FN(hsum256)(acc);
+    }
+}
 DEFINE_KQ8(q5_k, KQ8_Q5_K, block_q5_k)
 DEFINE_KQ8(q6_k, KQ8_Q6_K, block_q6_k)
 DEFINE_KQ8(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
