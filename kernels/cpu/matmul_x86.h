@@ -235,65 +235,111 @@ TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Q4_0 rows, 8 blocks per step: block i + j's exact integer dot q . x - 8 sum(x) lands in lane j, is converted
- * once and multiplied by d_w d_x (one float product) into lane j of the token's accumulator; a last partial group
- * fills lanes 0.. and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every
- * ntok, thread count and SIMD variant (dpbusd and maddubs + madd give the same integers), so a token's result does
- * not depend on its batch. The row's 8 blocks are unpacked once per step into `wu` and shared by the ntok tokens. */
-TARGET_INLINE __m256 FN(q4_0_group)(const uint8_t *wu, const int8_t *xq, __m256i isum, __m256 scale, __m256 acc) {
+/* Q4_0 / Q4_1 rows (KIND 0 / 1), 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x))
+ * lands in lane j, is converted once and multiplied by d_w d_x (one float product) into lane j of the token's
+ * accumulator, and Q4_1 adds m_w (d_x sum(x)) there (one product, one add); a last partial group fills lanes 0..
+ * and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every ntok, thread count
+ * and SIMD variant (dpbusd and maddubs + madd give the same integers), so a token's result does not depend on its
+ * batch. The row's 8 blocks are unpacked once per step into `wu` and shared by the ntok tokens. */
+TARGET_INLINE __m256 FN(q4_group)(const int kind, const uint8_t *wu, const int8_t *xq, __m256i isum, __m256 scale,
+                                  __m256 bias, __m256 acc) {
     __m256i p[8];
 #define Q4G_DOT(j)                                                                                            \
     p[j] = FN(dot_u8s8)(_mm256_setzero_si256(), _mm256_load_si256((const __m256i *)(wu + (j) * QK)),          \
                         _mm256_loadu_si256((const __m256i *)(xq + (j) * QK)))
     Q4G_DOT(0); Q4G_DOT(1); Q4G_DOT(2); Q4G_DOT(3); Q4G_DOT(4); Q4G_DOT(5); Q4G_DOT(6); Q4G_DOT(7);
 #undef Q4G_DOT
-    const __m256i q = _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, acc);
+    const __m256i q = kind == 0 ? _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3)) : FN(sum8_epi32)(p);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, acc);
+    return kind == 0 ? acc : _mm256_add_ps(acc, bias);
 }
 
-TARGET_INLINE void FN(tile_q4_0_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
-    const block_q4_0 *b = (const block_q4_0 *)row;
+/* the even (d_x) or odd (d_x sum(x)) entries of 8 blocks' {d, d sum} pairs, in block order */
+TARGET_INLINE __m256 FN(act_pairs)(const float *ds, const int odd) {
+    const __m256 e = odd ? _mm256_shuffle_ps(_mm256_loadu_ps(ds), _mm256_loadu_ps(ds + 8), 0xDD)
+                         : _mm256_shuffle_ps(_mm256_loadu_ps(ds), _mm256_loadu_ps(ds + 8), 0x88);
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)); /* {0 1 4 5 | 2 3 6 7} -> order */
+}
+
+/* The last n < 8 blocks of a row from block g: lane j < n of the masks, of the weights' d (and m) and of the
+ * activations' d_x (and d_x sum(x), isum); 0 in the other lanes. Masked loads and clamped block indices: no
+ * scalar stores read back as vectors (a store-forwarding stall each) and nothing read past the row. */
+TARGET_INLINE __m256i FN(tail_lanes)(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+/* 8 halves at p + j * stride for j < n (block j's d or m), as floats, 0 from lane n */
+TARGET_INLINE __m256 FN(tail_halves)(const uint8_t *p, int64_t stride, int n, __m256i lanes) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; j++) memcpy(&h[j], p + (j < n ? j : n - 1) * stride, 2);
+    const __m128i v = _mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                     (short)h[6], (short)h[7]);
+    return _mm256_and_ps(_mm256_cvtph_ps(v), _mm256_castsi256_ps(lanes));
+}
+/* the even (odd) entries of n blocks' {d, d sum} pairs at ds, in block order, 0 from lane n */
+TARGET_INLINE __m256 FN(tail_pairs)(const float *ds, int n, const int odd) {
+    const __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 lo = _mm256_maskload_ps(ds, _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), idx));
+    const __m256 hi = _mm256_maskload_ps(ds + 8, _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), idx));
+    const __m256 e = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+}
+
+TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok,
+                                  float *out) {
+    const block_q4_0 *b0 = (const block_q4_0 *)row;
+    const block_q4_1 *b1 = (const block_q4_1 *)row;
     const int64_t nb = a->nb, K = a->K;
     _Alignas(32) uint8_t wu[8 * QK];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= nb; g += 8) {
-        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b[g + j].qs));
-        const __m128i dh = _mm_setr_epi16((short)b[g].d, (short)b[g + 1].d, (short)b[g + 2].d, (short)b[g + 3].d,
-                                          (short)b[g + 4].d, (short)b[g + 5].d, (short)b[g + 6].d, (short)b[g + 7].d);
-        const __m256 dw = _mm256_cvtph_ps(dh);
+        __m128i dh, mh = _mm_setzero_si128();
+        if (kind == 0) {
+            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b0[g + j].qs));
+            dh = _mm_setr_epi16((short)b0[g].d, (short)b0[g + 1].d, (short)b0[g + 2].d, (short)b0[g + 3].d,
+                                (short)b0[g + 4].d, (short)b0[g + 5].d, (short)b0[g + 6].d, (short)b0[g + 7].d);
+        } else {
+            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b1[g + j].qs));
+            dh = _mm_setr_epi16((short)b1[g].d, (short)b1[g + 1].d, (short)b1[g + 2].d, (short)b1[g + 3].d,
+                                (short)b1[g + 4].d, (short)b1[g + 5].d, (short)b1[g + 6].d, (short)b1[g + 7].d);
+            mh = _mm_setr_epi16((short)b1[g].m, (short)b1[g + 1].m, (short)b1[g + 2].m, (short)b1[g + 3].m,
+                                (short)b1[g + 4].m, (short)b1[g + 5].m, (short)b1[g + 6].m, (short)b1[g + 7].m);
+        }
+        const __m256 dw = _mm256_cvtph_ps(dh), mw = _mm256_cvtph_ps(mh);
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
             const float *ds = a->ds + (tt * nb + g) * 2;
-            /* {d0 d1 d4 d5 | d2 d3 d6 d7} of the {d, d sum} pairs, then in block order */
-            const __m256 e = _mm256_shuffle_ps(_mm256_loadu_ps(ds), _mm256_loadu_ps(ds + 8), 0x88);
-            const __m256 dx = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
             const __m256i isum = _mm256_loadu_si256((const __m256i *)(a->isum + tt * nb + g));
-            acc[t] = FN(q4_0_group)(wu, a->qs + tt * K + g * QK, isum, _mm256_mul_ps(dw, dx), acc[t]);
+            const __m256 bias = kind == 1 ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
+            acc[t] = FN(q4_group)(kind, wu, a->qs + tt * K + g * QK, isum, _mm256_mul_ps(dw, FN(act_pairs)(ds, 0)),
+                                  bias, acc[t]);
         }
     }
-    if (g < nb) { /* the last n < 8 blocks: zero weights, scales and sums in the unused lanes */
+    if (g < nb) { /* the last n < 8 blocks: zero dots, scales and sums in the unused lanes (exact no-ops) */
         const int n = (int)(nb - g);
-        uint16_t dh[8] = {0};
-        memset(wu, 0, sizeof wu);
-        for (int j = 0; j < n; j++) {
-            _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b[g + j].qs));
-            dh[j] = b[g + j].d;
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        const int64_t bsz = kind == 0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
+        const uint8_t *first = row + g * bsz;
+        const __m256i lanes = FN(tail_lanes)(n);
+        __m256i w[8];
+        for (int j = 0; j < n; j++) w[j] = FN(unpack_q4)(kind == 0 ? b0[g + j].qs : b1[g + j].qs);
+        const __m256 dw = FN(tail_halves)(first, bsz, n, lanes);
+        const __m256 mw = kind == 1 ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
-            _Alignas(32) int8_t xt[8 * QK] = {0};
-            int32_t it[8] = {0};
-            float dt[8] = {0};
-            memcpy(xt, a->qs + tt * K + g * QK, (size_t)n * QK);
-            for (int j = 0; j < n; j++) {
-                it[j] = a->isum[tt * nb + g + j];
-                dt[j] = a->ds[(tt * nb + g + j) * 2];
-            }
-            const __m256 scale = _mm256_mul_ps(dw, _mm256_loadu_ps(dt));
-            acc[t] = FN(q4_0_group)(wu, xt, _mm256_loadu_si256((const __m256i *)it), scale, acc[t]);
+            const int8_t *xq = a->qs + tt * K + g * QK;
+            const float *ds = a->ds + (tt * nb + g) * 2;
+            __m256i p[8];
+            for (int j = 0; j < 8; j++)
+                p[j] = j < n ? FN(dot_u8s8)(_mm256_setzero_si256(), w[j], _mm256_loadu_si256((const __m256i *)(xq + j * QK)))
+                             : _mm256_setzero_si256();
+            const __m256i sum = FN(sum8_epi32)(p);
+            const __m256i q =
+                kind == 0
+                    ? _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_maskload_epi32(a->isum + tt * nb + g, lanes), 3))
+                    : sum;
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, FN(tail_pairs)(ds, n, 0)), acc[t]);
+            if (kind == 1) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
@@ -330,28 +376,30 @@ TARGET_INLINE void FN(tile_q8_0_n)(const uint8_t *row, const act_q8 *a, int64_t 
             acc[t] = FN(q8_0_group)(w, a->qs + tt * K + g * QK, _mm256_mul_ps(dw, dx), acc[t]);
         }
     }
-    if (g < nb) { /* the last n < 8 blocks: zero weights, scales and activations in the unused lanes */
+    if (g < nb) { /* the last n < 8 blocks: zero dots and scales in the unused lanes (exact no-ops) */
         const int n = (int)(nb - g);
-        uint16_t dh[8] = {0};
-        for (int j = 0; j < 8; j++) w[j] = _mm256_setzero_si256();
-        for (int j = 0; j < n; j++) {
-            w[j] = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
-            dh[j] = b[g + j].d;
-        }
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh));
+        const __m256i lanes = FN(tail_lanes)(n);
+        for (int j = 0; j < n; j++) w[j] = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
+        const __m256 dw = FN(tail_halves)((const uint8_t *)(b + g), (int64_t)sizeof(block_q8_0), n, lanes);
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
-            _Alignas(32) int8_t xt[8 * QK] = {0};
-            float dt[8] = {0};
-            memcpy(xt, a->qs + tt * K + g * QK, (size_t)n * QK);
-            for (int j = 0; j < n; j++) dt[j] = a->ds[(tt * nb + g + j) * 2];
-            acc[t] = FN(q8_0_group)(w, xt, _mm256_mul_ps(dw, _mm256_loadu_ps(dt)), acc[t]);
+            const int8_t *xq = a->qs + tt * K + g * QK;
+            __m256i p[8];
+            for (int j = 0; j < 8; j++) {
+                p[j] = _mm256_setzero_si256();
+                if (j < n) {
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + j * QK));
+                    p[j] = FN(dot_u8s8)(p[j], _mm256_sign_epi8(w[j], w[j]), _mm256_sign_epi8(xv, w[j]));
+                }
+            }
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(FN(sum8_epi32)(p)),
+                                     _mm256_mul_ps(dw, FN(tail_pairs)(a->ds + (tt * nb + g) * 2, n, 0)), acc[t]);
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
 }
 
-TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
     switch (ntok) {
         case 1: FN(tile_q8_0_n)(row, a, t0, 1, out); break;
         case 2: FN(tile_q8_0_n)(row, a, t0, 2, out); break;
@@ -370,41 +418,61 @@ TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0
         }                                                                                                 \
     }
 
-TARGET static void FN(tile_q4_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    switch (ntok) {
-        case 1: FN(tile_q4_0_n)(row, a, t0, 1, out); break;
-        case 2: FN(tile_q4_0_n)(row, a, t0, 2, out); break;
-        case 3: FN(tile_q4_0_n)(row, a, t0, 3, out); break;
-        default: FN(tile_q4_0_n)(row, a, t0, 4, out); break;
+#define DEFINE_TILE_Q4X(type, kind)                                                                       \
+    TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
+        switch (ntok) {                                                                                   \
+            case 1: FN(tile_q4x_n)(kind, row, a, t0, 1, out); break;                                      \
+            case 2: FN(tile_q4x_n)(kind, row, a, t0, 2, out); break;                                      \
+            case 3: FN(tile_q4x_n)(kind, row, a, t0, 3, out); break;                                      \
+            default: FN(tile_q4x_n)(kind, row, a, t0, 4, out); break;                                     \
+        }                                                                                                 \
     }
-}
+DEFINE_TILE_Q4X(q4_0, 0)
+DEFINE_TILE_Q4X(q4_1_g, 1)
+#undef DEFINE_TILE_Q4X
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
 #include "simd_transpose.h"
 
-#define PANEL_Q4_0 (9 * 32) /* panel bytes per block: 8 vectors of 4 weights x 8 rows, the 8 rows' d as floats */
-#define PANEL_Q8_0 (17 * 32) /* the same with the 8 vectors of |q| after the 8 of q */
+/* panel bytes per block: Q4_0 / Q4_1 8 vectors of 4 weights x 8 rows, then the rows' d and m as floats; Q8_0 the
+ * 8 vectors of q, the 8 of |q|, then d */
+#define PANEL_Q4X (10 * 32)
+#define PANEL_Q8_0 (17 * 32)
 
-/* Eight rows x all tokens. The rows' blocks are first transposed into `panel` (PANEL_Q4_0 per block): vector
- * j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of that step
- * (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no horizontal sum per
- * block. The arithmetic is tile_q4_0's, row by row: the same exact integer q . x - 8 sum(x) per block, the same
- * float product d_w d_x, the same FMA into accumulator b % 8 (tile_q4_0's lane), and its hsum256 order at the end
- * ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)), so every output has the same bits as from tile_q4_0. */
-TARGET static void FN(tile8_q4_0)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
-                                  int64_t y_stride) {
+/* Eight Q4_0 / Q4_1 / Q8_0 rows (KIND 0 / 1 / 2) x all tokens. The rows' blocks are first transposed into `panel`:
+ * vector j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of
+ * that step (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no
+ * horizontal sum per block. The arithmetic is the row tile's (tile_q4x_n, tile_q8_0_n), row by row: the same exact
+ * integer per block (Q4: q . x, Q4_0 - 8 sum(x); Q8_0 |q| . sign(x, q)), the same float product d_w d_x and FMA
+ * into accumulator b % 8 (the row tile's lane), Q4_1's m_w (d_x sum(x)) added there, and its hsum256 order at the
+ * end ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the row tile's bits. AVX2 adds the 8 Q4 pair sums of a
+ * block in int16 (each <= 2 x 15 x 128: below 2^15) and widens once; Q8_0 pairs reach 2 x 127 x 128 and widen each. */
+TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
+                                   uint8_t *panel, float *y, int64_t y_stride) {
     const int64_t nb = a->nb, K = a->K;
+    const int64_t bsz = kind == 0 ? (int64_t)sizeof(block_q4_0)
+                        : kind == 1 ? (int64_t)sizeof(block_q4_1)
+                                    : (int64_t)sizeof(block_q8_0);
+    const int64_t stride = kind == 2 ? PANEL_Q8_0 : PANEL_Q4X;
+    const int qs_off = kind == 1 ? 4 : 2; /* d (and m) lead the block */
     for (int64_t b = 0; b < nb; b++) {
         __m256i r[8];
-        uint16_t dh[8];
+        uint16_t dh[8], mh[8];
         for (int i = 0; i < 8; i++) {
-            const block_q4_0 *blk = (const block_q4_0 *)rows[i] + b;
-            r[i] = FN(unpack_q4)(blk->qs);
-            dh[i] = blk->d;
+            const uint8_t *blk = rows[i] + b * bsz;
+            r[i] = kind == 2 ? _mm256_loadu_si256((const __m256i *)(blk + qs_off)) : FN(unpack_q4)(blk + qs_off);
+            memcpy(&dh[i], blk, 2);
+            memcpy(&mh[i], kind == 1 ? blk + 2 : blk, 2);
         }
-        __m256i *v = (__m256i *)(panel + b * PANEL_Q4_0);
+        __m256i *v = (__m256i *)(panel + b * stride);
         FN(transpose8_epi32)(r, v);
-        _mm256_store_ps((float *)(v + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+        if (kind == 2) {
+            for (int j = 0; j < 8; j++) _mm256_store_si256(v + 8 + j, _mm256_sign_epi8(v[j], v[j]));
+            _mm256_store_ps((float *)(v + 16), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+        } else {
+            _mm256_store_ps((float *)(v + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
+            _mm256_store_ps((float *)(v + 9), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)mh)));
+        }
     }
     for (int64_t t = 0; t < T; t++) {
         const int8_t *xq = a->qs + t * K;
@@ -412,87 +480,41 @@ TARGET static void FN(tile8_q4_0)(const uint8_t *const *rows, const act_q8 *a, i
         const int32_t *is = a->isum + t * nb;
         __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
                acc6 = acc0, acc7 = acc0;
+#define P8_X(xb, j) _mm256_set1_epi32(*(const int32_t *)((xb) + 4 * (j)))
 #if SIMD_AVX512
-#define P8_DOTS(v, xb)                                                                                         \
-    __m256i q = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3));        \
-    for (int j = 0; j < 8; j++)                                                                               \
-        q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + j), _mm256_set1_epi32(*(const int32_t *)((xb) + 4 * j)));
-#else /* 8 pair sums of <= 2 * 15 * 128 each stay below 2^15: one madd per block */
-#define P8_DOTS(v, xb)                                                                                         \
-    __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), _mm256_set1_epi32(*(const int32_t *)(xb)));          \
-    for (int j = 1; j < 8; j++)                                                                               \
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j),                           \
-                                                         _mm256_set1_epi32(*(const int32_t *)((xb) + 4 * j)))); \
-    const __m256i q = _mm256_sub_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)),                            \
-                                       _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3));
-#endif
-#define P8_STEP(ACC)                                                                                           \
-    do {                                                                                                       \
-        const __m256i *v = (const __m256i *)(panel + b * PANEL_Q4_0);                                   \
-        const int8_t *xb = xq + b * QK;                                                                        \
-        P8_DOTS(v, xb)                                                                                         \
-        const __m256 scale = _mm256_mul_ps(_mm256_load_ps((const float *)(v + 8)), _mm256_set1_ps(ds[2 * b]));  \
-        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, ACC);                                              \
-        b++;                                                                                                   \
-    } while (0)
-        int64_t b = 0;
-        for (; b + 8 <= nb; ) {
-            P8_STEP(acc0); P8_STEP(acc1); P8_STEP(acc2); P8_STEP(acc3);
-            P8_STEP(acc4); P8_STEP(acc5); P8_STEP(acc6); P8_STEP(acc7);
-        }
-        if (b < nb) P8_STEP(acc0);
-        if (b < nb) P8_STEP(acc1);
-        if (b < nb) P8_STEP(acc2);
-        if (b < nb) P8_STEP(acc3);
-        if (b < nb) P8_STEP(acc4);
-        if (b < nb) P8_STEP(acc5);
-        if (b < nb) P8_STEP(acc6);
-#undef P8_STEP
-#undef P8_DOTS
-        const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc0, acc4), _mm256_add_ps(acc2, acc6)),
-                                         _mm256_add_ps(_mm256_add_ps(acc1, acc5), _mm256_add_ps(acc3, acc7)));
-        _mm256_storeu_ps(y + t * y_stride, sum);
-    }
-}
-
-/* Q8_0 by panels of 8 rows: tile8_q4_0's scheme with tile_q8_0's integer per block, |q| . sign(x, q) */
-TARGET static void FN(tile8_q8_0)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
-                                  int64_t y_stride) {
-    const int64_t nb = a->nb, K = a->K;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256i r[8];
-        uint16_t dh[8];
-        for (int i = 0; i < 8; i++) {
-            const block_q8_0 *blk = (const block_q8_0 *)rows[i] + b;
-            r[i] = _mm256_loadu_si256((const __m256i *)blk->qs);
-            dh[i] = blk->d;
-        }
-        __m256i *v = (__m256i *)(panel + b * PANEL_Q8_0);
-        FN(transpose8_epi32)(r, v);
-        for (int j = 0; j < 8; j++) _mm256_store_si256(v + 8 + j, _mm256_sign_epi8(v[j], v[j]));
-        _mm256_store_ps((float *)(v + 16), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
-    }
-    for (int64_t t = 0; t < T; t++) {
-        const int8_t *xq = a->qs + t * K;
-        const float *ds = a->ds + t * nb * 2;
-        __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0, acc4 = acc0, acc5 = acc0,
-               acc6 = acc0, acc7 = acc0;
-#if SIMD_AVX512
-#define P8_DOT(q, v, j, xb) q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + 8 + (j)), _mm256_sign_epi8(xb, _mm256_load_si256((v) + (j))))
+#define P8_Q4(q, v, xb)                                                                                        \
+    q = _mm256_setzero_si256();                                                                                \
+    for (int j = 0; j < 8; j++) q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + j), P8_X(xb, j));
+#define P8_Q8(q, v, j, xb) \
+    q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + 8 + (j)), _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j))))
 #else
-#define P8_DOT(q, v, j, xb)                                                                                        \
-    q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((v) + 8 + (j)),              \
-                                                                   _mm256_sign_epi8(xb, _mm256_load_si256((v) + (j)))), \
+#define P8_Q4(q, v, xb)                                                                                        \
+    __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), P8_X(xb, 0));                                     \
+    for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+    q = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#define P8_Q8(q, v, j, xb)                                                                                     \
+    q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((v) + 8 + (j)),          \
+                                                                   _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j)))), \
                                               _mm256_set1_epi16(1)))
 #endif
 #define P8_STEP(ACC)                                                                                           \
     do {                                                                                                       \
-        const __m256i *v = (const __m256i *)(panel + b * PANEL_Q8_0);                                          \
+        const __m256i *v = (const __m256i *)(panel + b * stride);                                              \
         const int8_t *xb = xq + b * QK;                                                                        \
-        __m256i q = _mm256_setzero_si256();                                                                    \
-        for (int j = 0; j < 8; j++) P8_DOT(q, v, j, _mm256_set1_epi32(*(const int32_t *)(xb + 4 * j)));      \
-        const __m256 scale = _mm256_mul_ps(_mm256_load_ps((const float *)(v + 16)), _mm256_set1_ps(ds[2 * b])); \
-        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, ACC);                                              \
+        __m256 dw;                                                                                             \
+        __m256i q;                                                                                             \
+        if (kind == 2) {                                                                                       \
+            q = _mm256_setzero_si256();                                                                        \
+            for (int j = 0; j < 8; j++) P8_Q8(q, v, j, xb);                                                    \
+            dw = _mm256_load_ps((const float *)(v + 16));                                                      \
+        } else {                                                                                               \
+            P8_Q4(q, v, xb)                                                                                    \
+            q = kind == 0 ? _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3)) : q;           \
+            dw = _mm256_load_ps((const float *)(v + 8));                                                       \
+        }                                                                                                      \
+        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, _mm256_set1_ps(ds[2 * b])), ACC);        \
+        if (kind == 1)                                                                                         \
+            ACC = _mm256_add_ps(ACC, _mm256_mul_ps(_mm256_load_ps((const float *)(v + 9)), _mm256_set1_ps(ds[2 * b + 1]))); \
         b++;                                                                                                   \
     } while (0)
         int64_t b = 0;
@@ -508,16 +530,46 @@ TARGET static void FN(tile8_q8_0)(const uint8_t *const *rows, const act_q8 *a, i
         if (b < nb) P8_STEP(acc5);
         if (b < nb) P8_STEP(acc6);
 #undef P8_STEP
-#undef P8_DOT
+#undef P8_Q4
+#undef P8_Q8
+#undef P8_X
         const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc0, acc4), _mm256_add_ps(acc2, acc6)),
                                          _mm256_add_ps(_mm256_add_ps(acc1, acc5), _mm256_add_ps(acc3, acc7)));
         _mm256_storeu_ps(y + t * y_stride, sum);
     }
 }
 
-DEFINE_TILE_QUANT(q4_1, 1)
+#define DEFINE_TILE8(type, kind)                                                                                \
+    TARGET static void FN(tile8_##type)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel,  \
+                                        float *y, int64_t y_stride) {                                            \
+        FN(tile8_quant)(kind, rows, a, T, panel, y, y_stride);                                                  \
+    }
+DEFINE_TILE8(q4_0, 0)
+DEFINE_TILE8(q4_1, 1)
+DEFINE_TILE8(q8_0, 2)
+#undef DEFINE_TILE8
+
 DEFINE_TILE_QUANT(q5_0, 3)
 DEFINE_TILE_QUANT(q5_1, 4)
+DEFINE_TILE_QUANT(q4_1_b, 1)
+DEFINE_TILE_QUANT(q8_0_b, 2)
+
+/* Q4_1 / Q8_0 rows: in 8-block groups (tile_q4x_n, tile_q8_0_n: what the prompt panels repeat) when the row has a
+ * whole number of groups, else block by block (QUANT_STEP): a ragged last group costs the one-token kernel ~1.6x on
+ * SmolLM2's 18-block rows (its Q8_0 output matrix). Either way the choice depends on K only, so a token's result does
+ * not depend on its batch. */
+TARGET static void FN(tile_q4_1)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    if (a->nb % 8 == 0)
+        FN(tile_q4_1_g)(row, a, t0, ntok, out);
+    else
+        FN(tile_q4_1_b)(row, a, t0, ntok, out);
+}
+TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    if (a->nb % 8 == 0)
+        FN(tile_q8_0_g)(row, a, t0, ntok, out);
+    else
+        FN(tile_q8_0_b)(row, a, t0, ntok, out);
+}
 
 #undef DEFINE_TILE_QUANT
 
