@@ -319,6 +319,21 @@ TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, con
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
 }
 
+/* Lanes j < n: the f16 at p + j * stride as a float (block j's d or dmin), 0 from lane n; clamped block indices
+ * read nothing past the row, and no scalar stores are read back as a vector (a store-forwarding stall each). */
+TARGET_INLINE __m256 FN(kq8_halves8)(const uint8_t *p, int64_t stride, int n) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; j++) memcpy(&h[j], p + (j < n ? j : n - 1) * stride, 2);
+    const __m128i v = _mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4], (short)h[5],
+                                     (short)h[6], (short)h[7]);
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_and_ps(_mm256_cvtph_ps(v), _mm256_castsi256_ps(lanes));
+}
+/* Lanes j < n of x[0..n), 0 from lane n */
+TARGET_INLINE __m256 FN(kq8_floats8)(const float *x, int n) {
+    return _mm256_maskload_ps(x, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
 /* Q4_K rows: per super-block the exact integers S (scales x dots) and M (mins x bsums), 8 super-blocks at a time
  * summed into the lanes (lane j = super-block g + j), then one float step per lane: acc_j + d_j dx_j S_j - dmin_j
  * dx_j M_j, hsum256 at the end. The same float steps lane by lane as kq8_tile8_q4_k, whose lanes are rows. */
@@ -330,7 +345,6 @@ TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int
     for (int64_t g = 0; g < nb; g += 8) {
         const int n = (int)min_i64(8, nb - g);
         __m256i S[KQ8_TILE_T][8], M[KQ8_TILE_T][8];
-        float d[8] = {0}, dmin[8] = {0};
         for (int j = 0; j < 8; j++) {
             if (j >= n) {
                 for (int t = 0; t < ntok; t++) S[t][j] = M[t][j] = _mm256_setzero_si256();
@@ -339,7 +353,6 @@ TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int
             const uint8_t *blk = (const uint8_t *)(b + g + j);
             FN(kq8_sb) p;
             FN(kq8_setup)(KQ8_Q4_K, blk, &p);
-            d[j] = p.d, dmin[j] = p.dmin;
             __m256i u[8], sc[8], unused;
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
@@ -358,11 +371,10 @@ TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int
                 M[t][j] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + tb * 16)), p.mn);
             }
         }
-        const __m256 dv = _mm256_loadu_ps(d), mv = _mm256_loadu_ps(dmin);
+        const __m256 dv = FN(kq8_halves8)((const uint8_t *)(b + g), (int64_t)sizeof(block_q4_k), n);
+        const __m256 mv = FN(kq8_halves8)((const uint8_t *)(b + g) + 2, (int64_t)sizeof(block_q4_k), n);
         for (int t = 0; t < ntok; t++) {
-            float dx[8] = {0};
-            memcpy(dx, a->d + (t0 + t) * nb + g, (size_t)n * sizeof(float));
-            const __m256 x = _mm256_loadu_ps(dx);
+            const __m256 x = FN(kq8_floats8)(a->d + (t0 + t) * nb + g, n);
             acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(dv, x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(S[t]))));
             acc[t] = _mm256_sub_ps(acc[t], _mm256_mul_ps(_mm256_mul_ps(mv, x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(M[t]))));
         }
@@ -457,14 +469,12 @@ TARGET static void FN(kq8_dot_q4_k)(const uint8_t *w, int64_t w_stride, int64_t 
         for (int64_t g = 0; g < nb; g += 8) {
             const int cnt = (int)min_i64(8, nb - g);
             __m256i S[8], M[8];
-            float d[8] = {0}, dmin[8] = {0}, dx[8] = {0};
             for (int j = 0; j < 8; j++) {
                 S[j] = M[j] = _mm256_setzero_si256();
                 if (j >= cnt) continue;
                 const uint8_t *blk = (const uint8_t *)(b + g + j);
                 FN(kq8_sb) p;
                 FN(kq8_setup)(KQ8_Q4_K, blk, &p);
-                d[j] = p.d, dmin[j] = p.dmin, dx[j] = a->d[g + j];
                 const int8_t *xq = a->qs + (g + j) * QK_K;
                 __m256i acc_s = _mm256_setzero_si256(), unused;
 #pragma GCC unroll 8
@@ -476,9 +486,11 @@ TARGET static void FN(kq8_dot_q4_k)(const uint8_t *w, int64_t w_stride, int64_t 
                 S[j] = acc_s;
                 M[j] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + (g + j) * 16)), p.mn);
             }
-            const __m256 x = _mm256_loadu_ps(dx);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(d), x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(S))));
-            acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(dmin), x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(M))));
+            const __m256 x = FN(kq8_floats8)(a->d + g, cnt);
+            const __m256 dv = FN(kq8_halves8)((const uint8_t *)(b + g), (int64_t)sizeof(block_q4_k), cnt);
+            const __m256 mv = FN(kq8_halves8)((const uint8_t *)(b + g) + 2, (int64_t)sizeof(block_q4_k), cnt);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(dv, x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(S))));
+            acc = _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_mul_ps(mv, x), _mm256_cvtepi32_ps(FN(hsum8x8_epi32)(M))));
         }
         out[n] = FN(hsum256)(acc);
     }
