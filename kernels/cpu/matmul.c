@@ -284,14 +284,13 @@ static const matmul_table matmul_tables[] = {
      dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
      dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
      tile_q5_k_f_##isa, tile_q6_k_f_##isa, dot_q2_k_f_##isa, dot_q3_k_f_##isa, dot_q4_k_f_##isa, dot_q5_k_f_##isa,   \
-     dot_q6_k_f_##isa, TILE4(isa, f32), TILE4(isa, f16), TILE4(isa, bf16), TILE8(isa, q4_0), TILE8(isa, q4_1), TILE8(isa, q8_0)}
+     dot_q6_k_f_##isa, TILE4(isa, f32), TILE4(isa, f16), TILE4(isa, bf16), TILE8(isa, q4_0), TILE8(isa, q8_0)}
 #define TILE4(isa, type) tile4_##type##_##isa
 #define TILE8(isa, type) tile8_##type##_##isa
 #define tile4_f32_scalar NULL
 #define tile4_f16_scalar NULL
 #define tile4_bf16_scalar NULL
 #define tile8_q4_0_scalar NULL
-#define tile8_q4_1_scalar NULL
 #define tile8_q8_0_scalar NULL
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
@@ -303,7 +302,6 @@ static const matmul_table matmul_tables[] = {
 #undef tile4_f16_scalar
 #undef tile4_bf16_scalar
 #undef tile8_q4_0_scalar
-#undef tile8_q4_1_scalar
 #undef tile8_q8_0_scalar
 };
 
@@ -356,7 +354,6 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
     const tile8_quant_fn tile8 = tile == table->tile_q4_0 && T >= TILE8_MIN_T_Q4_0   ? table->tile8_q4_0
-                                 : tile == table->tile_q4_1 && T >= TILE8_MIN_T_Q4_1 && nb % 8 == 0 ? table->tile8_q4_1
                                  : tile == table->tile_q8_0 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? table->tile8_q8_0
                                                                                      : NULL;
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;

@@ -16,11 +16,10 @@
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
 #define TILE_T2 3 /* tokens per tile of the four-row float kernels (prompts) */
-/* tokens from which Q4_0 / Q4_1 / Q8_0 rows go by panels of 8 (tile8_quant_fn; Q4_1 and Q8_0 when the rows have
- * a multiple of 8 blocks, see tile_q8_0); measured on the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4
- * tokens, Q8_0 ones (+40% at 64) from about 12 */
+/* tokens from which Q4_0 / Q8_0 rows go by panels of 8 (tile8_quant_fn; Q8_0 when the rows have a multiple of
+ * 8 blocks, see tile_q8_0); measured on the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0
+ * ones (+40% at 64) from about 12 */
 #define TILE8_MIN_T_Q4_0 4
-#define TILE8_MIN_T_Q4_1 4
 #define TILE8_MIN_T_Q8_0 12
 #define PANEL_MAX_BYTES_PER_BLOCK (17 * 32) /* a block of 8 rows in the panel of a tile8_quant_fn, at most */
 
@@ -64,7 +63,7 @@ typedef struct {
     tile_float_fn tile_q2_k_f, tile_q3_k_f, tile_q4_k_f, tile_q5_k_f, tile_q6_k_f;
     rows_dot_fn dot_q2_k_f, dot_q3_k_f, dot_q4_k_f, dot_q5_k_f, dot_q6_k_f;
     tile_float4_fn tile4_f32, tile4_f16, tile4_bf16; /* prompts; NULL: one row at a time */
-    tile8_quant_fn tile8_q4_0, tile8_q4_1, tile8_q8_0; /* prompts, the bits of the row tiles; NULL: row by row */
+    tile8_quant_fn tile8_q4_0, tile8_q8_0; /* prompts, the bits of the row tiles; NULL: row by row */
 } matmul_table;
 
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */

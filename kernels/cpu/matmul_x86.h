@@ -428,7 +428,6 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
         }                                                                                                 \
     }
 DEFINE_TILE_Q4X(q4_0, 0)
-DEFINE_TILE_Q4X(q4_1_g, 1)
 #undef DEFINE_TILE_Q4X
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
@@ -545,25 +544,19 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
         FN(tile8_quant)(kind, rows, a, T, panel, y, y_stride);                                                  \
     }
 DEFINE_TILE8(q4_0, 0)
-DEFINE_TILE8(q4_1, 1)
 DEFINE_TILE8(q8_0, 2)
 #undef DEFINE_TILE8
 
 DEFINE_TILE_QUANT(q5_0, 3)
 DEFINE_TILE_QUANT(q5_1, 4)
-DEFINE_TILE_QUANT(q4_1_b, 1)
+DEFINE_TILE_QUANT(q4_1, 1)
 DEFINE_TILE_QUANT(q8_0_b, 2)
 
-/* Q4_1 / Q8_0 rows: in 8-block groups (tile_q4x_n, tile_q8_0_n: what the prompt panels repeat) when the row has a
- * whole number of groups, else block by block (QUANT_STEP): a ragged last group costs the one-token kernel ~1.6x on
- * SmolLM2's 18-block rows (its Q8_0 output matrix). Either way the choice depends on K only, so a token's result does
- * not depend on its batch. */
-TARGET static void FN(tile_q4_1)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    if (a->nb % 8 == 0)
-        FN(tile_q4_1_g)(row, a, t0, ntok, out);
-    else
-        FN(tile_q4_1_b)(row, a, t0, ntok, out);
-}
+/* Q8_0 rows: in 8-block groups (tile_q8_0_n: what the prompt panels repeat) when the row has a whole number of
+ * groups, else block by block (QUANT_STEP): a ragged last group costs the one-token kernel ~1.6x on SmolLM2's
+ * 18-block rows (its Q8_0 output matrix). Either way the choice depends on K only, so a token's result does not
+ * depend on its batch. (Q4_1 stays block by block: grouping it changed SmolLM2's outputs, and its 576-wide rows
+ * would not take panels anyway; tile_q4x_n and tile8_quant keep the Q4_1 form for when they do.) */
 TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
     if (a->nb % 8 == 0)
         FN(tile_q8_0_g)(row, a, t0, ntok, out);
