@@ -106,11 +106,11 @@ static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all) {
 /* Scratch of pi_ffn_rows over M neurons of K inputs: h (M floats), then the int8 activations in the q8 precision. */
 static size_t ffn_rows_scratch(int64_t M, int64_t K, int q8) {
     const size_t h_bytes = align_up((size_t)M * 4);
-    return h_bytes + (q8 ? align_up((size_t)K) + align_up((size_t)(K / QK) * 12) : 0);
+    return h_bytes + (q8 ? 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12) : 0);
 }
 
-/* u (K,) quantised once into int8 blocks at q (the tail of ffn_rows_scratch: K int8, then nb scales and sums) for
- * the "q8" precision's dot products of gate and up */
+/* u (K,) quantised once into int8 blocks at q (the tail of ffn_rows_scratch: K int8, nb scales and sums, then the
+ * K int8 in pair order, act_pair_order) for the "q8" precision's dot products of gate and up */
 static void ffn_quantize_u(const matmul_table *table, const float *u, int64_t K, uint8_t *q, act_q8 *a) {
     const int64_t nb = K / QK;
     a->qs = (int8_t *)q;
@@ -119,6 +119,7 @@ static void ffn_quantize_u(const matmul_table *table, const float *u, int64_t K,
     a->K = K;
     a->nb = nb;
     table->quantize_act(u, nb, a->qs, a->ds, a->isum);
+    act_pair_order(a, (int8_t *)(q + align_up((size_t)K) + align_up((size_t)nb * 12)));
 }
 
 /* Bytes of scratch pi_ffn_rows needs for up to M neurons of K inputs (q8_act: the int8 activation precision),

@@ -104,7 +104,7 @@ static inline int mv_needs_q8(const pi_mat *m, int q8) { return q8 && kind_has_q
 static inline int mv_needs_q8k(const pi_mat *m, int q8) { return q8 && kind_is_kq(m->kind); }
 
 static size_t mv_input_bytes(int64_t K) {
-    return align_up((size_t)K) + align_up((size_t)(K / QK) * 12) + kq8_act_bytes(K);
+    return 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12) + kq8_act_bytes(K);
 }
 
 /* x (K) prepared in buf (mv_input_bytes(K)) for the matrices of one phase */
@@ -124,6 +124,7 @@ static void mv_prepare(const matmul_table *t, int32_t level, const float *x, int
         in->a.K = K;
         in->a.nb = nb;
         t->quantize_act(x, nb, in->a.qs, in->a.ds, in->a.isum);
+        act_pair_order(&in->a, (int8_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * 12) + kq8_act_bytes(K)));
     }
     if (need_q8k) kq8_act_prepare(level, x, K, buf + align_up((size_t)K) + align_up((size_t)(K / QK) * 12), &in->ak);
 }

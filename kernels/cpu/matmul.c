@@ -340,10 +340,11 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     const size_t qs_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
     const size_t block_bytes = (size_t)(T * nb) * 4;
     _Alignas(64) uint8_t on_stack[MATMUL_STACK_ACT_BYTES];
-    const size_t need = qs_bytes + 3 * block_bytes;
+    const size_t pair_bytes = T == 1 ? ((size_t)K + 63) & ~(size_t)63 : 0; /* act_pair_order */
+    const size_t need = qs_bytes + 3 * block_bytes + pair_bytes;
     uint8_t *scratch = need <= sizeof on_stack ? on_stack : malloc(need);
     if (scratch == NULL) return PI_ERR_ALLOC;
-    const act_q8 a = {
+    act_q8 a = {
         .qs = (int8_t *)scratch,
         .ds = (float *)(scratch + qs_bytes),
         .isum = (int32_t *)(scratch + qs_bytes + 2 * block_bytes),
@@ -351,6 +352,10 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         .nb = nb,
     };
     const int32_t nt = threads_for_work(n_threads, N * K * T);
+    if (T == 1) { /* one token: quantised here, once, with its pair order for the Q4_0 rows */
+        table->quantize_act(x, nb, a.qs, a.ds, a.isum);
+        act_pair_order(&a, (int8_t *)(scratch + qs_bytes + 3 * block_bytes));
+    }
     const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
     const tile8_quant_fn tile8 = tile == table->tile_q4_0 && T >= TILE8_MIN_T_Q4_0   ? table->tile8_q4_0
@@ -365,9 +370,11 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     }
 #pragma omp parallel num_threads(nt)
     {
+        if (T > 1) {
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            table->quantize_act(x + t * x_stride, nb, a.qs + t * K, a.ds + t * nb * 2, a.isum + t * nb);
+            for (int64_t t = 0; t < T; t++)
+                table->quantize_act(x + t * x_stride, nb, a.qs + t * K, a.ds + t * nb * 2, a.isum + t * nb);
+        }
         if (n8 > 0) {
             uint8_t *panel = panels + (size_t)omp_get_thread_num() * panel_bytes;
 #pragma omp for schedule(static) nowait

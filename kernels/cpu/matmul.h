@@ -30,7 +30,26 @@ typedef struct {
     int32_t *isum; /* sum(qs) over the block */
     int64_t K;
     int64_t nb;
+    /* token 0's qs in pair order (act_pair_order), or NULL: the one-token Q4_0 rows read two blocks' nibbles with
+     * one vector when it is there (the same integers, so the same results, as without it) */
+    const int8_t *qp;
 } act_q8;
+
+/* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token Q4_0 rows: blocks a, a + 1
+ * as [a 0..15 | a+1 0..15] then [a 16..31 | a+1 16..31] (the low and the high nibbles of the two blocks' weights
+ * side by side in one vector). qp holds K bytes. */
+static inline void act_pair_order(act_q8 *a, int8_t *qp) {
+    const int64_t n = a->nb / 8 * 8;
+    for (int64_t b = 0; b + 1 < n; b += 2) {
+        const int8_t *x = a->qs + b * QK;
+        int8_t *o = qp + b * QK;
+        memcpy(o, x, 16);
+        memcpy(o + 16, x + QK, 16);
+        memcpy(o + 32, x + 16, 16);
+        memcpy(o + 48, x + QK + 16, 16);
+    }
+    a->qp = qp;
+}
 
 typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
 typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
