@@ -616,14 +616,14 @@ def test_kernels_refuse_inconsistent_arguments():
     rank = 32
     fc1 = torch.zeros(rank, K * 4, dtype=torch.uint8)
     fc2 = torch.zeros(N, rank * 4, dtype=torch.uint8)
-    pscratch = torch.zeros(lib.predict_ffn_scratch_bytes(N, rank), dtype=torch.uint8)
+    pscratch = torch.zeros(lib.predict_ffn_scratch_bytes(N, K, rank, 0), dtype=torch.uint8)
     out_idx = torch.zeros(N, dtype=torch.int64)
     n_active = torch.zeros(1, dtype=torch.int64)
 
     def predict(fc2_stride: int) -> int:
         return lib.predict_ffn(
             u.data_ptr(), u.data_ptr(), K, K, N, fc1.data_ptr(), K * 4, 3, rank, fc2.data_ptr(), fc2_stride, 3,
-            0.0, wp, K * 4, 3, wp, K * 4, 3, wp, K * 4, 3, 0, 0, out_idx.data_ptr(), n_active.data_ptr(), None,
+            0.0, wp, K * 4, 3, wp, K * 4, 3, wp, K * 4, 3, 0, 0, 0, out_idx.data_ptr(), n_active.data_ptr(), None,
             y1.data_ptr(), pscratch.data_ptr(), pscratch.numel(), 1, 0,
         )  # fmt: skip
 

@@ -216,7 +216,6 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
 @pytest.mark.parametrize("dtype", sorted(quant.KERNEL_TYPES), ids=lambda t: t.name)
 def test_fused_decode_equals_separate_steps(tmp_path, dtype):
     """pi_predict_ffn (predictor + row selection + FFN in one call) == predict() then rows(), bit for bit."""
-    from powerinfer import ops
     from powerinfer.ops import sparse as sparse_ops
 
     path = _sparse_file(tmp_path, dtype, threshold=0.05)
@@ -252,9 +251,11 @@ def test_fused_decode_equals_separate_steps(tmp_path, dtype):
                 assert int(engine.sparse_stats.active.sum()) - before == n_active
                 ffn.fused_decode = False
                 assert torch.equal(via_layer, y) and torch.equal(ffn(u, x), y)
-    # the kernel applies only in f32 precision: q8 falls back to the separate steps
+    # q8 precision (the CLI's default): the same, on int8 blocks
+    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, act_precision="q8"))
     ffn = _ffns(engine)[0]
     sel = ffn.selector
     args = (sel.fc1, sel.fc2, sel.threshold, ffn.gate, ffn.up, ffn.down_t, "relu", False)
-    q8 = ops.KernelContext(act_precision="q8")
-    assert sparse_ops.predict_ffn(torch.randn(1, 64), torch.randn(1, 64), *args, q8) is None
+    u, x = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)
+    fused = sparse_ops.predict_ffn(x, u, *args, engine.kc)
+    assert fused is not None and torch.equal(fused[0], ffn.rows(u, sel.select(x)[0].nonzero().view(-1)))

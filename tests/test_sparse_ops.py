@@ -566,28 +566,35 @@ def test_ffn_rows_activations_vs_torch(ggml_type, act_name, act):
 
 @needs_kernels
 @pytest.mark.parametrize("act_name", ops.ACTIVATIONS)
-def test_predict_ffn_equals_the_separate_steps(act_name, isa):
-    """pi_predict_ffn == linear(fc1), relu, linear(fc2), >= threshold, nonzero, then ffn_rows: bit for bit, for
-    every activation, 1 or 2 threads."""
-    n_rows, n_in, n_out, rank = 300, 64, 96, 32
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_predict_ffn_equals_the_separate_steps(act_name, isa, precision):
+    """pi_predict_ffn == linear(fc1), relu, linear(fc2) (exact), >= threshold, nonzero, then ffn_rows: bit for bit,
+    for every activation, both precisions (q8: fc1, gate and up on int8 blocks), 1 or 2 threads; fc1 F16 or Q4_0
+    (K = 288: one 8-block group of the one-token Q4_0 rows and a ragged tail)."""
+    n_rows, n_in, n_out, rank = 300, 288, 96, 32
     gate, up, down_t = ffn_weights((GGMLType.Q4_0, GGMLType.Q4_0, GGMLType.Q8_0), n_rows, n_in, n_out)
-    fc1 = make_weight(GGMLType.F16, rank, n_in, seed=11)
     fc2 = make_weight(GGMLType.F16, n_rows, rank, seed=12)
     scratch = torch.empty(ops.ffn_scratch_bytes(n_rows, n_in, rank), dtype=torch.uint8)
-    for threads, relu_up, seed in itertools.product([1, 2], [False, True], [3, 4]):
-        kc = ops.KernelContext(n_threads=threads, isa=isa)
+    for fc1_type, threads, relu_up, seed in itertools.product(
+        [GGMLType.F16, GGMLType.Q4_0], [1, 2], [False, True], [3, 4]
+    ):
+        fc1 = make_weight(fc1_type, rank, n_in, seed=11)
+        kc = ops.KernelContext(n_threads=threads, isa=isa, act_precision=precision)
         x, u = make_x(1, n_in, seed), make_x(1, n_in, seed + 10)
         got = sparse.predict_ffn(
             x, u, fc1, fc2, 0.5, gate, up, down_t, act_name, relu_up, kc, scratch=scratch
         )
         assert got is not None
         y, n_active, seconds = got
-        score = ops.linear(torch.relu(ops.linear(x, fc1, kc)), fc2, kc)
+        score = ops.linear(torch.relu(ops.linear(x, fc1, kc)), fc2, kc.exact)
         idx = (score[0] >= 0.5).nonzero().view(-1)
-        assert 0 < n_active == idx.numel() < n_rows and seconds >= 0.0
+        assert 0 < n_active == idx.numel() < n_rows and seconds >= 0.0, (fc1_type, n_active)
         assert torch.equal(y, sparse.ffn_rows(u, gate, up, down_t, idx, act_name, relu_up, kc))
-    # q8 precision: no fused kernel
+    # q8 precision with a K-quant fc1 (its q8 matmul is the Q8_K one): no fused kernel
+    fc1 = make_weight(GGMLType.Q4_K, rank, 256, seed=11)
+    gate, up, down_t = ffn_weights((GGMLType.Q4_0, GGMLType.Q4_0, GGMLType.Q8_0), n_rows, 256, n_out)
     q8 = ops.KernelContext(act_precision="q8")
+    x, u = make_x(1, 256, 5), make_x(1, 256, 6)
     assert sparse.predict_ffn(x, u, fc1, fc2, 0.5, gate, up, down_t, act_name, False, q8) is None
 
 

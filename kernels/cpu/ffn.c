@@ -197,32 +197,40 @@ static void dense_rows_range(rows_dot_fn dot, const uint8_t *w, int64_t stride, 
 }
 
 /* Scratch of pi_predict_ffn: z (rank floats), then the scores of the N neurons, which h later overwrites. */
-static size_t predict_ffn_scratch(int64_t N, int64_t rank) { return align_up((size_t)rank * 4) + align_up((size_t)N * 4); }
+/* the int8 blocks of one input of K (ffn_quantize_u's layout) */
+static size_t q8_input_bytes(int64_t K) { return 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12); }
 
-/* Bytes of scratch pi_predict_ffn needs for N neurons and a predictor of rank `rank`, the alignment slack
- * included; -1 for negative sizes. */
-PI_EXPORT int64_t pi_predict_ffn_scratch_bytes(int64_t N, int64_t rank) {
-    if (N < 0 || rank < 0) return -1;
-    return (int64_t)(predict_ffn_scratch(N, rank) + PI_SCRATCH_ALIGN);
+/* the scores, h, then in the q8 precision the int8 blocks of x (fc1) and of u (gate, up) */
+static size_t predict_ffn_scratch(int64_t N, int64_t K, int64_t rank, int q8) {
+    return align_up((size_t)rank * 4) + align_up((size_t)N * 4) + (q8 ? 2 * q8_input_bytes(K) : 0);
+}
+
+/* Bytes of scratch pi_predict_ffn needs for N neurons of K inputs and a predictor of rank `rank` (q8_act: the int8
+ * activation precision), the alignment slack included; -1 for negative sizes. */
+PI_EXPORT int64_t pi_predict_ffn_scratch_bytes(int64_t N, int64_t K, int64_t rank, int32_t q8_act) {
+    if (N < 0 || K < 0 || rank < 0) return -1;
+    return (int64_t)(predict_ffn_scratch(N, K, rank, q8_act != 0) + PI_SCRATCH_ALIGN);
 }
 
 /* pi_predict_ffn(x, u, K, D, N, fc1, fc1_stride, fc1_kind, rank, fc2, fc2_stride, fc2_kind, threshold, gate, ...,
- *                up, ..., down_t, ..., act, relu_up, idx, n_active, predictor_seconds, y, scratch, scratch_bytes,
- *                threads, isa):
- * PowerInfer's predicted sparse FFN of one token with float activations, every neuron on the CPU:
+ *                up, ..., down_t, ..., act, relu_up, q8_act, idx, n_active, predictor_seconds, y, scratch,
+ *                scratch_bytes, threads, isa):
+ * PowerInfer's predicted sparse FFN of one token, every neuron on the CPU:
  *   s = fc2 . relu(fc1 . x),  idx = {n : s_n >= threshold} in increasing order (written to idx, count to
  *   *n_active),  y = ffn_rows(u, gate, up, down_t, idx, act).
- * Bit-identical to pi_matmul (fc1, fc2), torch's relu and >= on float32, nonzero, then pi_ffn_rows with
- * q8_act = 0: the same rows_dot kernels, the same phases. idx must hold N entries. predictor_seconds (may be
- * NULL) receives the wall time until the active list was complete. scratch: at least
- * pi_predict_ffn_scratch_bytes(N, rank) bytes, else PI_ERR_SCRATCH. */
+ * Bit-identical to pi_matmul of fc1 in the precision q8_act, pi_matmul of fc2 with float activations (its rows are
+ * short: the float several-rows dot), torch's relu and >= on float32, nonzero, then pi_ffn_rows with q8_act: the
+ * same kernels, the same phases. With q8_act, fc1 must be a type whose q8 matmul is the int8 row tile or a float
+ * type (not a K-quant: PI_ERR_SHAPE). idx must hold N entries. predictor_seconds (may be NULL) receives the wall
+ * time until the active list was complete. scratch: at least pi_predict_ffn_scratch_bytes(N, K, rank, q8_act)
+ * bytes, else PI_ERR_SCRATCH. */
 PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int64_t D, int64_t N,
                                  const uint8_t *fc1, int64_t fc1_stride, int32_t fc1_kind, int64_t rank,
                                  const uint8_t *fc2, int64_t fc2_stride, int32_t fc2_kind, float threshold,
                                  const uint8_t *gate, int64_t gate_stride, int32_t gate_kind, const uint8_t *up,
                                  int64_t up_stride, int32_t up_kind, const uint8_t *down, int64_t down_stride,
-                                 int32_t down_kind, int32_t act, int32_t relu_up, int64_t *idx, int64_t *n_active,
-                                 double *predictor_seconds, float *y, void *scratch, int64_t scratch_bytes,
+                                 int32_t down_kind, int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx,
+                                 int64_t *n_active, double *predictor_seconds, float *y, void *scratch, int64_t scratch_bytes,
                                  int32_t n_threads, int32_t isa) {
     const double t_start = omp_get_wtime();
     if (K < 0 || D < 0 || N < 0 || rank < 0 || idx == NULL || n_active == NULL) return PI_ERR_SHAPE;
@@ -234,21 +242,29 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
     const uint8_t *weights[5] = {gate, up, down, fc1, fc2};
     for (int i = 0; i < 5; i++)
         if (check_weight(kinds[i], rows[i], lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
+    const int q8 = q8_act != 0;
+    if (q8 && kind_is_kq(fc1_kind)) return PI_ERR_SHAPE; /* its q8 matmul is the Q8_K one, not a row tile */
     uint8_t *buf;
-    const int32_t status = scratch_take(scratch, scratch_bytes, predict_ffn_scratch(N, rank), &buf);
+    const int32_t status = scratch_take(scratch, scratch_bytes, predict_ffn_scratch(N, K, rank, q8), &buf);
     if (status != PI_OK) return status;
     const int32_t level = pi_isa_clamp(isa);
     const matmul_table *table = matmul_table_for(level);
-    const ffn_mat m1 = ffn_mat_of(table, fc1_kind, 0, fc1, fc1_stride, K);
+    const ffn_mat m1 = ffn_mat_of(table, fc1_kind, q8, fc1, fc1_stride, K);
     const ffn_mat m2 = ffn_mat_of(table, fc2_kind, 0, fc2, fc2_stride, rank);
     const int32_t nt = threads_for_work(n_threads, N * (2 * K + D + rank));
     float *z = (float *)buf;
     float *h = (float *)(buf + align_up((size_t)rank * 4)); /* the scores first, then h of the active neurons */
     int64_t counts[PI_MAX_THREADS]; /* active neurons per thread */
-    act_q8 a = {0};
+    act_q8 a = {0}, ax = {0};
+    if (q8) { /* x for fc1, u for gate and up, each quantised once (where their kinds read int8 blocks) */
+        uint8_t *q = (uint8_t *)h + align_up((size_t)N * 4);
+        if (m1.tq != NULL) ffn_quantize_u(table, x, K, q, &ax);
+        if (kind_has_q8_tile(gate_kind) || kind_has_q8_tile(up_kind))
+            ffn_quantize_u(table, u, K, q + q8_input_bytes(K), &a);
+    }
     ffn_ctx c = {
-        .gate = ffn_mat_of(table, gate_kind, 0, gate, gate_stride, K),
-        .up = ffn_mat_of(table, up_kind, 0, up, up_stride, K),
+        .gate = ffn_mat_of(table, gate_kind, q8, gate, gate_stride, K),
+        .up = ffn_mat_of(table, up_kind, q8, up, up_stride, K),
         .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                  .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D},
@@ -261,7 +277,10 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
         /* fc1 and relu over this thread's rank rows */
         const int64_t r0 = rank * me / all, r1 = rank * (me + 1) / all;
-        dense_rows_range(m1.dot, fc1, fc1_stride, r0, r1, K, x, z + r0);
+        if (m1.tq != NULL)
+            for (int64_t r = r0; r < r1; r++) m1.tq(fc1 + r * fc1_stride, &ax, 0, 1, z + r);
+        else
+            dense_rows_range(m1.dot, fc1, fc1_stride, r0, r1, K, x, z + r0);
         for (int64_t r = r0; r < r1; r++) z[r] = relu_f(z[r]);
 #pragma omp barrier
         /* fc2 and the threshold over this thread's neurons: scores into its slice of h, ids into its slice of idx */

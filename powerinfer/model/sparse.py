@@ -181,7 +181,7 @@ class SparseFFN:
             sel = self.selector
             assert isinstance(sel, PredictorSelector)
             assert self.gate is not None
-            # None where the kernel does not apply (q8 precision, non-kernel weight types, pool weights)
+            # None where the kernel does not apply (non-kernel weight types, a K-quant fc1 in q8, pool weights)
             fused = ops.predict_ffn(
                 x_residual, x_norm, sel.fc1, sel.fc2, sel.threshold, self.gate, self.up, self.down_t,
                 spec.act, spec.relu_up, self.kc, scratch=self.workspace.get("ffn"),

@@ -59,7 +59,7 @@ class _Resolved:
     rows_matmul: Mapping[GGMLType, Any]
     rows_axpy: Mapping[GGMLType, Any]
     ffn_rows: Any
-    predict_ffn: Any  # f32 precision only
+    predict_ffn: Any
     cats_ffn: Any
     attn_decode: Any
     ffn_kinds: Mapping[GGMLType, int]  # weight kind codes of ffn_rows / predict_ffn
@@ -82,7 +82,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         rows_matmul=lib.rows_matmul_f if f32 else lib.rows_matmul,
         rows_axpy=lib.rows_axpy,
         ffn_rows=lib.ffn_rows,
-        predict_ffn=lib.predict_ffn if f32 else None,
+        predict_ffn=lib.predict_ffn,
         cats_ffn=lib.cats_ffn,
         attn_decode=lib.attn_decode,
         ffn_kinds=library.FFN_KINDS,

@@ -99,12 +99,12 @@ _FFN_ROWS_ARGTYPES = (
     + (_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _i32, _i32)
 )
 # predict_ffn (x, u, K, D, N, fc1, fc1_stride, fc1_kind, rank, fc2, fc2_stride, fc2_kind, threshold,
-#              gate, .., up, .., down_t, .., act, relu_up, idx, n_active, predictor_seconds, y,
+#              gate, .., up, .., down_t, .., act, relu_up, q8_act, idx, n_active, predictor_seconds, y,
 #              scratch, scratch_bytes, n_threads, isa)
 _PREDICT_FFN_ARGTYPES = (
     (_ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _i64, _ptr, _i64, _i32, ctypes.c_float)
     + (_ptr, _i64, _i32) * 3
-    + (_i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
+    + (_i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
 # cats_ffn (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., cand, C, thresholds, out_thresholds,
 #           act, relu_up, q8_act, idx, n_active, n_up, y, scratch, scratch_bytes, n_threads, isa)
@@ -143,7 +143,7 @@ class Library:
     rows_matmul_f: Mapping[GGMLType, Any]
     rows_axpy: Mapping[GGMLType, Any]
     ffn_rows: Any  # fused decode FFN over a row list (one token)
-    predict_ffn: Any  # predictor + fused decode FFN (one token, float activations)
+    predict_ffn: Any  # predictor + fused decode FFN (one token)
     cats_ffn: Any  # dense gate, threshold on |act(gate)|, active up/down rows (one token)
     attn_decode: Any  # RoPE + KV write + attention of one token
     ffn_rows_scratch_bytes: Any
@@ -203,7 +203,9 @@ def _open(path: str) -> Library:
         cats_ffn=_symbol(lib, "pi_cats_ffn", _CATS_FFN_ARGTYPES),
         attn_decode=_symbol(lib, "pi_attn_decode", _ATTN_DECODE_ARGTYPES),
         ffn_rows_scratch_bytes=_symbol(lib, "pi_ffn_rows_scratch_bytes", (_i64, _i64, _i32), _i64),
-        predict_ffn_scratch_bytes=_symbol(lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64), _i64),
+        predict_ffn_scratch_bytes=_symbol(
+            lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64, _i64, _i32), _i64
+        ),
         cats_ffn_scratch_bytes=_symbol(lib, "pi_cats_ffn_scratch_bytes", (_i64, _i64, _i32), _i64),
         attn_decode_scratch_bytes=_symbol(lib, "pi_attn_decode_scratch_bytes", (_i64, _i64), _i64),
         quantize_rows=_symbol(lib, "pi_quantize_rows", _QUANTIZE_ROWS_ARGTYPES),

@@ -31,7 +31,7 @@ from powerinfer.ops.activation import activation_code, gated, gated_ref
 from powerinfer.ops.context import KernelContext, default_context
 from powerinfer.ops.dense import linear, output
 from powerinfer.ops.library import check_status
-from powerinfer.quant import dequantize
+from powerinfer.quant import K_QUANT_TYPES, dequantize
 
 if TYPE_CHECKING:
     from powerinfer.ops.weights import QWeight
@@ -157,7 +157,9 @@ def ffn_scratch_bytes(n_rows: int, n_cols: int, rank: int = 0) -> int:
         return 0
     if n_rows < 0 or n_cols < 0 or rank < 0:
         raise ValueError(f"ffn_scratch_bytes: negative size ({n_rows}, {n_cols}, {rank})")
-    return max(lib.ffn_rows_scratch_bytes(n_rows, n_cols, 1), lib.predict_ffn_scratch_bytes(n_rows, rank))
+    return max(
+        lib.ffn_rows_scratch_bytes(n_rows, n_cols, 1), lib.predict_ffn_scratch_bytes(n_rows, n_cols, rank, 1)
+    )
 
 
 def ffn_rows_ref(
@@ -256,9 +258,10 @@ def predict_ffn(
 
     x (1, K) is the predictor's input (pre-norm residual), u (1, K) the FFN's. Returns y (1, D), the number of
     active neurons and the predictor's share of the time in seconds. Bit-identical to
-    `ffn_rows(u, gate, up, down_t, nonzero(linear(relu(linear(x, fc1)), fc2) >= threshold), act, relu_up)` in
-    f32 precision; applies only there, to kernel types, on the CPU. scratch: as for `ffn_rows`
-    (`ffn_scratch_bytes(N, K, rank)` bytes).
+    `ffn_rows(u, gate, up, down_t, nonzero(linear(relu(linear(x, fc1)), fc2') >= threshold), act, relu_up)` in
+    the context's precision, fc2' in the exact one (its rows are short: the float several-rows dot); applies to
+    kernel types on the CPU (in the q8 precision, not to a K-quant fc1, whose q8 matmul is the Q8_K one).
+    scratch: as for `ffn_rows` (`ffn_scratch_bytes(N, K, rank)` bytes).
     """
     if kc is None:
         kc = default_context()
@@ -266,7 +269,10 @@ def predict_ffn(
     kernel = kc.kernels.predict_ffn
     kinds = kc.kernels.ffn_kinds
     codes = [kinds.get(w.ggml_type) for w in (fc1, fc2, gate, up, down_t)]
+    q8 = kc.act_precision == "q8"
     if kernel is None or None in codes or not (x.is_cpu and u.is_cpu) or x.shape[0] != 1 or u.shape[0] != 1:
+        return None
+    if q8 and fc1.ggml_type in K_QUANT_TYPES:
         return None
     n_rows, n_cols = gate.shape
     rank = fc1.shape[0]
@@ -283,7 +289,9 @@ def predict_ffn(
     x = x.to(torch.float32).contiguous()
     u = u.to(torch.float32).contiguous()
     if scratch is None:
-        scratch = torch.empty(library.load().predict_ffn_scratch_bytes(n_rows, rank), dtype=torch.uint8)
+        scratch = torch.empty(
+            library.load().predict_ffn_scratch_bytes(n_rows, n_cols, rank, q8), dtype=torch.uint8
+        )
     scratch_bytes = _scratch_size(scratch, "predict_ffn")
     n_out = down_t.shape[1]
     idx = torch.empty(n_rows, dtype=torch.int64)
@@ -297,11 +305,11 @@ def predict_ffn(
         gate._raw_ptr, gate._raw_stride, codes[2],
         up._raw_ptr, up._raw_stride, codes[3],
         down_t._raw_ptr, down_t._raw_stride, codes[4],
-        act_code, bool(relu_up), idx.data_ptr(), ctypes.byref(n_active), ctypes.byref(seconds), y.data_ptr(),
+        act_code, bool(relu_up), q8, idx.data_ptr(), ctypes.byref(n_active), ctypes.byref(seconds), y.data_ptr(),
         scratch.data_ptr(), scratch_bytes, kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
-        needed = library.load().predict_ffn_scratch_bytes(n_rows, rank)
+        needed = library.load().predict_ffn_scratch_bytes(n_rows, n_cols, rank, q8)
         check_status(status, "predict_ffn", scratch_bytes, needed, "ffn_scratch_bytes")
     return y, int(n_active.value), float(seconds.value)
 
