@@ -98,21 +98,7 @@ static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all) {
 
 /* Scratch of pi_ffn_rows over M neurons of K inputs: h (M floats), then the int8 activations in the q8 precision. */
 static size_t ffn_rows_scratch(int64_t M, int64_t K, int q8) {
-    const size_t h_bytes = align_up((size_t)M * 4);
-    return h_bytes + (q8 ? 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12) : 0);
-}
-
-/* u (K,) quantised once into int8 blocks at q (the tail of ffn_rows_scratch: K int8, nb scales and sums, then the
- * K int8 in pair order, act_pair_order) for the "q8" precision's dot products of gate and up */
-static void ffn_quantize_u(const matmul_table *table, const float *u, int64_t K, uint8_t *q, act_q8 *a) {
-    const int64_t nb = K / QK;
-    a->qs = (int8_t *)q;
-    a->ds = (float *)(q + align_up((size_t)K));
-    a->isum = (int32_t *)(a->ds + 2 * nb);
-    a->K = K;
-    a->nb = nb;
-    table->quantize_act(u, nb, a->qs, a->ds, a->isum);
-    act_pair_order(a, (int8_t *)(q + align_up((size_t)K) + align_up((size_t)nb * 12)));
+    return align_up((size_t)M * 4) + (q8 ? act_q8_bytes(K) : 0);
 }
 
 /* Bytes of scratch pi_ffn_rows needs for up to M neurons of K inputs (q8_act: the int8 activation precision),
@@ -157,7 +143,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
     const int32_t nt = threads_for_work(n_threads, M * (2 * K + D));
     float *h = (float *)buf;
     act_q8 a = {0};
-    if (need_q8) ffn_quantize_u(table, u, K, buf + align_up((size_t)M * 4), &a);
+    if (need_q8) act_q8_prepare(table, u, K, buf + align_up((size_t)M * 4), &a);
     const ffn_ctx c = {
         .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
         .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
@@ -197,12 +183,9 @@ static void dense_rows_range(rows_dot_fn dot, const uint8_t *w, int64_t stride, 
 }
 
 /* Scratch of pi_predict_ffn: z (rank floats), then the scores of the N neurons, which h later overwrites. */
-/* the int8 blocks of one input of K (ffn_quantize_u's layout) */
-static size_t q8_input_bytes(int64_t K) { return 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12); }
-
 /* the scores, h, then in the q8 precision the int8 blocks of x (fc1) and of u (gate, up) */
 static size_t predict_ffn_scratch(int64_t N, int64_t K, int64_t rank, int q8) {
-    return align_up((size_t)rank * 4) + align_up((size_t)N * 4) + (q8 ? 2 * q8_input_bytes(K) : 0);
+    return align_up((size_t)rank * 4) + align_up((size_t)N * 4) + (q8 ? 2 * act_q8_bytes(K) : 0);
 }
 
 /* Bytes of scratch pi_predict_ffn needs for N neurons of K inputs and a predictor of rank `rank` (q8_act: the int8
@@ -258,9 +241,9 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
     act_q8 a = {0}, ax = {0};
     if (q8) { /* x for fc1, u for gate and up, each quantised once (where their kinds read int8 blocks) */
         uint8_t *q = (uint8_t *)h + align_up((size_t)N * 4);
-        if (m1.tq != NULL) ffn_quantize_u(table, x, K, q, &ax);
+        if (m1.tq != NULL) act_q8_prepare(table, x, K, q, &ax);
         if (kind_has_q8_tile(gate_kind) || kind_has_q8_tile(up_kind))
-            ffn_quantize_u(table, u, K, q + q8_input_bytes(K), &a);
+            act_q8_prepare(table, u, K, q + act_q8_bytes(K), &a);
     }
     ffn_ctx c = {
         .gate = ffn_mat_of(table, gate_kind, q8, gate, gate_stride, K),
@@ -457,7 +440,7 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     const int32_t nt = threads_for_work(n_threads, C * (2 * K + D));
     float *a_buf = (float *)buf;
     act_q8 aq = {0};
-    if (need_q8) ffn_quantize_u(table, u, K, buf + align_up((size_t)C * 4), &aq);
+    if (need_q8) act_q8_prepare(table, u, K, buf + align_up((size_t)C * 4), &aq);
     int64_t counts[PI_MAX_THREADS], ups[PI_MAX_THREADS]; /* active neurons and up rows read, per thread */
     int64_t up_total = 0;
     cats_ctx k = {

@@ -104,7 +104,7 @@ static inline int mv_needs_q8(const pi_mat *m, int q8) { return q8 && kind_has_q
 static inline int mv_needs_q8k(const pi_mat *m, int q8) { return q8 && kind_is_kq(m->kind); }
 
 static size_t mv_input_bytes(int64_t K) {
-    return 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12) + kq8_act_bytes(K);
+    return act_q8_bytes(K) + kq8_act_bytes(K);
 }
 
 /* x (K) prepared in buf (mv_input_bytes(K)) for the matrices of one phase */
@@ -116,17 +116,8 @@ static void mv_prepare(const matmul_table *t, int32_t level, const float *x, int
         need_q8k |= mv_needs_q8k(mats[i], q8);
     }
     in->x = x;
-    if (need_q8) {
-        const int64_t nb = K / QK;
-        in->a.qs = (int8_t *)buf;
-        in->a.ds = (float *)(buf + align_up((size_t)K));
-        in->a.isum = (int32_t *)(in->a.ds + 2 * nb);
-        in->a.K = K;
-        in->a.nb = nb;
-        t->quantize_act(x, nb, in->a.qs, in->a.ds, in->a.isum);
-        act_pair_order(&in->a, (int8_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * 12) + kq8_act_bytes(K)));
-    }
-    if (need_q8k) kq8_act_prepare(level, x, K, buf + align_up((size_t)K) + align_up((size_t)(K / QK) * 12), &in->ak);
+    if (need_q8) act_q8_prepare(t, x, K, buf, &in->a);
+    if (need_q8k) kq8_act_prepare(level, x, K, buf + act_q8_bytes(K), &in->ak);
 }
 
 /* y[n] = W[n] . x for n in [n0, n1): as pi_matmul_<type> computes row n at T = 1 in the precision q8 */

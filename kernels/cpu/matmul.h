@@ -85,6 +85,22 @@ typedef struct {
     tile8_quant_fn tile8_q4_0, tile8_q8_0; /* prompts, the bits of the row tiles; NULL: row by row */
 } matmul_table;
 
+/* Bytes of one input of K in the int8 precision as act_q8_prepare lays it out: K int8, the nb {d, d sum} pairs and
+ * sums, then the K int8 in pair order */
+static inline size_t act_q8_bytes(int64_t K) { return 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12); }
+
+/* x (K) quantised into int8 blocks at buf (act_q8_bytes(K)), with its pair order, as the one-token kernels read it */
+static inline void act_q8_prepare(const matmul_table *table, const float *x, int64_t K, uint8_t *buf, act_q8 *a) {
+    const int64_t nb = K / QK;
+    a->qs = (int8_t *)buf;
+    a->ds = (float *)(buf + align_up((size_t)K));
+    a->isum = (int32_t *)(a->ds + 2 * nb);
+    a->K = K;
+    a->nb = nb;
+    table->quantize_act(x, nb, a->qs, a->ds, a->isum);
+    act_pair_order(a, (int8_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * 12)));
+}
+
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */
 const matmul_table *matmul_table_for(int32_t isa);
 

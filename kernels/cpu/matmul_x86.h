@@ -440,27 +440,18 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
     }
 }
 
-#define DEFINE_TILE_QUANT(type, kind)                                                                     \
+/* tile_<type>: the ntok-specialised bodies of `body` (tile_quant_n or tile_q4x_n) for weight kind `kind` */
+#define DEFINE_TILE_QUANT_BODY(type, body, kind)                                                            \
     TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         switch (ntok) {                                                                                   \
-            case 1: FN(tile_quant_n)(kind, row, a, t0, 1, out); break;                                    \
-            case 2: FN(tile_quant_n)(kind, row, a, t0, 2, out); break;                                    \
-            case 3: FN(tile_quant_n)(kind, row, a, t0, 3, out); break;                                    \
-            default: FN(tile_quant_n)(kind, row, a, t0, 4, out); break;                                   \
+            case 1: FN(body)(kind, row, a, t0, 1, out); break;                                            \
+            case 2: FN(body)(kind, row, a, t0, 2, out); break;                                            \
+            case 3: FN(body)(kind, row, a, t0, 3, out); break;                                            \
+            default: FN(body)(kind, row, a, t0, 4, out); break;                                           \
         }                                                                                                 \
     }
-
-#define DEFINE_TILE_Q4X(type, kind)                                                                       \
-    TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
-        switch (ntok) {                                                                                   \
-            case 1: FN(tile_q4x_n)(kind, row, a, t0, 1, out); break;                                      \
-            case 2: FN(tile_q4x_n)(kind, row, a, t0, 2, out); break;                                      \
-            case 3: FN(tile_q4x_n)(kind, row, a, t0, 3, out); break;                                      \
-            default: FN(tile_q4x_n)(kind, row, a, t0, 4, out); break;                                     \
-        }                                                                                                 \
-    }
-DEFINE_TILE_Q4X(q4_0, 0)
-#undef DEFINE_TILE_Q4X
+#define DEFINE_TILE_QUANT(type, kind) DEFINE_TILE_QUANT_BODY(type, tile_quant_n, kind)
+DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, 0)
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
 #include "simd_transpose.h"
@@ -597,6 +588,7 @@ TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0
 }
 
 #undef DEFINE_TILE_QUANT
+#undef DEFINE_TILE_QUANT_BODY
 
 /* ---- float weight x float activation tiles ------------------------------------------------------------- */
 
