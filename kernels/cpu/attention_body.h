@@ -86,13 +86,15 @@ TARGET static void FN(attend_kv_head_generic)(const float *q, const float *kc, c
 
 
 #ifdef SIMD_TARGET
+#include "simd_shuffle.h"
+
 /* 256-bit bodies (the same in the AVX2 and AVX-512 variants, so both give the same bits) for D % 8 == 0. */
 
 /* the 8 horizontal sums of a[0..7] as one vector: lane j = sum of a[j]'s lanes */
 TARGET_INLINE __m256 FN(hsum8x8)(const __m256 *a) {
-    const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    const __m256 s01 = FN(hadd_ps)(a[0], a[1]), s23 = FN(hadd_ps)(a[2], a[3]);
+    const __m256 s45 = FN(hadd_ps)(a[4], a[5]), s67 = FN(hadd_ps)(a[6], a[7]);
+    const __m256 s0123 = FN(hadd_ps)(s01, s23), s4567 = FN(hadd_ps)(s45, s67);
     /* s0123 = {a0 lo, a1 lo, a2 lo, a3 lo | a0 hi, a1 hi, a2 hi, a3 hi}, likewise s4567 for a4..a7 */
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }

@@ -130,14 +130,13 @@ static void mv_rows(const matmul_table *t, int32_t level, const pi_mat *m, int q
         return;
     }
     const ffn_mat f = ffn_mat_of(t, m->kind, q8, m->w, stride, K);
-    const int64_t ahead = matvec_rows_ahead(f.row_bytes);
-    if (f.tq != NULL) {
-        for (int64_t n = n0; n < n1; n++) {
-            if (n + ahead < n1) prefetch_bytes(m->w + (n + ahead) * stride, f.row_bytes);
-            f.tq(m->w + n * stride, &in->a, 0, 1, y + n);
-        }
+    if (f.tq != NULL) { /* int8 tiles: they prefetch as they read (act_q8.ahead) */
+        act_q8 a = in->a;
+        a.ahead = MATVEC_STREAM_AHEAD;
+        for (int64_t n = n0; n < n1; n++) f.tq(m->w + n * stride, &a, 0, 1, y + n);
         return;
     }
+    const int64_t ahead = matvec_rows_ahead(f.row_bytes);
     const int group = f.row_bytes > FFN_DOT_MAX_ROW ? 1 : ROWS_DOT_MAX;
     for (int64_t n = n0; n < n1; n += group) {
         const int R = (int)min_i64(group, n1 - n);

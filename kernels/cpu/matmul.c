@@ -356,7 +356,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         table->quantize_act(x, nb, a.qs, a.ds, a.isum);
         act_pair_order(&a, (int8_t *)(scratch + qs_bytes + 3 * block_bytes));
     }
-    const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
+    if (rows == NULL && T == 1) a.ahead = MATVEC_STREAM_AHEAD; /* dense decode: the tiles prefetch as they go */
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
     const tile8_quant_fn tile8 = tile == table->tile_q4_0 && T >= TILE8_MIN_T_Q4_0   ? table->tile8_q4_0
                                  : tile == table->tile_q8_0 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? table->tile8_q8_0
@@ -391,9 +391,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
                 const int ntok = (int)min_i64(TILE_T, T - t0);
                 for (int64_t n = n0; n < n1; n++) {
                     float out[TILE_T];
-                    if (rows == NULL) {
-                        if (ahead > 0 && n + ahead < N) prefetch_bytes(w + (n + ahead) * w_stride, row_bytes);
-                    } else if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
+                    if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                         prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                     }
                     tile(w + row_of(rows, n) * w_stride, &a, t0, ntok, out);

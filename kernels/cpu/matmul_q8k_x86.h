@@ -17,6 +17,8 @@
 #define TARGET __attribute__((target(SIMD_TARGET)))
 #define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
 
+#include "simd_shuffle.h"
+
 TARGET_INLINE float FN(hsum256)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -56,8 +58,8 @@ TARGET_INLINE __m256i FN(iq4_table)(void) {
 
 /* 8 int32 vectors -> their 8 horizontal sums, in order */
 TARGET_INLINE __m256i FN(hsum8x8_epi32)(const __m256i *g) {
-    const __m256i e = _mm256_hadd_epi32(_mm256_hadd_epi32(g[0], g[1]), _mm256_hadd_epi32(g[2], g[3]));
-    const __m256i f = _mm256_hadd_epi32(_mm256_hadd_epi32(g[4], g[5]), _mm256_hadd_epi32(g[6], g[7]));
+    const __m256i e = FN(hadd_epi32)(FN(hadd_epi32)(g[0], g[1]), FN(hadd_epi32)(g[2], g[3]));
+    const __m256i f = FN(hadd_epi32)(FN(hadd_epi32)(g[4], g[5]), FN(hadd_epi32)(g[6], g[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(e, f, 0x20), _mm256_permute2x128_si256(e, f, 0x31));
 }
 
@@ -382,7 +384,6 @@ TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
 }
 
-#include "simd_transpose.h"
 
 /* Q4_K prompts, 8 rows at once with the rows in the vector lanes (as tile8_q4_0 in matmul_x86.h): per super-block
  * the rows' chunks are transposed into `panel` (vector j of chunk c: weights 4j..4j+3 of each row, row r in lane r)

@@ -18,6 +18,8 @@
 #define TARGET __attribute__((target(SIMD_TARGET)))
 #define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
 
+#include "simd_shuffle.h"
+
 TARGET_INLINE float FN(hsum256)(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -143,7 +145,12 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     const block_q8_0 *b8 = (const block_q8_0 *)row;
     const block_q5_0 *b50 = (const block_q5_0 *)row;
     const block_q5_1 *b51 = (const block_q5_1 *)row;
-    const int64_t nb = a->nb;
+    const int64_t nb = a->nb, ahead = a->ahead;
+    const int64_t bsz = kind == 0   ? (int64_t)sizeof(block_q4_0)
+                        : kind == 1 ? (int64_t)sizeof(block_q4_1)
+                        : kind == 2 ? (int64_t)sizeof(block_q8_0)
+                        : kind == 3 ? (int64_t)sizeof(block_q5_0)
+                                    : (int64_t)sizeof(block_q5_1);
     const int8_t *xq[TILE_T];
     const float *xds[TILE_T];
     const int32_t *xi[TILE_T];
@@ -174,6 +181,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
             bias[t] = _mm_setzero_ps();
         }
         for (; i + 1 < nb; i += 2) {
+            prefetch_stream(row + i * bsz, ahead, 2 * bsz);
             __m256i raw;
             uint64_t dm_bits; /* Q4_0 {d_i, 0, d_i+1, 0}, Q4_1 {d_i, m_i, d_i+1, m_i+1} as halves */
             if (kind == 0) {
@@ -216,6 +224,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     }
 #endif
     for (; i + 1 < nb; i += 2) {
+        prefetch_stream(row + i * bsz, ahead, 2 * bsz);
         QUANT_STEP(kind, i, acc0, bias0);
         QUANT_STEP(kind, i + 1, acc1, bias1);
     }
@@ -230,8 +239,8 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
 
 /* Lane j of the result: the sum of the 8 lanes of p_j (exact integers, so any order gives the same value). */
 TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+    const __m256i a = FN(hadd_epi32)(FN(hadd_epi32)(p[0], p[1]), FN(hadd_epi32)(p[2], p[3]));
+    const __m256i b = FN(hadd_epi32)(FN(hadd_epi32)(p[4], p[5]), FN(hadd_epi32)(p[6], p[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
@@ -316,16 +325,21 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
                                   float *out) {
     const block_q4_0 *b0 = (const block_q4_0 *)row;
     const block_q4_1 *b1 = (const block_q4_1 *)row;
-    const int64_t nb = a->nb, K = a->K;
+    const int64_t nb = a->nb, K = a->K, ahead = a->ahead;
+    const int64_t bsz = kind == 0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
     _Alignas(32) uint8_t wu[8 * QK];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
     int64_t g = 0;
 #if !SIMD_AVX512
     if (kind == 0 && ntok == 1 && t0 == 0 && a->qp != NULL)
-        for (; g + 8 <= nb; g += 8) acc[0] = FN(q4_0_pairs_group)(b0 + g, a->qp + g * QK, a->isum + g, a->ds + 2 * g, acc[0]);
+        for (; g + 8 <= nb; g += 8) {
+            prefetch_stream(row + g * bsz, ahead, 8 * bsz);
+            acc[0] = FN(q4_0_pairs_group)(b0 + g, a->qp + g * QK, a->isum + g, a->ds + 2 * g, acc[0]);
+        }
 #endif
     for (; g + 8 <= nb; g += 8) {
+        prefetch_stream(row + g * bsz, ahead, 8 * bsz);
         __m128i dh, mh = _mm_setzero_si128();
         if (kind == 0) {
             for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b0[g + j].qs));
@@ -350,7 +364,6 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
     }
     if (g < nb) { /* the last n < 8 blocks: zero dots, scales and sums in the unused lanes (exact no-ops) */
         const int n = (int)(nb - g);
-        const int64_t bsz = kind == 0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
         const uint8_t *first = row + g * bsz;
         const __m256i lanes = FN(tail_lanes)(n);
         __m256i w[8];
@@ -390,12 +403,13 @@ TARGET_INLINE __m256 FN(q8_0_group)(const __m256i *w, const int8_t *xq, __m256 s
 
 TARGET_INLINE void FN(tile_q8_0_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
     const block_q8_0 *b = (const block_q8_0 *)row;
-    const int64_t nb = a->nb, K = a->K;
+    const int64_t nb = a->nb, K = a->K, ahead = a->ahead;
     __m256i w[8];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= nb; g += 8) {
+        prefetch_stream((const uint8_t *)(b + g), ahead, 8 * (int64_t)sizeof(block_q8_0));
         for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
         const __m128i dh = _mm_setr_epi16((short)b[g].d, (short)b[g + 1].d, (short)b[g + 2].d, (short)b[g + 3].d,
                                           (short)b[g + 4].d, (short)b[g + 5].d, (short)b[g + 6].d, (short)b[g + 7].d);
@@ -454,7 +468,6 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
 DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, 0)
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
-#include "simd_transpose.h"
 
 /* panel bytes per block: Q4_0 / Q4_1 8 vectors of 4 weights x 8 rows, then the rows' d and m as floats; Q8_0 the
  * 8 vectors of q, the 8 of |q|, then d */
