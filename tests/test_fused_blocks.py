@@ -78,9 +78,10 @@ def test_fused_blocks_thread_count_independent(mixed_files, act):
 
 
 @needs_kernels
-def test_sparse_layers_fuse_attention_only(tmp_path):
-    """A PowerInfer file: attention blocks fused, the predicted sparse FFN op by op; the same logits as all op by
-    op."""
+@pytest.mark.parametrize("name", ["F32", "Q4_0"])
+def test_sparse_layers_fuse_whole_blocks(tmp_path, name, act):
+    """A PowerInfer file: attention blocks and predicted sparse FFN blocks (norm, predictor, rows, residual add) each
+    one kernel call; the same logits, and the same per-layer token and active-neuron counts, as op by op."""
     sd = random_llama_state(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, seed=5)
     path = write_llama_gguf(
         tmp_path / "sparse.powerinfer.gguf",
@@ -90,10 +91,23 @@ def test_sparse_layers_fuse_attention_only(tmp_path):
         predictors=random_predictors(sd),
         act="relu",
     )
-    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2))
-    assert all(layer.fused_attn is not None and layer.fused_ffn is None for layer in engine.model.layers)
-    fused, op_by_op = fused_and_op_by_op(engine)
-    assert torch.equal(fused, op_by_op)
+    if name != "F32":
+        out = tmp_path / f"sparse.{name}.powerinfer.gguf"
+        quantize_model(QuantizeOptions(path, out, require_file_type(name), allow_requantize=True))
+        path = out
+    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2, act_precision=act))
+    assert all(layer.fused_attn is not None and layer.fused_ffn is not None for layer in engine.model.layers)
+    stats = engine.sparse_stats
+    assert stats is not None and stats.predictor_s is not None
+    fused = decode_logits(engine)
+    counts = (stats.tokens.copy(), stats.active.copy())
+    assert stats.predictor_s.sum() > 0 and counts[1].sum() > 0
+    stats.tokens[:] = 0
+    stats.active[:] = 0
+    fused_again, op_by_op = fused_and_op_by_op(engine)
+    assert torch.equal(fused, fused_again) and torch.equal(fused, op_by_op)
+    # the fused run's counts (one decode pass) are half of the two passes just made (fused, then op by op)
+    assert (stats.tokens == 2 * counts[0]).all() and (stats.active == 2 * counts[1]).all()
 
 
 @needs_kernels

@@ -3,6 +3,7 @@
  *
  *   pi_attn_block: x += wo . attention(rope(wq . n), rope(wk . n), wv . n),  n = rmsnorm(x) * norm
  *   pi_ffn_block:  x += down . (act(gate . n) * up . n),                     n = rmsnorm(x) * norm
+ *   pi_sparse_ffn_block: x += pi_predict_ffn(x, n) (PowerInfer's predictor on x, the predicted rows on n)
  *
  * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
  * int8 blocks of Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1, Q8_K for the K-quants; float activations for the other types and in f32),
@@ -209,6 +210,66 @@ PI_EXPORT int64_t pi_attn_block_scratch_bytes(int64_t n_embd, int64_t n_head, in
 PI_EXPORT int64_t pi_ffn_block_scratch_bytes(int64_t n_embd, int64_t n_ff) {
     if (n_embd <= 0 || n_ff <= 0) return -1;
     return (int64_t)(ffn_block_scratch(n_embd, n_ff) + PI_SCRATCH_ALIGN);
+}
+
+/* A predictor-selected sparse FFN block (gated, no biases, every neuron on the CPU): the ctypes mirror is
+ * powerinfer/ops/layer.py. tokens / active / predictor_seconds: this layer's counters, updated by each call. */
+typedef struct {
+    int64_t n_embd, n_ff, rank;
+    float eps, threshold;
+    int32_t act, relu_up;
+    const float *norm; /* n_embd */
+    pi_mat fc1, fc2, gate, up, down_t;
+    int64_t *tokens, *active;
+    double *predictor_seconds;
+} pi_sparse_ffn_block_desc;
+
+static size_t sparse_ffn_block_scratch(int64_t n_embd, int64_t n_ff, int64_t rank) {
+    return align_up((size_t)n_embd * 4) * 2 + align_up((size_t)n_ff * 8) +
+           (size_t)pi_predict_ffn_scratch_bytes(n_ff, n_embd, rank, 1);
+}
+
+/* Bytes of scratch pi_sparse_ffn_block needs (either precision), the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_sparse_ffn_block_scratch_bytes(int64_t n_embd, int64_t n_ff, int64_t rank) {
+    if (n_embd <= 0 || n_ff <= 0 || rank <= 0) return -1;
+    return (int64_t)(sparse_ffn_block_scratch(n_embd, n_ff, rank) + PI_SCRATCH_ALIGN);
+}
+
+/* pi_sparse_ffn_block(desc, x, scratch, scratch_bytes, q8, threads, isa): n = rmsnorm(x) * norm (pi_rms_norm's),
+ * y = pi_predict_ffn(x, n, ...) (the predictor reads the residual x, as PowerInfer's), x += y; the layer's counters
+ * take the token, its active neurons and the predictor's time. The bits of rms_norm, predict_ffn and a float add
+ * called one by one. scratch: at least pi_sparse_ffn_block_scratch_bytes bytes. */
+PI_EXPORT int32_t pi_sparse_ffn_block(const pi_sparse_ffn_block_desc *b, float *x, void *scratch, int64_t scratch_bytes,
+                                      int32_t q8, int32_t n_threads, int32_t isa) {
+    if (b == NULL || x == NULL || b->norm == NULL || b->tokens == NULL || b->active == NULL ||
+        b->predictor_seconds == NULL)
+        return PI_ERR_SHAPE;
+    const int64_t E = b->n_embd, F = b->n_ff, R = b->rank;
+    if (E <= 0 || F <= 0 || R <= 0) return PI_ERR_SHAPE;
+    if (!mat_ok(&b->fc1, R, E) || !mat_ok(&b->fc2, F, R) || !mat_ok(&b->gate, F, E) || !mat_ok(&b->up, F, E) ||
+        !mat_ok(&b->down_t, F, E))
+        return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, sparse_ffn_block_scratch(E, F, R), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *y = (float *)(buf + align_up((size_t)E * 4));
+    int64_t *idx = (int64_t *)((uint8_t *)y + align_up((size_t)E * 4));
+    uint8_t *rest = (uint8_t *)idx + align_up((size_t)F * 8);
+    const int64_t rest_bytes = scratch_bytes - (int64_t)(rest - (uint8_t *)scratch);
+    rms_norm_row(x, b->norm, E, b->eps, xn);
+    int64_t n_active = 0;
+    double seconds = 0.0;
+    status = pi_predict_ffn(x, xn, E, E, F, b->fc1.w, b->fc1.stride, b->fc1.kind, R, b->fc2.w, b->fc2.stride,
+                            b->fc2.kind, b->threshold, b->gate.w, b->gate.stride, b->gate.kind, b->up.w,
+                            b->up.stride, b->up.kind, b->down_t.w, b->down_t.stride, b->down_t.kind, b->act,
+                            b->relu_up, q8, idx, &n_active, &seconds, y, rest, rest_bytes, n_threads, isa);
+    if (status != PI_OK) return status;
+    for (int64_t e = 0; e < E; e++) x[e] += y[e];
+    *b->tokens += 1;
+    *b->active += n_active;
+    *b->predictor_seconds += seconds;
+    return PI_OK;
 }
 
 /* ---- the attention block ---------------------------------------------------------------------------------------- */

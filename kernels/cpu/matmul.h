@@ -33,9 +33,9 @@ typedef struct {
     /* token 0's qs in pair order (act_pair_order), or NULL: the one-token Q4_0 rows read two blocks' nibbles with
      * one vector when it is there (the same integers, so the same results, as without it) */
     const int8_t *qp;
-    /* > 0: the rows are one token's dense matrix, read in order, and the SIMD tiles prefetch this many bytes past
-     * what they read, a few lines per step (MATVEC_STREAM_AHEAD); 0: no prefetch in the tile (scattered rows: the
-     * driver prefetches whole rows) */
+    /* != 0: the SIMD tiles of one token prefetch, as they read, the bytes this far from what they read, a few lines
+     * per step: MATVEC_STREAM_AHEAD for a dense matrix read in order, the distance to a row further down the list
+     * for scattered rows (ffn.c); 0: no prefetch in the tile */
     int64_t ahead;
 } act_q8;
 
@@ -124,9 +124,11 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
  * bytes it reads, so the requests stay spread over the row and DRAM sees a steady stream. Measured on a Xeon with
  * AVX-512 (1 thread, 225,280 Q4_0 rows of K = 2048 from DRAM): whole rows 1-4 KB ahead 8.0-8.1 GB/s, none 5.4,
  * in-step 256 B ahead 12.0, 1 KB 13.0-13.7, 2 KB 13.7-14.4 (a plain read streams 13.7), 4 KB 9.8-12.0. */
+#ifndef MATVEC_STREAM_AHEAD
 #define MATVEC_STREAM_AHEAD 2048
+#endif
 static inline void prefetch_stream(const uint8_t *p, int64_t ahead, int64_t bytes) {
-    if (ahead > 0) prefetch_bytes(p + ahead, bytes);
+    if (ahead != 0) prefetch_bytes(p + ahead, bytes);
 }
 
 /* One token's dense rows are prefetched this many bytes ahead: the compute per byte is high enough that the

@@ -167,4 +167,14 @@ static inline int32_t check_weight(int32_t kind, int64_t n_rows, int64_t len, co
     return n_rows > 0 && w == NULL ? PI_ERR_SHAPE : PI_OK;
 }
 
+/* ffn.c: the predictor and the fused sparse FFN of one token (layer.c's sparse FFN block calls it) */
+int64_t pi_predict_ffn_scratch_bytes(int64_t N, int64_t K, int64_t rank, int32_t q8_act);
+int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *fc1,
+                       int64_t fc1_stride, int32_t fc1_kind, int64_t rank, const uint8_t *fc2, int64_t fc2_stride,
+                       int32_t fc2_kind, float threshold, const uint8_t *gate, int64_t gate_stride, int32_t gate_kind,
+                       const uint8_t *up, int64_t up_stride, int32_t up_kind, const uint8_t *down, int64_t down_stride,
+                       int32_t down_kind, int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx, int64_t *n_active,
+                       double *predictor_seconds, float *y, void *scratch, int64_t scratch_bytes, int32_t n_threads,
+                       int32_t isa);
+
 #endif

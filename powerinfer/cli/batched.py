@@ -17,6 +17,7 @@ from powerinfer.cli.common import (
     CtxOpt,
     FixedThreadsOpt,
     LogDisableOpt,
+    MmapOpt,
     ModelOpt,
     PoolDeviceOpt,
     engine_options,
@@ -126,6 +127,7 @@ def batched(
     ] = None,
     threads_: Annotated[int | None, typer.Option("-t", "--threads", help="CPU threads.")] = None,
     fixed_threads: FixedThreadsOpt = False,
+    mmap: MmapOpt = None,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     vram_budget: Annotated[float | None, typer.Option("--vram-budget", help="VRAM budget (GiB).")] = None,
     ctx_size: CtxOpt = 0,
@@ -167,6 +169,7 @@ def batched(
             engine=engine_options(
                 threads_=n_threads,
                 fixed_threads=fixed_threads,
+                mmap=mmap,
                 act_precision=act_precision,
                 vram_budget=budget,
                 pool_device=pool_device,

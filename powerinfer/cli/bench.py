@@ -31,6 +31,7 @@ from powerinfer.cli.common import (
     DEFAULT_ACT_PRECISION,
     ActPrecision,
     FixedThreadsOpt,
+    MmapOpt,
     NglOpt,
     PoolDeviceOpt,
     VramOpt,
@@ -366,6 +367,7 @@ def bench(
     pool_device: PoolDeviceOpt = None,
     progress: Annotated[bool, typer.Option("--progress", help="Print a line per test on stderr.")] = False,
     fixed_threads: FixedThreadsOpt = False,
+    mmap: MmapOpt = None,
 ) -> None:
     """Measure prompt (ppN) and decode (tgN) speed as llama-bench does: tokens/s, mean ± stddev."""
     setup_logging(False)
@@ -388,6 +390,7 @@ def bench(
             pool_device=pool_device,
             n_gpu_layers=n_gpu_layers,
             fixed_threads=fixed_threads,
+            mmap=mmap,
         )
         paths = list(model) if model else [resolve_model(None)]
         params = BenchParams(

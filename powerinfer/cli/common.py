@@ -61,6 +61,15 @@ FixedThreadsOpt = Annotated[
         help="Always run -t threads (default: fewer while other busy processes share the cores).",
     ),
 ]
+MmapOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--mmap/--no-mmap",
+        help="Map the model file (--mmap) or read its weights into memory (--no-mmap). Default: into memory "
+        "(huge pages, faster decode) when they take at most half of the available memory, else mapped.",
+        show_default=False,
+    ),
+]
 
 
 class ActPrecision(str, Enum):
@@ -305,6 +314,7 @@ def engine_options(
     reset_gpu_index: bool = False,
     disable_gpu_index: bool = False,
     fixed_threads: bool = False,
+    mmap: bool | None = None,
     **fields: Any,
 ) -> EngineOptions:
     """EngineOptions from the options every engine command shares (threads, precision, pool), plus `fields`."""
@@ -313,6 +323,7 @@ def engine_options(
     return EngineOptions(
         n_threads=threads(threads_),
         fixed_threads=fixed_threads,
+        mmap=mmap,
         act_precision=act_precision.value,
         vram_budget_gib=resolve_vram_budget(vram_budget),
         reset_gpu_index=reset_gpu_index,

@@ -20,6 +20,7 @@ from powerinfer.cli.common import (
     FrequencyPenaltyOpt,
     LogDisableOpt,
     MinPOpt,
+    MmapOpt,
     ModelOpt,
     NglOpt,
     PoolDeviceOpt,
@@ -291,6 +292,7 @@ def main(
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
     fixed_threads: FixedThreadsOpt = False,
+    mmap: MmapOpt = None,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = _D.seed,
     temp: TempOpt = _D.temp,
@@ -416,6 +418,7 @@ def main(
             engine=engine_options(
                 threads_=threads_,
                 fixed_threads=fixed_threads,
+                mmap=mmap,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

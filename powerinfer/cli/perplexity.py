@@ -28,6 +28,7 @@ from powerinfer.cli.common import (
     DisableIdxOpt,
     FixedThreadsOpt,
     LogDisableOpt,
+    MmapOpt,
     ModelOpt,
     PoolDeviceOpt,
     ResetIdxOpt,
@@ -283,6 +284,7 @@ def perplexity_command(
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
     fixed_threads: FixedThreadsOpt = False,
+    mmap: MmapOpt = None,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = -1,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
@@ -335,6 +337,7 @@ def perplexity_command(
             engine=engine_options(
                 threads_=threads_,
                 fixed_threads=fixed_threads,
+                mmap=mmap,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

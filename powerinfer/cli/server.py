@@ -18,6 +18,7 @@ from powerinfer.cli.common import (
     FrequencyPenaltyOpt,
     LogDisableOpt,
     MinPOpt,
+    MmapOpt,
     ModelOpt,
     NglOpt,
     PoolDeviceOpt,
@@ -61,6 +62,7 @@ def server(
     batch_size: BatchOpt = 512,
     threads_: ThreadsOpt = 0,
     fixed_threads: FixedThreadsOpt = False,
+    mmap: MmapOpt = None,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
@@ -179,6 +181,7 @@ def server(
             engine=engine_options(
                 threads_=threads_,
                 fixed_threads=fixed_threads,
+                mmap=mmap,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

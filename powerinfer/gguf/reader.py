@@ -7,6 +7,7 @@ row-major (numpy/torch) shape and no other code reverses them.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -312,3 +313,52 @@ class GGUFFile:
 def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
     """Open and parse a GGUF or PWRI file; raises FormatError on any malformed input."""
     return GGUFFile(path)
+
+
+TENSOR_COPY_ALIGN = 64  # each tensor's copy starts on a cache line
+
+
+def tensor_bytes_total(gguf: GGUFFile) -> int:
+    """Bytes `in_memory` allocates for the tensors of `gguf` (each rounded up to TENSOR_COPY_ALIGN)."""
+    return sum(-(-info.n_bytes // TENSOR_COPY_ALIGN) * TENSOR_COPY_ALIGN for info in gguf.tensors.values())
+
+
+def in_memory(gguf: GGUFFile) -> GGUFFile:
+    """The same file with the bytes of its tensors read into one anonymous buffer (llama.cpp's --no-mmap), which asks
+    for transparent huge pages; the metadata stays on the memory map.
+
+    The kernels then stream the weights through 2 MiB pages instead of the file mapping's 4 KiB ones (fewer TLB
+    misses) and never take a page fault during decode. Measured on a 2-core AVX-512 Xeon VM, one-token Q4_0
+    products over the FFN matrices of a 1.1B file: 10.0 GB/s from the file mapping, 12.4 from such a copy at 1
+    thread (16.0 and 17.2 at 2). Only the tensors listed in `gguf.tensors` are read (a pipeline stage's view holds
+    its own layers). Raises FormatError when the file no longer holds the bytes its header promised."""
+    total = tensor_bytes_total(gguf)
+    buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    memory = np.frombuffer(buf, dtype=np.uint8)
+    # fault every page in before reading: read() into untouched huge pages measured 5x slower (1.25 s against
+    # 0.15 s to fault them + 0.11 s to read, 650 MB)
+    memory[:: mmap.PAGESIZE] = 0
+    tensors: dict[str, TensorInfo] = {}
+    pos = 0
+    with open(gguf.path, "rb", buffering=0) as f:
+        for name, info in sorted(gguf.tensors.items(), key=lambda item: item[1].offset):
+            n = info.n_bytes
+            dest = memory[pos : pos + n]
+            f.seek(info.offset)
+            got = 0
+            view = memoryview(dest)
+            while got < n:
+                k = f.readinto(view[got:])
+                if not k:
+                    raise FormatError(
+                        f"{gguf.path}: tensor '{printable(name)}' ends past the end of the file"
+                    )
+                got += k
+            tensors[name] = TensorInfo(info.name, info.shape, info.ggml_type, info.offset, dest)
+            pos += -(-n // TENSOR_COPY_ALIGN) * TENSOR_COPY_ALIGN
+    view_ = object.__new__(GGUFFile)  # the same parsed file (metadata, mapping), the tensors in memory
+    view_.__dict__.update(gguf.__dict__)
+    view_.tensors = {name: tensors[name] for name in gguf.tensors}
+    return view_

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -32,6 +32,9 @@ from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.specs import FFNSpec
 from powerinfer.model.workspace import Workspace
+
+if TYPE_CHECKING:
+    from powerinfer.model.blocks import Norm
 
 # a batch whose union of active CPU rows exceeds this share of n_ff runs the CPU part densely
 DENSE_UNION_SHARE = 0.6
@@ -45,7 +48,9 @@ class SparseStats:
     active: np.ndarray  # (n_layer,) predicted active (token, neuron) pairs
     active_gpu: np.ndarray  # (n_layer,) of which served by the pool
     up_read: np.ndarray  # (n_layer,) pairs whose up row was read (CATS's gate stage; = active otherwise)
-    predictor_ms: float = 0.0
+    predictor_ms: float = 0.0  # the predictor's time in Python-driven steps
+    # (n_layer,) float64: the predictor's seconds the fused decode kernel adds up (SparseFFN.fuse)
+    predictor_s: np.ndarray | None = None
     # recall measurement (off unless track_recall() was called): truly active pairs, act(gate) > 0,
     # and of those the ones the selector marked active
     true_active: np.ndarray | None = None
@@ -53,7 +58,15 @@ class SparseStats:
 
     @classmethod
     def zeros(cls, n_layer: int) -> SparseStats:
-        return cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(4)))
+        stats = cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(4)))
+        stats.predictor_s = np.zeros(n_layer, dtype=np.float64)
+        return stats
+
+    @property
+    def predictor_total_ms(self) -> float:
+        """The predictor's time over every step, Python-driven or fused."""
+        fused = 0.0 if self.predictor_s is None else float(self.predictor_s.sum()) * 1e3
+        return self.predictor_ms + fused
 
     def track_recall(self) -> None:
         """Also compute every neuron's gate per token and count the truly active ones the selector found."""
@@ -98,6 +111,24 @@ class PredictorSelector:
         hidden = F.relu(ops.linear(x_residual, self.fc1, self.kc))
         score = ops.linear(hidden, self.fc2, self.kc.exact)
         return (score >= self.threshold).to(x_residual.device)
+
+
+class FusedSparseFFN:
+    """A layer's sparse FFN block (norm and residual add included) as one kernel call for one token; with recall
+    tracking on (perplexity's KL runs) it runs op by op, since the kernel does not count the truly active neurons."""
+
+    def __init__(self, ffn: SparseFFN, norm: Norm, block: ops.SparseFFNBlock) -> None:
+        self.ffn, self.norm, self.block = ffn, norm, block
+
+    def scratch_bytes(self) -> int:
+        return self.block.scratch_bytes()
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place."""
+        if self.ffn.stats.true_active is None:
+            self.block(x, scratch)
+        else:
+            x += self.ffn(self.norm(x), x)
 
 
 class HotPart(Protocol):
@@ -172,6 +203,23 @@ class SparseFFN:
         self.workspace = workspace or Workspace()
         rank = selector.fc1.shape[0] if isinstance(selector, PredictorSelector) else 0
         self.workspace.reserve("ffn", ops.ffn_scratch_bytes(self.n_ff, up.shape[1], rank))
+
+    def fuse(self, norm: Norm) -> FusedSparseFFN | None:
+        """This block behind `norm` as one fused op for one token (norm, predictor, FFN rows, residual add, the
+        layer's counters: ops.sparse_ffn_block); None where the one-call decode does not apply."""
+        sel = self.selector
+        if not self.fused_decode or norm.spec.kind == "layer" or not isinstance(sel, PredictorSelector):
+            return None
+        assert isinstance(sel.fc1, ops.QWeight) and isinstance(sel.fc2, ops.QWeight) and self.gate is not None
+        s, b = self.stats, self.bid
+        if s is None or s.predictor_s is None:
+            return None
+        block = ops.sparse_ffn_block(
+            norm.weight, norm.spec.eps, sel.fc1, sel.fc2, sel.threshold, self.gate, self.up, self.down_t,
+            self.spec.act, self.spec.relu_up, (s.tokens[b : b + 1], s.active[b : b + 1], s.predictor_s[b : b + 1]),
+            self.kc,
+        )  # fmt: skip
+        return None if block is None else FusedSparseFFN(self, norm, block)
 
     def __call__(
         self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None

@@ -16,6 +16,7 @@ import torch
 from powerinfer import ops
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
+from powerinfer.model.sparse import FusedSparseFFN, SparseFFN
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
 FFNObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -41,7 +42,7 @@ class Layer:
     post_ffn_norm: Norm | None = None
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
     fused_attn: ops.AttnBlock | None = None
-    fused_ffn: ops.FFNBlock | None = None
+    fused_ffn: ops.FFNBlock | FusedSparseFFN | None = None
 
 
 class Transformer:
@@ -90,7 +91,7 @@ class Transformer:
             ):
                 continue
             layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
-            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN):
+            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN):
                 layer.fused_ffn = layer.ffn.fuse(layer.ffn_norm)
                 if layer.fused_ffn is not None:
                     layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())

@@ -22,7 +22,15 @@ from powerinfer.ops.attention import (
 )
 from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_context
 from powerinfer.ops.dense import get_rows, linear
-from powerinfer.ops.layer import AttnBlock, FFNBlock, attn_block, ffn_block, rms_norm
+from powerinfer.ops.layer import (
+    AttnBlock,
+    FFNBlock,
+    SparseFFNBlock,
+    attn_block,
+    ffn_block,
+    rms_norm,
+    sparse_ffn_block,
+)
 from powerinfer.ops.library import ISA_NAMES, isa_best, kernels_available
 from powerinfer.ops.sparse import (
     cats_ffn,
@@ -47,6 +55,8 @@ __all__ = [
     "FFNBlock",
     "attn_block",
     "ffn_block",
+    "SparseFFNBlock",
+    "sparse_ffn_block",
     "rms_norm",
     "cats_ffn",
     "cats_ffn_ref",

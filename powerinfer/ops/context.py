@@ -65,10 +65,11 @@ class _Resolved:
     ffn_kinds: Mapping[GGMLType, int]  # weight kind codes of ffn_rows / predict_ffn
     attn_block: Any  # fused decode blocks (one token)
     ffn_block: Any
+    sparse_ffn_block: Any
     rms_norm: Any
 
 
-_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, _EMPTY, None, None, None)
+_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, _EMPTY, None, None, None, None)
 
 
 @functools.cache
@@ -88,6 +89,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         ffn_kinds=library.FFN_KINDS,
         attn_block=lib.attn_block,
         ffn_block=lib.ffn_block,
+        sparse_ffn_block=lib.sparse_ffn_block,
         rms_norm=lib.rms_norm,
     )
 

@@ -7,6 +7,10 @@ parallel region, updating the residual in place. They return None where the kern
 weight on a device or of a type without a kernel kind), and the caller runs the blocks op by op: that path is the
 reference, and the fused one gives its bits except the FFN activation (libm's instead of torch's).
 
+`sparse_ffn_block` describes a layer's predictor-selected sparse FFN block the same way (norm, PowerInfer's
+predictor on the residual, the predicted gate/up/down rows, residual add, the layer's counters): `predict_ffn`
+behind `rms_norm`, in one call.
+
 `rms_norm` is RMSNorm over the last dimension (the mean of squares accumulated in double).
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -22,11 +27,20 @@ from powerinfer.ops import library
 from powerinfer.ops.activation import activation_code
 from powerinfer.ops.context import KernelContext, default_context
 from powerinfer.ops.library import check_status
+from powerinfer.quant import K_QUANT_TYPES
 
 if TYPE_CHECKING:
     from powerinfer.ops.weights import DeviceWeight, QWeight
 
-__all__ = ["AttnBlock", "FFNBlock", "attn_block", "ffn_block", "rms_norm"]
+__all__ = [
+    "AttnBlock",
+    "FFNBlock",
+    "SparseFFNBlock",
+    "attn_block",
+    "ffn_block",
+    "rms_norm",
+    "sparse_ffn_block",
+]
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
@@ -53,6 +67,14 @@ class _FFNDesc(ctypes.Structure):  # pi_ffn_block_desc
     _fields_ = [
         ("n_embd", _i64), ("n_ff", _i64), ("eps", _f32), ("act", _i32), ("relu_up", _i32), ("reserved", _i32),
         ("norm", _ptr), ("gate", _Mat), ("up", _Mat), ("down", _Mat),
+    ]  # fmt: skip
+
+
+class _SparseFFNDesc(ctypes.Structure):  # pi_sparse_ffn_block_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_ff", _i64), ("rank", _i64), ("eps", _f32), ("threshold", _f32), ("act", _i32),
+        ("relu_up", _i32), ("norm", _ptr), ("fc1", _Mat), ("fc2", _Mat), ("gate", _Mat), ("up", _Mat),
+        ("down_t", _Mat), ("tokens", _ptr), ("active", _ptr), ("predictor_seconds", _ptr),
     ]  # fmt: skip
 
 
@@ -206,6 +228,81 @@ def ffn_block(
         return None
     desc = _FFNDesc(n_embd, n_ff, eps, activation_code(act), int(relu_up), 0, weight.data_ptr(), *mats)
     return FFNBlock(desc, (weight, gate, up, down), kc)
+
+
+class SparseFFNBlock:
+    """A layer's predictor-selected sparse FFN block for one token: x += predict_ffn(x, norm(x)), the layer's
+    counters (tokens, active neurons, predictor seconds) updated by the kernel."""
+
+    def __init__(self, desc: _SparseFFNDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+        self.desc, self._keep = desc, keep
+        self._desc_ref = ctypes.byref(desc)
+        self.kc = kc
+        self.n_embd = desc.n_embd
+
+    def scratch_bytes(self) -> int:
+        d = self.desc
+        return int(library.load().sparse_ffn_block_scratch_bytes(d.n_embd, d.n_ff, d.rank))
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes()."""
+        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
+            raise ValueError("sparse_ffn_block: x does not match the block")
+        kc = self.kc
+        status = kc.kernels.sparse_ffn_block(
+            self._desc_ref, x.data_ptr(), scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",
+            kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(
+                status,
+                "sparse_ffn_block",
+                scratch.numel(),
+                self.scratch_bytes(),
+                "SparseFFNBlock.scratch_bytes",
+            )
+
+
+def sparse_ffn_block(
+    norm: torch.Tensor,
+    eps: float,
+    fc1: QWeight,
+    fc2: QWeight,
+    threshold: float,
+    gate: QWeight,
+    up: QWeight,
+    down_t: QWeight,
+    act: str,
+    relu_up: bool,
+    counters: tuple[np.ndarray, np.ndarray, np.ndarray],
+    kc: KernelContext | None = None,
+) -> SparseFFNBlock | None:
+    """The fused sparse FFN block of these weights (RMSNorm weight `norm`, predictor fc1 (rank, n_embd) and fc2
+    (n_ff, rank) with its threshold, gate / up / down_t (n_ff, n_embd), no biases); `counters`: one-element views
+    (int64 tokens, int64 active neurons, float64 predictor seconds) the kernel adds each call's figures to. None
+    where the kernels cannot run it (as `predict_ffn`: no kernel kind, a weight on a device, a K-quant fc1 in q8)."""
+    kc = kc or default_context()
+    if kc.kernels.sparse_ffn_block is None:
+        return None
+    if kc.act_precision == "q8" and fc1.ggml_type in K_QUANT_TYPES:
+        return None
+    mats = [_mat(w, kc) for w in (fc1, fc2, gate, up, down_t)]
+    n_ff, n_embd = gate.shape
+    rank = fc1.shape[0]
+    weight = _norm_weight(norm, n_embd)
+    if any(m is None for m in mats) or weight is None:
+        return None
+    shapes = [(m.n_rows, m.n_cols) for m in mats if m is not None]
+    if shapes != [(rank, n_embd), (n_ff, rank), (n_ff, n_embd), (n_ff, n_embd), (n_ff, n_embd)]:
+        return None
+    tokens, active, seconds = counters
+    if (tokens.dtype, active.dtype, seconds.dtype) != (np.int64, np.int64, np.float64):
+        raise ValueError("sparse_ffn_block: counters must be int64, int64, float64")
+    desc = _SparseFFNDesc(
+        n_embd, n_ff, rank, eps, threshold, activation_code(act), int(relu_up), weight.data_ptr(), *mats,
+        tokens.ctypes.data, active.ctypes.data, seconds.ctypes.data,
+    )  # fmt: skip
+    return SparseFFNBlock(desc, (weight, fc1, fc2, gate, up, down_t, counters), kc)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -120,7 +120,7 @@ _ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr,
 _QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
 # attn_block (desc, x, k_cache, v_cache, n_ctx, pos, rope, scratch, scratch_bytes, q8, n_threads, isa)
 _ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
-# ffn_block (desc, x, scratch, scratch_bytes, q8, n_threads, isa)
+# ffn_block and sparse_ffn_block (desc, x, scratch, scratch_bytes, q8, n_threads, isa)
 _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
@@ -155,8 +155,12 @@ class Library:
     # fused decode blocks of one token (kernels/cpu/layer.c) and RMSNorm
     attn_block: Any
     ffn_block: Any
+    sparse_ffn_block: (
+        Any  # predictor + sparse FFN block of one token (norm, residual add, the layer's counters)
+    )
     attn_block_scratch_bytes: Any
     ffn_block_scratch_bytes: Any
+    sparse_ffn_block_scratch_bytes: Any
     rms_norm: Any
     gated: Any  # h = act(g) * up, the fused kernels' gating
 
@@ -211,8 +215,10 @@ def _open(path: str) -> Library:
         quantize_rows=_symbol(lib, "pi_quantize_rows", _QUANTIZE_ROWS_ARGTYPES),
         attn_block=_symbol(lib, "pi_attn_block", _ATTN_BLOCK_ARGTYPES),
         ffn_block=_symbol(lib, "pi_ffn_block", _FFN_BLOCK_ARGTYPES),
+        sparse_ffn_block=_symbol(lib, "pi_sparse_ffn_block", _FFN_BLOCK_ARGTYPES),
         attn_block_scratch_bytes=_symbol(lib, "pi_attn_block_scratch_bytes", (_i64,) * 5, _i64),
         ffn_block_scratch_bytes=_symbol(lib, "pi_ffn_block_scratch_bytes", (_i64, _i64), _i64),
+        sparse_ffn_block_scratch_bytes=_symbol(lib, "pi_sparse_ffn_block_scratch_bytes", (_i64,) * 3, _i64),
         rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
     )

@@ -21,7 +21,7 @@ from powerinfer import ops
 from powerinfer.arch import build_model, load_config
 from powerinfer.errors import InputError, PlacementError
 from powerinfer.gguf.constants import Keys
-from powerinfer.gguf.reader import read_gguf
+from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
@@ -66,6 +66,9 @@ class EngineOptions:
     pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
     gpu_index_path: str | None = None  # use this GPU index instead of planning one
     pipeline: PipelineOptions | None = None  # one stage of several ranks (runtime.pipeline)
+    # the weights: None copies them into memory (huge pages) when they take at most half of the available memory,
+    # else maps the file; True always maps the file (--mmap), False always copies (--no-mmap)
+    mmap: bool | None = None
     fixed_threads: bool = False  # False: fewer kernel threads while the cores are shared (runtime.threads)
 
 
@@ -99,6 +102,30 @@ def kernel_context(options: EngineOptions) -> ops.KernelContext:
         raise InputError(str(e)) from None
 
 
+def weights_in_memory(gguf: GGUFFile, mmap: bool | None) -> GGUFFile:
+    """The file whose tensors the engine reads: copied into memory (gguf.reader.in_memory: huge pages, no page
+    faults during decode) unless `mmap` is True, or None and the copy would take more than half of the available
+    memory (then the file mapping, as llama.cpp's default)."""
+    if mmap is True:
+        return gguf
+    need, available = tensor_bytes_total(gguf), available_memory_bytes()
+    if mmap is None and available is not None and need > available // 2:
+        log.info(
+            "weights (%s) stay on the file mapping: more than half of the available %s",
+            _gib(need),
+            _gib(available),
+        )
+        return gguf
+    if available is not None and need > available:
+        raise InputError(
+            f"--no-mmap: the weights need {_gib(need)}, only {_gib(available)} is available (use --mmap)"
+        )
+    try:
+        return in_memory(gguf)
+    except OSError as e:
+        raise InputError(f"cannot read the weights of {gguf.path} into memory: {e.strerror or e}") from None
+
+
 class Engine:
     """Owns the model, tokenizer, kernel context and KV cache (n_seq slots)."""
 
@@ -122,6 +149,7 @@ class Engine:
             self.stage = plan_stage(o.pipeline, self.gguf, c)
             self.gguf, c = stage_view(self.gguf, c, self.stage.layers)
             self.config = c
+        self.gguf = weights_in_memory(self.gguf, o.mmap)
         self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, powerinfer_file=self.gguf.is_sparse)
         if self.tokenizer.n_vocab != c.n_vocab:
             raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {c.n_vocab}")
@@ -389,7 +417,7 @@ class Engine:
         selection = (
             f"cats thresholds (target sparsity{shown})"
             if cats
-            else f"predictor {s.predictor_ms:.2f} ms in total"
+            else f"predictor {s.predictor_total_ms:.2f} ms in total"
         )
         up_note = ""
         if cats and sum(up_share) > sum(active) + 1e-9:
