@@ -111,3 +111,41 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
     }
     return PI_OK;
 }
+
+/* pi_attn_prefill(q, k, v, rope, kc, vc, n_ctx, pos, T, H, Hkv, D, scale, out, threads, isa): T consecutive tokens
+ * of one sequence at positions pos..pos + T - 1, each exactly as pi_attn_decode computes it at its position (its q
+ * and k rotated in place with its rope row, k and v written to its cache row, attention over positions 0 up to its
+ * own), so a token's output does not depend on how its prompt was split into batches, nor on the thread count.
+ * q (T, H * D), k and v (T, Hkv * D), rope (T, D / 2 pairs), out (T, H * D). First every token's rotation and cache
+ * write (rows split over threads), then the (token, KV head) items, each on one thread with its own scores. */
+PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
+                                  int64_t n_ctx, int64_t pos, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                  float scale, float *out, int32_t n_threads, int32_t isa) {
+    if (pos < 0 || T <= 0 || T > n_ctx || pos > n_ctx - T || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 ||
+        D % 2 != 0)
+        return PI_ERR_SHAPE;
+    if (q == NULL || k == NULL || v == NULL || rope == NULL || kc == NULL || vc == NULL || out == NULL) return PI_ERR_SHAPE;
+    const int32_t level = pi_isa_clamp(isa);
+    const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
+    const int64_t G = H / Hkv, row = Hkv * D, L_max = pos + T;
+    const int32_t nt = threads_for_work(n_threads, 2 * H * L_max * D * T);
+    const size_t per_thread = align_up((size_t)(G * L_max) * sizeof(float));
+    float *scores = aligned_alloc(64, per_thread * (size_t)nt);
+    if (scores == NULL) return PI_ERR_ALLOC;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *s = (float *)((uint8_t *)scores + per_thread * (size_t)omp_get_thread_num());
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++)
+            attn_decode_heads(level, q + t * H * D, k + t * row, v + t * row, rope + t * D, kc, vc, pos + t, H, Hkv,
+                              D, scale, NULL, NULL, 0, Hkv, 0);
+        /* later tokens see more positions: dynamic, so the threads end together */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < T * Hkv; i++) {
+            const int64_t t = i / Hkv, kvh = i % Hkv;
+            attend_kv_head(q + t * H * D, kc, vc, row, kvh, G, pos + t + 1, D, scale, s, out + t * H * D);
+        }
+    }
+    free(scores);
+    return PI_OK;
+}

@@ -15,7 +15,7 @@
 #define TILE_T 4  /* tokens per tile */
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
-#define TILE_T2 3 /* tokens per tile of the four-row float kernels (prompts) */
+#define TILE_T2 6 /* tokens per tile of the four-row float kernels (prompts; AVX2 in two passes of 3) */
 /* tokens from which Q4_0 / Q8_0 rows go by panels of 8 (tile8_quant_fn; Q8_0 when the rows have a multiple of
  * 8 blocks, see tile_q8_0); measured on the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0
  * ones (+40% at 64) from about 12 */

@@ -667,26 +667,34 @@ TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K
     for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
 }
 
-/* Four rows x ntok <= TILE_T2 tokens over columns [k0, k1): per (row, token) exactly
+/* Four rows x ntok <= TILE4_PASS tokens (tokens tbase.. of the tile) over columns [k0, k1): per (row, token) exactly
  * tile_float_n's two chains (acc0 over the even vectors, acc1 over the odd ones, the scalar tail, one final sum),
- * so the same bits. The chains are independent, so the even vectors of the columns go first with the 12 acc0 in
- * registers, then the odd ones with the 12 acc1 (12 accumulators, 3 activation vectors and one weight vector: the
- * 16 ymm registers); `state` keeps them between calls. Measured in L1, 1 thread: 4 rows x 3 tokens by parity
- * ~80 GFLOP/s against ~66 for two rows x 3 tokens with both parities live. */
+ * so the same bits. The chains are independent, so the even vectors of the columns go first with the even
+ * accumulators in registers, then the odd ones; `state` keeps them between calls. AVX2: 4 rows x 3 tokens (12
+ * accumulators, 3 activation vectors and one weight vector: the 16 ymm registers); measured in L1, 1 thread, ~80
+ * GFLOP/s against ~66 for two rows x 3 tokens with both parities live. AVX-512: 4 rows x 6 tokens (24 + 6 + 1 of the
+ * 32 zmm registers): half the weight loads and conversions per FMA. */
+#if SIMD_AVX512
+#define TILE4_PASS 6
+#else
+#define TILE4_PASS 3
+#endif
 TARGET_INLINE void FN(tile4_float_n)(const int fmt, const uint8_t *const *rows, int64_t K, int64_t k0,
-                                     int64_t k1, const float *x, int64_t x_stride, const int ntok, void *state,
-                                     float *out) {
+                                     int64_t k1, const float *x, int64_t x_stride, const int tbase, const int ntok,
+                                     void *state, float *out) {
     VF *sv = (VF *)state; /* [parity][row][token] */
     const uint8_t *const r0 = rows[0], *const r1 = rows[1], *const r2 = rows[2], *const r3 = rows[3];
     const int64_t kend = k0 + (k1 - k0) / (2 * VF_N) * (2 * VF_N);
     const int last = k1 == K, extra = last && kend + VF_N <= K; /* one more even vector at kend */
+    x += tbase * x_stride;
     for (int par = 0; par < 2; par++) {
-        VF acc[4][TILE_T2];
+        VF acc[4][TILE4_PASS];
+        VF *s = sv + par * 4 * TILE_T2 + tbase;
         for (int r = 0; r < 4; r++)
-            for (int t = 0; t < ntok; t++) acc[r][t] = k0 == 0 ? VF_ZERO() : sv[(par * 4 + r) * TILE_T2 + t];
+            for (int t = 0; t < ntok; t++) acc[r][t] = k0 == 0 ? VF_ZERO() : s[r * TILE_T2 + t];
         const int64_t stop = par == 0 && extra ? kend + VF_N : kend;
         for (int64_t k = k0 + par * VF_N; k + VF_N <= stop; k += 2 * VF_N) {
-            VF xv[TILE_T2];
+            VF xv[TILE4_PASS];
             for (int t = 0; t < ntok; t++) xv[t] = VF_LOAD(x + t * x_stride + k);
             for (int r = 0; r < 4; r++) {
                 const uint8_t *row = r == 0 ? r0 : r == 1 ? r1 : r == 2 ? r2 : r3;
@@ -695,33 +703,51 @@ TARGET_INLINE void FN(tile4_float_n)(const int fmt, const uint8_t *const *rows, 
             }
         }
         for (int r = 0; r < 4; r++)
-            for (int t = 0; t < ntok; t++) sv[(par * 4 + r) * TILE_T2 + t] = acc[r][t];
+            for (int t = 0; t < ntok; t++) s[r * TILE_T2 + t] = acc[r][t];
     }
     if (!last) return;
     for (int r = 0; r < 4; r++) {
         const uint8_t *row = rows[r];
         const uint16_t *w16 = (const uint16_t *)row;
         const float *w32 = (const float *)row;
-        float tail[TILE_T2];
+        float tail[TILE4_PASS];
         for (int t = 0; t < ntok; t++) tail[t] = 0.0f;
         for (int64_t k = extra ? kend + VF_N : kend; k < K; k++) {
             const float wk = W_SCALAR(fmt, w16, w32, k);
             for (int t = 0; t < ntok; t++) tail[t] += wk * x[t * x_stride + k];
         }
-        for (int t = 0; t < ntok; t++)
-            out[r * TILE_T2 + t] = VF_HSUM(VF_ADD(sv[r * TILE_T2 + t], sv[(4 + r) * TILE_T2 + t])) + tail[t];
+        for (int t = 0; t < ntok; t++) {
+            const int i = r * TILE_T2 + tbase + t;
+            out[i] = VF_HSUM(VF_ADD(sv[i], sv[4 * TILE_T2 + i])) + tail[t];
+        }
     }
 }
+
+/* ntok <= TILE_T2 tokens in passes of TILE4_PASS, each pass with its token count a constant */
+#define TILE4_CALL(n) FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, tbase, n, state, out)
+TARGET_INLINE void FN(tile4_float_passes)(const int fmt, const uint8_t *const *rows, int64_t K, int64_t k0,
+                                          int64_t k1, const float *x, int64_t x_stride, int ntok, void *state,
+                                          float *out) {
+    for (int tbase = 0; tbase < ntok; tbase += TILE4_PASS) {
+        switch (ntok - tbase) {
+            case 1: TILE4_CALL(1); break;
+            case 2: TILE4_CALL(2); break;
+#if TILE4_PASS > 3
+            case 3: TILE4_CALL(3); break;
+            case 4: TILE4_CALL(4); break;
+            case 5: TILE4_CALL(5); break;
+#endif
+            default: TILE4_CALL(TILE4_PASS); break;
+        }
+    }
+}
+#undef TILE4_CALL
 
 #define DEFINE_TILE4_FLOAT(type, fmt)                                                                          \
     TARGET static void FN(tile4_##type)(const uint8_t *const *rows, int64_t K, int64_t k0,                       \
                                         int64_t k1, const float *x, int64_t x_stride, int ntok, void *state,     \
                                         float *out) {                                                            \
-        switch (ntok) {                                                                                       \
-            case 1: FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, 1, state, out); break;    \
-            case 2: FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, 2, state, out); break;    \
-            default: FN(tile4_float_n)(fmt, rows, K, k0, k1, x, x_stride, 3, state, out); break;   \
-        }                                                                                                     \
+        FN(tile4_float_passes)(fmt, rows, K, k0, k1, x, x_stride, ntok, state, out);                            \
     }
 
 DEFINE_TILE4_FLOAT(f32, 0)
@@ -729,6 +755,7 @@ DEFINE_TILE4_FLOAT(f16, 1)
 DEFINE_TILE4_FLOAT(bf16, 2)
 
 #undef DEFINE_TILE4_FLOAT
+#undef TILE4_PASS
 
 #define DEFINE_TILE_FLOAT(type, fmt)                                                                     \
     TARGET static void FN(tile_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,      \

@@ -247,6 +247,13 @@ class Attention:
             # one token: RoPE, the KV write and attention in one kernel call where the op has one
             scratch = self.workspace.get("attn")
             return ops.attend_one(q, k, v, rope.pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch)
+        if self._one_kernel and pos + T <= ops.ATTN_KERNEL_MAX_POS:
+            assert rope is not None
+            # several tokens: each as the one-token kernel computes it, so a token's output does not depend on
+            # how its prompt was split into batches (the prompt cache, interactive turns and the server rely on it)
+            out = ops.attn_prefill(q, k, v, rope.pairs[pos : pos + T], *kv.slot(seq), pos, self.kc)
+            if out is not None:
+                return out
         q, k, v = self._heads(q, k, v, slice(pos, pos + T))
         keys, values = kv.update(seq, pos, k, v)  # (pos+T, H_kv, D)
         window = s.sliding_window

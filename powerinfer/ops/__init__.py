@@ -17,6 +17,7 @@ from powerinfer.ops.attention import (
     apply_rope,
     attend_one,
     attn_decode,
+    attn_prefill,
     attn_scratch_bytes,
     decode_attention,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "apply_rope",
     "attend_one",
     "attn_decode",
+    "attn_prefill",
     "attn_scratch_bytes",
     "decode_attention",
     "decode_rows",

@@ -19,6 +19,7 @@ __all__ = [
     "apply_rope",
     "attend_one",
     "attn_decode",
+    "attn_prefill",
     "attn_scratch_bytes",
     "decode_attention",
 ]
@@ -101,6 +102,63 @@ def attn_decode(
     if status:
         needed = library.load().attn_decode_scratch_bytes(pos + 1, n_head)
         check_status(status, "attn_decode", scratch_bytes, needed, "attn_scratch_bytes")
+    return out
+
+
+def attn_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    kc: KernelContext | None = None,
+) -> torch.Tensor | None:
+    """Attention of T consecutive tokens of one sequence at pos..pos+T-1 in one kernel call, each token exactly as
+    `attn_decode` computes it at its position (so a token's output does not depend on how its prompt was split into
+    batches); None where the kernel does not apply.
+
+    q (T, H * D), k and v (T, H_kv * D): the projections; rope (T, D / 2, 2): each token's (cos, sin) pairs;
+    k_cache, v_cache (n_ctx, H_kv, D) float32 contiguous CPU, rows pos..pos+T-1 written. Returns (T, H * D).
+    """
+    if kc is None:
+        kc = default_context()
+    kernel = kc.kernels.attn_prefill
+    n_ctx, n_head_kv, head_dim = k_cache.shape
+    T = q.shape[0]
+    if (
+        kernel is None
+        or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and rope.is_cpu)
+        or k_cache.dtype is not torch.float32
+        or v_cache.dtype is not torch.float32
+        or v_cache.shape != k_cache.shape
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or not (0 <= pos and T >= 1 and pos + T <= n_ctx)
+    ):
+        return None
+    n_head = q.shape[-1] // head_dim
+    if (
+        q.shape != (T, n_head * head_dim)
+        or k.shape != (T, n_head_kv * head_dim)
+        or v.shape != k.shape
+        or rope.shape != (T, head_dim // 2, 2)
+    ):
+        raise ValueError(
+            f"attn_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and rope "
+            f"{tuple(rope.shape)} do not match the cache {tuple(k_cache.shape)}"
+        )
+    q = q.to(torch.float32).contiguous().clone()  # rotated in place by the kernel
+    k = k.to(torch.float32).contiguous().clone()
+    v = v.to(torch.float32).contiguous()
+    rope = rope.to(torch.float32).contiguous()
+    out = torch.empty(T, n_head * head_dim, dtype=torch.float32)
+    status = kernel(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        n_ctx, pos, T, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), kc.threads_now, kc.level,
+    )  # fmt: skip
+    if status:
+        check_status(status, "attn_prefill")
     return out
 
 

@@ -62,6 +62,7 @@ class _Resolved:
     predict_ffn: Any
     cats_ffn: Any
     attn_decode: Any
+    attn_prefill: Any
     ffn_kinds: Mapping[GGMLType, int]  # weight kind codes of ffn_rows / predict_ffn
     attn_block: Any  # fused decode blocks (one token)
     ffn_block: Any
@@ -69,7 +70,9 @@ class _Resolved:
     rms_norm: Any
 
 
-_NONE = _Resolved(_EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, _EMPTY, None, None, None, None)
+_NONE = _Resolved(
+    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None
+)
 
 
 @functools.cache
@@ -86,6 +89,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         predict_ffn=lib.predict_ffn,
         cats_ffn=lib.cats_ffn,
         attn_decode=lib.attn_decode,
+        attn_prefill=lib.attn_prefill,
         ffn_kinds=library.FFN_KINDS,
         attn_block=lib.attn_block,
         ffn_block=lib.ffn_block,

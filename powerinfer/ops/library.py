@@ -113,6 +113,8 @@ _CATS_FFN_ARGTYPES = (
     + (_ptr, _i64, _i32) * 3
     + (_ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
+# attn_prefill (q, k, v, rope, k_cache, v_cache, n_ctx, pos, T, H, H_kv, D, scale, out, n_threads, isa)
+_ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32, _i32)
 # attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
 #              n_threads, isa)
 _ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32)
@@ -146,6 +148,7 @@ class Library:
     predict_ffn: Any  # predictor + fused decode FFN (one token)
     cats_ffn: Any  # dense gate, threshold on |act(gate)|, active up/down rows (one token)
     attn_decode: Any  # RoPE + KV write + attention of one token
+    attn_prefill: Any  # the same for T consecutive tokens of one sequence, each as attn_decode computes it
     ffn_rows_scratch_bytes: Any
     predict_ffn_scratch_bytes: Any
     cats_ffn_scratch_bytes: Any
@@ -206,6 +209,7 @@ def _open(path: str) -> Library:
         predict_ffn=_symbol(lib, "pi_predict_ffn", _PREDICT_FFN_ARGTYPES),
         cats_ffn=_symbol(lib, "pi_cats_ffn", _CATS_FFN_ARGTYPES),
         attn_decode=_symbol(lib, "pi_attn_decode", _ATTN_DECODE_ARGTYPES),
+        attn_prefill=_symbol(lib, "pi_attn_prefill", _ATTN_PREFILL_ARGTYPES),
         ffn_rows_scratch_bytes=_symbol(lib, "pi_ffn_rows_scratch_bytes", (_i64, _i64, _i32), _i64),
         predict_ffn_scratch_bytes=_symbol(
             lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64, _i64, _i32), _i64
