@@ -58,9 +58,9 @@ static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, 
     if (m->tq != NULL)
         for (int r = 0; r < R; r++) m->tq(rows[r], c->a, 0, 1, out + r);
     else if (m->row_bytes > FFN_DOT_MAX_ROW) /* long rows stream best one at a time (see matmul.c matvec_dot) */
-        for (int r = 0; r < R; r++) m->dot(rows + r, 1, c->K, c->u, out + r);
+        for (int r = 0; r < R; r++) m->dot(rows + r, 1, c->K, c->u, out + r, 0);
     else
-        m->dot(rows, R, c->K, c->u, out);
+        m->dot(rows, R, c->K, c->u, out, 0);
 }
 
 static inline void ffn_prefetch_rows(const ffn_mat *mat, const int64_t *idx, int64_t m, int64_t m1) {
@@ -196,7 +196,7 @@ static void dense_rows_range(rows_dot_fn dot, const uint8_t *w, int64_t stride, 
         const int R = (int)min_i64(ROWS_DOT_MAX, n1 - n);
         const uint8_t *rows[ROWS_DOT_MAX];
         for (int r = 0; r < R; r++) rows[r] = w + (n + r) * stride;
-        dot(rows, R, K, x, out + (n - n0));
+        dot(rows, R, K, x, out + (n - n0), MATVEC_STREAM_AHEAD); /* dense rows: the float kinds stream */
     }
 }
 

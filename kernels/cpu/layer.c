@@ -137,16 +137,18 @@ static void mv_rows(const matmul_table *t, int32_t level, const pi_mat *m, int q
         for (int64_t n = n0; n < n1; n++) f.tq(m->w + n * stride, &a, 0, 1, y + n);
         return;
     }
-    const int64_t ahead = matvec_rows_ahead(f.row_bytes);
+    /* float kinds prefetch as they read (rows_dot_fn's ahead), the exact-mode quant kinds take whole rows ahead */
+    const int stream = m->kind == KIND_F32 || m->kind == KIND_F16 || m->kind == KIND_BF16;
+    const int64_t ahead = stream ? 0 : matvec_rows_ahead(f.row_bytes);
     const int group = f.row_bytes > FFN_DOT_MAX_ROW ? 1 : ROWS_DOT_MAX;
     for (int64_t n = n0; n < n1; n += group) {
         const int R = (int)min_i64(group, n1 - n);
         const uint8_t *rows[ROWS_DOT_MAX];
         for (int r = 0; r < R; r++) {
             rows[r] = m->w + (n + r) * stride;
-            if (n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * stride, f.row_bytes);
+            if (ahead > 0 && n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * stride, f.row_bytes);
         }
-        f.dot(rows, R, K, in->x, y + n);
+        f.dot(rows, R, K, in->x, y + n, stream ? MATVEC_STREAM_AHEAD : 0);
     }
 }
 

@@ -251,7 +251,9 @@ DEFINE_TILE_KQ_SCALAR(q6_k, block_q6_k)
 
 /* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
 #define DEFINE_DOT_SCALAR(type)                                                                                \
-    static void dot_##type##_scalar(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out) { \
+    static void dot_##type##_scalar(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out,   \
+                                    int64_t ahead) {                                                           \
+        (void)ahead;                                                                                           \
         for (int r = 0; r < R; r++) tile_##type##_scalar(rows[r], K, x, K, 1, out + r);                      \
     }
 DEFINE_DOT_SCALAR(f32)
@@ -522,11 +524,12 @@ int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_f
 /* One token, float activations: rows in contiguous ranges over threads, `group` rows per rows_dot call (the tile
  * arithmetic per row, so the same bits as the tiled driver). Short rows: ROWS_DOT_MAX per call, one call and one
  * horizontal sum setup per group instead of per row, which counts for short rows such as the predictor's fc2.
- * Long exact-mode quant rows: one per call (less per-row overhead than the tiled driver). */
-static int32_t matvec_dot(rows_dot_fn dot, int group, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
-                          int64_t row_bytes, const float *x, float *y, int32_t n_threads) {
+ * Long exact-mode quant rows and long float rows: one per call (less per-row overhead than the tiled driver).
+ * stream: the dot prefetches as it reads (the float kernels, rows_dot_fn's ahead), else whole rows ahead here. */
+static int32_t matvec_dot(rows_dot_fn dot, int group, int stream, const uint8_t *w, int64_t w_stride, int64_t N,
+                          int64_t K, int64_t row_bytes, const float *x, float *y, int32_t n_threads) {
     const int32_t nt = threads_for_work(n_threads, N * K);
-    const int64_t ahead = matvec_rows_ahead(row_bytes);
+    const int64_t ahead = stream ? 0 : matvec_rows_ahead(row_bytes);
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
@@ -536,9 +539,9 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, const uint8_t *w, int64_t 
             const uint8_t *rows[ROWS_DOT_MAX];
             for (int r = 0; r < R; r++) {
                 rows[r] = w + (n + r) * w_stride;
-                if (n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * w_stride, row_bytes);
+                if (ahead > 0 && n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * w_stride, row_bytes);
             }
-            dot(rows, R, K, x, y + n);
+            dot(rows, R, K, x, y + n, stream ? MATVEC_STREAM_AHEAD : 0);
         }
     }
     return PI_OK;
@@ -578,8 +581,9 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
 
 /* pi_matmul_<type>(w, w_stride bytes, N rows, K cols, x, x_stride floats, T tokens, y, y_stride floats, threads, isa)
  * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k] with SIMD level isa (enum pi_isa). */
-/* long_group > 0: T = 1 with rows longer than MATVEC_DOT_MAX_ROW also goes through matvec_dot, long_group rows per call */
-#define DEFINE_MATMUL(type, driver, dot_field, k_unit, long_group)                                          \
+/* long_group > 0: T = 1 with rows longer than MATVEC_DOT_MAX_ROW also goes through matvec_dot, long_group rows per call;
+ * stream: the type's dot prefetches as it reads (the float types) */
+#define DEFINE_MATMUL(type, driver, dot_field, k_unit, long_group, stream)                                             \
     PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
                                        int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
                                        int32_t n_threads, int32_t isa) {                                      \
@@ -590,30 +594,30 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
         const matmul_table *table = matmul_table_for(isa);                                                    \
         const rows_dot_fn dot_fn = dot_field;                                                                 \
         if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \
-            return matvec_dot(dot_fn, ROWS_DOT_MAX, w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                      \
+            return matvec_dot(dot_fn, ROWS_DOT_MAX, (stream), w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                      \
         if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0)             \
-            return matvec_dot(dot_fn, long_group, w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                        \
+            return matvec_dot(dot_fn, (long_group), (stream), w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                        \
         return driver(table, row_bytes_##type(K), table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
     }
 
-DEFINE_MATMUL(f32, matmul_f32_rows, table->dot_f32, 1, 0)
-DEFINE_MATMUL(f16, matmul_f16_rows, table->dot_f16, 1, 0)
-DEFINE_MATMUL(bf16, matmul_bf16_rows, table->dot_bf16, 1, 0)
-DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0)
-DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0)
-DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0)
-DEFINE_MATMUL(q5_0, matmul_quant_rows, NULL, QK, 0)
-DEFINE_MATMUL(q5_1, matmul_quant_rows, NULL, QK, 0)
-DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, table->dot_q4_0_f, QK, 1)
-DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, table->dot_q4_1_f, QK, 1)
-DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1)
-DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1)
-DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1)
+DEFINE_MATMUL(f32, matmul_f32_rows, table->dot_f32, 1, 1, 1)
+DEFINE_MATMUL(f16, matmul_f16_rows, table->dot_f16, 1, 1, 1)
+DEFINE_MATMUL(bf16, matmul_bf16_rows, table->dot_bf16, 1, 1, 1)
+DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0, 0)
+DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0, 0)
+DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0, 0)
+DEFINE_MATMUL(q5_0, matmul_quant_rows, NULL, QK, 0, 0)
+DEFINE_MATMUL(q5_1, matmul_quant_rows, NULL, QK, 0, 0)
+DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, table->dot_q4_0_f, QK, 1, 0)
+DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, table->dot_q4_1_f, QK, 1, 0)
+DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1, 0)
+DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1, 0)
+DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1, 0)
 /* K-quants: float activations only (the exact kernel of both precisions); a K not a multiple of 256 fails the
  * dot path's K check and is refused by matmul_kq_f_rows before any row is read */
-DEFINE_MATMUL(q2_k_f, matmul_kq_f_rows, table->dot_q2_k_f, QK_K, 1)
-DEFINE_MATMUL(q3_k_f, matmul_kq_f_rows, table->dot_q3_k_f, QK_K, 1)
-DEFINE_MATMUL(q4_k_f, matmul_kq_f_rows, table->dot_q4_k_f, QK_K, 1)
-DEFINE_MATMUL(q5_k_f, matmul_kq_f_rows, table->dot_q5_k_f, QK_K, 1)
-DEFINE_MATMUL(q6_k_f, matmul_kq_f_rows, table->dot_q6_k_f, QK_K, 1)
+DEFINE_MATMUL(q2_k_f, matmul_kq_f_rows, table->dot_q2_k_f, QK_K, 1, 0)
+DEFINE_MATMUL(q3_k_f, matmul_kq_f_rows, table->dot_q3_k_f, QK_K, 1, 0)
+DEFINE_MATMUL(q4_k_f, matmul_kq_f_rows, table->dot_q4_k_f, QK_K, 1, 0)
+DEFINE_MATMUL(q5_k_f, matmul_kq_f_rows, table->dot_q5_k_f, QK_K, 1, 0)
+DEFINE_MATMUL(q6_k_f, matmul_kq_f_rows, table->dot_q6_k_f, QK_K, 1, 0)
 

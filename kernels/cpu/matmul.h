@@ -72,7 +72,10 @@ typedef void (*tile_float4_fn)(const uint8_t *const *rows, int64_t K, int64_t k0
 #define TILE4_K_UNIT 32
 /* One token, R <= ROWS_DOT_MAX rows at once: out[r] = rows[r] . x, each row with exactly the arithmetic of the
  * matching tile_float_fn at ntok = 1 (the rows only interleave, for instruction-level parallelism). */
-typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out);
+/* R rows x one token into out[0..R); ahead != 0: the float kernels (F32, F16, BF16) prefetch, as they read, the bytes
+ * this far from what they read (act_q8.ahead's rule: MATVEC_STREAM_AHEAD for a dense matrix read in order); the
+ * others ignore it (their callers prefetch whole rows) */
+typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out, int64_t ahead);
 
 #define ROWS_DOT_MAX 4
 

@@ -1098,7 +1098,8 @@ TARGET_INLINE void FN(dot_qf_n)(const int kind, const int64_t block_bytes, const
 }
 
 TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, const int R, int64_t K,
-                                   const float *x, float *out) {
+                                   const float *x, float *out, const int64_t ahead) {
+    const int64_t elem = fmt == 0 ? 4 : 2;
     VF acc0[ROWS_DOT_MAX], acc1[ROWS_DOT_MAX];
     float tail[ROWS_DOT_MAX];
     for (int r = 0; r < R; r++) {
@@ -1109,6 +1110,7 @@ TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, co
     for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
         const VF x0 = VF_LOAD(x + k), x1 = VF_LOAD(x + k + VF_N);
         for (int r = 0; r < R; r++) {
+            prefetch_stream(rows[r] + k * elem, ahead, 2 * VF_N * elem);
             const uint16_t *w16 = (const uint16_t *)rows[r];
             const float *w32 = (const float *)rows[r];
             const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
@@ -1133,7 +1135,9 @@ TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, co
 }
 
 #define DEFINE_DOT(name, call)                                                                                \
-    TARGET static void FN(dot_##name)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out) { \
+    TARGET static void FN(dot_##name)(const uint8_t *const *rows, int R, int64_t K, const float *x, float *out,   \
+                                      int64_t ahead) {                                                        \
+        (void)ahead;                                                                                          \
         switch (R) {                                                                                          \
             case 1: call(1); break;                                                                           \
             case 2: call(2); break;                                                                           \
@@ -1146,9 +1150,9 @@ TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, co
 #define DOT_Q8_0(n) FN(dot_qf_n)(2, sizeof(block_q8_0), rows, n, K, x, out)
 #define DOT_Q5_0(n) FN(dot_qf_n)(3, sizeof(block_q5_0), rows, n, K, x, out)
 #define DOT_Q5_1(n) FN(dot_qf_n)(4, sizeof(block_q5_1), rows, n, K, x, out)
-#define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out)
-#define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out)
-#define DOT_BF16(n) FN(dot_float_n)(2, rows, n, K, x, out)
+#define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out, ahead)
+#define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out, ahead)
+#define DOT_BF16(n) FN(dot_float_n)(2, rows, n, K, x, out, ahead)
 #define DOT_Q2_K(n) FN(dot_kq_n)(0, sizeof(block_q2_k), rows, n, K, x, out)
 #define DOT_Q3_K(n) FN(dot_kq_n)(1, sizeof(block_q3_k), rows, n, K, x, out)
 #define DOT_Q4_K(n) FN(dot_kq_n)(2, sizeof(block_q4_k), rows, n, K, x, out)

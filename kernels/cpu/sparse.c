@@ -62,7 +62,7 @@ static void matvec_range(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w, i
         if (ahead < m1) prefetch_group(w, w_stride, idx, ahead, m1, row_bytes);
         const uint8_t *rows[ROWS_DOT_MAX];
         for (int r = 0; r < n; r++) rows[r] = w + idx[m + r] * w_stride;
-        dot(rows, n, K, x, y + m);
+        dot(rows, n, K, x, y + m, 0);
     }
 }
 
