@@ -38,6 +38,7 @@ enum kq8_kind { KQ8_Q2_K, KQ8_Q3_K, KQ8_Q4_K, KQ8_Q5_K, KQ8_Q6_K, KQ8_IQ4_XS, KQ
 
 #define KQ8_TILE_T 8 /* tokens per tile: one super-block decode shared by all of them */
 #define KQ8_PANEL_Q4_K (8 * 10 * 32 + 2 * 32) /* per super-block of 8 rows: 8 chunks x (8 vectors, scales, mins), d, dmin */
+#define KQ8_PANEL16_Q4_K (8 * 10 * 64 + 2 * 64) /* the same for 16 rows in 512-bit vectors (AVX-512) */
 #define KQ8_TILE8_MIN_T 4                      /* tokens from which Q4_K rows go by panels of 8 */
 
 typedef void (*quantize_q8k_fn)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums);
@@ -56,6 +57,9 @@ typedef struct {
      * `panel` holds nb * KQ8_PANEL_Q4_K bytes, 32-byte aligned (NULL: row by row) */
     void (*tile8_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
                        int64_t y_stride);
+    /* the same by panels of 16 rows (AVX-512; NULL: none), `panel` of nb * KQ8_PANEL16_Q4_K bytes, 64-byte aligned */
+    void (*tile16_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
+                        int64_t y_stride);
     tile_quant_fn tile_iq4_nl;                    /* Q8_0-style activations (act_q8) */
     tile_float_fn tile_iq4_nl_f, tile_iq4_xs_f; /* float activations, ntok <= TILE_TQ */
 } kq8_table;
@@ -297,16 +301,25 @@ static const kq8_table kq8_tables[] = {
         {kq8_dot_q2_k_##isa, kq8_dot_q3_k_##isa, kq8_dot_q4_k_##isa, kq8_dot_q5_k_##isa, kq8_dot_q6_k_##isa,        \
          kq8_dot_iq4_xs_##isa},                                                                                    \
         KQ8_TILE8(isa),                                                                                            \
+        KQ8_TILE16(isa),                                                                                           \
         tile_iq4_nl_##isa, tile_iq4_nl_f_##isa, tile_iq4_xs_f_##isa,                                               \
     }
 #define KQ8_TILE8(isa) kq8_tile8_q4_k_##isa
 #define kq8_tile8_q4_k_scalar NULL
+#define KQ8_TILE16(isa) KQ8_TILE16_##isa
+#define KQ8_TILE16_scalar NULL
+#define KQ8_TILE16_avx2 NULL
+#define KQ8_TILE16_avx512 kq8_tile16_q4_k_avx512
     [PI_ISA_SCALAR] = KQ8_TABLE(scalar),
     [PI_ISA_AVX2] = KQ8_TABLE(avx2),
     [PI_ISA_AVX512] = KQ8_TABLE(avx512),
 #undef KQ8_TABLE
 #undef KQ8_TILE8
 #undef kq8_tile8_q4_k_scalar
+#undef KQ8_TILE16
+#undef KQ8_TILE16_scalar
+#undef KQ8_TILE16_avx2
+#undef KQ8_TILE16_avx512
 };
 
 /* ---- driver ------------------------------------------------------------------------------------------------ */
@@ -348,8 +361,10 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
         }
     } else {
         /* several tokens: Q4_K by panels of 8 rows (the same bits), the last N % 8 rows and the other kinds by tiles */
-        const int64_t n8 = kind == KQ8_Q4_K && tb->tile8_q4_k != NULL && T >= KQ8_TILE8_MIN_T ? N / 8 * 8 : 0;
-        const size_t panel_bytes = (size_t)nb * KQ8_PANEL_Q4_K;
+        const int panels_ok = kind == KQ8_Q4_K && tb->tile8_q4_k != NULL && T >= KQ8_TILE8_MIN_T;
+        const int64_t n16 = panels_ok && tb->tile16_q4_k != NULL ? N / 16 * 16 : 0;
+        const int64_t n8 = panels_ok ? N / 8 * 8 : 0;
+        const size_t panel_bytes = (size_t)nb * (n16 > 0 ? KQ8_PANEL16_Q4_K : KQ8_PANEL_Q4_K);
         uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
         if (n8 > 0 && panels == NULL) {
             if (scratch != on_stack) free(scratch);
@@ -363,7 +378,13 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
             if (n8 > 0) {
                 uint8_t *panel = panels + (size_t)omp_get_thread_num() * panel_bytes;
 #pragma omp for schedule(static) nowait
-                for (int64_t n0 = 0; n0 < n8; n0 += 8) {
+                for (int64_t n0 = 0; n0 < n16; n0 += 16) {
+                    const uint8_t *r16[16];
+                    for (int i = 0; i < 16; i++) r16[i] = w + (n0 + i) * w_stride;
+                    tb->tile16_q4_k(r16, &a, T, panel, y + n0, y_stride);
+                }
+#pragma omp for schedule(static) nowait
+                for (int64_t n0 = n16; n0 < n8; n0 += 8) {
                     const uint8_t *r8[8];
                     for (int i = 0; i < 8; i++) r8[i] = w + (n0 + i) * w_stride;
                     tb->tile8_q4_k(r8, &a, T, panel, y + n0, y_stride);

@@ -458,6 +458,74 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
     }
 }
 
+#if SIMD_AVX512
+/* Q4_K prompts, 16 rows at once (AVX-512): kq8_tile8_q4_k with two panels side by side in 512-bit vectors, rows 0-7
+ * in the low half and 8-15 in the high half: one load, one broadcast and one VNNI dot serve 16 rows. Each row keeps
+ * kq8_tile8_q4_k's integers (the chunk's exact sum times its scale; mins times the bsum pairs) and float steps in
+ * its lane, so the same bits. Panel per super-block: 8 chunks x (8 vectors, the scales as int32, the mins as int16
+ * pairs), then d and dmin as floats. */
+TARGET static void FN(kq8_tile16_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel,
+                                       float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    for (int64_t sb = 0; sb < nb; sb++) {
+        __m512i *v = (__m512i *)(panel + sb * KQ8_PANEL16_Q4_K);
+        _Alignas(16) uint8_t sm[16][16];
+        uint16_t dh[16], mh[16];
+        for (int r = 0; r < 16; r++) {
+            const block_q4_k *blk = (const block_q4_k *)rows[r] + sb;
+            _mm_store_si128((__m128i *)sm[r], FN(kq8_scales_k4)(blk->scales));
+            uint16_t dm[2];
+            memcpy(dm, blk, sizeof dm);
+            dh[r] = dm[0], mh[r] = dm[1];
+        }
+        for (int c = 0; c < 8; c++, v += 10) {
+            __m256i u[8], unused;
+            _Alignas(32) __m256i lo[8], hi[8];
+            for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
+            FN(transpose8_epi32)(u, lo);
+            for (int r = 0; r < 8; r++)
+                u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[8 + r] + sb * sizeof(block_q4_k), c, &unused);
+            FN(transpose8_epi32)(u, hi);
+            for (int j = 0; j < 8; j++) _mm512_store_si512(v + j, _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1));
+            int32_t sc[16], mn[16];
+            for (int r = 0; r < 16; r++) sc[r] = sm[r][c], mn[r] = sm[r][8 + c] * 0x10001;
+            _mm512_store_si512(v + 8, _mm512_loadu_si512(sc));
+            _mm512_store_si512(v + 9, _mm512_loadu_si512(mn));
+        }
+        _mm512_store_ps((float *)v, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)));
+        _mm512_store_ps((float *)(v + 1), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mh)));
+    }
+    for (int64_t t = 0; t < T; t++) {
+        __m512 acc8[8];
+        for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
+        for (int64_t sb = 0; sb < nb; sb++) {
+            __m512 acc = acc8[sb & 7];
+            const __m512i *v = (const __m512i *)(panel + sb * KQ8_PANEL16_Q4_K);
+            const int8_t *xq = a->qs + t * K + sb * QK_K;
+            const int16_t *bs = a->bsums + (t * nb + sb) * 16;
+            __m512i S = _mm512_setzero_si512(), M = _mm512_setzero_si512();
+            for (int c = 0; c < 8; c++, v += 10) {
+                const int8_t *xc = xq + 32 * c;
+                __m512i s32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(v),
+                                                  _mm512_set1_epi32(*(const int32_t *)xc));
+                for (int j = 1; j < 8; j++)
+                    s32 = _mm512_dpbusd_epi32(s32, _mm512_load_si512(v + j), _mm512_set1_epi32(*(const int32_t *)(xc + 4 * j)));
+                S = _mm512_add_epi32(S, _mm512_mullo_epi32(s32, _mm512_load_si512(v + 8)));
+                M = _mm512_dpwssd_epi32(M, _mm512_load_si512(v + 9), _mm512_set1_epi32(*(const int32_t *)(bs + 2 * c)));
+            }
+            const __m512 dx = _mm512_set1_ps(a->d[t * nb + sb]);
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps((const float *)v), dx), _mm512_cvtepi32_ps(S)));
+            acc = _mm512_sub_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps((const float *)(v + 1)), dx),
+                                                   _mm512_cvtepi32_ps(M)));
+            acc8[sb & 7] = acc;
+        }
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc8[0], acc8[4]), _mm512_add_ps(acc8[2], acc8[6])),
+                                         _mm512_add_ps(_mm512_add_ps(acc8[1], acc8[5]), _mm512_add_ps(acc8[3], acc8[7])));
+        _mm512_storeu_ps(y + t * y_stride, sum);
+    }
+}
+#endif
+
 #define DEFINE_KQ8(type, kind, block_t)                                                                          \
     TARGET static void FN(kq8_tile_##type)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) { \
         FN(kq8_tile_n)(kind, sizeof(block_t), row, a, t0, ntok, out);                                           \
