@@ -385,6 +385,18 @@ TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int
 }
 
 
+/* Super-block sb of R Q4_K rows: each row's 8 scales and 8 mins (sm[r], kq8_scales_k4) and its d and dmin halves */
+TARGET_INLINE void FN(kq8_q4_k_heads)(const uint8_t *const *rows, int R, int64_t sb, uint8_t (*sm)[16], uint16_t *dh,
+                                      uint16_t *mh) {
+    for (int r = 0; r < R; r++) {
+        const block_q4_k *blk = (const block_q4_k *)rows[r] + sb;
+        _mm_store_si128((__m128i *)sm[r], FN(kq8_scales_k4)(blk->scales));
+        uint16_t dm[2];
+        memcpy(dm, blk, sizeof dm);
+        dh[r] = dm[0], mh[r] = dm[1];
+    }
+}
+
 /* Q4_K prompts, 8 rows at once with the rows in the vector lanes (as tile8_q4_0 in matmul_x86.h): per super-block
  * the rows' chunks are transposed into `panel` (vector j of chunk c: weights 4j..4j+3 of each row, row r in lane r)
  * with each row's chunk scales and mins as int16 pairs in its lane, so one broadcast of 4 activations meets all 8
@@ -398,13 +410,7 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
         __m256i *v = (__m256i *)(panel + sb * KQ8_PANEL_Q4_K);
         _Alignas(16) uint8_t sm[8][16];
         uint16_t dh[8], mh[8];
-        for (int r = 0; r < 8; r++) {
-            const block_q4_k *blk = (const block_q4_k *)rows[r] + sb;
-            _mm_store_si128((__m128i *)sm[r], FN(kq8_scales_k4)(blk->scales));
-            uint16_t dm[2];
-            memcpy(dm, blk, sizeof dm);
-            dh[r] = dm[0], mh[r] = dm[1];
-        }
+        FN(kq8_q4_k_heads)(rows, 8, sb, sm, dh, mh);
         for (int c = 0; c < 8; c++, v += 10) {
             __m256i u[8], unused;
             for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
@@ -471,13 +477,7 @@ TARGET static void FN(kq8_tile16_q4_k)(const uint8_t *const *rows, const act_q8k
         __m512i *v = (__m512i *)(panel + sb * KQ8_PANEL16_Q4_K);
         _Alignas(16) uint8_t sm[16][16];
         uint16_t dh[16], mh[16];
-        for (int r = 0; r < 16; r++) {
-            const block_q4_k *blk = (const block_q4_k *)rows[r] + sb;
-            _mm_store_si128((__m128i *)sm[r], FN(kq8_scales_k4)(blk->scales));
-            uint16_t dm[2];
-            memcpy(dm, blk, sizeof dm);
-            dh[r] = dm[0], mh[r] = dm[1];
-        }
+        FN(kq8_q4_k_heads)(rows, 16, sb, sm, dh, mh);
         for (int c = 0; c < 8; c++, v += 10) {
             __m256i u[8], unused;
             _Alignas(32) __m256i lo[8], hi[8];
