@@ -297,6 +297,8 @@ TARGET_INLINE void FN(kq8_tile_n)(const int kind, const int64_t block_bytes, con
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
     for (int64_t s = 0; s < a->nb; s++) {
         const uint8_t *blk = row + s * block_bytes;
+        /* one token: the rows' dot over a dense matrix read in order (kq8_dot_*), prefetching as it reads */
+        if (ntok == 1) prefetch_stream(blk, MATVEC_STREAM_AHEAD, block_bytes);
         FN(kq8_sb) p;
         FN(kq8_setup)(kind, blk, &p);
         __m256i u[8], sg[8], sc[8];
@@ -553,6 +555,7 @@ TARGET static void FN(kq8_dot_q4_k)(const uint8_t *w, int64_t w_stride, int64_t 
                 S[j] = M[j] = _mm256_setzero_si256();
                 if (j >= cnt) continue;
                 const uint8_t *blk = (const uint8_t *)(b + g + j);
+                prefetch_stream(blk, MATVEC_STREAM_AHEAD, (int64_t)sizeof(block_q4_k)); /* dense rows, in order */
                 FN(kq8_sb) p;
                 FN(kq8_setup)(KQ8_Q4_K, blk, &p);
                 const int8_t *xq = a->qs + (g + j) * QK_K;
