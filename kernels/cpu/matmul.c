@@ -413,7 +413,7 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
     if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
-    const int64_t ahead = rows == NULL && T == 1 ? matvec_rows_ahead(row_bytes) : 0; /* dense decode */
+    /* dense rows are not prefetched here: pi_matmul_<type> sends single tokens to matvec_dot (prefetching) */
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
         const int64_t n1 = min_i64(n0 + TILE_N, N);
@@ -421,9 +421,7 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
             const int ntok = (int)min_i64(tile_t, T - t0);
             for (int64_t n = n0; n < n1; n++) {
                 float out[TILE_TQ > TILE_T ? TILE_TQ : TILE_T];
-                if (rows == NULL) {
-                    if (ahead > 0 && n + ahead < N) prefetch_bytes(w + (n + ahead) * w_stride, row_bytes);
-                } else if (row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
+                if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                     prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                 }
                 tile(w + row_of(rows, n) * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);

@@ -127,9 +127,7 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
  * bytes it reads, so the requests stay spread over the row and DRAM sees a steady stream. Measured on a Xeon with
  * AVX-512 (1 thread, 225,280 Q4_0 rows of K = 2048 from DRAM): whole rows 1-4 KB ahead 8.0-8.1 GB/s, none 5.4,
  * in-step 256 B ahead 12.0, 1 KB 13.0-13.7, 2 KB 13.7-14.4 (a plain read streams 13.7), 4 KB 9.8-12.0. */
-#ifndef MATVEC_STREAM_AHEAD
 #define MATVEC_STREAM_AHEAD 2048
-#endif
 static inline void prefetch_stream(const uint8_t *p, int64_t ahead, int64_t bytes) {
     if (ahead != 0) prefetch_bytes(p + ahead, bytes);
 }

@@ -418,7 +418,8 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
             for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
             FN(transpose8_epi32)(u, v);
             int32_t sc[8], mn[8];
-            for (int r = 0; r < 8; r++) sc[r] = sm[r][c] * 0x10001, mn[r] = sm[r][8 + c] * 0x10001;
+            /* AVX-512 multiplies the chunk's int32 sum by the scale, AVX2 madds int16 pair sums with (scale, scale) */
+            for (int r = 0; r < 8; r++) sc[r] = sm[r][c] * (SIMD_AVX512 ? 1 : 0x10001), mn[r] = sm[r][8 + c] * 0x10001;
             _mm256_store_si256(v + 8, _mm256_loadu_si256((const __m256i *)sc));
             _mm256_store_si256(v + 9, _mm256_loadu_si256((const __m256i *)mn));
         }
@@ -437,14 +438,13 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
             for (int c = 0; c < 8; c++, v += 10) {
                 const int8_t *xc = xq + 32 * c;
 #if SIMD_AVX512
-                /* the chunk's exact sum in int32 by VNNI (at most 32 x 15 x 127), times the scale (the low half of
-                 * its int16 pair): the integer the pair sums and madd give below, in fewer instructions */
+                /* the chunk's exact sum in int32 by VNNI (at most 32 x 15 x 127), times the scale: the integer the
+                 * pair sums and madd give below, in fewer instructions */
                 __m256i s32 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_load_si256(v),
                                                   _mm256_set1_epi32(*(const int32_t *)xc));
                 for (int j = 1; j < 8; j++)
                     s32 = _mm256_dpbusd_epi32(s32, _mm256_load_si256(v + j), _mm256_set1_epi32(*(const int32_t *)(xc + 4 * j)));
-                const __m256i scale = _mm256_and_si256(_mm256_load_si256(v + 8), _mm256_set1_epi32(0xFFFF));
-                S = _mm256_add_epi32(S, _mm256_mullo_epi32(s32, scale));
+                S = _mm256_add_epi32(S, _mm256_mullo_epi32(s32, _mm256_load_si256(v + 8)));
 #else
                 __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), _mm256_set1_epi32(*(const int32_t *)xc));
                 for (int j = 1; j < 8; j++)
