@@ -95,7 +95,9 @@ def check_file(
             names.append(n.replace(".ffn_down.weight", ".ffn_act_threshold"))
             if two:
                 names.append(n.replace(".ffn_down.weight", ".ffn_out_threshold"))
-    assert list(dst.tensors) == names  # input order
+    screen = [n for n in ("output_screen_proj.weight", "output_screen.weight") if n in dst.tensors]
+    assert screen in ([], ["output_screen_proj.weight", "output_screen.weight"])  # the head's screen, last
+    assert list(dst.tensors) == names + screen  # input order
     assert (UP_SPARSITY in dst.metadata) == two
     for name, t in src.tensors.items():
         if ".ffn_down." not in name:
@@ -221,6 +223,7 @@ def test_smollm2_greedy(tmp_path: Path):
     thresholds, layer_sparsity, outs = check_file(model, out, 0.5)
     assert summary["allocation"] == "greedy" and summary["up_ratio"] == 0.5
     assert np.allclose(summary["layer_sparsity"], layer_sparsity, atol=1e-6)
+    assert summary["head_screen_rank"] == 256  # the 49152-row head pays for a screen (test_sparse_head.py)
     assert layer_sparsity.std() > 0.01  # greedy spreads the sparsity unevenly over layers
     # Q4_1 -> float -> transpose -> Q4_1: measured 0.088 relative RMS error over the worst layer (a Q4_1
     # round trip of random normal data costs 0.078); the bound is about 3x that

@@ -34,6 +34,7 @@ from powerinfer.cli.common import (
     MmapOpt,
     NglOpt,
     PoolDeviceOpt,
+    SparseHeadOpt,
     VramOpt,
     engine_options,
     err_console,
@@ -368,6 +369,7 @@ def bench(
     progress: Annotated[bool, typer.Option("--progress", help="Print a line per test on stderr.")] = False,
     fixed_threads: FixedThreadsOpt = False,
     mmap: MmapOpt = None,
+    sparse_head: SparseHeadOpt = None,
 ) -> None:
     """Measure prompt (ppN) and decode (tgN) speed as llama-bench does: tokens/s, mean ± stddev."""
     setup_logging(False)
@@ -391,6 +393,7 @@ def bench(
             n_gpu_layers=n_gpu_layers,
             fixed_threads=fixed_threads,
             mmap=mmap,
+            sparse_head=sparse_head,
         )
         paths = list(model) if model else [resolve_model(None)]
         params = BenchParams(

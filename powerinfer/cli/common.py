@@ -70,6 +70,16 @@ MmapOpt = Annotated[
         show_default=False,
     ),
 ]
+SparseHeadOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--sparse-head/--no-sparse-head",
+        help="Screen the output head: exact logits only for the 256 rows a low-rank screen ranks first (the "
+        "whole head when the margin is not safe). Default: where the file carries a screen (sparsify writes one); "
+        "--sparse-head also builds one for a file without (calibrated at load, a few seconds).",
+        show_default=False,
+    ),
+]
 
 
 class ActPrecision(str, Enum):
@@ -315,6 +325,7 @@ def engine_options(
     disable_gpu_index: bool = False,
     fixed_threads: bool = False,
     mmap: bool | None = None,
+    sparse_head: bool | None = None,
     **fields: Any,
 ) -> EngineOptions:
     """EngineOptions from the options every engine command shares (threads, precision, pool), plus `fields`."""
@@ -324,6 +335,7 @@ def engine_options(
         n_threads=threads(threads_),
         fixed_threads=fixed_threads,
         mmap=mmap,
+        sparse_head=sparse_head,
         act_precision=act_precision.value,
         vram_budget_gib=resolve_vram_budget(vram_budget),
         reset_gpu_index=reset_gpu_index,

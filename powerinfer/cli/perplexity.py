@@ -33,6 +33,7 @@ from powerinfer.cli.common import (
     PoolDeviceOpt,
     ResetIdxOpt,
     SeedOpt,
+    SparseHeadOpt,
     ThreadsOpt,
     VramOpt,
     check_output_file,
@@ -192,7 +193,7 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
                 f"--kl-divergence without --kl-divergence-base compares the sparse FFN of a PowerInfer "
                 f"(PWRI) file with its dense FFN; {printable(str(run.model))} is a dense GGUF"
             )
-        reference = Engine(run.model, replace(run.engine, dense_ffn=True))
+        reference = Engine(run.model, replace(run.engine, dense_ffn=True, sparse_head=False))
     elif run.kl_base is not None:
         record = BaseLogits(run.ppl.n_ctx, run.ppl.stride, [])
     if run.kl_divergence and engine.sparse_stats is not None:
@@ -285,6 +286,7 @@ def perplexity_command(
     threads_: ThreadsOpt = 0,
     fixed_threads: FixedThreadsOpt = False,
     mmap: MmapOpt = None,
+    sparse_head: SparseHeadOpt = None,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     seed: SeedOpt = -1,
     chunks: Annotated[int, typer.Option("--chunks", help="Score at most this many chunks (-1 = all).")] = -1,
@@ -338,6 +340,7 @@ def perplexity_command(
                 threads_=threads_,
                 fixed_threads=fixed_threads,
                 mmap=mmap,
+                sparse_head=sparse_head,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

@@ -27,6 +27,7 @@ from powerinfer.cli.common import (
     RepeatPenaltyOpt,
     ResetIdxOpt,
     SeedOpt,
+    SparseHeadOpt,
     TempOpt,
     ThreadsOpt,
     TopKOpt,
@@ -63,6 +64,7 @@ def server(
     threads_: ThreadsOpt = 0,
     fixed_threads: FixedThreadsOpt = False,
     mmap: MmapOpt = None,
+    sparse_head: SparseHeadOpt = None,
     act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
@@ -182,6 +184,7 @@ def server(
                 threads_=threads_,
                 fixed_threads=fixed_threads,
                 mmap=mmap,
+                sparse_head=sparse_head,
                 act_precision=act_precision,
                 vram_budget=vram_budget,
                 pool_device=pool_device,

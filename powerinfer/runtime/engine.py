@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -23,6 +24,17 @@ from powerinfer.errors import InputError, PlacementError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.batch import StepBatch
+from powerinfer.model.blocks import Head
+from powerinfer.model.head import (
+    SCREEN,
+    SCREEN_PROJ,
+    SCREEN_TOKENS,
+    HeadScreen,
+    HeadStats,
+    SparseHead,
+    build_head_screen,
+    screen_pays,
+)
 from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
@@ -44,6 +56,8 @@ MAX_THREADS = 1024
 # host bytes per position and rotary pair while the RoPE tables are built (float64 angles, complex128 and
 # complex64 rotations, float pairs: model.blocks.Rope), an upper bound
 ROPE_BYTES_PER_PAIR = 64
+# the text a screen for --sparse-head is calibrated on when the file has none
+CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 
 
 def _gib(n_bytes: int) -> str:
@@ -70,6 +84,9 @@ class EngineOptions:
     # else maps the file; True always maps the file (--mmap), False always copies (--no-mmap)
     mmap: bool | None = None
     fixed_threads: bool = False  # False: fewer kernel threads while the cores are shared (runtime.threads)
+    # the output head (model.head): None screens it where the file carries a screen (sparsify writes one), True
+    # also builds a screen for a file without one (from the packaged calibration text), False computes it whole
+    sparse_head: bool | None = None
 
 
 @dataclass
@@ -181,6 +198,7 @@ class Engine:
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
         )
         self.model.setup(self.n_ctx, placed=self.plan.device is not None)
+        self.head_stats: HeadStats | None = None
         if self.stage is not None:
             from powerinfer.runtime.pipeline import connect
 
@@ -189,7 +207,46 @@ class Engine:
         waits = self.pipeline is not None or (self.pool_device is not None and self.pool_device.type != "cpu")
         adapt = not (o.fixed_threads or waits) and self.kc.n_threads > 1 and self.kc.uses_kernels
         self.governor = ThreadGovernor(self.kc) if adapt else None
+        self._setup_head(o.sparse_head)
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _setup_head(self, want: bool | None) -> None:
+        """Screen the output head (model.head.SparseHead) as `want` says (EngineOptions.sparse_head)."""
+        if want is False:
+            return
+        head = self.model.head
+        on_cpu = self.plan.device is None and self.pipeline is None and isinstance(head, Head)
+        if not on_cpu or not isinstance(head.output, ops.QWeight):
+            if want:
+                raise InputError(
+                    "--sparse-head runs on the CPU head only (not with a pool device or pipeline)"
+                )
+            return
+        n_vocab, n_embd = head.output.shape
+        if self.loader.has(SCREEN) and self.loader.has(SCREEN_PROJ):
+            proj = self.loader.host_matrix(SCREEN_PROJ)
+            rank = proj.shape[0]
+            proj = self.loader.host_matrix(SCREEN_PROJ, (rank, n_embd))
+            screen = self.loader.host_matrix(SCREEN, (n_vocab, rank))
+        elif want:
+            if not screen_pays(head.output):
+                raise InputError("--sparse-head: this model's head is too small for a screen to pay")
+            proj, screen = self._calibrated_screen(head.output).weights(n_vocab, n_embd)
+        else:
+            return
+        sparse = SparseHead(head, proj, screen, self.kc)
+        self.model.head = sparse
+        self.head_stats = sparse.stats
+
+    def _calibrated_screen(self, output: ops.QWeight) -> HeadScreen:
+        """A screen from this model's hidden states over the packaged calibration text."""
+        ids = self.tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))
+        window = max(16, min(512, self.n_ctx))
+        hidden = [
+            self.hidden_states(0, ids[i : i + window]) for i in range(0, min(len(ids), SCREEN_TOKENS), window)
+        ]
+        self.free(0)
+        return build_head_screen(output, torch.cat(hidden))
 
     def _check_context_memory(self) -> None:
         """Refuse a context whose host buffers (KV cache, RoPE tables, attention scores) need more memory than
@@ -390,10 +447,75 @@ class Engine:
             events = gen.step()
 
     # ------------------------------------------------------------------ reports
-    def sparse_report(self) -> list[str]:
-        """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token."""
+    def head_read_bytes(self) -> int:
+        """Weight bytes the output head reads per token: the whole head, or the sparse head's screen and
+        candidates (its fallbacks counted at the whole head's bytes)."""
+        head = self.model.head
+        if isinstance(head, SparseHead) and self.head_stats is not None:
+            st = self.head_stats
+            whole = head.output.raw.numel()
+            extra = st.extra_rows * head.output.raw.shape[1]
+            return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
+        output = getattr(head, "output", None)
+        return (
+            int(output.n_bytes if isinstance(output, ops.DeviceWeight) else output.raw.numel())
+            if output
+            else 0
+        )
+
+    def read_bytes_per_token(self) -> float:
+        """Weight bytes one decoded token reads: the file's tensors, less the FFN rows sparsity skips (by the
+        measured shares), the head as head_read_bytes (the file's screen tensors only when in use)."""
+        per_token = float(self.weight_bytes)
+        for name in (SCREEN, SCREEN_PROJ):
+            if name in self.gguf.tensors:
+                per_token -= self.gguf.tensors[name].n_bytes
+        head = self.model.head
+        output = getattr(head, "output", None)
+        if isinstance(output, ops.QWeight):
+            per_token += self.head_read_bytes() - output.raw.numel()
         s = self.sparse_stats
         if s is None or int(s.tokens.sum()) == 0:
+            return per_token
+        c = self.config
+        cats = c.sparse_method == "cats"
+        active = s.active / (np.maximum(s.tokens, 1) * c.n_ff)
+        share = float(active.mean())
+        up_share = float((s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).mean()) if cats else share
+        read = {"ffn_up.weight": up_share, "ffn_down_t.weight": share}
+        if not cats:
+            read["ffn_gate.weight"] = share
+        for name, t in self.gguf.tensors.items():
+            fraction = read.get(".".join(name.rsplit(".", 2)[-2:]))
+            if fraction is not None:
+                per_token -= t.n_bytes * (1.0 - fraction)
+        return per_token
+
+    def head_report(self) -> list[str]:
+        """The sparse head's line: candidates, fallbacks, bytes read against the whole head."""
+        head, stats = self.model.head, self.head_stats
+        if not isinstance(head, SparseHead) or stats is None or stats.tokens == 0:
+            return []
+        return [
+            f"head: sparse (screen of rank {head.proj.shape[0]}, {head.n_candidates} exact candidates), "
+            f"of {stats.tokens} tokens {stats.widened / stats.tokens:.1%} widened (mean "
+            f"{stats.extra_rows / max(1, stats.widened):.0f} rows more), {stats.fallbacks / stats.tokens:.1%} "
+            "computed whole; "
+            f"~{self.head_read_bytes() / 2**20:.1f} MiB read per token (whole head: "
+            f"{head.output.raw.numel() / 2**20:.1f} MiB)"
+        ]
+
+    def sparse_report(self) -> list[str]:
+        """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token, and
+        the sparse head's line."""
+        s = self.sparse_stats
+        if s is None or int(s.tokens.sum()) == 0:
+            if self.head_report():
+                return [
+                    *self.head_report(),
+                    f"sparse: ~{self.read_bytes_per_token() / 2**20:.1f} MiB of "
+                    f"weights read per token (the file: {self.weight_bytes / 2**20:.1f} MiB)",
+                ]
             return []
         c = self.config
         active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
@@ -402,15 +524,7 @@ class Engine:
         cats = c.sparse_method == "cats"
         up_share = (s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).tolist() if cats else active
         share = sum(active) / len(active)
-        read = {"ffn_up.weight": sum(up_share) / len(up_share), "ffn_down_t.weight": share}
-        if not cats:
-            read["ffn_gate.weight"] = share
-        per_token = float(self.weight_bytes)
-        for name, t in self.gguf.tensors.items():
-            suffix = name.rsplit(".", 2)[-2:]
-            fraction = read.get(".".join(suffix))
-            if fraction is not None:
-                per_token -= t.n_bytes * (1.0 - fraction)
+        per_token = self.read_bytes_per_token()
         per_layer = " ".join(f"{a:.2f}" for a in active)
         target = self.gguf.metadata.get(Keys.SPARSITY_TARGET)
         shown = f" {target:.2f}" if isinstance(target, (int, float)) and not isinstance(target, bool) else ""
@@ -427,8 +541,9 @@ class Engine:
             f"per layer: {per_layer}",
             f"sparse: {pool:.1%} of active neurons served by the pool"
             + (f" on {self.pool_device}" if self.pool_device is not None else " (no pool: all on the CPU)"),
+            *self.head_report(),
             f"sparse: ~{per_token / 2**20:.1f} MiB of weights read per token "
-            f"(dense: {self.weight_bytes / 2**20:.1f} MiB), {selection}",
+            f"(the file: {self.weight_bytes / 2**20:.1f} MiB), {selection}",
         ]
         if self.placement is not None:
             lines.append(f"placement: {self.placement.reason}")

@@ -21,7 +21,7 @@ DEFAULT_ALLOCATION = "uniform"
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # bumped when sparsify's output changes, so that a cached file from an older version is made again
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 def smollm2_gguf() -> Path | None:

@@ -12,7 +12,10 @@ import numpy as np
 import torch
 
 from powerinfer.errors import ConfigError, InputError
-from powerinfer.gguf import read_gguf
+from powerinfer.gguf import GGMLType, read_gguf
+from powerinfer.model.blocks import Head
+from powerinfer.model.head import SCREEN_TOKENS, HeadScreen, build_head_screen, screen_pays
+from powerinfer.ops.weights import QWeight
 from powerinfer.printable import printable
 from powerinfer.profile.collect import check_output_folder, make_windows, read_corpus, tokenize_corpus
 from powerinfer.quantize import _check_output as check_output_file
@@ -40,6 +43,8 @@ from powerinfer.sparsify.write import SPARSITY_KEYS, write_activation_folder, wr
 
 METHODS = ("cats", "teal", "predictor")
 ALLOCATIONS = ("greedy", "uniform")
+# types sparsify writes ffn_down_t in (--down-type; kernels read them as sparse rows, 32-element blocks)
+DOWN_TYPES = ("F32", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 MIN_TOKENS = 256  # calibration tokens needed at least
 
 # (stage, done, total): stage "calibrate" counts tokens; "allocate", "threshold" and "write" count layers
@@ -61,6 +66,8 @@ class SparsifyOptions:
     n_ctx: int = 512  # calibration window (BOS + n_ctx-1 tokens)
     n_threads: int | None = None
     max_tokens: int = 4096  # calibration tokens used (0 = the whole file)
+    down_type: str | None = None  # ffn_down_t's ggml type name (None: write.transposed_type's choice)
+    sparse_head: bool = True  # also write the output head's screen (model.head), where it pays
 
 
 @dataclass
@@ -79,6 +86,7 @@ class SparsifyResult:
     n_kept: int  # of which kept for the thresholds and counts (all unless the sample budget was reached)
     n_ff: int
     down_types: dict[str, str] = field(default_factory=dict)
+    head_screen_rank: int = 0  # rank of the output head's screen written (0: none)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> dict[str, object]:
@@ -101,6 +109,7 @@ class SparsifyResult:
             "up_share": [round(float(a), 6) for a in self.up_share],
             "est_error": None if self.est_error is None else [round(float(e), 8) for e in self.est_error],
             "down_t_types": sorted(set(self.down_types.values())),
+            "head_screen_rank": self.head_screen_rank,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
         }
 
@@ -133,6 +142,11 @@ def check_options(opts: SparsifyOptions) -> None:
         )
     if opts.max_tokens < 0:
         raise InputError(f"--max-tokens must be >= 0 (0 = all), got {opts.max_tokens}")
+    if opts.down_type is not None and opts.down_type not in DOWN_TYPES:
+        raise InputError(
+            f"--down-type {printable(opts.down_type)} is not a type ffn_down_t can be written in "
+            f"({', '.join(DOWN_TYPES)})"
+        )
 
 
 def check_paths(opts: SparsifyOptions) -> None:
@@ -199,6 +213,22 @@ def error_curves(
     return curves, scales, out_scales
 
 
+def head_screen(engine: Engine, windows: list[list[int]]) -> HeadScreen | None:
+    """The output head's screen from the calibration windows' final hidden states (up to SCREEN_TOKENS), or
+    None where the model's head is too small for one to pay."""
+    head = engine.model.head
+    if not isinstance(head, Head) or not isinstance(head.output, QWeight) or not screen_pays(head.output):
+        return None
+    hidden, n = [], 0
+    for window in windows:
+        if n >= SCREEN_TOKENS:
+            break
+        hidden.append(engine.hidden_states(0, window))
+        n += len(window)
+    engine.free(0)
+    return build_head_screen(head.output, torch.cat(hidden))
+
+
 def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -> SparsifyResult:
     """Calibrate, allocate per-layer sparsity, write the PWRI file and activation/ beside it.
 
@@ -252,6 +282,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             progress("threshold", bid + 1, c.n_layer)
     n_tokens, n_kept = calib.n_tokens, calib.n_kept
     del calib
+    screen = head_screen(engine, windows) if opts.sparse_head else None
     t3 = time.perf_counter()
 
     thresholds = np.array([lt.threshold for lt in layers], dtype=np.float64)
@@ -275,6 +306,8 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         up_sparsity=None if out_thresholds is None else 1.0 - np.array([lt.up_share for lt in layers]),
         n_threads=opts.n_threads or 1,
         progress=report("write"),
+        extra=[] if screen is None else screen.tensors(c.n_vocab, c.n_embd),
+        down_type=None if opts.down_type is None else GGMLType[opts.down_type],
     )
     try:
         folder = write_activation_folder(out.absolute().parent / "activation", [lt.counts for lt in layers])
@@ -297,6 +330,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         n_kept=n_kept,
         n_ff=c.n_ff,
         down_types={k: v.name for k, v in types.items()},
+        head_screen_rank=0 if screen is None else screen.rank,
         seconds={
             "load_calibrate": t1 - t0,
             "allocate": t2 - t1,

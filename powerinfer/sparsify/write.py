@@ -49,13 +49,16 @@ def down_t_name(name: str) -> str:
     return name.replace(".ffn_down.weight", ".ffn_down_t.weight")
 
 
-def transposed_type(src: GGMLType, n_cols: int) -> GGMLType:
+def transposed_type(src: GGMLType, n_cols: int, want: GGMLType | None = None) -> GGMLType:
     """The type of ffn_down_t: float types and Q8_0 as they are (exact, or one 8-bit rounding); every lower-bit
     type as Q8_0, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2 Q4_1 +8%
     perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
     sparsify the F16 model and `quantize` the result (ffn_down_t is then rounded once, as PowerInfer does)."""
     keep = {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0}
-    dst = src if src in keep and src in QUANTIZABLE else GGMLType.Q8_0
+    if want is not None:
+        dst = want
+    else:
+        dst = src if src in keep and src in QUANTIZABLE else GGMLType.Q8_0
     if n_cols % QUANT_SIZES[dst][0]:
         dst = GGMLType.F32 if src == GGMLType.F32 else GGMLType.F16
     return dst
@@ -98,6 +101,8 @@ def write_sparse_gguf(
     up_sparsity: np.ndarray | None = None,
     n_threads: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]] | None = None,
+    down_type: GGMLType | None = None,
 ) -> dict[str, GGMLType]:
     """Write the sparsified copy of `model` to `path` (temp file, renamed into place).
 
@@ -105,7 +110,8 @@ def write_sparse_gguf(
     blk.N.ffn_act_threshold (F32) after the layer's ffn_down_t; out_thresholds (two-stage selection): per layer,
     the thresholds on |act(gate) * up| (n_ff,), written as blk.N.ffn_out_threshold after it, with up_sparsity
     (the share of up rows skipped per layer). Returns the type each ffn_down_t was written in.
-    progress(done, total) counts ffn_down tensors.
+    progress(done, total) counts ffn_down tensors. extra: (name, raw, type, shape) tensors added at the end (the
+    output head's screen). down_type: ffn_down_t's type (None: transposed_type's choice).
     """
     writer = GGUFWriter(path, sparse=True, alignment=model.alignment)
     skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
@@ -132,7 +138,7 @@ def write_sparse_gguf(
             if len(t.shape) != 2:
                 raise FormatError(f"{printable(t.name)} should be a matrix, has shape {t.shape}")
             n_embd, n_ff = t.shape
-            dst = transposed_type(t.ggml_type, n_embd)
+            dst = transposed_type(t.ggml_type, n_embd, down_type)
             name = down_t_name(t.name)
             if name in model.tensors:
                 raise FormatError(f"{printable(model.path)} holds both {t.name} and {name}")
@@ -153,6 +159,10 @@ def write_sparse_gguf(
                 progress(done, len(downs))
     finally:  # on an error or Ctrl-C, drop queued chunks instead of finishing them
         pool.shutdown(wait=True, cancel_futures=True)
+    for name, raw, ggml_type, shape in extra or []:
+        if name in model.tensors:
+            raise FormatError(f"{printable(model.path)} already holds {name}")
+        writer.add_tensor(name, raw, ggml_type, shape)
     try:
         writer.write()
     except OSError as e:

@@ -1,0 +1,173 @@
+"""The sparse output head (model.head): a low-rank screen, exact logits for its candidates, the exact fallback.
+
+The oracle is the whole head (ops.linear over every row, itself tested against transformers in test_smollm2.py)
+on the real SmolLM2 weights; held-out text is tests/data/python-reference-prose.txt, the screen is calibrated on
+the packaged calibration text (another domain).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from powerinfer import ops
+from powerinfer.cli import app
+from powerinfer.gguf import read_gguf
+from powerinfer.model.blocks import Head
+from powerinfer.model.head import (
+    SCREEN,
+    SCREEN_PROJ,
+    HeadStats,
+    SparseHead,
+    build_head_screen,
+    screen_pays,
+    screen_rank,
+)
+from powerinfer.runtime.engine import CALIBRATION_TEXT, Engine, EngineOptions
+from tests.conftest import smollm2_path
+
+HELD_OUT = Path(__file__).parent / "data" / "python-reference-prose.txt"
+
+
+def hidden(engine: Engine, path: Path, n_tokens: int) -> torch.Tensor:
+    ids = engine.tokenizer.encode(path.read_text(encoding="utf-8"))[:n_tokens]
+    return torch.cat([engine.hidden_states(0, ids[i : i + 256]) for i in range(0, len(ids), 256)])
+
+
+@pytest.fixture(scope="module", params=["q8", "f32"])
+def smollm2(request):
+    """(engine with the whole head, its SparseHead on a screen calibrated on 1024 tokens, held-out states)."""
+    engine = Engine(
+        smollm2_path(), EngineOptions(n_ctx=256, n_threads=2, act_precision=request.param, sparse_head=False)
+    )
+    # the states below are final-normed already: the head under test takes them as they are
+    head = Head(lambda x: x, engine.model.head.output, engine.kc)  # type: ignore[arg-type]
+    calib = hidden(engine, CALIBRATION_TEXT, 1024)
+    proj, screen = build_head_screen(head.output, calib).weights(*head.output.shape)
+    sparse = SparseHead(head, proj, screen, engine.kc)
+    x = hidden(engine, HELD_OUT, 512)
+    return engine, sparse, x
+
+
+def test_screen_shape_and_pays():
+    assert screen_rank(576) == 256 and screen_rank(2048) == 896 and screen_rank(64) == 32
+    engine = Engine(smollm2_path(), EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
+    assert screen_pays(engine.model.head.output)  # 7.9 MB of screen against the 30.1 MB Q8_0 head
+
+
+def test_greedy_and_candidates_match_the_whole_head(smollm2):
+    engine, sparse, x = smollm2
+    full = ops.linear(x, sparse.output, engine.kc)
+    got = sparse(x)
+    # measured: the dense argmax on all 512 held-out tokens (and 4096 in the study), in q8 and f32; the target
+    # is 99.5%, a screen that missed the argmax without noticing would fall below it at once
+    agree = (got.argmax(1) == full.argmax(1)).float().mean().item()
+    assert agree >= 0.995, agree
+    # the candidates' logits are the whole head's bits (rows_matmul and linear share the row kernels)
+    top = got.topk(64, dim=1).indices
+    assert torch.equal(got.gather(1, top), full.gather(1, top))
+    # the rest are the screen's estimates: measured error std 1.07 logits on SmolLM2; a screen of the wrong
+    # basis (the head's own SVD) errs by ~4
+    assert (got - full).std().item() < 1.6
+    assert sparse.stats.tokens == 512 and sparse.stats.fallbacks <= 2
+
+
+def test_each_token_on_its_own(smollm2):
+    """A token's logits do not depend on the other rows of the step."""
+    _, sparse, x = smollm2
+    batch = sparse(x[:6])
+    for t in range(6):
+        assert torch.equal(batch[t], sparse(x[t : t + 1])[0]), t
+
+
+def test_a_weak_screen_widens_and_falls_back(smollm2):
+    """A screen of rank 32 errs ~4x more and misses the argmax often; the margin check widens those tokens or
+    computes the whole head. The margin is an estimate from the candidates' errors, not a bound (the rows left
+    out with a high logit are those the screen underrated most), so it recovers part of the misses only: the
+    rank-256 default is what makes greedy agree (measured 2047 of 2048 held-out tokens in the study)."""
+    engine, sparse, x = smollm2
+    calib = hidden(engine, CALIBRATION_TEXT, 1024)
+    proj, screen = build_head_screen(sparse.output, calib, rank=32).weights(*sparse.output.shape)
+    head = Head(lambda x: x, sparse.output, engine.kc)  # type: ignore[arg-type]
+    weak = SparseHead(head, proj, screen, engine.kc, n_candidates=64)
+    x = x[:256].contiguous()
+    full = ops.linear(x, weak.output, engine.kc)
+    got = weak(x)
+    assert weak.stats.fallbacks + weak.stats.widened > 10
+    # the candidates alone (no check): the exact argmax among the screen's 64 best rows
+    screened = ops.linear(ops.linear(x, proj, engine.kc).contiguous(), screen, engine.kc)
+    cand = screened.topk(64, dim=1).indices
+    alone = cand.gather(1, full.gather(1, cand).argmax(1, keepdim=True)).squeeze(1)
+    truth = full.argmax(1)
+    # measured 211 against 209 of 256: the check recovers few misses of a weak screen
+    assert int((got.argmax(1) == truth).sum()) >= int((alone == truth).sum())
+    # with no room to widen, the unsafe tokens are computed whole: the whole head's bits
+    weak.max_extra, weak.stats = 0, HeadStats()
+    again = weak(x)
+    whole = [t for t in range(x.shape[0]) if torch.equal(again[t], full[t])]
+    assert len(whole) == weak.stats.fallbacks >= 10 and weak.stats.widened == 0
+
+
+def test_engine_builds_and_reports_it(tmp_path: Path):
+    """--sparse-head on a dense file calibrates a screen at load; greedy decode equals the whole head's."""
+    options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
+    engine = Engine(smollm2_path(), options)
+    assert isinstance(engine.model.head, SparseHead)
+    dense = Engine(smollm2_path(), EngineOptions(n_ctx=128, n_threads=2, sparse_head=False))
+    ids = engine.tokenizer.encode("The capital of France is")
+    a, b = engine.eval(ids), dense.eval(ids)
+    for _ in range(16):
+        ta, tb = int(a.argmax()), int(b.argmax())
+        assert ta == tb
+        a, b = engine.eval([ta]), dense.eval([tb])
+    lines = engine.sparse_report()
+    assert lines[0].startswith("head: sparse (screen of rank 256, 1024 exact candidates)")
+    # bytes per token: the file's 92.1 MiB less the 28.7 MiB head plus ~7.5 MiB of screen and candidates
+    per_token = engine.read_bytes_per_token() / 2**20
+    assert 68 < per_token < 74, per_token
+
+
+def test_sparse_head_refused_with_a_pool_device():
+    """The screen runs on the CPU head: with the layers on a pool device --sparse-head is one error line."""
+    from typer.testing import CliRunner
+
+    args = [
+        "main",
+        "-m",
+        str(smollm2_path()),
+        "--sparse-head",
+        "--pool-device",
+        "cpu",
+        "-ngl",
+        "99",
+        "-p",
+        "hi",
+    ]
+    r = CliRunner().invoke(app, [*args, "-n", "2"])
+    assert r.exit_code == 1
+    assert "--sparse-head runs on the CPU head only" in r.output
+    assert r.output.strip().count("\n") == 0
+
+
+def test_sparsify_writes_the_screen(tmp_path: Path):
+    """Written by sparsify into the PWRI file; the engine loads it by default and --no-sparse-head skips it."""
+    from powerinfer.sparsify import SparsifyOptions, run_sparsify
+
+    out = tmp_path / "s.powerinfer.gguf"
+    run_sparsify(
+        SparsifyOptions(
+            model=smollm2_path(),
+            corpus=CALIBRATION_TEXT,
+            output=out,
+            sparsity=0.3,
+            max_tokens=512,
+            n_threads=2,
+        )
+    )
+    tensors = read_gguf(out).tensors
+    assert tensors[SCREEN_PROJ].shape == (256, 576) and tensors[SCREEN].shape == (49152, 256)
+    assert isinstance(Engine(out, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
+    plain = Engine(out, EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
+    assert not isinstance(plain.model.head, SparseHead)
