@@ -25,6 +25,7 @@ from powerinfer.model.head import (
     screen_pays,
     screen_rank,
 )
+from powerinfer.runtime import head_cache
 from powerinfer.runtime.engine import CALIBRATION_TEXT, Engine, EngineOptions
 from tests.conftest import smollm2_path
 
@@ -110,8 +111,10 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
     assert len(whole) == weak.stats.fallbacks >= 10 and weak.stats.widened == 0
 
 
-def test_engine_builds_and_reports_it(tmp_path: Path):
-    """--sparse-head on a dense file calibrates a screen at load; greedy decode equals the whole head's."""
+def test_engine_builds_and_reports_it(tmp_path: Path, monkeypatch):
+    """--sparse-head on a dense file calibrates a screen at load (kept in the cache folder); greedy decode
+    equals the whole head's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
     engine = Engine(smollm2_path(), options)
     assert isinstance(engine.model.head, SparseHead)
@@ -171,3 +174,35 @@ def test_sparsify_writes_the_screen(tmp_path: Path):
     assert isinstance(Engine(out, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
     plain = Engine(out, EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
     assert not isinstance(plain.model.head, SparseHead)
+
+
+def test_cached_screen_is_checked(tmp_path: Path, monkeypatch, caplog):
+    """The second load takes the cached screen; a flipped byte anywhere in it is caught and the screen rebuilt."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
+    first = Engine(smollm2_path(), options).model.head
+    path = head_cache.cache_path(smollm2_path())
+    assert path.is_file() and not list(path.parent.glob(".tmp-*"))
+
+    def no_calibration(self, output):
+        raise AssertionError("calibrated again")
+
+    with monkeypatch.context() as m:
+        m.setattr(Engine, "_calibrated_screen", no_calibration)
+        again = Engine(smollm2_path(), options).model.head
+    assert isinstance(first, SparseHead) and isinstance(again, SparseHead)
+    assert torch.equal(first.screen.raw, again.screen.raw) and torch.equal(first.proj.raw, again.proj.raw)
+    data = bytearray(path.read_bytes())
+    for offset in (len(data) // 3, len(data) - 100):  # inside the screen's blocks, then the digest
+        bad = bytearray(data)
+        bad[offset] ^= 0x40
+        path.write_bytes(bytes(bad))
+        assert (
+            head_cache.load(smollm2_path(), (tuple(first.proj.raw.shape), tuple(first.screen.raw.shape)))
+            is None
+        )
+    path.write_bytes(data[:1000])  # truncated
+    with caplog.at_level("WARNING"):
+        rebuilt = Engine(smollm2_path(), options).model.head
+    assert "ignoring the cached head screen" in caplog.text
+    assert isinstance(rebuilt, SparseHead) and torch.equal(rebuilt.screen.raw, first.screen.raw)

@@ -26,19 +26,24 @@ from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import Head
 from powerinfer.model.head import (
+    PROJ_TYPE,
     SCREEN,
     SCREEN_PROJ,
     SCREEN_TOKENS,
+    SCREEN_TYPE,
     HeadScreen,
     HeadStats,
     SparseHead,
     build_head_screen,
     screen_pays,
+    screen_rank,
 )
 from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
 from powerinfer.placement.device_plan import DevicePlan, layers_plan
+from powerinfer.quant import row_bytes
+from powerinfer.runtime import head_cache
 from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
@@ -149,6 +154,7 @@ class Engine:
     def __init__(self, model_path: str | os.PathLike[str], options: EngineOptions | None = None) -> None:
         t0 = time.perf_counter()
         self.options = o = options or EngineOptions()
+        self.model_path = Path(model_path)
         self.kc = kernel_context(o)
         if o.n_threads is not None and o.n_threads > 0:
             torch.set_num_threads(o.n_threads)  # torch's own ops (norms, attention) use its thread pool
@@ -231,12 +237,23 @@ class Engine:
         elif want:
             if not screen_pays(head.output):
                 raise InputError("--sparse-head: this model's head is too small for a screen to pay")
-            proj, screen = self._calibrated_screen(head.output).weights(n_vocab, n_embd)
+            proj, screen = self._cached_screen(head.output).weights(n_vocab, n_embd)
         else:
             return
         sparse = SparseHead(head, proj, screen, self.kc)
         self.model.head = sparse
         self.head_stats = sparse.stats
+
+    def _cached_screen(self, output: ops.QWeight) -> HeadScreen:
+        """This file's screen from the cache folder (runtime.head_cache), else calibrated now and kept there."""
+        n_vocab, n_embd = output.shape
+        rank = screen_rank(n_embd)
+        shapes = ((rank, row_bytes(PROJ_TYPE, n_embd)), (n_vocab, row_bytes(SCREEN_TYPE, rank)))
+        screen = head_cache.load(self.model_path, shapes)
+        if screen is None:
+            screen = self._calibrated_screen(output)
+            head_cache.save(self.model_path, screen)
+        return screen
 
     def _calibrated_screen(self, output: ops.QWeight) -> HeadScreen:
         """A screen from this model's hidden states over the packaged calibration text."""

@@ -1,0 +1,84 @@
+"""Screens built for files without one (--sparse-head on a dense file), kept in the user's cache folder.
+
+One .npz per model file, named by a digest of the file's resolved path, size and modification time (a changed
+file gets a new screen); it holds the screen's raw blocks and a SHA-256 of them, checked on load. A file that
+fails the check (flipped bytes, truncated, not ours) is ignored with one warning and built again. Written to a
+temp file and renamed into place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from powerinfer.model.head import HeadScreen
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # bumped when the screen's construction changes
+
+
+def cache_folder() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "powerinfer" / "head-screens"
+
+
+def cache_path(model: Path) -> Path:
+    st = model.stat()
+    key = f"{VERSION}\0{model.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode("utf-8", "surrogateescape")
+    return cache_folder() / f"{hashlib.sha256(key).hexdigest()[:32]}.npz"
+
+
+def _digest(proj: np.ndarray, screen: np.ndarray, rank: int) -> str:
+    h = hashlib.sha256(f"{rank}:{proj.shape}:{screen.shape}".encode())
+    h.update(np.ascontiguousarray(proj).data)
+    h.update(np.ascontiguousarray(screen).data)
+    return h.hexdigest()
+
+
+def load(model: Path, shapes: tuple[tuple[int, int], tuple[int, int]]) -> HeadScreen | None:
+    """The cached screen of `model` whose raw arrays have `shapes` (proj, screen), or None (absent or bad)."""
+    path = cache_path(model)
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            proj, screen = z["proj"], z["screen"]
+            rank, digest = int(z["rank"]), str(z["digest"])
+        if (proj.dtype, screen.dtype) != (np.uint8, np.uint8) or (proj.shape, screen.shape) != shapes:
+            raise ValueError("shapes differ")
+        if _digest(proj, screen, rank) != digest:
+            raise ValueError("checksum mismatch")
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        log.warning("ignoring the cached head screen %s (%s); building it again", path, e)
+        return None
+    return HeadScreen(proj=proj, screen=screen, rank=rank)
+
+
+def save(model: Path, screen: HeadScreen) -> None:
+    """Keep `screen` for `model` (best effort: a cache that cannot be written is only logged)."""
+    path = cache_path(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npz", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(
+                    f,
+                    proj=screen.proj,
+                    screen=screen.screen,
+                    rank=np.int64(screen.rank),
+                    digest=np.array(_digest(screen.proj, screen.screen, screen.rank)),
+                )
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:
+        log.warning("cannot keep the head screen in %s: %s", path.parent, e)
