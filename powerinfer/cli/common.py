@@ -142,12 +142,19 @@ def resolve_model(path: Path | None) -> Path:
     sparsify once, on first use, and cached), else the bundled 8 M model."""
     if path is not None:
         return path
-    from powerinfer.sparsify.default import default_sparse_options, is_ready, smollm2_gguf
+    from powerinfer.sparsify.default import (
+        default_mode_line,
+        default_sparse_options,
+        is_ready,
+        seal,
+        smollm2_gguf,
+    )
 
     src = smollm2_gguf()
     if src is not None:
         opts = default_sparse_options(src)
         if is_ready(opts):
+            err_console.print(default_mode_line(), markup=False)
             return Path(opts.output)
         err_console.print(
             f"first run: making the default sparse SmolLM2 (once) in {opts.output.parent}", markup=False
@@ -155,6 +162,8 @@ def resolve_model(path: Path | None) -> Path:
         try:
             opts.output.parent.mkdir(parents=True, exist_ok=True)
             sparsify_with_progress(opts)
+            seal(opts)
+            err_console.print(default_mode_line(), markup=False)
             return Path(opts.output)
         except (OSError, PowerInferError) as e:
             log.warning("cannot make the default sparse SmolLM2 (%s); using the bundled model", e)
