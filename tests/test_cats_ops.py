@@ -216,18 +216,48 @@ def test_cats_per_neuron_thresholds_and_dense_rows(ggml_type, n_tokens):
 
 
 @needs_kernels
-def test_cats_prefill_branches_match_decode():
-    # T > 1 runs the row ops with per-token masks: the same values per token as the kernel for that token alone
-    # (dense-union branch with a low threshold, sparse-union branch with a high one)
-    kc = ops.KernelContext()
-    gate, up, down_t = ffn_weights((GGMLType.Q4_0,) * 3, 200, 256, 128)
-    x = make_x(5, 256)
-    for t in (1e-3, 2.0):
-        y, n_active, _ = ops.cats_ffn(x, gate, up, down_t, None, t, "silu", False, kc)
-        rows = [ops.cats_ffn(x[i : i + 1], gate, up, down_t, None, t, "silu", False, kc) for i in range(5)]
-        assert n_active == sum(r[1] for r in rows)
-        for i, (yi, _, _) in enumerate(rows):
-            assert torch.allclose(y[i], yi[0], rtol=1e-5, atol=1e-5 * float(yi.abs().max()) + 1e-30), (t, i)
+@pytest.mark.parametrize(
+    "ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.F16, GGMLType.Q4_K], ids=lambda t: t.name
+)
+def test_cats_prefill_branches_match_decode(ggml_type, act):
+    # T > 1 runs the row ops with per-token masks: each token's y bit for bit as the kernel gives it for that token
+    # alone (the kernel's activation, the same dot products, the down rows summed in index order skipping
+    # h == 0), in the dense-union branch (low threshold) and the sparse-union one (high), one and two stages,
+    # all rows or a candidate list, with a dense first token
+    kc = ops.KernelContext(act_precision=act)
+    n_in = 256
+    gate, up, down_t = ffn_weights((ggml_type,) * 3, 200, n_in, 128 if ggml_type not in KQ_TYPES else 256)
+    x = make_x(5, n_in)
+    t_out = out_thresholds(x[0], gate, up, "silu") * 0.05
+    dense = torch.tensor([True, False, False, False, False])
+    a = ops.act("silu", x @ sparse.decode_rows(gate, None).T).abs()  # (5, 200)
+    t_sparse = float(a.quantile(0.9))  # about 10% of the neurons per token: a union below the dense share
+    assert float((a > t_sparse).any(0).float().mean()) < sparse.CATS_DENSE_UNION_SHARE
+    for t, out_t, (name, cand), dense_rows in itertools.product(
+        (1e-3, t_sparse), (None, t_out), candidates(200).items(), (None, dense)
+    ):
+        where = (t, out_t is not None, name, dense_rows is not None)
+        y, n_active, n_up = ops.cats_ffn(
+            x, gate, up, down_t, cand, t, "silu", False, kc, out_thresholds=out_t, dense_rows=dense_rows
+        )
+        rows = [
+            ops.cats_ffn(
+                x[i : i + 1],
+                gate,
+                up,
+                down_t,
+                cand,
+                t,
+                "silu",
+                False,
+                kc,
+                out_thresholds=out_t,
+                dense_rows=None if dense_rows is None else dense_rows[i : i + 1],
+            )  # fmt: skip
+            for i in range(5)
+        ]
+        assert (n_active, n_up) == (sum(r[1] for r in rows), sum(r[2] for r in rows)), where
+        assert torch.equal(y, torch.cat([r[0] for r in rows])), where
 
 
 @needs_kernels

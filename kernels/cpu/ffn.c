@@ -1,7 +1,8 @@
-/* Fused decode FFN of one token: pi_ffn_rows (a row list) and pi_predict_ffn (the predictor in front), each one
- * parallel region, on the sparse kernels' arithmetic (sparse.h): bit-identical to rows_matmul(gate),
- * rows_matmul(up), the gating, rows_axpy(down_t) for ReLU. Both work in the caller's scratch buffer and allocate
- * nothing; both take the activation (enum ffn_act) and the SIMD level `isa` (enum pi_isa).
+/* Fused decode FFN of one token: pi_ffn_rows (a row list), pi_predict_ffn (the predictor in front) and pi_cats_ffn
+ * (CATS: every gate row, a threshold per neuron), each one parallel region, on the sparse kernels' arithmetic
+ * (sparse.h): bit-identical to rows_matmul(gate), rows_matmul(up), the gating, rows_axpy(down_t) for ReLU. All
+ * work in the caller's scratch buffer and allocate nothing; all take the activation (enum ffn_act) and the SIMD
+ * level `isa` (enum pi_isa).
  */
 #include <math.h>
 #include <omp.h>
@@ -31,6 +32,7 @@ typedef struct {
     const act_q8 *a;
     int act;
     int relu_up;
+    int h_is_act; /* the up pass finds act(gate) in h already (CATS), not the gate's dot product */
     float *h;   /* (M,) shared */
     axpy_ctx down; /* T = 1 over h */
     int kind_down;
@@ -75,33 +77,40 @@ static inline void ffn_prefetch_rows(const ffn_mat *mat, const int64_t *idx, int
  * Q4_0 file, 10% random rows, q8): whole rows ahead 4.01 / 2.25 ms at 1 / 2 threads, streamed 2 rows ahead 3.43,
  * 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. */
 #define FFN_STREAM_ROWS 8
-static void ffn_phase1(const ffn_ctx *c, int64_t m0, int64_t m1) {
-    act_q8 al = *c->a;
-    for (int pass = 0; pass < 2; pass++) {
-        const ffn_mat *mat = pass == 0 ? &c->gate : &c->up;
-        if (mat->tq != NULL) {
-            for (int64_t r = m0; r < min_i64(m0 + FFN_STREAM_ROWS, m1); r++)
-                prefetch_bytes(mat->w + c->idx[r] * mat->stride, mat->row_bytes);
-            for (int64_t m = m0; m < m1; m++) {
-                al.ahead = m + FFN_STREAM_ROWS < m1 ? (c->idx[m + FFN_STREAM_ROWS] - c->idx[m]) * mat->stride : 0;
-                float out;
-                mat->tq(mat->w + c->idx[m] * mat->stride, &al, 0, 1, &out);
-                c->h[m] = pass == 0 ? out : ffn_act(c->act, c->h[m]) * (c->relu_up ? relu_f(out) : out);
-            }
-            continue;
+/* One pass over the neurons [m0, m1) of the list: the gate rows (pass 0, their dots into h) or the up rows (pass 1,
+ * h = act(h) * up, or h * up when h holds act(gate) already) */
+static void ffn_pass(const ffn_ctx *c, int pass, int64_t m0, int64_t m1) {
+    const ffn_mat *mat = pass == 0 ? &c->gate : &c->up;
+    const int act = c->h_is_act ? -1 : c->act;
+#define FFN_GATED(g, v) (act < 0 ? (g) : ffn_act(act, (g))) * (c->relu_up ? relu_f(v) : (v))
+    if (mat->tq != NULL) {
+        act_q8 al = *c->a;
+        for (int64_t r = m0; r < min_i64(m0 + FFN_STREAM_ROWS, m1); r++)
+            prefetch_bytes(mat->w + c->idx[r] * mat->stride, mat->row_bytes);
+        for (int64_t m = m0; m < m1; m++) {
+            al.ahead = m + FFN_STREAM_ROWS < m1 ? (c->idx[m + FFN_STREAM_ROWS] - c->idx[m]) * mat->stride : 0;
+            float out;
+            mat->tq(mat->w + c->idx[m] * mat->stride, &al, 0, 1, &out);
+            c->h[m] = pass == 0 ? out : FFN_GATED(c->h[m], out);
         }
-        for (int64_t a = 0; a < FFN_AHEAD; a++) ffn_prefetch_rows(mat, c->idx, m0 + 2 * a, m1);
-        for (int64_t m = m0; m < m1; m += 2) {
-            const int n = (int)min_i64(2, m1 - m);
-            ffn_prefetch_rows(mat, c->idx, m + 2 * FFN_AHEAD, m1);
-            const uint8_t *rows[2];
-            float out[2];
-            for (int r = 0; r < n; r++) rows[r] = mat->w + c->idx[m + r] * mat->stride;
-            ffn_dot(mat, rows, n, c, out);
-            for (int r = 0; r < n; r++)
-                c->h[m + r] = pass == 0 ? out[r] : ffn_act(c->act, c->h[m + r]) * (c->relu_up ? relu_f(out[r]) : out[r]);
-        }
+        return;
     }
+    for (int64_t a = 0; a < FFN_AHEAD; a++) ffn_prefetch_rows(mat, c->idx, m0 + 2 * a, m1);
+    for (int64_t m = m0; m < m1; m += 2) {
+        const int n = (int)min_i64(2, m1 - m);
+        ffn_prefetch_rows(mat, c->idx, m + 2 * FFN_AHEAD, m1);
+        const uint8_t *rows[2];
+        float out[2];
+        for (int r = 0; r < n; r++) rows[r] = mat->w + c->idx[m + r] * mat->stride;
+        ffn_dot(mat, rows, n, c, out);
+        for (int r = 0; r < n; r++) c->h[m + r] = pass == 0 ? out[r] : FFN_GATED(c->h[m + r], out[r]);
+    }
+#undef FFN_GATED
+}
+
+static void ffn_phase1(const ffn_ctx *c, int64_t m0, int64_t m1) {
+    ffn_pass(c, 0, m0, m1);
+    ffn_pass(c, 1, m0, m1);
 }
 
 /* this thread's slice of the output units: the rows with h != 0, as rows_axpy sums them */
@@ -325,89 +334,59 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
 /* pi_cats_ffn computes, for one token u (K,) over the candidate neurons cand[0..C) (NULL: all N rows, C == N):
  *   a_n = act(gate_n . u),  active = {n : |a_n| > thresholds[n]} in candidate order (written to idx, count to
  *   *n_active),  h_n = a_n * (relu(up_n . u) if relu_up else up_n . u),  y = sum_{n active} h_n down_t[n]
- * Phase 1: the candidates split in contiguous ranges over threads; each thread computes its gate rows
- *   (ROWS_DOT_MAX at a time, the dot products of rows_matmul for the precision), thresholds them, and computes
- *   the up rows of its active neurons as they are found (ROWS_DOT_MAX at a time, prefetched when found).
- * The per-thread lists are compacted in thread (= candidate) order, then phase 2 sums the down rows exactly
- * as pi_ffn_rows does. So y equals rows_matmul(gate, cand), the activation, the mask, rows_matmul(up, idx),
- * the gating and rows_axpy(down_t, idx) bit for bit for ReLU (libm activations otherwise), and does not depend
- * on the thread count. A candidate list in increasing order gives idx in increasing order.
+ * in one parallel region:
+ * Gate: the candidates split in contiguous ranges over threads; each thread computes its gate rows (all rows:
+ *   read in order and streamed as the dense matvec reads them, ffn_mat_matvec; a candidate list: the rows a few
+ *   steps ahead prefetched) and keeps, in order, those passing the threshold.
+ * Barrier; the per-thread lists compacted in thread (= candidate) order.
+ * Up: the active list split evenly over threads, its up rows streamed as ffn_pass streams a row list.
+ * Barrier; phase 2 sums the down rows exactly as pi_ffn_rows does.
+ * So y equals rows_matmul(gate, cand), the activation, the mask, rows_matmul(up, idx), the gating and
+ * rows_axpy(down_t, idx) bit for bit for ReLU (libm activations otherwise), and does not depend on the thread
+ * count. A candidate list in increasing order gives idx in increasing order.
  * Two-stage selection (out_thresholds not NULL): the neurons passing the gate threshold have their up rows
  * read, and only those with |h_n| > out_thresholds[n] stay active (their down rows summed); *n_up receives the
  * count of up rows read. */
 typedef struct {
     ffn_ctx c;        /* c.idx and c.h: the compacted active list and h; c.M its length */
+    int gate_kind;
     const int64_t *cand; /* NULL: rows 0..C) */
     int64_t C;
     const float *thresholds; /* N entries, by row (a NaN never passes) */
     const float *out_thresholds; /* NULL, or N entries on |h| by row: the second stage */
+    int dense;         /* every candidate active: thresholds and out_thresholds not read */
     int64_t *idx;      /* C entries: the active rows, per-thread slices before compaction */
-    float *a;          /* C entries: act(gate) then h of the active rows, per-thread slices before compaction */
+    float *a;          /* C entries: gate, act(gate) then h of the active rows, per-thread slices before compaction */
 } cats_ctx;
 
 static inline int64_t cats_row(const cats_ctx *k, int64_t i) { return k->cand == NULL ? i : k->cand[i]; }
 
-/* up rows of pending[0..n) (positions in this thread's slice), h = a * up */
-static void cats_flush_up(const cats_ctx *k, const int64_t *pending, int n) {
-    const uint8_t *rows[ROWS_DOT_MAX];
-    float out[ROWS_DOT_MAX];
-    for (int r = 0; r < n; r++) rows[r] = k->c.up.w + k->idx[pending[r]] * k->c.up.stride;
-    ffn_dot(&k->c.up, rows, n, &k->c, out);
-    for (int r = 0; r < n; r++) {
-        const float v = k->c.relu_up ? relu_f(out[r]) : out[r];
-        k->a[pending[r]] = k->a[pending[r]] * v;
-    }
-}
-
-/* candidates [i0, i1) of this thread: the gate rows and the threshold first (one stream through the gate), then
- * the up rows of the active ones (a second stream, the next rows prefetched), then the second stage
- * if any; returns the number active (their rows at idx[i0..), their h at a[i0..)), the up rows read in *n_up */
-static int64_t cats_phase1(const cats_ctx *k, int64_t i0, int64_t i1, int64_t *n_up) {
+/* candidates [i0, i1) of this thread: the gate rows into a[i0..i1), then the threshold; returns the number
+ * active, their rows at idx[i0..) and act(gate) at a[i0..) */
+static int64_t cats_gate(const cats_ctx *k, int64_t i0, int64_t i1) {
     const ffn_ctx *c = &k->c;
-    int64_t n_act = 0;
-    for (int64_t i = i0; i < i1; i += ROWS_DOT_MAX) {
-        const int R = (int)min_i64(ROWS_DOT_MAX, i1 - i);
-        const uint8_t *rows[ROWS_DOT_MAX];
-        float g[ROWS_DOT_MAX];
-        if (k->cand != NULL) /* a candidate list skips rows: fetch ahead (consecutive rows stream by themselves) */
+    if (k->cand == NULL) {
+        ffn_mat_matvec(&c->gate, k->gate_kind, c->a, c->u, c->K, i0, i1, k->a);
+    } else {
+        for (int64_t i = i0; i < i1; i += ROWS_DOT_MAX) {
+            const int R = (int)min_i64(ROWS_DOT_MAX, i1 - i);
+            const uint8_t *rows[ROWS_DOT_MAX];
+            /* a candidate list skips rows: fetch ahead */
             for (int64_t j = i + 2 * ROWS_DOT_MAX; j < min_i64(i + 3 * ROWS_DOT_MAX, i1); j++)
-                prefetch_bytes(c->gate.w + cats_row(k, j) * c->gate.stride, c->gate.row_bytes);
-        for (int r = 0; r < R; r++) rows[r] = c->gate.w + cats_row(k, i + r) * c->gate.stride;
-        ffn_dot(&c->gate, rows, R, c, g);
-        for (int r = 0; r < R; r++) {
-            const float a = ffn_act(c->act, g[r]);
-            const int64_t row = cats_row(k, i + r);
-            if (!(fabsf(a) > k->thresholds[row])) continue;
-            k->idx[i0 + n_act] = row;
-            k->a[i0 + n_act++] = a;
+                prefetch_bytes(c->gate.w + k->cand[j] * c->gate.stride, c->gate.row_bytes);
+            for (int r = 0; r < R; r++) rows[r] = c->gate.w + k->cand[i + r] * c->gate.stride;
+            ffn_dot(&c->gate, rows, R, c, k->a + i);
         }
     }
-    /* the up rows of the active neurons one at a time (short rows ROWS_DOT_MAX at a time, as ffn_dot takes
-     * them), the next ones prefetched whole while these are computed: bursts of 4 x 4 long rows ahead (72 lines
-     * each for Q4_0) overran the line fill buffers (measured on the 2-core EPYC, 1.1B Q4_0, 22 layers, 75% of
-     * the up and down rows: 94 ms -t 1 and 50 ms -t 2 with bursts, 69 ms and 38 ms like this) */
-    const int64_t batch = c->up.row_bytes > FFN_DOT_MAX_ROW || c->up.tq != NULL ? 1 : ROWS_DOT_MAX;
-    int64_t pending[ROWS_DOT_MAX];
-    for (int64_t q = 0; q < min_i64(batch, n_act); q++)
-        prefetch_bytes(c->up.w + k->idx[i0 + q] * c->up.stride, c->up.row_bytes);
-    for (int64_t p = 0; p < n_act; p += batch) {
-        const int R = (int)min_i64(batch, n_act - p);
-        for (int64_t q = p + batch; q < min_i64(p + 2 * batch, n_act); q++)
-            prefetch_bytes(c->up.w + k->idx[i0 + q] * c->up.stride, c->up.row_bytes);
-        for (int r = 0; r < R; r++) pending[r] = i0 + p + r;
-        cats_flush_up(k, pending, R);
+    int64_t n_act = 0; /* compacted in place: the write position never passes the read one */
+    for (int64_t i = i0; i < i1; i++) {
+        const float a = ffn_act(c->act, k->a[i]);
+        const int64_t row = cats_row(k, i);
+        if (!k->dense && !(fabsf(a) > k->thresholds[row])) continue;
+        k->idx[i0 + n_act] = row;
+        k->a[i0 + n_act++] = a;
     }
-    *n_up = n_act;
-    if (k->out_thresholds == NULL) return n_act;
-    int64_t kept = 0; /* second stage: keep the neurons whose |h| passes, in order */
-    for (int64_t p = 0; p < n_act; p++) {
-        const int64_t row = k->idx[i0 + p];
-        const float h = k->a[i0 + p];
-        if (!(fabsf(h) > k->out_thresholds[row])) continue;
-        k->idx[i0 + kept] = row;
-        k->a[i0 + kept++] = h;
-    }
-    return kept;
+    return n_act;
 }
 
 /* Scratch of pi_cats_ffn over C candidates of K inputs: a/h (C floats), then the int8 activations (q8). */
@@ -420,23 +399,14 @@ PI_EXPORT int64_t pi_cats_ffn_scratch_bytes(int64_t C, int64_t K, int32_t q8_act
     return (int64_t)(cats_ffn_scratch(C, K, q8_act != 0) + PI_SCRATCH_ALIGN);
 }
 
-/* pi_cats_ffn(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
- *             cand, C, thresholds, out_thresholds, act, relu_up, q8_act, idx, n_active, n_up, y, scratch,
- *             scratch_bytes, threads, isa):
- * as described above; kinds and act as for pi_ffn_rows; thresholds: N floats, one per row; out_thresholds: NULL
- * (one stage) or N floats; n_up may be NULL; cand: C candidate
- * rows in [0, N) (NULL: all rows,
- * C must equal N); idx must hold C entries. scratch: at least pi_cats_ffn_scratch_bytes(C, K, q8_act) bytes,
- * else PI_ERR_SCRATCH. */
-PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
-                              int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
-                              int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
-                              const int64_t *cand, int64_t C, const float *thresholds, const float *out_thresholds,
-                              int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx, int64_t *n_active,
-                              int64_t *n_up, float *y, void *scratch, int64_t scratch_bytes, int32_t n_threads,
-                              int32_t isa) {
+int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate, int64_t gate_stride,
+                     int32_t gate_kind, const uint8_t *up, int64_t up_stride, int32_t up_kind, const uint8_t *down,
+                     int64_t down_stride, int32_t down_kind, const int64_t *cand, int64_t C, const float *thresholds,
+                     const float *out_thresholds, int dense, int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx,
+                     int64_t *n_active, int64_t *n_up, float *y, void *scratch, int64_t scratch_bytes,
+                     int32_t n_threads, int32_t isa) {
     if (K < 0 || D < 0 || N < 0 || C < 0 || act < ACT_RELU || act > ACT_LAST) return PI_ERR_SHAPE;
-    if (y == NULL || n_active == NULL || (C > 0 && (u == NULL || idx == NULL || thresholds == NULL)))
+    if (y == NULL || n_active == NULL || (C > 0 && (u == NULL || idx == NULL || (!dense && thresholds == NULL))))
         return PI_ERR_SHAPE;
     const int32_t kinds[3] = {gate_kind, up_kind, down_kind};
     const int64_t lens[3] = {K, K, D}, strides[3] = {gate_stride, up_stride, down_stride};
@@ -462,41 +432,60 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     float *a_buf = (float *)buf;
     act_q8 aq = {0};
     if (need_q8) act_q8_prepare(table, u, K, buf + align_up((size_t)C * 4), &aq);
-    int64_t counts[PI_MAX_THREADS], ups[PI_MAX_THREADS]; /* active neurons and up rows read, per thread */
+    int64_t counts[PI_MAX_THREADS]; /* active neurons per thread */
     int64_t up_total = 0;
     cats_ctx k = {
         .c = {
             .gate = ffn_mat_of(table, gate_kind, q8_act, gate, gate_stride, K),
             .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
-            .idx = idx, .M = 0, .K = K, .u = u, .a = &aq, .act = act, .relu_up = relu_up != 0, .h = a_buf,
+            .idx = idx, .M = 0, .K = K, .u = u, .a = &aq, .act = act, .relu_up = relu_up != 0, .h_is_act = 1,
+            .h = a_buf,
             .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                      .unit_bytes = unit_bytes_of(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
                      .y_stride = D},
             .kind_down = down_kind,
             .units = axpy_units_for(level),
         },
-        .cand = cand, .C = C, .thresholds = thresholds, .out_thresholds = out_thresholds, .idx = idx, .a = a_buf,
+        .gate_kind = gate_kind, .cand = cand, .C = C, .thresholds = thresholds,
+        .out_thresholds = dense ? NULL : out_thresholds, .dense = dense != 0, .idx = idx, .a = a_buf,
     };
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-        counts[me] = cats_phase1(&k, C * me / all, C * (me + 1) / all, &ups[me]);
+        counts[me] = cats_gate(&k, C * me / all, C * (me + 1) / all);
 #pragma omp barrier
 #pragma omp single
         {
             /* compact the per-thread slices in thread (= candidate) order */
             int64_t M = counts[0];
-            up_total = ups[0];
             for (int64_t t = 1; t < all; t++) {
-                up_total += ups[t];
                 const int64_t src = C * t / all;
                 memmove(idx + M, idx + src, (size_t)counts[t] * sizeof(int64_t));
                 memmove(a_buf + M, a_buf + src, (size_t)counts[t] * sizeof(float));
                 M += counts[t];
             }
             k.c.M = M;
-            k.c.down.M = M;
-            k.c.down.h_stride = M;
+            up_total = M;
+        } /* implicit barrier */
+        const int64_t M = k.c.M;
+        ffn_pass(&k.c, 1, M * me / all, M * (me + 1) / all);
+#pragma omp barrier
+#pragma omp single
+        {
+            int64_t kept = M;
+            if (k.out_thresholds != NULL) { /* second stage: keep the neurons whose |h| passes, in order */
+                kept = 0;
+                for (int64_t m = 0; m < M; m++) {
+                    const int64_t row = idx[m];
+                    const float h = a_buf[m];
+                    if (!(fabsf(h) > k.out_thresholds[row])) continue;
+                    idx[kept] = row;
+                    a_buf[kept++] = h;
+                }
+            }
+            k.c.M = kept;
+            k.c.down.M = kept;
+            k.c.down.h_stride = kept;
         } /* implicit barrier */
         ffn_phase2(&k.c, me, all);
     }
@@ -505,4 +494,23 @@ PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, c
     if (k.c.M == 0)
         for (int64_t e = 0; e < D; e++) y[e] = 0.0f;
     return PI_OK;
+}
+
+/* pi_cats_ffn(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
+ *             cand, C, thresholds, out_thresholds, act, relu_up, q8_act, idx, n_active, n_up, y, scratch,
+ *             scratch_bytes, threads, isa):
+ * as described above; kinds and act as for pi_ffn_rows; thresholds: N floats, one per row; out_thresholds: NULL
+ * (one stage) or N floats; n_up may be NULL; cand: C candidate rows in [0, N) (NULL: all rows, C must equal N);
+ * idx must hold C entries. scratch: at least pi_cats_ffn_scratch_bytes(C, K, q8_act) bytes, else
+ * PI_ERR_SCRATCH. */
+PI_EXPORT int32_t pi_cats_ffn(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
+                              int64_t gate_stride, int32_t gate_kind, const uint8_t *up, int64_t up_stride,
+                              int32_t up_kind, const uint8_t *down, int64_t down_stride, int32_t down_kind,
+                              const int64_t *cand, int64_t C, const float *thresholds, const float *out_thresholds,
+                              int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx, int64_t *n_active,
+                              int64_t *n_up, float *y, void *scratch, int64_t scratch_bytes, int32_t n_threads,
+                              int32_t isa) {
+    return cats_ffn_run(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down, down_stride,
+                        down_kind, cand, C, thresholds, out_thresholds, 0, act, relu_up, q8_act, idx, n_active, n_up,
+                        y, scratch, scratch_bytes, n_threads, isa);
 }

@@ -4,6 +4,7 @@
  *   pi_attn_block: x += wo . attention(rope(wq . n), rope(wk . n), wv . n),  n = rmsnorm(x) * norm
  *   pi_ffn_block:  x += down . (act(gate . n) * up . n),                     n = rmsnorm(x) * norm
  *   pi_sparse_ffn_block: x += pi_predict_ffn(x, n) (PowerInfer's predictor on x, the predicted rows on n)
+ *   pi_cats_ffn_block: x += pi_cats_ffn(n) (CATS: every gate row, the thresholds, the active up and down rows)
  *
  * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
  * int8 blocks of Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1, Q8_K for the K-quants; float activations for the other types and in f32),
@@ -131,25 +132,7 @@ static void mv_rows(const matmul_table *t, int32_t level, const pi_mat *m, int q
         return;
     }
     const ffn_mat f = ffn_mat_of(t, m->kind, q8, m->w, stride, K);
-    if (f.tq != NULL) { /* int8 tiles: they prefetch as they read (act_q8.ahead) */
-        act_q8 a = in->a;
-        a.ahead = MATVEC_STREAM_AHEAD;
-        for (int64_t n = n0; n < n1; n++) f.tq(m->w + n * stride, &a, 0, 1, y + n);
-        return;
-    }
-    /* float kinds prefetch as they read (rows_dot_fn's ahead), the exact-mode quant kinds take whole rows ahead */
-    const int stream = m->kind == KIND_F32 || m->kind == KIND_F16 || m->kind == KIND_BF16;
-    const int64_t ahead = stream ? 0 : matvec_rows_ahead(f.row_bytes);
-    const int group = f.row_bytes > FFN_DOT_MAX_ROW ? 1 : ROWS_DOT_MAX;
-    for (int64_t n = n0; n < n1; n += group) {
-        const int R = (int)min_i64(group, n1 - n);
-        const uint8_t *rows[ROWS_DOT_MAX];
-        for (int r = 0; r < R; r++) {
-            rows[r] = m->w + (n + r) * stride;
-            if (ahead > 0 && n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * stride, f.row_bytes);
-        }
-        f.dot(rows, R, K, in->x, y + n, stream ? MATVEC_STREAM_AHEAD : 0);
-    }
+    ffn_mat_matvec(&f, m->kind, &in->a, in->x, K, n0, n1, y);
 }
 
 /* The rows of several matrices read by one input, numbered one after the other and split in contiguous ranges
@@ -271,6 +254,65 @@ PI_EXPORT int32_t pi_sparse_ffn_block(const pi_sparse_ffn_block_desc *b, float *
     *b->tokens += 1;
     *b->active += n_active;
     *b->predictor_seconds += seconds;
+    return PI_OK;
+}
+
+/* A CATS FFN block (gated, no biases, every neuron on the CPU): the ctypes mirror is powerinfer/ops/layer.py.
+ * thresholds, out_thresholds (NULL: one stage): n_ff floats each; tokens / active / up_read: this layer's
+ * counters, updated by each call. */
+typedef struct {
+    int64_t n_embd, n_ff;
+    float eps;
+    int32_t act, relu_up, reserved;
+    const float *norm; /* n_embd */
+    const float *thresholds, *out_thresholds;
+    pi_mat gate, up, down_t;
+    int64_t *tokens, *active, *up_read;
+} pi_cats_ffn_block_desc;
+
+static size_t cats_ffn_block_scratch(int64_t n_embd, int64_t n_ff) {
+    return align_up((size_t)n_embd * 4) * 2 + align_up((size_t)n_ff * 8) +
+           (size_t)pi_cats_ffn_scratch_bytes(n_ff, n_embd, 1);
+}
+
+/* Bytes of scratch pi_cats_ffn_block needs (either precision), the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_cats_ffn_block_scratch_bytes(int64_t n_embd, int64_t n_ff) {
+    if (n_embd <= 0 || n_ff <= 0) return -1;
+    return (int64_t)(cats_ffn_block_scratch(n_embd, n_ff) + PI_SCRATCH_ALIGN);
+}
+
+/* pi_cats_ffn_block(desc, x, dense, scratch, scratch_bytes, q8, threads, isa): n = rmsnorm(x) * norm
+ * (pi_rms_norm's), y = pi_cats_ffn(n) over every neuron with the desc's thresholds, x += y; dense != 0 (the first
+ * token of a sequence) makes every neuron active (no threshold read, one stage). The layer's counters take the
+ * token, its active neurons and its up rows read. The bits of rms_norm, cats_ffn (with thresholds of -1 when
+ * dense) and a float add called one by one. scratch: at least pi_cats_ffn_block_scratch_bytes bytes. */
+PI_EXPORT int32_t pi_cats_ffn_block(const pi_cats_ffn_block_desc *b, float *x, int32_t dense, void *scratch,
+                                    int64_t scratch_bytes, int32_t q8, int32_t n_threads, int32_t isa) {
+    if (b == NULL || x == NULL || b->norm == NULL || b->thresholds == NULL || b->tokens == NULL ||
+        b->active == NULL || b->up_read == NULL)
+        return PI_ERR_SHAPE;
+    const int64_t E = b->n_embd, F = b->n_ff;
+    if (E <= 0 || F <= 0) return PI_ERR_SHAPE;
+    if (!mat_ok(&b->gate, F, E) || !mat_ok(&b->up, F, E) || !mat_ok(&b->down_t, F, E)) return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, cats_ffn_block_scratch(E, F), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *y = (float *)(buf + align_up((size_t)E * 4));
+    int64_t *idx = (int64_t *)((uint8_t *)y + align_up((size_t)E * 4));
+    uint8_t *rest = (uint8_t *)idx + align_up((size_t)F * 8);
+    const int64_t rest_bytes = scratch_bytes - (int64_t)(rest - (uint8_t *)scratch);
+    rms_norm_row(x, b->norm, E, b->eps, xn);
+    int64_t n_active = 0, n_up = 0;
+    status = cats_ffn_run(xn, E, E, F, b->gate.w, b->gate.stride, b->gate.kind, b->up.w, b->up.stride, b->up.kind,
+                          b->down_t.w, b->down_t.stride, b->down_t.kind, NULL, F, b->thresholds, b->out_thresholds,
+                          dense != 0, b->act, b->relu_up, q8, idx, &n_active, &n_up, y, rest, rest_bytes, n_threads,
+                          isa);
+    if (status != PI_OK) return status;
+    for (int64_t e = 0; e < E; e++) x[e] += y[e];
+    *b->tokens += 1;
+    *b->active += n_active;
+    *b->up_read += n_up;
     return PI_OK;
 }
 

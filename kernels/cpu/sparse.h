@@ -137,6 +137,33 @@ static inline ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const 
     return m;
 }
 
+/* y[n] = rows n of f . x for n in [n0, n1), consecutive rows of one token (a dense matrix read in order), with the
+ * arithmetic of ffn_dot / rows_matmul for the precision whatever the grouping: the int8 tiles (a: x quantised,
+ * f->tq set) prefetch as they read (act_q8.ahead = MATVEC_STREAM_AHEAD), the float kinds (F32, F16, BF16) too
+ * (rows_dot_fn's ahead), the other kinds take whole rows MATVEC_AHEAD_BYTES ahead; rows longer than
+ * FFN_DOT_MAX_ROW one per call. */
+static inline void ffn_mat_matvec(const ffn_mat *f, int kind, const act_q8 *a, const float *x, int64_t K, int64_t n0,
+                                  int64_t n1, float *y) {
+    if (f->tq != NULL) {
+        act_q8 al = *a;
+        al.ahead = MATVEC_STREAM_AHEAD;
+        for (int64_t n = n0; n < n1; n++) f->tq(f->w + n * f->stride, &al, 0, 1, y + n);
+        return;
+    }
+    const int stream = kind == KIND_F32 || kind == KIND_F16 || kind == KIND_BF16;
+    const int64_t ahead = stream ? 0 : matvec_rows_ahead(f->row_bytes);
+    const int group = f->row_bytes > FFN_DOT_MAX_ROW ? 1 : ROWS_DOT_MAX;
+    for (int64_t n = n0; n < n1; n += group) {
+        const int R = (int)min_i64(group, n1 - n);
+        const uint8_t *rows[ROWS_DOT_MAX];
+        for (int r = 0; r < R; r++) {
+            rows[r] = f->w + (n + r) * f->stride;
+            if (ahead > 0 && n + r + ahead < n1) prefetch_bytes(rows[r] + ahead * f->stride, f->row_bytes);
+        }
+        f->dot(rows, R, K, x, y + n, stream ? MATVEC_STREAM_AHEAD : 0);
+    }
+}
+
 /* torch.relu: NaN stays NaN */
 static inline float relu_f(float x) { return x > 0.0f || x != x ? x : 0.0f; }
 
@@ -176,5 +203,15 @@ int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int64_t D, int
                        int32_t down_kind, int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx, int64_t *n_active,
                        double *predictor_seconds, float *y, void *scratch, int64_t scratch_bytes, int32_t n_threads,
                        int32_t isa);
+
+/* ffn.c: pi_cats_ffn with `dense` != 0 running every candidate (no thresholds read, no second stage); the CATS
+ * FFN block (layer.c) calls it */
+int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate, int64_t gate_stride,
+                     int32_t gate_kind, const uint8_t *up, int64_t up_stride, int32_t up_kind, const uint8_t *down,
+                     int64_t down_stride, int32_t down_kind, const int64_t *cand, int64_t C, const float *thresholds,
+                     const float *out_thresholds, int dense, int32_t act, int32_t relu_up, int32_t q8_act, int64_t *idx,
+                     int64_t *n_active, int64_t *n_up, float *y, void *scratch, int64_t scratch_bytes,
+                     int32_t n_threads, int32_t isa);
+int64_t pi_cats_ffn_scratch_bytes(int64_t C, int64_t K, int32_t q8_act);
 
 #endif

@@ -117,8 +117,10 @@ PROJ_TYPE = GGMLType.Q8_0
 SCREEN_TYPE = GGMLType.Q4_0
 # calibration tokens whose hidden states define the screen's basis
 SCREEN_TOKENS = 2048
-# the screen pays when it reads at most this share of the head's bytes
+# the screen pays when it reads at most this share of the head's bytes, on a head of at least MIN_HEAD_BYTES (below,
+# the step's fixed costs, ~0.2 ms of top-k and row lists a token, outweigh the bytes saved)
 MAX_SCREEN_SHARE = 0.5
+MIN_HEAD_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def screen_rank(n_embd: int) -> int:
 def screen_pays(head: QWeight) -> bool:
     """Whether a screen of screen_rank reads at most MAX_SCREEN_SHARE of the head's bytes (and fits the blocks)."""
     n_vocab, n_embd = head.shape
-    if n_embd % 32 or n_embd < 64:
+    if n_embd % 32 or n_embd < 64 or head.raw.numel() < MIN_HEAD_BYTES:
         return False
     rank = screen_rank(n_embd)
     screen_bytes = n_vocab * rank // 32 * 18 + rank * n_embd // 32 * 34

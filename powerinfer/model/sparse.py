@@ -123,12 +123,32 @@ class FusedSparseFFN:
     def scratch_bytes(self) -> int:
         return self.block.scratch_bytes()
 
-    def __call__(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
-        """x (1, n_embd) float32 contiguous CPU, updated in place."""
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor, first: bool = False) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; `first` (the token opens its sequence) changes
+        nothing: the predictor selects at every position."""
         if self.ffn.stats.true_active is None:
             self.block(x, scratch)
         else:
             x += self.ffn(self.norm(x), x)
+
+
+class FusedThresholdFFN:
+    """A layer's CATS FFN block (norm and residual add included) as one kernel call for one token; with recall
+    tracking on it runs op by op, as FusedSparseFFN."""
+
+    def __init__(self, ffn: ThresholdFFN, norm: Norm, block: ops.CATSFFNBlock) -> None:
+        self.ffn, self.norm, self.block = ffn, norm, block
+
+    def scratch_bytes(self) -> int:
+        return self.block.scratch_bytes()
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor, first: bool = False) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; `first`: the token opens its sequence (position
+        0, the attention sink), and runs dense."""
+        if self.ffn.stats.true_active is None:
+            self.block(x, scratch, first)
+        else:
+            x += self.ffn(self.norm(x), x, first=first)
 
 
 class HotPart(Protocol):
@@ -368,14 +388,35 @@ class ThresholdFFN:
         self.workspace = workspace or Workspace()
         self.workspace.reserve("ffn", ops.cats_scratch_bytes(self.n_ff, gate.shape[1]))
 
+    def fuse(self, norm: Norm) -> FusedThresholdFFN | None:
+        """This block behind `norm` as one fused op for one token (norm, CATS FFN, residual add, the layer's
+        counters: ops.cats_ffn_block); None where the one-call decode does not apply (a pool part)."""
+        s, b = self.stats, self.bid
+        if self.hot is not None or norm.spec.kind == "layer":
+            return None
+        block = ops.cats_ffn_block(
+            norm.weight, norm.spec.eps, self.thresholds, self.out_thresholds, self.gate, self.up, self.down_t,
+            self.spec.act, self.spec.relu_up, (s.tokens[b : b + 1], s.active[b : b + 1], s.up_read[b : b + 1]),
+            self.kc,
+        )  # fmt: skip
+        return None if block is None else FusedThresholdFFN(self, norm, block)
+
     def __call__(
-        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+        self,
+        x_norm: torch.Tensor,
+        x_residual: torch.Tensor,
+        batch: StepBatch | None = None,
+        first: bool = False,
     ) -> torch.Tensor:
+        """FFN output (T, D) of x_norm (T, D); the first token of a sequence (position 0 in `batch`, or T = 1 and
+        `first`) runs dense."""
         s, spec = self.stats, self.spec
         T = x_norm.shape[0]
         # the first token of a sequence (the attention sink every later token reads) runs dense
         dense_rows = None
-        if (
+        if first and T == 1:
+            dense_rows = torch.ones(1, dtype=torch.bool)
+        elif (
             batch is not None
             and batch.positions.shape[0] == T
             and any(seg.pos == 0 for seg in batch.segments)

@@ -16,7 +16,7 @@ import torch
 from powerinfer import ops
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
-from powerinfer.model.sparse import FusedSparseFFN, SparseFFN
+from powerinfer.model.sparse import FusedSparseFFN, FusedThresholdFFN, SparseFFN, ThresholdFFN
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
 FFNObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -42,7 +42,7 @@ class Layer:
     post_ffn_norm: Norm | None = None
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
     fused_attn: ops.AttnBlock | None = None
-    fused_ffn: ops.FFNBlock | FusedSparseFFN | None = None
+    fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | None = None
 
 
 class Transformer:
@@ -91,7 +91,7 @@ class Transformer:
             ):
                 continue
             layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
-            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN):
+            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN | ThresholdFFN):
                 layer.fused_ffn = layer.ffn.fuse(layer.ffn_norm)
                 if layer.fused_ffn is not None:
                     layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())
@@ -137,7 +137,7 @@ class Transformer:
             assert rope is not None
             attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
             if layer.fused_ffn is not None:
-                layer.fused_ffn(x, workspace.get("ffn_block"))
+                layer.fused_ffn(x, workspace.get("ffn_block"), pos == 0)  # position 0: CATS runs it dense
                 continue
             assert layer.ffn_norm is not None
             h = layer.ffn_norm(x)

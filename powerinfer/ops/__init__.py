@@ -25,9 +25,11 @@ from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_contex
 from powerinfer.ops.dense import get_rows, linear
 from powerinfer.ops.layer import (
     AttnBlock,
+    CATSFFNBlock,
     FFNBlock,
     SparseFFNBlock,
     attn_block,
+    cats_ffn_block,
     ffn_block,
     rms_norm,
     sparse_ffn_block,
@@ -53,8 +55,10 @@ from powerinfer.ops.weights import DeviceWeight, QWeight, weight_rows
 __all__ = [
     "ACTIVATIONS",
     "AttnBlock",
+    "CATSFFNBlock",
     "FFNBlock",
     "attn_block",
+    "cats_ffn_block",
     "ffn_block",
     "SparseFFNBlock",
     "sparse_ffn_block",

@@ -67,11 +67,12 @@ class _Resolved:
     attn_block: Any  # fused decode blocks (one token)
     ffn_block: Any
     sparse_ffn_block: Any
+    cats_ffn_block: Any
     rms_norm: Any
 
 
 _NONE = _Resolved(
-    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None
+    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None
 )
 
 
@@ -94,6 +95,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         attn_block=lib.attn_block,
         ffn_block=lib.ffn_block,
         sparse_ffn_block=lib.sparse_ffn_block,
+        cats_ffn_block=lib.cats_ffn_block,
         rms_norm=lib.rms_norm,
     )
 

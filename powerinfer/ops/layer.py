@@ -11,6 +11,10 @@ reference, and the fused one gives its bits except the FFN activation (libm's in
 predictor on the residual, the predicted gate/up/down rows, residual add, the layer's counters): `predict_ffn`
 behind `rms_norm`, in one call.
 
+`cats_ffn_block` does the same for a CATS FFN block (norm, every gate row, the per-neuron thresholds, the active
+up and down rows, residual add, the layer's counters): `cats_ffn` behind `rms_norm`, in one call, dense for a
+sequence's first token.
+
 `rms_norm` is RMSNorm over the last dimension (the mean of squares accumulated in double).
 """
 
@@ -34,9 +38,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AttnBlock",
+    "CATSFFNBlock",
     "FFNBlock",
     "SparseFFNBlock",
     "attn_block",
+    "cats_ffn_block",
     "ffn_block",
     "rms_norm",
     "sparse_ffn_block",
@@ -75,6 +81,14 @@ class _SparseFFNDesc(ctypes.Structure):  # pi_sparse_ffn_block_desc
         ("n_embd", _i64), ("n_ff", _i64), ("rank", _i64), ("eps", _f32), ("threshold", _f32), ("act", _i32),
         ("relu_up", _i32), ("norm", _ptr), ("fc1", _Mat), ("fc2", _Mat), ("gate", _Mat), ("up", _Mat),
         ("down_t", _Mat), ("tokens", _ptr), ("active", _ptr), ("predictor_seconds", _ptr),
+    ]  # fmt: skip
+
+
+class _CATSFFNDesc(ctypes.Structure):  # pi_cats_ffn_block_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_ff", _i64), ("eps", _f32), ("act", _i32), ("relu_up", _i32), ("reserved", _i32),
+        ("norm", _ptr), ("thresholds", _ptr), ("out_thresholds", _ptr), ("gate", _Mat), ("up", _Mat),
+        ("down_t", _Mat), ("tokens", _ptr), ("active", _ptr), ("up_read", _ptr),
     ]  # fmt: skip
 
 
@@ -160,8 +174,9 @@ class FFNBlock:
     def scratch_bytes(self) -> int:
         return int(library.load().ffn_block_scratch_bytes(self.desc.n_embd, self.desc.n_ff))
 
-    def __call__(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
-        """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes()."""
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor, first: bool = False) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes(); `first` (the token
+        opens its sequence) changes nothing: every neuron is computed anyway."""
         if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
             raise ValueError("ffn_block: x does not match the block")
         kc = self.kc
@@ -303,6 +318,80 @@ def sparse_ffn_block(
         tokens.ctypes.data, active.ctypes.data, seconds.ctypes.data,
     )  # fmt: skip
     return SparseFFNBlock(desc, (weight, fc1, fc2, gate, up, down_t, counters), kc)
+
+
+class CATSFFNBlock:
+    """A layer's CATS FFN block for one token: x += cats_ffn(norm(x)), every neuron active when `dense`, the
+    layer's counters (tokens, active neurons, up rows read) updated by the kernel."""
+
+    def __init__(self, desc: _CATSFFNDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+        self.desc, self._keep = desc, keep
+        self._desc_ref = ctypes.byref(desc)
+        self.kc = kc
+        self.n_embd = desc.n_embd
+
+    def scratch_bytes(self) -> int:
+        return int(library.load().cats_ffn_block_scratch_bytes(self.desc.n_embd, self.desc.n_ff))
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor, dense: bool = False) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes(); dense: the token
+        opens its sequence (every neuron active)."""
+        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
+            raise ValueError("cats_ffn_block: x does not match the block")
+        kc = self.kc
+        status = kc.kernels.cats_ffn_block(
+            self._desc_ref, x.data_ptr(), dense, scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",
+            kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(
+                status, "cats_ffn_block", scratch.numel(), self.scratch_bytes(), "CATSFFNBlock.scratch_bytes"
+            )
+
+
+def cats_ffn_block(
+    norm: torch.Tensor,
+    eps: float,
+    thresholds: torch.Tensor,
+    out_thresholds: torch.Tensor | None,
+    gate: QWeight,
+    up: QWeight,
+    down_t: QWeight,
+    act: str,
+    relu_up: bool,
+    counters: tuple[np.ndarray, np.ndarray, np.ndarray],
+    kc: KernelContext | None = None,
+) -> CATSFFNBlock | None:
+    """The fused CATS FFN block of these weights (RMSNorm weight `norm`, per-neuron thresholds (n_ff,) float32 on
+    |act(gate)| and optionally on |h| (the second stage), gate / up / down_t (n_ff, n_embd), no biases, every
+    neuron on the CPU); `counters`: one-element int64 views (tokens, active neurons, up rows read) the kernel
+    adds each call's figures to. None where the kernels cannot run it (no kernel kind, a weight on a device)."""
+    kc = kc or default_context()
+    if kc.kernels.cats_ffn_block is None:
+        return None
+    mats = [_mat(w, kc) for w in (gate, up, down_t)]
+    n_ff, n_embd = gate.shape
+    weight = _norm_weight(norm, n_embd)
+    if any(m is None for m in mats) or weight is None:
+        return None
+    if [(m.n_rows, m.n_cols) for m in mats if m is not None] != [(n_ff, n_embd)] * 3:
+        return None
+    limits = [t for t in (thresholds, out_thresholds) if t is not None]
+    if any(
+        t.dtype is not torch.float32 or not t.is_cpu or t.shape != (n_ff,) or not t.is_contiguous()
+        for t in limits
+    ):
+        raise ValueError("cats_ffn_block: thresholds must be (n_ff,) float32 contiguous CPU tensors")
+    if any(c.dtype != np.int64 for c in counters):
+        raise ValueError("cats_ffn_block: counters must be int64")
+    tokens, active, up_read = counters
+    desc = _CATSFFNDesc(
+        n_embd, n_ff, eps, activation_code(act), int(relu_up), 0, weight.data_ptr(), thresholds.data_ptr(),
+        None if out_thresholds is None else out_thresholds.data_ptr(), *mats, tokens.ctypes.data,
+        active.ctypes.data, up_read.ctypes.data,
+    )  # fmt: skip
+    keep = (weight, thresholds, out_thresholds, gate, up, down_t, counters)
+    return CATSFFNBlock(desc, keep, kc)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -124,6 +124,8 @@ _QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
 _ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # ffn_block and sparse_ffn_block (desc, x, scratch, scratch_bytes, q8, n_threads, isa)
 _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# cats_ffn_block (desc, x, dense, scratch, scratch_bytes, q8, n_threads, isa)
+_CATS_FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _i32, _ptr, _i64, _i32, _i32, _i32)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
@@ -161,8 +163,10 @@ class Library:
     sparse_ffn_block: (
         Any  # predictor + sparse FFN block of one token (norm, residual add, the layer's counters)
     )
+    cats_ffn_block: Any  # CATS FFN block of one token (norm, residual add, the layer's counters)
     attn_block_scratch_bytes: Any
     ffn_block_scratch_bytes: Any
+    cats_ffn_block_scratch_bytes: Any
     sparse_ffn_block_scratch_bytes: Any
     rms_norm: Any
     gated: Any  # h = act(g) * up, the fused kernels' gating
@@ -220,7 +224,9 @@ def _open(path: str) -> Library:
         attn_block=_symbol(lib, "pi_attn_block", _ATTN_BLOCK_ARGTYPES),
         ffn_block=_symbol(lib, "pi_ffn_block", _FFN_BLOCK_ARGTYPES),
         sparse_ffn_block=_symbol(lib, "pi_sparse_ffn_block", _FFN_BLOCK_ARGTYPES),
+        cats_ffn_block=_symbol(lib, "pi_cats_ffn_block", _CATS_FFN_BLOCK_ARGTYPES),
         attn_block_scratch_bytes=_symbol(lib, "pi_attn_block_scratch_bytes", (_i64,) * 5, _i64),
+        cats_ffn_block_scratch_bytes=_symbol(lib, "pi_cats_ffn_block_scratch_bytes", (_i64, _i64), _i64),
         ffn_block_scratch_bytes=_symbol(lib, "pi_ffn_block_scratch_bytes", (_i64, _i64), _i64),
         sparse_ffn_block_scratch_bytes=_symbol(lib, "pi_sparse_ffn_block_scratch_bytes", (_i64,) * 3, _i64),
         rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),

@@ -462,7 +462,9 @@ def cats_ffn(
     if cand is not None:
         cand = _as_idx(cand)
     g = _all_rows(u, gate, kc) if cand is None else rows_matmul(u, gate, cand, kc)  # (T, C)
-    a = activation.act(act, g)
+    # the kernel's activation (libm, not torch's: the masks and h of each token are the one-token kernel's bits);
+    # act(g) * 1 is exact
+    a = gated(g, torch.ones_like(g), act, False)
     mask = a.abs() > (thresholds if cand is None else thresholds[cand])
     if dense_rows is not None:
         mask[dense_rows] = True
@@ -477,7 +479,7 @@ def cats_ffn(
         rows = sel if cand is None else cand[sel]
         a, mask = a[:, sel], mask[:, sel]
         v = rows_matmul(u, up, rows, kc)
-    h = a.mul_(torch.relu(v) if relu_up else v)
+    h = a.mul_(torch.relu(v) if relu_up else v)  # the kernels' gating: act(g) * (relu(v) or v), one rounding
     if out_thresholds is not None:
         t_out = out_thresholds if rows is None else out_thresholds[rows]
         keep = h.abs() > t_out
