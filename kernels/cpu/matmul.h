@@ -20,6 +20,7 @@
  * 8 blocks, see tile_q8_0); measured on the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0
  * ones (+40% at 64) from about 12 */
 #define TILE8_MIN_T_Q4_0 4
+#define TILE8_SHORT_ROW_BLOCKS 8 /* and one token over rows of at most this many blocks */
 #define TILE8_MIN_T_Q8_0 12
 #define PANEL_MAX_BYTES_PER_BLOCK (17 * 32) /* a block of 8 rows in the panel of a tile8_quant_fn, at most */
 

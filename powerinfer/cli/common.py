@@ -74,7 +74,7 @@ SparseHeadOpt = Annotated[
     bool | None,
     typer.Option(
         "--sparse-head/--no-sparse-head",
-        help="Screen the output head: exact logits only for the 256 rows a low-rank screen ranks first (the "
+        help="Screen the output head: exact logits only for the ~1024 rows a low-rank screen ranks first (the "
         "whole head when the margin is not safe). Default: where the file carries a screen (sparsify writes one); "
         "--sparse-head also builds one for a file without (calibrated at load, a few seconds).",
         show_default=False,

@@ -4,16 +4,19 @@ For a small model with a large vocabulary the output matrix is a third of the by
 28.7 of 92 MiB). Per token u = norm(x):
   z = P . u               P (r, D): the r leading principal directions of calibration hidden states (Q8_0)
   s = A . z               A (V, r) = W P^T, the head seen through that basis (Q4_0): every row screened
-  C = top-K rows of s     exact logits e_c = W_c . u for them, the rows of the real head (its own type)
-  safe when max_c e_c > s_(K+1) + max_c |e_c - s_c|: the best exact candidate beats the best row left out by
-  more than the screen erred on the candidates; otherwise the rows left out whose screen value is within that
-  error of the best are computed exactly too (the whole head where they exceed an eighth of the vocabulary).
+  C = about K top rows    (every row over a threshold sampled from s: ops.top_about_k) get exact logits
+                          e_c = W_c . u, from the rows of the real head in its own type
+  safe when max_c e_c > max_{i not in C} s_i + max_c |e_c - s_c|: the best exact candidate beats the best row
+  left out by more than the screen erred on the candidates; otherwise the rows left out whose screen value is
+  within that error of the best are computed exactly too (the whole head where they exceed an eighth of the
+  vocabulary). The margin is an estimate, not a bound: the rows left out with a high logit are those the screen
+  underrated most, so a weak screen (low rank, or not calibrated on the model's own states) can slip past it.
 The logits are s with the candidates' exact values written in: greedy picks the dense head's token whenever the
-step was safe, and samplers see exact values for the K best rows (top-k, top-p and min-p act among them) and
-the screen's estimate elsewhere. Each token is computed on its own (its screen row, its candidates), so a token's
-logits do not depend on the other rows of the step. Measured on SmolLM2 (r = 256, K = 256, 4096 tokens of
-held-out text, calibration on another domain): the dense argmax was always among the candidates, 0.05% of tokens
-fell back, greedy agreement 100%; the head reads 7.9 instead of 30.1 MB.
+screen ranked it among the candidates, and samplers see exact values for the candidates (top-k, top-p and min-p
+act among them) and the screen's estimate elsewhere. Each token is computed on its own (its screen row, its
+candidates), so a token's logits do not depend on the other rows of the step. Measured on SmolLM2 (r = 256,
+K = 1024, held-out Python-docs text, calibration on standard-library docstrings): greedy agreement with the
+whole head on 4096 of 4096 tokens, perplexity +0.4%, KL divergence 0.0004; the head reads 7.5 of 28.7 MiB a token.
 """
 
 from __future__ import annotations
@@ -79,15 +82,13 @@ class SparseHead:
         u = self.norm(x).contiguous()
         z = ops.linear(u, self.proj, kc)
         logits = ops.linear(z.contiguous(), self.screen, kc)  # (T, V)
-        values, ids = logits.topk(k + 1, dim=1)  # sorted, ties by index order
         for t in range(u.shape[0]):
-            cand = ids[t, :k]
-            exact = ops.rows_matmul(u[t : t + 1], self.output, cand, kc)[0]
-            diff = exact - values[t, :k]
-            err = diff.abs().max()
-            best = exact.max()
             row = logits[t]
-            if not bool(best > values[t, k] + err):
+            cand, left_out = ops.top_about_k(row, k)
+            exact = ops.rows_matmul(u[t : t + 1], self.output, cand, kc)[0]
+            err = float((exact - row[cand]).abs().max())
+            best = float(exact.max())
+            if not best > left_out + err:
                 # rows left out whose screen value is within the error of the best: compute those exactly too
                 near = row > best - err
                 near[cand] = False
@@ -104,7 +105,7 @@ class SparseHead:
         return logits
 
 
-# ---- the screen: The sparse head's screen (model.head): a principal basis of calibration hidden states and the head seen in it.
+# ---- the screen: a principal basis of calibration hidden states and the head seen in it.
 #
 # P (r, D) holds the r leading eigenvectors of the final-normed hidden states' second moment over the calibration
 # windows; A = W P^T (V, r). P is stored Q8_0, A Q4_0: `output_screen_proj.weight` and `output_screen.weight`.

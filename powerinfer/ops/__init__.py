@@ -22,7 +22,7 @@ from powerinfer.ops.attention import (
     decode_attention,
 )
 from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_context
-from powerinfer.ops.dense import get_rows, linear
+from powerinfer.ops.dense import get_rows, linear, top_about_k, top_k
 from powerinfer.ops.layer import (
     AttnBlock,
     CATSFFNBlock,
@@ -92,6 +92,8 @@ __all__ = [
     "isa_best",
     "kernels_available",
     "linear",
+    "top_about_k",
+    "top_k",
     "predict_ffn",
     "rows_axpy",
     "rows_axpy_ref",

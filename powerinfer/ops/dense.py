@@ -7,11 +7,12 @@ float32 copy on first use, cached on the QWeight.
 
 from __future__ import annotations
 
+import ctypes
 from typing import TYPE_CHECKING
 
 import torch
 
-from powerinfer.ops import reference
+from powerinfer.ops import library, reference
 from powerinfer.ops.context import KernelContext, default_context
 from powerinfer.ops.library import check_status
 from powerinfer.quant import KERNEL_TYPES
@@ -96,3 +97,49 @@ def get_rows(w: QWeight, ids: torch.Tensor, kc: KernelContext | None = None) -> 
     if status:
         check_status(status, "get_rows")
     return y if ids.dim() == 1 else y.view(*ids.shape, n_cols)
+
+
+def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    """The indices (k,) int64 of the k largest of values (n,) float32, in increasing index order (ties: lower
+    indices first; NaN smallest), and the largest value left out (-inf when k == n). The C kernel; torch's topk
+    (then sorted by index) without it."""
+    n = values.shape[0]
+    if not 0 < k <= n or values.dim() != 1:
+        raise ValueError(f"top_k: k = {k} of {tuple(values.shape)}")
+    lib = library.load()
+    if lib is None or not values.is_cpu or values.dtype is not torch.float32:
+        keys = torch.nan_to_num(values.float(), nan=float("-inf"))
+        top = keys.topk(min(k + 1, n))
+        ids = top.indices[:k].sort().values
+        return ids, float(top.values[k]) if k < n else float("-inf")
+    values = values.contiguous()
+    ids = torch.empty(k, dtype=torch.int64)
+    scratch = torch.empty(n, dtype=torch.float32)
+    left = ctypes.c_float()
+    status = lib.top_k(values.data_ptr(), n, k, ids.data_ptr(), ctypes.byref(left), scratch.data_ptr())
+    if status:
+        check_status(status, "top_k")
+    return ids, float(left.value)
+
+
+def top_about_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+    """About k of the largest of values (n,) float32, for a set of large values and the largest value left out:
+    the indices (m,) int64 in increasing order of every value >= a threshold taken from every 16th value (its
+    ceil(k / 16)-th largest), m at most 4k (else exactly top_k's k), and the largest value below (-inf when
+    none). Depends only on the values. top_k where the kernels are missing."""
+    n = values.shape[0]
+    if not 0 < k <= n or values.dim() != 1:
+        raise ValueError(f"top_about_k: k = {k} of {tuple(values.shape)}")
+    lib = library.load()
+    if lib is None or not values.is_cpu or values.dtype is not torch.float32:
+        return top_k(values, k)
+    values = values.contiguous()
+    ids = torch.empty(4 * k, dtype=torch.int64)
+    scratch = torch.empty(n, dtype=torch.float32)
+    m, left = ctypes.c_int64(), ctypes.c_float()
+    status = lib.top_about_k(
+        values.data_ptr(), n, k, ids.data_ptr(), ctypes.byref(m), ctypes.byref(left), scratch.data_ptr()
+    )
+    if status:
+        check_status(status, "top_about_k")
+    return ids[: m.value], float(left.value)

@@ -170,6 +170,8 @@ class Library:
     sparse_ffn_block_scratch_bytes: Any
     rms_norm: Any
     gated: Any  # h = act(g) * up, the fused kernels' gating
+    top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
+    top_about_k: Any  # about k of the largest, by a sampled threshold
 
 
 def _symbol(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any = _i32) -> Any:
@@ -231,6 +233,8 @@ def _open(path: str) -> Library:
         sparse_ffn_block_scratch_bytes=_symbol(lib, "pi_sparse_ffn_block_scratch_bytes", (_i64,) * 3, _i64),
         rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
+        top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
+        top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),
     )
 
 
