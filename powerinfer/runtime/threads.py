@@ -3,7 +3,7 @@
 The kernels' OpenMP regions end in barriers, and their threads spin there. When another CPU-bound process
 shares the cores, the scheduler takes a core from one of our threads for a whole time slice and every region
 waits for it: on a 2-core machine with one competing process, -t 2 decoded at 29 tok/s against 62 at -t 1
-(README, "Shared cores"). Such a stall shows in the thread that runs the steps: it gets less CPU time than
+(docs/benchmarks.md, "Shared cores"). Such a stall shows in the thread that runs the steps: it gets less CPU time than
 wall time (our threads never sleep inside a step). So after each step the governor adds up both, and once a
 window of WINDOW_S seconds is full:
 - if the calling thread had less than LOW_SHARE of the wall time, the kernels run fewer threads from the next
