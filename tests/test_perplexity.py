@@ -408,3 +408,18 @@ def test_dense_tiny_model_runs(tiny_gguf: Path, tmp_path: Path):
     )
     assert len(running) == len(lib.running) == lib.n_tokens // 16 == 12
     assert running == pytest.approx(lib.running, abs=1e-4)
+
+
+def test_kl_divergence_base_never_replaces_a_model(tmp_path: Path):
+    """Without --kl-divergence the base file is written: a model file at that path (the -m of a mistyped command)
+    is refused with one line, before any work, and left byte for byte."""
+    import shutil
+
+    fx = fixture_dir()
+    model = tmp_path / "copy.powerinfer.gguf"
+    shutil.copyfile(fx / "tiny.powerinfer.gguf", model)
+    before = model.read_bytes()
+    args = ["-m", str(fx / "tiny.powerinfer.gguf"), "-f", str(fx / "text.txt"), "-c", "64", "-t", "1"]
+    r = run_ppl(*args, "--kl-divergence-base", str(model))
+    assert_one_error_line(r, "is a model file: refusing to replace it")
+    assert model.read_bytes() == before

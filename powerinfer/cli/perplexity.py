@@ -89,10 +89,26 @@ def read_text(path: Path) -> str:
     return text
 
 
+def check_base_target(path: Path) -> None:
+    """A --kl-divergence-base file to write: a path check_output_file accepts, and never a model file (a GGUF or
+    PowerInfer file there is almost always the -m of a mistyped command: replacing it with logits destroys it)."""
+    check_output_file(path, "KL-divergence base")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return
+    if magic in (b"GGUF", b"PWRI"):
+        raise InputError(
+            f"--kl-divergence-base {printable(str(path))} is a model file: refusing to replace it with logits "
+            "(without --kl-divergence the base is written; give a new file name)"
+        )
+
+
 def save_base(record: BaseLogits, path: Path) -> None:
     """Write the --kl-divergence-base file through a temp file beside it (never a partial file, never over a
     FIFO or device)."""
-    check_output_file(path, "KL-divergence base")
+    check_base_target(path)
     folder = path.absolute().parent
     try:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".kld", dir=folder)
@@ -167,7 +183,7 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     err.print(f"perplexity: seed  = {run.seed}")
     text = read_text(run.text_file)
     if run.kl_base is not None and not run.kl_divergence:  # a base to write: refuse a bad path before the run
-        check_output_file(run.kl_base, "KL-divergence base")
+        check_base_target(run.kl_base)
     engine = Engine(run.model, run.engine)
     c = engine.config
     err.print(
