@@ -162,14 +162,23 @@ class AttnBlock:
             )
 
 
-class FFNBlock:
-    """A layer's gated dense FFN block for one token: x += down . (act(gate n) * up n), n = norm(x)."""
+class _FFNBlockBase:
+    """What the one-token FFN blocks share: their C descriptor (kept alive with the tensors it points into), the
+    kernel context, and the check of the residual row they update in place."""
 
-    def __init__(self, desc: _FFNDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+    def __init__(self, desc: ctypes.Structure, keep: tuple[object, ...], kc: KernelContext) -> None:
         self.desc, self._keep = desc, keep
         self._desc_ref = ctypes.byref(desc)
         self.kc = kc
-        self.n_embd = desc.n_embd
+        self.n_embd = int(desc.n_embd)
+
+    def _check_x(self, x: torch.Tensor, op: str) -> None:
+        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
+            raise ValueError(f"{op}: x does not match the block")
+
+
+class FFNBlock(_FFNBlockBase):
+    """A layer's gated dense FFN block for one token: x += down . (act(gate n) * up n), n = norm(x)."""
 
     def scratch_bytes(self) -> int:
         return int(library.load().ffn_block_scratch_bytes(self.desc.n_embd, self.desc.n_ff))
@@ -177,8 +186,7 @@ class FFNBlock:
     def __call__(self, x: torch.Tensor, scratch: torch.Tensor, first: bool = False) -> None:
         """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes(); `first` (the token
         opens its sequence) changes nothing: every neuron is computed anyway."""
-        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
-            raise ValueError("ffn_block: x does not match the block")
+        self._check_x(x, "ffn_block")
         kc = self.kc
         status = kc.kernels.ffn_block(
             self._desc_ref, x.data_ptr(), scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",
@@ -245,15 +253,9 @@ def ffn_block(
     return FFNBlock(desc, (weight, gate, up, down), kc)
 
 
-class SparseFFNBlock:
+class SparseFFNBlock(_FFNBlockBase):
     """A layer's predictor-selected sparse FFN block for one token: x += predict_ffn(x, norm(x)), the layer's
     counters (tokens, active neurons, predictor seconds) updated by the kernel."""
-
-    def __init__(self, desc: _SparseFFNDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
-        self.desc, self._keep = desc, keep
-        self._desc_ref = ctypes.byref(desc)
-        self.kc = kc
-        self.n_embd = desc.n_embd
 
     def scratch_bytes(self) -> int:
         d = self.desc
@@ -261,8 +263,7 @@ class SparseFFNBlock:
 
     def __call__(self, x: torch.Tensor, scratch: torch.Tensor) -> None:
         """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes()."""
-        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
-            raise ValueError("sparse_ffn_block: x does not match the block")
+        self._check_x(x, "sparse_ffn_block")
         kc = self.kc
         status = kc.kernels.sparse_ffn_block(
             self._desc_ref, x.data_ptr(), scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",
@@ -320,15 +321,9 @@ def sparse_ffn_block(
     return SparseFFNBlock(desc, (weight, fc1, fc2, gate, up, down_t, counters), kc)
 
 
-class CATSFFNBlock:
+class CATSFFNBlock(_FFNBlockBase):
     """A layer's CATS FFN block for one token: x += cats_ffn(norm(x)), every neuron active when `dense`, the
     layer's counters (tokens, active neurons, up rows read) updated by the kernel."""
-
-    def __init__(self, desc: _CATSFFNDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
-        self.desc, self._keep = desc, keep
-        self._desc_ref = ctypes.byref(desc)
-        self.kc = kc
-        self.n_embd = desc.n_embd
 
     def scratch_bytes(self) -> int:
         return int(library.load().cats_ffn_block_scratch_bytes(self.desc.n_embd, self.desc.n_ff))
@@ -336,8 +331,7 @@ class CATSFFNBlock:
     def __call__(self, x: torch.Tensor, scratch: torch.Tensor, dense: bool = False) -> None:
         """x (1, n_embd) float32 contiguous CPU, updated in place; scratch of scratch_bytes(); dense: the token
         opens its sequence (every neuron active)."""
-        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous():
-            raise ValueError("cats_ffn_block: x does not match the block")
+        self._check_x(x, "cats_ffn_block")
         kc = self.kc
         status = kc.kernels.cats_ffn_block(
             self._desc_ref, x.data_ptr(), dense, scratch.data_ptr(), scratch.numel(), kc.act_precision == "q8",

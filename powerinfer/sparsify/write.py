@@ -159,15 +159,25 @@ def write_sparse_gguf(
                 progress(done, len(downs))
     finally:  # on an error or Ctrl-C, drop queued chunks instead of finishing them
         pool.shutdown(wait=True, cancel_futures=True)
-    for name, raw, ggml_type, shape in extra or []:
+    _add_extra(writer, model, extra or [])
+    _write(writer, path)
+    return types
+
+
+def _add_extra(
+    writer: GGUFWriter, model: GGUFFile, extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]]
+) -> None:
+    for name, raw, ggml_type, shape in extra:
         if name in model.tensors:
             raise FormatError(f"{printable(model.path)} already holds {name}")
         writer.add_tensor(name, raw, ggml_type, shape)
+
+
+def _write(writer: GGUFWriter, path: Path) -> None:
     try:
         writer.write()
     except OSError as e:
         raise FormatError(f"cannot write {printable(str(path))}: {e.strerror or e}") from None
-    return types
 
 
 def write_activation_folder(folder: Path, counts: list[np.ndarray]) -> Path:
@@ -190,11 +200,5 @@ def write_copy(
     model.copy_metadata(writer, frozenset(skip))
     for t in model.tensors.values():
         writer.add_tensor(t.name, t.data, t.ggml_type, t.shape)
-    for name, raw, ggml_type, shape in extra:
-        if name in model.tensors:
-            raise FormatError(f"{printable(model.path)} already holds {name}")
-        writer.add_tensor(name, raw, ggml_type, shape)
-    try:
-        writer.write()
-    except OSError as e:
-        raise FormatError(f"cannot write {printable(str(path))}: {e.strerror or e}") from None
+    _add_extra(writer, model, extra)
+    _write(writer, path)
