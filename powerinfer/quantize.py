@@ -25,7 +25,7 @@ import numpy as np
 
 from powerinfer.errors import FormatError, InputError
 from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
-from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, ValueType
+from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, TensorNames, ValueType
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.gguf.writer import output_problem
 from powerinfer.ops.encode import quantize
@@ -207,6 +207,8 @@ def tensor_type(
     not divide. Called in llama.cpp's tensor order (mix.llama_order), which advances `state`.
     """
     target = opts.file_type.ggml_type
+    if name in (TensorNames.OUTPUT_SCREEN, TensorNames.OUTPUT_SCREEN_PROJ):
+        return src_type, ""  # the sparse head's screen (model.head): its types are part of its design
     if target is None or len(shape) != 2 or not allows_quantization(name, len(shape), facts.powerinfer_file):
         return src_type, ""
     if name == "output.weight" and opts.leave_output_tensor:

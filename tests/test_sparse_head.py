@@ -174,6 +174,17 @@ def test_sparsify_writes_the_screen(tmp_path: Path):
     assert isinstance(Engine(out, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
     plain = Engine(out, EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
     assert not isinstance(plain.model.head, SparseHead)
+    # quantize keeps the screen as written (its types are part of its design), whatever the target
+    from typer.testing import CliRunner
+
+    q8 = tmp_path / "s.q8_0.powerinfer.gguf"
+    r = CliRunner().invoke(app, ["quantize", "--allow-requantize", str(out), str(q8), "q8_0", "2"])
+    assert r.exit_code == 0, r.output
+    after = read_gguf(q8).tensors
+    for name in (SCREEN, SCREEN_PROJ):
+        assert after[name].ggml_type == tensors[name].ggml_type
+        assert bytes(after[name].data) == bytes(tensors[name].data)
+    assert isinstance(Engine(q8, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
 
 
 def test_cached_screen_is_checked(tmp_path: Path, monkeypatch, caplog):

@@ -112,8 +112,8 @@ class SparseHead:
 # A basis of the weights alone (the head's own SVD) screens poorly: on SmolLM2 its rank-256 screen held the dense
 # argmax among 256 candidates for 29% of held-out tokens, the hidden states' basis for 100%.
 
-SCREEN_PROJ = "output_screen_proj.weight"
-SCREEN = "output_screen.weight"
+SCREEN_PROJ = TensorNames.OUTPUT_SCREEN_PROJ
+SCREEN = TensorNames.OUTPUT_SCREEN
 PROJ_TYPE = GGMLType.Q8_0
 SCREEN_TYPE = GGMLType.Q4_0
 # calibration tokens whose hidden states define the screen's basis
