@@ -132,6 +132,28 @@ def test_engine_builds_and_reports_it(tmp_path: Path, monkeypatch):
     assert 68 < per_token < 74, per_token
 
 
+def test_same_bits_however_the_token_arrives(tmp_path: Path, monkeypatch):
+    """A token's logits through the sparse head are the same bits in a whole prompt, a prompt split in three, a
+    decode step shared with another sequence, and at 1 or 2 threads."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    outs = []
+    for threads in (2, 1):
+        e = Engine(smollm2_path(), EngineOptions(n_ctx=128, n_threads=threads, n_seq=3, sparse_head=True))
+        assert isinstance(e.model.head, SparseHead)
+        ids = e.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
+        whole = e.prefill(0, ids)
+        e.free(0)
+        e.prefill(0, ids[:5])
+        e.prefill(0, ids[5:-1], 5)
+        split = e.prefill(0, ids[-1:], len(ids) - 1)
+        e.prefill(1, ids[:-1])
+        e.prefill(2, [1, 2, 3, 4])
+        mixed = e.decode([2, 1], [9, ids[-1]])[1]
+        assert torch.equal(whole, split) and torch.equal(whole, mixed)
+        outs.append(whole)
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_sparse_head_refused_with_a_pool_device():
     """The screen runs on the CPU head: with the layers on a pool device --sparse-head is one error line."""
     from typer.testing import CliRunner
