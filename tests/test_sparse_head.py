@@ -52,6 +52,15 @@ def smollm2(request):
     return engine, sparse, x
 
 
+@pytest.fixture(scope="module")
+def screen_cache(tmp_path_factory):
+    """One cache folder for this module's engines: the screen is calibrated once (~5 s) and loaded after."""
+    folder = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("XDG_CACHE_HOME", str(folder))
+        yield folder
+
+
 def test_screen_shape_and_pays():
     assert screen_rank(576) == 256 and screen_rank(2048) == 896 and screen_rank(64) == 32
     engine = Engine(smollm2_path(), EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
@@ -111,10 +120,9 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
     assert len(whole) == weak.stats.fallbacks >= 10 and weak.stats.widened == 0
 
 
-def test_engine_builds_and_reports_it(tmp_path: Path, monkeypatch):
+def test_engine_builds_and_reports_it(screen_cache: Path):
     """--sparse-head on a dense file calibrates a screen at load (kept in the cache folder); greedy decode
     equals the whole head's."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
     engine = Engine(smollm2_path(), options)
     assert isinstance(engine.model.head, SparseHead)
@@ -132,10 +140,9 @@ def test_engine_builds_and_reports_it(tmp_path: Path, monkeypatch):
     assert 68 < per_token < 74, per_token
 
 
-def test_same_bits_however_the_token_arrives(tmp_path: Path, monkeypatch):
+def test_same_bits_however_the_token_arrives(screen_cache: Path):
     """A token's logits through the sparse head are the same bits in a whole prompt, a prompt split in three, a
     decode step shared with another sequence, and at 1 or 2 threads."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     outs = []
     for threads in (2, 1):
         e = Engine(smollm2_path(), EngineOptions(n_ctx=128, n_threads=threads, n_seq=3, sparse_head=True))
@@ -209,9 +216,8 @@ def test_sparsify_writes_the_screen(tmp_path: Path):
     assert isinstance(Engine(q8, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
 
 
-def test_cached_screen_is_checked(tmp_path: Path, monkeypatch, caplog):
-    """The second load takes the cached screen; a flipped byte anywhere in it is caught and the screen rebuilt."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+def test_cached_screen_is_checked(screen_cache: Path, monkeypatch, caplog):
+    """A later load takes the cached screen; a flipped byte anywhere in it is caught and the screen rebuilt."""
     options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
     first = Engine(smollm2_path(), options).model.head
     path = head_cache.cache_path(smollm2_path())
