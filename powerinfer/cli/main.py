@@ -170,7 +170,8 @@ def run_main(opts: MainOptions) -> None:
     err = err_console
     err.print(f"main: seed  = {sampler.seed}")
     err.print(
-        f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if c.sparse else 'dense'}, "
+        f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if c.sparse else 'dense'}"
+        f"{' + sparse head' if engine.head_stats is not None else ''}, "
         f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
         f"file = {engine.weight_bytes / 2**20:.2f} MiB"
     )
