@@ -227,7 +227,7 @@ def test_cached_screen_is_checked(screen_cache: Path, monkeypatch, caplog):
         raise AssertionError("calibrated again")
 
     with monkeypatch.context() as m:
-        m.setattr(Engine, "_calibrated_screen", no_calibration)
+        m.setattr(Engine, "calibrated_screen", no_calibration)
         again = Engine(smollm2_path(), options).model.head
     assert isinstance(first, SparseHead) and isinstance(again, SparseHead)
     assert torch.equal(first.screen.raw, again.screen.raw) and torch.equal(first.proj.raw, again.proj.raw)

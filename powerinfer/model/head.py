@@ -173,8 +173,3 @@ def build_head_screen(head: QWeight, hidden: torch.Tensor, rank: int | None = No
         screen=quantize(seen, SCREEN_TYPE),
         rank=rank,
     )
-
-
-def output_name(tensors: dict[str, object]) -> str:
-    """The head's tensor: output.weight, or the tied token embedding."""
-    return TensorNames.OUTPUT if TensorNames.OUTPUT in tensors else TensorNames.TOKEN_EMBD

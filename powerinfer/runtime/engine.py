@@ -230,8 +230,7 @@ class Engine:
             return
         n_vocab, n_embd = head.output.shape
         if self.loader.has(SCREEN) and self.loader.has(SCREEN_PROJ):
-            proj = self.loader.host_matrix(SCREEN_PROJ)
-            rank = proj.shape[0]
+            rank = int(self.gguf.tensors[SCREEN_PROJ].shape[0])
             proj = self.loader.host_matrix(SCREEN_PROJ, (rank, n_embd))
             screen = self.loader.host_matrix(SCREEN, (n_vocab, rank))
         elif want:
@@ -251,11 +250,11 @@ class Engine:
         shapes = ((rank, row_bytes(PROJ_TYPE, n_embd)), (n_vocab, row_bytes(SCREEN_TYPE, rank)))
         screen = head_cache.load(self.model_path, shapes)
         if screen is None:
-            screen = self._calibrated_screen(output)
+            screen = self.calibrated_screen(output)
             head_cache.save(self.model_path, screen)
         return screen
 
-    def _calibrated_screen(self, output: ops.QWeight) -> HeadScreen:
+    def calibrated_screen(self, output: ops.QWeight) -> HeadScreen:
         """A screen from this model's hidden states over the packaged calibration text."""
         ids = self.tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))
         window = max(16, min(512, self.n_ctx))
@@ -465,20 +464,14 @@ class Engine:
 
     # ------------------------------------------------------------------ reports
     def head_read_bytes(self) -> int:
-        """Weight bytes the output head reads per token: the whole head, or the sparse head's screen and
-        candidates (its fallbacks counted at the whole head's bytes)."""
-        head = self.model.head
-        if isinstance(head, SparseHead) and self.head_stats is not None:
-            st = self.head_stats
-            whole = head.output.raw.numel()
-            extra = st.extra_rows * head.output.raw.shape[1]
-            return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
-        output = getattr(head, "output", None)
-        return (
-            int(output.n_bytes if isinstance(output, ops.DeviceWeight) else output.raw.numel())
-            if output
-            else 0
-        )
+        """Weight bytes the sparse head reads per token: its screen and candidates, the rows it widened to and the
+        whole head for its fallbacks (averaged over its tokens); 0 without a sparse head."""
+        head, st = self.model.head, self.head_stats
+        if not isinstance(head, SparseHead) or st is None:
+            return 0
+        whole = head.output.raw.numel()
+        extra = st.extra_rows * head.output.raw.shape[1]
+        return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
 
     def read_bytes_per_token(self) -> float:
         """Weight bytes one decoded token reads: the file's tensors, less the FFN rows sparsity skips (by the
@@ -488,9 +481,8 @@ class Engine:
             if name in self.gguf.tensors:
                 per_token -= self.gguf.tensors[name].n_bytes
         head = self.model.head
-        output = getattr(head, "output", None)
-        if isinstance(output, ops.QWeight):
-            per_token += self.head_read_bytes() - output.raw.numel()
+        if isinstance(head, SparseHead):
+            per_token += self.head_read_bytes() - head.output.raw.numel()
         s = self.sparse_stats
         if s is None or int(s.tokens.sum()) == 0:
             return per_token
@@ -527,13 +519,14 @@ class Engine:
         the sparse head's line."""
         s = self.sparse_stats
         if s is None or int(s.tokens.sum()) == 0:
-            if self.head_report():
-                return [
-                    *self.head_report(),
-                    f"sparse: ~{self.read_bytes_per_token() / 2**20:.1f} MiB of "
-                    f"weights read per token (the file: {self.weight_bytes / 2**20:.1f} MiB)",
-                ]
-            return []
+            head_lines = self.head_report()
+            if not head_lines:
+                return []
+            return [
+                *head_lines,
+                f"sparse: ~{self.read_bytes_per_token() / 2**20:.1f} MiB of "
+                f"weights read per token (the file: {self.weight_bytes / 2**20:.1f} MiB)",
+            ]
         c = self.config
         active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
         pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))

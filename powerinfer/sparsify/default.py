@@ -57,17 +57,12 @@ def default_model(src: Path) -> DefaultModel:
 
 def make(d: DefaultModel) -> None:
     """Write d.output: d.src's metadata and tensors as stored, then the head's screen; sealed."""
-    from powerinfer.model.head import SCREEN_TOKENS, build_head_screen
     from powerinfer.runtime.engine import Engine, EngineOptions
     from powerinfer.sparsify.write import write_copy
 
     engine = Engine(d.src, EngineOptions(n_ctx=512, sparse_head=False))
-    ids = engine.tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))[:SCREEN_TOKENS]
-    hidden = [engine.hidden_states(0, ids[i : i + 512]) for i in range(0, len(ids), 512)]
-    import torch
-
     output = engine.model.head.output
-    screen = build_head_screen(output, torch.cat(hidden))
+    screen = engine.calibrated_screen(output)
     d.output.parent.mkdir(parents=True, exist_ok=True)
     write_copy(engine.gguf, d.output, screen.tensors(*output.shape))
     seal(d)
