@@ -24,9 +24,14 @@ log = logging.getLogger(__name__)
 VERSION = 1  # bumped when the screen's construction changes
 
 
-def cache_folder() -> Path:
+def cache_root() -> Path:
+    """The user's cache folder of powerinfer: $XDG_CACHE_HOME/powerinfer, else ~/.cache/powerinfer."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "powerinfer" / "head-screens"
+    return Path(base) / "powerinfer"
+
+
+def cache_folder() -> Path:
+    return cache_root() / "head-screens"
 
 
 def cache_path(model: Path) -> Path:

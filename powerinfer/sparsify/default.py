@@ -40,8 +40,9 @@ def smollm2_gguf() -> Path | None:
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "powerinfer"
+    from powerinfer.runtime.head_cache import cache_root
+
+    return cache_root()
 
 
 @dataclass(frozen=True)
