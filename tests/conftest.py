@@ -313,6 +313,13 @@ def random_q4_k(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(n_rows, -1)
 
 
+def down_rel(act: str, down_type: GGMLType) -> float:
+    """Relative error per term of the down rows (rows_axpy and the fused FFNs): 1e-5 for the float chain, plus
+    2^-8 for Q4_0 rows in the q8 precision, whose coefficient h * d is rounded to bfloat16 (8 significant bits,
+    half an ulp); measured 1.6e-3 of |h| @ |W| at most over these tests' shapes."""
+    return 1e-5 + (2.0**-8 if act == "q8" and down_type == GGMLType.Q4_0 else 0.0)
+
+
 def random_tq2_0(n_rows: int, n_cols: int, seed: int = 0) -> np.ndarray:
     """Raw TQ2_0 blocks of random weights (a type with no kernels here, which the gguf package quantizes and
     decodes): uint8 (n_rows, n_cols / 256 * 66)."""

@@ -20,6 +20,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from conftest import down_rel
 from test_sparse_ops import (
     ACT_TOL,
     KERNEL_TYPES,
@@ -167,7 +168,7 @@ def test_cats_matches_masked_dense_reference(ggml_type, n_tokens, act):
                 h = a * gv * keep
                 err_h = 1e-5 * (sg * gv.abs() + a.abs() * sv + 1e-5 * sg * sv) + 1e-6 * h.abs()
                 err_h = err_h + (a * gv).abs() * unsure
-                bound = (err_h + 1e-5 * h.abs()) @ wd.abs() + 1e-30
+                bound = (err_h + down_rel(act, types[2]) * h.abs()) @ wd.abs() + 1e-30
                 assert ((y.double() - h @ wd).abs() <= bound).all(), where
                 assert abs(n_active - int(keep.sum())) <= int(unsure.sum()), where
                 if act == "f32":

@@ -40,6 +40,9 @@ enum pi_isa { PI_ISA_SCALAR = 0, PI_ISA_AVX2 = 1, PI_ISA_AVX512 = 2 };
  * [PI_ISA_SCALAR, best]. Read from the CPU on every call: no state. */
 int32_t pi_isa_clamp(int32_t isa);
 
+/* The best SIMD level of this CPU (enum pi_isa), exported for the bindings (matmul.c). */
+int32_t pi_kernels_isa_best(void);
+
 #define PI_MAX_THREADS 1024 /* thread counts above this are clamped */
 #define PI_SCRATCH_ALIGN 64 /* the kernels align the caller's scratch start up to this; sizes include the slack */
 

@@ -196,6 +196,16 @@ static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, 
     }
 }
 
+/* y += c * (q - 8) over unit u of a Q4_0 row, c = axpy_coef_bf16(h, d): the q8 precision's chain (sparse.h) */
+static void axpy_q4_0_coef_unit_scalar(float h, const uint8_t *row, int64_t u, float *yu) {
+    const block_q4_0 *b = (const block_q4_0 *)row + u;
+    const float cf = bf16_to_fp32(axpy_coef_bf16(h, b->d));
+    for (int j = 0; j < QK; j++) {
+        const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
+        yu[j] = fmaf(cf, (float)(q - 8), yu[j]);
+    }
+}
+
 /* Elements [e0, e1) of y for every token (e0 a multiple of AXPY_UNIT): the plain definition. Also used by the SIMD
  * variants for the partial last unit of F32/F16/BF16 rows whose length is not a multiple of 32. */
 void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
@@ -209,6 +219,10 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
             const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = e0 / AXPY_UNIT; u * AXPY_UNIT < e1; u++) {
                 const int j1 = (int)min_i64(AXPY_UNIT, e1 - u * AXPY_UNIT);
+                if (c->coef_bf16 && kind == KIND_Q4_0) {
+                    axpy_q4_0_coef_unit_scalar(hv, row, u, yt + u * AXPY_UNIT);
+                    continue;
+                }
                 float wv[AXPY_UNIT];
                 decode_unit_scalar(kind, row, u, 0, j1, wv);
                 float *yu = yt + u * AXPY_UNIT;
@@ -267,6 +281,10 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
     for (int64_t r = 0; r < c->n_act; r++) {
         const float hv = c->act_h[r];
         for (int64_t u = u0; u < u1; u++) {
+            if (c->coef_bf16 && kind == KIND_Q4_0) {
+                axpy_q4_0_coef_unit_scalar(hv, c->act_rows[r], u, y + u * AXPY_UNIT);
+                continue;
+            }
             float wv[AXPY_UNIT];
             decode_unit_scalar(kind, c->act_rows[r], u, 0, AXPY_UNIT, wv);
             float *yu = y + u * AXPY_UNIT;
@@ -287,6 +305,19 @@ static const axpy_units_fn axpy_units_table[] = {
 };
 
 axpy_units_fn axpy_units_for(int32_t isa) { return axpy_units_table[pi_isa_clamp(isa)]; }
+
+static int bf16_dot_ok; /* set once when the library loads, read-only after */
+
+__attribute__((constructor)) static void bf16_dot_probe(void) {
+    __builtin_cpu_init();
+    bf16_dot_ok = pi_kernels_isa_best() >= PI_ISA_AVX512 && __builtin_cpu_supports("avx512bf16") &&
+                  __builtin_cpu_supports("avx512vbmi") && bf16_dot_selftest_avx512();
+}
+
+int axpy_bf16_dot_ok(void) { return bf16_dot_ok; }
+
+/* 1 when the Q4_0 rows of the q8 precision run on vdpbf16ps here (sparse.h), for reports */
+PI_EXPORT int32_t pi_kernels_bf16_dot(void) { return bf16_dot_ok; }
 
 #define AXPY_CHUNK 256 /* T = 1: rows listed at a time on a thread's stack (3 KiB) */
 
@@ -315,7 +346,7 @@ void axpy_t1_units(axpy_units_fn units, int kind, const axpy_ctx *c, int64_t u0,
 
 static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,
                          const int64_t *idx, int64_t M, const float *h, int64_t h_stride, int64_t T, float *y,
-                         int64_t y_stride, int32_t n_threads, int32_t isa) {
+                         int64_t y_stride, int32_t q8_act, int32_t n_threads, int32_t isa) {
     if (N < 0 || M < 0 || D < 0 || T < 0) return PI_ERR_SHAPE;
     if (kind_is_block(kind) && D % QK != 0) return PI_ERR_SHAPE;
     if (kind_is_kq(kind) && D % QK_K != 0) return PI_ERR_SHAPE; /* K-quant rows hold whole super-blocks */
@@ -331,7 +362,8 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (T == 0 || D == 0) return PI_OK;
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
-                        .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride};
+                        .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
+                        .coef_bf16 = q8_act != 0 && kind == KIND_Q4_0};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;
@@ -356,13 +388,16 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     return PI_OK;
 }
 
-/* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, threads,
- * isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]. */
+/* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act,
+ * threads, isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]; q8_act != 0
+ * takes Q4_0 rows with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
 #define DEFINE_ROWS_AXPY(type, kind, unit_bytes)                                                                  \
     PI_EXPORT int32_t pi_rows_axpy_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,               \
                                           const int64_t *idx, int64_t M, const float *h, int64_t h_stride,        \
-                                          int64_t T, float *y, int64_t y_stride, int32_t n_threads, int32_t isa) { \
-        return rows_axpy(kind, unit_bytes, w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, n_threads, isa); \
+                                          int64_t T, float *y, int64_t y_stride, int32_t q8_act, int32_t n_threads,   \
+                                          int32_t isa) {                                                          \
+        return rows_axpy(kind, unit_bytes, w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, n_threads, \
+                         isa);                                                                                    \
     }
 
 DEFINE_ROWS_AXPY(f32, KIND_F32, AXPY_UNIT * 4)

@@ -15,6 +15,7 @@
 #define AXPY_UNIT 32   /* elements per work unit along D: one quant block, or 32 floats of an F32/F16 row */
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
 #define AXPY_AHEAD 2   /* T = 1: groups of rows prefetched ahead */
+#define AXPY_PAIRS_AHEAD 4 /* T = 1, Q4_0 in the q8 precision: pairs of rows prefetched ahead */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
 enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4, KIND_BF16 = 5,
@@ -64,7 +65,29 @@ typedef struct {
     const float *act_h;       /* and their h */
     int64_t n_act;
     int accumulate; /* T == 1: add the chunk to y (else y starts from 0) */
+    int coef_bf16;  /* Q4_0 rows in the q8 precision: bfloat16 coefficients (axpy_coef_bf16) */
 } axpy_ctx;
+
+/* Q4_0 rows in the "q8" precision (coef_bf16): y += c * (q - 8) per element, the listed rows in order, with one
+ * coefficient per row and unit, c = bf16(h * d): h * d rounded to float, then to bfloat16 to nearest even (a
+ * subnormal c is 0). c * (q - 8) is exact in float (8 significant bits times 4), so each step rounds once, and
+ * the chain is the same whether a float FMA applies one row at a time or AVX512-BF16's vdpbf16ps applies a pair
+ * (which adds its odd lane's product first, then the even lane's: the pair's first row goes in the odd lane).
+ * Every variant gives the same bits; the products of rows of 32 elements run at twice the rate of the float path
+ * (vdpbf16ps: 32 multiply-adds per instruction), and the coefficient's rounding (2^-9 relative) is smaller than
+ * the int8 activation blocks' of the q8 matmuls. */
+static inline uint16_t bf16_round(float p) {
+    uint32_t u;
+    memcpy(&u, &p, sizeof u);
+    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u); /* zero or subnormal: a signed zero */
+    if ((u & 0x7F800000u) == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0xFFFFu) ? 0x40u : 0u)); /* inf, NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint16_t axpy_coef_bf16(float h, uint16_t d) { return bf16_round(h * fp16_to_fp32(d)); }
+
+/* nonzero when this CPU's vdpbf16ps has the chain above (checked once at load); the AVX-512 variant then uses it */
+int axpy_bf16_dot_ok(void);
 
 typedef void (*axpy_units_fn)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1);
 

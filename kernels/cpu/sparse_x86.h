@@ -350,6 +350,208 @@ TARGET_INLINE void FN(axpy_kq_units)(const int kind, const axpy_ctx *c, int64_t 
         FN(axpy_kq_tile)(kind, c, u0, u1, t0, (int)min_i64(AXPY_TILE_T, c->T - t0));
 }
 
+/* ---- Q4_0 in the q8 precision: bfloat16 coefficients (sparse.h, axpy_coef_bf16) ---------------------------- */
+
+/* q - 8 of the 32 elements of a Q4_0 unit as floats (exact), in element order */
+TARGET_INLINE void FN(q4_0_ints)(const uint8_t *qs, SV *w) {
+#if SIMD_AVX512
+    const __m512 iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    w[0] = _mm512_permutexvar_ps(q, iota8);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), iota8);
+#else
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+        w[h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), eight);
+        w[2 + h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), eight);
+    }
+#endif
+}
+
+/* axpy_coef_bf16 with the F16C conversion (exact, as fp16_to_fp32) */
+TARGET_INLINE float FN(coef_f32)(float h, const uint8_t *row, int64_t u) {
+    return bf16_to_fp32(bf16_round(h * _cvtsh_ss(((const block_q4_0 *)row + u)->d)));
+}
+
+/* T = 1, one row at a time per unit (FMA; the product is exact): the chain of sparse.h */
+TARGET_INLINE void FN(axpy_t1_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64_t u1) {
+    float *y = c->y;
+    if (!c->accumulate)
+        for (int64_t u = u0; u < u1; u++)
+            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(y + u * AXPY_UNIT + j * SV_N, SV_ZERO());
+    for (int64_t g = 0; g < c->n_act; g += AXPY_GROUP) {
+        const int n = (int)min_i64(AXPY_GROUP, c->n_act - g);
+        const uint8_t *const *rows = c->act_rows + g;
+        const int64_t ahead = g + AXPY_AHEAD * AXPY_GROUP;
+        const int n_ahead = ahead < c->n_act ? (int)min_i64(AXPY_GROUP, c->n_act - ahead) : 0;
+        const uint8_t *const *rows_ahead = c->act_rows + (ahead < c->n_act ? ahead : 0);
+        for (int64_t u = u0; u < u1; u++) {
+            float *yu = y + u * AXPY_UNIT;
+            for (int r = 0; r < n_ahead; r++) __builtin_prefetch(rows_ahead[r] + u * c->unit_bytes, 0, 3);
+            SV acc[SV_PER_UNIT];
+            for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + j * SV_N);
+            for (int r = 0; r < n; r++) {
+                const SV cv = SV_SET1(FN(coef_f32)(c->act_h[g + r], rows[r], u));
+                SV w[SV_PER_UNIT];
+                FN(q4_0_ints)(((const block_q4_0 *)rows[r] + u)->qs, w);
+                for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_FMA(cv, w[j], acc[j]);
+            }
+            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + j * SV_N, acc[j]);
+        }
+    }
+}
+
+/* T > 1, tokens [t0, t0 + ntok): each unit's integers decoded once for the tile, each token's coefficient its own */
+TARGET_INLINE void FN(axpy_tile_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64_t u1, int64_t t0, const int ntok) {
+    float *yt[AXPY_TILE_T];
+    const float *ht[AXPY_TILE_T];
+    for (int t = 0; t < ntok; t++) {
+        yt[t] = c->y + (t0 + t) * c->y_stride;
+        ht[t] = c->h + (t0 + t) * c->h_stride;
+        for (int64_t u = u0; u < u1; u++)
+            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yt[t] + u * AXPY_UNIT + j * SV_N, SV_ZERO());
+    }
+    for (int64_t m = 0; m < c->M; m++) {
+        float hs[AXPY_TILE_T];
+        int any = 0;
+        for (int t = 0; t < ntok; t++) {
+            hs[t] = ht[t][m];
+            any |= hs[t] != 0.0f;
+        }
+        if (!any) continue;
+        const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
+        if (m + ROWS_PREFETCH_AHEAD < c->M)
+            prefetch_bytes(c->w + row_of(c->idx, m + ROWS_PREFETCH_AHEAD) * c->w_stride + u0 * c->unit_bytes,
+                           (u1 - u0) * c->unit_bytes);
+        for (int64_t u = u0; u < u1; u++) {
+            SV w[SV_PER_UNIT];
+            FN(q4_0_ints)(((const block_q4_0 *)row + u)->qs, w);
+            for (int t = 0; t < ntok; t++) {
+                if (hs[t] == 0.0f) continue;
+                const SV cv = SV_SET1(FN(coef_f32)(hs[t], row, u));
+                float *yu = yt[t] + u * AXPY_UNIT;
+                for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + j * SV_N, SV_FMA(cv, w[j], SV_LOAD(yu + j * SV_N)));
+            }
+        }
+    }
+}
+
+#if SIMD_AVX512
+#define TARGET_BF __attribute__((target(SIMD_TARGET ",avx512bf16,avx512vbmi")))
+
+/* bf16_round (sparse.h) of 16 floats, in the low 16 bits of each lane */
+TARGET_BF static inline __m512i FN(bf16_round_v)(__m512 p) {
+    const __m512i bits = _mm512_castps_si512(p);
+    const __m512i e = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000));
+    const __m512i top = _mm512_srli_epi32(bits, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
+                                                   _mm512_and_si512(top, _mm512_set1_epi32(1))),
+                                  16);
+    const __mmask16 tiny = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+    const __mmask16 special = _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0x7F800000));
+    const __mmask16 nan = special & _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF));
+    r = _mm512_mask_mov_epi32(r, tiny, _mm512_and_si512(top, _mm512_set1_epi32(0x8000)));
+    r = _mm512_mask_mov_epi32(r, special, top);
+    return _mm512_mask_or_epi32(r, nan, r, _mm512_set1_epi32(0x40));
+}
+
+/* T = 1 with vdpbf16ps: the group's rows a pair at a time. Bytes of the pair's two units (first row's 16, then
+ * the second's) are spread to words by vpermb: word 2i + 1 = byte i of the first row (odd lane, added first),
+ * word 2i = byte i of the second; vpermw picks bf16(q - 8) from a table by the low 5 bits (the table repeats, so
+ * bit 4, the other nibble's, is ignored), the high nibbles after a shift by 4. An odd row out is paired with a
+ * zero coefficient (its lane adds +0). */
+TARGET_BF static void FN(axpy_t1_q4_0_dp)(const axpy_ctx *c, int64_t u0, int64_t u1) {
+    float *y = c->y;
+    if (!c->accumulate)
+        for (int64_t u = u0; u < u1; u++)
+            for (int j = 0; j < 2; j++) _mm512_storeu_ps(y + u * AXPY_UNIT + 16 * j, _mm512_setzero_ps());
+    uint16_t tab_words[32];
+    uint8_t spread[64];
+    for (int i = 0; i < 32; i++) tab_words[i] = axpy_coef_bf16((float)((i & 15) - 8), 0x3C00 /* 1.0 */);
+    for (int j = 0; j < 32; j++) spread[2 * j] = spread[2 * j + 1] = (uint8_t)((j & 1 ? 0 : 16) + j / 2);
+    const __m512i tab = _mm512_loadu_si512(tab_words), perm = _mm512_loadu_si512(spread);
+    /* a pair of rows at a time over the whole slice: two sequential streams (rows stay in DRAM order), y in L1;
+     * the rows AXPY_PAIRS_AHEAD pairs ahead prefetched a unit at a time */
+    for (int64_t p = 0; p < c->n_act; p += 2) {
+        const uint8_t *r0 = c->act_rows[p], *r1 = p + 1 < c->n_act ? c->act_rows[p + 1] : r0;
+        const float h0 = c->act_h[p], h1 = p + 1 < c->n_act ? c->act_h[p + 1] : 0.0f;
+        const int64_t pa = p + 2 * AXPY_PAIRS_AHEAD;
+        const uint8_t *a0 = pa < c->n_act ? c->act_rows[pa] : NULL;
+        const uint8_t *a1 = pa + 1 < c->n_act ? c->act_rows[pa + 1] : NULL;
+        for (int64_t uc = u0; uc < u1; uc += 16) {
+            const int nu = (int)min_i64(16, u1 - uc);
+            /* the chunk's coefficients, pair dwords (first row high), bf16_round in SIMD */
+            uint16_t d0[16] = {0}, d1[16] = {0};
+            for (int k = 0; k < nu; k++) {
+                d0[k] = ((const block_q4_0 *)r0 + uc + k)->d;
+                d1[k] = ((const block_q4_0 *)r1 + uc + k)->d;
+            }
+            uint32_t coef[16];
+            {
+                const __m512i c0 = FN(bf16_round_v)(_mm512_mul_ps(_mm512_set1_ps(h0),
+                                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d0))));
+                const __m512i c1 = FN(bf16_round_v)(_mm512_mul_ps(_mm512_set1_ps(h1),
+                                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d1))));
+                _mm512_storeu_si512(coef, _mm512_or_si512(_mm512_slli_epi32(c0, 16), c1));
+            }
+            for (int k = 0; k < nu; k++) {
+                const int64_t u = uc + k;
+                if (a0 != NULL) __builtin_prefetch(a0 + u * c->unit_bytes, 0, 3);
+                if (a1 != NULL) __builtin_prefetch(a1 + u * c->unit_bytes, 0, 3);
+                const block_q4_0 *b0 = (const block_q4_0 *)r0 + u, *b1 = (const block_q4_0 *)r1 + u;
+                const __m256i both = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)b1->qs),
+                                                      _mm_loadu_si128((const __m128i *)b0->qs));
+                const __m512i x = _mm512_permutexvar_epi8(perm, _mm512_castsi256_si512(both));
+                const __m512i cv = _mm512_set1_epi32((int)coef[k]);
+                float *yu = y + u * AXPY_UNIT;
+                _mm512_storeu_ps(yu, _mm512_dpbf16_ps(_mm512_loadu_ps(yu), (__m512bh)_mm512_permutexvar_epi16(x, tab),
+                                                      (__m512bh)cv));
+                _mm512_storeu_ps(yu + 16,
+                                 _mm512_dpbf16_ps(_mm512_loadu_ps(yu + 16),
+                                                  (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), tab),
+                                                  (__m512bh)cv));
+            }
+        }
+    }
+}
+
+/* 1 when vdpbf16ps adds a pair as sparse.h says: exact products, odd lane first, one rounding each (cases where
+ * the order decides the last bit, and where one fused sum would differ) */
+TARGET_BF static int FN(bf16_dot_selftest)(void) {
+    static const float acc[4] = {1.0f, 1.0f, 0x1p24f, -1.0f};
+    static const uint16_t odd[4] = {0x3380 /* 2^-24 */, 0x3400 /* 2^-23 */, 0x3F80 /* 1 */, 0x3F80};
+    static const uint16_t even[4] = {0x3380, 0xB380 /* -2^-24 */, 0xCB80 /* -2^24 */, 0x3380};
+    for (int i = 0; i < 4; i++) {
+        const uint32_t pair = (uint32_t)odd[i] << 16 | even[i];
+        const __m128 r = _mm_dpbf16_ps(_mm_set1_ps(acc[i]), (__m128bh)_mm_set1_epi32((int)pair),
+                                       (__m128bh)_mm_set1_epi32(0x3F803F80)); /* times 1 */
+        volatile float e = acc[i] + bf16_to_fp32(odd[i]);
+        e = e + bf16_to_fp32(even[i]);
+        if (_mm_cvtss_f32(r) != e) return 0;
+    }
+    return 1;
+}
+#undef TARGET_BF
+#endif
+
+TARGET_INLINE void FN(axpy_units_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64_t u1) {
+    if (u1 <= u0) return;
+    if (c->T == 1) {
+#if SIMD_AVX512
+        if (axpy_bf16_dot_ok()) {
+            FN(axpy_t1_q4_0_dp)(c, u0, u1);
+            return;
+        }
+#endif
+        FN(axpy_t1_q4_0_coef)(c, u0, u1);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < c->T; t0 += AXPY_TILE_T)
+        FN(axpy_tile_q4_0_coef)(c, u0, u1, t0, (int)min_i64(AXPY_TILE_T, c->T - t0));
+}
+
 /* one specialised body per weight kind */
 TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     switch (kind) {
@@ -358,7 +560,12 @@ TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64
         case KIND_Q4_K: FN(axpy_kq_units)(KIND_Q4_K, c, u0, u1); break;
         case KIND_Q5_K: FN(axpy_kq_units)(KIND_Q5_K, c, u0, u1); break;
         case KIND_Q6_K: FN(axpy_kq_units)(KIND_Q6_K, c, u0, u1); break;
-        case KIND_Q4_0: FN(axpy_units_kind)(KIND_Q4_0, c, u0, u1); break;
+        case KIND_Q4_0:
+            if (c->coef_bf16)
+                FN(axpy_units_q4_0_coef)(c, u0, u1);
+            else
+                FN(axpy_units_kind)(KIND_Q4_0, c, u0, u1);
+            break;
         case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, c, u0, u1); break;
         case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, c, u0, u1); break;
         case KIND_F32: FN(axpy_units_kind)(KIND_F32, c, u0, u1); break;

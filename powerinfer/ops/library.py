@@ -88,9 +88,10 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 _MATMUL_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32)
 # (w, w_stride_bytes, N, K, ids, n_ids, y, y_stride, n_threads, isa)
 _GET_ROWS_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32)
-# rows_matmul (w, w_stride_bytes, N, K, idx, M, x, x_stride, T, y, y_stride, n_threads, isa) and
-# rows_axpy (w_t, w_stride_bytes, N, D, idx or NULL, M, h, h_stride, T, y, y_stride, n_threads, isa)
+# rows_matmul (w, w_stride_bytes, N, K, idx, M, x, x_stride, T, y, y_stride, n_threads, isa)
 _SPARSE_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32)
+# rows_axpy (w_t, w_stride_bytes, N, D, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act, n_threads, isa)
+_AXPY_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32, _i32)
 # ffn_rows (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., idx, M, act, relu_up, q8_act, y,
 #           scratch, scratch_bytes, n_threads, isa)
 _FFN_ROWS_ARGTYPES = (
@@ -191,7 +192,7 @@ def _open(path: str) -> Library:
         get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
         rows_matmul[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}", _SPARSE_ARGTYPES)
         rows_matmul_f[ggml_type] = _symbol(lib, f"pi_rows_matmul_{name}{f32_suffix}", _SPARSE_ARGTYPES)
-        rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
+        rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _AXPY_ARGTYPES)
     for ggml_type, name in K_TYPES.items():
         get_rows[ggml_type] = _symbol(lib, f"pi_get_rows_{name}", _GET_ROWS_ARGTYPES)
         matmul[ggml_type] = _symbol(lib, f"pi_matmul_{name}", _MATMUL_ARGTYPES)
@@ -201,7 +202,7 @@ def _open(path: str) -> Library:
             rows_matmul[ggml_type] = rows_matmul_f[ggml_type] = _symbol(
                 lib, f"pi_rows_matmul_{name}_f", _SPARSE_ARGTYPES
             )
-            rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _SPARSE_ARGTYPES)
+            rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _AXPY_ARGTYPES)
     return Library(
         path=path,
         isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),

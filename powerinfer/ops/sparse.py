@@ -141,7 +141,7 @@ def rows_axpy(
     n_tokens, y = output(h, n_out)
     status = kernel(
         w_t._raw_ptr, w_t._raw_stride, n_rows, n_out, None if idx is None else idx.data_ptr(), n_sel,
-        h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, kc.threads_now, kc.level,
+        h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, int(kc.act_precision == "q8"), kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "rows_axpy")
