@@ -397,10 +397,14 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
                 const int ntok = (int)min_i64(TILE_T, T - t0);
                 for (int64_t n = n0; n < n1; n++) {
                     float out[TILE_T];
-                    if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
+                    act_q8 an = a;
+                    if (rows != NULL && T == 1) {
+                        /* one token's listed rows: streamed ROWS_STREAM_AHEAD rows ahead (matmul.h) */
+                        an.ahead = n + ROWS_STREAM_AHEAD < N ? (rows[n + ROWS_STREAM_AHEAD] - rows[n]) * w_stride : 0;
+                    } else if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                         prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                     }
-                    tile(w + row_of(rows, n) * w_stride, &a, t0, ntok, out);
+                    tile(w + row_of(rows, n) * w_stride, &an, t0, ntok, out);
                     for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
                 }
             }
