@@ -4,14 +4,17 @@ input conventions on their own."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
+import pickle
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import random_llama_state, smollm2_path, write_llama_gguf
@@ -24,7 +27,7 @@ from powerinfer.cli.interactive import chat_tokens, read_input
 from powerinfer.errors import FormatError, InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import Generator, GenParams
-from powerinfer.runtime.session import Session, load_session, save_session
+from powerinfer.runtime.session import TRAILER_MAGIC, Session, load_session, save_session
 from powerinfer.sampling import Sampler, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
@@ -118,11 +121,39 @@ def test_session_file_round_trip_and_refusals(tmp_path):
     with pytest.raises(FormatError, match="more than a session"):
         load_session(big, engine)
     path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(FormatError, match="no checksum trailer"):
+        load_session(path, engine)
+
+    def sealed(data: bytes) -> bytes:  # a body with a valid trailer: the parser's own refusals
+        return data + TRAILER_MAGIC + hashlib.sha256(data).digest()
+
+    path.write_bytes(sealed(b"\x80\x04K\x01."))  # a pickle of the integer 1
     with pytest.raises(FormatError, match="not a readable"):
         load_session(path, engine)
-    path.write_bytes(b"\x80\x04K\x01.")  # a pickle of the integer 1
-    with pytest.raises(FormatError):
+    path.write_bytes(sealed(pickle.dumps(os.getcwd)))  # a pickle naming a global that is not ours
+    with pytest.raises(FormatError, match="not a readable"):
         load_session(path, engine)
+
+
+def test_a_flipped_byte_anywhere_in_a_session_file_is_refused(tmp_path):
+    """64 bytes inverted at 48 places spread over the file (header, tensor data, zip directory): every copy is
+    refused with a FormatError and the cache is left as it was."""
+    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(n_ctx=64))
+    tokens = [1, 40, 41, 42, 43, 44, 45]
+    engine.prefill(0, tokens)
+    path = tmp_path / "s.bin"
+    save_session(path, engine, tokens)
+    good = path.read_bytes()
+    engine.free(0)
+    assert load_session(path, engine) == tokens
+    engine.free(0)
+    for start in np.linspace(0, len(good) - 64, 48).astype(int):
+        bad = bytearray(good)
+        bad[start : start + 64] = bytes(b ^ 0xFF for b in bad[start : start + 64])
+        path.write_bytes(bytes(bad))
+        with pytest.raises(FormatError):
+            load_session(path, engine)
+        assert engine.n_past == 0, start
 
 
 # ---------------------------------------------------------------- real processes on SmolLM2

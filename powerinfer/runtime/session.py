@@ -3,13 +3,16 @@
 `Session.sync(tokens)` makes KV slot 0 hold `tokens`: it keeps the longest prefix the cache already holds and
 evaluates only the rest, so a conversation never re-prefills its history. `save_session` / `load_session` write
 and read the tokens and their keys and values with `torch.save` / `torch.load(weights_only=True)` (plain tensors
-and strings, no pickled code), checked on load against the model and the context.
+and strings, no pickled code), followed by a trailer (magic and the SHA-256 of every byte before it), checked on
+load before anything is parsed, then against the model and the context: a damaged file is refused, never used.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import pickle
 import tempfile
 import time
 import warnings
@@ -25,7 +28,8 @@ if TYPE_CHECKING:
     from powerinfer.runtime.engine import Engine
 
 SESSION_FORMAT = "powerinfer-session"
-SESSION_VERSION = 1
+SESSION_VERSION = 2  # 2: the SHA-256 trailer
+TRAILER_MAGIC = b"PISESS2\0"  # then 32 bytes of SHA-256 over everything before the magic
 FINGERPRINT_BYTES = 1 << 22  # the header (metadata, tokenizer, tensor table) and the first weights
 
 
@@ -124,8 +128,12 @@ def save_session(path: Path, engine: Engine, tokens: list[int]) -> None:
         mode = 0o644
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
     try:
+        body = io.BytesIO()
+        torch.save(state, body)
+        data = body.getvalue()
         with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
+            f.write(data)
+            f.write(TRAILER_MAGIC + hashlib.sha256(data).digest())
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
@@ -148,10 +156,20 @@ def load_session(path: Path, engine: Engine) -> list[int]:
             f"{size} bytes is more than a session of this model and context holds ({max_bytes})"
         )
     try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise FormatError(f"cannot read it ({e.strerror})") from None
+    n_trailer = len(TRAILER_MAGIC) + 32
+    if len(raw) < n_trailer or raw[-n_trailer:-32] != TRAILER_MAGIC:
+        raise FormatError("not a powerinfer session file of this version (no checksum trailer)")
+    if hashlib.sha256(memoryview(raw)[:-n_trailer]).digest() != raw[-32:]:
+        raise FormatError("its checksum does not match its bytes (a damaged file)")
+    try:
         with warnings.catch_warnings():  # torch's notes on odd pickles: the refusal below says it in one line
             warnings.simplefilter("ignore")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, ValueError, EOFError, OSError, AttributeError, KeyError, TypeError) as e:
+            state = torch.load(io.BytesIO(raw[:-n_trailer]), map_location="cpu", weights_only=True)
+    except (RuntimeError, ValueError, EOFError, OSError, AttributeError, KeyError, TypeError, IndexError,
+            pickle.UnpicklingError, UnicodeDecodeError, MemoryError) as e:  # fmt: skip
         raise FormatError(f"not a readable session file ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("format") != SESSION_FORMAT:
         raise FormatError("not a powerinfer session file")
