@@ -29,7 +29,7 @@ from powerinfer.runtime.kv_cache import KVCache
 
 F64 = torch.float64
 N_EMBD, HEAD_DIM = 32, 8
-LENS = (11, 7, 9, 5, 13)  # five sequences' prompt lengths: a decode batch of 5 passes BATCHED_KERNEL_MAX_SEQS
+LENS = (11, 7, 9, 5, 13)  # five sequences' prompt lengths: a decode batch of 5
 N_CTX = 16
 
 # ------------------------------------------------------------------------------------------ helpers

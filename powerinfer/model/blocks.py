@@ -20,10 +20,11 @@ from powerinfer.model.workspace import Workspace
 
 Weight = ops.QWeight | ops.DeviceWeight
 
-# batched decode of up to this many sequences runs the decode-attention kernel once per sequence, more run one
-# padded SDPA call (SmolLM2, positions ~10-35, ms per step kernel / SDPA: -t 1: 10.2/11.3 at 2 sequences,
-# 14.4/15.2 at 4, 27.9/27.3 at 8; -t 2: 6.5/7.8 at 2, 9.2/9.4 at 4, 17.2/16.3 at 8, 31.5/27.1 at 16)
-BATCHED_KERNEL_MAX_SEQS = 4
+# A batched decode step on the CPU runs each sequence's token as a lone decode token runs: the decode-attention
+# kernel once per sequence (or, where it does not apply, the one-token path), never a padded SDPA call over the
+# batch, whose sums round differently: a token's logits must not depend on the other sequences of its step. What it
+# costs at many sequences (SmolLM2, positions ~10-35, ms per step kernel / padded SDPA: -t 1: 27.9/27.3 at 8
+# sequences; -t 2: 17.2/16.3 at 8, 31.5/27.1 at 16) is the price of that. On a GPU pool the padded call stays.
 
 
 class KVLayer(Protocol):
@@ -273,13 +274,7 @@ class Attention:
         """One new token for each of B distinct sequences: (B, H * D)."""
         s = self.spec
         B = q.shape[0]
-        if (
-            self._one_kernel
-            and self.batched_kernel
-            and B <= BATCHED_KERNEL_MAX_SEQS
-            and q.is_cpu
-            and batch.max_pos < ops.ATTN_KERNEL_MAX_POS
-        ):
+        if self._one_kernel and self.batched_kernel and q.is_cpu and batch.max_pos < ops.ATTN_KERNEL_MAX_POS:
             # each sequence's token through the decode-attention kernel: no gather of every cache into a
             # padded (B, L) batch
             rope, scratch, kc = self.rope, self.workspace.get("attn"), self.kc
@@ -292,6 +287,13 @@ class Attention:
                 for b, seg in enumerate(batch.segments)
             ]  # fmt: skip
             return torch.cat(outs)
+        if q.is_cpu:  # each token as the one-token path computes it (see above)
+            return torch.cat(
+                [
+                    self._run(q[b : b + 1], k[b : b + 1], v[b : b + 1], seg.seq, seg.pos, kv)
+                    for b, seg in enumerate(batch.segments)
+                ]
+            )
         positions = batch.positions.to(q.device)
         q, k, v = self._heads(q, k, v, positions)
         keys, values, mask = kv.update_batch(batch.seq_ids, positions, k, v)  # (B, L, H_kv, D), (B, L)
