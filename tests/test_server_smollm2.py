@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -352,3 +353,42 @@ def test_tool_call_parsing():
     stream = tools.ContentStream()
     assert [stream.feed(p) for p in ("Hi <", "tool", "_call>{}", "x")] == ["Hi ", "", "", ""]
     assert stream.rest() == "<tool_call>{}x"
+
+
+@pytest.fixture(scope="module")
+def default_file(tmp_path_factory) -> Path:
+    """The default model (no -m): the wheel's SmolLM2 with its sparse head's screen, made in a test folder."""
+    from powerinfer.sparsify import default as default_mod
+
+    d = default_mod.DefaultModel(src=smollm2_path(), output=tmp_path_factory.mktemp("default") / "head.gguf")
+    default_mod.make(d)
+    return d.output
+
+
+@pytest.mark.parametrize("which", ["dense", "default"])
+def test_the_same_request_gets_the_same_answer_whatever_else_happens(which, default_file):
+    """The same greedy chat request 5 times (the prompt reused from the cache after the first), streamed and
+    not, then 8 copies at once on 8 slots: every answer is the first one (the CLI's q8 precision)."""
+    path = smollm2_path() if which == "dense" else default_file
+    opts = ServerOptions(
+        model=path, engine=EngineOptions(n_ctx=512, n_seq=8, n_threads=2, act_precision="q8")
+    )
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 16, "temperature": 0}
+
+    def ask(stream: bool) -> str:
+        status, out, _ = request(srv, "POST", "/v1/chat/completions", {**body, "stream": stream}, timeout=300)
+        assert status == 200, out
+        if not stream:
+            return out["choices"][0]["message"]["content"]
+        return "".join(
+            e["choices"][0]["delta"].get("content") or ""
+            for e in sse_events(out)
+            if e != "[DONE]" and e["choices"]
+        )
+
+    with live_server(opts) as srv:
+        solo = ask(False)
+        assert solo.strip()
+        assert [ask(i % 2 == 1) for i in range(5)] == [solo] * 5
+        with ThreadPoolExecutor(8) as pool:
+            assert list(pool.map(ask, [False, True] * 4)) == [solo] * 8
