@@ -680,3 +680,15 @@ def test_fuzzed_requests_never_get_500(live):
 
     check()
     _healthy(live)
+
+
+def test_embeddings_are_capped_per_request(live):
+    """10,000 inputs took over 120 s: a request holds at most 256 (each one prompt of at most -c tokens);
+    the refusal is immediate and one error, and 256 still work."""
+    for path, key in (("/v1/embeddings", "input"), ("/embedding", "content")):
+        t = time.perf_counter()
+        status, body, _ = request(live, "POST", path, {key: ["a"] * 10_000})
+        assert status == 400 and "at most 256" in body["error"]["message"], body
+        assert body["error"]["param"] == key and time.perf_counter() - t < 5
+    status, body, _ = request(live, "POST", "/v1/embeddings", {"input": [[1, 2]] * 256}, timeout=300)
+    assert status == 200 and len(body["data"]) == 256

@@ -20,7 +20,7 @@ from powerinfer.server.schemas import (
     LlamaEmbeddingRequest,
     TokenizeRequest,
 )
-from powerinfer.server.state import JSONRoute, ServerState, sse, timings
+from powerinfer.server.state import JSONRoute, ServerState, check_embedding_inputs, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams
 
 router = APIRouter(route_class=JSONRoute)
@@ -160,6 +160,7 @@ async def embedding(body: LlamaEmbeddingRequest, request: Request) -> Any:
     st = _state(request)
     if isinstance(body.content, str):
         return {"embedding": (await st.embed(request, st.encode(body.content))).vector}
+    check_embedding_inputs(len(body.content), "content")
     return [
         {"index": i, "embedding": (await st.embed(request, st.encode(text))).vector}
         for i, text in enumerate(body.content)

@@ -21,7 +21,7 @@ from powerinfer.server.schemas import (
     OpenAICompletionRequest,
     _OpenAIBase,
 )
-from powerinfer.server.state import JSONRoute, ServerState, sse, timings
+from powerinfer.server.state import JSONRoute, ServerState, check_embedding_inputs, sse, timings
 from powerinfer.server.worker import Chunk, Done, Failed, GenParams, SlotRequest, TokenProb
 
 router = APIRouter(prefix="/v1", tags=["OpenAI"], route_class=JSONRoute)
@@ -308,6 +308,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> Any:
         inputs = [inputs]  # one list of token ids
     if not inputs:
         raise ApiError(400, "input is empty", param="input")
+    check_embedding_inputs(len(inputs), "input")
     data, n_tokens = [], 0
     for i, item in enumerate(inputs):
         tokens = st.encode(item) if isinstance(item, str) else [int(t) for t in item]  # type: ignore[union-attr]

@@ -319,6 +319,16 @@ class ServerState:
         raise ApiError(499, "client closed the request")
 
 
+EMBEDDING_MAX_INPUTS = 256  # texts (or token lists) one embeddings request may hold; each is bounded by -c
+
+
+def check_embedding_inputs(n: int, param: str) -> None:
+    """400 for an embeddings request of more than EMBEDDING_MAX_INPUTS inputs: one request's work stays bounded
+    (each input is one prompt of at most the context size)."""
+    if n > EMBEDDING_MAX_INPUTS:
+        raise ApiError(400, f"{n} inputs in one request; at most {EMBEDDING_MAX_INPUTS}", param=param)
+
+
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
