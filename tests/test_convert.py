@@ -314,3 +314,26 @@ def test_bad_predictor_folders(gqa, tmp_path: Path):
         (tmp_path / "garbage" / f"model_{i}.pt").write_bytes(b"not a torch file")
     assert_fails([str(hf), str(tmp_path / "garbage")], out, "model_0.pt", "cannot read")
     assert_fails([str(hf), str(tmp_path / "wrong"), "--outtype", "q4_0"], out, "unsupported output type")
+
+
+def test_index_shards_stay_inside_the_checkpoint_folder(gqa, tmp_path: Path):
+    """A weight_map naming a file outside the folder (`..`, an absolute path, a subfolder, a link out of it) is
+    refused before anything is opened; one error line, no output."""
+    _, hf = gqa
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(hf / "model.safetensors", outside)
+    (hf / "link.safetensors").symlink_to(outside)
+    index = hf / "model.safetensors.index.json"
+    for name, needle in (
+        ("../../../../etc/passwd", "is not a file of the folder"),
+        (str(outside), "is not a file of the folder"),
+        ("sub/model.safetensors", "is not a file of the folder"),
+        ("link.safetensors", "leads out of the folder"),
+        ("..", "is not a file of the folder"),
+    ):
+        index.write_text(json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": name}}))
+        assert_fails([str(hf)], out, needle)
+    index.write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": 7}}))
+    assert_fails([str(hf)], out, "must be file names")

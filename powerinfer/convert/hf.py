@@ -156,6 +156,19 @@ class HFConfig:
         )
 
 
+def shard_path(hf_dir: Path, name: str, index: Path) -> Path:
+    """A shard named by the index: a plain file name inside the checkpoint folder (no folders, no `..`, no
+    absolute path; a link may not lead out of the folder either), else FormatError."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise FormatError(
+            f"{printable(str(index))}: weight file {printable(name)!r} is not a file of the folder"
+        )
+    path = hf_dir / name
+    if path.resolve().parent != hf_dir.resolve():
+        raise FormatError(f"{printable(str(index))}: weight file {printable(name)!r} leads out of the folder")
+    return path
+
+
 class Checkpoint:
     """The tensors of the *.safetensors files of a HF folder (a sharded index too), read on demand."""
 
@@ -167,7 +180,10 @@ class Checkpoint:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise FormatError(f"{printable(str(index))}: no weight_map")
-            files = [hf_dir / f for f in dict.fromkeys(sorted(weight_map.values()))]
+            names = weight_map.values()
+            if not all(isinstance(f, str) for f in names):
+                raise FormatError(f"{printable(str(index))}: weight_map values must be file names")
+            files = [shard_path(hf_dir, f, index) for f in dict.fromkeys(sorted(names))]
         else:
             files = sorted(hf_dir.glob("*.safetensors"))
         if not files:
