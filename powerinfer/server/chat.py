@@ -1,14 +1,20 @@
-"""Chat messages to prompt tokens through the model's Jinja2 chat template, rendered in Jinja2's sandbox."""
+"""Chat messages to prompt tokens through the model's Jinja2 chat template, rendered in Jinja2's sandbox with
+bounds: a template (the user's --chat-template, or a model file's own, rendered on every chat request) may not
+repeat a string or list past RENDER_MAX_CHARS, make more than RENDER_MAX_RANGE items of range() in one render,
+raise a huge power, write more than RENDER_MAX_CHARS, or run longer than RENDER_SECONDS; each is one InputError."""
 
 from __future__ import annotations
 
+import contextvars
+import ctypes
 import datetime
 import functools
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from powerinfer.errors import InputError
 from powerinfer.tokenizer import Tokenizer
@@ -24,6 +30,89 @@ FALLBACK_TEMPLATE = (
 FALLBACK_STOP = ("<|im_end|>",)
 
 
+RENDER_MAX_CHARS = 1 << 22  # 4 Mi characters of output (and of any repeated string or list)
+RENDER_MAX_RANGE = 1 << 20  # range() items per render, all calls together
+RENDER_MAX_EXPONENT = 4096  # x ** n with |n| above this is refused (big-integer powers take unbounded time)
+RENDER_SECONDS = 5.0  # wall-clock limit of one render
+
+
+class RenderTimeout(Exception):
+    """Raised inside a render that ran past RENDER_SECONDS (delivered to its thread by the watchdog)."""
+
+
+class _Budget:
+    def __init__(self) -> None:
+        self.range_left = RENDER_MAX_RANGE
+        self.lock = threading.Lock()
+        self.done = False
+        self.fired = False
+
+
+_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_render_budget", default=None)
+
+
+def _bounded_range(*args: int) -> range:
+    r = range(*args)
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.range_left -= len(r)
+        if budget.range_left < 0:
+            raise SecurityError(f"range() made more than {RENDER_MAX_RANGE} items in one render")
+    return r
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with repetition and power bounded (the other operators cannot grow a value past its inputs)."""
+
+    intercepted_binops = frozenset(["*", "**"])
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if (
+                    isinstance(seq, (str, list, tuple))
+                    and isinstance(n, int)
+                    and len(seq) * n > RENDER_MAX_CHARS
+                ):
+                    raise SecurityError(f"repetition past {RENDER_MAX_CHARS} items")
+        if operator == "**" and isinstance(right, int) and abs(right) > RENDER_MAX_EXPONENT:
+            raise SecurityError(f"power with an exponent above {RENDER_MAX_EXPONENT}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _interrupt(thread_id: int, budget: _Budget) -> None:
+    with budget.lock:
+        if budget.done:
+            return
+        budget.fired = True
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(RenderTimeout))
+
+
+def render_bounded(template: jinja2.Template, **variables: Any) -> str:
+    """template.render(**variables) within the bounds of this module (SecurityError or RenderTimeout)."""
+    budget = _Budget()
+    token = _BUDGET.set(budget)
+    thread_id = threading.get_ident()
+    watchdog = threading.Timer(RENDER_SECONDS, _interrupt, (thread_id, budget))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        pieces, n = [], 0
+        for piece in template.generate(**variables):
+            n += len(piece)
+            if n > RENDER_MAX_CHARS:
+                raise SecurityError(f"the rendered prompt passed {RENDER_MAX_CHARS} characters")
+            pieces.append(piece)
+        return "".join(pieces)
+    finally:
+        with budget.lock:
+            budget.done = True
+            if budget.fired:  # the timeout raced the end: take back an exception not delivered yet
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
+        watchdog.cancel()
+        _BUDGET.reset(token)
+
+
 def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -35,7 +124,8 @@ def _strftime_now(fmt: str) -> str:
 @functools.lru_cache(maxsize=8)
 def _compile(source: str) -> jinja2.Template:
     # the settings of transformers' apply_chat_template
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env.globals["range"] = _bounded_range
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
@@ -71,18 +161,23 @@ class ChatFormatter:
     ) -> str:
         """The prompt text of a conversation; template errors (e.g. roles out of order) raise InputError."""
         try:
-            return _compile(self.template).render(
+            return render_bounded(
+                _compile(self.template),
                 messages=list(messages),
                 tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._special_text(self.tokenizer.bos_id),
                 eos_token=self._special_text(self.tokenizer.eos_id),
             )
+        except RenderTimeout:
+            raise InputError(f"chat template ran longer than {RENDER_SECONDS:g} s") from None
         except jinja2.exceptions.SecurityError as e:
             raise InputError(f"chat template refused by the sandbox: {e}") from None
         except jinja2.exceptions.TemplateError as e:
             raise InputError(f"chat template error: {e}") from None
-        except (TypeError, ValueError, KeyError, AttributeError) as e:
+        except RecursionError:
+            raise InputError("chat template recursed too deep") from None
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, MemoryError) as e:
             raise InputError(f"chat template failed on these messages: {e}") from None
 
     def tokens(
