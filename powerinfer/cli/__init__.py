@@ -13,7 +13,12 @@ from typing import Any
 import typer
 from typer.models import CommandInfo
 
-from powerinfer.cli.common import exit_code_of_interrupt, install_signal_handlers, raise_pending_signal
+from powerinfer.cli.common import (
+    deferred_signals,
+    exit_code_of_interrupt,
+    install_signal_handlers,
+    raise_pending_signal,
+)
 
 
 def _register(app: typer.Typer) -> None:
@@ -51,7 +56,8 @@ class PowerInferApp(typer.Typer):
     def registered_commands(self) -> list[CommandInfo]:
         if not self._loaded:
             self._loaded = True
-            _register(self)
+            with deferred_signals():  # the imports of torch and numpy are not interrupted half-way
+                _register(self)
         return self._commands
 
     @registered_commands.setter

@@ -8,6 +8,7 @@ stays light to import (no torch): the entry point imports it before the commands
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -15,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from enum import Enum
 from pathlib import Path
@@ -396,8 +397,13 @@ class Terminated(KeyboardInterrupt):
 _pending: list[int] = []  # signals received and not yet reported (see raise_pending_signal)
 
 
+_deferring: list[bool] = []  # non-empty while deferred_signals() holds the signals back
+
+
 def _on_signal(signum: int, frame: FrameType | None) -> None:
     _pending.append(signum)
+    if _deferring:  # recorded only: raised when deferred_signals() ends
+        return
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
     signal.signal(signum, signal.SIG_IGN)  # a second SIGTERM must not cut the cleanup short
@@ -416,6 +422,20 @@ def install_signal_handlers() -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(sig) == signal.SIG_DFL:
             signal.signal(sig, _on_signal)
+
+
+@contextlib.contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold SIGINT/SIGTERM/SIGHUP back (recorded, not raised) while the block runs, then raise the first one.
+    For the imports of numpy and torch: an exception raised inside a C extension's initialisation leaves the module
+    half made ("cannot load module more than once per process" at the next import, a traceback instead of one
+    line); the imports take a second or two, after which the signal is reported as usual."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+    raise_pending_signal()
 
 
 def raise_pending_signal() -> None:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 import struct
-import tempfile
 from collections.abc import Callable
 from typing import IO, Any
 
@@ -68,16 +68,13 @@ def write_file_atomically(
     if problem is not None:
         raise FormatError(f"cannot write {printable(str(target))}: {problem}")
     folder = os.path.dirname(os.path.abspath(target))
-    tmp = ""
+    # the name is known before the file exists, so a signal at any moment after this line finds it to remove
+    tmp = os.path.join(folder, f".tmp-{secrets.token_hex(8)}{suffix}")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=suffix, dir=folder)
-    except OSError as e:
-        raise FormatError(f"cannot write {printable(str(target))}: {e.strerror}") from None
-    try:
-        # mkstemp creates the file 0600; give the result the usual permissions (0666 minus the umask)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
+        try:  # 0666 minus the umask, as a plain open() would give
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        except OSError as e:
+            raise FormatError(f"cannot write {printable(str(target))}: {e.strerror}") from None
         with os.fdopen(fd, "wb") as f:
             write(f)
         problem = output_problem(target)  # something may have appeared there meanwhile
