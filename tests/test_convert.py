@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -337,3 +338,36 @@ def test_index_shards_stay_inside_the_checkpoint_folder(gqa, tmp_path: Path):
         assert_fails([str(hf)], out, needle)
     index.write_text(json.dumps({"weight_map": {"model.embed_tokens.weight": 7}}))
     assert_fails([str(hf)], out, "must be file names")
+
+
+def test_hostile_config_numbers_are_one_error(gqa, tmp_path: Path):
+    """config.json numbers a hostile or broken file may hold: each one error line at once (a 2^40-layer config
+    hung, string/list head counts and a non-object rope_scaling gave tracebacks, NaN eps and a 2^63 context were
+    accepted)."""
+    _, hf = gqa
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    cfg = json.loads((hf / "config.json").read_text())
+    cases = [
+        ({"num_hidden_layers": 1099511627776}, "'num_hidden_layers' = 1099511627776 is out of range"),
+        ({"num_key_value_heads": "4"}, "'num_key_value_heads' must be a number"),
+        ({"num_key_value_heads": [4]}, "'num_key_value_heads' must be a number"),
+        ({"rope_scaling": "linear"}, "rope_scaling / rope_parameters must be objects"),
+        ({"rope_scaling": {"type": "linear", "factor": "x"}}, "'factor' must be a number"),
+        ({"rms_norm_eps": float("nan")}, "'rms_norm_eps' must be a number"),
+        ({"rms_norm_eps": -1e-5}, "'rms_norm_eps' must be above 0"),
+        (
+            {"max_position_embeddings": 2**63},
+            "'max_position_embeddings' = 9223372036854775808 is out of range",
+        ),
+        ({"rope_theta": float("inf")}, "'rope_theta' must be a number"),
+        ({"hidden_act": ["silu"]}, "unsupported hidden_act"),
+        ({"model_type": None, "architectures": [{"x": 1}]}, "unsupported architecture"),
+    ]
+    for change, needle in cases:
+        (hf / "config.json").write_text(json.dumps({**cfg, **change}))
+        t = time.perf_counter()
+        assert_fails([str(hf)], out, needle)
+        assert time.perf_counter() - t < 30, change
+    (hf / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert_fails([str(hf)], out, "nested too deep")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,23 @@ from powerinfer.gguf.constants import GGMLType
 from powerinfer.gguf.writer import GGUFWriter
 from powerinfer.printable import printable
 
+# the largest size any config.json number may state (a context of 2^63 or 2^40 layers is a hostile file, not a
+# model; the checkpoint's tensors must match the numbers anyway)
+CONFIG_INT_MAX = 1 << 24
 
-def config_number(cfg: dict[str, Any], path: Path, key: str, kind: type = int, default: Any = None) -> Any:
-    """config.json's number `key` as `kind` (an int must be integral; a bool is no number); `default` when the key
-    is absent or null, ConfigError when it is required (default None) or not a number."""
+
+def config_number(
+    cfg: dict[str, Any],
+    path: Path,
+    key: str,
+    kind: type = int,
+    default: Any = None,
+    *,
+    positive: bool = True,
+) -> Any:
+    """config.json's number `key` as `kind` (an int must be integral and in 1..CONFIG_INT_MAX; a float finite and,
+    with `positive`, above 0; a bool is no number); `default` when the key is absent or null, ConfigError when it is
+    required (default None) or not such a number."""
     value = cfg.get(key)
     if value is None:
         value = default
@@ -25,9 +39,14 @@ def config_number(cfg: dict[str, Any], path: Path, key: str, kind: type = int, d
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
+        or not math.isfinite(value)
         or (kind is int and value != int(value))
     ):
         raise ConfigError(f"{printable(str(path))}: '{key}' must be a number, got {printable(value)}")
+    if kind is int and not 1 <= value <= CONFIG_INT_MAX:
+        raise ConfigError(f"{printable(str(path))}: '{key}' = {value} is out of range (1..{CONFIG_INT_MAX})")
+    if kind is float and positive and not value > 0:
+        raise ConfigError(f"{printable(str(path))}: '{key}' must be above 0, got {value}")
     return kind(value)
 
 

@@ -92,12 +92,12 @@ class HFConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], path: Path) -> HFConfig:
         model_type = cfg.get("model_type")
+        classes = cfg.get("architectures")
+        classes = [a for a in classes if isinstance(a, str)] if isinstance(classes, list) else []
         if model_type is None:
-            model_type = next(
-                (CLASS_NAMES[a] for a in cfg.get("architectures") or [] if a in CLASS_NAMES), None
-            )
-        if model_type not in ARCHITECTURES:
-            arch = model_type or (cfg.get("architectures") or ["?"])[0]
+            model_type = next((CLASS_NAMES[a] for a in classes if a in CLASS_NAMES), None)
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
+            arch = printable(str(model_type or (classes or ["?"])[0]))
             raise ConfigError(
                 f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
@@ -106,7 +106,7 @@ class HFConfig:
             return config_number(cfg, path, key, kind)
 
         n_embd, n_head = need("hidden_size"), need("num_attention_heads")
-        n_head_kv = int(cfg.get("num_key_value_heads") or n_head)
+        n_head_kv = config_number(cfg, path, "num_key_value_heads", int, default=n_head)
         family = FAMILIES[model_type]
         head_dim = cfg.get("head_dim")
         free = family.free_head_dim and head_dim is not None
@@ -123,16 +123,23 @@ class HFConfig:
                 f"{printable(str(path))}: head_dim {head_dim} != hidden_size / num_attention_heads"
             )
         rope_params = cfg.get("rope_parameters") or {}
-        rope_theta = cfg.get("rope_theta", rope_params.get("rope_theta"))
         scaling = cfg.get("rope_scaling") or rope_params
+        if not isinstance(rope_params, dict) or not isinstance(scaling, dict):
+            raise ConfigError(f"{printable(str(path))}: rope_scaling / rope_parameters must be objects")
+        theta_cfg = cfg if "rope_theta" in cfg else rope_params
+        rope_theta = (
+            config_number(theta_cfg, path, "rope_theta", float)
+            if theta_cfg.get("rope_theta") is not None
+            else None
+        )
         scaling_type = scaling.get("rope_type", scaling.get("type")) or "default"
         rope_scale = None
         if scaling_type == "linear":
-            rope_scale = float(scaling["factor"])
+            rope_scale = config_number(scaling, path, "factor", float)
         elif scaling_type != "default":
             raise ConfigError(f"{printable(str(path))}: unsupported RoPE scaling '{printable(scaling_type)}'")
         activation = cfg.get("hidden_act", "silu")
-        if activation not in ACTIVATIONS:
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise ConfigError(
                 f"{path}: unsupported hidden_act '{activation}' (supported: {', '.join(ACTIVATIONS)})"
             )
@@ -146,7 +153,7 @@ class HFConfig:
             n_head=n_head,
             n_head_kv=n_head_kv,
             rms_eps=need("rms_norm_eps", float),
-            rope_theta=None if rope_theta is None else float(rope_theta),
+            rope_theta=rope_theta,
             rope_scale=rope_scale,
             activation=activation,
             family=family,

@@ -87,6 +87,8 @@ def read_json(path: Path) -> dict[str, Any]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise FormatError(f"{printable(str(path))}: cannot read JSON: {printable(str(e))}") from None
+    except RecursionError:
+        raise FormatError(f"{printable(str(path))}: cannot read JSON: nested too deep") from None
     if not isinstance(data, dict):
         raise FormatError(f"{printable(str(path))}: expected a JSON object")
     return data
