@@ -112,3 +112,28 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
     finally:
         mp.undo()
     assert seen == [False, True]
+
+
+def test_a_fresh_step_looks_at_the_load_first(keep_torch_threads) -> None:
+    """The first step (and one after FRESH_S idle) starts at the threads the other runnable tasks leave: a prompt
+    is one step, judged only after it ran."""
+    kc = KernelContext(n_threads=2)
+    others = [2]
+    gov = ThreadGovernor(kc, load=lambda: others[0], cores=lambda: 2)
+    gov.begin()
+    assert kc.threads_now == 1  # two busy tasks on two cores: one thread
+    gov.end()
+    gov.begin()  # right after: no second look
+    gov.end()
+    assert kc.threads_now == 1
+    others[0] = 0
+    gov._last_end -= th.FRESH_S  # idle since
+    gov.begin()
+    assert kc.threads_now == 2  # quiet again: all threads
+    gov.end()
+    others[0] = 1
+    gov._last_end -= th.FRESH_S
+    gov.begin()
+    assert kc.threads_now == 1
+    gov.end()
+    assert th.runnable_others() is None or th.runnable_others() >= 0
