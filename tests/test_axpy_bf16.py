@@ -28,6 +28,13 @@ def q4_0_parts(raw: np.ndarray, n_rows: int, n_cols: int) -> tuple[torch.Tensor,
     return torch.from_numpy(q.reshape(n_rows, n_cols)), torch.from_numpy(d)
 
 
+def random_q4_0(n_rows: int, n_cols: int, seed: int) -> tuple[ops.QWeight, torch.Tensor, torch.Tensor]:
+    """A random Q4_0 matrix, its (q - 8) and its d."""
+    rng = np.random.default_rng(seed)
+    raw = quantize(rng.standard_normal((n_rows, n_cols)).astype(np.float32), GGMLType.Q4_0)
+    return ops.QWeight.from_numpy(raw, GGMLType.Q4_0, (n_rows, n_cols)), *q4_0_parts(raw, n_rows, n_cols)
+
+
 def chain(h: torch.Tensor, q: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """The defined chain for one token: rows with h != 0 in idx order."""
     y = torch.zeros(q.shape[1], dtype=torch.float32)
@@ -41,11 +48,8 @@ def chain(h: torch.Tensor, q: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) 
 
 @needs_kernels
 def test_q4_0_rows_in_q8_follow_the_bfloat16_chain_in_every_variant():
-    n_rows, n_cols = 70, 256
+    w, q, d = random_q4_0(70, 256, seed=5)
     rng = np.random.default_rng(5)
-    raw = quantize(rng.standard_normal((n_rows, n_cols)).astype(np.float32), GGMLType.Q4_0)
-    w = ops.QWeight.from_numpy(raw, GGMLType.Q4_0, (n_rows, n_cols))
-    q, d = q4_0_parts(raw, n_rows, n_cols)
     idx = torch.tensor(
         [3, 0, 69, 8, 9, 10, 11, 12, 40, 3, 55, 21, 22], dtype=torch.int64
     )  # repeats, odd count
@@ -66,11 +70,9 @@ def test_q4_0_rows_in_q8_follow_the_bfloat16_chain_in_every_variant():
 @needs_kernels
 def test_long_lists_cross_the_chunks_with_the_same_bits():
     """More active rows than one chunk of the listed-rows path (256) and than one prefetch window, all rows."""
-    n_rows, n_cols = 600, 64
+    n_rows = 600
+    w, q, d = random_q4_0(n_rows, 64, seed=6)
     rng = np.random.default_rng(6)
-    raw = quantize(rng.standard_normal((n_rows, n_cols)).astype(np.float32), GGMLType.Q4_0)
-    w = ops.QWeight.from_numpy(raw, GGMLType.Q4_0, (n_rows, n_cols))
-    q, d = q4_0_parts(raw, n_rows, n_cols)
     h = torch.from_numpy(rng.standard_normal(n_rows).astype(np.float32))
     h[rng.random(n_rows) < 0.3] = 0.0
     want = chain(h, q, d, torch.arange(n_rows))

@@ -168,8 +168,35 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
     (void)eight;
 }
 
+/* ---- Q4_0 in the q8 precision: bfloat16 coefficients (sparse.h, axpy_coef_bf16) ---------------------------- */
+
+/* q - 8 of the 32 elements of a Q4_0 unit as floats (exact), in element order */
+TARGET_INLINE void FN(q4_0_ints)(const uint8_t *qs, SV *w) {
+#if SIMD_AVX512
+    const __m512 iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+    w[0] = _mm512_permutexvar_ps(q, iota8);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), iota8);
+#else
+    const __m256i mask = _mm256_set1_epi32(0x0F);
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int h = 0; h < 2; h++) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
+        w[h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), eight);
+        w[2 + h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), eight);
+    }
+#endif
+}
+
+/* axpy_coef_bf16 with the F16C conversion (exact, as fp16_to_fp32) */
+TARGET_INLINE float FN(coef_f32)(float h, const uint8_t *row, int64_t u) {
+    return bf16_to_fp32(bf16_round(h * _cvtsh_ss(((const block_q4_0 *)row + u)->d)));
+}
+
 /* T = 1, full units [u0, u1) of y: the listed rows added to y (c->accumulate) or to zero. */
-TARGET_INLINE void FN(axpy_t1)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+/* coef (Q4_0 in the q8 precision, sparse.h): the integers q - 8 times each row's bfloat16 coefficient of the unit
+ * instead of the decoded weights times h */
+TARGET_INLINE void FN(axpy_t1)(const int kind, const int coef, const axpy_ctx *c, int64_t u0, int64_t u1) {
     float *y = c->y;
     if (!c->accumulate)
         for (int64_t u = u0; u < u1; u++)
@@ -191,8 +218,12 @@ TARGET_INLINE void FN(axpy_t1)(const int kind, const axpy_ctx *c, int64_t u0, in
             for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + j * SV_N);
             for (int r = 0; r < n; r++) {
                 SV w[SV_PER_UNIT];
-                FN(axpy_decode)(kind, rows[r], u, w);
-                for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_FMA(hv[r], w[j], acc[j]);
+                if (coef)
+                    FN(q4_0_ints)(((const block_q4_0 *)rows[r] + u)->qs, w);
+                else
+                    FN(axpy_decode)(kind, rows[r], u, w);
+                const SV h = coef ? SV_SET1(FN(coef_f32)(c->act_h[g + r], rows[r], u)) : hv[r];
+                for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_FMA(h, w[j], acc[j]);
             }
             for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + j * SV_N, acc[j]);
         }
@@ -200,8 +231,8 @@ TARGET_INLINE void FN(axpy_t1)(const int kind, const axpy_ctx *c, int64_t u0, in
 }
 
 /* T > 1, full units [u0, u1) of y, tokens [t0, t0 + ntok). */
-TARGET_INLINE void FN(axpy_tile)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1, int64_t t0,
-                                 const int ntok) {
+TARGET_INLINE void FN(axpy_tile)(const int kind, const int coef, const axpy_ctx *c, int64_t u0, int64_t u1,
+                                 int64_t t0, const int ntok) {
     float *yt[AXPY_TILE_T];
     const float *ht[AXPY_TILE_T];
     for (int t = 0; t < ntok; t++) {
@@ -224,10 +255,13 @@ TARGET_INLINE void FN(axpy_tile)(const int kind, const axpy_ctx *c, int64_t u0, 
                            (u1 - u0) * c->unit_bytes);
         for (int64_t u = u0; u < u1; u++) {
             SV w[SV_PER_UNIT];
-            FN(axpy_decode)(kind, row, u, w);
+            if (coef)
+                FN(q4_0_ints)(((const block_q4_0 *)row + u)->qs, w);
+            else
+                FN(axpy_decode)(kind, row, u, w);
             for (int t = 0; t < ntok; t++) {
                 if (hs[t] == 0.0f) continue;
-                const SV hv = SV_SET1(hs[t]);
+                const SV hv = SV_SET1(coef ? FN(coef_f32)(hs[t], row, u) : hs[t]);
                 float *yu = yt[t] + u * AXPY_UNIT;
                 for (int j = 0; j < SV_PER_UNIT; j++)
                     SV_STORE(yu + j * SV_N, SV_FMA(hv, w[j], SV_LOAD(yu + j * SV_N)));
@@ -236,18 +270,18 @@ TARGET_INLINE void FN(axpy_tile)(const int kind, const axpy_ctx *c, int64_t u0, 
     }
 }
 
-TARGET_INLINE void FN(axpy_units_kind)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+TARGET_INLINE void FN(axpy_units_kind)(const int kind, const int coef, const axpy_ctx *c, int64_t u0, int64_t u1) {
     if (u1 <= u0) return;
     if (c->T == 1) {
-        FN(axpy_t1)(kind, c, u0, u1);
+        FN(axpy_t1)(kind, coef, c, u0, u1);
         return;
     }
     for (int64_t t0 = 0; t0 < c->T; t0 += AXPY_TILE_T) {
         switch ((int)min_i64(AXPY_TILE_T, c->T - t0)) {
-            case 1: FN(axpy_tile)(kind, c, u0, u1, t0, 1); break;
-            case 2: FN(axpy_tile)(kind, c, u0, u1, t0, 2); break;
-            case 3: FN(axpy_tile)(kind, c, u0, u1, t0, 3); break;
-            default: FN(axpy_tile)(kind, c, u0, u1, t0, AXPY_TILE_T); break;
+            case 1: FN(axpy_tile)(kind, coef, c, u0, u1, t0, 1); break;
+            case 2: FN(axpy_tile)(kind, coef, c, u0, u1, t0, 2); break;
+            case 3: FN(axpy_tile)(kind, coef, c, u0, u1, t0, 3); break;
+            default: FN(axpy_tile)(kind, coef, c, u0, u1, t0, AXPY_TILE_T); break;
         }
     }
 }
@@ -348,94 +382,6 @@ TARGET_INLINE void FN(axpy_kq_units)(const int kind, const axpy_ctx *c, int64_t 
     }
     for (int64_t t0 = 0; t0 < c->T; t0 += AXPY_TILE_T)
         FN(axpy_kq_tile)(kind, c, u0, u1, t0, (int)min_i64(AXPY_TILE_T, c->T - t0));
-}
-
-/* ---- Q4_0 in the q8 precision: bfloat16 coefficients (sparse.h, axpy_coef_bf16) ---------------------------- */
-
-/* q - 8 of the 32 elements of a Q4_0 unit as floats (exact), in element order */
-TARGET_INLINE void FN(q4_0_ints)(const uint8_t *qs, SV *w) {
-#if SIMD_AVX512
-    const __m512 iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    w[0] = _mm512_permutexvar_ps(q, iota8);
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), iota8);
-#else
-    const __m256i mask = _mm256_set1_epi32(0x0F);
-    const __m256 eight = _mm256_set1_ps(8.0f);
-    for (int h = 0; h < 2; h++) {
-        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-        w[h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), eight);
-        w[2 + h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), eight);
-    }
-#endif
-}
-
-/* axpy_coef_bf16 with the F16C conversion (exact, as fp16_to_fp32) */
-TARGET_INLINE float FN(coef_f32)(float h, const uint8_t *row, int64_t u) {
-    return bf16_to_fp32(bf16_round(h * _cvtsh_ss(((const block_q4_0 *)row + u)->d)));
-}
-
-/* T = 1, one row at a time per unit (FMA; the product is exact): the chain of sparse.h */
-TARGET_INLINE void FN(axpy_t1_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64_t u1) {
-    float *y = c->y;
-    if (!c->accumulate)
-        for (int64_t u = u0; u < u1; u++)
-            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(y + u * AXPY_UNIT + j * SV_N, SV_ZERO());
-    for (int64_t g = 0; g < c->n_act; g += AXPY_GROUP) {
-        const int n = (int)min_i64(AXPY_GROUP, c->n_act - g);
-        const uint8_t *const *rows = c->act_rows + g;
-        const int64_t ahead = g + AXPY_AHEAD * AXPY_GROUP;
-        const int n_ahead = ahead < c->n_act ? (int)min_i64(AXPY_GROUP, c->n_act - ahead) : 0;
-        const uint8_t *const *rows_ahead = c->act_rows + (ahead < c->n_act ? ahead : 0);
-        for (int64_t u = u0; u < u1; u++) {
-            float *yu = y + u * AXPY_UNIT;
-            for (int r = 0; r < n_ahead; r++) __builtin_prefetch(rows_ahead[r] + u * c->unit_bytes, 0, 3);
-            SV acc[SV_PER_UNIT];
-            for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + j * SV_N);
-            for (int r = 0; r < n; r++) {
-                const SV cv = SV_SET1(FN(coef_f32)(c->act_h[g + r], rows[r], u));
-                SV w[SV_PER_UNIT];
-                FN(q4_0_ints)(((const block_q4_0 *)rows[r] + u)->qs, w);
-                for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_FMA(cv, w[j], acc[j]);
-            }
-            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + j * SV_N, acc[j]);
-        }
-    }
-}
-
-/* T > 1, tokens [t0, t0 + ntok): each unit's integers decoded once for the tile, each token's coefficient its own */
-TARGET_INLINE void FN(axpy_tile_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64_t u1, int64_t t0, const int ntok) {
-    float *yt[AXPY_TILE_T];
-    const float *ht[AXPY_TILE_T];
-    for (int t = 0; t < ntok; t++) {
-        yt[t] = c->y + (t0 + t) * c->y_stride;
-        ht[t] = c->h + (t0 + t) * c->h_stride;
-        for (int64_t u = u0; u < u1; u++)
-            for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yt[t] + u * AXPY_UNIT + j * SV_N, SV_ZERO());
-    }
-    for (int64_t m = 0; m < c->M; m++) {
-        float hs[AXPY_TILE_T];
-        int any = 0;
-        for (int t = 0; t < ntok; t++) {
-            hs[t] = ht[t][m];
-            any |= hs[t] != 0.0f;
-        }
-        if (!any) continue;
-        const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
-        if (m + ROWS_PREFETCH_AHEAD < c->M)
-            prefetch_bytes(c->w + row_of(c->idx, m + ROWS_PREFETCH_AHEAD) * c->w_stride + u0 * c->unit_bytes,
-                           (u1 - u0) * c->unit_bytes);
-        for (int64_t u = u0; u < u1; u++) {
-            SV w[SV_PER_UNIT];
-            FN(q4_0_ints)(((const block_q4_0 *)row + u)->qs, w);
-            for (int t = 0; t < ntok; t++) {
-                if (hs[t] == 0.0f) continue;
-                const SV cv = SV_SET1(FN(coef_f32)(hs[t], row, u));
-                float *yu = yt[t] + u * AXPY_UNIT;
-                for (int j = 0; j < SV_PER_UNIT; j++) SV_STORE(yu + j * SV_N, SV_FMA(cv, w[j], SV_LOAD(yu + j * SV_N)));
-            }
-        }
-    }
 }
 
 #if SIMD_AVX512
@@ -545,11 +491,8 @@ TARGET_INLINE void FN(axpy_units_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64
             return;
         }
 #endif
-        FN(axpy_t1_q4_0_coef)(c, u0, u1);
-        return;
     }
-    for (int64_t t0 = 0; t0 < c->T; t0 += AXPY_TILE_T)
-        FN(axpy_tile_q4_0_coef)(c, u0, u1, t0, (int)min_i64(AXPY_TILE_T, c->T - t0));
+    FN(axpy_units_kind)(KIND_Q4_0, 1, c, u0, u1);
 }
 
 /* one specialised body per weight kind */
@@ -564,15 +507,15 @@ TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64
             if (c->coef_bf16)
                 FN(axpy_units_q4_0_coef)(c, u0, u1);
             else
-                FN(axpy_units_kind)(KIND_Q4_0, c, u0, u1);
+                FN(axpy_units_kind)(KIND_Q4_0, 0, c, u0, u1);
             break;
-        case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, c, u0, u1); break;
-        case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, c, u0, u1); break;
-        case KIND_F32: FN(axpy_units_kind)(KIND_F32, c, u0, u1); break;
-        case KIND_BF16: FN(axpy_units_kind)(KIND_BF16, c, u0, u1); break;
-        case KIND_Q5_0: FN(axpy_units_kind)(KIND_Q5_0, c, u0, u1); break;
-        case KIND_Q5_1: FN(axpy_units_kind)(KIND_Q5_1, c, u0, u1); break;
-        default: FN(axpy_units_kind)(KIND_F16, c, u0, u1); break;
+        case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, 0, c, u0, u1); break;
+        case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, 0, c, u0, u1); break;
+        case KIND_F32: FN(axpy_units_kind)(KIND_F32, 0, c, u0, u1); break;
+        case KIND_BF16: FN(axpy_units_kind)(KIND_BF16, 0, c, u0, u1); break;
+        case KIND_Q5_0: FN(axpy_units_kind)(KIND_Q5_0, 0, c, u0, u1); break;
+        case KIND_Q5_1: FN(axpy_units_kind)(KIND_Q5_1, 0, c, u0, u1); break;
+        default: FN(axpy_units_kind)(KIND_F16, 0, c, u0, u1); break;
     }
 }
 
