@@ -692,3 +692,26 @@ def test_embeddings_are_capped_per_request(live):
         assert body["error"]["param"] == key and time.perf_counter() - t < 5
     status, body, _ = request(live, "POST", "/v1/embeddings", {"input": [[1, 2]] * 256}, timeout=300)
     assert status == 200 and len(body["data"]) == 256
+
+
+def test_grammars_and_schemas_are_bounded_before_compiling(live):
+    """A GBNF grammar of 20,000 chained rules (~500 KB under --max-body) compiled for over 120 s in 2.5 GB: rules,
+    bytes and schema nesting are bounded first, each a 400 at once."""
+    chained = (
+        "root ::= r0\n" + "".join(f'r{i} ::= "a" r{i + 1}\n' for i in range(20_000)) + 'r20000 ::= "a"\n'
+    )
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "array", "items": deep}
+    for body, needle in (
+        ({"prompt": "x", "n_predict": 2, "grammar": chained}, "larger than 65536 bytes"),
+        (
+            {"prompt": "x", "n_predict": 2, "grammar": "root ::= r0\n" + 'r0 ::= "a"\n' * 600},
+            "more than 512 rules",
+        ),
+        ({"prompt": "x", "n_predict": 2, "json_schema": deep}, "nests deeper than 32"),
+    ):
+        t = time.perf_counter()
+        status, answer, _ = request(live, "POST", "/completion", body)
+        assert status == 400 and needle in answer["error"]["message"], answer
+        assert time.perf_counter() - t < 5

@@ -19,6 +19,14 @@ from powerinfer.printable import printable
 from powerinfer.server.errors import ApiError
 from powerinfer.tokenizer import Tokenizer
 
+# Bounds on what a request may ask to compile (xgrammar's compile runs in C++, off the event loop, and cannot be
+# interrupted): a GBNF grammar of 20,000 chained rules (~500 KB) ran past 120 s and 2.5 GB. Real grammars and
+# schemas (llama.cpp's examples: json.gbnf 0.6 KB, c.gbnf 0.5 KB; OpenAI's structured output caps schemas at 100
+# properties and 5 levels) are far below these.
+GRAMMAR_MAX_BYTES = 1 << 16  # a GBNF grammar's or a JSON schema's text
+GRAMMAR_MAX_RULES = 512  # GBNF rules (`::=`)
+SCHEMA_MAX_DEPTH = 32  # nesting of a JSON schema's objects and arrays
+
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
@@ -75,10 +83,35 @@ class Grammars:
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
+    @staticmethod
+    def check_size(kind: str, source: Any, field: str) -> None:
+        """400 for a constraint past the bounds above, before anything is compiled."""
+        if kind == "json":
+            return
+        try:
+            text = source if isinstance(source, str) else json.dumps(source)
+        except (RecursionError, TypeError, ValueError):
+            raise ApiError(400, f"{field} cannot be read back as JSON (too deep?)", param=field) from None
+        if len(text.encode("utf-8", "surrogatepass")) > GRAMMAR_MAX_BYTES:
+            raise ApiError(400, f"{field} is larger than {GRAMMAR_MAX_BYTES} bytes", param=field)
+        if kind == "gbnf" and text.count("::=") > GRAMMAR_MAX_RULES:
+            raise ApiError(400, f"{field} has more than {GRAMMAR_MAX_RULES} rules", param=field)
+        depth = deepest = 0
+        if kind != "gbnf":
+            for ch in text:  # brackets inside strings count too: a bound, not a parser
+                if ch in "[{":
+                    depth += 1
+                    deepest = max(deepest, depth)
+                elif ch in "]}":
+                    depth -= 1
+            if deepest > SCHEMA_MAX_DEPTH:
+                raise ApiError(400, f"{field} nests deeper than {SCHEMA_MAX_DEPTH} levels", param=field)
+
     def compile(self, kind: str, source: Any, field: str) -> GrammarMatcher:
         """A matcher for `kind`: "json" (any JSON object), "json_schema" (a schema, dict or JSON text) or
         "gbnf" (llama.cpp's grammar format, root rule `root`) or "tool_call" (one `<tool_call>` whose JSON
         follows one of the schemas in `source`). Blocking: call it off the event loop."""
+        self.check_size(kind, source, field)
         compiler = self._get_compiler()
         xgr = _xgrammar()
         try:
