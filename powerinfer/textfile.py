@@ -9,6 +9,9 @@ from powerinfer.printable import printable
 
 # prompt and text files past this are refused (so -f /dev/zero ends instead of eating memory)
 MAX_TEXT_BYTES = 1 << 30
+# a prompt (main's -f / -p) past this is refused before tokenizing: 16 MiB is millions of tokens, past any context,
+# and a 200 MB prompt aborted the process inside the tokenizer library
+MAX_PROMPT_BYTES = 1 << 24
 
 
 def read_text_file(path: Path, what: str, *, limit: int = MAX_TEXT_BYTES) -> str:

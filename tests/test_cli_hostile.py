@@ -597,3 +597,12 @@ def test_signal_while_blocked_on_a_fifo(tiny: Path, tmp_path: Path):
     proc.send_signal(signal.SIGTERM)
     exit_code, err = _finish(proc)
     assert_clean(err, 143, exit_code, "terminated")
+
+
+def test_a_huge_prompt_file_is_refused_before_tokenizing(tiny: Path, tmp_path: Path):
+    """A 200 MB prompt aborted the process inside the tokenizer library (exit 134): prompts past 16 MiB are one
+    error line, read no further than the limit."""
+    big = tmp_path / "big.txt"
+    with open(big, "wb") as f:
+        f.truncate((1 << 24) + 1)  # sparse: 16 MiB + 1 of zero bytes (valid UTF-8)
+    cli("main", "-m", str(tiny), "-f", str(big), needles=("prompt file", "larger than 16 MiB"))

@@ -56,6 +56,7 @@ from powerinfer.cli.interactive import InteractiveOptions, run_session
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions, Timings
 from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.textfile import MAX_PROMPT_BYTES
 from powerinfer.tokenizer import StreamDecoder
 
 _D = SamplingParams()  # llama.cpp's sampling defaults
@@ -406,11 +407,13 @@ def main(
     def body() -> None:
         text = prompt
         if file is not None:
-            text = read_text_file(file, "prompt file")
+            text = read_text_file(file, "prompt file", limit=MAX_PROMPT_BYTES)
             text = text[:-1] if text.endswith("\n") else text
         if escape:
             text = process_escapes(text)
         text = utf8_argument(text, "the prompt (-p)")
+        if len(text) > MAX_PROMPT_BYTES:
+            raise InputError(f"the prompt is longer than {MAX_PROMPT_BYTES >> 20} MiB")
         opts = MainOptions(
             model=resolve_model(model),
             prompt=text,
