@@ -371,3 +371,16 @@ def test_hostile_config_numbers_are_one_error(gqa, tmp_path: Path):
         assert time.perf_counter() - t < 30, change
     (hf / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     assert_fails([str(hf)], out, "nested too deep")
+
+
+def test_integer_tensors_are_refused(gqa, tmp_path: Path):
+    from safetensors.numpy import load_file, save_file
+
+    _, hf = gqa
+    tensors = load_file(str(hf / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].astype(np.int16)
+    save_file(tensors, str(hf / "model.safetensors"))
+    out = tmp_path / "out" / "m.gguf"
+    out.parent.mkdir()
+    assert_fails([str(hf)], out, name, "I16, not a float type")

@@ -223,9 +223,15 @@ class Checkpoint:
         return tuple(handle.get_slice(name).get_shape())
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor as numpy; bfloat16 (which numpy lacks) is widened to float32 through torch."""
+        """The tensor as numpy; bfloat16 (which numpy lacks) is widened to float32 through torch. Weights must be
+        floats (F64, F32, F16, BF16): an integer or boolean tensor is a FormatError, not a silent cast."""
         handle, path = self.location[name]
-        if handle.get_slice(name).get_dtype() == "BF16":
+        dtype = handle.get_slice(name).get_dtype()
+        if dtype not in ("F64", "F32", "F16", "BF16"):
+            raise FormatError(
+                f"{printable(str(path))}: tensor {printable(name)} is {printable(str(dtype))}, not a float type"
+            )
+        if dtype == "BF16":
             from safetensors import safe_open
 
             with safe_open(str(path), framework="pt") as f:
