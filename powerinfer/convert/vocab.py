@@ -121,7 +121,14 @@ def chat_template(hf_dir: Path, tok_config: dict[str, Any]) -> str | None:
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):
+        log.warning(
+            "tokenizer_config.json: chat_template is a %s, not a template (or named templates with a default); "
+            "the GGUF gets none",
+            type(template).__name__,
+        )
+        return None
+    return template
 
 
 def _config_special_ids(config: dict[str, Any], n_vocab: int) -> dict[str, int]:
