@@ -74,7 +74,7 @@ typedef struct {
  * the chain is the same whether a float FMA applies one row at a time or AVX512-BF16's vdpbf16ps applies a pair
  * (which adds its odd lane's product first, then the even lane's: the pair's first row goes in the odd lane).
  * Every variant gives the same bits; the products of rows of 32 elements run at twice the rate of the float path
- * (vdpbf16ps: 32 multiply-adds per instruction), and the coefficient's rounding (2^-9 relative) is smaller than
+ * (vdpbf16ps: 32 multiply-adds per instruction), and the coefficient's rounding (at most 2^-8 relative) is smaller than
  * the int8 activation blocks' of the q8 matmuls. */
 static inline uint16_t bf16_round(float p) {
     uint32_t u;

@@ -101,8 +101,6 @@ class Rope:
 class Attention:
     """Causal self-attention with a KV cache: GQA, optional biases, QK-norm, RoPE variants, sliding window."""
 
-    batched_kernel = True  # batched decode through the per-sequence kernel (False: one padded SDPA call)
-
     def __init__(
         self,
         spec: AttentionSpec,
@@ -221,7 +219,7 @@ class Attention:
         if batch.kind == "run":
             seg = batch.segments[0]
             return self._out(self._run(q, k, v, seg.seq, seg.pos, kv))
-        if batch.kind == "decode":
+        if batch.kind == "decode" and not q.is_cpu:  # on the CPU each token as a lone one (see the top)
             return self._out(self._decode(q, k, v, batch, kv))
         parts = [
             self._run(
@@ -271,29 +269,9 @@ class Attention:
     def _decode(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, kv: KVLayer
     ) -> torch.Tensor:
-        """One new token for each of B distinct sequences: (B, H * D)."""
+        """One new token for each of B distinct sequences off the CPU, in one padded SDPA call: (B, H * D)."""
         s = self.spec
         B = q.shape[0]
-        if self._one_kernel and self.batched_kernel and q.is_cpu and batch.max_pos < ops.ATTN_KERNEL_MAX_POS:
-            # each sequence's token through the decode-attention kernel: no gather of every cache into a
-            # padded (B, L) batch
-            rope, scratch, kc = self.rope, self.workspace.get("attn"), self.kc
-            assert rope is not None
-            outs = [
-                ops.attend_one(
-                    q[b : b + 1], k[b : b + 1], v[b : b + 1], rope.pairs[seg.pos], *kv.slot(seg.seq), seg.pos, kc,
-                    scratch=scratch,
-                )
-                for b, seg in enumerate(batch.segments)
-            ]  # fmt: skip
-            return torch.cat(outs)
-        if q.is_cpu:  # each token as the one-token path computes it (see above)
-            return torch.cat(
-                [
-                    self._run(q[b : b + 1], k[b : b + 1], v[b : b + 1], seg.seq, seg.pos, kv)
-                    for b, seg in enumerate(batch.segments)
-                ]
-            )
         positions = batch.positions.to(q.device)
         q, k, v = self._heads(q, k, v, positions)
         keys, values, mask = kv.update_batch(batch.seq_ids, positions, k, v)  # (B, L, H_kv, D), (B, L)

@@ -5,7 +5,6 @@ raise a huge power, write more than RENDER_MAX_CHARS, or run longer than RENDER_
 
 from __future__ import annotations
 
-import contextvars
 import ctypes
 import datetime
 import functools
@@ -41,24 +40,21 @@ class RenderTimeout(Exception):
 
 
 class _Budget:
+    """One render's: its range() items left, and the watchdog's state."""
+
     def __init__(self) -> None:
         self.range_left = RENDER_MAX_RANGE
         self.lock = threading.Lock()
         self.done = False
         self.fired = False
 
-
-_BUDGET: contextvars.ContextVar[_Budget | None] = contextvars.ContextVar("chat_render_budget", default=None)
-
-
-def _bounded_range(*args: int) -> range:
-    r = range(*args)
-    budget = _BUDGET.get()
-    if budget is not None:
-        budget.range_left -= len(r)
-        if budget.range_left < 0:
+    def range(self, *args: int) -> range:
+        """The template's range() during this render (passed as a render variable, so it shadows the global)."""
+        r = range(*args)
+        self.range_left -= len(r)
+        if self.range_left < 0:
             raise SecurityError(f"range() made more than {RENDER_MAX_RANGE} items in one render")
-    return r
+        return r
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
@@ -91,14 +87,13 @@ def _interrupt(thread_id: int, budget: _Budget) -> None:
 def render_bounded(template: jinja2.Template, **variables: Any) -> str:
     """template.render(**variables) within the bounds of this module (SecurityError or RenderTimeout)."""
     budget = _Budget()
-    token = _BUDGET.set(budget)
     thread_id = threading.get_ident()
     watchdog = threading.Timer(RENDER_SECONDS, _interrupt, (thread_id, budget))
     watchdog.daemon = True
     watchdog.start()
     try:
         pieces, n = [], 0
-        for piece in template.generate(**variables):
+        for piece in template.generate(**variables, range=budget.range):
             n += len(piece)
             if n > RENDER_MAX_CHARS:
                 raise SecurityError(f"the rendered prompt passed {RENDER_MAX_CHARS} characters")
@@ -110,7 +105,6 @@ def render_bounded(template: jinja2.Template, **variables: Any) -> str:
             if budget.fired:  # the timeout raced the end: take back an exception not delivered yet
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
         watchdog.cancel()
-        _BUDGET.reset(token)
 
 
 def _raise_exception(message: str) -> None:
@@ -125,7 +119,6 @@ def _strftime_now(fmt: str) -> str:
 def _compile(source: str) -> jinja2.Template:
     # the settings of transformers' apply_chat_template
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
-    env.globals["range"] = _bounded_range
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
