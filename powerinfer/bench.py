@@ -26,58 +26,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from powerinfer.errors import InputError
-from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
+from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile, read_gguf
 from powerinfer.printable import printable
+from powerinfer.quant.types import FTYPE_GUESSED, FTYPES, guess_ftype
 
 if TYPE_CHECKING:
     import torch
 
     from powerinfer.runtime.engine import Engine, EngineOptions
 
-# llama.cpp's llama_model_ftype_name for the general.file_type values we can meet
-FTYPE_NAMES: dict[int, str] = {
-    0: "all F32",
-    1: "F16",
-    2: "Q4_0",
-    3: "Q4_1",
-    7: "Q8_0",
-    8: "Q5_0",
-    9: "Q5_1",
-    10: "Q2_K - Medium",
-    11: "Q3_K - Small",
-    12: "Q3_K - Medium",
-    13: "Q3_K - Large",
-    14: "Q4_K - Small",
-    15: "Q4_K - Medium",
-    16: "Q5_K - Small",
-    17: "Q5_K - Medium",
-    18: "Q6_K",
-    21: "Q2_K - Small",
-    25: "IQ4_NL - 4.5 bpw",
-    30: "IQ4_XS - 4.25 bpw",
-    32: "BF16",
-}
-# the llama_ftype llama.cpp guesses from the commonest tensor type of a file without general.file_type
-FTYPE_OF_TYPE: dict[GGMLType, int] = {
-    GGMLType.F32: 0,
-    GGMLType.F16: 1,
-    GGMLType.Q4_0: 2,
-    GGMLType.Q4_1: 3,
-    GGMLType.Q8_0: 7,
-    GGMLType.Q5_0: 8,
-    GGMLType.Q5_1: 9,
-    GGMLType.Q2_K: 10,
-    GGMLType.Q3_K: 12,
-    GGMLType.Q4_K: 15,
-    GGMLType.Q5_K: 17,
-    GGMLType.Q6_K: 18,
-    GGMLType.IQ4_NL: 25,
-    GGMLType.IQ4_XS: 30,
-    GGMLType.BF16: 32,
-}
 SIZE_SCALES = ((1e12, "T"), (1e9, "B"), (1e6, "M"))
-FTYPE_GUESSED = 1024  # llama.cpp's LLAMA_FTYPE_GUESSED bit
 # predictor tensors of PowerInfer files: counted in params and size, left out of the size class so that a
 # sparse file and its dense twin get the same class
 PREDICTOR_SUFFIXES = tuple(
@@ -119,12 +78,8 @@ def ftype_name(gguf: GGUFFile) -> str:
     have, marked "(guessed)"."""
     value = gguf.metadata.get(Keys.FILE_TYPE)
     if not isinstance(value, int) or isinstance(value, bool):
-        counts: dict[GGMLType, int] = {}
-        for t in gguf.tensors.values():
-            counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
-        commonest = max(counts, key=counts.__getitem__) if counts else GGMLType.F32
-        value = FTYPE_OF_TYPE.get(commonest, -1) | FTYPE_GUESSED
-    name = FTYPE_NAMES.get(value & ~FTYPE_GUESSED, "unknown, may not work")
+        value = guess_ftype(t.ggml_type for t in gguf.tensors.values())
+    name = FTYPES.get(value & ~FTYPE_GUESSED, "unknown, may not work")
     return name + (" (guessed)" if value & FTYPE_GUESSED else "")
 
 

@@ -30,7 +30,7 @@ from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.gguf.writer import output_problem
 from powerinfer.ops.encode import quantize
 from powerinfer.printable import printable
-from powerinfer.quant import PRODUCIBLE, WEIGHT_TYPES, dequantize, row_bytes
+from powerinfer.quant import FLOAT_TYPES, PRODUCIBLE, WEIGHT_TYPES, dequantize, row_bytes
 from powerinfer.quant.mix import (
     Category,
     MixState,
@@ -42,48 +42,12 @@ from powerinfer.quant.mix import (
     mix_type,
     model_facts,
 )
+from powerinfer.quant.types import FILE_TYPES, FileType, guess_ftype
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
-FLOAT_TYPES = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16})
 _CHUNK_ELEMENTS = 1 << 20  # elements per work item of the thread pool
 
 
-@dataclass(frozen=True)
-class FileType:
-    """A `quantize` TYPE: name, llama_ftype number (stored in general.file_type) and target ggml type."""
-
-    name: str
-    ftype: int
-    ggml_type: GGMLType | None  # None: COPY (tensors copied as they are)
-    description: str
-
-
-# quantize.cpp's QUANT_OPTIONS that we can produce, in its order (plus BF16, llama.cpp's ftype 32); a K-quant or
-# IQ4 TYPE names a mix (powerinfer.quant.mix): its ggml type is the default the mix rules start from
-FILE_TYPES: tuple[FileType, ...] = (
-    FileType("Q4_0", 2, GGMLType.Q4_0, "4.5 bpw; the type PowerInfer's sparse models ship in"),
-    FileType("Q4_1", 3, GGMLType.Q4_1, "5.0 bpw"),
-    FileType("Q5_0", 8, GGMLType.Q5_0, "5.5 bpw"),
-    FileType("Q5_1", 9, GGMLType.Q5_1, "6.0 bpw"),
-    FileType("Q2_K", 10, GGMLType.Q2_K, "2.6 bpw mix: attn_v Q3_K/Q4_K, ffn_down and attn_output Q3_K"),
-    FileType("Q3_K_S", 11, GGMLType.Q3_K, "3.4 bpw"),
-    FileType(
-        "Q3_K_M", 12, GGMLType.Q3_K, "3.9 bpw mix: attn_v Q5_K/Q4_K, ffn_down Q5_K/Q4_K, attn_output Q4_K"
-    ),
-    FileType("Q3_K_L", 13, GGMLType.Q3_K, "4.3 bpw mix: attn_v, ffn_down and attn_output Q5_K"),
-    FileType("IQ4_NL", 25, GGMLType.IQ4_NL, "4.5 bpw non-linear"),
-    FileType("IQ4_XS", 30, GGMLType.IQ4_XS, "4.25 bpw non-linear"),
-    FileType("Q4_K_S", 14, GGMLType.Q4_K, "4.5 bpw"),
-    FileType("Q4_K_M", 15, GGMLType.Q4_K, "4.8 bpw mix: half of attn_v and ffn_down Q6_K"),
-    FileType("Q5_K_S", 16, GGMLType.Q5_K, "5.5 bpw"),
-    FileType("Q5_K_M", 17, GGMLType.Q5_K, "5.7 bpw mix: half of attn_v and ffn_down Q6_K"),
-    FileType("Q6_K", 18, GGMLType.Q6_K, "6.6 bpw"),
-    FileType("Q8_0", 7, GGMLType.Q8_0, "8.5 bpw"),
-    FileType("F16", 1, GGMLType.F16, "16 bpw"),
-    FileType("BF16", 32, GGMLType.BF16, "16 bpw"),
-    FileType("F32", 0, GGMLType.F32, "32 bpw"),
-    FileType("COPY", 0, None, "copy tensors as they are (general.file_type kept)"),
-)
 # quantize.cpp's aliases
 ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
 # mixes llama.cpp only makes with an importance matrix (which `quantize` does not read yet)
@@ -91,8 +55,6 @@ NEEDS_IMATRIX = {"Q2_K_S": 21}
 _BY_NAME = {ft.name: ft for ft in FILE_TYPES}
 _BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
 # ggml type -> llama_ftype, for a file without general.file_type (llama.cpp guesses from the commonest type)
-_FTYPE_OF_TYPE = {ft.ggml_type: ft.ftype for ft in reversed(FILE_TYPES) if ft.ggml_type is not None}
-FTYPE_GUESSED = 1024
 
 
 def parse_file_type(text: str) -> FileType | None:
@@ -275,11 +237,7 @@ def file_type_number(model: GGUFFile, opts: QuantizeOptions) -> int:
         return opts.file_type.ftype
     if Keys.FILE_TYPE in model.metadata:
         return int(model.metadata[Keys.FILE_TYPE])
-    counts: dict[GGMLType, int] = {}
-    for t in model.tensors.values():
-        counts[t.ggml_type] = counts.get(t.ggml_type, 0) + 1
-    commonest = max(counts, key=counts.__getitem__) if counts else GGMLType.F32
-    return _FTYPE_OF_TYPE.get(commonest, 0) | FTYPE_GUESSED
+    return guess_ftype(t.ggml_type for t in model.tensors.values())
 
 
 def _encode_rows(t: TensorInfo, plan: TensorPlan, out: np.ndarray, r0: int, r1: int) -> None:

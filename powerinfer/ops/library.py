@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.quant import KERNEL_TYPES
+from powerinfer.quant.types import TYPES, types_where
 
 __all__ = ["ISA_NAMES", "Library", "check_status", "isa_best", "kernels_available", "load"]
 
@@ -27,57 +28,22 @@ log = logging.getLogger(__name__)
 
 ISA_NAMES = ("scalar", "avx2", "avx512")  # index = the kernels' `isa` level (enum pi_isa)
 
-# ggml type -> suffix of the C symbols pi_matmul_<suffix> and pi_get_rows_<suffix>
-C_NAMES: Mapping[GGMLType, str] = MappingProxyType(
-    {
-        GGMLType.F32: "f32",
-        GGMLType.F16: "f16",
-        GGMLType.BF16: "bf16",
-        GGMLType.Q4_0: "q4_0",
-        GGMLType.Q4_1: "q4_1",
-        GGMLType.Q8_0: "q8_0",
-        GGMLType.Q5_0: "q5_0",
-        GGMLType.Q5_1: "q5_1",
-    }
-)
-assert frozenset(C_NAMES) == KERNEL_TYPES
-# K-quants and IQ4: the row decoder pi_get_rows_<suffix>, the "q8" matmul pi_matmul_<suffix> (Q8_K activations;
-# IQ4_NL: int8 blocks of 32) and the exact (float activation) one pi_matmul_<suffix>_f. The K-quants (not IQ4) also
-# have the sparse row kernels pi_rows_matmul_<suffix>_f / pi_rows_axpy_<suffix> (rows of whole super-blocks of
-# 256), the exact ones in both precisions; IQ4 sparse ops decode the rows they need
+# ggml type -> suffix of the C symbols pi_matmul_<suffix> and pi_get_rows_<suffix>: the plain and block-of-32 types
+C_NAMES: Mapping[GGMLType, str] = MappingProxyType({t: TYPES[t].c_name for t in sorted(KERNEL_TYPES)})
+# super-block types (K-quants, IQ4): the row decoder pi_get_rows_<suffix>, the "q8" matmul pi_matmul_<suffix> (Q8_K
+# activations; IQ4_NL: int8 blocks of 32) and the exact (float activation) one pi_matmul_<suffix>_f. Those with
+# sparse_rows (the K-quants) also have pi_rows_matmul_<suffix>_f / pi_rows_axpy_<suffix> (rows of whole
+# super-blocks of 256), the exact ones in both precisions; IQ4 sparse ops decode the rows they need
 K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
-    {
-        GGMLType.Q2_K: "q2_k",
-        GGMLType.Q3_K: "q3_k",
-        GGMLType.Q4_K: "q4_k",
-        GGMLType.Q5_K: "q5_k",
-        GGMLType.Q6_K: "q6_k",
-        GGMLType.IQ4_NL: "iq4_nl",
-        GGMLType.IQ4_XS: "iq4_xs",
-    }
+    {t: row.c_name for t, row in sorted(TYPES.items()) if row.dense == "super" and row.c_name}
 )
-K_SPARSE_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
+K_SPARSE_TYPES = frozenset(t for t in K_TYPES if TYPES[t].sparse_rows)
 # types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one: every block
 # type of 32 elements
-QUANT_TYPES = frozenset({GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0, GGMLType.Q5_0, GGMLType.Q5_1})
-# weight kind codes of pi_ffn_rows / pi_predict_ffn (enum axpy_kind in kernels/cpu/sparse.h)
+QUANT_TYPES = types_where(dense="block32")
+# weight kind codes of pi_ffn_rows / pi_predict_ffn / pi_cats_ffn (enum axpy_kind in kernels/cpu/sparse.h)
 FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
-    {
-        GGMLType.Q4_0: 0,
-        GGMLType.Q4_1: 1,
-        GGMLType.Q8_0: 2,
-        GGMLType.F32: 3,
-        GGMLType.F16: 4,
-        GGMLType.BF16: 5,
-        GGMLType.Q5_0: 6,
-        GGMLType.Q5_1: 7,
-        # K-quants (float activations in both precisions here: their "q8" is the dense matmul's Q8_K kernel)
-        GGMLType.Q2_K: 8,
-        GGMLType.Q3_K: 9,
-        GGMLType.Q4_K: 10,
-        GGMLType.Q5_K: 11,
-        GGMLType.Q6_K: 12,
-    }
+    {t: row.kind for t, row in sorted(TYPES.items()) if row.kind is not None}
 )
 
 # status codes (enum pi_status in kernels/cpu/common.h)

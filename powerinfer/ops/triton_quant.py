@@ -28,27 +28,12 @@ import triton.language as tl
 
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.quant import row_bytes
+from powerinfer.quant.types import TYPES
 
 __all__ = ["SUPPORTED_TYPES", "axpy", "matmul"]
 
-# kernel codes of the weight types
-_F32, _F16, _Q4_0, _Q4_1, _Q8_0, _BF16, _Q5_0, _Q5_1 = 0, 1, 2, 3, 4, 5, 6, 7
-_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 8, 9, 10, 11, 12
-_KINDS: dict[GGMLType, int] = {
-    GGMLType.F32: _F32,
-    GGMLType.F16: _F16,
-    GGMLType.Q4_0: _Q4_0,
-    GGMLType.Q4_1: _Q4_1,
-    GGMLType.Q8_0: _Q8_0,
-    GGMLType.BF16: _BF16,
-    GGMLType.Q5_0: _Q5_0,
-    GGMLType.Q5_1: _Q5_1,
-    GGMLType.Q2_K: _Q2_K,
-    GGMLType.Q3_K: _Q3_K,
-    GGMLType.Q4_K: _Q4_K,
-    GGMLType.Q5_K: _Q5_K,
-    GGMLType.Q6_K: _Q6_K,
-}
+# kernel codes of the weight types: the registry's kind (the C kernels' enum axpy_kind), as _decode reads them
+_KINDS: dict[GGMLType, int] = {t: row.kind for t, row in TYPES.items() if row.kind is not None}
 SUPPORTED_TYPES = frozenset(_KINDS)
 # dtype the float weights are passed as (the kernel reads elements, not bytes)
 _FLOAT_VIEW = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
@@ -143,20 +128,20 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
     e_lo = blk * 32 + j  # (C,)
     e_hi = e_lo + 16
     base = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # (R, 1)
-    if KIND == 0 or KIND == 1 or KIND == 5:  # F32, F16, BF16: plain elements
+    if KIND == 3 or KIND == 4 or KIND == 5:  # F32, F16, BF16: plain elements
         m_lo = row_mask[:, None] & (e_lo < K)[None, :]
         m_hi = row_mask[:, None] & (e_hi < K)[None, :]
         lo = tl.load(base + e_lo[None, :], mask=m_lo, other=0.0).to(tl.float32)
         hi = tl.load(base + e_hi[None, :], mask=m_hi, other=0.0).to(tl.float32)
     else:
         m = row_mask[:, None] & (blk < K // 32)[None, :]
-        if KIND == 2:  # Q4_0 {fp16 d; u8 qs[16]}
+        if KIND == 0:  # Q4_0 {fp16 d; u8 qs[16]}
             blk_ptr = base + (blk * 18)[None, :]
             d = _fp16_at(blk_ptr, m)
             q = tl.load(blk_ptr + 2 + j[None, :], mask=m, other=0)
             lo = ((q & 15).to(tl.int32) - 8).to(tl.float32) * d
             hi = ((q >> 4).to(tl.int32) - 8).to(tl.float32) * d
-        elif KIND == 3:  # Q4_1 {fp16 d; fp16 m; u8 qs[16]}
+        elif KIND == 1:  # Q4_1 {fp16 d; fp16 m; u8 qs[16]}
             blk_ptr = base + (blk * 20)[None, :]
             d = _fp16_at(blk_ptr, m)
             mn = _fp16_at(blk_ptr + 2, m)

@@ -15,45 +15,26 @@ from gguf import quants as _gguf_quants
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import QUANT_SIZES, GGMLType
 from powerinfer.printable import printable
+from powerinfer.quant.types import TYPES, types_where
 
-# types whose blocks the gguf package can produce
-QUANTIZABLE = frozenset(
-    {
-        GGMLType.F32,
-        GGMLType.F16,
-        GGMLType.BF16,
-        GGMLType.Q4_0,
-        GGMLType.Q4_1,
-        GGMLType.Q5_0,
-        GGMLType.Q5_1,
-        GGMLType.Q8_0,
-    }
-)
+# the sets the rest of the package asks about, derived from the registry (powerinfer.quant.types)
+# types whose blocks the gguf package can produce (and the CPU kernels compute on directly: KERNEL_TYPES)
+QUANTIZABLE = types_where(producer="gguf")
 # types whose blocks the C kernels produce (pi_quantize_rows), bit-exact with llama.cpp's quantizers run without an
-# importance matrix; not in QUANTIZABLE, which also names the types the kernels compute on
-C_QUANTIZABLE = frozenset(
-    GGMLType[name] for name in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-)
+# importance matrix
+C_QUANTIZABLE = types_where(producer="c")
 # types `powerinfer quantize` produces
 PRODUCIBLE = QUANTIZABLE | C_QUANTIZABLE
-# types our CPU kernels compute on directly (no dequantised copy): the gguf package's quantizable types
-KERNEL_TYPES = QUANTIZABLE
-# weight types the ops compute on: the kernel types, and the block formats the gguf package decodes (K-quants,
-# IQ, TQ, ...; computed on a float32 copy). Q8_1 and Q8_K (activation formats), the integer types and F64 hold
-# no weights anything here can decode.
-_DECODED_NAMES = (
-    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ3_XXS", "IQ1_S", "IQ4_NL", "IQ3_S",
-    "IQ2_S", "IQ4_XS", "IQ1_M", "TQ1_0", "TQ2_0", "MXFP4",
-)  # fmt: skip
-WEIGHT_TYPES = KERNEL_TYPES | frozenset(
-    GGMLType[name] for name in _DECODED_NAMES if name in GGMLType.__members__
-)
-# K-quants: the CPU kernels compute on their blocks (dense, sparse rows, fused FFN) and so do the pool's Triton
-# kernels
-K_QUANT_TYPES = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K})
-# types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks; a tensor of any
-# other type is decoded to F16 there
-POOL_TYPES = KERNEL_TYPES | K_QUANT_TYPES
+# types our CPU kernels compute on through the plain or block-of-32 kernels
+KERNEL_TYPES = types_where(dense="plain") | types_where(dense="block32")
+# weight types the ops compute on: every registry row (the others are decoded to float32 copies)
+WEIGHT_TYPES = frozenset(TYPES)
+# K-quants: super-block types with the sparse row kernels (dense, sparse rows, fused FFN, the pool's Triton kernels)
+K_QUANT_TYPES = types_where(dense="super", sparse_rows=True)
+# types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks (the types with a
+# fused-kernel code, which the Triton kernels share); a tensor of any other type is decoded to F16 there
+POOL_TYPES = frozenset(t for t, row in TYPES.items() if row.kind is not None)
+FLOAT_TYPES = types_where(dense="plain")
 
 
 def check_weight_type(ggml_type: GGMLType, name: str, where: str = "") -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from powerinfer.gguf.constants import QUANT_SIZES, GGMLType
+from powerinfer.quant.types import TYPES
 
 
 class Ftype:
@@ -59,15 +60,6 @@ _ATTN_V_LIKE = frozenset({Category.ATTN_V, Category.ATTN_QKV, Category.ATTN_KV_B
 # 2-D weights llama.cpp never quantizes (the ones of the architectures we load)
 _NEVER_QUANTIZED = ("_norm.weight", "ffn_gate_inp.weight", "attn_rel_b.weight")
 _NEVER_QUANTIZED_NAMES = frozenset({"position_embd.weight", "token_types.weight"})
-# the type a 256-element type falls back to when the row length is not a multiple of 256
-_FALLBACK = {
-    GGMLType.IQ4_XS: GGMLType.IQ4_NL,
-    GGMLType.Q2_K: GGMLType.Q4_0,
-    GGMLType.Q3_K: GGMLType.Q4_0,
-    GGMLType.Q4_K: GGMLType.Q5_0,
-    GGMLType.Q5_K: GGMLType.Q5_1,
-    GGMLType.Q6_K: GGMLType.Q8_0,
-}
 
 
 def category(name: str) -> Category:
@@ -166,7 +158,8 @@ def fallback(ggml_type: GGMLType, n_cols: int) -> GGMLType:
     block = QUANT_SIZES[ggml_type][0]
     if n_cols % block == 0:
         return ggml_type
-    new_type = _FALLBACK.get(ggml_type, ggml_type)
+    row = TYPES.get(ggml_type)
+    new_type = row.fallback if row is not None and row.fallback is not None else ggml_type
     if n_cols % QUANT_SIZES[new_type][0] != 0:
         new_type = GGMLType.F16
     return new_type
