@@ -81,3 +81,36 @@ def test_scalar_only_build_passes_the_c_tests(tmp_path):
     assert "0 of 145 rows differ" in run.stdout and run.stdout.rstrip().endswith(
         "all scalar kernel checks passed"
     )
+
+
+# ------------------------------------------------------------------------------------------ a clone elsewhere
+
+
+@pytest.mark.parametrize(
+    ("env", "outcome"),
+    [
+        ({}, pytest.skip.Exception),  # a clone without ../shared: skip
+        ({"CI": "true"}, pytest.fail.Exception),  # the project's CI must have it
+        ({"CI": "true", "POWERINFER_NO_SHARED": "1"}, pytest.skip.Exception),  # a GitHub runner (ci.yml)
+    ],
+)
+def test_missing_shared_fixtures_skip_on_a_clone_and_fail_in_ci(monkeypatch, tmp_path, env, outcome):
+    import conftest
+
+    monkeypatch.setattr(conftest, "FIXTURE", tmp_path / "fixtures" / "tiny-relu-llama")
+    for name in ("CI", "POWERINFER_NO_SHARED"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(outcome):
+        conftest.fixture_dir()
+    (tmp_path / "fixtures" / "tiny-relu-opt").mkdir(parents=True)
+    assert conftest.fixture_dir("tiny-relu-opt") == tmp_path / "fixtures" / "tiny-relu-opt"
+
+
+def test_the_github_workflow_declares_its_missing_shared_data():
+    """A GitHub runner has no ../shared and sets CI=true: the workflow says so, or every fixture test fails."""
+    workflow = REPO / ".github" / "workflows" / "ci.yml"
+    if not workflow.is_file():
+        pytest.skip("no GitHub workflow")
+    assert re.search(r"POWERINFER_NO_SHARED:\s*\"?1\"?", workflow.read_text())
