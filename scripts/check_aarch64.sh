@@ -42,13 +42,16 @@ CFLAGS=(-std=c11 -fopenmp -ffp-contract=off -fvisibility=hidden -Wall -Wextra -W
 build() { # build <compiler> <out dir>: the kernels' objects and the test program, linked statically
   local cc=$1 out=$2
   mkdir -p "$out"
-  local objs=()
+  local objs=() pids=() pid
   for src in kernels/cpu/*.c; do
     local obj="$out/$(basename "${src%.c}").o"
     "$cc" "${CFLAGS[@]}" -c "$src" -o "$obj" &
+    pids+=($!)
     objs+=("$obj")
   done
-  wait
+  for pid in "${pids[@]}"; do
+    wait "$pid" || { echo "error: a kernel source does not compile with $cc" >&2; exit 1; }
+  done
   # static, so qemu needs no aarch64 sysroot; glibc's warning about libgomp's dlopen in a static program is noise
   if ! "$cc" "${CFLAGS[@]}" -static kernels/tests/scalar_kernels_test.c "${objs[@]}" -lm \
     -o "$out/scalar_kernels_test" 2>"$out/link.log"; then
