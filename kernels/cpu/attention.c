@@ -12,12 +12,12 @@
  * uses a polynomial exp (Cephes, ~1e-7 relative); the weighted sum of V is divided by the sum of weights at the
  * end. KV heads are split over threads, or, when they do not split evenly, every part of each head (attend_team);
  * each score, sum and output element is computed by one thread in a fixed order, so the result does not depend
- * on the thread count. The body (attention_body.h) is compiled for baseline x86-64, AVX2
+ * on the thread count. The body (attention_body.h) is compiled for the baseline CPU, and on x86-64 also for AVX2
  * and AVX-512; `isa` (enum pi_isa, clamped to what the CPU has) picks one per call.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "attention.h"
 #include "common.h"
@@ -41,8 +41,10 @@ static const struct {
     attend_team_fn attend_team; /* NULL: KV heads split over threads only */
 } attn_variants[] = {
     [PI_ISA_SCALAR] = {rope_rotate_scalar, attend_kv_head_scalar, NULL},
+#if PI_X86
     [PI_ISA_AVX2] = {rope_rotate_avx2, attend_kv_head_avx2, attend_team_avx2},
     [PI_ISA_AVX512] = {rope_rotate_avx512, attend_kv_head_avx512, attend_team_avx512},
+#endif
 };
 
 /* Floats of the attention scratch: the scores of every head, then 1 / (sum of weights) per head. */

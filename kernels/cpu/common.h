@@ -36,6 +36,16 @@ enum pi_status {
 /* SIMD levels, the `isa` argument of every kernel */
 enum pi_isa { PI_ISA_SCALAR = 0, PI_ISA_AVX2 = 1, PI_ISA_AVX512 = 2 };
 
+/* PI_X86: 1 when compiling for x86-64, where the AVX2 and AVX-512 variants are built (simd_variants.h) and the CPU
+ * is probed for them. Elsewhere (aarch64, ...) only the scalar variant exists, nothing includes <immintrin.h>, and
+ * every level clamps to PI_ISA_SCALAR. Code that names an x86 intrinsic or an _avx2/_avx512 function sits behind
+ * `#if PI_X86`. -DPI_SCALAR_ONLY makes an x86-64 build the same as the others (tests/test_portability.py). */
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(PI_SCALAR_ONLY)
+#define PI_X86 1
+#else
+#define PI_X86 0
+#endif
+
 /* The best level this CPU runs (AVX2 = AVX2 + FMA + F16C; AVX512 = F, BW, VL, DQ and VNNI), and `isa` clamped to
  * [PI_ISA_SCALAR, best]. Read from the CPU on every call: no state. */
 int32_t pi_isa_clamp(int32_t isa);

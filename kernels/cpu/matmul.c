@@ -19,9 +19,9 @@
  * block is decoded once per token tile and used for all its tokens (T = 1 is the decode matvec).
  *
  * The SIMD variant (scalar, AVX2+FMA+F16C, AVX-512+VNNI) is the caller's `isa` argument on every call, clamped to
- * what the CPU has: nothing is selected globally, so two callers may run different variants side by side.
+ * what the CPU has: nothing is selected globally, so two callers may run different variants side by side. Off
+ * x86-64 only the scalar variant is built (common.h, PI_X86).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -295,8 +295,10 @@ static const matmul_table matmul_tables[] = {
 #define tile8_q4_0_scalar NULL
 #define tile8_q8_0_scalar NULL
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
+#if PI_X86
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
     [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
+#endif
 #undef MATMUL_TABLE
 #undef TILE4
 #undef TILE8
@@ -307,8 +309,12 @@ static const matmul_table matmul_tables[] = {
 #undef tile8_q8_0_scalar
 };
 
-/* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar. */
+/* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar;
+ * always 0 on a CPU other than x86-64, where only the scalar variant is built. */
 PI_EXPORT int32_t pi_kernels_isa_best(void) {
+#if !PI_X86
+    return PI_ISA_SCALAR;
+#else
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")))
         return PI_ISA_SCALAR;
@@ -317,6 +323,7 @@ PI_EXPORT int32_t pi_kernels_isa_best(void) {
         __builtin_cpu_supports("avx512vnni"))
         return PI_ISA_AVX512;
     return PI_ISA_AVX2;
+#endif
 }
 
 int32_t pi_isa_clamp(int32_t isa) {

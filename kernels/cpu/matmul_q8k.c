@@ -25,7 +25,6 @@
  * Exact IQ4 (pi_matmul_iq4_nl_f / _iq4_xs_f): the weights are decoded to the gguf decoder's floats (kquants.h) and
  * multiplied with float x, as the K-quant exact kernels do.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -311,8 +310,10 @@ static const kq8_table kq8_tables[] = {
 #define KQ8_TILE16_avx2 NULL
 #define KQ8_TILE16_avx512 kq8_tile16_q4_k_avx512
     [PI_ISA_SCALAR] = KQ8_TABLE(scalar),
+#if PI_X86
     [PI_ISA_AVX2] = KQ8_TABLE(avx2),
     [PI_ISA_AVX512] = KQ8_TABLE(avx512),
+#endif
 #undef KQ8_TABLE
 #undef KQ8_TILE8
 #undef kq8_tile8_q4_k_scalar

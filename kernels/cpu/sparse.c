@@ -17,7 +17,6 @@
  * Both validate row ids before any work (PI_ERR_INDEX) and accept M == 0 (rows_axpy then writes zeros). Every
  * kernel takes the SIMD level `isa` (enum pi_isa) last. The fused decode FFN built on them is in ffn.c.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdlib.h>
@@ -300,8 +299,10 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
 
 static const axpy_units_fn axpy_units_table[] = {
     [PI_ISA_SCALAR] = axpy_units_scalar,
+#if PI_X86
     [PI_ISA_AVX2] = axpy_units_avx2,
     [PI_ISA_AVX512] = axpy_units_avx512,
+#endif
 };
 
 axpy_units_fn axpy_units_for(int32_t isa) { return axpy_units_table[pi_isa_clamp(isa)]; }
@@ -309,9 +310,13 @@ axpy_units_fn axpy_units_for(int32_t isa) { return axpy_units_table[pi_isa_clamp
 static int bf16_dot_ok; /* set once when the library loads, read-only after */
 
 __attribute__((constructor)) static void bf16_dot_probe(void) {
+#if PI_X86
     __builtin_cpu_init();
     bf16_dot_ok = pi_kernels_isa_best() >= PI_ISA_AVX512 && __builtin_cpu_supports("avx512bf16") &&
                   __builtin_cpu_supports("avx512vbmi") && bf16_dot_selftest_avx512();
+#else
+    bf16_dot_ok = 0; /* vdpbf16ps is x86 only */
+#endif
 }
 
 int axpy_bf16_dot_ok(void) { return bf16_dot_ok; }

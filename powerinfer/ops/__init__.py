@@ -6,8 +6,8 @@ passed to every op as its optional last argument; None means `default_context()`
 or a weight type has no kernel, every op falls back to its pure-torch reference (`reference`, the `*_ref`
 functions), which is also the oracle in tests.
 
-Modules: library (loading, symbols), context (KernelContext), weights (QWeight, DeviceWeight), dense (linear,
-get_rows), layer (fused decode blocks, rms_norm), sparse (the sparse FFN ops), attention (decode attention),
+Modules: library (loading, symbols), context (KernelContext), qweight (QWeight), weights (DeviceWeight),
+dense (linear, get_rows), layer (fused decode blocks, rms_norm), sparse (the sparse FFN ops), attention (decode attention),
 activation (FFN activations as data), reference (torch references), triton_quant (the CUDA pool's kernels, imported only for a CUDA pool).
 """
 

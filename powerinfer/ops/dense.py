@@ -18,7 +18,7 @@ from powerinfer.ops.library import check_status
 from powerinfer.quant import KERNEL_TYPES
 
 if TYPE_CHECKING:
-    from powerinfer.ops.weights import DeviceWeight, QWeight
+    from powerinfer.ops.qweight import OnDeviceWeight, QWeight
 
 __all__ = ["get_rows", "linear"]
 
@@ -44,10 +44,10 @@ def _linear_fallback(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     return x.to(torch.float32) @ dense_cached(w).to(x.device).T
 
 
-def linear(x: torch.Tensor, w: QWeight | DeviceWeight, kc: KernelContext | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QWeight | OnDeviceWeight, kc: KernelContext | None = None) -> torch.Tensor:
     """y = x @ W.T for x of shape (..., K) float32; returns (..., N) float32 (T = 1 is the decode matvec).
 
-    A DeviceWeight computes on its own device and returns the result there.
+    A device weight (ops.weights.DeviceWeight) computes on its own device and returns the result there.
     """
     # lean path: about 200 calls per token, so every attribute access here counts
     if kc is None:

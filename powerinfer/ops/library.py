@@ -12,6 +12,7 @@ import ctypes
 import functools
 import importlib.util
 import logging
+import platform
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,6 +28,16 @@ __all__ = ["ISA_NAMES", "Library", "check_status", "isa_best", "kernels_availabl
 log = logging.getLogger(__name__)
 
 ISA_NAMES = ("scalar", "avx2", "avx512")  # index = the kernels' `isa` level (enum pi_isa)
+# platform.machine() of the CPUs the AVX2 and AVX-512 variants are compiled for (PI_X86 in kernels/cpu/common.h);
+# elsewhere the library holds the scalar variant only
+X86_64_MACHINES = frozenset({"x86_64", "amd64"})
+
+
+def isa_ceiling(machine: str) -> int:
+    """The highest SIMD level (index into ISA_NAMES) the kernels can have on a CPU named `machine`
+    (platform.machine()): every level on x86-64, the scalar one elsewhere, whatever the library reports."""
+    return len(ISA_NAMES) - 1 if machine.lower() in X86_64_MACHINES else 0
+
 
 # ggml type -> suffix of the C symbols pi_matmul_<suffix> and pi_get_rows_<suffix>: the plain and block-of-32 types
 C_NAMES: Mapping[GGMLType, str] = MappingProxyType({t: TYPES[t].c_name for t in sorted(KERNEL_TYPES)})
@@ -171,7 +182,7 @@ def _open(path: str) -> Library:
             rows_axpy[ggml_type] = _symbol(lib, f"pi_rows_axpy_{name}", _AXPY_ARGTYPES)
     return Library(
         path=path,
-        isa_best=int(_symbol(lib, "pi_kernels_isa_best", ())()),
+        isa_best=min(int(_symbol(lib, "pi_kernels_isa_best", ())()), isa_ceiling(platform.machine())),
         matmul=MappingProxyType(matmul),
         matmul_f=MappingProxyType(matmul_f),
         get_rows=MappingProxyType(get_rows),

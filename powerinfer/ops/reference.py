@@ -13,7 +13,7 @@ import torch
 from powerinfer.quant import dequantize
 
 if TYPE_CHECKING:
-    from powerinfer.ops.weights import QWeight
+    from powerinfer.ops.qweight import QWeight
 
 
 def dense(w: QWeight) -> torch.Tensor:

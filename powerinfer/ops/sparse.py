@@ -34,7 +34,7 @@ from powerinfer.ops.library import check_status
 from powerinfer.quant import K_QUANT_TYPES, dequantize
 
 if TYPE_CHECKING:
-    from powerinfer.ops.weights import QWeight
+    from powerinfer.ops.qweight import QWeight
 
 __all__ = [
     "CATS_DENSE_UNION_SHARE",

@@ -11,7 +11,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,7 @@ from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
 from powerinfer.runtime.threads import ThreadGovernor
+from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
 
@@ -92,20 +93,6 @@ class EngineOptions:
     # the output head (model.head): None screens it where the file carries a screen (sparsify writes one), True
     # also builds a screen for a file without one (from the packaged calibration text), False computes it whole
     sparse_head: bool | None = None
-
-
-@dataclass
-class Timings:
-    """Wall-clock accounting in the shape of llama_print_timings."""
-
-    load_ms: float = 0.0
-    sample_ms: float = 0.0
-    n_sample: int = 0
-    prompt_ms: float = 0.0
-    n_prompt: int = 0
-    eval_ms: float = 0.0
-    n_eval: int = 0
-    start: float = field(default_factory=time.perf_counter)
 
 
 def kernel_context(options: EngineOptions) -> ops.KernelContext:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,7 +24,27 @@ from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
 
 if TYPE_CHECKING:
-    from powerinfer.runtime.engine import Engine
+    from powerinfer.model.config import ModelConfig
+    from powerinfer.runtime.kv_cache import KVCache
+    from powerinfer.runtime.timings import Timings
+    from powerinfer.tokenizer import Tokenizer
+
+
+class GenerationEngine(Protocol):
+    """What the generation loop uses of an engine (runtime.engine.Engine, which imports this module): its
+    context, tokenizer, timings and KV positions, and its prefill / decode / free steps."""
+
+    n_ctx: int
+    config: ModelConfig
+    tokenizer: Tokenizer
+    timings: Timings
+    kv: KVCache
+
+    def prefill(self, seq: int, tokens: list[int], start: int = 0) -> torch.Tensor: ...
+
+    def decode(self, seqs: list[int], tokens: list[int]) -> torch.Tensor: ...
+
+    def free(self, seq: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -88,7 +108,7 @@ def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 class Generator:
     """Sequences of one engine, advanced together one token per step."""
 
-    def __init__(self, engine: Engine, keep: bool = False) -> None:
+    def __init__(self, engine: GenerationEngine, keep: bool = False) -> None:
         """With `keep`, an ended sequence leaves its slot's KV cache as it is (the interactive `main` goes on
         from it next turn); `kv.n_past` then counts its evaluated tokens, the first of `Sequence.history`."""
         self.engine = engine

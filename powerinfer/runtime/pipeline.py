@@ -29,7 +29,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,15 @@ from powerinfer.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from powerinfer.model.transformer import KVStore, Transformer
-    from powerinfer.runtime.engine import Engine
+
+
+class StageEngine(Protocol):
+    """What a rank > 0 serves through (`Pipeline.serve`): its engine's model and KV cache (runtime.engine.Engine,
+    which imports this module)."""
+
+    model: Transformer
+    kv: KVStore
+
 
 log = logging.getLogger(__name__)
 
@@ -415,7 +423,7 @@ class Pipeline:
         log.info("%s", memory_report(self.model_path, self.rank))
 
     # ------------------------------------------------------------------ ranks > 0
-    def serve(self, engine: Engine) -> int:
+    def serve(self, engine: StageEngine) -> int:
         """Run rank 0's requests through this stage's layers until the stop message; the number of steps."""
         model, kv = engine.model, engine.kv
         last = self.next == 0
