@@ -748,9 +748,10 @@ def test_a_compile_stops_when_its_client_leaves(tiny_model: Path):
     assert grammars.n_processes == 0  # shutdown ends the compile processes
 
 
-def test_a_compile_past_its_time_is_one_400_and_its_process_is_killed(tiny_model: Path):
+def test_a_compile_past_its_time_or_memory_is_one_400_and_its_process_is_killed(tiny_model: Path):
     """The time bound: a compile that runs past it (here 0.2 s, shorter than the process's start) is a 400
-    naming the field, its process killed; with the default bound the same grammar compiles."""
+    naming the field, its process killed; with the default bound the same grammar compiles. The memory bound
+    likewise (here 4 MiB)."""
     from powerinfer.server.errors import ApiError
     from powerinfer.server.grammar import Grammars
 
@@ -766,3 +767,11 @@ def test_a_compile_past_its_time_is_one_400_and_its_process_is_killed(tiny_model
     assert matcher.n_vocab == tokenizer.n_vocab and g.n_processes == 1
     g.close()
     assert g.n_processes == 0
+    # the memory bound: 400 chained rules of bounded repetitions (14 KB; on SmolLM2 they took 0.5 s and ~150 MB)
+    chain = "root ::= r0\n" + "".join(f"r{i} ::= ([a-z] [0-9]?){{0,60}} r{i + 1}\n" for i in range(400))
+    chain += 'r400 ::= "a"\n'
+    small = Grammars(tokenizer, memory_bytes=4 << 20)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(small.compile("gbnf", chain, "grammar"))
+    assert e.value.status == 400 and "grammar needs more than 4 MiB to compile" in e.value.message
+    assert small.n_killed == 1 and small.n_processes == 0

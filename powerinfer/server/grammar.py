@@ -5,9 +5,10 @@ next request, which then finds xgrammar's cache of its earlier grammars), never 
 compile runs in C++ and cannot be interrupted, so a process is what can be stopped: the request waits for its
 compile while watching its client, and when the client leaves, or the compile runs past GRAMMAR_TIMEOUT_S, the
 process is killed at once (its CPU and memory come back; a later compile starts another) and the request ends
-there. A process's address space is capped at what it holds after start-up plus GRAMMAR_MEMORY_BYTES, so a
-compile that would take more fails in it (a 400), never in the server. The compiled grammar comes back
-serialized. Each request gets its own matcher, used only by the worker thread: `mask` bans the tokens the grammar
+there. The same watch kills a compile whose process grows past its size before the compile by GRAMMAR_MEMORY_BYTES
+of resident memory (a 400; the server's own memory is never at stake). A constraint that compiles there is
+compiled again in the server, known now to finish within the bounds (xgrammar's compiled grammars cannot come back
+from the process: serializing one can take far more memory than compiling it). Each request gets its own matcher, used only by the worker thread: `mask` bans the tokens the grammar
 cannot take next (end-of-generation tokens are allowed only where the grammar may end), `accept` advances it with
 the sampled token.
 """
@@ -15,8 +16,10 @@ the sampled token.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import os
 import re
 import struct
 import subprocess
@@ -41,18 +44,41 @@ GRAMMAR_MAX_BYTES = 1 << 16  # a GBNF grammar's or a JSON schema's text
 GRAMMAR_MAX_RULES = 512  # GBNF rules (`::=`)
 SCHEMA_MAX_DEPTH = 32  # nesting of a JSON schema's objects and arrays
 GRAMMAR_TIMEOUT_S = 30.0  # one compile, the process's start-up included
-GRAMMAR_MEMORY_BYTES = 1 << 30  # address space one compile process may add after its start-up
+GRAMMAR_MEMORY_BYTES = 1 << 30  # resident memory one compile may add to its process (Linux: /proc)
 GRAMMAR_PROCESSES = 2  # compiles at once; more requests wait for one (still watching their client)
-_POLL_S = 0.05  # how often a waiting request looks at its client and the clock
+_PAGE = 4096 if not hasattr(os, "sysconf") else os.sysconf("SC_PAGE_SIZE")
+_POLL_S = 0.05  # how often a waiting request looks at its client, the clock and the process's memory
 
 # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:123: "
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
-# The compile process: reads length-prefixed JSON requests on stdin, answers on stdout. The first request carries
-# the tokenizer (xgrammar's serialized TokenizerInfo) and the memory allowance; it answers {"ready": true}. Then
-# each {"kind", "source"} gets {"compiled": serialized CompiledGrammar} or {"error": message}. EOF ends it.
-_CHILD = r"""
-import json, os, resource, struct, sys
+
+def compile_constraint(xgr: Any, compiler: Any, kind: str, source: Any) -> Any:
+    """xgrammar's compile of one request's constraint (a schema as JSON text, tool calls as a list of them); the
+    compile processes run this same function (its source is sent to them)."""
+    if kind == "json":
+        return compiler.compile_builtin_json_grammar()
+    if kind == "json_schema":
+        return compiler.compile_json_schema(source, any_whitespace=False)
+    if kind == "tool_call":  # one `<tool_call>` whose JSON follows one of the schemas
+        calls = [xgr.Grammar.from_json_schema(c, any_whitespace=False) for c in source]
+        return compiler.compile_grammar(
+            xgr.Grammar.concat(
+                xgr.Grammar.from_ebnf('root ::= "<tool_call>"'),
+                xgr.Grammar.union(*calls),
+                xgr.Grammar.from_ebnf('root ::= "</tool_call>"'),
+            )
+        )
+    return compiler.compile_grammar(source)
+
+
+# A compile process: reads length-prefixed JSON requests on stdin, answers on stdout. The first request carries the
+# tokenizer (xgrammar's serialized TokenizerInfo); it answers {"ready": true}. Then each {"kind", "source"} is
+# compiled and answered with {"ok": true} or {"error": message}; EOF ends it. It compiles to try: a compiled grammar
+# does not come back (its serialization can take far more memory than the compile), the server compiles it again
+# once it is known to finish within the bounds.
+_CHILD_MAIN = r"""
+import json, struct, sys
 
 def read():
     head = sys.stdin.buffer.read(4)
@@ -67,36 +93,20 @@ def write(obj):
 
 hello = read()
 import xgrammar as xgr
-info = xgr.TokenizerInfo.deserialize_json(hello["tokenizer_info"])
-compiler = xgr.GrammarCompiler(info, max_threads=1)
-with open("/proc/self/statm") as f:
-    vm = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-resource.setrlimit(resource.RLIMIT_AS, (vm + hello["memory"], vm + hello["memory"]))
+compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(hello["tokenizer_info"]), max_threads=1)
 write({"ready": True})
-
-def compile_one(kind, source):
-    if kind == "json":
-        return compiler.compile_builtin_json_grammar()
-    if kind == "json_schema":
-        return compiler.compile_json_schema(source, any_whitespace=False)
-    if kind == "tool_call":
-        calls = [xgr.Grammar.from_json_schema(c, any_whitespace=False) for c in source]
-        return compiler.compile_grammar(xgr.Grammar.concat(
-            xgr.Grammar.from_ebnf('root ::= "<tool_call>"'),
-            xgr.Grammar.union(*calls),
-            xgr.Grammar.from_ebnf('root ::= "</tool_call>"'),
-        ))
-    return compiler.compile_grammar(source)
-
 while True:
     req = read()
     try:
-        write({"compiled": compile_one(req["kind"], req["source"]).serialize_json()})
-    except MemoryError:
-        write({"error": "it needs more memory than a grammar may take"})
+        compile_constraint(xgr, compiler, req["kind"], req["source"])
+        write({"ok": True})
     except Exception as e:
         write({"error": " ".join(str(e).split()) or type(e).__name__})
 """
+
+
+def _child_source() -> str:
+    return "from typing import Any\n" + inspect.getsource(compile_constraint) + _CHILD_MAIN
 
 
 def _xgrammar() -> Any:
@@ -160,26 +170,29 @@ class _Process:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self.killed = False
+        self.baseline: int | None = None  # resident bytes when the current compile was sent
 
     def start(self, hello: dict[str, Any]) -> None:
         with self._lock:
             if self.killed:
                 raise _Gone
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-            )
-        try:
-            self.ask(hello)
-        except (OSError, ValueError):
-            raise _Gone from None
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-c", _child_source()],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                )
+            except OSError:
+                raise _Gone from None
+        self.ask(hello, watch=False)
 
-    def ask(self, request: dict[str, Any]) -> Any:
+    def ask(self, request: dict[str, Any], watch: bool = True) -> Any:
+        """Send one request and wait for the answer; watch: record the resident size first (a compile)."""
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdout is None:
             raise _Gone
+        self.baseline = self.rss() if watch else None
         try:
             _send(proc.stdin, request)
             return _receive(proc.stdout)
@@ -193,6 +206,15 @@ class _Process:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait()
+
+    def rss(self) -> int | None:
+        """Resident bytes of the process now; None where it is gone or /proc cannot tell."""
+        proc = self._proc
+        try:
+            with open(f"/proc/{proc.pid}/statm") as f:  # type: ignore[union-attr]
+                return int(f.read().split()[1]) * _PAGE
+        except (AttributeError, OSError, ValueError, IndexError):
+            return None
 
     @property
     def alive(self) -> bool:
@@ -212,11 +234,20 @@ class Grammars:
         self.timeout_s = timeout_s
         self.memory_bytes = memory_bytes
         self._info: Any = None  # xgrammar's TokenizerInfo, made once
+        self._local: Any = None  # the compiler of the matchers the worker uses
         self._lock = threading.Lock()
         self._idle: list[_Process] = []
         self._busy: set[_Process] = set()
         self._slots = asyncio.Semaphore(GRAMMAR_PROCESSES)
-        self.n_killed = 0  # compiles stopped because the client left or the time ran out
+        self.n_killed = 0  # compiles stopped: the client left, or the time or memory ran out
+
+    def _compile_here(self, xgr: Any, kind: str, source: Any) -> Any:
+        """Blocking: the server's own compile of a constraint a process compiled within the bounds."""
+        info = self._tokenizer_info()
+        with self._lock:
+            if self._local is None:
+                self._local = xgr.GrammarCompiler(info, max_threads=1)
+        return compile_constraint(xgr, self._local, kind, source)
 
     def _tokenizer_info(self) -> Any:
         xgr = _xgrammar()
@@ -272,7 +303,7 @@ class Grammars:
         """Blocking: start the process when it is new, then one compile; _Gone when it was killed or died."""
         if fresh:
             info = self._tokenizer_info()
-            process.start({"tokenizer_info": info.serialize_json(), "memory": self.memory_bytes})
+            process.start({"tokenizer_info": info.serialize_json()})
         return process.ask(request)
 
     async def compile(
@@ -308,6 +339,8 @@ class Grammars:
                         reason = "gone"
                     elif loop.time() > deadline:
                         reason = "timeout"
+                    elif self._grown(process):
+                        reason = "memory"
                     if reason is not None:
                         process.kill()
                         self.n_killed += 1
@@ -329,15 +362,26 @@ class Grammars:
             raise ApiError(499, "client closed the request")
         if reason == "timeout":
             raise ApiError(400, f"{field} took more than {self.timeout_s:g} s to compile", param=field)
+        if reason == "memory":
+            mib = self.memory_bytes / (1 << 20)
+            raise ApiError(400, f"{field} needs more than {mib:g} MiB to compile", param=field)
         if reply is None:
             raise ApiError(400, f"{field} could not be compiled: the compile process ended", param=field)
         if "error" in reply:
             message = _LOCATION.sub("", str(reply["error"]))[:300] or "error"
             raise ApiError(400, f"invalid {field}: {printable(message)}", param=field)
-        compiled = await asyncio.to_thread(
-            xgr.CompiledGrammar.deserialize_json, reply["compiled"], self._tokenizer_info()
-        )
+        try:
+            compiled = await asyncio.to_thread(self._compile_here, xgr, kind, request["source"])
+        except Exception as e:  # it compiled in the process: not expected
+            raise ApiError(
+                400, f"invalid {field}: {printable(' '.join(str(e).split())[:300])}", param=field
+            ) from None
         return GrammarMatcher(xgr, compiled, self.tokenizer.n_vocab)
+
+    def _grown(self, process: _Process) -> bool:
+        """True when the compile has grown its process by more than memory_bytes."""
+        base, now = process.baseline, process.rss()
+        return base is not None and now is not None and now - base > self.memory_bytes
 
     def close(self) -> None:
         """End every compile process (server shutdown)."""
