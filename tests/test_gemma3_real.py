@@ -69,8 +69,7 @@ def test_perplexity_equals_transformers(gemma_file, hf_ppl, act, bound):
 
 # llama.cpp on the same file and chunks (where llama-cpp-python is installed): its int8 activation blocks and
 # float16 KV cache. Measured: ours +0.15% (81 chunks); on the first 4, ours 24.7019 and llama.cpp 24.6758 (+0.11%,
-# with scripts computing the same); bound 0.5% (the
-# issue's).
+# with scripts computing the same); bound 0.5% (the issue's).
 def test_q8_perplexity_near_llama_cpp(gemma_file, hf_ppl):
     llama_cpp = pytest.importorskip("llama_cpp")
     tokens, _ = hf_ppl
