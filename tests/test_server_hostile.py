@@ -775,3 +775,24 @@ def test_a_compile_past_its_time_or_memory_is_one_400_and_its_process_is_killed(
         asyncio.run(small.compile("gbnf", chain, "grammar"))
     assert e.value.status == 400 and "grammar needs more than 4 MiB to compile" in e.value.message
     assert small.n_killed == 1 and small.n_processes == 0
+
+
+def test_concurrent_compiles_share_two_processes(tiny_model: Path):
+    """Six constrained requests at once (distinct grammars): every one answered by its grammar, by at most
+    GRAMMAR_PROCESSES compile processes, which stay for later requests."""
+    from powerinfer.server.grammar import GRAMMAR_PROCESSES
+
+    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1))
+    with live_server(opts) as live:
+        grammars = live.server.state.grammars
+
+        def one(i: int) -> tuple[int, dict]:
+            body = {"prompt": "x", "grammar": f'root ::= "a{i}" [0-9]', "n_predict": 8, "temperature": 0}
+            status, answer, _ = request(live, "POST", "/completion", body, timeout=120)
+            return status, answer
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(one, range(6)))
+        for i, (status, answer) in enumerate(results):
+            assert status == 200 and answer["content"].startswith(f"a{i}"), answer
+        assert 1 <= grammars.n_processes <= GRAMMAR_PROCESSES and grammars.n_killed == 0
