@@ -16,6 +16,7 @@ the sampled token.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import json
 import logging
@@ -91,8 +92,8 @@ def write(obj):
     sys.stdout.buffer.write(struct.pack(">I", len(data)) + data)
     sys.stdout.buffer.flush()
 
+import xgrammar as xgr  # before the tokenizer arrives: the server makes it meanwhile
 hello = read()
-import xgrammar as xgr
 compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(hello["tokenizer_info"]), max_threads=1)
 write({"ready": True})
 while True:
@@ -172,7 +173,8 @@ class _Process:
         self.killed = False
         self.baseline: int | None = None  # resident bytes when the current compile was sent
 
-    def start(self, hello: dict[str, Any]) -> None:
+    def start(self, hello: Callable[[], dict[str, Any]]) -> None:
+        """Start the process, then send it hello() (made while the process imports xgrammar)."""
         with self._lock:
             if self.killed:
                 raise _Gone
@@ -185,7 +187,7 @@ class _Process:
                 )
             except OSError:
                 raise _Gone from None
-        self.ask(hello, watch=False)
+        self.ask(hello(), watch=False)
 
     def ask(self, request: dict[str, Any], watch: bool = True) -> Any:
         """Send one request and wait for the answer; watch: record the resident size first (a compile)."""
@@ -302,8 +304,7 @@ class Grammars:
     def _run(self, process: _Process, fresh: bool, request: dict[str, Any]) -> Any:
         """Blocking: start the process when it is new, then one compile; _Gone when it was killed or died."""
         if fresh:
-            info = self._tokenizer_info()
-            process.start({"tokenizer_info": info.serialize_json()})
+            process.start(lambda: {"tokenizer_info": self._tokenizer_info().serialize_json()})
         return process.ask(request)
 
     async def compile(
@@ -318,7 +319,14 @@ class Grammars:
         follows one of the schemas in `source`). client_gone: polled while the compile runs; when it says so
         the compile is killed and the request ends (499)."""
         self.check_size(kind, source, field)
-        xgr = await asyncio.to_thread(_xgrammar)  # its first import takes seconds
+        if importlib.util.find_spec("xgrammar") is None:
+            _xgrammar()  # the 501 naming the package
+        imported = asyncio.ensure_future(
+            asyncio.to_thread(_xgrammar)
+        )  # seconds the first time: meanwhile the
+        imported.add_done_callback(
+            lambda f: f.cancelled() or f.exception()
+        )  # process starts (see _Process.start)
         request = self._request(kind, source, field)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
@@ -366,10 +374,12 @@ class Grammars:
             mib = self.memory_bytes / (1 << 20)
             raise ApiError(400, f"{field} needs more than {mib:g} MiB to compile", param=field)
         if reply is None:
+            await imported  # an xgrammar that cannot be imported: the 501 naming it
             raise ApiError(400, f"{field} could not be compiled: the compile process ended", param=field)
         if "error" in reply:
             message = _LOCATION.sub("", str(reply["error"]))[:300] or "error"
             raise ApiError(400, f"invalid {field}: {printable(message)}", param=field)
+        xgr = await imported
         try:
             compiled = await asyncio.to_thread(self._compile_here, xgr, kind, request["source"])
         except Exception as e:  # it compiled in the process: not expected
