@@ -7,10 +7,10 @@ compile while watching its client, and when the client leaves, or the compile ru
 process is killed at once (its CPU and memory come back; a later compile starts another) and the request ends
 there. The same watch kills a compile whose process grows past its size before the compile by GRAMMAR_MEMORY_BYTES
 of resident memory (a 400; the server's own memory is never at stake). A constraint that compiles there is
-compiled again in the server, known now to finish within the bounds (xgrammar's compiled grammars cannot come back
-from the process: serializing one can take far more memory than compiling it). Each request gets its own matcher, used only by the worker thread: `mask` bans the tokens the grammar
-cannot take next (end-of-generation tokens are allowed only where the grammar may end), `accept` advances it with
-the sampled token.
+compiled again in the server, known now to finish within the bounds (xgrammar's compiled grammars cannot come
+back from the process: serializing one can take far more memory than compiling it). Each request gets its own
+matcher, used only by the worker thread: `mask` bans the tokens the grammar cannot take next (end-of-generation
+tokens are allowed only where the grammar may end), `accept` advances it with the sampled token.
 """
 
 from __future__ import annotations
