@@ -329,3 +329,41 @@ def test_gemma3_query_scale(tmp_path, tokenizer_model):
     assert read_gguf(path).metadata["gemma3.attention.scale"] == pytest.approx(20**-0.5)
     ours = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
     assert (ours - reference(hf, TOKENS)).abs().max() <= 1e-4
+
+
+def test_gemma3_270m_shape_matches_transformers(tmp_path, tokenizer_model):
+    """The layout of the real Gemma 3 270M at small width: head size 256 (four times n_embd / n_head), one KV
+    head, query_pre_attn_scalar = head size, RoPE bases 10000 (local) and 1e6 (global) without scaling, the
+    6-layer pattern twice, and norm weights around Gemma's trained scale (1 + w up to 5). The real file's f32
+    perplexity equals transformers' to 3.5e-8 (docs/kernels.md; test_gemma3_real runs it where the file is).
+    Norms this large amplify rounding: transformers in float32 is 2.0e-3 from itself in float64 (logits up to
+    7.5), so float64 is the reference; ours measured 7.4e-4 from it (prefill; 3.9e-4 with a window past the prompt);
+    bound 3e-3 (a wrong RoPE base, scale or window moves logits by ~1)."""
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=N_VOCAB,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=12,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=WINDOW,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        tie_word_embeddings=True,
+        **SPECIALS,
+    )
+    hf = transformers.Gemma3ForCausalLM(cfg).float().eval()
+    randomize(hf, False, -0.5, 4.0, seed=5)
+    path = convert(hf_folder(hf, tmp_path / "hf", tokenizer_model), tmp_path / "m.gguf")
+    meta = read_gguf(path).metadata
+    assert meta["gemma3.attention.key_length"] == 256 and meta["gemma3.attention.head_count_kv"] == 1
+    ref = reference(hf.double(), TOKENS)
+    for n_batch in (512, 5):
+        ours = Engine(path, EngineOptions(n_ctx=64, n_batch=n_batch, n_threads=2, act_precision="f32"))
+        assert (ours.logits_all(TOKENS).double() - ref).abs().max().item() <= 3e-3

@@ -4,6 +4,7 @@ request still works)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import sys
@@ -416,7 +417,7 @@ def test_constrained_requests_without_xgrammar_get_one_line_naming_the_package(l
 
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import fails as if it were not installed
     with pytest.raises(ApiError) as e:
-        Grammars(reference.tokenizer).compile("json", None, "response_format")
+        asyncio.run(Grammars(reference.tokenizer).compile("json", None, "response_format"))
     assert e.value.status == 501 and "pip install xgrammar" in e.value.message and "\n" not in e.value.message
 
 

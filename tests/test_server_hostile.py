@@ -715,3 +715,84 @@ def test_grammars_and_schemas_are_bounded_before_compiling(live):
         status, answer, _ = request(live, "POST", "/completion", body)
         assert status == 400 and needle in answer["error"]["message"], answer
         assert time.perf_counter() - t < 5
+
+
+def test_a_compile_stops_when_its_client_leaves(tiny_model: Path):
+    """A POST /completion whose grammar is still compiling when the client goes: the compile process is killed
+    at once (nothing runs on for the departed client) and the request never reaches the worker; other requests
+    are answered meanwhile, and the next grammar compiles in a new process. The first compile of a server
+    starts its process (importing xgrammar: measured 1.5-3.5 s here), so a client that leaves after 0.3 s leaves
+    during that compile."""
+    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=2, n_threads=1))
+    with live_server(opts) as live:
+        grammars = live.server.state.grammars
+        body = json.dumps({"prompt": "x", "n_predict": 4, "grammar": 'root ::= "ab" [0-9]'}).encode()
+        sock = socket.create_connection((live.host, live.port))
+        head = f"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)
+        t = time.perf_counter()
+        status, plain = _greedy(live, "hello", 3)  # answered while the compile runs: the loop is free
+        assert status == 200 and time.perf_counter() - t < 2.5, plain
+        sock.close()
+        deadline = time.monotonic() + 5
+        while grammars.n_killed == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert grammars.n_killed == 1 and grammars.n_processes == 0
+        time.sleep(0.5)
+        assert live.server.worker.metrics.requests_total == 1  # the plain request only
+        payload = {"prompt": "x", "grammar": 'root ::= "ab" [0-9]', "n_predict": 8, "temperature": 0}
+        status, answer, _ = request(live, "POST", "/completion", payload)
+        assert status == 200 and answer["content"][:2] == "ab", answer
+        assert grammars.n_processes == 1 and grammars.n_killed == 1
+    assert grammars.n_processes == 0  # shutdown ends the compile processes
+
+
+def test_a_compile_past_its_time_or_memory_is_one_400_and_its_process_is_killed(tiny_model: Path):
+    """The time bound: a compile that runs past it (here 0.2 s, shorter than the process's start) is a 400
+    naming the field, its process killed; with the default bound the same grammar compiles. The memory bound
+    likewise (here 4 MiB)."""
+    from powerinfer.server.errors import ApiError
+    from powerinfer.server.grammar import Grammars
+
+    tokenizer = Engine(tiny_model, EngineOptions(n_ctx=N_CTX, n_threads=1)).tokenizer
+    short = Grammars(tokenizer, timeout_s=0.2)
+    t = time.perf_counter()
+    with pytest.raises(ApiError) as e:
+        asyncio.run(short.compile("gbnf", 'root ::= "a"', "grammar"))
+    assert e.value.status == 400 and "grammar took more than 0.2 s to compile" in e.value.message
+    assert time.perf_counter() - t < 2 and short.n_killed == 1 and short.n_processes == 0
+    g = Grammars(tokenizer)
+    matcher = asyncio.run(g.compile("gbnf", 'root ::= "a"', "grammar"))
+    assert matcher.n_vocab == tokenizer.n_vocab and g.n_processes == 1
+    g.close()
+    assert g.n_processes == 0
+    # the memory bound: 400 chained rules of bounded repetitions (14 KB; on SmolLM2 they took 0.5 s and ~150 MB)
+    chain = "root ::= r0\n" + "".join(f"r{i} ::= ([a-z] [0-9]?){{0,60}} r{i + 1}\n" for i in range(400))
+    chain += 'r400 ::= "a"\n'
+    small = Grammars(tokenizer, memory_bytes=4 << 20)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(small.compile("gbnf", chain, "grammar"))
+    assert e.value.status == 400 and "grammar needs more than 4 MiB to compile" in e.value.message
+    assert small.n_killed == 1 and small.n_processes == 0
+
+
+def test_concurrent_compiles_share_two_processes(tiny_model: Path):
+    """Six constrained requests at once (distinct grammars): every one answered by its grammar, by at most
+    GRAMMAR_PROCESSES compile processes, which stay for later requests."""
+    from powerinfer.server.grammar import GRAMMAR_PROCESSES
+
+    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1))
+    with live_server(opts) as live:
+        grammars = live.server.state.grammars
+
+        def one(i: int) -> tuple[int, dict]:
+            body = {"prompt": "x", "grammar": f'root ::= "a{i}" [0-9]', "n_predict": 8, "temperature": 0}
+            status, answer, _ = request(live, "POST", "/completion", body, timeout=120)
+            return status, answer
+
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(one, range(6)))
+        for i, (status, answer) in enumerate(results):
+            assert status == 200 and answer["content"].startswith(f"a{i}"), answer
+        assert 1 <= grammars.n_processes <= GRAMMAR_PROCESSES and grammars.n_killed == 0

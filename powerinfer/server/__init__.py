@@ -11,6 +11,7 @@ from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
 from powerinfer.server.app import ServerOptions, create_app
 from powerinfer.server.limits import bind_socket, fit_connections, protocol_class
+from powerinfer.server.state import ServerState
 from powerinfer.server.worker import GenParams, GenRequest, Worker
 
 __all__ = ["GenParams", "GenRequest", "Server", "ServerOptions", "Worker", "bind_socket", "create_app"]
@@ -50,6 +51,7 @@ class Server:
             raise
         self.worker = Worker(self.engine, options.max_queue)
         self.app = create_app(self.worker, options)
+        self.state: ServerState = self.app.app.state.server  # type: ignore[attr-defined]
         protocol = protocol_class(
             options.read_timeout_s, options.write_timeout_s, fit_connections(options.max_connections)
         )
@@ -104,6 +106,7 @@ class Server:
             self.uvicorn.run(sockets=sockets)
         finally:
             self.worker.stop()
+            self.state.grammars.close()
 
     def shutdown(self) -> None:
         """Ask a running server to exit (from another thread)."""

@@ -120,7 +120,7 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
         tuple(s for s in body.stop if s),
         tuple(bias),
     )
-    options = await st.slot_request(body, n_top=body.n_probs if body.n_probs > 0 else None)
+    options = await st.slot_request(body, n_top=body.n_probs if body.n_probs > 0 else None, http=request)
     req, queue = st.start(prompt, params, options)
     if not body.stream:
         done = await st.collect(request, req, queue)

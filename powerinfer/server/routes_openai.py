@@ -191,6 +191,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         body.response_format,
         (body.top_logprobs or 0) if body.logprobs else None,
         tools.call_schema(offered) if mode == "required" else None,
+        http=request,
     )
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -270,7 +271,7 @@ async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
     params = _params(st, body, body.max_tokens, ())
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = text if body.echo else ""
-    options = await st.slot_request(body, body.response_format, body.logprobs)
+    options = await st.slot_request(body, body.response_format, body.logprobs, http=request)
     offset = {"text": len(echo)}  # text_offset of the next token
 
     def chunk(piece: str | None, finish: str | None, probs: tuple[TokenProb, ...]) -> dict[str, Any]:

@@ -179,10 +179,12 @@ class ServerState:
         response_format: ResponseFormat | None = None,
         n_top: int | None = None,
         tool_calls: list[dict[str, Any]] | None = None,
+        http: Request | None = None,
     ) -> SlotRequest:
         """The request's prompt reuse, log-probabilities (n_top: None for none, else the alternatives per
         token) and output constraint (grammar, json_schema, response_format or `tool_calls`, the schemas of
-        a required tool call; 400 for a bad one)."""
+        a required tool call; 400 for a bad one). A constraint is compiled while `http`'s client stays: when it
+        leaves, the compile is stopped (powerinfer.server.grammar) and the request ends with 499."""
         given = [name for name in ("grammar", "json_schema") if getattr(body, name) not in (None, "")]
         if response_format is not None and response_format.type != "text":
             given.append("response_format")
@@ -191,14 +193,13 @@ class ServerState:
         if len(given) > 1:
             raise ApiError(400, f"give one of {' and '.join(given)}, not both", param=given[1])
         constraint: Constraint | None = None
+        gone = None if http is None else http.is_disconnected
         if tool_calls:
-            constraint = await asyncio.to_thread(self.grammars.compile, "tool_call", tool_calls, "tools")
+            constraint = await self.grammars.compile("tool_call", tool_calls, "tools", gone)
         elif body.grammar:
-            constraint = await asyncio.to_thread(self.grammars.compile, "gbnf", body.grammar, "grammar")
+            constraint = await self.grammars.compile("gbnf", body.grammar, "grammar", gone)
         elif body.json_schema is not None:
-            constraint = await asyncio.to_thread(
-                self.grammars.compile, "json_schema", body.json_schema, "json_schema"
-            )
+            constraint = await self.grammars.compile("json_schema", body.json_schema, "json_schema", gone)
         elif response_format is not None and response_format.type != "text":
             schema = response_format.schema_
             if response_format.type == "json_schema":
@@ -211,7 +212,7 @@ class ServerState:
                         param="response_format",
                     )
             kind, source = ("json_schema", schema) if schema is not None else ("json", None)
-            constraint = await asyncio.to_thread(self.grammars.compile, kind, source, "response_format")
+            constraint = await self.grammars.compile(kind, source, "response_format", gone)
         return SlotRequest(
             cache_prompt=body.cache_prompt,
             logprobs=n_top is not None,
