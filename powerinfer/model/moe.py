@@ -1,0 +1,184 @@
+"""Mixture-of-experts FFN: a router picks the top-k of n_expert FFNs per token, their outputs are summed with the
+router's weights; an optional shared expert (Qwen2-MoE) is added, scaled by the sigmoid of its own gate.
+
+The experts are the stacked ggml tensors `ffn_{gate,up,down}_exps` as the file stores them: gate and up
+(n_expert * n_ff, n_embd), down (n_expert * n_embd, n_ff); expert e is a row slice of each (no copy, no float
+copy, any type the dense kernels read). A step groups its tokens by expert: each selected expert runs its three
+matrices once over the tokens routed to it, so its rows are read once per step and the Python work of a step is
+one group per distinct selected expert (at most min(n_expert, tokens * k)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from powerinfer import ops
+from powerinfer.errors import ConfigError
+from powerinfer.model.batch import StepBatch
+from powerinfer.model.blocks import DenseFFN, Weight
+
+GATING_FUNCS = ("softmax", "sigmoid")
+ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
+MAX_EXPERTS = 1024
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The router and experts of a MoE layer.
+
+    gating: probabilities from the router logits (softmax over experts, or a sigmoid each); norm_weights: the
+    top-k weights divided by their sum; weights_scale: a factor on them after that. act: the experts' gated
+    activation (silu: SwiGLU, relu: ReGLU). n_ff_shexp: width of the shared expert (0: none)."""
+
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    gating: str = "softmax"
+    norm_weights: bool = False
+    weights_scale: float = 1.0
+    act: str = "silu"
+    n_ff_shexp: int = 0
+    route_input: str = "ffn"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.n_expert <= MAX_EXPERTS:
+            raise ConfigError(f"expert count must be 1..{MAX_EXPERTS} (got {self.n_expert})")
+        if not 0 < self.n_expert_used <= self.n_expert:
+            raise ConfigError(
+                f"experts used per token must be 1..{self.n_expert} (the expert count), got {self.n_expert_used}"
+            )
+        if self.n_ff_exp <= 0:
+            raise ConfigError(f"expert feed-forward length must be positive (got {self.n_ff_exp})")
+        if self.gating not in GATING_FUNCS:
+            raise ConfigError(f"unknown expert gating '{self.gating}' (known: {', '.join(GATING_FUNCS)})")
+        if self.route_input not in ROUTE_INPUTS:
+            raise ConfigError(f"unknown router input '{self.route_input}'")
+        if not self.weights_scale > 0:
+            raise ConfigError(f"expert weights scale must be positive (got {self.weights_scale})")
+
+
+def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts (T, k) int64 of each token, in increasing id order, and their weights (T, k) float32, from
+    router logits (T, n_expert): top-k of the gating probabilities, renormalised and scaled as the spec says."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1) if spec.gating == "softmax" else torch.sigmoid(logits)
+    weights, ids = probs.topk(spec.n_expert_used, dim=-1)  # (T, k), largest first
+    if spec.norm_weights:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.weights_scale != 1.0:
+        weights = weights * spec.weights_scale
+    # expert-id order: every path (one token, a prompt grouped by expert) sums a token's experts in one order
+    ids, order = ids.sort(dim=-1)
+    return ids, weights.gather(-1, order)
+
+
+class Experts:
+    """n_expert gated FFNs stored stacked: y_e = down_e(act(gate_e x) * up_e x)."""
+
+    def __init__(
+        self, spec: MoESpec, gate: ops.QWeight, up: ops.QWeight, down: ops.QWeight, kc: ops.KernelContext
+    ):
+        E, F = spec.n_expert, spec.n_ff_exp
+        n_embd = gate.shape[1]
+        if gate.shape != (E * F, n_embd) or up.shape != gate.shape or down.shape != (E * n_embd, F):
+            raise ConfigError(
+                f"expert tensors of shapes {gate.shape}, {up.shape}, {down.shape} do not fit {E} experts of "
+                f"width {F}"
+            )
+        self.spec, self.kc = spec, kc
+        # per-expert row views of the stacked bytes, made once (build time grows with experts, a step does not)
+        self.gates = [ops.weight_rows(gate, e * F, (e + 1) * F) for e in range(E)]
+        self.ups = [ops.weight_rows(up, e * F, (e + 1) * F) for e in range(E)]
+        self.downs = [ops.weight_rows(down, e * n_embd, (e + 1) * n_embd) for e in range(E)]
+        self.n_embd = n_embd
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e over x (n, n_embd): (n, n_embd)."""
+        kc = self.kc
+        h = ops.gated(ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc), self.spec.act, False)
+        return ops.linear(h, self.downs[e], kc)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
+        T, k = ids.shape
+        out = torch.zeros(T, self.n_embd, dtype=torch.float32)
+        if T == 1:
+            for j, e in enumerate(ids[0].tolist()):
+                out += self.expert(e, x) * weights[0, j]
+            return out
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # (T k,) slots grouped by expert, tokens in order within a group
+        counts = torch.bincount(flat, minlength=self.spec.n_expert)
+        used = counts.nonzero().reshape(-1)
+        w = weights.reshape(-1)[order]
+        tokens = order // k
+        start = 0
+        for e, n in zip(used.tolist(), counts[used].tolist(), strict=True):
+            rows = tokens[start : start + n]
+            y = self.expert(e, x[rows]) * w[start : start + n, None]
+            out.index_add_(0, rows, y)
+            start += n
+        return out
+
+
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a dense gated FFN scaled per token by sigmoid(gate_inp . x)."""
+
+    def __init__(self, ffn: DenseFFN, gate_inp: torch.Tensor) -> None:
+        self.ffn, self.gate_inp = ffn, gate_inp  # gate_inp (n_embd,)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.sigmoid(x @ self.gate_inp)  # (T,)
+        return self.ffn(x, x) * scale[:, None]
+
+
+class MoEFFN:
+    """A layer's MoE FFN (the FFN protocol of powerinfer.model.blocks): router, experts, optional shared expert.
+
+    With route_input "layer" the router reads the layer input, handed over by `route_early` before attention."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        bid: int,
+        router: Weight,
+        experts: Experts,
+        kc: ops.KernelContext,
+        shared: SharedExpert | None = None,
+    ) -> None:
+        self.spec, self.bid, self.router, self.experts, self.kc, self.shared = (
+            spec,
+            bid,
+            router,
+            experts,
+            kc,
+            shared,
+        )
+        self._early: torch.Tensor | None = None  # router logits of the layer input (route_input "layer")
+        self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
+
+    def route_early(self, x: torch.Tensor) -> None:
+        """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
+        self._early = ops.linear(x, self.router, self.kc)
+
+    def logits(self, x_norm: torch.Tensor) -> torch.Tensor:
+        if self.spec.route_input == "layer":
+            logits, self._early = self._early, None
+            if logits is None:
+                raise RuntimeError("MoE layer routed on the layer input was called without route_early")
+            return logits
+        return ops.linear(x_norm, self.router, self.kc)
+
+    def __call__(
+        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor:
+        x = x_norm.to("cpu").float().contiguous()
+        ids, weights = route(self.logits(x).to("cpu"), self.spec)
+        if self.counts is not None:
+            self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
+        out = self.experts(x, ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
