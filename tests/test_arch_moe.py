@@ -200,3 +200,53 @@ def test_logits_match_transformers(checkpoints, tmp_path: Path, model_type: str,
         with monkeypatch.context() as m:
             wrong_router(m, change)
             assert max_rel(f32, ref, ids) > 100 * BOUND, change
+
+
+def test_converted_tensors_and_keys(checkpoints, tmp_path: Path):
+    """Names, shapes and keys as llama.cpp's converter writes them; the experts stacked in expert order."""
+    for model_type, (folder, _) in checkpoints.items():
+        g = read_gguf(convert(folder, tmp_path / f"{model_type}.gguf", "f32"))
+        md, arch = g.metadata, g.metadata["general.architecture"]
+        assert arch == ARCH[model_type]
+        assert md[f"{arch}.expert_count"] == 8 and md[f"{arch}.expert_used_count"] == 2
+        assert g.tensors["blk.1.ffn_gate_inp.weight"].shape == (8, 256)
+        assert g.tensors["blk.1.ffn_gate_exps.weight"].shape == (8, 256, 256)
+        assert g.tensors["blk.1.ffn_down_exps.weight"].shape == (8, 256, 256)
+        # no key where llama.cpp's hard-coded choice fits the checkpoint (all four tiny checkpoints)
+        assert f"{arch}.expert_weights_norm" not in md
+        saved = dict(safe_open_numpy(folder))
+        layer = "model.layers.1.block_sparse_moe.experts.5.w2" if model_type == "mixtral" else (
+            "model.layers.1.mlp.experts.5.down_proj"
+        )  # fmt: skip
+        down = g.tensors["blk.1.ffn_down_exps.weight"]
+        assert np.array_equal(dequantize(down.data, down.ggml_type, down.shape)[5], saved[layer + ".weight"])
+        if model_type in ("qwen3_moe", "qwen2_moe"):
+            assert md[f"{arch}.expert_feed_forward_length"] == 256
+        if model_type == "qwen2_moe":
+            assert md["qwen2moe.expert_shared_feed_forward_length"] == 96
+            assert g.tensors["blk.0.ffn_gate_inp_shexp.weight"].shape == (256,)
+            assert g.tensors["blk.0.ffn_down_shexp.weight"].shape == (256, 96)
+        if model_type == "olmoe":
+            assert g.tensors["blk.0.attn_q_norm.weight"].shape == (256,)  # the whole projection
+
+
+def safe_open_numpy(folder: Path):
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="np") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def test_qwen3moe_without_renormalisation(tmp_path: Path):
+    """A Qwen3-MoE checkpoint with norm_topk_prob false: the converter writes expert_weights_norm false (llama.cpp
+    renormalises every qwen3moe file without the key) and we follow the key, matching transformers."""
+    config = hf_config("qwen3_moe")
+    config.norm_topk_prob = False
+    model = hf_model(config, 21)
+    model.save_pretrained(tmp_path / "hf")
+    write_qwen_tokenizer(tmp_path / "hf")
+    path = convert(tmp_path / "hf", tmp_path / "q.gguf", "f32")
+    assert read_gguf(path).metadata["qwen3moe.expert_weights_norm"] is False
+    ids = tokens()
+    assert max_rel(path, logits_hf(model, ids), ids) <= BOUND
