@@ -14,9 +14,9 @@ values. Q4_0 (bench) files hold random blocks (scale 0.08 / 8 times a random fac
 written straight, without a float copy of the 2.4 billion expert weights. Vocabulary: SentencePiece-style
 `<unk> <s> </s>`, the 256 byte tokens, then letter pieces.
 
-With --record (needs llama_cpp importable, e.g. a separate venv with llama-cpp-python 0.3.16), the tiny files
-of every architecture (F32 and F16) are run by llama.cpp: greedy ids over 32 tokens after each of PROMPTS, with
-llama.cpp's top-2 logit margin at each step and each file's sha256, stored as JSON
+With --record (needs llama_cpp importable, e.g. a separate venv with llama-cpp-python 0.3.16 and gguf), the files
+written (the test records --types f32,f16,q4_0 of the tiny shape) are run by llama.cpp: greedy ids over 32 tokens
+after each of PROMPTS, with llama.cpp's top-2 logit margin at each step and each file's sha256, stored as JSON
 (tests/data/moe-llama-cpp-greedy.json; tests/test_moe_llama_cpp.py regenerates the files and checks both).
 
 Usage: python scripts/make_synthetic_moe.py --out DIR [--arch qwen3moe,...] [--shape tiny|bench]
@@ -155,6 +155,16 @@ def q4_0_blocks(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
+def stored_as(name: str, shape: tuple[int, ...], kind: str) -> str:
+    """How a tensor is stored: vectors and routers F32; matrices as `kind`, in Q4_0 files F16 where a row is no
+    whole number of 32-element blocks."""
+    if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):
+        return "f32"
+    if kind == "q4_0" and shape[-1] % 32:
+        return "f16"
+    return kind
+
+
 def gguf_arch(arch: str) -> str:
     return "llama" if arch == "mixtral" else arch
 
@@ -203,25 +213,25 @@ def write(path: Path, arch: str, s: Shape, kind: str, seed: int) -> Path:
     if arch == "olmoe" or arch == "qwen2moe":  # llama.cpp reads n_embd-sized q for these: no free head size
         assert s.head_dim * s.n_head == s.n_embd
     for name, shape in shapes.items():
-        vector = len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
-        if kind == "q4_0" and not vector:
+        form = stored_as(name, shape, kind)
+        if form == "q4_0":
             byte_shape = (*shape[:-1], shape[-1] // 32 * 18)  # gguf reads a uint8 shape as bytes per row
             nbytes = int(np.prod(byte_shape))
             w.add_tensor_info(name, byte_shape, np.dtype(U8), nbytes, gguf.GGMLQuantizationType.Q4_0)
         else:
-            dtype = np.float16 if kind == "f16" and not vector else np.float32
+            dtype = np.float16 if form == "f16" else np.float32
             nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
             w.add_tensor_info(name, shape, np.dtype(dtype), nbytes)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
     for name, shape in shapes.items():
-        vector = len(shape) == 1 or name.endswith("ffn_gate_inp.weight")
-        if kind == "q4_0" and not vector:
+        form = stored_as(name, shape, kind)
+        if form == "q4_0":
             w.write_tensor_data(q4_0_blocks(seed, name, shape))
         else:
             data = float_tensor(seed, name, shape)
-            w.write_tensor_data(data.astype(np.float16) if kind == "f16" and not vector else data)
+            w.write_tensor_data(data.astype(np.float16) if form == "f16" else data)
     w.close()
     return path
 

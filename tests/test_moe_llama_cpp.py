@@ -1,6 +1,6 @@
 """MoE files made by scripts/make_synthetic_moe.py (gguf package, llama.cpp's names and keys) against llama.cpp's
 greedy ids recorded by that script with llama-cpp-python 0.3.16 (tests/data/moe-llama-cpp-greedy.json): Qwen3-MoE,
-Qwen2-MoE, OLMoE, Mixtral and SmallThinker, F32 and F16; and SmallThinker's own parts (router on the layer input,
+Qwen2-MoE, OLMoE, Mixtral and SmallThinker, F32, F16 and Q4_0; and SmallThinker's own parts (router on the layer input,
 RoPE-less layers)."""
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def load_script():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
-    """The tiny files of every architecture, F32 and F16, regenerated: byte for byte those llama.cpp ran."""
+    """The tiny files of every architecture, F32, F16 and Q4_0, regenerated: byte for byte those llama.cpp ran."""
     mod = load_script()
     out = tmp_path_factory.mktemp("moe")
-    paths = mod.generate(out, list(mod.ARCHS), "tiny", ["f32", "f16"], seed=0)
+    paths = mod.generate(out, list(mod.ARCHS), "tiny", ["f32", "f16", "q4_0"], seed=0)
     for p in paths:
         assert hashlib.sha256(p.read_bytes()).hexdigest() == RECORDED["sha256"][p.name], p.name
     return {p.name: p for p in paths}
@@ -73,11 +73,12 @@ ARCHS = ("qwen3moe", "qwen2moe", "olmoe", "mixtral", "smallthinker")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("kind", ["f32", "f16"])
+@pytest.mark.parametrize("kind", ["f32", "f16", "q4_0"])
 def test_greedy_ids_match_llama_cpp(files, arch: str, kind: str):
-    # measured: every compared step equal; 3 to 7 of the 96 steps are near-ties (llama.cpp's margin or ours)
+    # measured: every compared step equal; of the 96 steps 3 to 7 are near-ties (llama.cpp's margin or ours) in the
+    # F32 and F16 files, 20 to 39 in the Q4_0 ones (random blocks and a random Q4_0 head: smaller logit margins)
     compared, wrong, skipped = forced_steps(files[f"moe-{arch}-tiny-{kind}.gguf"])
-    assert wrong == 0 and skipped <= 12, (compared, wrong, skipped)
+    assert wrong == 0 and skipped <= (48 if kind == "q4_0" else 12), (compared, wrong, skipped)
 
 
 @pytest.mark.parametrize("change", ["top_k", "norm"])
