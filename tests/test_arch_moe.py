@@ -250,3 +250,29 @@ def test_qwen3moe_without_renormalisation(tmp_path: Path):
     assert read_gguf(path).metadata["qwen3moe.expert_weights_norm"] is False
     ids = tokens()
     assert max_rel(path, logits_hf(model, ids), ids) <= BOUND
+
+
+def test_profile_counts_expert_selections(checkpoints, tmp_path: Path):
+    """`profile` on a MoE file counts each layer's expert selections: the top-k of transformers' router logits over
+    the same windows, expert for expert; the skew is the top 10% of experts' share."""
+    from powerinfer.profile.experts import profile_experts
+    from powerinfer.runtime.engine import Engine, EngineOptions
+
+    folder, model = checkpoints["qwen3_moe"]
+    path = convert(folder, tmp_path / "f32.gguf", "f32")
+    ids = tokens()
+    windows = [ids[:10], ids[10:]]
+    prof = profile_experts(Engine(path, EngineOptions(n_ctx=64, n_threads=1, dense_ffn=True)), windows)
+    want = [np.zeros(8, dtype=np.int64) for _ in range(2)]
+    for w in windows:
+        with torch.no_grad():
+            out = model(torch.tensor([w]), output_router_logits=True)
+        for layer, logits in enumerate(out.router_logits):
+            want[layer] += np.bincount(
+                logits.reshape(len(w), 8).topk(2).indices.reshape(-1).numpy(), minlength=8
+            )
+    assert prof.n_tokens == N_TOKENS and prof.n_used == 2
+    for layer in range(2):
+        assert np.array_equal(prof.counts[layer], want[layer])
+        assert prof.counts[layer].sum() == 2 * N_TOKENS
+    assert np.allclose(prof.skew(), [c.max() / c.sum() for c in want])  # 8 experts: the top 10% is one

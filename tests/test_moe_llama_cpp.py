@@ -128,3 +128,25 @@ def test_smallthinker_routes_on_the_layer_input(files, monkeypatch):
     )
     other = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(ids)
     assert (other - ref).abs().max() > 0.5
+
+
+def test_profile_cli_on_moe(files, tmp_path: Path):
+    """`powerinfer profile` on a MoE file: the expert table on stderr, the summary on stdout, profile.json."""
+    from typer.testing import CliRunner
+
+    from powerinfer.cli import app
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "prof"
+    path = files["moe-smallthinker-tiny-f32.gguf"]
+    result = CliRunner().invoke(
+        app, ["profile", "-m", str(path), "-f", str(corpus), "-o", str(out), "-c", "64"]
+    )
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["n_expert"] == 8 and summary["n_expert_used"] == 2
+    n = summary["n_tokens"]
+    assert [sum(c) for c in summary["expert_counts"]] == [2 * n, 2 * n]
+    assert "top 10% of experts serve" in result.stderr
+    assert json.loads((out / "profile.json").read_text())["expert_counts"] == summary["expert_counts"]
