@@ -72,6 +72,8 @@ U8 = np.uint8
 def vocab(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
     letters = "abcdefghijklmnopqrstuvwxyz"
     pieces = ["\u2581" + a for a in letters] + [a + b for a in letters for b in letters]
+    pieces += [a + b + c for a in letters for b in letters for c in letters]
+    pieces += ["\u2581" + a + b + c for a in letters for b in letters for c in letters]
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
     tokens += pieces[: n_vocab - len(tokens)]
     if len(tokens) != n_vocab:

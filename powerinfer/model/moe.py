@@ -78,8 +78,14 @@ class Experts:
     """n_expert gated FFNs stored stacked: y_e = down_e(act(gate_e x) * up_e x)."""
 
     def __init__(
-        self, spec: MoESpec, gate: ops.QWeight, up: ops.QWeight, down: ops.QWeight, kc: ops.KernelContext
-    ):
+        self,
+        spec: MoESpec,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down: ops.QWeight,
+        kc: ops.KernelContext,
+        sparse: bool | None = None,
+    ) -> None:
         E, F = spec.n_expert, spec.n_ff_exp
         n_embd = gate.shape[1]
         if gate.shape != (E * F, n_embd) or up.shape != gate.shape or down.shape != (E * n_embd, F):
@@ -93,6 +99,13 @@ class Experts:
         self.ups = [ops.weight_rows(up, e * F, (e + 1) * F) for e in range(E)]
         self.downs = [ops.weight_rows(down, e * n_embd, (e + 1) * n_embd) for e in range(E)]
         self.n_embd = n_embd
+        self.gate, self.up, self.down = gate, up, down
+        # one token: gate and up rows of all its experts in one rows_matmul call each where the kernels have one
+        # (bit for bit the per-expert matmul); ReGLU experts (sparse) read only the up rows whose gate is > 0
+        rows_kernels = getattr(kc.kernels, "rows_matmul", {})
+        self.rows_path = gate.ggml_type in rows_kernels and up.ggml_type in rows_kernels
+        self.sparse = (spec.act == "relu") if sparse is None else sparse
+        self.neurons = torch.arange(F)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
@@ -104,6 +117,8 @@ class Experts:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
         T, k = ids.shape
         out = torch.zeros(T, self.n_embd, dtype=torch.float32)
+        if T == 1 and self.rows_path:
+            return self.one_token(x, ids, weights, out)
         if T == 1:
             for j, e in enumerate(ids[0].tolist()):
                 out += self.expert(e, x) * weights[0, j]
@@ -120,6 +135,26 @@ class Experts:
             y = self.expert(e, x[rows]) * w[start : start + n, None]
             out.index_add_(0, rows, y)
             start += n
+        return out
+
+    def one_token(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts of one token x (1, n_embd): gate (and up) rows of all k experts in one call each, then each
+        expert's down matrix; ReGLU experts compute only the up rows of neurons whose gate is positive."""
+        kc, F = self.kc, self.spec.n_ff_exp
+        rows = (ids[0, :, None] * F + self.neurons).reshape(-1)  # (k F,) rows of the stacked gate and up
+        g = ops.rows_matmul(x, self.gate, rows, kc)  # (1, k F)
+        if self.sparse:
+            active = (g[0] > 0).nonzero().reshape(-1)  # relu(gate) = 0 elsewhere: their up rows are not read
+            h = torch.zeros_like(g)
+            if active.numel():
+                h[0, active] = torch.relu(g[0, active]) * ops.rows_matmul(x, self.up, rows[active], kc)[0]
+        else:
+            h = ops.gated(g, ops.rows_matmul(x, self.up, rows, kc), self.spec.act, False)
+        h = h.view(-1, F)  # (k, F)
+        for j, e in enumerate(ids[0].tolist()):
+            out += ops.linear(h[j : j + 1], self.downs[e], kc) * weights[0, j]
         return out
 
 
