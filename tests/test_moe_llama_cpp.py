@@ -184,3 +184,17 @@ def ops_rows(experts, x, rows):
     from powerinfer import ops
 
     return ops.rows_matmul(x, experts.gate, rows, experts.kc)[0]
+
+
+def test_bytes_read_per_token(files):
+    """A token reads its k experts' rows of the stacked tensors and every other tensor whole (the file's convention
+    for dense tensors); `main` prints it beside the file's size."""
+    from powerinfer.gguf import read_gguf
+
+    path = files["moe-qwen2moe-tiny-q4_0.gguf"]
+    g = read_gguf(path)
+    experts = sum(t.n_bytes for name, t in g.tensors.items() if "_exps." in name)
+    others = sum(t.n_bytes for name, t in g.tensors.items() if "_exps." not in name)
+    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    assert engine.read_bytes_per_token() == pytest.approx(others + experts * 2 / 8)
+    assert any(line.startswith("moe: 2 of 8 experts per token") for line in engine.sparse_report())
