@@ -196,7 +196,7 @@ class MoEFFN:
 
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
-        self._early = ops.linear(x, self.router, self.kc)
+        self._early = ops.linear(x if self.router.on_device else x.to("cpu"), self.router, self.kc)
 
     def logits(self, x_norm: torch.Tensor) -> torch.Tensor:
         if self.spec.route_input == "layer":
