@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import TINY_TOKENS, TINY_TYPES
-from test_arch_qwen import logits_hf, max_diffs, write_qwen_tokenizer
+from test_arch_qwen import CHAT_TEMPLATE, logits_hf, max_diffs, write_qwen_tokenizer
 
 import powerinfer.arch.moe as arch_moe
 import powerinfer.convert.moe as moe_convert
@@ -220,6 +220,8 @@ def test_converted_tensors_and_keys(checkpoints, tmp_path: Path):
         )  # fmt: skip
         down = g.tensors["blk.1.ffn_down_exps.weight"]
         assert np.array_equal(dequantize(down.data, down.ggml_type, down.shape)[5], saved[layer + ".weight"])
+        if model_type != "mixtral":  # the tokenizer and chat template as for the dense families
+            assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.chat_template"] == CHAT_TEMPLATE
         if model_type in ("qwen3_moe", "qwen2_moe"):
             assert md[f"{arch}.expert_feed_forward_length"] == 256
         if model_type == "qwen2_moe":

@@ -165,7 +165,8 @@ class SharedExpert:
         self.ffn, self.gate_inp = ffn, gate_inp  # gate_inp (n_embd,)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        scale = torch.sigmoid(x @ self.gate_inp)  # (T,)
+        # a row-wise product and sum (not a matvec, whose sums depend on T): each token's scale as if alone
+        scale = torch.sigmoid((x * self.gate_inp).sum(dim=-1))  # (T,)
         return self.ffn(x, x) * scale[:, None]
 
 
