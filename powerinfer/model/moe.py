@@ -18,6 +18,7 @@ from powerinfer import ops
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import DenseFFN, Weight
+from powerinfer.ops.moe import experts_down
 
 GATING_FUNCS = ("softmax", "sigmoid")
 ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
@@ -152,9 +153,11 @@ class Experts:
                 h[0, active] = torch.relu(g[0, active]) * ops.rows_matmul(x, self.up, rows[active], kc)[0]
         else:
             h = ops.gated(g, ops.rows_matmul(x, self.up, rows, kc), self.spec.act, False)
-        h = h.view(-1, F)  # (k, F)
-        for j, e in enumerate(ids[0].tolist()):
-            out += ops.linear(h[j : j + 1], self.downs[e], kc) * weights[0, j]
+        experts = ids[0].tolist()
+        y = experts_down(h.view(-1, F), self.down, self.n_embd, experts, kc)  # (k, n_embd)
+        w = weights[0].tolist()
+        for j in range(len(experts)):  # in expert-id order, as the grouped path adds them
+            out += y[j] * w[j]
         return out
 
 
