@@ -187,14 +187,8 @@ class MoEFFN:
         kc: ops.KernelContext,
         shared: SharedExpert | None = None,
     ) -> None:
-        self.spec, self.bid, self.router, self.experts, self.kc, self.shared = (
-            spec,
-            bid,
-            router,
-            experts,
-            kc,
-            shared,
-        )
+        self.spec, self.bid, self.router, self.kc = spec, bid, router, kc
+        self.experts, self.shared = experts, shared
         self._early: torch.Tensor | None = None  # router logits of the layer input (route_input "layer")
         self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
 
