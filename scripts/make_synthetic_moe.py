@@ -19,8 +19,14 @@ written (the test records --types f32,f16,q4_0 of the tiny shape) are run by lla
 after each of PROMPTS, with llama.cpp's top-2 logit margin at each step and each file's sha256, stored as JSON
 (tests/data/moe-llama-cpp-greedy.json; tests/test_moe_llama_cpp.py regenerates the files and checks both).
 
+With --files F.gguf ... --record JSON it records existing files instead (the prompts of PROMPTS_300), with a
+digest of their tensors: tests/test_arch_moe.py writes its converted checkpoints (F32, F16, Q4_K_M) into the folder
+named by POWERINFER_MOE_CONVERTED_OUT when that is set, and this records them into
+tests/data/moe-llama-cpp-converted.json.
+
 Usage: python scripts/make_synthetic_moe.py --out DIR [--arch qwen3moe,...] [--shape tiny|bench]
                                             [--types f32,f16|q4_0] [--seed 0] [--record JSON]
+       python scripts/make_synthetic_moe.py --files F.gguf ... --record JSON
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ PROMPTS = (
     [1, 72, 105, 300, 260],
     [1, 84, 104, 101, 280, 299, 77, 270, 108],
     [1, 265, 266, 33, 290, 310, 45, 46, 47, 48, 262, 301, 302, 100],
+)
+# for files of a 300-token vocabulary (tests/test_arch_moe.py's converted checkpoints)
+PROMPTS_300 = (
+    [1, 72, 105, 200, 260],
+    [1, 84, 104, 101, 280, 299, 77, 270, 108],
+    [1, 265, 266, 33, 290, 45, 46, 47],
 )
 
 
@@ -247,7 +259,18 @@ def generate(out: Path, archs: list[str], shape: str, kinds: list[str], seed: in
     return [write(out / filename(a, shape, k), a, SHAPES[shape], k, seed) for a in archs for k in kinds]
 
 
-def record(paths: list[Path], json_path: Path) -> None:
+def tensor_digest(path: Path) -> str:
+    """sha256 over the tensors' names and bytes (not the metadata: a converted file names its folder)."""
+    import gguf
+
+    h = hashlib.sha256()
+    for t in gguf.GGUFReader(str(path)).tensors:
+        h.update(t.name.encode())
+        h.update(np.ascontiguousarray(t.data).tobytes())
+    return h.hexdigest()
+
+
+def record(paths: list[Path], json_path: Path, prompts: tuple[list[int], ...] = PROMPTS) -> None:
     """llama.cpp's greedy ids (and top-2 margins) after each prompt, per file name."""
     import llama_cpp
 
@@ -256,11 +279,12 @@ def record(paths: list[Path], json_path: Path) -> None:
         "n_predict": N_PREDICT,
         "runs": {},
         "sha256": {},
+        "tensor_sha256": {},
     }
     for path in paths:
         llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=1, n_batch=64, logits_all=True, verbose=False)
         runs = []
-        for prompt in PROMPTS:
+        for prompt in prompts:
             llm.reset()
             ids, margins = list(prompt), []
             llm.eval(ids)
@@ -273,13 +297,17 @@ def record(paths: list[Path], json_path: Path) -> None:
             runs.append({"prompt": list(prompt), "ids": ids[len(prompt) :], "margins": margins})
         result["runs"][path.name] = runs  # type: ignore[index]
         result["sha256"][path.name] = hashlib.sha256(path.read_bytes()).hexdigest()  # type: ignore[index]
+        result["tensor_sha256"][path.name] = tensor_digest(path)  # type: ignore[index]
         del llm
     json_path.write_text(json.dumps(result, indent=1) + "\n")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="folder for the generated files")
+    ap.add_argument(
+        "--files", type=Path, nargs="*", help="record existing files of a 300-token vocabulary instead"
+    )
     ap.add_argument("--arch", default=",".join(ARCHS))
     ap.add_argument("--shape", default="tiny", choices=tuple(SHAPES))
     ap.add_argument("--types", default="f32,f16")
@@ -288,6 +316,15 @@ def main() -> int:
         "--record", type=Path, default=None, help="run llama.cpp on the files, write its greedy ids"
     )
     args = ap.parse_args()
+    if args.files:
+        if args.record is None:
+            print("--files needs --record", file=sys.stderr)
+            return 1
+        record(args.files, args.record, PROMPTS_300)
+        return 0
+    if args.out is None:
+        print("--out is required", file=sys.stderr)
+        return 1
     archs = args.arch.split(",")
     if any(a not in ARCHS for a in archs):
         print(f"unknown architecture in {args.arch} (known: {', '.join(ARCHS)})", file=sys.stderr)
