@@ -163,7 +163,7 @@ def test_sparse_reglu_experts_equal_dense(files, kind: str):
     engine = Engine(files[f"moe-smallthinker-tiny-{kind}.gguf"], EngineOptions(n_ctx=64, n_threads=1))
     ffn = engine.model.layers[1].ffn
     sparse = ffn.experts
-    assert sparse.sparse and sparse.rows_path
+    assert sparse.sparse and sparse.rows_path and sparse.one_path
     dense = Experts(sparse.spec, sparse.gate, sparse.up, sparse.down, engine.kc, sparse=False)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
     skipped = 0

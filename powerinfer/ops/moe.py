@@ -1,8 +1,8 @@
-"""MoE ops: the down projections of one token's selected experts, read from the stacked ffn_down_exps blocks.
+"""MoE ops: one token's selected experts, read from the stacked ffn_{gate,up,down}_exps blocks.
 
-`experts_down` runs each selected expert's rows through the dense matmul kernel (the one `linear` calls, so each
+`experts_matmul` runs each selected expert's rows through the dense matmul kernel (the one `linear` calls, so each
 output is bit for bit what `linear` gives on the expert's row slice) into one preallocated output, without a
-`linear` call, weight slice or output tensor per expert; `experts_down_ref` is `linear` on each slice.
+`linear` call, weight slice or output tensor per expert; `experts_matmul_ref` is `linear` on each slice.
 """
 
 from __future__ import annotations
@@ -14,44 +14,50 @@ from powerinfer.ops.dense import linear
 from powerinfer.ops.library import check_status
 from powerinfer.ops.weights import QWeight, weight_rows
 
-__all__ = ["experts_down", "experts_down_ref"]
+__all__ = ["experts_matmul", "experts_matmul_ref"]
 
 
-def experts_down_ref(
-    h: torch.Tensor, down: QWeight, n_embd: int, experts: list[int], kc: KernelContext | None = None
+def experts_matmul_ref(
+    x: torch.Tensor, w: QWeight, n_rows: int, experts: list[int], kc: KernelContext | None = None
 ) -> torch.Tensor:
-    """y[j] = down_{experts[j]} @ h[j] with `linear` on each expert's rows: (k, n_embd) float32."""
+    """y[j] = W_{experts[j]} @ x[j] (x[0] for every j when x has one row) with `linear` on each expert's rows."""
+    shared = x.shape[0] == 1
     return torch.cat(
         [
-            linear(h[j : j + 1], weight_rows(down, e * n_embd, (e + 1) * n_embd), kc)
+            linear(x[0:1] if shared else x[j : j + 1], weight_rows(w, e * n_rows, (e + 1) * n_rows), kc)
             for j, e in enumerate(experts)
         ]
     )
 
 
-def experts_down(
-    h: torch.Tensor, down: QWeight, n_embd: int, experts: list[int], kc: KernelContext | None = None
+def experts_matmul(
+    x: torch.Tensor, w: QWeight, n_rows: int, experts: list[int], kc: KernelContext | None = None
 ) -> torch.Tensor:
-    """y[j] = down_{experts[j]} @ h[j]: h (k, F) float32, down the stack (n_expert * n_embd, F) -> (k, n_embd)."""
+    """y[j] = W_{experts[j]} @ x[j]: w the stack (n_expert * n_rows, K) of n_rows-row matrices, x (k, K) one input
+    per expert or (1, K) one for all, float32 -> (k, n_rows) float32."""
     if kc is None:
         kc = default_context()
-    k, F = h.shape
-    n_expert = down.shape[0] // n_embd
-    if any(not 0 <= e < n_expert for e in experts) or len(experts) != k or down.shape[1] != F:
-        raise ValueError(
-            f"experts_down: experts {experts} of {n_expert}, h {tuple(h.shape)}, down {down.shape}"
-        )
-    kernel = kc.kernels.matmul.get(down.ggml_type)
-    if kernel is None or h.dtype is not torch.float32 or not h.is_contiguous() or not h.is_cpu:
-        return experts_down_ref(h.to("cpu", torch.float32), down, n_embd, experts, kc)
-    y = torch.empty(k, n_embd, dtype=torch.float32)
-    w, stride, x, out = down._raw_ptr, down._raw_stride, h.data_ptr(), y.data_ptr()
+    k, K = len(experts), w.shape[1]
+    n_expert = w.shape[0] // n_rows
+    if (
+        any(not 0 <= e < n_expert for e in experts)
+        or x.shape[-1] != K
+        or x.shape[0] not in (1, k)
+        or x.dim() != 2
+    ):
+        raise ValueError(f"experts_matmul: experts {experts} of {n_expert}, x {tuple(x.shape)}, w {w.shape}")
+    kernel = kc.kernels.matmul.get(w.ggml_type)
+    if kernel is None or x.dtype is not torch.float32 or not x.is_contiguous() or not x.is_cpu:
+        return experts_matmul_ref(x.to("cpu", torch.float32), w, n_rows, experts, kc)
+    y = torch.empty(k, n_rows, dtype=torch.float32)
+    base, stride, x_ptr, out = w._raw_ptr, w._raw_stride, x.data_ptr(), y.data_ptr()
+    x_step = 0 if x.shape[0] == 1 else 4 * K
     threads, level = kc.threads_now, kc.level
     for j, e in enumerate(experts):
         status = kernel(
-            w + e * n_embd * stride, stride, n_embd, F, x + 4 * j * F, F, 1, out + 4 * j * n_embd, n_embd,
-            threads, level,
+            base + e * n_rows * stride, stride, n_rows, K, x_ptr + j * x_step, K, 1, out + 4 * j * n_rows,
+            n_rows, threads, level,
         )  # fmt: skip
         if status:
-            check_status(status, "experts_down")
+            check_status(status, "experts_matmul")
     return y
