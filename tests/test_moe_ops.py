@@ -76,3 +76,21 @@ def test_one_token_paths_equal_per_expert_matmuls(name: str, act: str):
         for j, e in enumerate(ids[0].tolist()):
             want += experts.expert(e, x) * weights[0, j]
         assert torch.equal(experts(x, ids, weights), want)
+
+
+@pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "IQ4_XS"])
+def test_grouped_matmul_matches_linear(name: str):
+    from powerinfer.ops.moe import grouped_matmul, grouped_matmul_ref
+
+    E, N, K = 6, 40, 256
+    t = GGMLType[name]
+    data = np.random.default_rng(5).normal(0, 0.1, (E * N, K)).astype(np.float32)
+    raw = data.astype(np.float16).view(np.uint8) if t == GGMLType.F16 else quantize(data, t)
+    w = ops.QWeight.from_numpy(np.asarray(raw), t, (E * N, K))
+    experts, counts = [0, 2, 3, 5], [3, 1, 0, 7]
+    x = torch.randn(sum(counts), K, generator=torch.Generator().manual_seed(6))
+    y = grouped_matmul(x, w, N, experts, counts)
+    assert torch.equal(y, grouped_matmul_ref(x, w, N, experts, counts))
+    assert torch.equal(y[4:], ops.linear(x[4:], ops.weight_rows(w, 5 * N, 6 * N)))  # the last group: expert 5
+    with pytest.raises(ValueError):
+        grouped_matmul(x, w, N, experts, [3, 1, 0, 6])  # counts that do not add up to x's rows

@@ -18,7 +18,7 @@ from powerinfer import ops
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import DenseFFN, Weight
-from powerinfer.ops.moe import experts_matmul
+from powerinfer.ops.moe import experts_matmul, grouped_matmul
 
 GATING_FUNCS = ("softmax", "sigmoid")
 ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
@@ -133,14 +133,18 @@ class Experts:
         order = flat.argsort(stable=True)  # (T k,) slots grouped by expert, tokens in order within a group
         counts = torch.bincount(flat, minlength=self.spec.n_expert)
         used = counts.nonzero().reshape(-1)
-        w = weights.reshape(-1)[order]
         tokens = order // k
-        start = 0
-        for e, n in zip(used.tolist(), counts[used].tolist(), strict=True):
-            rows = tokens[start : start + n]
-            y = self.expert(e, x[rows]) * w[start : start + n, None]
-            out.index_add_(0, rows, y)
-            start += n
+        xs = x[tokens]  # (T k, n_embd): each group's tokens, the groups in expert-id order
+        experts, sizes = used.tolist(), counts[used].tolist()
+        if self.one_path:  # each matrix of each selected expert in one kernel call over its tokens
+            F, kc = self.spec.n_ff_exp, self.kc
+            g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
+            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
+        else:
+            y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
+        # one add per (token, expert) in expert-id order per token, as one_token adds them
+        out.index_add_(0, tokens, y * weights.reshape(-1)[order, None])
         return out
 
     def one_token(
