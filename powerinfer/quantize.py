@@ -13,6 +13,7 @@ quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c)
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 import time
@@ -171,7 +172,12 @@ def tensor_type(
     target = opts.file_type.ggml_type
     if name in (TensorNames.OUTPUT_SCREEN, TensorNames.OUTPUT_SCREEN_PROJ):
         return src_type, ""  # the sparse head's screen (model.head): its types are part of its design
-    if target is None or len(shape) != 2 or not allows_quantization(name, len(shape), facts.powerinfer_file):
+    # 2-D weights, and 3-D stacks of them (a MoE layer's experts), as llama.cpp quantizes them
+    if (
+        target is None
+        or len(shape) not in (2, 3)
+        or not allows_quantization(name, len(shape), facts.powerinfer_file)
+    ):
         return src_type, ""
     if name == "output.weight" and opts.leave_output_tensor:
         return src_type, ""
@@ -326,7 +332,7 @@ def _submit(
             yield plan, None, []
             continue
         t = model.tensors[plan.name]
-        n_rows, n_cols = plan.shape
+        n_rows, n_cols = math.prod(plan.shape[:-1]), plan.shape[-1]
         out = np.empty((n_rows, row_bytes(plan.dst_type, n_cols)), dtype=np.uint8)
         step = max(1, _CHUNK_ELEMENTS // n_cols)
         futures = [

@@ -10,7 +10,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from powerinfer.arch import bamboo, falcon, gemma3, llama, opt, phi3, qwen2, qwen3
+from powerinfer.arch import (
+    bamboo,
+    falcon,
+    gemma3,
+    llama,
+    olmoe,
+    opt,
+    phi3,
+    qwen2,
+    qwen2moe,
+    qwen3,
+    qwen3moe,
+    smallthinker,
+)
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -37,6 +50,12 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3": Architecture(qwen3.Qwen3Config.from_gguf, qwen3.build, qwen3.check),
     "gemma3": Architecture(gemma3.Gemma3Config.from_gguf, gemma3.build, gemma3.check),
     "phi3": Architecture(phi3.Phi3Config.from_gguf, phi3.build, phi3.check),
+    "qwen2moe": Architecture(qwen2moe.Qwen2MoEConfig.from_gguf, qwen2moe.build, qwen2moe.check),
+    "qwen3moe": Architecture(qwen3moe.Qwen3MoEConfig.from_gguf, qwen3moe.build, qwen3moe.check),
+    "olmoe": Architecture(olmoe.OLMoEConfig.from_gguf, olmoe.build, olmoe.check),
+    "smallthinker": Architecture(
+        smallthinker.SmallThinkerConfig.from_gguf, smallthinker.build, smallthinker.check
+    ),
 }
 
 

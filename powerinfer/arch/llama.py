@@ -14,11 +14,14 @@ from typing import Any
 
 from powerinfer.arch.base import (
     DecoderVariant,
+    MetadataView,
     build_decoder,
     check_decoder,
     decoder_config,
     decoder_tensor_table,
 )
+from powerinfer.arch.moe import MoEConfig, MoEVariant, build_moe, check_moe, moe_config
+from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
@@ -30,17 +33,25 @@ class LlamaConfig(ModelConfig):
     @classmethod
     def from_gguf(cls, metadata: dict[str, Any], sparse: bool, relu_up: bool = False) -> LlamaConfig:
         """Build the config from GGUF metadata; `sparse` is True for PWRI files, relu_up for bamboo."""
+        arch = metadata.get(Keys.ARCHITECTURE)
+        if arch == "llama" and MetadataView(metadata, arch).optional(Keys.EXPERT_COUNT, 0):
+            return moe_config(metadata, sparse, MIXTRAL, MoEConfig)  # type: ignore[return-value]
         return decoder_config(cls, metadata, sparse, DecoderVariant("adjacent", relu_up=relu_up))
 
 
+MIXTRAL = MoEVariant(DecoderVariant("adjacent"), norm_weights=True)
 tensor_table = decoder_tensor_table
 
 
 def check(config: ModelConfig, gguf: GGUFFile) -> None:
     """The file holds every tensor a Llama model of `config` reads, each of the expected type and shape."""
+    if isinstance(config, MoEConfig):
+        return check_moe(config, gguf)
     check_decoder(config, gguf)
 
 
 def build(config: ModelConfig, src: WeightSource) -> Transformer:
     """The Llama transformer from placed weights."""
+    if isinstance(config, MoEConfig):
+        return build_moe(config, src)
     return build_decoder(config, src)

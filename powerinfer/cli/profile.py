@@ -24,6 +24,7 @@ from powerinfer.cli.common import (
     threads,
 )
 from powerinfer.profile import ActivationProfile, ProfileOptions, run_profile
+from powerinfer.profile.experts import ExpertProfile
 
 CorpusOpt = Annotated[
     Path, typer.Option("-f", "--file", help="Corpus: a UTF-8 text file.", show_default=False)
@@ -33,6 +34,17 @@ CorpusOpt = Annotated[
 def token_progress(description: str) -> Progress:
     """A progress bar over tokens on stderr."""
     return progress_bar(description, "tokens")
+
+
+def expert_table(profile: ExpertProfile) -> Table:
+    table = Table(
+        title=f"Expert selections over {profile.n_tokens} tokens ({profile.n_used} of {profile.n_expert} per token)"
+    )
+    for name in ("layer", "top 10% of experts serve", "most selected", "never selected"):
+        table.add_column(name, justify="right")
+    for layer, (counts, skew) in enumerate(zip(profile.counts, profile.skew(), strict=True)):
+        table.add_row(str(layer), f"{skew:.1%}", str(int(counts.argmax())), str(int((counts == 0).sum())))
+    return table
 
 
 def profile_table(profile: ActivationProfile) -> Table:
@@ -71,7 +83,8 @@ def profile(
     threads_: ThreadsOpt = 0,
     log_disable: LogDisableOpt = False,
 ) -> None:
-    """Profile FFN activations of a ReLU model over a corpus and write activation/activation_<N>.pt."""
+    """Profile FFN activations of a ReLU model over a corpus and write activation/activation_<N>.pt (MoE models:
+    expert selections per layer, into profile.json)."""
     setup_logging(log_disable)
     err_console.quiet = log_disable
 
@@ -91,7 +104,9 @@ def profile(
             result, paths = run_profile(
                 opts, lambda done, total: bar.update(task, completed=done, total=total)
             )
-        err_console.print(profile_table(result))
+        err_console.print(
+            expert_table(result) if isinstance(result, ExpertProfile) else profile_table(result)
+        )
         for kind, p in paths.items():
             err_console.print(f"profile: wrote {kind} {p}", markup=False)
         sys.stdout.write(json.dumps(result.summary()) + "\n")

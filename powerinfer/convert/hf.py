@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
-from powerinfer.convert import falcon_opt, gemma_phi
+from powerinfer.convert import falcon_opt, gemma_phi, moe
 from powerinfer.convert.common import config_number, write_tensors
 from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_shape
 from powerinfer.convert.predictor import Predictors, load_predictors
@@ -40,7 +40,7 @@ ARCHITECTURES = tuple(FAMILIES)  # HF model_type values (convert/families.py)
 # HF model_type -> the converter of a family kept in its own module (dense GGUF only): it writes the file
 FAMILY_CONVERTERS: dict[str, Callable[..., GGUFWriter]] = dict.fromkeys(
     gemma_phi.FAMILIES, gemma_phi.convert_family
-)
+) | dict.fromkeys(moe.MODEL_TYPES, moe.convert_moe)
 SUPPORTED_MODEL_TYPES = (*ARCHITECTURES, *falcon_opt.MODEL_TYPES, *FAMILY_CONVERTERS)
 ACTIVATIONS = ("silu", "relu")
 

@@ -85,6 +85,14 @@ class Keys:
     ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
     ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
     VOCAB_SIZE = "{arch}.vocab_size"
+    # mixture of experts (llama.cpp's names; expert_gating_func: 1 softmax, 2 sigmoid)
+    EXPERT_COUNT = "{arch}.expert_count"
+    EXPERT_USED_COUNT = "{arch}.expert_used_count"
+    EXPERT_FEED_FORWARD_LENGTH = "{arch}.expert_feed_forward_length"
+    EXPERT_SHARED_FEED_FORWARD_LENGTH = "{arch}.expert_shared_feed_forward_length"
+    EXPERT_WEIGHTS_SCALE = "{arch}.expert_weights_scale"
+    EXPERT_WEIGHTS_NORM = "{arch}.expert_weights_norm"
+    EXPERT_GATING_FUNC = "{arch}.expert_gating_func"
 
     SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
     # training-free sparsity (`powerinfer sparsify`): method ("cats"), target share S of skipped FFN neurons,
@@ -143,6 +151,16 @@ class TensorNames:
     FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"
     FFN_ACT_THRESHOLD = "blk.{bid}.ffn_act_threshold"  # F32 (n_ff,): per-neuron |act(gate)| thresholds (cats)
     FFN_OUT_THRESHOLD = "blk.{bid}.ffn_out_threshold"  # F32 (n_ff,): per-neuron |act(gate) * up| thresholds
+    # mixture of experts: router (n_expert, n_embd), experts stacked (n_expert, n_ff_exp, n_embd) and down
+    # (n_expert, n_embd, n_ff_exp); Qwen2-MoE's shared expert and its gate (n_embd,)
+    FFN_GATE_INP = "blk.{bid}.ffn_gate_inp.weight"
+    FFN_GATE_EXPS = "blk.{bid}.ffn_gate_exps.weight"
+    FFN_UP_EXPS = "blk.{bid}.ffn_up_exps.weight"
+    FFN_DOWN_EXPS = "blk.{bid}.ffn_down_exps.weight"
+    FFN_GATE_INP_SHEXP = "blk.{bid}.ffn_gate_inp_shexp.weight"
+    FFN_GATE_SHEXP = "blk.{bid}.ffn_gate_shexp.weight"
+    FFN_UP_SHEXP = "blk.{bid}.ffn_up_shexp.weight"
+    FFN_DOWN_SHEXP = "blk.{bid}.ffn_down_shexp.weight"
     PRED_FC1 = "blk.{bid}.fc1.weight"
     PRED_FC2 = "blk.{bid}.fc2.weight"
     GPU_IDX = "blk.{bid}.gpu_idx"

@@ -202,8 +202,10 @@ class Attention:
         """q (T, H, D) and k (T, H_kv, D) normed and rotated for their positions, v (T, H_kv, D)."""
         s = self.spec
         T = q.shape[0]
+        if s.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # over (T, H * D) before the split into heads
         q, k = q.reshape(T, s.n_head, s.head_dim), k.reshape(T, s.n_head_kv, s.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if not s.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)

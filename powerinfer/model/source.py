@@ -41,6 +41,11 @@ class WeightSource(Protocol):
         """A 2-D weight in the memory-mapped file (the CPU part of a split FFN, the embedding)."""
         ...
 
+    def host_stack(self, name: str, shape: tuple[int, int, int]) -> ops.QWeight:
+        """A 3-D weight (n, rows, cols) in the memory-mapped file as one 2-D weight (n * rows, cols): the stacked
+        experts of a MoE layer."""
+        ...
+
     def vector(self, name: str, n: int) -> torch.Tensor:
         """A 1-D float32 tensor of n elements on the device the plan gave its tensor."""
         ...

@@ -52,6 +52,7 @@ class AttentionSpec:
     bias: bool = False  # biases on q, k, v (and on the output when out_bias)
     out_bias: bool = False
     qk_norm: NormSpec | None = None  # per-head norm of q and k before RoPE
+    qk_norm_whole: bool = False  # the q/k norms span the whole projection, not one head (OLMoE)
     sliding_window: int | None = None  # a query at p sees keys p - window < j <= p
     scale: float | None = None  # softmax scale of q.k (None: 1 / sqrt(head_dim))
 

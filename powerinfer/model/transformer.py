@@ -40,6 +40,8 @@ class Layer:
     parallel: bool = False
     post_attn_norm: Norm | None = None  # Gemma-style norms of each block's output
     post_ffn_norm: Norm | None = None
+    # reads the layer input before attention (SmallThinker's router, model.moe.MoEFFN.route_early)
+    pre_attn: Callable[[torch.Tensor], None] | None = None
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
     fused_attn: ops.AttnBlock | None = None
     fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | None = None
@@ -135,6 +137,8 @@ class Transformer:
             workspace = layer.attn.workspace
             rope = layer.attn.rope
             assert rope is not None
+            if layer.pre_attn is not None:
+                layer.pre_attn(x)
             attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
             if layer.fused_ffn is not None:
                 layer.fused_ffn(x, workspace.get("ffn_block"), pos == 0)  # position 0: CATS runs it dense
@@ -150,6 +154,8 @@ class Transformer:
         placed = self.placed
         if placed:
             x = x.to(layer.device)
+        if layer.pre_attn is not None:
+            layer.pre_attn(x)
         h = layer.attn_norm(x)
         a = layer.attn(h, batch, kv)
         if layer.post_attn_norm is not None:

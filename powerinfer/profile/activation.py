@@ -30,6 +30,7 @@ from powerinfer.profile.collect import (
     tokenize_corpus,
     write_folder_atomically,
 )
+from powerinfer.profile.experts import ExpertProfile, moe_ffns, profile_experts, write_expert_report
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 log = logging.getLogger(__name__)
@@ -149,19 +150,27 @@ def check_profile_outputs(out: Path, plot: bool) -> None:
 
 def run_profile(
     opts: ProfileOptions, progress: Progress | None = None
-) -> tuple[ActivationProfile, dict[str, Path]]:
-    """Profile a model over a corpus and write activation/, profile.json and the plot into opts.out_dir."""
+) -> tuple[ActivationProfile | ExpertProfile, dict[str, Path]]:
+    """Profile a model over a corpus and write activation/, profile.json and the plot into opts.out_dir; for a
+    MoE model, its expert selections per layer into profile.json (powerinfer.profile.experts)."""
     text = read_corpus(opts.corpus)
     out = Path(opts.out_dir)
     check_profile_outputs(out, opts.plot)  # before the run: a bad -o must not cost the whole profile
     engine = Engine(opts.model, EngineOptions(n_ctx=opts.n_ctx, n_threads=opts.n_threads, dense_ffn=True))
-    require_relu(engine.config)
+    moe = moe_ffns(engine) is not None
+    if not moe:
+        require_relu(engine.config)
     ids = tokenize_corpus(engine, text)
     if opts.max_tokens > 0:
         ids = ids[: opts.max_tokens]
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
     if not windows:
         raise InputError(f"corpus file {printable(str(opts.corpus))} has no tokens")
+    if moe:  # expert selections instead of neuron firings: profile.json only
+        experts = profile_experts(engine, windows, progress)
+        out.mkdir(exist_ok=True)
+        info = {"model": str(opts.model), "corpus": str(opts.corpus), "n_ctx": engine.n_ctx}
+        return experts, {"report": write_expert_report(out / "profile.json", info | experts.summary())}
     profile = profile_engine(engine, windows, progress)
     out.mkdir(exist_ok=True)  # its parent exists (checked above)
     paths = {"activation": write_activation_folder(out / "activation", profile)}

@@ -470,6 +470,11 @@ class Engine:
         head = self.model.head
         if isinstance(head, SparseHead):
             per_token += self.head_read_bytes() - head.output.raw.numel()
+        moe = getattr(self.config, "moe", None)
+        if moe is not None:  # a token reads the rows of its k experts of n_expert only
+            for name, t in self.gguf.tensors.items():
+                if name.endswith("_exps.weight"):
+                    per_token -= t.n_bytes * (1.0 - moe.n_expert_used / moe.n_expert)
         s = self.sparse_stats
         if s is None or int(s.tokens.sum()) == 0:
             return per_token
@@ -503,10 +508,18 @@ class Engine:
 
     def sparse_report(self) -> list[str]:
         """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token, and
-        the sparse head's line."""
+        the sparse head's line (MoE files: the experts' share of the bytes a token reads)."""
         s = self.sparse_stats
         if s is None or int(s.tokens.sum()) == 0:
             head_lines = self.head_report()
+            moe = getattr(self.config, "moe", None)
+            if moe is not None:
+                head_lines.append(
+                    f"moe: {moe.n_expert_used} of {moe.n_expert} experts per token: "
+                    f"~{self.read_bytes_per_token() / 2**20:.1f} MiB of weights read per token (the file: "
+                    f"{self.weight_bytes / 2**20:.1f} MiB)"
+                )
+                return head_lines
             if not head_lines:
                 return []
             return [

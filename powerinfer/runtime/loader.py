@@ -68,6 +68,15 @@ class Loader:
             )
         return ops.QWeight.from_numpy(info.data, info.ggml_type, info.shape)
 
+    def host_stack(self, name: str, shape: tuple[int, int, int]) -> ops.QWeight:
+        info = self._info(name)
+        if tuple(info.shape) != tuple(shape):
+            raise FormatError(
+                f"tensor '{printable(name)}' has shape {tuple(info.shape)}, expected {tuple(shape)}"
+            )
+        n, rows, cols = shape
+        return ops.QWeight.from_numpy(info.data, info.ggml_type, (n * rows, cols))
+
     def matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight | ops.DeviceWeight:
         w = self.host_matrix(name, shape)
         if self.device is None or not self.plan.on_device(name):

@@ -1,0 +1,231 @@
+"""Mixture-of-experts FFN: a router picks the top-k of n_expert FFNs per token, their outputs are summed with the
+router's weights; an optional shared expert (Qwen2-MoE) is added, scaled by the sigmoid of its own gate.
+
+The experts are the stacked ggml tensors `ffn_{gate,up,down}_exps` as the file stores them: gate and up
+(n_expert * n_ff, n_embd), down (n_expert * n_embd, n_ff); expert e is a row slice of each (no copy, no float
+copy, any type the dense kernels read). A step groups its tokens by expert: each selected expert runs its three
+matrices once over the tokens routed to it, so its rows are read once per step and the Python work of a step is
+one group per distinct selected expert (at most min(n_expert, tokens * k)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from powerinfer import ops
+from powerinfer.errors import ConfigError
+from powerinfer.model.batch import StepBatch
+from powerinfer.model.blocks import DenseFFN, Weight
+from powerinfer.ops.moe import experts_matmul, grouped_matmul
+
+GATING_FUNCS = ("softmax", "sigmoid")
+ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
+MAX_EXPERTS = 1024
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """The router and experts of a MoE layer.
+
+    gating: probabilities from the router logits (softmax over experts, or a sigmoid each); norm_weights: the
+    top-k weights divided by their sum; weights_scale: a factor on them after that. act: the experts' gated
+    activation (silu: SwiGLU, relu: ReGLU). n_ff_shexp: width of the shared expert (0: none)."""
+
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    gating: str = "softmax"
+    norm_weights: bool = False
+    weights_scale: float = 1.0
+    act: str = "silu"
+    n_ff_shexp: int = 0
+    route_input: str = "ffn"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.n_expert <= MAX_EXPERTS:
+            raise ConfigError(f"expert count must be 1..{MAX_EXPERTS} (got {self.n_expert})")
+        if not 0 < self.n_expert_used <= self.n_expert:
+            raise ConfigError(
+                f"experts used per token must be 1..{self.n_expert} (the expert count), got {self.n_expert_used}"
+            )
+        if self.n_ff_exp <= 0:
+            raise ConfigError(f"expert feed-forward length must be positive (got {self.n_ff_exp})")
+        if self.gating not in GATING_FUNCS:
+            raise ConfigError(f"unknown expert gating '{self.gating}' (known: {', '.join(GATING_FUNCS)})")
+        if self.route_input not in ROUTE_INPUTS:
+            raise ConfigError(f"unknown router input '{self.route_input}'")
+        if not self.weights_scale > 0:
+            raise ConfigError(f"expert weights scale must be positive (got {self.weights_scale})")
+
+
+def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts (T, k) int64 of each token, in increasing id order, and their weights (T, k) float32, from
+    router logits (T, n_expert): top-k of the gating probabilities, renormalised and scaled as the spec says."""
+    logits = logits.float()
+    probs = torch.softmax(logits, dim=-1) if spec.gating == "softmax" else torch.sigmoid(logits)
+    weights, ids = probs.topk(spec.n_expert_used, dim=-1)  # (T, k), largest first
+    if spec.norm_weights:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if spec.weights_scale != 1.0:
+        weights = weights * spec.weights_scale
+    # expert-id order: every path (one token, a prompt grouped by expert) sums a token's experts in one order
+    ids, order = ids.sort(dim=-1)
+    return ids, weights.gather(-1, order)
+
+
+class Experts:
+    """n_expert gated FFNs stored stacked: y_e = down_e(act(gate_e x) * up_e x)."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down: ops.QWeight,
+        kc: ops.KernelContext,
+        sparse: bool | None = None,
+    ) -> None:
+        E, F = spec.n_expert, spec.n_ff_exp
+        n_embd = gate.shape[1]
+        if gate.shape != (E * F, n_embd) or up.shape != gate.shape or down.shape != (E * n_embd, F):
+            raise ConfigError(
+                f"expert tensors of shapes {gate.shape}, {up.shape}, {down.shape} do not fit {E} experts of "
+                f"width {F}"
+            )
+        self.spec, self.kc = spec, kc
+        # per-expert row views of the stacked bytes, made once (build time grows with experts, a step does not)
+        self.gates = [ops.weight_rows(gate, e * F, (e + 1) * F) for e in range(E)]
+        self.ups = [ops.weight_rows(up, e * F, (e + 1) * F) for e in range(E)]
+        self.downs = [ops.weight_rows(down, e * n_embd, (e + 1) * n_embd) for e in range(E)]
+        self.n_embd = n_embd
+        self.gate, self.up, self.down = gate, up, down
+        # one token: gate and up rows of its k experts in one rows_matmul call each where the kernels have one,
+        # else ops.experts_matmul (each bit for bit the per-expert matmul); down through experts_matmul. One call
+        # per matrix, not per expert: with two threads on busy cores every kernel call pays a thread rendezvous
+        # (measured, 8 experts of 512 x 1024 Q4_0, -t 2, load 4.8 on 2 cores: median 3.2 ms one rows_matmul
+        # call, 24 ms eight matmul calls; -t 1: 0.54 ms both). ReGLU experts (sparse) read only the up rows whose
+        # gate is > 0.
+        matmul, rows = getattr(kc.kernels, "matmul", {}), getattr(kc.kernels, "rows_matmul", {})
+        self.one_path = all(t.ggml_type in matmul for t in (gate, up, down))
+        self.rows_path = gate.ggml_type in rows and up.ggml_type in rows
+        self.sparse = ((spec.act == "relu") if sparse is None else sparse) and self.rows_path
+        self.neurons = torch.arange(F)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e over x (n, n_embd): (n, n_embd)."""
+        kc = self.kc
+        h = ops.gated(ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc), self.spec.act, False)
+        return ops.linear(h, self.downs[e], kc)
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
+        T, k = ids.shape
+        out = torch.zeros(T, self.n_embd, dtype=torch.float32)
+        if T == 1 and self.one_path:
+            return self.one_token(x, ids, weights, out)
+        if T == 1:
+            for j, e in enumerate(ids[0].tolist()):
+                out += self.expert(e, x) * weights[0, j]
+            return out
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)  # (T k,) slots grouped by expert, tokens in order within a group
+        counts = torch.bincount(flat, minlength=self.spec.n_expert)
+        used = counts.nonzero().reshape(-1)
+        tokens = order // k
+        xs = x[tokens]  # (T k, n_embd): each group's tokens, the groups in expert-id order
+        experts, sizes = used.tolist(), counts[used].tolist()
+        if self.one_path:  # each matrix of each selected expert in one kernel call over its tokens
+            F, kc = self.spec.n_ff_exp, self.kc
+            g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
+            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
+        else:
+            y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
+        # one add per (token, expert) in expert-id order per token, as one_token adds them
+        out.index_add_(0, tokens, y * weights.reshape(-1)[order, None])
+        return out
+
+    def one_token(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts of one token x (1, n_embd): gate, up and down of its k experts in one op call each; ReGLU
+        experts compute only the up rows of neurons whose gate is positive."""
+        kc, F = self.kc, self.spec.n_ff_exp
+        experts = ids[0].tolist()
+        if not self.rows_path:
+            g, u = experts_matmul(x, self.gate, F, experts, kc), experts_matmul(x, self.up, F, experts, kc)
+            h = ops.gated(g, u, self.spec.act, False)  # (k, F)
+        else:
+            rows = (ids[0, :, None] * F + self.neurons).reshape(-1)  # (k F,) rows of the stacked gate and up
+            g = ops.rows_matmul(x, self.gate, rows, kc)[0]
+            if self.sparse:
+                active = (g > 0).nonzero().reshape(-1)  # relu(gate) = 0 elsewhere: their up rows are not read
+                h = torch.zeros_like(g)
+                if active.numel():
+                    h[active] = torch.relu(g[active]) * ops.rows_matmul(x, self.up, rows[active], kc)[0]
+            else:
+                h = ops.gated(g, ops.rows_matmul(x, self.up, rows, kc)[0], self.spec.act, False)
+            h = h.view(-1, F)
+        y = experts_matmul(h, self.down, self.n_embd, experts, kc)  # (k, n_embd)
+        w = weights[0].tolist()
+        for j in range(len(experts)):  # in expert-id order, as the grouped path adds them
+            out += y[j] * w[j]
+        return out
+
+
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a dense gated FFN scaled per token by sigmoid(gate_inp . x)."""
+
+    def __init__(self, ffn: DenseFFN, gate_inp: torch.Tensor) -> None:
+        self.ffn, self.gate_inp = ffn, gate_inp  # gate_inp (n_embd,)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # a row-wise product and sum (not a matvec, whose sums depend on T): each token's scale as if alone
+        scale = torch.sigmoid((x * self.gate_inp).sum(dim=-1))  # (T,)
+        return self.ffn(x, x) * scale[:, None]
+
+
+class MoEFFN:
+    """A layer's MoE FFN (the FFN protocol of powerinfer.model.blocks): router, experts, optional shared expert.
+
+    With route_input "layer" the router reads the layer input, handed over by `route_early` before attention."""
+
+    def __init__(
+        self,
+        spec: MoESpec,
+        bid: int,
+        router: Weight,
+        experts: Experts,
+        kc: ops.KernelContext,
+        shared: SharedExpert | None = None,
+    ) -> None:
+        self.spec, self.bid, self.router, self.kc = spec, bid, router, kc
+        self.experts, self.shared = experts, shared
+        self._early: torch.Tensor | None = None  # router logits of the layer input (route_input "layer")
+        self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
+
+    def route_early(self, x: torch.Tensor) -> None:
+        """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
+        self._early = ops.linear(x if self.router.on_device else x.to("cpu"), self.router, self.kc)
+
+    def logits(self, x_norm: torch.Tensor) -> torch.Tensor:
+        if self.spec.route_input == "layer":
+            logits, self._early = self._early, None
+            if logits is None:
+                raise RuntimeError("MoE layer routed on the layer input was called without route_early")
+            return logits
+        return ops.linear(x_norm, self.router, self.kc)
+
+    def __call__(
+        self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
+    ) -> torch.Tensor:
+        x = x_norm.to("cpu").float().contiguous()
+        ids, weights = route(self.logits(x).to("cpu"), self.spec)
+        if self.counts is not None:
+            self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
+        out = self.experts(x, ids, weights)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
