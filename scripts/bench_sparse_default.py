@@ -50,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     models = args.model
     if not models:
-        from powerinfer.cli.common import resolve_model
+        from powerinfer.app.console import resolve_model
         from powerinfer.sparsify.default import smollm2_gguf
 
         dense = smollm2_gguf()

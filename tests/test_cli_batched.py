@@ -8,8 +8,8 @@ from conftest import random_llama_state, random_predictors, write_llama_gguf
 from test_bad_input import assert_one_error_line
 from typer.testing import CliRunner
 
+from powerinfer.app.batched import BatchedOptions, run_batched
 from powerinfer.cli import app
-from powerinfer.cli.batched import BatchedOptions, run_batched
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 

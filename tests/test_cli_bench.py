@@ -13,7 +13,7 @@ from conftest import REPO, random_llama_state, write_llama_gguf
 from test_bad_input import assert_one_error_line
 from typer.testing import CliRunner
 
-import powerinfer.cli.bench as cli_bench
+import powerinfer.app.bench as app_bench
 from powerinfer.bench import (
     BenchParams,
     BenchResult,
@@ -25,7 +25,7 @@ from powerinfer.bench import (
 )
 from powerinfer.cli import app
 from powerinfer.cli.bench import parse_values
-from powerinfer.cli.common import threads
+from powerinfer.cli.options import threads
 from powerinfer.errors import InputError
 from powerinfer.gguf import read_gguf
 
@@ -79,7 +79,7 @@ def fake_run(monkeypatch):
             model = params.models[test.model]
             yield BenchResult(test, model, "CPU", "", "2024-01-02T03:04:05Z", samples)
 
-    monkeypatch.setattr(cli_bench, "run_bench", run_bench)
+    monkeypatch.setattr(app_bench, "run_bench", run_bench)
     return seen
 
 

@@ -18,10 +18,12 @@ import torch
 from conftest import random_llama_state, write_llama_gguf
 from typer.testing import CliRunner
 
+import powerinfer.app.batched as app_batched
 import powerinfer.cli.batched as cli_batched
 import powerinfer.cli.main as cli_main
 from powerinfer.cli import app
-from powerinfer.cli.common import THREADS_PER_CORE, one_line, run_guarded, seed, threads
+from powerinfer.cli.common import one_line, run_guarded
+from powerinfer.cli.options import THREADS_PER_CORE, seed, threads
 from powerinfer.errors import FormatError, InputError
 from powerinfer.gguf import GGUFWriter
 from powerinfer.placement.gpu_index import GPUIndex, write_gpu_index
@@ -112,11 +114,11 @@ def test_batched_and_perplexity_threads_go_through_the_clamp(monkeypatch, tiny: 
         seen.append(options.n_threads)
         raise InputError("stop here")
 
-    monkeypatch.setattr(cli_batched, "Engine", engine)
+    monkeypatch.setattr(app_batched, "Engine", engine)
     cli("batched", str(tiny), "-t", "100000", needles=("stop here",))
-    import powerinfer.cli.perplexity as cli_ppl
+    import powerinfer.app.perplexity as app_ppl
 
-    monkeypatch.setattr(cli_ppl, "Engine", engine)
+    monkeypatch.setattr(app_ppl, "Engine", engine)
     cli(
         "perplexity",
         "-m",
@@ -146,7 +148,7 @@ def test_seed_unit():
 @pytest.mark.parametrize("given,expected", [("99999999999999", 99999999999999 % 2**32), ("-5", 2**32 - 5)])
 def test_seed_past_its_range_main(monkeypatch, given: str, expected: int):
     seen = {}
-    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.setdefault("opts", opts))
+    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.update(opts=opts))
     result = runner.invoke(app, ["main", "-m", "m.gguf", "-p", "hi", "-s", given])
     assert result.exit_code == 0, result.stderr
     assert seen["opts"].sampling.seed == expected
@@ -158,9 +160,10 @@ def test_seed_past_its_range_batched_and_perplexity(monkeypatch, tiny: Path, tmp
     def engine(path, options):
         raise InputError("stop here")
 
-    real = cli_batched.sampling_params
-    monkeypatch.setattr(cli_batched, "Engine", engine)
-    monkeypatch.setattr(cli_batched, "sampling_params", lambda **kw: seen.append(real(**kw)) or seen[-1])
+    monkeypatch.setattr(app_batched, "Engine", engine)
+    monkeypatch.setattr(
+        cli_batched, "run_batched_main", lambda opts: seen.append(opts.sampling) or engine(0, 0)
+    )
     cli("batched", str(tiny), "-s", str(2**40 + 7), needles=("stop here",))
     assert seen[0].seed == 7
     # perplexity only prints its seed (llama.cpp's does too): reduced the same way

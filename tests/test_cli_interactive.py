@@ -21,9 +21,9 @@ from conftest import random_llama_state, smollm2_path, write_llama_gguf
 from typer.testing import CliRunner
 
 import powerinfer.cli.main as cli_main
+from powerinfer.app.interactive import chat_tokens, read_input
 from powerinfer.chat_templates import BUILTIN_TEMPLATES, chat_template_source
 from powerinfer.cli import app
-from powerinfer.cli.interactive import chat_tokens, read_input
 from powerinfer.errors import FormatError, InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import Generator, GenParams
@@ -330,7 +330,7 @@ runner = CliRunner()
 
 def test_interactive_options_reach_the_library(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.setdefault("opts", opts))
+    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.update(opts=opts))
     args = ["main", "-m", "m.gguf", "-cnv", "-sys", "be brief\\n", "-e", "-r", "A:", "-r", "B:"]
     args += ["--in-prefix", "[", "--in-suffix", "]", "--multiline-input", "--chat-template", "chatml"]
     args += ["--prompt-cache", str(tmp_path / "s.bin"), "--prompt-cache-all"]

@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 import powerinfer.cli.main as cli_main
 from powerinfer.cli import app
-from powerinfer.cli.main import process_escapes
 from powerinfer.gguf import GGUFWriter, read_gguf
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.textfile import process_escapes
 
 runner = CliRunner()
 
@@ -29,7 +29,7 @@ def test_process_escapes():
 
 def test_options_reach_the_library(monkeypatch, tmp_path):
     seen = {}
-    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.setdefault("opts", opts))
+    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.update(opts=opts))
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text("line1\\nline2\n")
     result = runner.invoke(

@@ -79,7 +79,7 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
     from conftest import random_llama_state, write_llama_gguf
     from typer.testing import CliRunner
 
-    import powerinfer.cli.main as cli_main
+    import powerinfer.app.main as app_main
     from powerinfer.cli import app
     from powerinfer.runtime.engine import Engine, EngineOptions
 
@@ -104,7 +104,7 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
         raise Stop
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(cli_main, "Engine", engine_of)
+    mp.setattr(app_main, "Engine", engine_of)
     try:
         runner = CliRunner()
         for extra in ([], ["--fixed-threads"]):

@@ -60,7 +60,7 @@ def test_default_maps_weights_that_do_not_fit_and_no_mmap_refuses(tiny_gguf: Pat
 @pytest.mark.parametrize(("flag", "value"), [([], None), (["--mmap"], True), (["--no-mmap"], False)])
 def test_cli_flag_reaches_the_engine(monkeypatch, flag, value):
     seen = {}
-    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.setdefault("opts", opts))
+    monkeypatch.setattr(cli_main, "run_main", lambda opts: seen.update(opts=opts))
     result = CliRunner().invoke(app, ["main", "-m", "m.gguf", "-p", "hi", *flag])
     assert result.exit_code == 0, result.stderr
     assert seen["opts"].engine.mmap is value

@@ -13,7 +13,7 @@ from typing import Any
 import typer
 from typer.models import CommandInfo
 
-from powerinfer.cli.common import (
+from powerinfer.app.signals import (
     deferred_signals,
     exit_code_of_interrupt,
     install_signal_handlers,

@@ -6,30 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-from powerinfer.cli.common import err_console, run_guarded
-from powerinfer.convert import ConversionResult, convert_checkpoint
-
-
-def _convert(
-    hf_dir: Path, predictor_dir: Path | None, outfile: Path, outtype: str, dense: bool
-) -> ConversionResult:
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        console=err_console,
-        transient=True,
-    ) as progress:
-        task = progress.add_task("converting", total=None)
-
-        def on_tensor(name: str, index: int, total: int) -> None:
-            progress.update(task, description=name, completed=index, total=total)
-
-        return convert_checkpoint(
-            hf_dir, outfile, predictor_dir=predictor_dir, outtype=outtype, dense=dense, on_tensor=on_tensor
-        )
+from powerinfer.app.convert import print_converted, run_convert
+from powerinfer.cli.common import run_guarded
 
 
 def convert(
@@ -54,9 +33,4 @@ def convert(
     ] = False,
 ) -> None:
     """Convert a Hugging Face Llama/Bamboo/Falcon/OPT (PowerInfer GGUF or dense) or Mistral/Qwen2/Qwen3/Gemma 3/Phi-3 (dense) checkpoint."""
-    result = run_guarded(_convert, hf_dir, predictor_dir, outfile, outtype, dense)
-    kind = "PowerInfer (PWRI)" if result.sparse else "dense GGUF"
-    typer.echo(
-        f"wrote {result.path}: {kind}, {result.outtype}, {result.n_tensors} tensors, {result.n_kv} KVs, "
-        f"{result.n_bytes} bytes"
-    )
+    print_converted(run_guarded(run_convert, hf_dir, predictor_dir, outfile, outtype, dense))

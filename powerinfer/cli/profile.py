@@ -2,65 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
-from rich.table import Table
 
-from powerinfer.cli.common import (
-    CtxOpt,
-    LogDisableOpt,
-    ModelOpt,
-    ThreadsOpt,
-    err_console,
-    progress_bar,
-    resolve_model,
-    run_guarded,
-    setup_logging,
-    threads,
-)
-from powerinfer.profile import ActivationProfile, ProfileOptions, run_profile
-from powerinfer.profile.experts import ExpertProfile
+from powerinfer.app.profile import run_profile_report
+from powerinfer.cli.common import err_console, resolve_model, run_guarded, setup_logging
+from powerinfer.cli.options import CtxOpt, LogDisableOpt, ModelOpt, ThreadsOpt, threads
+from powerinfer.profile import ProfileOptions
 
 CorpusOpt = Annotated[
     Path, typer.Option("-f", "--file", help="Corpus: a UTF-8 text file.", show_default=False)
 ]
-
-
-def token_progress(description: str) -> Progress:
-    """A progress bar over tokens on stderr."""
-    return progress_bar(description, "tokens")
-
-
-def expert_table(profile: ExpertProfile) -> Table:
-    table = Table(
-        title=f"Expert selections over {profile.n_tokens} tokens ({profile.n_used} of {profile.n_expert} per token)"
-    )
-    for name in ("layer", "top 10% of experts serve", "most selected", "never selected"):
-        table.add_column(name, justify="right")
-    for layer, (counts, skew) in enumerate(zip(profile.counts, profile.skew(), strict=True)):
-        table.add_row(str(layer), f"{skew:.1%}", str(int(counts.argmax())), str(int((counts == 0).sum())))
-    return table
-
-
-def profile_table(profile: ActivationProfile) -> Table:
-    table = Table(title=f"FFN activations over {profile.n_tokens} tokens ({profile.n_ff} neurons per layer)")
-    for name in ("layer", "fired", "sparsity", "neurons for 80% of firings", "never fired"):
-        table.add_column(name, justify="right")
-    hot = profile.hot_share(0.8)
-    for layer, (counts, sparsity) in enumerate(zip(profile.counts, profile.sparsity(), strict=True)):
-        table.add_row(
-            str(layer),
-            f"{1 - sparsity:.1%}",
-            f"{sparsity:.1%}",
-            f"{hot[layer]:.1%}",
-            str(int((counts == 0).sum())),
-        )
-    return table
 
 
 def profile(
@@ -99,16 +53,6 @@ def profile(
             max_tokens=max_tokens,
             plot=not no_plot,
         )
-        with token_progress("profiling") as bar:
-            task = bar.add_task("profile", total=None)
-            result, paths = run_profile(
-                opts, lambda done, total: bar.update(task, completed=done, total=total)
-            )
-        err_console.print(
-            expert_table(result) if isinstance(result, ExpertProfile) else profile_table(result)
-        )
-        for kind, p in paths.items():
-            err_console.print(f"profile: wrote {kind} {p}", markup=False)
-        sys.stdout.write(json.dumps(result.summary()) + "\n")
+        run_profile_report(opts)
 
     run_guarded(body)

@@ -2,27 +2,25 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
-from powerinfer.cli.common import check_output_file, err_console, run_guarded, setup_logging, threads
+from powerinfer.app.quantize import run_quantize
+from powerinfer.cli.common import run_guarded, setup_logging
+from powerinfer.cli.options import threads
 from powerinfer.errors import InputError
 from powerinfer.printable import printable
 from powerinfer.quantize import (
     FILE_TYPES,
     QuantizeOptions,
-    QuantizeReport,
-    TensorDone,
     default_output,
     parse_file_type,
-    quantize_model,
     require_file_type,
     require_tensor_type,
 )
+from powerinfer.textfile import check_output_file
 
 HELP = (
     "Quantize a GGUF or PowerInfer GGUF file: IN [OUT] TYPE [NTHREADS] (llama.cpp quantize).\n\n"
@@ -38,27 +36,6 @@ HELP = (
     "BF16) convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI. Logs and timings go "
     "to stderr."
 )
-
-
-def format_shape(shape: tuple[int, ...]) -> str:
-    """ggml's tensor shape string: ne0 first, padded to 4 dims."""
-    ne = list(reversed(shape)) + [1] * (4 - len(shape))
-    return ", ".join(f"{d:5d}" for d in ne)
-
-
-def format_tensor_line(ev: TensorDone) -> str:
-    """The original's per-tensor log line."""
-    p = ev.plan
-    head = (
-        f"[{ev.index + 1:4d}/{ev.n_tensors:4d}] {p.name:>36s} - [{format_shape(p.shape)}], "
-        f"type = {p.src_type.name.lower():>6s}, "
-    )
-    if not p.converted:
-        return head + f"size = {ev.src_bytes / 2**20:8.3f} MB"
-    return (
-        head + f"quantizing to {p.dst_type.name.lower()} .. "
-        f"size = {ev.src_bytes / 2**20:8.2f} MB -> {ev.dst_bytes / 2**20:8.2f} MB"
-    )
 
 
 def parse_positionals(args: list[str]) -> tuple[Path, Path, str, int]:
@@ -85,40 +62,6 @@ def parse_positionals(args: list[str]) -> tuple[Path, Path, str, int]:
         except ValueError:
             raise InputError(f"invalid nthreads '{printable(extra[0], 40)}': expected an integer") from None
     return inp, out, type_text, n_threads
-
-
-def run_quantize(opts: QuantizeOptions) -> QuantizeReport:
-    """Quantize with a progress bar and the per-tensor log on stderr."""
-    t_start = time.perf_counter()
-    err = err_console
-    err.print(
-        f"main: quantizing '{opts.input}' to '{opts.output}' as {opts.file_type.name} "
-        f"using {opts.n_threads} threads",
-        markup=False,
-    )
-    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeElapsedColumn())
-    with Progress(*columns, console=err, transient=True) as progress:
-        task = progress.add_task("quantize", total=None)
-
-        def on_tensor(ev: TensorDone) -> None:
-            if ev.index == 0:
-                progress.update(task, total=ev.n_tensors)
-            progress.console.print(format_tensor_line(ev), markup=False, highlight=False)
-            if ev.plan.note:
-                progress.console.print(
-                    f"llama_model_quantize_internal: {ev.plan.name}: {ev.plan.note}",
-                    markup=False,
-                    highlight=False,
-                )
-            progress.update(task, advance=1, description=ev.plan.name)
-
-        report = quantize_model(opts, on_tensor)
-    for label, n_bytes in (("model size ", report.src_bytes), ("quant size ", report.dst_bytes)):
-        err.print(f"llama_model_quantize_internal: {label} = {n_bytes / 2**20:8.2f} MB", markup=False)
-    err.print("")
-    err.print(f"main: quantize time = {report.quantize_ms:8.2f} ms", markup=False)
-    err.print(f"main:    total time = {(time.perf_counter() - t_start) * 1e3:8.2f} ms", markup=False)
-    return report
 
 
 def quantize(

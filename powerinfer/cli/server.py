@@ -8,81 +8,24 @@ from typing import Annotated
 
 import typer
 
-from powerinfer.cli.common import (
-    DEFAULT_ACT_PRECISION,
-    ActPrecisionOpt,
-    BatchOpt,
-    CtxOpt,
-    DisableIdxOpt,
-    FixedThreadsOpt,
-    FrequencyPenaltyOpt,
-    LogDisableOpt,
-    MinPOpt,
-    MmapOpt,
-    ModelOpt,
-    NglOpt,
-    PoolDeviceOpt,
-    PresencePenaltyOpt,
-    RepeatLastNOpt,
-    RepeatPenaltyOpt,
-    ResetIdxOpt,
-    SeedOpt,
-    SparseHeadOpt,
-    TempOpt,
-    ThreadsOpt,
-    TopKOpt,
-    TopPOpt,
-    VramOpt,
-    engine_options,
-    resolve_model,
-    run_guarded,
-    sampling_params,
-    setup_logging,
-)
-from powerinfer.cli.distributed import (
-    DEFAULT_DIST_TIMEOUT,
-    DistTimeoutOpt,
-    PipelineSplitOpt,
-    pipeline,
-    serve_if_worker,
-)
+from powerinfer.app.pipeline import serve_if_worker
+from powerinfer.cli.common import run_guarded, setup_logging
+from powerinfer.cli.options import EngineArgs, LogDisableOpt, SamplingArgs, takes
 from powerinfer.errors import InputError
-from powerinfer.sampling import SamplingParams
-
-_D = SamplingParams()  # main's sampling defaults
 
 
+@takes(EngineArgs, SamplingArgs)
 def server(
-    model: ModelOpt = None,
+    engine: EngineArgs,
+    sampling: SamplingArgs,
     host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port.", envvar="PORT")] = 8080,
-    ctx_size: CtxOpt = 512,
     parallel: Annotated[
         int, typer.Option("-np", "--parallel", help="KV slots: sequences decoded together.")
     ] = 4,
-    batch_size: BatchOpt = 512,
-    threads_: ThreadsOpt = 0,
-    fixed_threads: FixedThreadsOpt = False,
-    mmap: MmapOpt = None,
-    sparse_head: SparseHeadOpt = None,
-    act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION,
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
     ] = -1,
-    seed: SeedOpt = _D.seed,
-    temp: TempOpt = _D.temp,
-    top_k: TopKOpt = _D.top_k,
-    top_p: TopPOpt = _D.top_p,
-    min_p: MinPOpt = _D.min_p,
-    repeat_penalty: RepeatPenaltyOpt = _D.repeat_penalty,
-    repeat_last_n: RepeatLastNOpt = _D.repeat_last_n,
-    frequency_penalty: FrequencyPenaltyOpt = _D.frequency_penalty,
-    presence_penalty: PresencePenaltyOpt = _D.presence_penalty,
-    vram_budget: VramOpt = -1.0,
-    n_gpu_layers: NglOpt = 0,
-    reset_gpu_index: ResetIdxOpt = False,
-    disable_gpu_index: DisableIdxOpt = False,
-    pool_device: PoolDeviceOpt = None,
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -144,8 +87,6 @@ def server(
             help="Open connections; past it the oldest one without a complete request is closed (503 if none).",
         ),
     ] = 512,
-    pipeline_split: PipelineSplitOpt = None,
-    dist_timeout: DistTimeoutOpt = DEFAULT_DIST_TIMEOUT,
     embedding: Annotated[
         bool,
         typer.Option(
@@ -179,34 +120,9 @@ def server(
             except OSError as e:
                 raise InputError(f"cannot read chat template {chat_template}: {e.strerror}") from None
         opts = ServerOptions(
-            model=resolve_model(model),
-            engine=engine_options(
-                threads_=threads_,
-                fixed_threads=fixed_threads,
-                mmap=mmap,
-                sparse_head=sparse_head,
-                act_precision=act_precision,
-                vram_budget=vram_budget,
-                pool_device=pool_device,
-                reset_gpu_index=reset_gpu_index,
-                disable_gpu_index=disable_gpu_index,
-                n_ctx=ctx_size,
-                n_batch=batch_size,
-                n_seq=parallel,
-                n_gpu_layers=n_gpu_layers,
-                pipeline=pipeline(pipeline_split, dist_timeout),
-            ),
-            sampling=sampling_params(
-                seed_=seed,
-                temp=temp,
-                top_k=top_k,
-                top_p=top_p,
-                min_p=min_p,
-                repeat_penalty=repeat_penalty,
-                repeat_last_n=repeat_last_n,
-                frequency_penalty=frequency_penalty,
-                presence_penalty=presence_penalty,
-            ),
+            model=engine.model_path(),
+            engine=engine.options(n_seq=parallel),
+            sampling=sampling.params(),
             n_predict=n_predict,
             host=host,
             port=port,
@@ -222,7 +138,7 @@ def server(
             max_connections=max_connections,
             embedding=embedding,
         )
-        serve_if_worker(opts.model, opts.engine)  # ranks > 0 of a pipeline serve rank 0 and exit
-        Server(opts).run()
+        if not serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
+            Server(opts).run()
 
     run_guarded(body)

@@ -2,30 +2,24 @@
 
 from __future__ import annotations
 
-import json
-import sys
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
+from powerinfer.app.sparsify import run_sparsify_report
 from powerinfer.cli.common import (
-    LogDisableOpt,
-    ModelOpt,
-    ThreadsOpt,
     err_console,
     resolve_model,
     run_guarded,
     setup_logging,
-    sparsify_with_progress,
-    threads,
 )
+from powerinfer.cli.options import LogDisableOpt, ModelOpt, ThreadsOpt, threads
 from powerinfer.cli.profile import CorpusOpt
 
 if TYPE_CHECKING:
-    from powerinfer.sparsify import SparsifyResult
+    pass
 
 
 class Method(str, Enum):
@@ -37,26 +31,6 @@ class Method(str, Enum):
 class Allocation(str, Enum):
     greedy = "greedy"
     uniform = "uniform"
-
-
-def sparsity_table(result: SparsifyResult) -> Table:
-    """Per layer: calibrated sparsity, threshold, active share on the calibration text, estimated error."""
-    table = Table(
-        title=f"CATS sparsity {result.target} ({result.allocation}, "
-        f"{'one stage' if result.up_ratio >= 1 else f'two stages, up ratio {result.up_ratio:g}'}) over "
-        f"{result.n_tokens} tokens ({result.n_ff} neurons per layer)"
-    )
-    for name in ("layer", "sparsity", "threshold", "active", "up read", "est. error"):
-        table.add_column(name, justify="right")
-    errors = [None] * len(result.thresholds) if result.est_error is None else list(result.est_error)
-    rows = zip(
-        result.layer_sparsity, result.thresholds, result.active_share, result.up_share, errors, strict=True
-    )
-    for layer, (s, t, a, up, e) in enumerate(rows):
-        table.add_row(
-            str(layer), f"{s:.3f}", f"{t:.4g}", f"{a:.1%}", f"{up:.1%}", "-" if e is None else f"{e:.2e}"
-        )
-    return table
 
 
 def sparsify(
@@ -153,10 +127,6 @@ def sparsify(
             sparse_head=sparse_head,
             down_type=down_type,
         )
-        result = sparsify_with_progress(opts)
-        err_console.print(sparsity_table(result))
-        err_console.print(f"sparsify: wrote {result.output}", markup=False)
-        err_console.print(f"sparsify: wrote activation {result.activation}", markup=False)
-        sys.stdout.write(json.dumps(result.summary()) + "\n")
+        run_sparsify_report(opts)
 
     run_guarded(body)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["Timings"]
+__all__ = ["Timings", "format_timings"]
 
 
 @dataclass
@@ -23,3 +23,21 @@ class Timings:
     eval_ms: float = 0.0
     n_eval: int = 0
     start: float = field(default_factory=time.perf_counter)
+
+
+def format_timings(tm: Timings) -> list[str]:
+    """The llama_print_timings block."""
+
+    def rate(ms: float, n: int, unit: str) -> str:
+        per = ms / n if n else float("nan")
+        tps = 1e3 * n / ms if ms > 0 else float("nan")
+        return f"{ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"
+
+    total = (time.perf_counter() - tm.start) * 1e3
+    return [
+        f"llama_print_timings:        load time = {tm.load_ms:10.2f} ms",
+        f"llama_print_timings:      sample time = {rate(tm.sample_ms, tm.n_sample, 'runs  ')}",
+        f"llama_print_timings: prompt eval time = {rate(tm.prompt_ms, tm.n_prompt, 'tokens')}",
+        f"llama_print_timings:        eval time = {rate(tm.eval_ms, tm.n_eval, 'runs  ')}",
+        f"llama_print_timings:       total time = {total:10.2f} ms",
+    ]

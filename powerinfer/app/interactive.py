@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from powerinfer.cli.common import err_console, interrupt_handled
+from powerinfer.app.console import err_console
+from powerinfer.app.signals import interrupt_handled
 from powerinfer.errors import FormatError, InputError
 from powerinfer.runtime.generate import Event, Generator, GenParams
 from powerinfer.runtime.session import Session, common_prefix, load_session, save_session

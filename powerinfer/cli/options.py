@@ -1,0 +1,354 @@
+"""The option table: every option that several commands share, declared once, as llama.cpp's common/arg.cpp does.
+
+`EngineArgs` and `SamplingArgs` are dataclasses whose fields are the options themselves (an Annotated type with
+its flags and help, and a default). `@takes(EngineArgs, SamplingArgs, ...)` adds their fields to a command's
+options and hands the command one object per group, which checks the values (one InputError line per mistake)
+and builds the library's EngineOptions / SamplingParams. A command says which fields it leaves out and which
+defaults differ, the way arg.cpp tags each option with the examples that take it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import os
+from collections.abc import Callable
+from copy import copy
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar, get_args, get_type_hints
+
+import typer
+
+from powerinfer.app.console import resolve_model
+from powerinfer.errors import InputError, PlacementError
+from powerinfer.printable import printable
+from powerinfer.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.engine import EngineOptions
+
+ModelOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "-m",
+        "--model",
+        help="Model file (GGUF or PowerInfer GGUF).",
+        envvar="POWERINFER_MODEL",
+        show_default=False,
+    ),
+]
+CtxOpt = Annotated[int, typer.Option("-c", "--ctx-size", help="Context size in tokens (0 = from the model).")]
+BatchOpt = Annotated[int, typer.Option("-b", "--batch-size", help="Prompt tokens per forward pass.")]
+ThreadsOpt = Annotated[int, typer.Option("-t", "--threads", help="CPU threads (<= 0: all cores).")]
+FixedThreadsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fixed-threads",
+        help="Always run -t threads (default: fewer while other busy processes share the cores).",
+    ),
+]
+MmapOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--mmap/--no-mmap",
+        help="Map the model file (--mmap) or read its weights into memory (--no-mmap). Default: into memory "
+        "(huge pages, faster decode) when they take at most half of the available memory, else mapped.",
+        show_default=False,
+    ),
+]
+SparseHeadOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--sparse-head/--no-sparse-head",
+        help="Screen the output head: exact logits only for the ~1024 rows a low-rank screen ranks first (the "
+        "whole head when the margin is not safe). Default: where the file carries a screen (sparsify writes one); "
+        "--sparse-head also builds one for a file without (calibrated at load, a few seconds).",
+        show_default=False,
+    ),
+]
+
+
+class ActPrecision(str, Enum):
+    """Activations of the quant matmuls (KernelContext.act_precision)."""
+
+    f32 = "f32"
+    q8 = "q8"
+
+
+# the default of every command: int8 activation blocks as llama.cpp computes them (the speed a user expects of a
+# llama.cpp drop-in; f32 decodes the weights to floats in registers, exact against float references but slower)
+DEFAULT_ACT_PRECISION = ActPrecision.q8
+
+ActPrecisionOpt = Annotated[
+    ActPrecision,
+    typer.Option(
+        "--act-precision",
+        help="Activations of the quant matmuls: q8 (default: int8 blocks as llama.cpp computes them) or f32 "
+        "(weights decoded to floats: exact against float references such as transformers, slower).",
+    ),
+]
+SeedOpt = Annotated[int, typer.Option("-s", "--seed", help="RNG seed (-1 = random).")]
+VramOpt = Annotated[
+    float, typer.Option("--vram-budget", help="VRAM budget in GiB for the GPU pool (-1 = all free).")
+]
+NglOpt = Annotated[
+    int,
+    typer.Option(
+        "-ngl",
+        "--n-gpu-layers",
+        help="Dense GGUF: the last N layers (weights, KV cache, compute) on the pool device; N > n_layer also the output head.",
+    ),
+]
+ResetIdxOpt = Annotated[bool, typer.Option("--reset-gpu-index", help="Regenerate the cached GPU index.")]
+DisableIdxOpt = Annotated[bool, typer.Option("--disable-gpu-index", help="Keep every FFN neuron on the CPU.")]
+PoolDeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--pool-device",
+        help="Device of the hot-neuron pool (default: cuda when available; 'cpu' = stand-in).",
+    ),
+]
+PipelineSplitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--pipeline-split",
+        envvar="POWERINFER_PIPELINE_SPLIT",
+        help="Under torchrun: layers per pipeline stage in rank order, e.g. 10,12 (default: balanced by bytes).",
+        show_default=False,
+    ),
+]
+DistTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--dist-timeout",
+        envvar="POWERINFER_DIST_TIMEOUT",
+        help="Under torchrun: seconds a rank waits for the others to join and for a peer within a step.",
+    ),
+]
+LogDisableOpt = Annotated[bool, typer.Option("--log-disable", help="Print no log lines, only results.")]
+
+TempOpt = Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k sampling (<= 0: off).")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="Min-p sampling.")]
+RepeatPenaltyOpt = Annotated[float, typer.Option("--repeat-penalty", help="Repetition penalty.")]
+RepeatLastNOpt = Annotated[int, typer.Option("--repeat-last-n", help="Tokens the penalty looks back.")]
+FrequencyPenaltyOpt = Annotated[float, typer.Option("--frequency-penalty")]
+PresencePenaltyOpt = Annotated[float, typer.Option("--presence-penalty")]
+
+# -t past this many threads per core is clamped (oversubscription only slows the OpenMP regions down)
+THREADS_PER_CORE = 4
+ENGINE_MAX_THREADS = 1024  # runtime.engine.MAX_THREADS: what KernelContext accepts at all
+UINT32 = 1 << 32
+FLOAT32_TINY = 2.0**-126  # smallest normal float32: the sampler divides float32 logits by these values
+
+
+def threads(n: int) -> int:
+    """-t / NTHREADS: <= 0 means all cores; more than THREADS_PER_CORE x cores is clamped there with a warning
+    (-t 100000 used to crash inside the OpenMP region, -t 10000 took 48 s for two tokens)."""
+    cores = os.cpu_count() or 1
+    if n <= 0:
+        return cores
+    cap = min(THREADS_PER_CORE * cores, ENGINE_MAX_THREADS)
+    if n > cap:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "-t %d is more than %d threads per CPU core (%d cores): using %d threads",
+            n,
+            THREADS_PER_CORE,
+            cores,
+            cap,
+        )
+        return cap
+    return n
+
+
+def seed(value: int) -> int:
+    """-s as llama.cpp reads it: any integer reduced to uint32 (stoul, then a uint32 store), where 0xFFFFFFFF
+    (-1, LLAMA_DEFAULT_SEED) means a random seed, returned as -1."""
+    s = value % UINT32
+    return -1 if s == UINT32 - 1 else s
+
+
+def random_seed(value: int) -> int:
+    """A normalised seed (see `seed`), with -1 replaced by a time-based one as llama.cpp does."""
+    import time
+
+    s = seed(value)
+    return int(time.time()) % (UINT32 - 1) if s == -1 else s
+
+
+def resolve_vram_budget(gib: float) -> float | None:
+    """--vram-budget: -1 (the default) means all free device memory; other negative values, NaN and inf are
+    errors."""
+    if gib == -1:
+        return None
+    if not math.isfinite(gib) or gib < 0:
+        raise InputError(f"--vram-budget must be -1 (all free memory) or >= 0 GiB, got {gib}")
+    return gib
+
+
+def resolve_device(text: str | None, option: str = "--pool-device") -> str | None:
+    """A device option: cpu, cuda or cuda:N (N an existing device); InputError / PlacementError otherwise."""
+    if text is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise InputError(f"{option} {printable(text)}: expected cpu, cuda or cuda:N") from None
+    if device.type == "cpu" and device.index in (None, 0):
+        return "cpu"
+    if device.type != "cuda":
+        raise InputError(f"{option} {printable(text)}: expected cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise PlacementError(f"{option} {printable(text)}: no CUDA device is available")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise PlacementError(
+            f"{option} {printable(text)}: no such CUDA device ({count} present: cuda:0..{count - 1})"
+        )
+    return str(device)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The model and engine options of main, server, perplexity, batched and bench, as typed."""
+
+    PANEL: ClassVar[str] = "Model and engine"
+    model: ModelOpt = None
+    ctx_size: CtxOpt = 512
+    batch_size: BatchOpt = 512
+    threads: ThreadsOpt = 0
+    fixed_threads: FixedThreadsOpt = False
+    mmap: MmapOpt = None
+    sparse_head: SparseHeadOpt = None
+    act_precision: ActPrecisionOpt = DEFAULT_ACT_PRECISION
+    vram_budget: VramOpt = -1.0
+    n_gpu_layers: NglOpt = 0
+    reset_gpu_index: ResetIdxOpt = False
+    disable_gpu_index: DisableIdxOpt = False
+    pool_device: PoolDeviceOpt = None
+    pipeline_split: PipelineSplitOpt = None
+    dist_timeout: DistTimeoutOpt = 60.0
+
+    def model_path(self) -> Path:
+        """-m, or the default model (see `app.console.resolve_model`)."""
+        return resolve_model(self.model)
+
+    def options(self, **fields: Any) -> EngineOptions:
+        """EngineOptions from these options, checked (threads clamped, budget and device parsed, the pipeline
+        stage of this process read from its environment); `fields` set or override EngineOptions fields."""
+        from powerinfer.runtime.engine import EngineOptions
+        from powerinfer.runtime.pipeline import pipeline_options
+
+        values: dict[str, Any] = dict(
+            n_ctx=self.ctx_size,
+            n_batch=self.batch_size,
+            n_threads=threads(self.threads),
+            fixed_threads=self.fixed_threads,
+            mmap=self.mmap,
+            sparse_head=self.sparse_head,
+            act_precision=self.act_precision.value,
+            vram_budget_gib=resolve_vram_budget(self.vram_budget),
+            n_gpu_layers=self.n_gpu_layers,
+            reset_gpu_index=self.reset_gpu_index,
+            disable_gpu_index=self.disable_gpu_index,
+            pool_device=resolve_device(self.pool_device),
+        )
+        values.update(fields)
+        if "pipeline" not in values:
+            values["pipeline"] = pipeline_options(self.pipeline_split, self.dist_timeout, os.environ)
+        return EngineOptions(**values)
+
+
+_D = SamplingParams()  # llama.cpp's sampling defaults
+
+
+@dataclass(frozen=True)
+class SamplingArgs:
+    """The sampling options of main and server, as typed (llama.cpp's defaults)."""
+
+    PANEL: ClassVar[str] = "Sampling"
+    seed: SeedOpt = _D.seed
+    temp: TempOpt = _D.temp
+    top_k: TopKOpt = _D.top_k
+    top_p: TopPOpt = _D.top_p
+    min_p: MinPOpt = _D.min_p
+    repeat_penalty: RepeatPenaltyOpt = _D.repeat_penalty
+    repeat_last_n: RepeatLastNOpt = _D.repeat_last_n
+    frequency_penalty: FrequencyPenaltyOpt = _D.frequency_penalty
+    presence_penalty: PresencePenaltyOpt = _D.presence_penalty
+
+    def params(self) -> SamplingParams:
+        """SamplingParams, checked: every float finite, --temp 0 (greedy) or at least a normal float32,
+        --repeat-penalty > 0 (the sampler divides by it), the seed reduced to uint32."""
+        for option, value in (
+            ("--temp", self.temp),
+            ("--repeat-penalty", self.repeat_penalty),
+            ("--top-p", self.top_p),
+            ("--min-p", self.min_p),
+            ("--frequency-penalty", self.frequency_penalty),
+            ("--presence-penalty", self.presence_penalty),
+        ):
+            if not math.isfinite(value):
+                raise InputError(f"{option} must be a finite number, got {value}")
+        if 0 < self.temp < FLOAT32_TINY:
+            raise InputError(
+                f"--temp {self.temp} is too small to divide by: use 0 for greedy sampling or >= {FLOAT32_TINY:.3g}"
+            )
+        if self.repeat_penalty < FLOAT32_TINY:
+            raise InputError(f"--repeat-penalty must be > 0 (1.0 = off), got {self.repeat_penalty}")
+        return SamplingParams(**{**dataclasses.asdict(self), "seed": seed(self.seed)})
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes(*groups: type, skip: tuple[str, ...] = (), **defaults: Any) -> Callable[[F], F]:
+    """Give a command the options of `groups` (dataclasses of options such as EngineArgs): their fields, less
+    `skip`, become the command's options under the group's help panel (its PANEL), `defaults` replacing a
+    field's default; the command receives one object per group, in its parameter annotated with that group's
+    class (a field left out keeps the dataclass's default)."""
+
+    def decorate(fn: F) -> F:
+        signature = inspect.signature(fn, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.annotation not in groups]
+        slots = {p.name: p.annotation for p in signature.parameters.values() if p.annotation in groups}
+        added: list[inspect.Parameter] = []
+        taken: dict[type, list[str]] = {group: [] for group in groups}
+        for group in groups:
+            hints = get_type_hints(group, include_extras=True)
+            for field in dataclasses.fields(group):
+                if field.name in skip:
+                    continue
+                kind, info = get_args(hints[field.name])
+                info = copy(info)
+                info.rich_help_panel = getattr(group, "PANEL", None)
+                default = defaults.pop(field.name, field.default)
+                annotation = Annotated[kind, info]  # type: ignore[valid-type]
+                added.append(
+                    inspect.Parameter(
+                        field.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation
+                    )
+                )
+                taken[group].append(field.name)
+        assert not defaults, f"no such options: {sorted(defaults)}"
+        assert not {p.name for p in own} & {p.name for p in added}, "an option declared twice"
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            for slot, group in slots.items():
+                kwargs[slot] = group(**{name: kwargs.pop(name) for name in taken[group]})
+            return fn(**kwargs)
+
+        command.__signature__ = signature.replace(parameters=own + added)  # type: ignore[attr-defined]
+        return command  # type: ignore[return-value]
+
+    return decorate
