@@ -275,6 +275,19 @@ def test_no_import_cycle_in_the_package():
     assert not cycle, " -> ".join(cycle)
 
 
+def test_only_the_cli_imports_the_command_bodies():
+    """cli/ parses options and calls app/ (the commands' bodies); no library module imports either."""
+    graph = _graph()
+    assert "powerinfer.app.main" in graph["powerinfer.cli.main"]  # the graph sees these edges
+    for name, deps in graph.items():
+        if name == "powerinfer.__main__" or name.startswith("powerinfer.cli"):
+            continue
+        bad = [d for d in deps if d.startswith("powerinfer.cli")]
+        if not name.startswith("powerinfer.app"):
+            bad += [d for d in deps if d.startswith("powerinfer.app")]
+        assert not bad, (name, bad)
+
+
 def test_runtime_does_not_import_an_architecture_module():
     graph = _graph()
     for name, deps in graph.items():
