@@ -9,6 +9,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from rich.progress import (
     BarColumn,
@@ -147,60 +148,30 @@ def print_kld(result: PerplexityResult, sparse: Engine, against: str) -> None:
     )
 
 
-def run_perplexity(run: PerplexityRun) -> PerplexityResult:
-    """Load the model(s), compute the perplexity, print results on stdout and progress/timings on stderr."""
-    err = err_console
-    err.print(f"perplexity: seed  = {run.seed}")
-    text = read_text(run.text_file)
-    if run.kl_base is not None and not run.kl_divergence:  # a base to write: refuse a bad path before the run
-        check_base_target(run.kl_base)
-    engine = Engine(run.model, run.engine)
-    c = engine.config
-    err.print(
-        f"llm_load_print_meta: arch = {c.arch}, "
-        f"mode = {'sparse (PWRI)' if engine.sparse_stats else 'dense'}, "
-        f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
-        f"file = {engine.weight_bytes / 2**20:.2f} MiB",
-        markup=False,
-    )
-    err.print(
-        f"perplexity: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
-        f"n_threads = {engine.kc.n_threads}",
-        markup=False,
-    )
-    reference, base, record = None, None, None
-    against = "the dense FFN"
+def comparison(
+    run: PerplexityRun, engine: Engine
+) -> tuple[Engine | None, BaseLogits | None, BaseLogits | None, str]:
+    """What the run compares against: (the dense reference engine, the base read, the base to record, its name)."""
     if run.kl_divergence and run.kl_base is not None:
-        base = BaseLogits.load(run.kl_base)
-        against = f"the base {printable(run.kl_base.name)}"
-    elif run.kl_divergence:
+        return None, BaseLogits.load(run.kl_base), None, f"the base {printable(run.kl_base.name)}"
+    if run.kl_divergence:
         if engine.sparse_stats is None:
             raise InputError(
                 f"--kl-divergence without --kl-divergence-base compares the sparse FFN of a PowerInfer "
                 f"(PWRI) file with its dense FFN; {printable(str(run.model))} is a dense GGUF"
             )
         reference = Engine(run.model, replace(run.engine, dense_ffn=True, sparse_head=False))
-    elif run.kl_base is not None:
-        record = BaseLogits(run.ppl.n_ctx, run.ppl.stride, [])
-    if run.kl_divergence and engine.sparse_stats is not None:
-        engine.sparse_stats.track_recall()
-    err.print("perplexity: tokenizing the input ..")
-    t = time.perf_counter()
-    tokens = tokenize_text(engine, text)
-    err.print(f"perplexity: tokenization took {(time.perf_counter() - t) * 1e3:g} ms")
-    opts = run.ppl
-    if opts.stride > 0:
-        err.print(
-            f"perplexity: strided calculation, context size adjusted from {opts.n_ctx} to "
-            f"{context_size(opts.n_ctx, opts.stride)}"
-        )
-    n_chunks = len(plan_chunks(tokens, opts, None))
-    err.print(
-        f"perplexity: calculating perplexity over {n_chunks} chunks, batch_size={engine.options.n_batch}"
-    )
+        return reference, None, None, "the dense FFN"
+    record = BaseLogits(run.ppl.n_ctx, run.ppl.stride, []) if run.kl_base is not None else None
+    return None, None, record, "the dense FFN"
 
-    # with stdout and stderr on one terminal the live bar would tear the stdout line: print it at the end
-    stream = not (sys.stdout.isatty() and err.is_terminal)
+
+def score_with_progress(
+    engine: Engine, tokens: list[int], opts: PerplexityOptions, n_chunks: int, **compare: Any
+) -> PerplexityResult:
+    """`eval.perplexity` with a progress bar on stderr and the running [i]PPL values on stdout (streamed, or at the
+    end when stdout and stderr share a terminal, where the live bar would tear the stdout line)."""
+    stream = not (sys.stdout.isatty() and err_console.is_terminal)
     progress = Progress(
         TextColumn("perplexity"),
         BarColumn(),
@@ -209,7 +180,7 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
         TextColumn("ETA"),
         TimeRemainingColumn(),
         TextColumn("{task.fields[ppl]}"),
-        console=err,
+        console=err_console,
         transient=True,
         redirect_stdout=False,
         redirect_stderr=False,
@@ -235,10 +206,52 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
 
     with progress:
         task = progress.add_task("perplexity", total=n_chunks, ppl="")
-        result = perplexity(
-            engine, tokens, opts, reference=reference, on_chunk=on_chunk, base=base, record=record
-        )
+        result = perplexity(engine, tokens, opts, on_chunk=on_chunk, **compare)
     sys.stdout.write("".join(pending) + "\n")
+    return result
+
+
+def run_perplexity(run: PerplexityRun) -> PerplexityResult:
+    """Load the model(s), compute the perplexity, print results on stdout and progress/timings on stderr."""
+    err = err_console
+    err.print(f"perplexity: seed  = {run.seed}")
+    text = read_text(run.text_file)
+    if run.kl_base is not None and not run.kl_divergence:  # a base to write: refuse a bad path before the run
+        check_base_target(run.kl_base)
+    engine = Engine(run.model, run.engine)
+    c = engine.config
+    err.print(
+        f"llm_load_print_meta: arch = {c.arch}, "
+        f"mode = {'sparse (PWRI)' if engine.sparse_stats else 'dense'}, "
+        f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
+        f"file = {engine.weight_bytes / 2**20:.2f} MiB",
+        markup=False,
+    )
+    err.print(
+        f"perplexity: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
+        f"n_threads = {engine.kc.n_threads}",
+        markup=False,
+    )
+    reference, base, record, against = comparison(run, engine)
+    if run.kl_divergence and engine.sparse_stats is not None:
+        engine.sparse_stats.track_recall()
+    err.print("perplexity: tokenizing the input ..")
+    t = time.perf_counter()
+    tokens = tokenize_text(engine, text)
+    err.print(f"perplexity: tokenization took {(time.perf_counter() - t) * 1e3:g} ms")
+    opts = run.ppl
+    if opts.stride > 0:
+        err.print(
+            f"perplexity: strided calculation, context size adjusted from {opts.n_ctx} to "
+            f"{context_size(opts.n_ctx, opts.stride)}"
+        )
+    n_chunks = len(plan_chunks(tokens, opts, None))
+    err.print(
+        f"perplexity: calculating perplexity over {n_chunks} chunks, batch_size={engine.options.n_batch}"
+    )
+    result = score_with_progress(
+        engine, tokens, opts, n_chunks, reference=reference, base=base, record=record
+    )
     print_final(result)
     if result.kld is not None:
         print_kld(result, engine, against)

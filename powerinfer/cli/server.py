@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, ClassVar
 
 import typer
 
@@ -13,19 +14,24 @@ from powerinfer.cli.common import run_guarded, setup_logging
 from powerinfer.cli.options import EngineArgs, LogDisableOpt, SamplingArgs, takes
 from powerinfer.errors import InputError
 
+if TYPE_CHECKING:
+    from powerinfer.server import ServerOptions
 
-@takes(EngineArgs, SamplingArgs)
-def server(
-    engine: EngineArgs,
-    sampling: SamplingArgs,
-    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="TCP port.", envvar="PORT")] = 8080,
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """The options of the server itself: address, slots, limits, template."""
+
+    PANEL: ClassVar[str] = "Server"
+
+    host: Annotated[str, typer.Option("--host", help="Address to bind (loopback by default).")] = "127.0.0.1"
+    port: Annotated[int, typer.Option("--port", help="TCP port.", envvar="PORT")] = 8080
     parallel: Annotated[
         int, typer.Option("-np", "--parallel", help="KV slots: sequences decoded together.")
-    ] = 4,
+    ] = 4
     n_predict: Annotated[
         int, typer.Option("-n", "--n-predict", help="Default token limit of a request (-1 = until EOS).")
-    ] = -1,
+    ] = -1
     api_key: Annotated[
         str | None,
         typer.Option(
@@ -34,10 +40,10 @@ def server(
             show_default=False,
             help="Require 'Authorization: Bearer KEY' (401 otherwise).",
         ),
-    ] = None,
+    ] = None
     timeout: Annotated[
         float, typer.Option("-to", "--timeout", help="Seconds a request may wait plus generate.")
-    ] = 600.0,
+    ] = 600.0
     alias: Annotated[
         str | None,
         typer.Option(
@@ -47,46 +53,46 @@ def server(
             "name); requests may name any model, the loaded one serves them all.",
             show_default=False,
         ),
-    ] = None,
+    ] = None
     max_queue: Annotated[
         int, typer.Option("--max-queue", help="Requests waiting beyond the slots (503 past it).")
-    ] = 32,
+    ] = 32
     max_body: Annotated[
         int, typer.Option("--max-body", help="Largest request body in bytes (413 past it).")
-    ] = 1 << 20,
+    ] = 1 << 20
     chat_template: Annotated[
         Path | None,
         typer.Option(
             "--chat-template-file", show_default=False, help="Jinja2 chat template replacing the model's."
         ),
-    ] = None,
+    ] = None
     n_predict_max: Annotated[
         int,
         typer.Option(
             "--n-predict-max", help="Cap on any request's token limit (-1 = only the context limits it)."
         ),
-    ] = -1,
+    ] = -1
     read_timeout: Annotated[
         float,
         typer.Option(
             "--read-timeout",
             help="Seconds a connection has to deliver a whole request (line, headers, body); closed past it.",
         ),
-    ] = 20.0,
+    ] = 20.0
     write_timeout: Annotated[
         float,
         typer.Option(
             "--write-timeout",
             help="Seconds a response may stall on a client that does not read; aborted past it.",
         ),
-    ] = 60.0,
+    ] = 60.0
     max_connections: Annotated[
         int,
         typer.Option(
             "--max-connections",
             help="Open connections; past it the oldest one without a complete request is closed (503 if none).",
         ),
-    ] = 512,
+    ] = 512
     embedding: Annotated[
         bool,
         typer.Option(
@@ -94,50 +100,60 @@ def server(
             help="Serve POST /v1/embeddings and /embedding: the mean of the final-normed hidden states over "
             "the input's tokens (or the GGUF's pooling type), L2-normalised.",
         ),
-    ] = False,
-    log_disable: LogDisableOpt = False,
+    ] = False
+
+    def options(self, engine: EngineArgs, sampling: SamplingArgs) -> ServerOptions:
+        """ServerOptions, every limit checked first (one InputError line each), then the model resolved."""
+        from powerinfer.server import ServerOptions
+
+        if self.parallel < 1:
+            raise InputError(f"-np/--parallel must be >= 1 (got {self.parallel})")
+        if self.max_queue < 0 or self.max_body < 1:
+            raise InputError("--max-queue must be >= 0 and --max-body >= 1")
+        if not 0 <= self.port <= 65535:
+            raise InputError(f"--port must be in 0..65535 (0: any free port), got {self.port}")
+        if not (0 < self.read_timeout < math.inf and 0 < self.write_timeout < math.inf):
+            raise InputError("--read-timeout and --write-timeout must be positive numbers of seconds")
+        if self.max_connections < 1 or self.n_predict_max < -1:
+            raise InputError("--max-connections must be >= 1 and --n-predict-max >= -1")
+        template = None
+        if self.chat_template is not None:
+            try:
+                template = self.chat_template.read_text(encoding="utf-8")
+            except OSError as e:
+                raise InputError(f"cannot read chat template {self.chat_template}: {e.strerror}") from None
+        return ServerOptions(
+            model=engine.model_path(),
+            engine=engine.options(n_seq=self.parallel),
+            sampling=sampling.params(),
+            n_predict=self.n_predict,
+            host=self.host,
+            port=self.port,
+            api_key=self.api_key or None,
+            timeout_s=self.timeout,
+            alias=self.alias,
+            max_queue=self.max_queue,
+            max_body_bytes=self.max_body,
+            chat_template=template,
+            n_predict_max=self.n_predict_max,
+            read_timeout_s=self.read_timeout,
+            write_timeout_s=self.write_timeout,
+            max_connections=self.max_connections,
+            embedding=self.embedding,
+        )
+
+
+@takes(ServerArgs, EngineArgs, SamplingArgs)
+def server(
+    http: ServerArgs, engine: EngineArgs, sampling: SamplingArgs, log_disable: LogDisableOpt = False
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
     setup_logging(log_disable)
 
     def body() -> None:
-        from powerinfer.server import Server, ServerOptions
+        from powerinfer.server import Server
 
-        if parallel < 1:
-            raise InputError(f"-np/--parallel must be >= 1 (got {parallel})")
-        if max_queue < 0 or max_body < 1:
-            raise InputError("--max-queue must be >= 0 and --max-body >= 1")
-        if not 0 <= port <= 65535:
-            raise InputError(f"--port must be in 0..65535 (0: any free port), got {port}")
-        if not (0 < read_timeout < math.inf and 0 < write_timeout < math.inf):
-            raise InputError("--read-timeout and --write-timeout must be positive numbers of seconds")
-        if max_connections < 1 or n_predict_max < -1:
-            raise InputError("--max-connections must be >= 1 and --n-predict-max >= -1")
-        template = None
-        if chat_template is not None:
-            try:
-                template = chat_template.read_text(encoding="utf-8")
-            except OSError as e:
-                raise InputError(f"cannot read chat template {chat_template}: {e.strerror}") from None
-        opts = ServerOptions(
-            model=engine.model_path(),
-            engine=engine.options(n_seq=parallel),
-            sampling=sampling.params(),
-            n_predict=n_predict,
-            host=host,
-            port=port,
-            api_key=api_key or None,
-            timeout_s=timeout,
-            alias=alias,
-            max_queue=max_queue,
-            max_body_bytes=max_body,
-            chat_template=template,
-            n_predict_max=n_predict_max,
-            read_timeout_s=read_timeout,
-            write_timeout_s=write_timeout,
-            max_connections=max_connections,
-            embedding=embedding,
-        )
+        opts = http.options(engine, sampling)
         if not serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
             Server(opts).run()
 
