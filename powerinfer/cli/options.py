@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import math
 import os
+import time
 from collections.abc import Callable
 from copy import copy
 from dataclasses import dataclass
@@ -30,6 +32,8 @@ from powerinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from powerinfer.runtime.engine import EngineOptions
+
+log = logging.getLogger(__name__)
 
 ModelOpt = Annotated[
     Path | None,
@@ -155,9 +159,7 @@ def threads(n: int) -> int:
         return cores
     cap = min(THREADS_PER_CORE * cores, ENGINE_MAX_THREADS)
     if n > cap:
-        import logging
-
-        logging.getLogger(__name__).warning(
+        log.warning(
             "-t %d is more than %d threads per CPU core (%d cores): using %d threads",
             n,
             THREADS_PER_CORE,
@@ -177,8 +179,6 @@ def seed(value: int) -> int:
 
 def random_seed(value: int) -> int:
     """A normalised seed (see `seed`), with -1 replaced by a time-based one as llama.cpp does."""
-    import time
-
     s = seed(value)
     return int(time.time()) % (UINT32 - 1) if s == -1 else s
 
