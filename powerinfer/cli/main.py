@@ -137,7 +137,7 @@ class InteractiveArgs:
 def main(
     engine: EngineArgs,
     sampling: SamplingArgs,
-    interactive: InteractiveArgs,
+    io: InteractiveArgs,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "",
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[
@@ -180,7 +180,7 @@ def main(
             display_prompt=not no_display_prompt,
             engine=engine.options(),
             sampling=sampling.params(),
-            interactive=interactive.options(escape),
+            interactive=io.options(escape),
         )
         if serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
             return 0

@@ -341,6 +341,7 @@ def takes(*groups: type, skip: tuple[str, ...] = (), **defaults: Any) -> Callabl
                 taken[group].append(field.name)
         assert not defaults, f"no such options: {sorted(defaults)}"
         assert not {p.name for p in own} & {p.name for p in added}, "an option declared twice"
+        assert not set(slots) & {p.name for p in added}, "a group's parameter named like an option"
 
         @functools.wraps(fn)
         def command(**kwargs: Any) -> Any:
