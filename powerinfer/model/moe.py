@@ -17,8 +17,8 @@ import torch
 from powerinfer import ops
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
-from powerinfer.model.blocks import DenseFFN, Weight
-from powerinfer.ops.moe import experts_matmul, grouped_matmul
+from powerinfer.model.blocks import DenseFFN, Norm, Weight
+from powerinfer.ops.moe import experts_matmul, grouped_matmul, moe_experts
 
 GATING_FUNCS = ("softmax", "sigmoid")
 ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
@@ -112,6 +112,10 @@ class Experts:
         self.rows_path = gate.ggml_type in rows and up.ggml_type in rows
         self.sparse = ((spec.act == "relu") if sparse is None else sparse) and self.rows_path
         self.neurons = torch.arange(F)
+        # one token in one kernel call (kernels/cpu/moe.c: gate, up, down of the k experts and their weighted sum,
+        # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
+        relu = (spec.act == "relu") if sparse is None else sparse
+        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
@@ -123,6 +127,9 @@ class Experts:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
         T, k = ids.shape
         out = torch.zeros(T, self.n_embd, dtype=torch.float32)
+        if T == 1 and self.kernel is not None:
+            self.kernel(x, ids, weights, out)
+            return out
         if T == 1 and self.one_path:
             return self.one_token(x, ids, weights, out)
         if T == 1:
@@ -206,6 +213,26 @@ class MoEFFN:
         self._early: torch.Tensor | None = None  # router logits of the layer input (route_input "layer")
         self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
 
+    def fuse(self, norm: Norm) -> FusedMoEFFN | None:
+        """This block behind `norm` as one token's norm, router and one experts kernel call adding into the residual
+        in place; None where that does not apply (no experts kernel, a shared expert, a LayerNorm, a placed
+        router)."""
+        if self.experts.kernel is None or self.shared is not None or norm.spec.kind == "layer":
+            return None
+        if self.router.on_device:
+            return None
+        return FusedMoEFFN(self, norm)
+
+    def add_one(self, x_norm: torch.Tensor, x: torch.Tensor) -> None:
+        """x (1, n_embd) += this FFN of x_norm (1, n_embd), both float32 contiguous CPU: x + self(x_norm, x) bit for
+        bit, without the zeros and the add."""
+        ids, weights = route(self.logits(x_norm), self.spec)
+        if self.counts is not None:
+            self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
+        kernel = self.experts.kernel
+        assert kernel is not None
+        kernel(x_norm, ids, weights, x)
+
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
         self._early = ops.linear(x if self.router.on_device else x.to("cpu"), self.router, self.kc)
@@ -229,3 +256,18 @@ class MoEFFN:
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+
+class FusedMoEFFN:
+    """A layer's MoE FFN block (norm and residual add included) for one token: norm, router, one experts kernel
+    call (the fused-FFN protocol of powerinfer.model.transformer)."""
+
+    def __init__(self, ffn: MoEFFN, norm: Norm) -> None:
+        self.ffn, self.norm = ffn, norm
+
+    def scratch_bytes(self) -> int:
+        return 0  # the experts kernel keeps its own
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor | None, first: bool = False) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place."""
+        self.ffn.add_one(self.norm(x), x)

@@ -16,6 +16,7 @@ import torch
 from powerinfer import ops
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
+from powerinfer.model.moe import FusedMoEFFN, MoEFFN
 from powerinfer.model.sparse import FusedSparseFFN, FusedThresholdFFN, SparseFFN, ThresholdFFN
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
@@ -44,7 +45,7 @@ class Layer:
     pre_attn: Callable[[torch.Tensor], None] | None = None
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
     fused_attn: ops.AttnBlock | None = None
-    fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | None = None
+    fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | FusedMoEFFN | None = None
 
 
 class Transformer:
@@ -93,7 +94,10 @@ class Transformer:
             ):
                 continue
             layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
-            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN | ThresholdFFN):
+            # a MoE FFN block fuses behind either attention path (its kernel gives the op-by-op bits)
+            if isinstance(layer.ffn, MoEFFN) or (
+                layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN | ThresholdFFN)
+            ):
                 layer.fused_ffn = layer.ffn.fuse(layer.ffn_norm)
                 if layer.fused_ffn is not None:
                     layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())
@@ -131,15 +135,18 @@ class Transformer:
         seq, pos = seg.seq, seg.pos
         for bid, layer in enumerate(self.layers):
             attn = layer.fused_attn
-            if attn is None:
+            if attn is None and layer.fused_ffn is None:
                 x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
                 continue
             workspace = layer.attn.workspace
-            rope = layer.attn.rope
-            assert rope is not None
             if layer.pre_attn is not None:
                 layer.pre_attn(x)
-            attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
+            if attn is not None:
+                rope = layer.attn.rope
+                assert rope is not None
+                attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
+            else:  # op by op (setup fused the FFN only where the layer is plain: no post-norms, not parallel)
+                x = x + layer.attn(layer.attn_norm(x), batch, kv.layer_view(bid))
             if layer.fused_ffn is not None:
                 layer.fused_ffn(x, workspace.get("ffn_block"), pos == 0)  # position 0: CATS runs it dense
                 continue

@@ -69,10 +69,11 @@ class _Resolved:
     sparse_ffn_block: Any
     cats_ffn_block: Any
     rms_norm: Any
+    moe_experts: Any  # one token's selected experts of a MoE FFN
 
 
 _NONE = _Resolved(
-    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None
+    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None, None
 )
 
 
@@ -97,6 +98,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         sparse_ffn_block=lib.sparse_ffn_block,
         cats_ffn_block=lib.cats_ffn_block,
         rms_norm=lib.rms_norm,
+        moe_experts=lib.moe_experts,
     )
 
 

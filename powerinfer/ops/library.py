@@ -104,6 +104,8 @@ _ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, 
 _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # cats_ffn_block (desc, x, dense, scratch, scratch_bytes, q8, n_threads, isa)
 _CATS_FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _i32, _ptr, _i64, _i32, _i32, _i32)
+# moe_experts (desc, xn, ids, weights, k, y, scratch, scratch_bytes, q8, n_threads, isa)
+_MOE_EXPERTS_ARGTYPES = (_ptr,) * 4 + (_i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
@@ -147,6 +149,8 @@ class Library:
     cats_ffn_block_scratch_bytes: Any
     sparse_ffn_block_scratch_bytes: Any
     rms_norm: Any
+    moe_experts: Any  # one token's selected experts of a MoE FFN (kernels/cpu/moe.c)
+    moe_experts_scratch_bytes: Any
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
@@ -210,6 +214,8 @@ def _open(path: str) -> Library:
         ffn_block_scratch_bytes=_symbol(lib, "pi_ffn_block_scratch_bytes", (_i64, _i64), _i64),
         sparse_ffn_block_scratch_bytes=_symbol(lib, "pi_sparse_ffn_block_scratch_bytes", (_i64,) * 3, _i64),
         rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),
+        moe_experts=_symbol(lib, "pi_moe_experts", _MOE_EXPERTS_ARGTYPES),
+        moe_experts_scratch_bytes=_symbol(lib, "pi_moe_experts_scratch_bytes", (_i64,) * 3, _i64),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),

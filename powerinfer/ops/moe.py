@@ -4,18 +4,35 @@
 output is bit for bit what `linear` gives on the expert's row slice) into one preallocated output, without a
 `linear` call, weight slice or output tensor per expert; `experts_matmul_ref` is `linear` on each slice.
 `grouped_matmul` does the same for a batch's tokens grouped by expert (one kernel call per group).
+
+`moe_experts` describes a layer's stacked experts once (a C struct of weight pointers, kernels/cpu/moe.c); each
+call of the `MoEExperts` it returns then runs one token's k selected experts (gate, up, activation, down, the
+weighted sum in expert order) in one kernel call and one parallel region: the bits of `experts_matmul` on each
+matrix, `gated` and torch's `out += y_j * w_j`.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from powerinfer.ops import library
+from powerinfer.ops.activation import activation_code
 from powerinfer.ops.context import KernelContext, default_context
 from powerinfer.ops.dense import linear
+from powerinfer.ops.layer import _Mat, _mat
 from powerinfer.ops.library import check_status
 from powerinfer.ops.weights import QWeight, weight_rows
 
-__all__ = ["experts_matmul", "experts_matmul_ref", "grouped_matmul", "grouped_matmul_ref"]
+__all__ = [
+    "MoEExperts",
+    "experts_matmul",
+    "experts_matmul_ref",
+    "grouped_matmul",
+    "grouped_matmul_ref",
+    "moe_experts",
+]
 
 
 def experts_matmul_ref(
@@ -122,3 +139,82 @@ def grouped_matmul(
                 check_status(status, "grouped_matmul")
         start += n
     return y
+
+
+_i64, _i32 = ctypes.c_int64, ctypes.c_int32
+
+
+class _MoEDesc(ctypes.Structure):  # pi_moe_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_ff", _i64), ("n_expert", _i64), ("act", _i32), ("sparse", _i32),
+        ("gate", _Mat), ("up", _Mat), ("down", _Mat),
+    ]  # fmt: skip
+
+
+class MoEExperts:
+    """A layer's stacked experts for one token: y += sum_j w_j * down_j(act(gate_j x) * up_j x) over the selected
+    experts j, in one kernel call."""
+
+    def __init__(self, desc: _MoEDesc, keep: tuple[object, ...], n_used: int, kc: KernelContext) -> None:
+        self.desc, self._keep, self.kc = desc, keep, kc
+        self._desc_ref = ctypes.byref(desc)
+        self.n_embd, self.n_used = int(desc.n_embd), n_used
+        n = int(library.load().moe_experts_scratch_bytes(desc.n_embd, desc.n_ff, n_used))
+        self.scratch = torch.empty(n, dtype=torch.uint8)  # this layer's, reused by every call
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
+        """x (1, n_embd) float32 the normed input; ids (1, k) int64 and weights (1, k) float32 the experts in the
+        order their products are added; y (1, n_embd) float32 contiguous CPU, added to in place."""
+        k, E = self.n_used, self.n_embd
+        if (
+            x.numel() != E
+            or y.numel() != E
+            or ids.numel() != k
+            or weights.numel() != k
+            or x.dtype is not torch.float32
+            or y.dtype is not torch.float32
+            or ids.dtype is not torch.int64
+            or weights.dtype is not torch.float32
+            or not (
+                x.is_contiguous() and y.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+            )
+            or not (x.is_cpu and y.is_cpu and ids.is_cpu and weights.is_cpu)
+        ):
+            raise ValueError("moe_experts: x, ids, weights or y do not match the experts")
+        kc = self.kc
+        status = kc.kernels.moe_experts(
+            self._desc_ref, x.data_ptr(), ids.data_ptr(), weights.data_ptr(), k, y.data_ptr(),
+            self.scratch.data_ptr(), self.scratch.numel(), kc.act_precision == "q8", kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "moe_experts")
+
+
+def moe_experts(
+    gate: QWeight,
+    up: QWeight,
+    down: QWeight,
+    n_expert: int,
+    n_used: int,
+    act: str,
+    sparse: bool,
+    kc: KernelContext | None = None,
+) -> MoEExperts | None:
+    """The one-token kernel of n_expert stacked experts (gate and up (n_expert * n_ff, n_embd), down
+    (n_expert * n_embd, n_ff)) of which n_used are selected per token; `sparse` (ReGLU): the up rows of neurons
+    whose gate is <= 0 are not read. None where the kernels cannot run it (a weight on a device or of a type
+    without a kernel kind)."""
+    kc = kc or default_context()
+    if kc.kernels.moe_experts is None:
+        return None
+    mats = [_mat(w, kc) for w in (gate, up, down)]
+    if any(m is None for m in mats):
+        return None
+    n_rows, n_embd = gate.shape
+    if n_expert <= 0 or n_rows % n_expert or not 0 < n_used <= n_expert:
+        return None
+    n_ff = n_rows // n_expert
+    if up.shape != gate.shape or down.shape != (n_expert * n_embd, n_ff):
+        return None
+    desc = _MoEDesc(n_embd, n_ff, n_expert, activation_code(act), int(sparse), *mats)
+    return MoEExperts(desc, (gate, up, down), n_used, kc)

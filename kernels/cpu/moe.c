@@ -1,0 +1,158 @@
+/* The experts of a mixture-of-experts FFN for one token, in one call and one parallel region:
+ *
+ *   pi_moe_experts: y += sum_j w_j * down_{e_j} . (act(gate_{e_j} . n) * up_{e_j} . n), j = 0 .. k - 1 in order
+ *
+ * over the stacked expert tensors as ggml files store them (gate and up (n_expert * n_ff, n_embd), down
+ * (n_expert * n_embd, n_ff)): only the k selected experts' rows are read. The gate and up rows of all k experts are
+ * one list of k * n_ff neurons split over the team in contiguous ranges (a neuron's gate and up rows on one thread,
+ * so h needs no barrier), then each expert's h is prepared for its down rows, then each thread takes a contiguous
+ * range of the n_embd outputs of every expert and sums the k products with the routing weights in expert order.
+ * ReGLU experts (sparse) read the up row of a neuron only where its gate is > 0 (h = 0 elsewhere: exact).
+ *
+ * Every product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen precision (the helpers of sparse.h
+ * and matmul.h the fused blocks of layer.c use), the activation pi_gated's, and the sum is torch's
+ * `out += y_j * w_j` from zero in expert order: the bits of the per-expert matmuls the prompt path groups
+ * (powerinfer/model/moe.py), whatever the thread count.
+ */
+#include <math.h>
+#include <omp.h>
+
+#include "sparse.h"
+
+/* One stacked weight: n_rows rows of n_cols elements of `kind` (enum axpy_kind), stride bytes apart (the layout
+ * of layer.c's pi_mat; the ctypes mirror is powerinfer/ops/layer.py's _Mat). */
+typedef struct {
+    const uint8_t *w;
+    int64_t stride;
+    int64_t n_rows;
+    int64_t n_cols;
+    int32_t kind;
+    int32_t reserved;
+} pi_moe_mat;
+
+/* The experts of a layer: the ctypes mirror is powerinfer/ops/moe.py */
+typedef struct {
+    int64_t n_embd, n_ff, n_expert;
+    int32_t act, sparse; /* act: enum ffn_act; sparse: ReGLU, up rows of neurons whose gate is <= 0 not read */
+    pi_moe_mat gate, up, down;
+} pi_moe_desc;
+
+#define MOE_MAX_EXPERTS (1 << 16)
+#define MOE_MAX_DIM (1LL << 30)
+
+static size_t moe_input_bytes(int64_t K) { return act_q8_bytes(K) + kq8_act_bytes(K); }
+
+static size_t moe_scratch(int64_t E, int64_t F, int64_t k) {
+    return moe_input_bytes(E) + align_up((size_t)(k * F) * 4) * 2 + align_up((size_t)(k * E) * 4) +
+           (size_t)k * moe_input_bytes(F) + align_up((size_t)k * sizeof(act_q8)) +
+           align_up((size_t)k * sizeof(act_q8k));
+}
+
+/* Bytes of scratch pi_moe_experts needs for k selected experts, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_moe_experts_scratch_bytes(int64_t n_embd, int64_t n_ff, int64_t k) {
+    if (n_embd <= 0 || n_ff <= 0 || k <= 0 || n_embd > MOE_MAX_DIM || n_ff > MOE_MAX_DIM || k > MOE_MAX_EXPERTS)
+        return -1;
+    return (int64_t)(moe_scratch(n_embd, n_ff, k) + PI_SCRATCH_ALIGN);
+}
+
+/* x (K) prepared in buf (moe_input_bytes(K)) for matrices of kinds ka and kb in the precision q8 */
+static void moe_prepare(const matmul_table *t, int32_t level, int ka, int kb, int q8, const float *x, int64_t K,
+                        uint8_t *buf, act_q8 *a, act_q8k *ak) {
+    if (q8 && (kind_has_q8_tile(ka) || kind_has_q8_tile(kb))) act_q8_prepare(t, x, K, buf, a);
+    if (q8 && (kind_is_kq(ka) || kind_is_kq(kb))) kq8_act_prepare(level, x, K, buf + act_q8_bytes(K), ak);
+}
+
+/* y[n] = row n of the matrix at w (rows stride bytes apart, K columns of `kind`) . x for n in [n0, n1): as
+ * pi_matmul_<type> computes row n at T = 1 in the precision q8 (layer.c's mv_rows) */
+static void moe_rows(const matmul_table *t, int32_t level, int kind, const uint8_t *w, int64_t stride, int64_t K,
+                     int q8, const act_q8 *a, const act_q8k *ak, const float *x, int64_t n0, int64_t n1, float *y) {
+    if (n0 >= n1) return;
+    if (q8 && kind_is_kq(kind)) {
+        kq8_rows(level, kind - KIND_Q2_K, w + n0 * stride, stride, n1 - n0, ak, y + n0);
+        return;
+    }
+    const ffn_mat f = ffn_mat_of(t, kind, q8, w, stride, K);
+    ffn_mat_matvec(&f, kind, a, x, K, n0, n1, y);
+}
+
+static int moe_mat_ok(const pi_moe_mat *m, int64_t n_rows, int64_t n_cols) {
+    if (m->n_rows != n_rows || m->n_cols != n_cols || n_rows <= 0 || n_cols <= 0) return 0;
+    return check_weight(m->kind, m->n_rows, m->n_cols, m->w, m->stride) == PI_OK;
+}
+
+/* pi_moe_experts(desc, xn, ids, weights, k, y, scratch, scratch_bytes, q8, threads, isa): y (n_embd) += the sum
+ * above for the token's normed FFN input xn (n_embd), its k experts ids (in the order their products are added)
+ * and routing weights; scratch: at least pi_moe_experts_scratch_bytes(n_embd, n_ff, k) bytes. */
+PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const int64_t *ids, const float *weights,
+                                 int64_t k, float *y, void *scratch, int64_t scratch_bytes, int32_t q8,
+                                 int32_t n_threads, int32_t isa) {
+    if (d == NULL || xn == NULL || ids == NULL || weights == NULL || y == NULL) return PI_ERR_SHAPE;
+    const int64_t E = d->n_embd, F = d->n_ff, NE = d->n_expert;
+    if (E <= 0 || F <= 0 || E > MOE_MAX_DIM || F > MOE_MAX_DIM || NE <= 0 || NE > MOE_MAX_EXPERTS || k <= 0 ||
+        k > NE || d->act < ACT_RELU || d->act > ACT_LAST)
+        return PI_ERR_SHAPE;
+    if (!moe_mat_ok(&d->gate, NE * F, E) || !moe_mat_ok(&d->up, NE * F, E) || !moe_mat_ok(&d->down, NE * E, F))
+        return PI_ERR_SHAPE;
+    for (int64_t j = 0; j < k; j++)
+        if (ids[j] < 0 || ids[j] >= NE) return PI_ERR_INDEX;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, moe_scratch(E, F, k), &buf);
+    if (status != PI_OK) return status;
+    uint8_t *prep_x = buf;
+    float *g = (float *)(buf + moe_input_bytes(E));
+    float *u = (float *)((uint8_t *)g + align_up((size_t)(k * F) * 4));
+    float *yb = (float *)((uint8_t *)u + align_up((size_t)(k * F) * 4));
+    uint8_t *prep_h = (uint8_t *)yb + align_up((size_t)(k * E) * 4);
+    act_q8 *ha = (act_q8 *)(prep_h + (size_t)k * moe_input_bytes(F));
+    act_q8k *hak = (act_q8k *)((uint8_t *)ha + align_up((size_t)k * sizeof(act_q8)));
+
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *t = matmul_table_for(level);
+    const pi_moe_mat *gm = &d->gate, *um = &d->up, *dm = &d->down;
+    const int act = d->act, sparse = d->sparse != 0;
+    const int32_t nt = threads_for_work(n_threads, 3 * k * F * E);
+    act_q8 xa = {0};
+    act_q8k xak = {0};
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+#pragma omp single
+        moe_prepare(t, level, gm->kind, um->kind, q8, xn, E, prep_x, &xa, &xak);
+        /* this thread's neurons of the k * F, each with its gate and up rows */
+        const int64_t total = k * F, r0 = total * me / all, r1 = total * (me + 1) / all;
+        for (int64_t j = r0 / F; j < k && j * F < r1; j++) {
+            const int64_t lo = r0 > j * F ? r0 - j * F : 0, hi = r1 < (j + 1) * F ? r1 - j * F : F;
+            const uint8_t *gw = gm->w + ids[j] * F * gm->stride, *uw = um->w + ids[j] * F * um->stride;
+            float *gj = g + j * F, *uj = u + j * F;
+            moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
+            if (sparse) {
+                for (int64_t n = lo; n < hi; n++) {
+                    if (gj[n] > 0.0f) {
+                        moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, n, n + 1, uj);
+                        gj[n] = relu_f(gj[n]) * uj[n];
+                    } else {
+                        gj[n] = 0.0f;
+                    }
+                }
+            } else {
+                moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, lo, hi, uj);
+                for (int64_t n = lo; n < hi; n++) gj[n] = ffn_act(act, gj[n]) * uj[n];
+            }
+        }
+#pragma omp barrier
+        for (int64_t j = me; j < k; j += all)
+            moe_prepare(t, level, dm->kind, dm->kind, q8, g + j * F, F, prep_h + j * moe_input_bytes(F), &ha[j],
+                        &hak[j]);
+#pragma omp barrier
+        const int64_t e0 = E * me / all, e1 = E * (me + 1) / all;
+        for (int64_t j = 0; j < k; j++)
+            moe_rows(t, level, dm->kind, dm->w + ids[j] * E * dm->stride, dm->stride, F, q8, &ha[j], &hak[j],
+                     g + j * F, e0, e1, yb + j * E);
+        for (int64_t n = e0; n < e1; n++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++) acc += yb[j * E + n] * weights[j];
+            y[n] += acc;
+        }
+    }
+    return PI_OK;
+}
