@@ -264,7 +264,7 @@ def test_fused_decode_equals_op_by_op(files, arch: str, kind: str, act: str):
         whole_kernels = arch in ("qwen3moe", "mixtral")  # Qwen2-MoE: q/k/v biases
         assert all(la.fused_attn is not None for la in layers) == whole_kernels
 
-        def decode() -> torch.Tensor:
+        def decode(engine: Engine = engine) -> torch.Tensor:
             engine.reset()
             engine.eval(prompt)
             return torch.stack([engine.eval([t]).clone() for t in ids])
