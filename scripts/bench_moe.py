@@ -102,7 +102,9 @@ class Ours:
     def __init__(self, model: Path, threads: int, n_ctx: int) -> None:
         from powerinfer.runtime.engine import Engine, EngineOptions
 
-        self.engine = Engine(model, EngineOptions(n_ctx=n_ctx, n_batch=512, n_threads=threads))
+        # int8 activation blocks (the CLI's default, llama.cpp's arithmetic)
+        options = EngineOptions(n_ctx=n_ctx, n_batch=512, n_threads=threads, act_precision="q8")
+        self.engine = Engine(model, options)
         self.engine.eval(prompt_tokens(self.engine.config.n_vocab, 8))  # page cache, thread pool
 
     def run(self, n_prompt: int, n_gen: int) -> tuple[float, float]:

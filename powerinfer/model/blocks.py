@@ -142,15 +142,18 @@ class Attention:
             wqkv is None
             and all(b is None for b in biases)
             and (q_norm is None or (not spec.qk_norm_whole and q_norm.spec.kind != "layer"))
-            and spec.sliding_window is None
             and spec.scale is None
         )
 
     def setup(self, rope: Rope | None, n_ctx: int) -> None:
         self.rope = rope
         # one token with full RoPE (adjacent pairs or NEOX) and nothing else: the fused decode-attention op applies
+        # a sliding window at least as long as the context hides no key (keys at or below pos - window are out of
+        # reach; SmallThinker's 4096): the kernels, which see every key, apply
+        window = self.spec.sliding_window
         self._one_kernel = (
             self.plain
+            and (window is None or n_ctx <= window)
             and rope is not None
             and rope.spec.kind in ("adjacent", "neox")
             and rope.spec.n_rot == self.spec.head_dim
