@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <string.h>
 
 #include "sparse.h"
 
@@ -30,14 +31,27 @@ typedef struct {
     int32_t reserved;
 } pi_moe_mat;
 
-/* The experts of a layer: the ctypes mirror is powerinfer/ops/moe.py */
+/* The experts of a layer and, for the whole block (pi_moe_ffn_block), its norm and router: the ctypes mirror is
+ * powerinfer/ops/moe.py */
 typedef struct {
     int64_t n_embd, n_ff, n_expert;
     int32_t act, sparse; /* act: enum ffn_act; sparse: ReGLU, up rows of neurons whose gate is <= 0 not read */
     pi_moe_mat gate, up, down;
+    /* the block: RMSNorm weight (n_embd) and eps, router (n_expert, n_embd), k experts per token, the gating (0
+     * softmax, 1 sigmoid), the renormalisation of the top-k weights and their scale (pi_moe_route) */
+    const float *norm;
+    float eps, weights_scale;
+    pi_moe_mat router;
+    int64_t n_used;
+    int32_t gating, norm_weights;
 } pi_moe_desc;
 
+/* pi_rms_norm (layer.c) */
+int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, const float *w, float eps, float *out,
+                    int64_t out_stride);
+
 #define MOE_MAX_EXPERTS (1 << 16)
+#define MOE_ROUTE_MAX_EXPERTS 4096
 #define MOE_MAX_DIM (1LL << 30)
 
 static size_t moe_input_bytes(int64_t K) { return act_q8_bytes(K) + kq8_act_bytes(K); }
@@ -155,4 +169,120 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
         }
     }
     return PI_OK;
+}
+
+/* ---- routing ------------------------------------------------------------------------------------------------------ */
+
+/* One token's router logits (n) -> its k experts in increasing id order and their weights: probabilities (softmax:
+ * exp(l - max) / their sum, summed in index order; sigmoid: 1 / (1 + exp(-l))), the k largest (ties: the lower id),
+ * divided by their sum (largest first) when norm, times scale when scale != 1. probs: n floats of scratch;
+ * n <= MOE_ROUTE_MAX_EXPERTS. */
+static void moe_route_row(const float *logits, int64_t n, int64_t k, int gating, int norm, float scale, float *probs,
+                          int64_t *ids, float *w) {
+    if (gating == 0) {
+        float m = logits[0];
+        for (int64_t i = 1; i < n; i++) m = logits[i] > m ? logits[i] : m;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            probs[i] = expf(logits[i] - m);
+            sum += probs[i];
+        }
+        for (int64_t i = 0; i < n; i++) probs[i] = probs[i] / sum;
+    } else {
+        for (int64_t i = 0; i < n; i++) probs[i] = 1.0f / (1.0f + expf(-logits[i]));
+    }
+    unsigned char taken[MOE_ROUTE_MAX_EXPERTS];
+    memset(taken, 0, (size_t)n);
+    for (int64_t j = 0; j < k; j++) { /* selection: the largest not yet taken (NaN never wins over a number) */
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++)
+            if (!taken[i] && (best < 0 || probs[i] > probs[best])) best = i;
+        taken[best] = 1;
+        ids[j] = best;
+        w[j] = probs[best];
+    }
+    if (norm) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += w[j];
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] / sum;
+    }
+    if (scale != 1.0f)
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
+    for (int64_t j = 1; j < k; j++) { /* insertion sort by id, the weights along */
+        const int64_t id = ids[j];
+        const float wj = w[j];
+        int64_t q = j - 1;
+        for (; q >= 0 && ids[q] > id; q--) {
+            ids[q + 1] = ids[q];
+            w[q + 1] = w[q];
+        }
+        ids[q + 1] = id;
+        w[q + 1] = wj;
+    }
+}
+
+/* pi_moe_route(logits, T, n, k, gating, norm, scale, ids, weights): each of T rows of n router logits -> k expert ids
+ * (T, k) int64 in increasing order and their weights (T, k) float32, as moe_route_row; the decode block routes with
+ * the same function, so a token's experts and weights do not depend on how it is batched. */
+PI_EXPORT int32_t pi_moe_route(const float *logits, int64_t T, int64_t n, int64_t k, int32_t gating, int32_t norm,
+                               float scale, int64_t *ids, float *weights) {
+    if (T < 0 || n <= 0 || n > MOE_ROUTE_MAX_EXPERTS || k <= 0 || k > n || gating < 0 || gating > 1) return PI_ERR_SHAPE;
+    if (T > 0 && (logits == NULL || ids == NULL || weights == NULL)) return PI_ERR_SHAPE;
+    float probs[MOE_ROUTE_MAX_EXPERTS];
+    for (int64_t t = 0; t < T; t++)
+        moe_route_row(logits + t * n, n, k, gating, norm != 0, scale, probs, ids + t * k, weights + t * k);
+    return PI_OK;
+}
+
+/* ---- the whole block ---------------------------------------------------------------------------------------------- */
+
+static size_t moe_block_scratch(int64_t E, int64_t NE, int64_t F, int64_t k) {
+    return align_up((size_t)E * 4) + align_up((size_t)NE * 4) * 2 + align_up((size_t)k * 8) + align_up((size_t)k * 4) +
+           moe_input_bytes(E) + moe_scratch(E, F, k) + PI_SCRATCH_ALIGN;
+}
+
+/* Bytes of scratch pi_moe_ffn_block needs, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_moe_ffn_block_scratch_bytes(int64_t n_embd, int64_t n_expert, int64_t n_ff, int64_t k) {
+    if (n_embd <= 0 || n_ff <= 0 || k <= 0 || n_expert < k || n_embd > MOE_MAX_DIM || n_ff > MOE_MAX_DIM ||
+        n_expert > MOE_ROUTE_MAX_EXPERTS)
+        return -1;
+    return (int64_t)(moe_block_scratch(n_embd, n_expert, n_ff, k) + PI_SCRATCH_ALIGN);
+}
+
+/* pi_moe_ffn_block(desc, x, logits, ids_out, scratch, scratch_bytes, q8, threads, isa): one token's MoE FFN block,
+ * x (n_embd) += pi_moe_experts(n, pi_moe_route(logits)), n = rmsnorm(x) * norm (pi_rms_norm's), logits = router . n
+ * (pi_matmul's row products) unless given (n_expert floats: a router that reads the layer input); ids_out (k, may be
+ * NULL) takes the experts chosen. The bits of rms_norm, linear, route, the experts and a float add one by one. */
+PI_EXPORT int32_t pi_moe_ffn_block(const pi_moe_desc *d, float *x, const float *logits, int64_t *ids_out,
+                                   void *scratch, int64_t scratch_bytes, int32_t q8, int32_t n_threads, int32_t isa) {
+    if (d == NULL || x == NULL || d->norm == NULL) return PI_ERR_SHAPE;
+    const int64_t E = d->n_embd, NE = d->n_expert, F = d->n_ff, k = d->n_used;
+    if (E <= 0 || F <= 0 || E > MOE_MAX_DIM || F > MOE_MAX_DIM || NE <= 0 || NE > MOE_ROUTE_MAX_EXPERTS || k <= 0 ||
+        k > NE || d->gating < 0 || d->gating > 1)
+        return PI_ERR_SHAPE;
+    if (logits == NULL && !moe_mat_ok(&d->router, NE, E)) return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, moe_block_scratch(E, NE, F, k), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *lg = (float *)(buf + align_up((size_t)E * 4));
+    float *probs = (float *)((uint8_t *)lg + align_up((size_t)NE * 4));
+    int64_t *ids = (int64_t *)((uint8_t *)probs + align_up((size_t)NE * 4));
+    float *w = (float *)((uint8_t *)ids + align_up((size_t)k * 8));
+    uint8_t *prep = (uint8_t *)w + align_up((size_t)k * 4);
+    uint8_t *rest = prep + moe_input_bytes(E);
+    const int64_t rest_bytes = scratch_bytes - (int64_t)(rest - (uint8_t *)scratch);
+    pi_rms_norm(x, 1, E, E, d->norm, d->eps, xn, E);
+    if (logits == NULL) {
+        const int32_t level = pi_isa_clamp(isa);
+        const matmul_table *t = matmul_table_for(level);
+        act_q8 a = {0};
+        act_q8k ak = {0};
+        moe_prepare(t, level, d->router.kind, d->router.kind, q8, xn, E, prep, &a, &ak);
+        moe_rows(t, level, d->router.kind, d->router.w, d->router.stride, E, q8, &a, &ak, xn, 0, NE, lg);
+        logits = lg;
+    }
+    moe_route_row(logits, NE, k, d->gating, d->norm_weights != 0, d->weights_scale, probs, ids, w);
+    if (ids_out != NULL) memcpy(ids_out, ids, (size_t)k * sizeof(int64_t));
+    return pi_moe_experts(d, xn, ids, w, k, x, rest, rest_bytes, q8, n_threads, isa);
 }

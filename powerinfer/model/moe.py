@@ -18,7 +18,14 @@ from powerinfer import ops
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import DenseFFN, Norm, Weight
-from powerinfer.ops.moe import experts_matmul, grouped_matmul, moe_experts
+from powerinfer.ops.moe import (
+    MoEFFNBlock,
+    experts_matmul,
+    grouped_matmul,
+    moe_experts,
+    moe_ffn_block,
+    moe_route,
+)
 
 GATING_FUNCS = ("softmax", "sigmoid")
 ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
@@ -60,10 +67,17 @@ class MoESpec:
             raise ConfigError(f"expert weights scale must be positive (got {self.weights_scale})")
 
 
-def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, spec: MoESpec, kc: ops.KernelContext | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts (T, k) int64 of each token, in increasing id order, and their weights (T, k) float32, from
-    router logits (T, n_expert): top-k of the gating probabilities, renormalised and scaled as the spec says."""
+    router logits (T, n_expert): top-k of the gating probabilities, renormalised and scaled as the spec says. The
+    kernel where it applies (the one the one-token block routes with: a token's experts do not depend on its
+    batch), else torch."""
     logits = logits.float()
+    routed = moe_route(logits, spec.n_expert_used, spec.gating, spec.norm_weights, spec.weights_scale, kc)
+    if routed is not None:
+        return routed
     probs = torch.softmax(logits, dim=-1) if spec.gating == "softmax" else torch.sigmoid(logits)
     weights, ids = probs.topk(spec.n_expert_used, dim=-1)  # (T, k), largest first
     if spec.norm_weights:
@@ -214,24 +228,19 @@ class MoEFFN:
         self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
 
     def fuse(self, norm: Norm) -> FusedMoEFFN | None:
-        """This block behind `norm` as one token's norm, router and one experts kernel call adding into the residual
-        in place; None where that does not apply (no experts kernel, a shared expert, a LayerNorm, a placed
-        router)."""
-        if self.experts.kernel is None or self.shared is not None or norm.spec.kind == "layer":
+        """This block behind `norm` as one kernel call for one token (norm, router, routing, experts, residual add
+        in place: ops.moe_ffn_block); None where that does not apply (no experts kernel, a shared expert, a
+        LayerNorm, a placed router)."""
+        experts = self.experts.kernel
+        if experts is None or self.shared is not None or norm.spec.kind == "layer" or self.router.on_device:
             return None
-        if self.router.on_device:
-            return None
-        return FusedMoEFFN(self, norm)
-
-    def add_one(self, x_norm: torch.Tensor, x: torch.Tensor) -> None:
-        """x (1, n_embd) += this FFN of x_norm (1, n_embd), both float32 contiguous CPU: x + self(x_norm, x) bit for
-        bit, without the zeros and the add."""
-        ids, weights = route(self.logits(x_norm), self.spec)
-        if self.counts is not None:
-            self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
-        kernel = self.experts.kernel
-        assert kernel is not None
-        kernel(x_norm, ids, weights, x)
+        s = self.spec
+        router = None if s.route_input == "layer" else self.router
+        assert not isinstance(router, ops.DeviceWeight)
+        block = moe_ffn_block(
+            norm.weight, norm.spec.eps, router, experts, s.gating, s.norm_weights, s.weights_scale, self.kc
+        )
+        return None if block is None else FusedMoEFFN(self, block)
 
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
@@ -249,7 +258,7 @@ class MoEFFN:
         self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
     ) -> torch.Tensor:
         x = x_norm.to("cpu").float().contiguous()
-        ids, weights = route(self.logits(x).to("cpu"), self.spec)
+        ids, weights = route(self.logits(x).to("cpu"), self.spec, self.kc)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
         out = self.experts(x, ids, weights)
@@ -259,15 +268,26 @@ class MoEFFN:
 
 
 class FusedMoEFFN:
-    """A layer's MoE FFN block (norm and residual add included) for one token: norm, router, one experts kernel
-    call (the fused-FFN protocol of powerinfer.model.transformer)."""
+    """A layer's MoE FFN block (norm and residual add included) as one kernel call for one token (the fused-FFN
+    protocol of powerinfer.model.transformer)."""
 
-    def __init__(self, ffn: MoEFFN, norm: Norm) -> None:
-        self.ffn, self.norm = ffn, norm
+    def __init__(self, ffn: MoEFFN, block: MoEFFNBlock) -> None:
+        self.ffn, self.block = ffn, block
+        self.ids = torch.empty(ffn.spec.n_expert_used, dtype=torch.int64)
 
     def scratch_bytes(self) -> int:
-        return 0  # the experts kernel keeps its own
+        return 0  # the block keeps its own
 
     def __call__(self, x: torch.Tensor, scratch: torch.Tensor | None, first: bool = False) -> None:
         """x (1, n_embd) float32 contiguous CPU, updated in place."""
-        self.ffn.add_one(self.norm(x), x)
+        ffn = self.ffn
+        logits = None
+        if ffn.spec.route_input == "layer":
+            logits, ffn._early = ffn._early, None
+            if logits is None:
+                raise RuntimeError("MoE layer routed on the layer input was called without route_early")
+            logits = logits.contiguous()
+        counting = ffn.counts is not None
+        self.block(x, logits, self.ids if counting else None)
+        if ffn.counts is not None:
+            ffn.counts += torch.bincount(self.ids, minlength=ffn.spec.n_expert)

@@ -106,6 +106,10 @@ _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
 _CATS_FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _i32, _ptr, _i64, _i32, _i32, _i32)
 # moe_experts (desc, xn, ids, weights, k, y, scratch, scratch_bytes, q8, n_threads, isa)
 _MOE_EXPERTS_ARGTYPES = (_ptr,) * 4 + (_i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# moe_route (logits, T, n, k, gating, norm, scale, ids, weights)
+_MOE_ROUTE_ARGTYPES = (_ptr, _i64, _i64, _i64, _i32, _i32, ctypes.c_float, _ptr, _ptr)
+# moe_ffn_block (desc, x, logits or NULL, ids_out or NULL, scratch, scratch_bytes, q8, n_threads, isa)
+_MOE_FFN_BLOCK_ARGTYPES = (_ptr,) * 5 + (_i64, _i32, _i32, _i32)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
@@ -151,6 +155,9 @@ class Library:
     rms_norm: Any
     moe_experts: Any  # one token's selected experts of a MoE FFN (kernels/cpu/moe.c)
     moe_experts_scratch_bytes: Any
+    moe_route: Any  # router logits -> top-k experts and weights (the decode block's routing)
+    moe_ffn_block: Any  # one token's MoE FFN block: norm, router, routing, experts, residual add
+    moe_ffn_block_scratch_bytes: Any
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
@@ -216,6 +223,9 @@ def _open(path: str) -> Library:
         rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),
         moe_experts=_symbol(lib, "pi_moe_experts", _MOE_EXPERTS_ARGTYPES),
         moe_experts_scratch_bytes=_symbol(lib, "pi_moe_experts_scratch_bytes", (_i64,) * 3, _i64),
+        moe_route=_symbol(lib, "pi_moe_route", _MOE_ROUTE_ARGTYPES),
+        moe_ffn_block=_symbol(lib, "pi_moe_ffn_block", _MOE_FFN_BLOCK_ARGTYPES),
+        moe_ffn_block_scratch_bytes=_symbol(lib, "pi_moe_ffn_block_scratch_bytes", (_i64,) * 4, _i64),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),
