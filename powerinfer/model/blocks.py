@@ -137,6 +137,7 @@ class Attention:
         self.rope: Rope | None = None
         self._one_kernel = False
         self._neox = False
+        self.rope_pairs: torch.Tensor | None = None
         # the decode-attention kernels apply (per-head QK-norm is applied before them, by the same RMSNorm)
         self.plain = (
             wqkv is None
@@ -147,6 +148,14 @@ class Attention:
 
     def setup(self, rope: Rope | None, n_ctx: int) -> None:
         self.rope = rope
+        # (cos, sin) pairs the kernels rotate by: the RoPE table's, or for a layer without RoPE (SmallThinker's
+        # every fourth) the identity (1, 0): a * 1 - b * 0 and a * 0 + b * 1 give a and b back exactly
+        self.rope_pairs = None
+        if rope is not None:
+            self.rope_pairs = rope.pairs
+        elif self.spec.rope is None and self.plain:
+            self.rope_pairs = torch.zeros(n_ctx, self.spec.head_dim // 2, 2)
+            self.rope_pairs[..., 0] = 1.0
         # one token with full RoPE (adjacent pairs or NEOX) and nothing else: the fused decode-attention op applies
         # a sliding window at least as long as the context hides no key (keys at or below pos - window are out of
         # reach; SmallThinker's 4096): the kernels, which see every key, apply
@@ -154,9 +163,11 @@ class Attention:
         self._one_kernel = (
             self.plain
             and (window is None or n_ctx <= window)
-            and rope is not None
-            and rope.spec.kind in ("adjacent", "neox")
-            and rope.spec.n_rot == self.spec.head_dim
+            and self.rope_pairs is not None
+            and (
+                rope is None
+                or (rope.spec.kind in ("adjacent", "neox") and rope.spec.n_rot == self.spec.head_dim)
+            )
         )
         self._neox = rope is not None and rope.spec.kind == "neox"
         self.workspace.reserve("attn", ops.attn_scratch_bytes(n_ctx, self.spec.n_head))
@@ -262,22 +273,22 @@ class Attention:
         """T consecutive tokens of one sequence at pos..pos+T-1: (T, H * D)."""
         T = q.shape[0]
         s = self.spec
-        rope = self.rope
+        pairs = self.rope_pairs
         if T == 1 and self._one_kernel:
-            assert rope is not None
+            assert pairs is not None
             # one token: RoPE, the KV write and attention in one kernel call where the op has one
             scratch = self.workspace.get("attn")
             qn, kn = self._qk_normed(q, k)
             return ops.attend_one(
-                qn, kn, v, rope.pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch, neox=self._neox
+                qn, kn, v, pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch, neox=self._neox
             )
         if self._one_kernel and pos + T <= ops.ATTN_KERNEL_MAX_POS:
-            assert rope is not None
+            assert pairs is not None
             # several tokens: each as the one-token kernel computes it, so a token's output does not depend on
             # how its prompt was split into batches (the prompt cache, interactive turns and the server rely on it)
             qn, kn = self._qk_normed(q, k)
             out = ops.attn_prefill(
-                qn, kn, v, rope.pairs[pos : pos + T], *kv.slot(seq), pos, self.kc, neox=self._neox
+                qn, kn, v, pairs[pos : pos + T], *kv.slot(seq), pos, self.kc, neox=self._neox
             )
             if out is not None:
                 return out

@@ -142,9 +142,9 @@ class Transformer:
             if layer.pre_attn is not None:
                 layer.pre_attn(x)
             if attn is not None:
-                rope = layer.attn.rope
-                assert rope is not None
-                attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
+                pairs = layer.attn.rope_pairs
+                assert pairs is not None
+                attn(x, *kv.layer_view(bid).slot(seq), pos, pairs, workspace.get("attn_block"))
             else:  # op by op (setup fused the FFN only where the layer is plain: no post-norms, not parallel)
                 x = x + layer.attn(layer.attn_norm(x), batch, kv.layer_view(bid))
             if layer.fused_ffn is not None:
