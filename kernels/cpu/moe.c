@@ -52,6 +52,8 @@ int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, cons
 
 #define MOE_MAX_EXPERTS (1 << 16)
 #define MOE_ROUTE_MAX_EXPERTS 4096
+#define MOE_CHUNK 256     /* ReGLU: gate values scanned per list of active neurons */
+#define MOE_ROWS_AHEAD 2  /* ReGLU: rows of that list prefetched ahead */
 #define MOE_MAX_DIM (1LL << 30)
 
 static size_t moe_input_bytes(int64_t K) { return act_q8_bytes(K) + kq8_act_bytes(K); }
@@ -140,12 +142,28 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
             float *gj = g + j * F, *uj = u + j * F;
             moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
             if (sparse) {
-                for (int64_t n = lo; n < hi; n++) {
-                    if (gj[n] > 0.0f) {
-                        moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, n, n + 1, uj);
+                /* the up rows of the neurons with a positive gate, a chunk of them at a time: the int8-tile kinds
+                 * prefetch each row MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows
+                 * between are not read), the others row by row as moe_rows computes them */
+                const ffn_mat f = ffn_mat_of(t, um->kind, q8, uw, um->stride, E);
+                act_q8 al = xa;
+                al.ahead = 0;
+                for (int64_t c0 = lo; c0 < hi; c0 += MOE_CHUNK) {
+                    const int64_t c1 = min_i64(c0 + MOE_CHUNK, hi);
+                    int64_t act[MOE_CHUNK], m = 0;
+                    for (int64_t n = c0; n < c1; n++) {
+                        if (gj[n] > 0.0f) act[m++] = n;
+                        else gj[n] = 0.0f;
+                    }
+                    for (int64_t i = 0; i < m; i++) {
+                        const int64_t n = act[i];
+                        if (f.tq != NULL) {
+                            if (i + MOE_ROWS_AHEAD < m) prefetch_bytes(uw + act[i + MOE_ROWS_AHEAD] * um->stride, f.row_bytes);
+                            f.tq(uw + n * um->stride, &al, 0, 1, uj + n);
+                        } else {
+                            moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, n, n + 1, uj);
+                        }
                         gj[n] = relu_f(gj[n]) * uj[n];
-                    } else {
-                        gj[n] = 0.0f;
                     }
                 }
             } else {
