@@ -98,6 +98,13 @@ class Rope:
         return out if n_rot == D else torch.cat((out, x[..., n_rot:]), dim=-1)
 
 
+def identity_pairs(n_ctx: int, half: int) -> torch.Tensor:
+    """(cos, sin) = (1, 0) pairs (n_ctx, half, 2): the rotation of a layer without RoPE, for the attention kernels."""
+    pairs = torch.zeros(n_ctx, half, 2)
+    pairs[..., 0] = 1.0
+    return pairs
+
+
 class Attention:
     """Causal self-attention with a KV cache: GQA, optional biases, QK-norm, RoPE variants, sliding window."""
 
@@ -146,7 +153,9 @@ class Attention:
             and spec.scale is None
         )
 
-    def setup(self, rope: Rope | None, n_ctx: int) -> None:
+    def setup(self, rope: Rope | None, n_ctx: int, no_rope: torch.Tensor | None = None) -> None:
+        """RoPE tables for positions below n_ctx; no_rope: identity_pairs(n_ctx, head_dim) to share between the
+        layers without RoPE (None: made here when needed)."""
         self.rope = rope
         # (cos, sin) pairs the kernels rotate by: the RoPE table's, or for a layer without RoPE (SmallThinker's
         # every fourth) the identity (1, 0): a * 1 - b * 0 and a * 0 + b * 1 give a and b back exactly
@@ -154,8 +163,10 @@ class Attention:
         if rope is not None:
             self.rope_pairs = rope.pairs
         elif self.spec.rope is None and self.plain:
-            self.rope_pairs = torch.zeros(n_ctx, self.spec.head_dim // 2, 2)
-            self.rope_pairs[..., 0] = 1.0
+            shape = (n_ctx, self.spec.head_dim // 2, 2)
+            self.rope_pairs = (
+                no_rope if no_rope is not None and no_rope.shape == shape else identity_pairs(*shape[:2])
+            )
         # one token with full RoPE (adjacent pairs or NEOX) and nothing else: the fused decode-attention op applies
         # a sliding window at least as long as the context hides no key (keys at or below pos - window are out of
         # reach; SmallThinker's 4096): the kernels, which see every key, apply

@@ -15,7 +15,17 @@ import torch
 
 from powerinfer import ops
 from powerinfer.model.batch import StepBatch
-from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
+from powerinfer.model.blocks import (
+    FFN,
+    Attention,
+    DenseFFN,
+    Embedding,
+    Head,
+    KVLayer,
+    Norm,
+    Rope,
+    identity_pairs,
+)
 from powerinfer.model.moe import FusedMoEFFN, MoEFFN
 from powerinfer.model.sparse import FusedSparseFFN, FusedThresholdFFN, SparseFFN, ThresholdFFN
 
@@ -77,13 +87,23 @@ class Transformer:
         other than the CPU (the forward then moves activations between devices)."""
         self.placed = placed
         ropes: dict[object, Rope | None] = {}
+        identities: dict[int, torch.Tensor] = {}
         for bid, layer in enumerate(self.layers):
             rope = None
             if self.rope_factory is not None:
                 rope = self.rope_factory(bid, n_ctx)
                 if rope is not None:  # layers with the same spec share one table
                     rope = ropes.setdefault(rope.spec, rope)
-            layer.attn.setup(rope, n_ctx)
+            attn = layer.attn
+            no_rope = None
+            if (
+                rope is None and attn.spec.rope is None and attn.plain
+            ):  # one identity table for all such layers
+                half = attn.spec.head_dim // 2
+                if half not in identities:
+                    identities[half] = identity_pairs(n_ctx, half)
+                no_rope = identities[half]
+            attn.setup(rope, n_ctx, no_rope)
             layer.fused_attn = layer.fused_ffn = None
             if (
                 placed
