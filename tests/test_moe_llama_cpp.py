@@ -287,3 +287,17 @@ def test_fused_decode_equals_op_by_op(files, arch: str, kind: str, act: str):
         for t in ids[2:]:
             last = engine.eval([t]).clone()
         assert torch.equal(whole, last), (threads, "split")
+
+
+def test_bench_moe_script_runs(files):
+    """scripts/bench_moe.py on a tiny file, our side only (llama.cpp lives in its own venv): one table row."""
+    import os
+    import subprocess
+
+    path = files["moe-qwen3moe-tiny-q4_0.gguf"]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_moe.py"), "-m", str(path), "--no-llama-cpp"]
+    cmd += ["-r", "1", "--n-prompt", "8", "--n-gen", "2", "-t", "1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=True)
+    rows = [line for line in result.stdout.splitlines() if line.startswith(path.name)]
+    assert len(rows) == 1 and "nan" in rows[0]  # no llama.cpp column
