@@ -16,6 +16,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "sparse.h"
@@ -303,4 +304,65 @@ PI_EXPORT int32_t pi_moe_ffn_block(const pi_moe_desc *d, float *x, const float *
     moe_route_row(logits, NE, k, d->gating, d->norm_weights != 0, d->weights_scale, probs, ids, w);
     if (ids_out != NULL) memcpy(ids_out, ids, (size_t)k * sizeof(int64_t));
     return pi_moe_experts(d, xn, ids, w, k, x, rest, rest_bytes, q8, n_threads, isa);
+}
+
+/* ---- a prompt's tokens grouped by expert -------------------------------------------------------------------------- */
+
+/* a pi_matmul_<type> kernel (matmul.c) */
+typedef int32_t (*moe_matmul_fn)(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x,
+                                 int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads,
+                                 int32_t isa);
+
+/* pi_grouped_matmul(matmul, w, w_stride, n_rows, K, n_expert, x, N, experts, counts, n_groups, y, threads, isa):
+ * group g, rows start_g .. start_g + counts[g] of x (N, K) (the groups one after the other), times expert
+ * experts[g]'s n_rows x K matrix of the stack w (n_expert * n_rows rows, w_stride bytes apart) into the same rows of
+ * y (N, n_rows), with `matmul` (a pi_matmul_<type> of the stack's type): each group is one call of it on one
+ * thread, the groups shared by the team (dynamic, larger ones first), so the result is `matmul` called group by
+ * group at any thread count, in one parallel region. */
+PI_EXPORT int32_t pi_grouped_matmul(const void *matmul, const uint8_t *w, int64_t w_stride, int64_t n_rows, int64_t K,
+                                    int64_t n_expert, const float *x, int64_t N, const int64_t *experts,
+                                    const int64_t *counts, int64_t n_groups, float *y, int32_t n_threads,
+                                    int32_t isa) {
+    if (matmul == NULL || w == NULL || n_rows <= 0 || K <= 0 || n_expert <= 0 || N < 0 || n_groups < 0 ||
+        n_groups > MOE_MAX_EXPERTS || (n_groups > 0 && (experts == NULL || counts == NULL)) ||
+        (N > 0 && (x == NULL || y == NULL)))
+        return PI_ERR_SHAPE;
+    int64_t total = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        if (experts[g] < 0 || experts[g] >= n_expert) return PI_ERR_INDEX;
+        if (counts[g] < 0 || counts[g] > N - total) return PI_ERR_SHAPE;
+        total += counts[g];
+    }
+    if (total != N) return PI_ERR_SHAPE;
+    int64_t *start = malloc((size_t)(2 * n_groups + 1) * sizeof(int64_t));
+    if (start == NULL) return PI_ERR_ALLOC;
+    int64_t *order = start + n_groups + 1;
+    start[0] = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        start[g + 1] = start[g] + counts[g];
+        order[g] = g;
+    }
+    for (int64_t i = 1; i < n_groups; i++) { /* larger groups first: the team ends together */
+        const int64_t g = order[i];
+        int64_t j = i - 1;
+        for (; j >= 0 && counts[order[j]] < counts[g]; j--) order[j + 1] = order[j];
+        order[j + 1] = g;
+    }
+    const moe_matmul_fn fn = (moe_matmul_fn)matmul;
+    int32_t nt = threads_for_work(n_threads, N * n_rows * K);
+    if (nt > n_groups) nt = (int32_t)(n_groups > 0 ? n_groups : 1);
+    int32_t status = PI_OK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < n_groups; i++) {
+        const int64_t g = order[i], n = counts[g];
+        if (n == 0) continue;
+        const int32_t s = fn(w + experts[g] * n_rows * w_stride, w_stride, n_rows, K, x + start[g] * K, K, n,
+                             y + start[g] * n_rows, n_rows, 1, isa);
+        if (s != PI_OK) {
+#pragma omp critical(pi_grouped_matmul_status)
+            status = s;
+        }
+    }
+    free(start);
+    return status;
 }

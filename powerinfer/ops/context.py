@@ -72,11 +72,12 @@ class _Resolved:
     moe_experts: Any  # one token's selected experts of a MoE FFN
     moe_route: Any  # router logits -> top-k experts
     moe_ffn_block: Any  # one token's MoE FFN block
+    grouped_matmul: Any  # matmul over token groups, one parallel region
 
 
 _NONE = _Resolved(
     _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None, None, None,
-    None,
+    None, None,
 )  # fmt: skip
 
 
@@ -104,6 +105,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         moe_experts=lib.moe_experts,
         moe_route=lib.moe_route,
         moe_ffn_block=lib.moe_ffn_block,
+        grouped_matmul=lib.grouped_matmul,
     )
 
 

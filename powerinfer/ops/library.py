@@ -110,6 +110,24 @@ _MOE_EXPERTS_ARGTYPES = (_ptr,) * 4 + (_i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
 _MOE_ROUTE_ARGTYPES = (_ptr, _i64, _i64, _i64, _i32, _i32, ctypes.c_float, _ptr, _ptr)
 # moe_ffn_block (desc, x, logits or NULL, ids_out or NULL, scratch, scratch_bytes, q8, n_threads, isa)
 _MOE_FFN_BLOCK_ARGTYPES = (_ptr,) * 5 + (_i64, _i32, _i32, _i32)
+# grouped_matmul (matmul kernel, w, w_stride, n_rows, K, n_expert, x, N, experts, counts, n_groups, y, n_threads,
+#                 isa)
+_GROUPED_MATMUL_ARGTYPES = (
+    _ptr,
+    _ptr,
+    _i64,
+    _i64,
+    _i64,
+    _i64,
+    _ptr,
+    _i64,
+    _ptr,
+    _ptr,
+    _i64,
+    _ptr,
+    _i32,
+    _i32,
+)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
@@ -158,6 +176,9 @@ class Library:
     moe_route: Any  # router logits -> top-k experts and weights (the decode block's routing)
     moe_ffn_block: Any  # one token's MoE FFN block: norm, router, routing, experts, residual add
     moe_ffn_block_scratch_bytes: Any
+    grouped_matmul: (
+        Any  # a matmul kernel over a prompt's tokens grouped by expert, the groups shared by the threads
+    )
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
@@ -226,6 +247,7 @@ def _open(path: str) -> Library:
         moe_route=_symbol(lib, "pi_moe_route", _MOE_ROUTE_ARGTYPES),
         moe_ffn_block=_symbol(lib, "pi_moe_ffn_block", _MOE_FFN_BLOCK_ARGTYPES),
         moe_ffn_block_scratch_bytes=_symbol(lib, "pi_moe_ffn_block_scratch_bytes", (_i64,) * 4, _i64),
+        grouped_matmul=_symbol(lib, "pi_grouped_matmul", _GROUPED_MATMUL_ARGTYPES),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),

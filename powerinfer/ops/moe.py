@@ -3,7 +3,8 @@
 `experts_matmul` runs each selected expert's rows through the dense matmul kernel (the one `linear` calls, so each
 output is bit for bit what `linear` gives on the expert's row slice) into one preallocated output, without a
 `linear` call, weight slice or output tensor per expert; `experts_matmul_ref` is `linear` on each slice.
-`grouped_matmul` does the same for a batch's tokens grouped by expert (one kernel call per group).
+`grouped_matmul` does the same for a batch's tokens grouped by expert: one matmul call per group, all of them in
+one kernel call (pi_grouped_matmul) whose threads share the groups.
 
 `moe_experts` describes a layer's stacked experts once (a C struct of weight pointers, kernels/cpu/moe.c); each
 call of the `MoEExperts` it returns then runs one token's k selected experts (gate, up, activation, down, the
@@ -131,6 +132,16 @@ def grouped_matmul(
     y = torch.empty(x.shape[0], n_rows, dtype=torch.float32)
     base, stride, x_ptr, out = w._raw_ptr, w._raw_stride, x.data_ptr(), y.data_ptr()
     threads, level = kc.threads_now, kc.level
+    grouped = kc.kernels.grouped_matmul
+    if grouped is not None:  # one call: the groups shared by the threads, each group one matmul call on one
+        ids, sizes = torch.tensor(experts, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
+        status = grouped(
+            ctypes.cast(kernel, ctypes.c_void_p).value, base, stride, n_rows, K, n_expert, x_ptr, x.shape[0],
+            ids.data_ptr(), sizes.data_ptr(), len(experts), out, threads, level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "grouped_matmul")
+        return y
     start = 0
     for e, n in zip(experts, counts, strict=True):
         if n:
