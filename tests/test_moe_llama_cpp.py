@@ -241,3 +241,63 @@ def test_offloaded_layers_on_the_cpu_pool(files, arch: str):
         step = torch.stack([engine.eval([t]) for t in ids])
         # measured 0 (the prompt) and up to 4.2e-7 (token by token: the one-token attention path)
         assert (placed - plain).abs().max() <= 1e-5 and (step - plain).abs().max() <= 1e-5, n_gpu_layers
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", ["f32", "q4_0"])
+@pytest.mark.parametrize("act", ["q8", "f32"])
+def test_fused_decode_equals_op_by_op(files, arch: str, kind: str, act: str):
+    """Decode through the fused blocks (the one-token attention block, with Qwen3's per-head QK-norm and NEOX RoPE,
+    and the MoE FFN block: norm, router, one experts kernel call into the residual) gives the bits of every layer
+    run op by op, at 1 and 2 threads; and a prompt's last logits do not depend on how it is split (the prompt
+    attention computes each token as the one-token kernel does, the experts grouped by expert as one token alone)."""
+    from powerinfer.model.moe import FusedMoEFFN
+
+    path = files[f"moe-{arch}-tiny-{kind}.gguf"]
+    prompt, ids = RECORDED["runs"][path.name][2]["prompt"], RECORDED["runs"][path.name][2]["ids"][:6]
+    for threads in (1, 2):
+        engine = Engine(path, EngineOptions(n_ctx=64, n_threads=threads, act_precision=act))
+        layers = engine.model.layers
+        # every layer's FFN fuses but Qwen2-MoE's (a shared expert); the attention block where the kernel has
+        # every part (not OLMoE's whole-projection QK-norm, nor Qwen2-MoE's q/k/v biases; SmallThinker's window of
+        # 4096 is past the context, its RoPE-less layers rotate by the identity)
+        assert all(isinstance(la.fused_ffn, FusedMoEFFN) for la in layers) == (arch != "qwen2moe")
+        whole_kernels = arch in ("qwen3moe", "mixtral", "smallthinker")
+        assert all(la.fused_attn is not None for la in layers) == whole_kernels
+
+        def decode(engine: Engine = engine) -> torch.Tensor:
+            engine.reset()
+            engine.eval(prompt)
+            return torch.stack([engine.eval([t]).clone() for t in ids])
+
+        fused = decode()
+        saved = [(la.fused_attn, la.fused_ffn) for la in layers]
+        for la in layers:
+            la.fused_attn = la.fused_ffn = None
+        assert torch.equal(fused, decode()), (threads, "op by op")
+        for la, (a, f) in zip(layers, saved, strict=True):
+            la.fused_attn, la.fused_ffn = a, f
+        if not whole_kernels:  # some prompt attention runs SDPA, not the one-token kernel's sums
+            continue
+        engine.reset()
+        whole = engine.eval(prompt + ids).clone()
+        engine.reset()
+        engine.eval(prompt[:3])
+        engine.eval(prompt[3:] + ids[:2])
+        for t in ids[2:]:
+            last = engine.eval([t]).clone()
+        assert torch.equal(whole, last), (threads, "split")
+
+
+def test_bench_moe_script_runs(files):
+    """scripts/bench_moe.py on a tiny file, our side only (llama.cpp lives in its own venv): one table row."""
+    import os
+    import subprocess
+
+    path = files["moe-qwen3moe-tiny-q4_0.gguf"]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_moe.py"), "-m", str(path), "--no-llama-cpp"]
+    cmd += ["-r", "1", "--n-prompt", "8", "--n-gen", "2", "-t", "1"]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=True)
+    rows = [line for line in result.stdout.splitlines() if line.startswith(path.name)]
+    assert len(rows) == 1 and "nan" in rows[0]  # no llama.cpp column

@@ -1,9 +1,11 @@
-/* Decode attention: one new token of one sequence, Llama style (RoPE on adjacent pairs, grouped-query heads,
- * causal over positions 0..pos), in one call instead of a dozen tensor ops per layer.
+/* Decode attention: one new token of one sequence, Llama style (RoPE on adjacent pairs, or NEOX style, grouped-query
+ * heads, causal over positions 0..pos), in one call instead of a dozen tensor ops per layer.
  *
- * pi_attn_decode(q, k, v, rope, kc, vc, n_ctx, pos, H, Hkv, D, scale, out, scratch, scratch_bytes, threads, isa):
+ * pi_attn_decode(q, k, v, rope, kc, vc, n_ctx, pos, H, Hkv, D, scale, out, scratch, scratch_bytes, neox, threads,
+ *                isa):
  *   q (H * D), k and v (Hkv * D): the token's projections (float32; q and k are rotated here, in place);
- *   rope (D / 2 pairs of cos, sin): the rotation of each pair at position pos;
+ *   rope (D / 2 pairs of cos, sin): the rotation of each pair at position pos; pair i is elements 2i, 2i + 1 of a
+ *   head, or i, i + D / 2 with neox;
  *   kc, vc: this sequence's cache of this layer, (n_ctx, Hkv, D) float32 contiguous; k and v go to row pos;
  *   out (H * D): per head h, softmax(q_h . K[0..pos, h / G] * scale) . V[0..pos, h / G], G = H / Hkv;
  *   scratch: at least pi_attn_decode_scratch_bytes(pos + 1, H) bytes (the scores), else PI_ERR_SCRATCH.
@@ -57,12 +59,23 @@ PI_EXPORT int64_t pi_attn_decode_scratch_bytes(int64_t L, int64_t H) {
     return (int64_t)(attn_scores_bytes(L, H) + PI_SCRATCH_ALIGN);
 }
 
+/* x (D) rotated NEOX-style: element i pairs with i + D / 2, (a, b) -> (a c - b s, a s + b c) with pair i's (c, s),
+ * each product and sum rounded (torch's cat(x1 cos - x2 sin, x1 sin + x2 cos)) */
+static void rope_rotate_neox(float *x, const float *rope, int64_t D) {
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const float a = x[i], b = x[i + half], c = rope[2 * i], s = rope[2 * i + 1];
+        x[i] = a * c - b * s;
+        x[i + half] = a * s + b * c;
+    }
+}
+
 /* KV heads [kvh0, kvh1) of one token: the RoPE of their query heads and of the KV head, the KV head's k and v written
  * to cache row pos, then attention over positions 0..pos (see attention.h). */
 void attn_decode_heads(int32_t level, float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
                        int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *scores, float *out,
-                       int64_t kvh0, int64_t kvh1, int attend) {
-    const rope_rotate_fn rope_rotate = attn_variants[level].rope_rotate;
+                       int64_t kvh0, int64_t kvh1, int attend, int neox) {
+    const rope_rotate_fn rope_rotate = neox ? rope_rotate_neox : attn_variants[level].rope_rotate;
     const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
     const int64_t G = H / Hkv, L = pos + 1, row = Hkv * D;
     for (int64_t kvh = kvh0; kvh < kvh1; kvh++) {
@@ -81,21 +94,21 @@ void attn_decode_heads(int32_t level, float *q, float *k, const float *v, const 
 
 void attn_decode_part(int32_t level, float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
                       int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *scores, float *out,
-                      int64_t me, int64_t all) {
+                      int64_t me, int64_t all, int neox) {
     const attend_team_fn team = attn_variants[level].attend_team;
     const int64_t G = H / Hkv, L = pos + 1, kvh0 = Hkv * me / all, kvh1 = Hkv * (me + 1) / all;
     if (all > 1 && team != NULL && Hkv % all != 0 && L >= ATT_TEAM_MIN_L && D % 8 == 0 && G <= 64) {
-        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 0);
+        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 0, neox);
 #pragma omp barrier
         team(q, kc, vc, Hkv, G, L, D, scale, scores, scores + H * L, out, me, all);
     } else {
-        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 1);
+        attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 1, neox);
     }
 }
 
 PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
                                  int64_t n_ctx, int64_t pos, int64_t H, int64_t Hkv, int64_t D, float scale, float *out,
-                                 void *scratch, int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
+                                 void *scratch, int64_t scratch_bytes, int32_t neox, int32_t n_threads, int32_t isa) {
     if (pos < 0 || pos >= n_ctx || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0) return PI_ERR_SHAPE;
     if (q == NULL || k == NULL || v == NULL || rope == NULL || kc == NULL || vc == NULL || out == NULL) return PI_ERR_SHAPE;
     const int64_t L = pos + 1;
@@ -109,12 +122,12 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, me, all);
+        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, me, all, neox != 0);
     }
     return PI_OK;
 }
 
-/* pi_attn_prefill(q, k, v, rope, kc, vc, n_ctx, pos, T, H, Hkv, D, scale, out, threads, isa): T consecutive tokens
+/* pi_attn_prefill(q, k, v, rope, kc, vc, n_ctx, pos, T, H, Hkv, D, scale, out, neox, threads, isa): T consecutive tokens
  * of one sequence at positions pos..pos + T - 1, each exactly as pi_attn_decode computes it at its position (its q
  * and k rotated in place with its rope row, k and v written to its cache row, attention over positions 0 up to its
  * own), so a token's output does not depend on how its prompt was split into batches, nor on the thread count.
@@ -122,7 +135,7 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
  * write (rows split over threads), then the (token, KV head) items, each on one thread with its own scores. */
 PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const float *rope, float *kc, float *vc,
                                   int64_t n_ctx, int64_t pos, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                  float scale, float *out, int32_t n_threads, int32_t isa) {
+                                  float scale, float *out, int32_t neox, int32_t n_threads, int32_t isa) {
     if (pos < 0 || T <= 0 || T > n_ctx || pos > n_ctx - T || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 ||
         D % 2 != 0)
         return PI_ERR_SHAPE;
@@ -140,7 +153,7 @@ PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const floa
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
             attn_decode_heads(level, q + t * H * D, k + t * row, v + t * row, rope + t * D, kc, vc, pos + t, H, Hkv,
-                              D, scale, NULL, NULL, 0, Hkv, 0);
+                              D, scale, NULL, NULL, 0, Hkv, 0, neox != 0);
         /* later tokens see more positions: dynamic, so the threads end together */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < T * Hkv; i++) {

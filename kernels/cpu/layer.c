@@ -29,12 +29,16 @@ typedef struct {
     int32_t reserved;
 } pi_mat;
 
-/* A Llama-style attention block (no biases, full adjacent-pair RoPE): the ctypes mirror is powerinfer/ops/layer.py */
+/* A Llama-style attention block (no biases, full RoPE on adjacent pairs or NEOX-style, optional per-head QK-norm):
+ * the ctypes mirror is powerinfer/ops/layer.py */
 typedef struct {
     int64_t n_embd, n_head, n_head_kv, head_dim;
     float eps, scale;
     const float *norm; /* n_embd */
     pi_mat wq, wk, wv, wo;
+    const float *q_norm, *k_norm; /* head_dim each: RMSNorm of every q and k head before RoPE; NULL: none */
+    float qk_eps;
+    int32_t rope_neox; /* RoPE pairs i, i + head_dim / 2 (else 2i, 2i + 1) */
 } pi_attn_block_desc;
 
 /* A gated dense FFN block without biases */
@@ -320,7 +324,8 @@ PI_EXPORT int32_t pi_cats_ffn_block(const pi_cats_ffn_block_desc *b, float *x, i
 
 /* pi_attn_block(desc, x, kc, vc, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += the
  * block's output for the token at pos; kc, vc: this sequence's cache of the layer, (n_ctx, n_head_kv, head_dim)
- * float32, row pos written; rope: head_dim / 2 (cos, sin) pairs of position pos; scratch: at least
+ * float32, row pos written; rope: head_dim / 2 (cos, sin) pairs of position pos (q and k normed per head first
+ * when the desc has q_norm and k_norm); scratch: at least
  * pi_attn_block_scratch_bytes(..., n_ctx) bytes. */
 PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc, float *vc, int64_t n_ctx,
                                 int64_t pos, const float *rope, void *scratch, int64_t scratch_bytes, int32_t q8,
@@ -350,6 +355,8 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
     float *const qkv_out[3] = {q, k, v};
     const pi_mat *out_mat[1] = {&b->wo};
     const int32_t nt = threads_for_work(n_threads, (n_q + 2 * n_kv) * E + E * n_q);
+    const int qk_norm = b->q_norm != NULL;
+    if (qk_norm != (b->k_norm != NULL)) return PI_ERR_SHAPE;
     mv_input in_x = {0}, in_att = {0};
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -358,7 +365,15 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
         norm_prepare(t, level, x, b->norm, E, b->eps, qkv, 3, q8, xn, prep, &in_x);
         mv_split(t, level, qkv, qkv_out, 3, q8, &in_x, me, all);
 #pragma omp barrier
-        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, me, all);
+        if (qk_norm) { /* every q and k head normed as pi_rms_norm's rows */
+            for (int64_t h = me; h < H + Hkv; h += all) {
+                float *r = h < H ? q + h * D : k + (h - H) * D;
+                rms_norm_row(r, h < H ? b->q_norm : b->k_norm, D, b->qk_eps, r);
+            }
+#pragma omp barrier
+        }
+        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, me, all,
+                         b->rope_neox != 0);
 #pragma omp barrier
 #pragma omp single
         mv_prepare(t, level, att, n_q, out_mat, 1, q8, prep, &in_att);

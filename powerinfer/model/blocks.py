@@ -98,6 +98,13 @@ class Rope:
         return out if n_rot == D else torch.cat((out, x[..., n_rot:]), dim=-1)
 
 
+def identity_pairs(n_ctx: int, half: int) -> torch.Tensor:
+    """(cos, sin) = (1, 0) pairs (n_ctx, half, 2): the rotation of a layer without RoPE, for the attention kernels."""
+    pairs = torch.zeros(n_ctx, half, 2)
+    pairs[..., 0] = 1.0
+    return pairs
+
+
 class Attention:
     """Causal self-attention with a KV cache: GQA, optional biases, QK-norm, RoPE variants, sliding window."""
 
@@ -136,23 +143,44 @@ class Attention:
         self.workspace = workspace or Workspace()
         self.rope: Rope | None = None
         self._one_kernel = False
+        self._neox = False
+        self.rope_pairs: torch.Tensor | None = None
+        # the decode-attention kernels apply (per-head QK-norm is applied before them, by the same RMSNorm)
         self.plain = (
             wqkv is None
             and all(b is None for b in biases)
-            and q_norm is None
-            and spec.sliding_window is None
+            and (q_norm is None or (not spec.qk_norm_whole and q_norm.spec.kind != "layer"))
             and spec.scale is None
         )
 
-    def setup(self, rope: Rope | None, n_ctx: int) -> None:
+    def setup(self, rope: Rope | None, n_ctx: int, no_rope: torch.Tensor | None = None) -> None:
+        """RoPE tables for positions below n_ctx; no_rope: identity_pairs(n_ctx, head_dim) to share between the
+        layers without RoPE (None: made here when needed)."""
         self.rope = rope
-        # one token with full adjacent-pair RoPE and nothing else: the fused decode-attention op applies
+        # (cos, sin) pairs the kernels rotate by: the RoPE table's, or for a layer without RoPE (SmallThinker's
+        # every fourth) the identity (1, 0): a * 1 - b * 0 and a * 0 + b * 1 give a and b back exactly
+        self.rope_pairs = None
+        if rope is not None:
+            self.rope_pairs = rope.pairs
+        elif self.spec.rope is None and self.plain:
+            shape = (n_ctx, self.spec.head_dim // 2, 2)
+            self.rope_pairs = (
+                no_rope if no_rope is not None and no_rope.shape == shape else identity_pairs(*shape[:2])
+            )
+        # one token with full RoPE (adjacent pairs or NEOX) and nothing else: the fused decode-attention op applies
+        # a sliding window at least as long as the context hides no key (keys at or below pos - window are out of
+        # reach; SmallThinker's 4096): the kernels, which see every key, apply
+        window = self.spec.sliding_window
         self._one_kernel = (
             self.plain
-            and rope is not None
-            and rope.spec.kind == "adjacent"
-            and rope.spec.n_rot == self.spec.head_dim
+            and (window is None or n_ctx <= window)
+            and self.rope_pairs is not None
+            and (
+                rope is None
+                or (rope.spec.kind in ("adjacent", "neox") and rope.spec.n_rot == self.spec.head_dim)
+            )
         )
+        self._neox = rope is not None and rope.spec.kind == "neox"
         self.workspace.reserve("attn", ops.attn_scratch_bytes(n_ctx, self.spec.n_head))
 
     def fuse(self, norm: Norm, n_ctx: int) -> ops.AttnBlock | None:
@@ -173,10 +201,24 @@ class Attention:
             s.n_head_kv,
             s.head_dim,
             self.kc,
+            None if self.q_norm is None or self.k_norm is None else self._qk_norm_weights(),
+            self._neox,
         )
         if block is not None:
             self.workspace.reserve("attn_block", block.scratch_bytes(n_ctx))
         return block
+
+    def _qk_norm_weights(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        assert self.q_norm is not None and self.k_norm is not None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.spec.eps
+
+    def _qk_normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (T, H * D) and k (T, H_kv * D) with each head RMS-normed (QK-norm; unchanged without it)."""
+        if self.q_norm is None or self.k_norm is None:
+            return q, k
+        s, T = self.spec, q.shape[0]
+        q = self.q_norm(q.reshape(T, s.n_head, s.head_dim)).reshape(T, s.n_embd_q)
+        return q, self.k_norm(k.reshape(T, s.n_head_kv, s.head_dim)).reshape(T, s.n_embd_kv)
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, H * D), k and v (T, H_kv * D) of x (T, n_embd)."""
@@ -242,17 +284,23 @@ class Attention:
         """T consecutive tokens of one sequence at pos..pos+T-1: (T, H * D)."""
         T = q.shape[0]
         s = self.spec
-        rope = self.rope
+        pairs = self.rope_pairs
         if T == 1 and self._one_kernel:
-            assert rope is not None
+            assert pairs is not None
             # one token: RoPE, the KV write and attention in one kernel call where the op has one
             scratch = self.workspace.get("attn")
-            return ops.attend_one(q, k, v, rope.pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch)
+            qn, kn = self._qk_normed(q, k)
+            return ops.attend_one(
+                qn, kn, v, pairs[pos], *kv.slot(seq), pos, self.kc, scratch=scratch, neox=self._neox
+            )
         if self._one_kernel and pos + T <= ops.ATTN_KERNEL_MAX_POS:
-            assert rope is not None
+            assert pairs is not None
             # several tokens: each as the one-token kernel computes it, so a token's output does not depend on
             # how its prompt was split into batches (the prompt cache, interactive turns and the server rely on it)
-            out = ops.attn_prefill(q, k, v, rope.pairs[pos : pos + T], *kv.slot(seq), pos, self.kc)
+            qn, kn = self._qk_normed(q, k)
+            out = ops.attn_prefill(
+                qn, kn, v, pairs[pos : pos + T], *kv.slot(seq), pos, self.kc, neox=self._neox
+            )
             if out is not None:
                 return out
         q, k, v = self._heads(q, k, v, slice(pos, pos + T))

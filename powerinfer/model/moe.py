@@ -17,8 +17,15 @@ import torch
 from powerinfer import ops
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
-from powerinfer.model.blocks import DenseFFN, Weight
-from powerinfer.ops.moe import experts_matmul, grouped_matmul
+from powerinfer.model.blocks import DenseFFN, Norm, Weight
+from powerinfer.ops.moe import (
+    MoEFFNBlock,
+    experts_matmul,
+    grouped_matmul,
+    moe_experts,
+    moe_ffn_block,
+    moe_route,
+)
 
 GATING_FUNCS = ("softmax", "sigmoid")
 ROUTE_INPUTS = ("ffn", "layer")  # the normed FFN input, or the layer input before attention (SmallThinker)
@@ -60,10 +67,17 @@ class MoESpec:
             raise ConfigError(f"expert weights scale must be positive (got {self.weights_scale})")
 
 
-def route(logits: torch.Tensor, spec: MoESpec) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor, spec: MoESpec, kc: ops.KernelContext | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts (T, k) int64 of each token, in increasing id order, and their weights (T, k) float32, from
-    router logits (T, n_expert): top-k of the gating probabilities, renormalised and scaled as the spec says."""
+    router logits (T, n_expert): top-k of the gating probabilities, renormalised and scaled as the spec says. The
+    kernel where it applies (the one the one-token block routes with: a token's experts do not depend on its
+    batch), else torch."""
     logits = logits.float()
+    routed = moe_route(logits, spec.n_expert_used, spec.gating, spec.norm_weights, spec.weights_scale, kc)
+    if routed is not None:
+        return routed
     probs = torch.softmax(logits, dim=-1) if spec.gating == "softmax" else torch.sigmoid(logits)
     weights, ids = probs.topk(spec.n_expert_used, dim=-1)  # (T, k), largest first
     if spec.norm_weights:
@@ -112,6 +126,10 @@ class Experts:
         self.rows_path = gate.ggml_type in rows and up.ggml_type in rows
         self.sparse = ((spec.act == "relu") if sparse is None else sparse) and self.rows_path
         self.neurons = torch.arange(F)
+        # one token in one kernel call (kernels/cpu/moe.c: gate, up, down of the k experts and their weighted sum,
+        # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
+        relu = (spec.act == "relu") if sparse is None else sparse
+        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
@@ -123,6 +141,9 @@ class Experts:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
         T, k = ids.shape
         out = torch.zeros(T, self.n_embd, dtype=torch.float32)
+        if T == 1 and self.kernel is not None:
+            self.kernel(x, ids, weights, out)
+            return out
         if T == 1 and self.one_path:
             return self.one_token(x, ids, weights, out)
         if T == 1:
@@ -206,6 +227,21 @@ class MoEFFN:
         self._early: torch.Tensor | None = None  # router logits of the layer input (route_input "layer")
         self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
 
+    def fuse(self, norm: Norm) -> FusedMoEFFN | None:
+        """This block behind `norm` as one kernel call for one token (norm, router, routing, experts, residual add
+        in place: ops.moe_ffn_block); None where that does not apply (no experts kernel, a shared expert, a
+        LayerNorm, a placed router)."""
+        experts = self.experts.kernel
+        if experts is None or self.shared is not None or norm.spec.kind == "layer" or self.router.on_device:
+            return None
+        s = self.spec
+        router = None if s.route_input == "layer" else self.router
+        assert not isinstance(router, ops.DeviceWeight)
+        block = moe_ffn_block(
+            norm.weight, norm.spec.eps, router, experts, s.gating, s.norm_weights, s.weights_scale, self.kc
+        )
+        return None if block is None else FusedMoEFFN(self, block)
+
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
         self._early = ops.linear(x if self.router.on_device else x.to("cpu"), self.router, self.kc)
@@ -222,10 +258,36 @@ class MoEFFN:
         self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
     ) -> torch.Tensor:
         x = x_norm.to("cpu").float().contiguous()
-        ids, weights = route(self.logits(x).to("cpu"), self.spec)
+        ids, weights = route(self.logits(x).to("cpu"), self.spec, self.kc)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
         out = self.experts(x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+
+class FusedMoEFFN:
+    """A layer's MoE FFN block (norm and residual add included) as one kernel call for one token (the fused-FFN
+    protocol of powerinfer.model.transformer)."""
+
+    def __init__(self, ffn: MoEFFN, block: MoEFFNBlock) -> None:
+        self.ffn, self.block = ffn, block
+        self.ids = torch.empty(ffn.spec.n_expert_used, dtype=torch.int64)
+
+    def scratch_bytes(self) -> int:
+        return 0  # the block keeps its own
+
+    def __call__(self, x: torch.Tensor, scratch: torch.Tensor | None, first: bool = False) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place."""
+        ffn = self.ffn
+        logits = None
+        if ffn.spec.route_input == "layer":
+            logits, ffn._early = ffn._early, None
+            if logits is None:
+                raise RuntimeError("MoE layer routed on the layer input was called without route_early")
+            logits = logits.contiguous()
+        counting = ffn.counts is not None
+        self.block(x, logits, self.ids if counting else None)
+        if ffn.counts is not None:
+            ffn.counts += torch.bincount(self.ids, minlength=ffn.spec.n_expert)

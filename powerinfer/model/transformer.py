@@ -15,7 +15,18 @@ import torch
 
 from powerinfer import ops
 from powerinfer.model.batch import StepBatch
-from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, KVLayer, Norm, Rope
+from powerinfer.model.blocks import (
+    FFN,
+    Attention,
+    DenseFFN,
+    Embedding,
+    Head,
+    KVLayer,
+    Norm,
+    Rope,
+    identity_pairs,
+)
+from powerinfer.model.moe import FusedMoEFFN, MoEFFN
 from powerinfer.model.sparse import FusedSparseFFN, FusedThresholdFFN, SparseFFN, ThresholdFFN
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
@@ -44,7 +55,7 @@ class Layer:
     pre_attn: Callable[[torch.Tensor], None] | None = None
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
     fused_attn: ops.AttnBlock | None = None
-    fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | None = None
+    fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | FusedMoEFFN | None = None
 
 
 class Transformer:
@@ -76,13 +87,23 @@ class Transformer:
         other than the CPU (the forward then moves activations between devices)."""
         self.placed = placed
         ropes: dict[object, Rope | None] = {}
+        identities: dict[int, torch.Tensor] = {}
         for bid, layer in enumerate(self.layers):
             rope = None
             if self.rope_factory is not None:
                 rope = self.rope_factory(bid, n_ctx)
                 if rope is not None:  # layers with the same spec share one table
                     rope = ropes.setdefault(rope.spec, rope)
-            layer.attn.setup(rope, n_ctx)
+            attn = layer.attn
+            no_rope = None
+            if (
+                rope is None and attn.spec.rope is None and attn.plain
+            ):  # one identity table for all such layers
+                half = attn.spec.head_dim // 2
+                if half not in identities:
+                    identities[half] = identity_pairs(n_ctx, half)
+                no_rope = identities[half]
+            attn.setup(rope, n_ctx, no_rope)
             layer.fused_attn = layer.fused_ffn = None
             if (
                 placed
@@ -93,7 +114,10 @@ class Transformer:
             ):
                 continue
             layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
-            if layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN | ThresholdFFN):
+            # a MoE FFN block fuses behind either attention path (its kernel gives the op-by-op bits)
+            if isinstance(layer.ffn, MoEFFN) or (
+                layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN | ThresholdFFN)
+            ):
                 layer.fused_ffn = layer.ffn.fuse(layer.ffn_norm)
                 if layer.fused_ffn is not None:
                     layer.attn.workspace.reserve("ffn_block", layer.fused_ffn.scratch_bytes())
@@ -131,15 +155,18 @@ class Transformer:
         seq, pos = seg.seq, seg.pos
         for bid, layer in enumerate(self.layers):
             attn = layer.fused_attn
-            if attn is None:
+            if attn is None and layer.fused_ffn is None:
                 x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
                 continue
             workspace = layer.attn.workspace
-            rope = layer.attn.rope
-            assert rope is not None
             if layer.pre_attn is not None:
                 layer.pre_attn(x)
-            attn(x, *kv.layer_view(bid).slot(seq), pos, rope.pairs, workspace.get("attn_block"))
+            if attn is not None:
+                pairs = layer.attn.rope_pairs
+                assert pairs is not None
+                attn(x, *kv.layer_view(bid).slot(seq), pos, pairs, workspace.get("attn_block"))
+            else:  # op by op (setup fused the FFN only where the layer is plain: no post-norms, not parallel)
+                x = x + layer.attn(layer.attn_norm(x), batch, kv.layer_view(bid))
             if layer.fused_ffn is not None:
                 layer.fused_ffn(x, workspace.get("ffn_block"), pos == 0)  # position 0: CATS runs it dense
                 continue

@@ -53,6 +53,7 @@ def attn_decode(
     kc: KernelContext | None = None,
     *,
     scratch: torch.Tensor | None = None,
+    neox: bool = False,
 ) -> torch.Tensor | None:
     """Attention of one token at position `pos` in one kernel call; None where the kernel does not apply.
 
@@ -61,7 +62,8 @@ def attn_decode(
     contiguous, CPU), into which the rotated k and v are written at row pos. Returns (1, H * D): per head,
     softmax(q . K[0..pos] / sqrt(D)) . V[0..pos] with the query heads grouped over the KV heads (GQA).
     scratch: a contiguous CPU tensor of at least `attn_scratch_bytes(n_ctx, H)` bytes, reused across calls
-    (None: one is allocated for this call).
+    (None: one is allocated for this call). neox: RoPE pairs elements i and i + D / 2 of a head (else 2i and
+    2i + 1).
     """
     if kc is None:
         kc = default_context()
@@ -97,7 +99,7 @@ def attn_decode(
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
         n_ctx, pos, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), scratch.data_ptr(),
-        scratch_bytes, kc.threads_now, kc.level,
+        scratch_bytes, int(neox), kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
         needed = library.load().attn_decode_scratch_bytes(pos + 1, n_head)
@@ -114,13 +116,15 @@ def attn_prefill(
     v_cache: torch.Tensor,
     pos: int,
     kc: KernelContext | None = None,
+    neox: bool = False,
 ) -> torch.Tensor | None:
     """Attention of T consecutive tokens of one sequence at pos..pos+T-1 in one kernel call, each token exactly as
     `attn_decode` computes it at its position (so a token's output does not depend on how its prompt was split into
     batches); None where the kernel does not apply.
 
     q (T, H * D), k and v (T, H_kv * D): the projections; rope (T, D / 2, 2): each token's (cos, sin) pairs;
-    k_cache, v_cache (n_ctx, H_kv, D) float32 contiguous CPU, rows pos..pos+T-1 written. Returns (T, H * D).
+    k_cache, v_cache (n_ctx, H_kv, D) float32 contiguous CPU, rows pos..pos+T-1 written; neox as `attn_decode`.
+    Returns (T, H * D).
     """
     if kc is None:
         kc = default_context()
@@ -155,16 +159,21 @@ def attn_prefill(
     out = torch.empty(T, n_head * head_dim, dtype=torch.float32)
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        n_ctx, pos, T, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), kc.threads_now, kc.level,
+        n_ctx, pos, T, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), int(neox), kc.threads_now,
+        kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "attn_prefill")
     return out
 
 
-def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x (T, H, D) by rot (T, D/2) complex."""
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> torch.Tensor:
+    """Rotate adjacent pairs of x (T, H, D) by rot (T, D/2) complex; neox: the pairs (i, i + D/2)."""
     T, H, D = x.shape
+    if neox:
+        cos, sin = rot.real[:, None, :], rot.imag[:, None, :]
+        x1, x2 = x[..., : D // 2], x[..., D // 2 :]
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     xc = torch.view_as_complex(x.reshape(T, H, D // 2, 2))
     return torch.view_as_real(xc * rot[:, None, :]).reshape(T, H, D)
 
@@ -196,9 +205,10 @@ def attend_one(
     kc: KernelContext | None = None,
     *,
     scratch: torch.Tensor | None = None,
+    neox: bool = False,
 ) -> torch.Tensor:
     """Attention of one token at `pos`, its rotated k and v written to row pos of the cache: (1, H * D) on q's
-    device.
+    device (neox: RoPE on the pairs (i, i + D/2)).
 
     q (1, H * D), k and v (1, H_kv * D): the token's projections; rope_pair (D / 2, 2): cos and sin of its
     rotation (the rows of the complex RoPE table as float pairs); k_cache, v_cache (n_ctx, H_kv, D). The kernel
@@ -206,14 +216,14 @@ def attend_one(
     write and `decode_attention` as tensor ops.
     """
     if q.is_cpu and pos < ATTN_KERNEL_MAX_POS:
-        out = attn_decode(q, k, v, rope_pair, k_cache, v_cache, pos, kc, scratch=scratch)
+        out = attn_decode(q, k, v, rope_pair, k_cache, v_cache, pos, kc, scratch=scratch, neox=neox)
         if out is not None:
             return out
     _, n_head_kv, head_dim = k_cache.shape
     n_head = q.shape[-1] // head_dim
     rot = torch.view_as_complex(rope_pair).to(q.device)[None]  # (1, D/2)
-    q = apply_rope(q.view(1, n_head, head_dim), rot)
-    k = apply_rope(k.view(1, n_head_kv, head_dim), rot)
+    q = apply_rope(q.view(1, n_head, head_dim), rot, neox)
+    k = apply_rope(k.view(1, n_head_kv, head_dim), rot, neox)
     k_cache[pos : pos + 1] = k
     v_cache[pos : pos + 1] = v.view(1, n_head_kv, head_dim)
     return decode_attention(q, k_cache[: pos + 1], v_cache[: pos + 1])

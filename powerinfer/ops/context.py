@@ -69,11 +69,16 @@ class _Resolved:
     sparse_ffn_block: Any
     cats_ffn_block: Any
     rms_norm: Any
+    moe_experts: Any  # one token's selected experts of a MoE FFN
+    moe_route: Any  # router logits -> top-k experts
+    moe_ffn_block: Any  # one token's MoE FFN block
+    grouped_matmul: Any  # matmul over token groups, one parallel region
 
 
 _NONE = _Resolved(
-    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None
-)
+    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None, None, None,
+    None, None,
+)  # fmt: skip
 
 
 @functools.cache
@@ -97,6 +102,10 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         sparse_ffn_block=lib.sparse_ffn_block,
         cats_ffn_block=lib.cats_ffn_block,
         rms_norm=lib.rms_norm,
+        moe_experts=lib.moe_experts,
+        moe_route=lib.moe_route,
+        moe_ffn_block=lib.moe_ffn_block,
+        grouped_matmul=lib.grouped_matmul,
     )
 
 

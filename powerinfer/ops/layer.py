@@ -65,7 +65,8 @@ class _Mat(ctypes.Structure):  # pi_mat
 class _AttnDesc(ctypes.Structure):  # pi_attn_block_desc
     _fields_ = [
         ("n_embd", _i64), ("n_head", _i64), ("n_head_kv", _i64), ("head_dim", _i64), ("eps", _f32), ("scale", _f32),
-        ("norm", _ptr), ("wq", _Mat), ("wk", _Mat), ("wv", _Mat), ("wo", _Mat),
+        ("norm", _ptr), ("wq", _Mat), ("wk", _Mat), ("wv", _Mat), ("wo", _Mat), ("q_norm", _ptr), ("k_norm", _ptr),
+        ("qk_eps", _f32), ("rope_neox", _i32),
     ]  # fmt: skip
 
 
@@ -207,9 +208,12 @@ def attn_block(
     n_head_kv: int,
     head_dim: int,
     kc: KernelContext | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    neox: bool = False,
 ) -> AttnBlock | None:
-    """The fused attention block of these weights (RMSNorm weight `norm`, no biases, full adjacent-pair RoPE, scale
-    1 / sqrt(head_dim)); None where the kernels cannot run it."""
+    """The fused attention block of these weights (RMSNorm weight `norm`, no biases, full RoPE on adjacent pairs or
+    with `neox` on the pairs (i, i + head_dim / 2), scale 1 / sqrt(head_dim)); qk_norm: the RMSNorm weights (head_dim,)
+    of every q and k head before RoPE and their eps. None where the kernels cannot run it."""
     kc = kc or default_context()
     if kc.kernels.attn_block is None:
         return None
@@ -222,8 +226,18 @@ def attn_block(
     shapes = [(m.n_rows, m.n_cols) for m in mats if m is not None]
     if shapes != [(n_q, n_embd), (n_kv, n_embd), (n_kv, n_embd), (n_embd, n_q)] or head_dim % 2:
         return None
-    desc = _AttnDesc(n_embd, n_head, n_head_kv, head_dim, eps, head_dim**-0.5, weight.data_ptr(), *mats)
-    return AttnBlock(desc, (weight, wq, wk, wv, wo), kc)
+    qn = kn = None
+    qk_eps = 0.0
+    if qk_norm is not None:
+        qn, kn = _norm_weight(qk_norm[0], head_dim), _norm_weight(qk_norm[1], head_dim)
+        qk_eps = qk_norm[2]
+        if qn is None or kn is None:
+            return None
+    desc = _AttnDesc(
+        n_embd, n_head, n_head_kv, head_dim, eps, head_dim**-0.5, weight.data_ptr(), *mats,
+        None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(), qk_eps, int(neox),
+    )  # fmt: skip
+    return AttnBlock(desc, (weight, wq, wk, wv, wo, qn, kn), kc)
 
 
 def ffn_block(

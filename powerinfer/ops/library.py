@@ -91,11 +91,11 @@ _CATS_FFN_ARGTYPES = (
     + (_ptr, _i64, _i32) * 3
     + (_ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
-# attn_prefill (q, k, v, rope, k_cache, v_cache, n_ctx, pos, T, H, H_kv, D, scale, out, n_threads, isa)
-_ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32, _i32)
+# attn_prefill (q, k, v, rope, k_cache, v_cache, n_ctx, pos, T, H, H_kv, D, scale, out, neox, n_threads, isa)
+_ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32, _i32, _i32)
 # attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
-#              n_threads, isa)
-_ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32)
+#              neox, n_threads, isa)
+_ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # quantize_rows (ggml_type, src, n_rows, n_cols, dst, n_threads): float rows -> blocks (kernels/cpu/quantize_k.c)
 _QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
 # attn_block (desc, x, k_cache, v_cache, n_ctx, pos, rope, scratch, scratch_bytes, q8, n_threads, isa)
@@ -104,6 +104,30 @@ _ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, 
 _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # cats_ffn_block (desc, x, dense, scratch, scratch_bytes, q8, n_threads, isa)
 _CATS_FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _i32, _ptr, _i64, _i32, _i32, _i32)
+# moe_experts (desc, xn, ids, weights, k, y, scratch, scratch_bytes, q8, n_threads, isa)
+_MOE_EXPERTS_ARGTYPES = (_ptr,) * 4 + (_i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# moe_route (logits, T, n, k, gating, norm, scale, ids, weights)
+_MOE_ROUTE_ARGTYPES = (_ptr, _i64, _i64, _i64, _i32, _i32, ctypes.c_float, _ptr, _ptr)
+# moe_ffn_block (desc, x, logits or NULL, ids_out or NULL, scratch, scratch_bytes, q8, n_threads, isa)
+_MOE_FFN_BLOCK_ARGTYPES = (_ptr,) * 5 + (_i64, _i32, _i32, _i32)
+# grouped_matmul (matmul kernel, w, w_stride, n_rows, K, n_expert, x, N, experts, counts, n_groups, y, n_threads,
+#                 isa)
+_GROUPED_MATMUL_ARGTYPES = (
+    _ptr,
+    _ptr,
+    _i64,
+    _i64,
+    _i64,
+    _i64,
+    _ptr,
+    _i64,
+    _ptr,
+    _ptr,
+    _i64,
+    _ptr,
+    _i32,
+    _i32,
+)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
@@ -147,6 +171,14 @@ class Library:
     cats_ffn_block_scratch_bytes: Any
     sparse_ffn_block_scratch_bytes: Any
     rms_norm: Any
+    moe_experts: Any  # one token's selected experts of a MoE FFN (kernels/cpu/moe.c)
+    moe_experts_scratch_bytes: Any
+    moe_route: Any  # router logits -> top-k experts and weights (the decode block's routing)
+    moe_ffn_block: Any  # one token's MoE FFN block: norm, router, routing, experts, residual add
+    moe_ffn_block_scratch_bytes: Any
+    grouped_matmul: (
+        Any  # a matmul kernel over a prompt's tokens grouped by expert, the groups shared by the threads
+    )
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
@@ -210,6 +242,12 @@ def _open(path: str) -> Library:
         ffn_block_scratch_bytes=_symbol(lib, "pi_ffn_block_scratch_bytes", (_i64, _i64), _i64),
         sparse_ffn_block_scratch_bytes=_symbol(lib, "pi_sparse_ffn_block_scratch_bytes", (_i64,) * 3, _i64),
         rms_norm=_symbol(lib, "pi_rms_norm", _RMS_NORM_ARGTYPES),
+        moe_experts=_symbol(lib, "pi_moe_experts", _MOE_EXPERTS_ARGTYPES),
+        moe_experts_scratch_bytes=_symbol(lib, "pi_moe_experts_scratch_bytes", (_i64,) * 3, _i64),
+        moe_route=_symbol(lib, "pi_moe_route", _MOE_ROUTE_ARGTYPES),
+        moe_ffn_block=_symbol(lib, "pi_moe_ffn_block", _MOE_FFN_BLOCK_ARGTYPES),
+        moe_ffn_block_scratch_bytes=_symbol(lib, "pi_moe_ffn_block_scratch_bytes", (_i64,) * 4, _i64),
+        grouped_matmul=_symbol(lib, "pi_grouped_matmul", _GROUPED_MATMUL_ARGTYPES),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),

@@ -3,19 +3,40 @@
 `experts_matmul` runs each selected expert's rows through the dense matmul kernel (the one `linear` calls, so each
 output is bit for bit what `linear` gives on the expert's row slice) into one preallocated output, without a
 `linear` call, weight slice or output tensor per expert; `experts_matmul_ref` is `linear` on each slice.
-`grouped_matmul` does the same for a batch's tokens grouped by expert (one kernel call per group).
+`grouped_matmul` does the same for a batch's tokens grouped by expert: one matmul call per group, all of them in
+one kernel call (pi_grouped_matmul) whose threads share the groups.
+
+`moe_experts` describes a layer's stacked experts once (a C struct of weight pointers, kernels/cpu/moe.c); each
+call of the `MoEExperts` it returns then runs one token's k selected experts (gate, up, activation, down, the
+weighted sum in expert order) in one kernel call and one parallel region: the bits of `experts_matmul` on each
+matrix, `gated` and torch's `out += y_j * w_j`.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
+from powerinfer.ops import library
+from powerinfer.ops.activation import activation_code
 from powerinfer.ops.context import KernelContext, default_context
 from powerinfer.ops.dense import linear
+from powerinfer.ops.layer import _Mat, _mat, _norm_weight
 from powerinfer.ops.library import check_status
 from powerinfer.ops.weights import QWeight, weight_rows
 
-__all__ = ["experts_matmul", "experts_matmul_ref", "grouped_matmul", "grouped_matmul_ref"]
+__all__ = [
+    "MoEExperts",
+    "MoEFFNBlock",
+    "experts_matmul",
+    "experts_matmul_ref",
+    "grouped_matmul",
+    "grouped_matmul_ref",
+    "moe_experts",
+    "moe_ffn_block",
+    "moe_route",
+]
 
 
 def experts_matmul_ref(
@@ -111,6 +132,16 @@ def grouped_matmul(
     y = torch.empty(x.shape[0], n_rows, dtype=torch.float32)
     base, stride, x_ptr, out = w._raw_ptr, w._raw_stride, x.data_ptr(), y.data_ptr()
     threads, level = kc.threads_now, kc.level
+    grouped = kc.kernels.grouped_matmul
+    if grouped is not None:  # one call: the groups shared by the threads, each group one matmul call on one
+        ids, sizes = torch.tensor(experts, dtype=torch.int64), torch.tensor(counts, dtype=torch.int64)
+        status = grouped(
+            ctypes.cast(kernel, ctypes.c_void_p).value, base, stride, n_rows, K, n_expert, x_ptr, x.shape[0],
+            ids.data_ptr(), sizes.data_ptr(), len(experts), out, threads, level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "grouped_matmul")
+        return y
     start = 0
     for e, n in zip(experts, counts, strict=True):
         if n:
@@ -122,3 +153,190 @@ def grouped_matmul(
                 check_status(status, "grouped_matmul")
         start += n
     return y
+
+
+_i64, _i32 = ctypes.c_int64, ctypes.c_int32
+
+
+class _MoEDesc(ctypes.Structure):  # pi_moe_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_ff", _i64), ("n_expert", _i64), ("act", _i32), ("sparse", _i32),
+        ("gate", _Mat), ("up", _Mat), ("down", _Mat),
+        ("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("weights_scale", ctypes.c_float), ("router", _Mat),
+        ("n_used", _i64), ("gating", _i32), ("norm_weights", _i32),
+    ]  # fmt: skip
+
+
+GATINGS = ("softmax", "sigmoid")  # pi_moe_route's gating codes
+MAX_ROUTE_EXPERTS = 4096  # MOE_ROUTE_MAX_EXPERTS
+
+
+def moe_route(
+    logits: torch.Tensor, k: int, gating: str, norm: bool, scale: float, kc: KernelContext | None = None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Router logits (T, n) -> the k experts (T, k) int64 of each token in increasing id order and their weights
+    (T, k) float32 (the gating's probabilities of the k largest, divided by their sum when `norm`, times `scale`) in
+    one kernel call: the routing of the one-token MoE block (`moe_ffn_block`). None where the kernel does not
+    apply (no kernels, logits not float32 on the CPU)."""
+    kc = kc or default_context()
+    kernel = kc.kernels.moe_route
+    if kernel is None or logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 2:
+        return None
+    T, n = logits.shape
+    if not 0 < k <= n <= MAX_ROUTE_EXPERTS:
+        return None
+    logits = logits.contiguous()
+    ids = torch.empty(T, k, dtype=torch.int64)
+    weights = torch.empty(T, k, dtype=torch.float32)
+    status = kernel(
+        logits.data_ptr(),
+        T,
+        n,
+        k,
+        GATINGS.index(gating),
+        int(norm),
+        scale,
+        ids.data_ptr(),
+        weights.data_ptr(),
+    )
+    if status:
+        check_status(status, "moe_route")
+    return ids, weights
+
+
+class MoEExperts:
+    """A layer's stacked experts for one token: y += sum_j w_j * down_j(act(gate_j x) * up_j x) over the selected
+    experts j, in one kernel call."""
+
+    def __init__(self, desc: _MoEDesc, keep: tuple[object, ...], n_used: int, kc: KernelContext) -> None:
+        self.desc, self._keep, self.kc = desc, keep, kc
+        self._desc_ref = ctypes.byref(desc)
+        self.n_embd, self.n_used = int(desc.n_embd), n_used
+        n = int(library.load().moe_experts_scratch_bytes(desc.n_embd, desc.n_ff, n_used))
+        self.scratch = torch.empty(n, dtype=torch.uint8)  # this layer's, reused by every call
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, y: torch.Tensor) -> None:
+        """x (1, n_embd) float32 the normed input; ids (1, k) int64 and weights (1, k) float32 the experts in the
+        order their products are added; y (1, n_embd) float32 contiguous CPU, added to in place."""
+        k, E = self.n_used, self.n_embd
+        if (
+            x.numel() != E
+            or y.numel() != E
+            or ids.numel() != k
+            or weights.numel() != k
+            or x.dtype is not torch.float32
+            or y.dtype is not torch.float32
+            or ids.dtype is not torch.int64
+            or weights.dtype is not torch.float32
+            or not (
+                x.is_contiguous() and y.is_contiguous() and ids.is_contiguous() and weights.is_contiguous()
+            )
+            or not (x.is_cpu and y.is_cpu and ids.is_cpu and weights.is_cpu)
+        ):
+            raise ValueError("moe_experts: x, ids, weights or y do not match the experts")
+        kc = self.kc
+        status = kc.kernels.moe_experts(
+            self._desc_ref, x.data_ptr(), ids.data_ptr(), weights.data_ptr(), k, y.data_ptr(),
+            self.scratch.data_ptr(), self.scratch.numel(), kc.act_precision == "q8", kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "moe_experts")
+
+
+def moe_experts(
+    gate: QWeight,
+    up: QWeight,
+    down: QWeight,
+    n_expert: int,
+    n_used: int,
+    act: str,
+    sparse: bool,
+    kc: KernelContext | None = None,
+) -> MoEExperts | None:
+    """The one-token kernel of n_expert stacked experts (gate and up (n_expert * n_ff, n_embd), down
+    (n_expert * n_embd, n_ff)) of which n_used are selected per token; `sparse` (ReGLU): the up rows of neurons
+    whose gate is <= 0 are not read. None where the kernels cannot run it (a weight on a device or of a type
+    without a kernel kind)."""
+    kc = kc or default_context()
+    if kc.kernels.moe_experts is None:
+        return None
+    mats = [_mat(w, kc) for w in (gate, up, down)]
+    if any(m is None for m in mats):
+        return None
+    n_rows, n_embd = gate.shape
+    if n_expert <= 0 or n_rows % n_expert or not 0 < n_used <= n_expert:
+        return None
+    n_ff = n_rows // n_expert
+    if up.shape != gate.shape or down.shape != (n_expert * n_embd, n_ff):
+        return None
+    desc = _MoEDesc(n_embd, n_ff, n_expert, activation_code(act), int(sparse), *mats)
+    return MoEExperts(desc, (gate, up, down), n_used, kc)
+
+
+class MoEFFNBlock:
+    """A layer's MoE FFN block for one token: x += experts(n, route(router . n)), n = norm(x), in one kernel
+    call; the router logits may be given instead (a router that reads the layer input)."""
+
+    def __init__(self, desc: _MoEDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+        self.desc, self._keep, self.kc = desc, keep, kc
+        self._desc_ref = ctypes.byref(desc)
+        self.n_embd, self.n_expert, self.k = int(desc.n_embd), int(desc.n_expert), int(desc.n_used)
+        n = library.load().moe_ffn_block_scratch_bytes(desc.n_embd, desc.n_expert, desc.n_ff, desc.n_used)
+        self.scratch = torch.empty(int(n), dtype=torch.uint8)  # this layer's, reused by every call
+
+    def __call__(
+        self, x: torch.Tensor, logits: torch.Tensor | None = None, ids_out: torch.Tensor | None = None
+    ) -> None:
+        """x (1, n_embd) float32 contiguous CPU, updated in place; logits (1, n_expert) float32 contiguous CPU or
+        None (the router's, from the normed x); ids_out: (k,) int64 contiguous CPU taking the chosen experts."""
+        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous() or not x.is_cpu:
+            raise ValueError("moe_ffn_block: x does not match the block")
+        if logits is not None and (
+            logits.numel() != self.n_expert
+            or logits.dtype is not torch.float32
+            or not logits.is_contiguous()
+            or not logits.is_cpu
+        ):
+            raise ValueError("moe_ffn_block: logits do not match the router")
+        if ids_out is not None and (
+            ids_out.numel() != self.k or ids_out.dtype is not torch.int64 or not ids_out.is_contiguous()
+        ):
+            raise ValueError("moe_ffn_block: ids_out does not match the experts used")
+        kc = self.kc
+        status = kc.kernels.moe_ffn_block(
+            self._desc_ref, x.data_ptr(), None if logits is None else logits.data_ptr(),
+            None if ids_out is None else ids_out.data_ptr(), self.scratch.data_ptr(), self.scratch.numel(),
+            kc.act_precision == "q8", kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "moe_ffn_block")
+
+
+def moe_ffn_block(
+    norm: torch.Tensor,
+    eps: float,
+    router: QWeight | None,
+    experts: MoEExperts,
+    gating: str,
+    norm_weights: bool,
+    weights_scale: float,
+    kc: KernelContext | None = None,
+) -> MoEFFNBlock | None:
+    """The one-token MoE FFN block of an RMSNorm weight `norm` (n_embd,), a router (n_expert, n_embd) (None: the
+    logits are given on each call) and the experts of `moe_experts`, routed as `moe_route`; None where the kernels
+    cannot run it."""
+    kc = kc or default_context()
+    if kc.kernels.moe_ffn_block is None or gating not in GATINGS:
+        return None
+    d = experts.desc
+    if d.n_expert > MAX_ROUTE_EXPERTS:
+        return None
+    weight = _norm_weight(norm, int(d.n_embd))
+    mat = _Mat(None, 0, 0, 0, 0, 0) if router is None else _mat(router, kc)
+    if weight is None or mat is None or (router is not None and router.shape != (d.n_expert, d.n_embd)):
+        return None
+    desc = _MoEDesc(
+        d.n_embd, d.n_ff, d.n_expert, d.act, d.sparse, d.gate, d.up, d.down, weight.data_ptr(), eps,
+        weights_scale, mat, experts.n_used, GATINGS.index(gating), int(norm_weights),
+    )  # fmt: skip
+    return MoEFFNBlock(desc, (weight, router, experts), kc)

@@ -1,0 +1,368 @@
+/* The experts of a mixture-of-experts FFN for one token, in one call and one parallel region:
+ *
+ *   pi_moe_experts: y += sum_j w_j * down_{e_j} . (act(gate_{e_j} . n) * up_{e_j} . n), j = 0 .. k - 1 in order
+ *
+ * over the stacked expert tensors as ggml files store them (gate and up (n_expert * n_ff, n_embd), down
+ * (n_expert * n_embd, n_ff)): only the k selected experts' rows are read. The gate and up rows of all k experts are
+ * one list of k * n_ff neurons split over the team in contiguous ranges (a neuron's gate and up rows on one thread,
+ * so h needs no barrier), then each expert's h is prepared for its down rows, then each thread takes a contiguous
+ * range of the n_embd outputs of every expert and sums the k products with the routing weights in expert order.
+ * ReGLU experts (sparse) read the up row of a neuron only where its gate is > 0 (h = 0 elsewhere: exact).
+ *
+ * Every product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen precision (the helpers of sparse.h
+ * and matmul.h the fused blocks of layer.c use), the activation pi_gated's, and the sum is torch's
+ * `out += y_j * w_j` from zero in expert order: the bits of the per-expert matmuls the prompt path groups
+ * (powerinfer/model/moe.py), whatever the thread count.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "sparse.h"
+
+/* One stacked weight: n_rows rows of n_cols elements of `kind` (enum axpy_kind), stride bytes apart (the layout
+ * of layer.c's pi_mat; the ctypes mirror is powerinfer/ops/layer.py's _Mat). */
+typedef struct {
+    const uint8_t *w;
+    int64_t stride;
+    int64_t n_rows;
+    int64_t n_cols;
+    int32_t kind;
+    int32_t reserved;
+} pi_moe_mat;
+
+/* The experts of a layer and, for the whole block (pi_moe_ffn_block), its norm and router: the ctypes mirror is
+ * powerinfer/ops/moe.py */
+typedef struct {
+    int64_t n_embd, n_ff, n_expert;
+    int32_t act, sparse; /* act: enum ffn_act; sparse: ReGLU, up rows of neurons whose gate is <= 0 not read */
+    pi_moe_mat gate, up, down;
+    /* the block: RMSNorm weight (n_embd) and eps, router (n_expert, n_embd), k experts per token, the gating (0
+     * softmax, 1 sigmoid), the renormalisation of the top-k weights and their scale (pi_moe_route) */
+    const float *norm;
+    float eps, weights_scale;
+    pi_moe_mat router;
+    int64_t n_used;
+    int32_t gating, norm_weights;
+} pi_moe_desc;
+
+/* pi_rms_norm (layer.c) */
+int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, const float *w, float eps, float *out,
+                    int64_t out_stride);
+
+#define MOE_MAX_EXPERTS (1 << 16)
+#define MOE_ROUTE_MAX_EXPERTS 4096
+#define MOE_CHUNK 256     /* ReGLU: gate values scanned per list of active neurons */
+#define MOE_ROWS_AHEAD 2  /* ReGLU: rows of that list prefetched ahead */
+#define MOE_MAX_DIM (1LL << 30)
+
+static size_t moe_input_bytes(int64_t K) { return act_q8_bytes(K) + kq8_act_bytes(K); }
+
+static size_t moe_scratch(int64_t E, int64_t F, int64_t k) {
+    return moe_input_bytes(E) + align_up((size_t)(k * F) * 4) * 2 + align_up((size_t)(k * E) * 4) +
+           (size_t)k * moe_input_bytes(F) + align_up((size_t)k * sizeof(act_q8)) +
+           align_up((size_t)k * sizeof(act_q8k));
+}
+
+/* Bytes of scratch pi_moe_experts needs for k selected experts, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_moe_experts_scratch_bytes(int64_t n_embd, int64_t n_ff, int64_t k) {
+    if (n_embd <= 0 || n_ff <= 0 || k <= 0 || n_embd > MOE_MAX_DIM || n_ff > MOE_MAX_DIM || k > MOE_MAX_EXPERTS)
+        return -1;
+    return (int64_t)(moe_scratch(n_embd, n_ff, k) + PI_SCRATCH_ALIGN);
+}
+
+/* x (K) prepared in buf (moe_input_bytes(K)) for matrices of kinds ka and kb in the precision q8 */
+static void moe_prepare(const matmul_table *t, int32_t level, int ka, int kb, int q8, const float *x, int64_t K,
+                        uint8_t *buf, act_q8 *a, act_q8k *ak) {
+    if (q8 && (kind_has_q8_tile(ka) || kind_has_q8_tile(kb))) act_q8_prepare(t, x, K, buf, a);
+    if (q8 && (kind_is_kq(ka) || kind_is_kq(kb))) kq8_act_prepare(level, x, K, buf + act_q8_bytes(K), ak);
+}
+
+/* y[n] = row n of the matrix at w (rows stride bytes apart, K columns of `kind`) . x for n in [n0, n1): as
+ * pi_matmul_<type> computes row n at T = 1 in the precision q8 (layer.c's mv_rows) */
+static void moe_rows(const matmul_table *t, int32_t level, int kind, const uint8_t *w, int64_t stride, int64_t K,
+                     int q8, const act_q8 *a, const act_q8k *ak, const float *x, int64_t n0, int64_t n1, float *y) {
+    if (n0 >= n1) return;
+    if (q8 && kind_is_kq(kind)) {
+        kq8_rows(level, kind - KIND_Q2_K, w + n0 * stride, stride, n1 - n0, ak, y + n0);
+        return;
+    }
+    const ffn_mat f = ffn_mat_of(t, kind, q8, w, stride, K);
+    ffn_mat_matvec(&f, kind, a, x, K, n0, n1, y);
+}
+
+static int moe_mat_ok(const pi_moe_mat *m, int64_t n_rows, int64_t n_cols) {
+    if (m->n_rows != n_rows || m->n_cols != n_cols || n_rows <= 0 || n_cols <= 0) return 0;
+    return check_weight(m->kind, m->n_rows, m->n_cols, m->w, m->stride) == PI_OK;
+}
+
+/* pi_moe_experts(desc, xn, ids, weights, k, y, scratch, scratch_bytes, q8, threads, isa): y (n_embd) += the sum
+ * above for the token's normed FFN input xn (n_embd), its k experts ids (in the order their products are added)
+ * and routing weights; scratch: at least pi_moe_experts_scratch_bytes(n_embd, n_ff, k) bytes. */
+PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const int64_t *ids, const float *weights,
+                                 int64_t k, float *y, void *scratch, int64_t scratch_bytes, int32_t q8,
+                                 int32_t n_threads, int32_t isa) {
+    if (d == NULL || xn == NULL || ids == NULL || weights == NULL || y == NULL) return PI_ERR_SHAPE;
+    const int64_t E = d->n_embd, F = d->n_ff, NE = d->n_expert;
+    if (E <= 0 || F <= 0 || E > MOE_MAX_DIM || F > MOE_MAX_DIM || NE <= 0 || NE > MOE_MAX_EXPERTS || k <= 0 ||
+        k > NE || d->act < ACT_RELU || d->act > ACT_LAST)
+        return PI_ERR_SHAPE;
+    if (!moe_mat_ok(&d->gate, NE * F, E) || !moe_mat_ok(&d->up, NE * F, E) || !moe_mat_ok(&d->down, NE * E, F))
+        return PI_ERR_SHAPE;
+    for (int64_t j = 0; j < k; j++)
+        if (ids[j] < 0 || ids[j] >= NE) return PI_ERR_INDEX;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, moe_scratch(E, F, k), &buf);
+    if (status != PI_OK) return status;
+    uint8_t *prep_x = buf;
+    float *g = (float *)(buf + moe_input_bytes(E));
+    float *u = (float *)((uint8_t *)g + align_up((size_t)(k * F) * 4));
+    float *yb = (float *)((uint8_t *)u + align_up((size_t)(k * F) * 4));
+    uint8_t *prep_h = (uint8_t *)yb + align_up((size_t)(k * E) * 4);
+    act_q8 *ha = (act_q8 *)(prep_h + (size_t)k * moe_input_bytes(F));
+    act_q8k *hak = (act_q8k *)((uint8_t *)ha + align_up((size_t)k * sizeof(act_q8)));
+
+    const int32_t level = pi_isa_clamp(isa);
+    const matmul_table *t = matmul_table_for(level);
+    const pi_moe_mat *gm = &d->gate, *um = &d->up, *dm = &d->down;
+    const int act = d->act, sparse = d->sparse != 0;
+    const int32_t nt = threads_for_work(n_threads, 3 * k * F * E);
+    act_q8 xa = {0};
+    act_q8k xak = {0};
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+#pragma omp single
+        moe_prepare(t, level, gm->kind, um->kind, q8, xn, E, prep_x, &xa, &xak);
+        /* this thread's neurons of the k * F, each with its gate and up rows */
+        const int64_t total = k * F, r0 = total * me / all, r1 = total * (me + 1) / all;
+        for (int64_t j = r0 / F; j < k && j * F < r1; j++) {
+            const int64_t lo = r0 > j * F ? r0 - j * F : 0, hi = r1 < (j + 1) * F ? r1 - j * F : F;
+            const uint8_t *gw = gm->w + ids[j] * F * gm->stride, *uw = um->w + ids[j] * F * um->stride;
+            float *gj = g + j * F, *uj = u + j * F;
+            moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
+            if (sparse) {
+                /* the up rows of the neurons with a positive gate, a chunk of them at a time: the int8-tile kinds
+                 * prefetch each row MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows
+                 * between are not read), the others row by row as moe_rows computes them */
+                const ffn_mat f = ffn_mat_of(t, um->kind, q8, uw, um->stride, E);
+                act_q8 al = xa;
+                al.ahead = 0;
+                for (int64_t c0 = lo; c0 < hi; c0 += MOE_CHUNK) {
+                    const int64_t c1 = min_i64(c0 + MOE_CHUNK, hi);
+                    int64_t act[MOE_CHUNK], m = 0;
+                    for (int64_t n = c0; n < c1; n++) {
+                        if (gj[n] > 0.0f) act[m++] = n;
+                        else gj[n] = 0.0f;
+                    }
+                    for (int64_t i = 0; i < m; i++) {
+                        const int64_t n = act[i];
+                        if (f.tq != NULL) {
+                            if (i + MOE_ROWS_AHEAD < m) prefetch_bytes(uw + act[i + MOE_ROWS_AHEAD] * um->stride, f.row_bytes);
+                            f.tq(uw + n * um->stride, &al, 0, 1, uj + n);
+                        } else {
+                            moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, n, n + 1, uj);
+                        }
+                        gj[n] = relu_f(gj[n]) * uj[n];
+                    }
+                }
+            } else {
+                moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, lo, hi, uj);
+                for (int64_t n = lo; n < hi; n++) gj[n] = ffn_act(act, gj[n]) * uj[n];
+            }
+        }
+#pragma omp barrier
+        for (int64_t j = me; j < k; j += all)
+            moe_prepare(t, level, dm->kind, dm->kind, q8, g + j * F, F, prep_h + j * moe_input_bytes(F), &ha[j],
+                        &hak[j]);
+#pragma omp barrier
+        const int64_t e0 = E * me / all, e1 = E * (me + 1) / all;
+        for (int64_t j = 0; j < k; j++)
+            moe_rows(t, level, dm->kind, dm->w + ids[j] * E * dm->stride, dm->stride, F, q8, &ha[j], &hak[j],
+                     g + j * F, e0, e1, yb + j * E);
+        for (int64_t n = e0; n < e1; n++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++) acc += yb[j * E + n] * weights[j];
+            y[n] += acc;
+        }
+    }
+    return PI_OK;
+}
+
+/* ---- routing ------------------------------------------------------------------------------------------------------ */
+
+/* One token's router logits (n) -> its k experts in increasing id order and their weights: probabilities (softmax:
+ * exp(l - max) / their sum, summed in index order; sigmoid: 1 / (1 + exp(-l))), the k largest (ties: the lower id),
+ * divided by their sum (largest first) when norm, times scale when scale != 1. probs: n floats of scratch;
+ * n <= MOE_ROUTE_MAX_EXPERTS. */
+static void moe_route_row(const float *logits, int64_t n, int64_t k, int gating, int norm, float scale, float *probs,
+                          int64_t *ids, float *w) {
+    if (gating == 0) {
+        float m = logits[0];
+        for (int64_t i = 1; i < n; i++) m = logits[i] > m ? logits[i] : m;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            probs[i] = expf(logits[i] - m);
+            sum += probs[i];
+        }
+        for (int64_t i = 0; i < n; i++) probs[i] = probs[i] / sum;
+    } else {
+        for (int64_t i = 0; i < n; i++) probs[i] = 1.0f / (1.0f + expf(-logits[i]));
+    }
+    unsigned char taken[MOE_ROUTE_MAX_EXPERTS];
+    memset(taken, 0, (size_t)n);
+    for (int64_t j = 0; j < k; j++) { /* selection: the largest not yet taken (NaN never wins over a number) */
+        int64_t best = -1;
+        for (int64_t i = 0; i < n; i++)
+            if (!taken[i] && (best < 0 || probs[i] > probs[best])) best = i;
+        taken[best] = 1;
+        ids[j] = best;
+        w[j] = probs[best];
+    }
+    if (norm) {
+        float sum = 0.0f;
+        for (int64_t j = 0; j < k; j++) sum += w[j];
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] / sum;
+    }
+    if (scale != 1.0f)
+        for (int64_t j = 0; j < k; j++) w[j] = w[j] * scale;
+    for (int64_t j = 1; j < k; j++) { /* insertion sort by id, the weights along */
+        const int64_t id = ids[j];
+        const float wj = w[j];
+        int64_t q = j - 1;
+        for (; q >= 0 && ids[q] > id; q--) {
+            ids[q + 1] = ids[q];
+            w[q + 1] = w[q];
+        }
+        ids[q + 1] = id;
+        w[q + 1] = wj;
+    }
+}
+
+/* pi_moe_route(logits, T, n, k, gating, norm, scale, ids, weights): each of T rows of n router logits -> k expert ids
+ * (T, k) int64 in increasing order and their weights (T, k) float32, as moe_route_row; the decode block routes with
+ * the same function, so a token's experts and weights do not depend on how it is batched. */
+PI_EXPORT int32_t pi_moe_route(const float *logits, int64_t T, int64_t n, int64_t k, int32_t gating, int32_t norm,
+                               float scale, int64_t *ids, float *weights) {
+    if (T < 0 || n <= 0 || n > MOE_ROUTE_MAX_EXPERTS || k <= 0 || k > n || gating < 0 || gating > 1) return PI_ERR_SHAPE;
+    if (T > 0 && (logits == NULL || ids == NULL || weights == NULL)) return PI_ERR_SHAPE;
+    float probs[MOE_ROUTE_MAX_EXPERTS];
+    for (int64_t t = 0; t < T; t++)
+        moe_route_row(logits + t * n, n, k, gating, norm != 0, scale, probs, ids + t * k, weights + t * k);
+    return PI_OK;
+}
+
+/* ---- the whole block ---------------------------------------------------------------------------------------------- */
+
+static size_t moe_block_scratch(int64_t E, int64_t NE, int64_t F, int64_t k) {
+    return align_up((size_t)E * 4) + align_up((size_t)NE * 4) * 2 + align_up((size_t)k * 8) + align_up((size_t)k * 4) +
+           moe_input_bytes(E) + moe_scratch(E, F, k) + PI_SCRATCH_ALIGN;
+}
+
+/* Bytes of scratch pi_moe_ffn_block needs, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_moe_ffn_block_scratch_bytes(int64_t n_embd, int64_t n_expert, int64_t n_ff, int64_t k) {
+    if (n_embd <= 0 || n_ff <= 0 || k <= 0 || n_expert < k || n_embd > MOE_MAX_DIM || n_ff > MOE_MAX_DIM ||
+        n_expert > MOE_ROUTE_MAX_EXPERTS)
+        return -1;
+    return (int64_t)(moe_block_scratch(n_embd, n_expert, n_ff, k) + PI_SCRATCH_ALIGN);
+}
+
+/* pi_moe_ffn_block(desc, x, logits, ids_out, scratch, scratch_bytes, q8, threads, isa): one token's MoE FFN block,
+ * x (n_embd) += pi_moe_experts(n, pi_moe_route(logits)), n = rmsnorm(x) * norm (pi_rms_norm's), logits = router . n
+ * (pi_matmul's row products) unless given (n_expert floats: a router that reads the layer input); ids_out (k, may be
+ * NULL) takes the experts chosen. The bits of rms_norm, linear, route, the experts and a float add one by one. */
+PI_EXPORT int32_t pi_moe_ffn_block(const pi_moe_desc *d, float *x, const float *logits, int64_t *ids_out,
+                                   void *scratch, int64_t scratch_bytes, int32_t q8, int32_t n_threads, int32_t isa) {
+    if (d == NULL || x == NULL || d->norm == NULL) return PI_ERR_SHAPE;
+    const int64_t E = d->n_embd, NE = d->n_expert, F = d->n_ff, k = d->n_used;
+    if (E <= 0 || F <= 0 || E > MOE_MAX_DIM || F > MOE_MAX_DIM || NE <= 0 || NE > MOE_ROUTE_MAX_EXPERTS || k <= 0 ||
+        k > NE || d->gating < 0 || d->gating > 1)
+        return PI_ERR_SHAPE;
+    if (logits == NULL && !moe_mat_ok(&d->router, NE, E)) return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, moe_block_scratch(E, NE, F, k), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *lg = (float *)(buf + align_up((size_t)E * 4));
+    float *probs = (float *)((uint8_t *)lg + align_up((size_t)NE * 4));
+    int64_t *ids = (int64_t *)((uint8_t *)probs + align_up((size_t)NE * 4));
+    float *w = (float *)((uint8_t *)ids + align_up((size_t)k * 8));
+    uint8_t *prep = (uint8_t *)w + align_up((size_t)k * 4);
+    uint8_t *rest = prep + moe_input_bytes(E);
+    const int64_t rest_bytes = scratch_bytes - (int64_t)(rest - (uint8_t *)scratch);
+    pi_rms_norm(x, 1, E, E, d->norm, d->eps, xn, E);
+    if (logits == NULL) {
+        const int32_t level = pi_isa_clamp(isa);
+        const matmul_table *t = matmul_table_for(level);
+        act_q8 a = {0};
+        act_q8k ak = {0};
+        moe_prepare(t, level, d->router.kind, d->router.kind, q8, xn, E, prep, &a, &ak);
+        moe_rows(t, level, d->router.kind, d->router.w, d->router.stride, E, q8, &a, &ak, xn, 0, NE, lg);
+        logits = lg;
+    }
+    moe_route_row(logits, NE, k, d->gating, d->norm_weights != 0, d->weights_scale, probs, ids, w);
+    if (ids_out != NULL) memcpy(ids_out, ids, (size_t)k * sizeof(int64_t));
+    return pi_moe_experts(d, xn, ids, w, k, x, rest, rest_bytes, q8, n_threads, isa);
+}
+
+/* ---- a prompt's tokens grouped by expert -------------------------------------------------------------------------- */
+
+/* a pi_matmul_<type> kernel (matmul.c) */
+typedef int32_t (*moe_matmul_fn)(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x,
+                                 int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads,
+                                 int32_t isa);
+
+/* pi_grouped_matmul(matmul, w, w_stride, n_rows, K, n_expert, x, N, experts, counts, n_groups, y, threads, isa):
+ * group g, rows start_g .. start_g + counts[g] of x (N, K) (the groups one after the other), times expert
+ * experts[g]'s n_rows x K matrix of the stack w (n_expert * n_rows rows, w_stride bytes apart) into the same rows of
+ * y (N, n_rows), with `matmul` (a pi_matmul_<type> of the stack's type): each group is one call of it on one
+ * thread, the groups shared by the team (dynamic, larger ones first), so the result is `matmul` called group by
+ * group at any thread count, in one parallel region. */
+PI_EXPORT int32_t pi_grouped_matmul(const void *matmul, const uint8_t *w, int64_t w_stride, int64_t n_rows, int64_t K,
+                                    int64_t n_expert, const float *x, int64_t N, const int64_t *experts,
+                                    const int64_t *counts, int64_t n_groups, float *y, int32_t n_threads,
+                                    int32_t isa) {
+    if (matmul == NULL || w == NULL || n_rows <= 0 || K <= 0 || n_expert <= 0 || N < 0 || n_groups < 0 ||
+        n_groups > MOE_MAX_EXPERTS || (n_groups > 0 && (experts == NULL || counts == NULL)) ||
+        (N > 0 && (x == NULL || y == NULL)))
+        return PI_ERR_SHAPE;
+    int64_t total = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        if (experts[g] < 0 || experts[g] >= n_expert) return PI_ERR_INDEX;
+        if (counts[g] < 0 || counts[g] > N - total) return PI_ERR_SHAPE;
+        total += counts[g];
+    }
+    if (total != N) return PI_ERR_SHAPE;
+    int64_t *start = malloc((size_t)(2 * n_groups + 1) * sizeof(int64_t));
+    if (start == NULL) return PI_ERR_ALLOC;
+    int64_t *order = start + n_groups + 1;
+    start[0] = 0;
+    for (int64_t g = 0; g < n_groups; g++) {
+        start[g + 1] = start[g] + counts[g];
+        order[g] = g;
+    }
+    for (int64_t i = 1; i < n_groups; i++) { /* larger groups first: the team ends together */
+        const int64_t g = order[i];
+        int64_t j = i - 1;
+        for (; j >= 0 && counts[order[j]] < counts[g]; j--) order[j + 1] = order[j];
+        order[j + 1] = g;
+    }
+    const moe_matmul_fn fn = (moe_matmul_fn)matmul;
+    int32_t nt = threads_for_work(n_threads, N * n_rows * K);
+    if (nt > n_groups) nt = (int32_t)(n_groups > 0 ? n_groups : 1);
+    int32_t status = PI_OK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nt) if (nt > 1)
+    for (int64_t i = 0; i < n_groups; i++) {
+        const int64_t g = order[i], n = counts[g];
+        if (n == 0) continue;
+        const int32_t s = fn(w + experts[g] * n_rows * w_stride, w_stride, n_rows, K, x + start[g] * K, K, n,
+                             y + start[g] * n_rows, n_rows, 1, isa);
+        if (s != PI_OK) {
+#pragma omp critical(pi_grouped_matmul_status)
+            status = s;
+        }
+    }
+    free(start);
+    return status;
+}
