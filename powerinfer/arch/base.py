@@ -439,9 +439,12 @@ def check_decoder(config: ModelConfig, gguf: GGUFFile) -> None:
     check_tensors(gguf, config, decoder_tensor_table(config))
 
 
-def decoder_attention(config: ModelConfig, bid: int, src: WeightSource) -> Attention:
-    """A layer's attention block with the parts its spec declares (biases, per-head QK-norm)."""
-    c, a = config, config.attention
+def decoder_attention(
+    config: ModelConfig, bid: int, src: WeightSource, spec: AttentionSpec | None = None
+) -> Attention:
+    """A layer's attention block with the parts its spec declares (biases, per-head or whole-projection QK-norm);
+    `spec` is the layer's own where layers differ (RoPE, window), else the model's."""
+    c, a = config, spec or config.attention
 
     def name(template: str) -> str:
         return template.format(bid=bid)
@@ -456,8 +459,9 @@ def decoder_attention(config: ModelConfig, bid: int, src: WeightSource) -> Atten
         )
     q_norm = k_norm = None
     if a.qk_norm is not None:
-        q_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_Q_NORM), a.head_dim))
-        k_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_K_NORM), a.head_dim))
+        nq, nk = (a.n_embd_q, a.n_embd_kv) if a.qk_norm_whole else (a.head_dim, a.head_dim)
+        q_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_Q_NORM), nq))
+        k_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_K_NORM), nk))
     return Attention(
         a,
         src.matrix(name(TensorNames.ATTN_Q), (a.n_embd_q, c.n_embd)),

@@ -24,12 +24,13 @@ from powerinfer.arch.base import (
     TensorTable,
     check_layer_count,
     check_tensors,
+    decoder_attention,
     decoder_config,
 )
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile
-from powerinfer.model.blocks import Attention, DenseFFN, Embedding, Head, Norm, Rope
+from powerinfer.model.blocks import DenseFFN, Embedding, Head, Norm, Rope
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.moe import Experts, MoEFFN, MoESpec, SharedExpert
 from powerinfer.model.source import WeightSource
@@ -192,40 +193,6 @@ def check_moe(config: ModelConfig, gguf: GGUFFile) -> None:
     check_tensors(gguf, config, moe_tensor_table(config, gguf))
 
 
-def moe_attention(c: MoEConfig, bid: int, src: WeightSource) -> Attention:
-    """A layer's attention block (its own spec: RoPE and window may differ per layer)."""
-    a = c.attention_of(bid)
-
-    def name(template: str) -> str:
-        return template.format(bid=bid)
-
-    biases: tuple[torch.Tensor | None, ...] = (None, None, None, None)
-    if a.bias:
-        biases = (
-            src.vector(name(TensorNames.ATTN_Q_BIAS), a.n_embd_q),
-            src.vector(name(TensorNames.ATTN_K_BIAS), a.n_embd_kv),
-            src.vector(name(TensorNames.ATTN_V_BIAS), a.n_embd_kv),
-            None,
-        )
-    q_norm = k_norm = None
-    if a.qk_norm is not None:
-        nq, nk = (a.n_embd_q, a.n_embd_kv) if a.qk_norm_whole else (a.head_dim, a.head_dim)
-        q_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_Q_NORM), nq))
-        k_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_K_NORM), nk))
-    return Attention(
-        a,
-        src.matrix(name(TensorNames.ATTN_Q), (a.n_embd_q, c.n_embd)),
-        src.matrix(name(TensorNames.ATTN_K), (a.n_embd_kv, c.n_embd)),
-        src.matrix(name(TensorNames.ATTN_V), (a.n_embd_kv, c.n_embd)),
-        src.matrix(name(TensorNames.ATTN_OUT), (c.n_embd, a.n_embd_q)),
-        src.kc,
-        biases=biases,
-        q_norm=q_norm,
-        k_norm=k_norm,
-        workspace=src.workspace,
-    )
-
-
 def _shared_gate(src: WeightSource, name: str, n: int) -> torch.Tensor:
     """The shared expert's gate (n,) float32, stored (n,) or (1, n)."""
     try:
@@ -277,7 +244,7 @@ def build_moe(config: ModelConfig, src: WeightSource) -> Transformer:
         layers.append(
             Layer(
                 attn_norm=Norm(c.norm, src.vector(TensorNames.ATTN_NORM.format(bid=bid), c.n_embd)),
-                attn=moe_attention(c, bid, src),
+                attn=decoder_attention(c, bid, src, c.attention_of(bid)),
                 ffn_norm=Norm(c.norm, src.vector(TensorNames.FFN_NORM.format(bid=bid), c.n_embd)),
                 ffn=ffn,
                 device=src.layer_device(bid),
