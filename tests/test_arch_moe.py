@@ -118,7 +118,7 @@ def model_of_file(model_type: str, model, path: Path, folder: Path):
     back = {t.split(".", 2)[2]: hf for hf, t in family.layer_tensors.items()} | {
         "ffn_gate_inp.weight": family.router
     }
-    globals_back = {t: hf for hf, t in moe_convert._GLOBAL_TENSORS.items()}
+    globals_back = {t: hf for hf, t in moe_convert.GLOBAL_TENSORS.items()}
     cfg = model.config
     prefix = "block_sparse_moe" if model_type == "mixtral" else "mlp"
     names = (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -10,12 +11,27 @@ from typing import Any
 import numpy as np
 
 from powerinfer.errors import ConfigError
-from powerinfer.gguf.constants import GGMLType
+from powerinfer.gguf.constants import GGMLType, TensorNames
 from powerinfer.gguf.writer import GGUFWriter
 from powerinfer.printable import printable
 
 # the largest size any config.json number may state (a context of 2^63 or 2^40 layers is a hostile file, not a
 # model; the checkpoint's tensors must match the numbers anyway)
+# Hugging Face tensor names of the Llama layout, shared by its families' converters
+LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+GLOBAL_TENSORS = {
+    "model.embed_tokens.weight": TensorNames.TOKEN_EMBD,
+    "model.norm.weight": TensorNames.OUTPUT_NORM,
+    "lm_head.weight": TensorNames.OUTPUT,
+}
+ATTENTION_TENSORS = {  # name after the layer prefix -> GGUF template
+    "input_layernorm.weight": TensorNames.ATTN_NORM,
+    "self_attn.q_proj.weight": TensorNames.ATTN_Q,
+    "self_attn.k_proj.weight": TensorNames.ATTN_K,
+    "self_attn.v_proj.weight": TensorNames.ATTN_V,
+    "self_attn.o_proj.weight": TensorNames.ATTN_OUT,
+    "post_attention_layernorm.weight": TensorNames.FFN_NORM,
+}
 CONFIG_INT_MAX = 1 << 24
 
 

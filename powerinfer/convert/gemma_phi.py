@@ -10,7 +10,6 @@ added tokens, and its chat template. Only dense files: PowerInfer's sparse forma
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from powerinfer.arch import gemma3
-from powerinfer.convert.common import config_number, write_tensors
+from powerinfer.convert.common import GLOBAL_TENSORS, LAYER_RE, config_number, write_tensors
 from powerinfer.convert.vocab import (
     ADDED_TOKEN_SCORE,
     TOKEN_CONTROL,
@@ -34,12 +33,6 @@ from powerinfer.gguf.writer import GGUFWriter
 from powerinfer.printable import printable
 
 U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": TensorNames.TOKEN_EMBD,
-    "model.norm.weight": TensorNames.OUTPUT_NORM,
-    "lm_head.weight": TensorNames.OUTPUT,
-}
 _COMMON_LAYER = {
     "input_layernorm.weight": TensorNames.ATTN_NORM,
     "self_attn.o_proj.weight": TensorNames.ATTN_OUT,
@@ -212,8 +205,8 @@ def convert_family(
     tied = bool(config.get("tie_word_embeddings", family.arch == "gemma3"))
     mapping: dict[str, str] = {}  # GGUF name -> HF name, in checkpoint order
     for hf_name in ckpt.names():
-        gguf_name = _GLOBAL_TENSORS.get(hf_name)
-        m = _LAYER_RE.fullmatch(hf_name)
+        gguf_name = GLOBAL_TENSORS.get(hf_name)
+        m = LAYER_RE.fullmatch(hf_name)
         if m and m.group(2) in family.layer_tensors and int(m.group(1)) < n_layer:
             gguf_name = family.layer_tensors[m.group(2)].format(bid=int(m.group(1)))
         if gguf_name == TensorNames.OUTPUT and tied:

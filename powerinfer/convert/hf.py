@@ -9,7 +9,6 @@ that share Llama's tensors with a difference (Mistral, Qwen2, Qwen3) are describ
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,13 @@ import numpy as np
 
 from powerinfer.arch.base import ACTIVATION_KEY
 from powerinfer.convert import falcon_opt, gemma_phi, moe
-from powerinfer.convert.common import config_number, write_tensors
+from powerinfer.convert.common import (
+    ATTENTION_TENSORS,
+    GLOBAL_TENSORS,
+    LAYER_RE,
+    config_number,
+    write_tensors,
+)
 from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_shape
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
@@ -45,23 +50,11 @@ SUPPORTED_MODEL_TYPES = (*ARCHITECTURES, *falcon_opt.MODEL_TYPES, *FAMILY_CONVER
 ACTIVATIONS = ("silu", "relu")
 
 # HF name (after the layer prefix) -> GGUF template
-_LAYER_TENSORS = {
-    "input_layernorm.weight": TensorNames.ATTN_NORM,
-    "self_attn.q_proj.weight": TensorNames.ATTN_Q,
-    "self_attn.k_proj.weight": TensorNames.ATTN_K,
-    "self_attn.v_proj.weight": TensorNames.ATTN_V,
-    "self_attn.o_proj.weight": TensorNames.ATTN_OUT,
-    "post_attention_layernorm.weight": TensorNames.FFN_NORM,
+_LAYER_TENSORS = ATTENTION_TENSORS | {
     "mlp.gate_proj.weight": TensorNames.FFN_GATE,
     "mlp.up_proj.weight": TensorNames.FFN_UP,
     "mlp.down_proj.weight": TensorNames.FFN_DOWN,
 }
-_GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": TensorNames.TOKEN_EMBD,
-    "model.norm.weight": TensorNames.OUTPUT_NORM,
-    "lm_head.weight": TensorNames.OUTPUT,
-}
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 @dataclass(frozen=True)
@@ -283,8 +276,8 @@ def _map_names(ckpt: Checkpoint, c: HFConfig) -> dict[str, str]:
     """GGUF name -> HF name, in checkpoint order; checks that every tensor is present with its shape."""
     mapping: dict[str, str] = {}
     for hf_name in ckpt.names():
-        gguf_name = _GLOBAL_TENSORS.get(hf_name)
-        m = _LAYER_RE.fullmatch(hf_name)
+        gguf_name = GLOBAL_TENSORS.get(hf_name)
+        m = LAYER_RE.fullmatch(hf_name)
         if m and int(m.group(1)) < c.n_layer:
             template = _LAYER_TENSORS.get(m.group(2)) or c.family.extra.get(m.group(2), (None,))[0]
             gguf_name = gguf_name if template is None else template.format(bid=int(m.group(1)))

@@ -21,7 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from powerinfer.convert.common import config_number, write_tensors
+from powerinfer.convert.common import (
+    ATTENTION_TENSORS,
+    GLOBAL_TENSORS,
+    LAYER_RE,
+    config_number,
+    write_tensors,
+)
 from powerinfer.convert.vocab import load_vocab
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames, ValueType
@@ -29,21 +35,7 @@ from powerinfer.gguf.writer import GGUFWriter
 from powerinfer.printable import printable
 
 U32, F32, STR = ValueType.UINT32, ValueType.FLOAT32, ValueType.STRING
-_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
-_GLOBAL_TENSORS = {
-    "model.embed_tokens.weight": TensorNames.TOKEN_EMBD,
-    "model.norm.weight": TensorNames.OUTPUT_NORM,
-    "lm_head.weight": TensorNames.OUTPUT,
-}
-_ATTENTION = {
-    "input_layernorm.weight": TensorNames.ATTN_NORM,
-    "self_attn.q_proj.weight": TensorNames.ATTN_Q,
-    "self_attn.k_proj.weight": TensorNames.ATTN_K,
-    "self_attn.v_proj.weight": TensorNames.ATTN_V,
-    "self_attn.o_proj.weight": TensorNames.ATTN_OUT,
-    "post_attention_layernorm.weight": TensorNames.FFN_NORM,
-}
 _QK_NORMS = {
     "self_attn.q_norm.weight": TensorNames.ATTN_Q_NORM,
     "self_attn.k_norm.weight": TensorNames.ATTN_K_NORM,
@@ -114,18 +106,18 @@ def _olmoe_checks(cfg: dict[str, Any], path: Path) -> None:
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family(
-        "llama", _ATTENTION, "block_sparse_moe.gate.weight", permute_qk=True,
+        "llama", ATTENTION_TENSORS, "block_sparse_moe.gate.weight", permute_qk=True,
         expert_count_keys=("num_local_experts",), norm_default=True, norm_key=None,
     ),
     "qwen2_moe": Family(
-        "qwen2moe", _ATTENTION | _QKV_BIASES | _SHARED, "mlp.gate.weight", expert_width_keys=True, shared=True,
+        "qwen2moe", ATTENTION_TENSORS | _QKV_BIASES | _SHARED, "mlp.gate.weight", expert_width_keys=True, shared=True,
         extra_checks=_qwen_checks,
     ),
     "qwen3_moe": Family(
-        "qwen3moe", _ATTENTION | _QK_NORMS, "mlp.gate.weight", norm_default=True, expert_width_keys=True,
+        "qwen3moe", ATTENTION_TENSORS | _QK_NORMS, "mlp.gate.weight", norm_default=True, expert_width_keys=True,
         extra_checks=_qwen_checks,
     ),
-    "olmoe": Family("olmoe", _ATTENTION | _QK_NORMS, "mlp.gate.weight", extra_checks=_olmoe_checks),
+    "olmoe": Family("olmoe", ATTENTION_TENSORS | _QK_NORMS, "mlp.gate.weight", extra_checks=_olmoe_checks),
 }  # fmt: skip
 MODEL_TYPES = tuple(FAMILIES)
 
@@ -233,8 +225,8 @@ def _plan(
         b: {part: [None] * s.n_expert for part in _STACKED} for b in range(s.n_layer)
     }
     for hf_name in ckpt.names():
-        gguf_name = _GLOBAL_TENSORS.get(hf_name)
-        m = _LAYER_RE.fullmatch(hf_name)
+        gguf_name = GLOBAL_TENSORS.get(hf_name)
+        m = LAYER_RE.fullmatch(hf_name)
         if m and int(m.group(1)) < s.n_layer:
             bid, rest = int(m.group(1)), m.group(2)
             e = _EXPERT_RE.fullmatch(rest)
@@ -306,7 +298,7 @@ def _tensors(
         elif gguf_name.endswith("ffn_gate_inp_shexp.weight"):
             data = data.reshape(-1)  # (1, n_embd) -> (n_embd,): a vector, never quantized
         yield gguf_name, data
-        m = _LAYER_RE.fullmatch(hf_name)
+        m = LAYER_RE.fullmatch(hf_name)
         bid = int(m.group(1)) if m else -1
         if bid >= 0 and bid not in done:
             done.add(bid)
