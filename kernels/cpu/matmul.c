@@ -26,7 +26,6 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "common.h"
 #include "kquants.h"
 #include "matmul.h"
 
@@ -152,102 +151,42 @@ DEFINE_TILE_HALF_SCALAR(bf16, bf16_to_fp32)
 #undef DEFINE_TILE_HALF_SCALAR
 
 
-/* Exact mode: one block decoded as get_rows does (same float operations), then a plain float dot product. */
-static void decode_block_scalar(int kind, const uint8_t *blk, float *w) {
-    if (kind == 0) {
-        const block_q4_0 *b = (const block_q4_0 *)blk;
-        const float d = fp16_to_fp32(b->d);
-        for (int j = 0; j < QK / 2; j++) {
-            w[j] = (float)((b->qs[j] & 0x0F) - 8) * d;
-            w[j + QK / 2] = (float)((b->qs[j] >> 4) - 8) * d;
-        }
-    } else if (kind == 1) {
-        const block_q4_1 *b = (const block_q4_1 *)blk;
-        const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
-        for (int j = 0; j < QK / 2; j++) {
-            w[j] = d * (float)(b->qs[j] & 0x0F) + m;
-            w[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
-        }
-    } else if (kind == 2) {
-        const block_q8_0 *b = (const block_q8_0 *)blk;
-        const float d = fp16_to_fp32(b->d);
-        for (int j = 0; j < QK; j++) w[j] = (float)b->qs[j] * d;
-    } else if (kind == 3) {
-        const block_q5_0 *b = (const block_q5_0 *)blk;
-        const float d = fp16_to_fp32(b->d);
-        int q[QK];
-        q5_values(b->qh, b->qs, q);
-        for (int j = 0; j < QK; j++) w[j] = (float)(q[j] - 16) * d;
-    } else {
-        const block_q5_1 *b = (const block_q5_1 *)blk;
-        const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
-        int q[QK];
-        q5_values(b->qh, b->qs, q);
-        for (int j = 0; j < QK; j++) w[j] = d * (float)q[j] + m;
-    }
-}
-
-static inline void tile_qf_scalar(int kind, size_t block_bytes, const uint8_t *row, int64_t K, const float *x,
-                                  int64_t x_stride, int ntok, float *out) {
+/* Exact mode (quant types, float activations): each block (a super-block of 256 for the K-quants) decoded by the
+ * type's decoder, as get_rows does (quants.h, kquants.h), then one running sum per token. */
+static inline __attribute__((always_inline)) void tile_decoded_scalar(row_decode_fn decode, int64_t block_elems,
+                                                                      int64_t block_bytes, const uint8_t *row,
+                                                                      int64_t K, const float *x, int64_t x_stride,
+                                                                      int ntok, float *out) {
     float acc[TILE_TQ];
     for (int t = 0; t < ntok; t++) acc[t] = 0.0f;
-    for (int64_t i = 0; i < K / QK; i++) {
-        float w[QK];
-        decode_block_scalar(kind, row + i * block_bytes, w);
-        for (int t = 0; t < ntok; t++) {
-            const float *xb = x + t * x_stride + i * QK;
-            float a = acc[t];
-            for (int j = 0; j < QK; j++) a += w[j] * xb[j];
-            acc[t] = a;
-        }
-    }
-    for (int t = 0; t < ntok; t++) out[t] = acc[t];
-}
-
-static void tile_q4_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(0, sizeof(block_q4_0), row, K, x, x_stride, ntok, out);
-}
-static void tile_q4_1_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(1, sizeof(block_q4_1), row, K, x, x_stride, ntok, out);
-}
-static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(2, sizeof(block_q8_0), row, K, x, x_stride, ntok, out);
-}
-static void tile_q5_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(3, sizeof(block_q5_0), row, K, x, x_stride, ntok, out);
-}
-static void tile_q5_1_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(4, sizeof(block_q5_1), row, K, x, x_stride, ntok, out);
-}
-
-/* K-quants: each super-block decoded (kquants.h), then one running sum per token */
-static void tile_kq_scalar(void (*decode)(const uint8_t *, int64_t, float *), int64_t block_bytes,
-                           const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    float acc[TILE_TQ];
-    for (int t = 0; t < ntok; t++) acc[t] = 0.0f;
-    for (int64_t i = 0; i < K / QK_K; i++) {
+    for (int64_t i = 0; i < K / block_elems; i++) {
         float w[QK_K];
-        decode(row + i * block_bytes, QK_K, w);
+        decode(row + i * block_bytes, block_elems, w);
         for (int t = 0; t < ntok; t++) {
-            const float *xb = x + t * x_stride + i * QK_K;
+            const float *xb = x + t * x_stride + i * block_elems;
             float a = acc[t];
-            for (int j = 0; j < QK_K; j++) a += w[j] * xb[j];
+            for (int64_t j = 0; j < block_elems; j++) a += w[j] * xb[j];
             acc[t] = a;
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = acc[t];
 }
-#define DEFINE_TILE_KQ_SCALAR(type, block_t)                                                                   \
+#define DEFINE_TILE_DECODED_SCALAR(type, block_elems, block_t)                                                 \
     static void tile_##type##_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
                                        float *out) {                                                           \
-        tile_kq_scalar(kq_decode_##type, sizeof(block_t), row, K, x, x_stride, ntok, out);                     \
+        tile_decoded_scalar(decode_##type, block_elems, sizeof(block_t), row, K, x, x_stride, ntok, out);      \
     }
-DEFINE_TILE_KQ_SCALAR(q2_k, block_q2_k)
-DEFINE_TILE_KQ_SCALAR(q3_k, block_q3_k)
-DEFINE_TILE_KQ_SCALAR(q4_k, block_q4_k)
-DEFINE_TILE_KQ_SCALAR(q5_k, block_q5_k)
-DEFINE_TILE_KQ_SCALAR(q6_k, block_q6_k)
-#undef DEFINE_TILE_KQ_SCALAR
+DEFINE_TILE_DECODED_SCALAR(q4_0, QK, block_q4_0)
+DEFINE_TILE_DECODED_SCALAR(q4_1, QK, block_q4_1)
+DEFINE_TILE_DECODED_SCALAR(q8_0, QK, block_q8_0)
+DEFINE_TILE_DECODED_SCALAR(q5_0, QK, block_q5_0)
+DEFINE_TILE_DECODED_SCALAR(q5_1, QK, block_q5_1)
+DEFINE_TILE_DECODED_SCALAR(q2_k, QK_K, block_q2_k)
+DEFINE_TILE_DECODED_SCALAR(q3_k, QK_K, block_q3_k)
+DEFINE_TILE_DECODED_SCALAR(q4_k, QK_K, block_q4_k)
+DEFINE_TILE_DECODED_SCALAR(q5_k, QK_K, block_q5_k)
+DEFINE_TILE_DECODED_SCALAR(q6_k, QK_K, block_q6_k)
+#undef DEFINE_TILE_DECODED_SCALAR
 
 /* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
 #define DEFINE_DOT_SCALAR(type)                                                                                \

@@ -277,11 +277,11 @@ static void tile_iq4_f_scalar(void (*decode)(const uint8_t *, int64_t, float *),
 }
 static void tile_iq4_nl_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok,
                                  float *out) {
-    tile_iq4_f_scalar(kq_decode_iq4_nl, QK, sizeof(block_iq4_nl), row, K, x, x_stride, ntok, out);
+    tile_iq4_f_scalar(decode_iq4_nl, QK, sizeof(block_iq4_nl), row, K, x, x_stride, ntok, out);
 }
 static void tile_iq4_xs_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok,
                                  float *out) {
-    tile_iq4_f_scalar(kq_decode_iq4_xs, QK_K, sizeof(block_iq4_xs), row, K, x, x_stride, ntok, out);
+    tile_iq4_f_scalar(decode_iq4_xs, QK_K, sizeof(block_iq4_xs), row, K, x, x_stride, ntok, out);
 }
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */

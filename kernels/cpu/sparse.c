@@ -130,68 +130,18 @@ DEFINE_ROWS_MATMUL(q6_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
-/* Elements [j0, j1) of unit u of a row, decoded as the reference dequantiser does. */
+/* Elements [j0, j1) of unit u of a row, decoded as the reference dequantiser does (quants.h); a block kind's unit is
+ * one whole block (j0 = 0, j1 = QK: its rows hold whole blocks). */
 static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, int j1, float *out) {
     switch (kind) {
-        case KIND_Q4_0: {
-            const block_q4_0 *b = (const block_q4_0 *)row + u;
-            const float d = fp16_to_fp32(b->d);
-            for (int j = j0; j < j1; j++) {
-                const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
-                out[j] = (float)(q - 8) * d;
-            }
-            break;
-        }
-        case KIND_Q4_1: {
-            const block_q4_1 *b = (const block_q4_1 *)row + u;
-            const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
-            for (int j = j0; j < j1; j++) {
-                const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
-                out[j] = d * (float)q + m; /* -ffp-contract=off: two roundings, as the reference */
-            }
-            break;
-        }
-        case KIND_Q8_0: {
-            const block_q8_0 *b = (const block_q8_0 *)row + u;
-            const float d = fp16_to_fp32(b->d);
-            for (int j = j0; j < j1; j++) out[j] = (float)b->qs[j] * d;
-            break;
-        }
-        case KIND_F32:
-            memcpy(out + j0, row + (u * AXPY_UNIT + j0) * 4, (size_t)(j1 - j0) * 4);
-            break;
-        case KIND_Q5_0:
-        case KIND_Q5_1: {
-            const uint8_t *blk = row + u * (kind == KIND_Q5_0 ? sizeof(block_q5_0) : sizeof(block_q5_1));
-            const float d = fp16_to_fp32(((const block_q5_0 *)blk)->d);
-            int q[QK];
-            if (kind == KIND_Q5_0) {
-                const block_q5_0 *b = (const block_q5_0 *)blk;
-                q5_values(b->qh, b->qs, q);
-                for (int j = j0; j < j1; j++) out[j] = (float)(q[j] - 16) * d;
-            } else {
-                const block_q5_1 *b = (const block_q5_1 *)blk;
-                const float m = fp16_to_fp32(b->m);
-                q5_values(b->qh, b->qs, q);
-                for (int j = j0; j < j1; j++) out[j] = d * (float)q[j] + m; /* -ffp-contract=off: as the reference */
-            }
-            break;
-        }
-        case KIND_BF16:
-            for (int j = j0; j < j1; j++) {
-                uint16_t h;
-                memcpy(&h, row + (u * AXPY_UNIT + j) * 2, sizeof h);
-                out[j] = bf16_to_fp32(h);
-            }
-            break;
-        default: {
-            for (int j = j0; j < j1; j++) {
-                uint16_t bits;
-                memcpy(&bits, row + (u * AXPY_UNIT + j) * 2, sizeof bits);
-                out[j] = fp16_to_fp32(bits);
-            }
-            break;
-        }
+        case KIND_Q4_0: decode_q4_0(row + u * sizeof(block_q4_0), QK, out); break;
+        case KIND_Q4_1: decode_q4_1(row + u * sizeof(block_q4_1), QK, out); break;
+        case KIND_Q8_0: decode_q8_0(row + u * sizeof(block_q8_0), QK, out); break;
+        case KIND_Q5_0: decode_q5_0(row + u * sizeof(block_q5_0), QK, out); break;
+        case KIND_Q5_1: decode_q5_1(row + u * sizeof(block_q5_1), QK, out); break;
+        case KIND_F32: decode_f32(row + (u * AXPY_UNIT + j0) * 4, j1 - j0, out + j0); break;
+        case KIND_BF16: decode_bf16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
+        default: decode_f16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
     }
 }
 
@@ -234,11 +184,11 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
 /* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
 static void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
     switch (kind) {
-        case KIND_Q2_K: kq_decode_q2_k(blk, QK_K, out); break;
-        case KIND_Q3_K: kq_decode_q3_k(blk, QK_K, out); break;
-        case KIND_Q4_K: kq_decode_q4_k(blk, QK_K, out); break;
-        case KIND_Q5_K: kq_decode_q5_k(blk, QK_K, out); break;
-        default: kq_decode_q6_k(blk, QK_K, out); break;
+        case KIND_Q2_K: decode_q2_k(blk, QK_K, out); break;
+        case KIND_Q3_K: decode_q3_k(blk, QK_K, out); break;
+        case KIND_Q4_K: decode_q4_k(blk, QK_K, out); break;
+        case KIND_Q5_K: decode_q5_k(blk, QK_K, out); break;
+        default: decode_q6_k(blk, QK_K, out); break;
     }
 }
 
