@@ -49,20 +49,19 @@ static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *d
     }
 }
 
-/* Block i of a row of an int8-tile kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1): its 32 integer weights q in element
+/* Block i of a row of an int8-tile type (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1): its 32 integer weights q in element
  * order (unsigned for the Q4/Q5 kinds, signed for Q8_0), scale d and minimum m (0 where the kind has none). */
-enum { TQ_Q4_0, TQ_Q4_1, TQ_Q8_0, TQ_Q5_0, TQ_Q5_1 };
 static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, float *d, float *m) {
     *m = 0.0f;
     switch (kind) {
-        case TQ_Q4_0:
-        case TQ_Q4_1: {
-            const uint8_t *qs = kind == TQ_Q4_0 ? ((const block_q4_0 *)row)[i].qs : ((const block_q4_1 *)row)[i].qs;
+        case PI_TYPE_Q4_0:
+        case PI_TYPE_Q4_1: {
+            const uint8_t *qs = kind == PI_TYPE_Q4_0 ? ((const block_q4_0 *)row)[i].qs : ((const block_q4_1 *)row)[i].qs;
             for (int j = 0; j < QK / 2; j++) {
                 q[j] = qs[j] & 0x0F;
                 q[j + QK / 2] = qs[j] >> 4;
             }
-            if (kind == TQ_Q4_0) {
+            if (kind == PI_TYPE_Q4_0) {
                 *d = fp16_to_fp32(((const block_q4_0 *)row)[i].d);
             } else {
                 *d = fp16_to_fp32(((const block_q4_1 *)row)[i].d);
@@ -70,13 +69,13 @@ static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, f
             }
             break;
         }
-        case TQ_Q8_0: {
+        case PI_TYPE_Q8_0: {
             const block_q8_0 *b = (const block_q8_0 *)row + i;
             for (int j = 0; j < QK; j++) q[j] = b->qs[j];
             *d = fp16_to_fp32(b->d);
             break;
         }
-        case TQ_Q5_0: {
+        case PI_TYPE_Q5_0: {
             const block_q5_0 *b = (const block_q5_0 *)row + i;
             q5_values(b->qh, b->qs, q);
             *d = fp16_to_fp32(b->d);
@@ -95,8 +94,8 @@ static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, f
 /* The int8 tile of a kind, one block at a time: the integer dot of q with x, minus offset * sum(x) where the values
  * are stored offset (Q4_0: 8, Q5_0: 16), times d_w * d_x; the kinds with a minimum add m * d_x * sum(x) apart. */
 static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    const int offset = kind == TQ_Q4_0 ? 8 : kind == TQ_Q5_0 ? 16 : 0;
-    const int has_m = kind == TQ_Q4_1 || kind == TQ_Q5_1;
+    const int offset = kind == PI_TYPE_Q4_0 ? 8 : kind == PI_TYPE_Q5_0 ? 16 : 0;
+    const int has_m = kind == PI_TYPE_Q4_1 || kind == PI_TYPE_Q5_1;
     for (int t = 0; t < ntok; t++) {
         const int8_t *xq = a->qs + (t0 + t) * a->K;
         const float *xds = a->ds + (t0 + t) * a->nb * 2;
@@ -119,11 +118,11 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
     static void tile_##type##_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         tile_quant_scalar(kind, row, a, t0, ntok, out);                                                      \
     }
-DEFINE_TILE_QUANT_SCALAR(q4_0, TQ_Q4_0)
-DEFINE_TILE_QUANT_SCALAR(q4_1, TQ_Q4_1)
-DEFINE_TILE_QUANT_SCALAR(q8_0, TQ_Q8_0)
-DEFINE_TILE_QUANT_SCALAR(q5_0, TQ_Q5_0)
-DEFINE_TILE_QUANT_SCALAR(q5_1, TQ_Q5_1)
+DEFINE_TILE_QUANT_SCALAR(q4_0, PI_TYPE_Q4_0)
+DEFINE_TILE_QUANT_SCALAR(q4_1, PI_TYPE_Q4_1)
+DEFINE_TILE_QUANT_SCALAR(q8_0, PI_TYPE_Q8_0)
+DEFINE_TILE_QUANT_SCALAR(q5_0, PI_TYPE_Q5_0)
+DEFINE_TILE_QUANT_SCALAR(q5_1, PI_TYPE_Q5_1)
 #undef DEFINE_TILE_QUANT_SCALAR
 
 static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {

@@ -134,13 +134,13 @@ DEFINE_ROWS_MATMUL(q6_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(
  * one whole block (j0 = 0, j1 = QK: its rows hold whole blocks). */
 static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, int j1, float *out) {
     switch (kind) {
-        case KIND_Q4_0: decode_q4_0(row + u * sizeof(block_q4_0), QK, out); break;
-        case KIND_Q4_1: decode_q4_1(row + u * sizeof(block_q4_1), QK, out); break;
-        case KIND_Q8_0: decode_q8_0(row + u * sizeof(block_q8_0), QK, out); break;
-        case KIND_Q5_0: decode_q5_0(row + u * sizeof(block_q5_0), QK, out); break;
-        case KIND_Q5_1: decode_q5_1(row + u * sizeof(block_q5_1), QK, out); break;
-        case KIND_F32: decode_f32(row + (u * AXPY_UNIT + j0) * 4, j1 - j0, out + j0); break;
-        case KIND_BF16: decode_bf16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
+        case PI_TYPE_Q4_0: decode_q4_0(row + u * sizeof(block_q4_0), QK, out); break;
+        case PI_TYPE_Q4_1: decode_q4_1(row + u * sizeof(block_q4_1), QK, out); break;
+        case PI_TYPE_Q8_0: decode_q8_0(row + u * sizeof(block_q8_0), QK, out); break;
+        case PI_TYPE_Q5_0: decode_q5_0(row + u * sizeof(block_q5_0), QK, out); break;
+        case PI_TYPE_Q5_1: decode_q5_1(row + u * sizeof(block_q5_1), QK, out); break;
+        case PI_TYPE_F32: decode_f32(row + (u * AXPY_UNIT + j0) * 4, j1 - j0, out + j0); break;
+        case PI_TYPE_BF16: decode_bf16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
         default: decode_f16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
     }
 }
@@ -168,7 +168,7 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
             const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = e0 / AXPY_UNIT; u * AXPY_UNIT < e1; u++) {
                 const int j1 = (int)min_i64(AXPY_UNIT, e1 - u * AXPY_UNIT);
-                if (c->coef_bf16 && kind == KIND_Q4_0) {
+                if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
                     axpy_q4_0_coef_unit_scalar(hv, row, u, yt + u * AXPY_UNIT);
                     continue;
                 }
@@ -184,10 +184,10 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
 /* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
 static void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
     switch (kind) {
-        case KIND_Q2_K: decode_q2_k(blk, QK_K, out); break;
-        case KIND_Q3_K: decode_q3_k(blk, QK_K, out); break;
-        case KIND_Q4_K: decode_q4_k(blk, QK_K, out); break;
-        case KIND_Q5_K: decode_q5_k(blk, QK_K, out); break;
+        case PI_TYPE_Q2_K: decode_q2_k(blk, QK_K, out); break;
+        case PI_TYPE_Q3_K: decode_q3_k(blk, QK_K, out); break;
+        case PI_TYPE_Q4_K: decode_q4_k(blk, QK_K, out); break;
+        case PI_TYPE_Q5_K: decode_q5_k(blk, QK_K, out); break;
         default: decode_q6_k(blk, QK_K, out); break;
     }
 }
@@ -230,7 +230,7 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
     for (int64_t r = 0; r < c->n_act; r++) {
         const float hv = c->act_h[r];
         for (int64_t u = u0; u < u1; u++) {
-            if (c->coef_bf16 && kind == KIND_Q4_0) {
+            if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
                 axpy_q4_0_coef_unit_scalar(hv, c->act_rows[r], u, y + u * AXPY_UNIT);
                 continue;
             }
@@ -318,7 +318,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
-                        .coef_bf16 = q8_act != 0 && kind == KIND_Q4_0};
+                        .coef_bf16 = q8_act != 0 && kind == PI_TYPE_Q4_0};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;
@@ -355,17 +355,17 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
                          isa);                                                                                    \
     }
 
-DEFINE_ROWS_AXPY(f32, KIND_F32, AXPY_UNIT * 4)
-DEFINE_ROWS_AXPY(f16, KIND_F16, AXPY_UNIT * 2)
-DEFINE_ROWS_AXPY(bf16, KIND_BF16, AXPY_UNIT * 2)
-DEFINE_ROWS_AXPY(q4_0, KIND_Q4_0, sizeof(block_q4_0))
-DEFINE_ROWS_AXPY(q4_1, KIND_Q4_1, sizeof(block_q4_1))
-DEFINE_ROWS_AXPY(q8_0, KIND_Q8_0, sizeof(block_q8_0))
-DEFINE_ROWS_AXPY(q5_0, KIND_Q5_0, sizeof(block_q5_0))
-DEFINE_ROWS_AXPY(q5_1, KIND_Q5_1, sizeof(block_q5_1))
+DEFINE_ROWS_AXPY(f32, PI_TYPE_F32, AXPY_UNIT * 4)
+DEFINE_ROWS_AXPY(f16, PI_TYPE_F16, AXPY_UNIT * 2)
+DEFINE_ROWS_AXPY(bf16, PI_TYPE_BF16, AXPY_UNIT * 2)
+DEFINE_ROWS_AXPY(q4_0, PI_TYPE_Q4_0, sizeof(block_q4_0))
+DEFINE_ROWS_AXPY(q4_1, PI_TYPE_Q4_1, sizeof(block_q4_1))
+DEFINE_ROWS_AXPY(q8_0, PI_TYPE_Q8_0, sizeof(block_q8_0))
+DEFINE_ROWS_AXPY(q5_0, PI_TYPE_Q5_0, sizeof(block_q5_0))
+DEFINE_ROWS_AXPY(q5_1, PI_TYPE_Q5_1, sizeof(block_q5_1))
 /* K-quants: D must be a multiple of 256 (PI_ERR_SHAPE otherwise); work units are super-blocks */
-DEFINE_ROWS_AXPY(q2_k, KIND_Q2_K, sizeof(block_q2_k))
-DEFINE_ROWS_AXPY(q3_k, KIND_Q3_K, sizeof(block_q3_k))
-DEFINE_ROWS_AXPY(q4_k, KIND_Q4_K, sizeof(block_q4_k))
-DEFINE_ROWS_AXPY(q5_k, KIND_Q5_K, sizeof(block_q5_k))
-DEFINE_ROWS_AXPY(q6_k, KIND_Q6_K, sizeof(block_q6_k))
+DEFINE_ROWS_AXPY(q2_k, PI_TYPE_Q2_K, sizeof(block_q2_k))
+DEFINE_ROWS_AXPY(q3_k, PI_TYPE_Q3_K, sizeof(block_q3_k))
+DEFINE_ROWS_AXPY(q4_k, PI_TYPE_Q4_K, sizeof(block_q4_k))
+DEFINE_ROWS_AXPY(q5_k, PI_TYPE_Q5_K, sizeof(block_q5_k))
+DEFINE_ROWS_AXPY(q6_k, PI_TYPE_Q6_K, sizeof(block_q6_k))

@@ -40,12 +40,12 @@
 
 /* Unit u (32 elements) of a row, decoded into SV_PER_UNIT vectors in element order. */
 TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u, SV *w) {
-    if (kind == KIND_F32) {
+    if (kind == PI_TYPE_F32) {
         const float *p = (const float *)row + u * AXPY_UNIT;
         for (int j = 0; j < SV_PER_UNIT; j++) w[j] = SV_LOAD(p + j * SV_N);
         return;
     }
-    if (kind == KIND_F16) {
+    if (kind == PI_TYPE_F16) {
         const uint16_t *p = (const uint16_t *)row + u * AXPY_UNIT;
 #if SIMD_AVX512
         for (int j = 0; j < 2; j++) w[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16 * j)));
@@ -54,7 +54,7 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
-    if (kind == KIND_BF16) { /* the top half of a float's bits: exact */
+    if (kind == PI_TYPE_BF16) { /* the top half of a float's bits: exact */
         const uint16_t *p = (const uint16_t *)row + u * AXPY_UNIT;
 #if SIMD_AVX512
         for (int j = 0; j < 2; j++)
@@ -67,11 +67,11 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
-    if (kind == KIND_Q5_0 || kind == KIND_Q5_1) {
+    if (kind == PI_TYPE_Q5_0 || kind == PI_TYPE_Q5_1) {
         /* q = nibble | (qh bit << 4); Q5_0 (q - 16) * d exactly, Q5_1 d * q (exact) + m rounded once */
         const uint8_t *qs, *qh_bytes;
         float df, mf;
-        if (kind == KIND_Q5_0) {
+        if (kind == PI_TYPE_Q5_0) {
             const block_q5_0 *b = (const block_q5_0 *)row + u;
             qs = b->qs;
             qh_bytes = b->qh;
@@ -110,7 +110,7 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
-    if (kind == KIND_Q8_0) {
+    if (kind == PI_TYPE_Q8_0) {
         const block_q8_0 *b = (const block_q8_0 *)row + u;
 #if SIMD_AVX512
         const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d));
@@ -128,7 +128,7 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
     /* Q4_0: (q - 8) * d (q - 8 exact in float, one rounding); Q4_1: d * q rounded, then + m rounded */
     const uint8_t *qs;
     float df, mf = 0.0f;
-    if (kind == KIND_Q4_0) {
+    if (kind == PI_TYPE_Q4_0) {
         const block_q4_0 *b = (const block_q4_0 *)row + u;
         qs = b->qs;
         df = _cvtsh_ss(b->d);
@@ -143,7 +143,7 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
     /* the 16 possible values of the block, same operations as the reference, picked by nibble with vpermps
      * (which reads only the low 4 bits of each index) */
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = kind == KIND_Q4_0 ? _mm512_mul_ps(_mm512_sub_ps(iota, eight), d)
+    const __m512 table = kind == PI_TYPE_Q4_0 ? _mm512_mul_ps(_mm512_sub_ps(iota, eight), d)
                                            : _mm512_add_ps(_mm512_mul_ps(d, iota), m);
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
     w[0] = _mm512_permutexvar_ps(q, table);
@@ -155,7 +155,7 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
         const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
         const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
         const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
-        if (kind == KIND_Q4_0) {
+        if (kind == PI_TYPE_Q4_0) {
             w[h] = _mm256_mul_ps(_mm256_sub_ps(lo, eight), d);
             w[2 + h] = _mm256_mul_ps(_mm256_sub_ps(hi, eight), d);
         } else {
@@ -297,10 +297,10 @@ TARGET_INLINE void FN(axpy_units_kind)(const int kind, const int coef, const axp
 /* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to the scalar decoders of kquants.h) */
 TARGET_INLINE void FN(axpy_kq_decode)(const int kind, const uint8_t *blk, float *w) {
     switch (kind) {
-        case KIND_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
-        case KIND_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
-        case KIND_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
-        case KIND_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
+        case PI_TYPE_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
+        case PI_TYPE_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
+        case PI_TYPE_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
+        case PI_TYPE_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
         default: FN(kq_simd_q6_k)(blk, w); break;
     }
 }
@@ -492,30 +492,30 @@ TARGET_INLINE void FN(axpy_units_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64
         }
 #endif
     }
-    FN(axpy_units_kind)(KIND_Q4_0, 1, c, u0, u1);
+    FN(axpy_units_kind)(PI_TYPE_Q4_0, 1, c, u0, u1);
 }
 
 /* one specialised body per weight kind */
 TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     switch (kind) {
-        case KIND_Q2_K: FN(axpy_kq_units)(KIND_Q2_K, c, u0, u1); break;
-        case KIND_Q3_K: FN(axpy_kq_units)(KIND_Q3_K, c, u0, u1); break;
-        case KIND_Q4_K: FN(axpy_kq_units)(KIND_Q4_K, c, u0, u1); break;
-        case KIND_Q5_K: FN(axpy_kq_units)(KIND_Q5_K, c, u0, u1); break;
-        case KIND_Q6_K: FN(axpy_kq_units)(KIND_Q6_K, c, u0, u1); break;
-        case KIND_Q4_0:
+        case PI_TYPE_Q2_K: FN(axpy_kq_units)(PI_TYPE_Q2_K, c, u0, u1); break;
+        case PI_TYPE_Q3_K: FN(axpy_kq_units)(PI_TYPE_Q3_K, c, u0, u1); break;
+        case PI_TYPE_Q4_K: FN(axpy_kq_units)(PI_TYPE_Q4_K, c, u0, u1); break;
+        case PI_TYPE_Q5_K: FN(axpy_kq_units)(PI_TYPE_Q5_K, c, u0, u1); break;
+        case PI_TYPE_Q6_K: FN(axpy_kq_units)(PI_TYPE_Q6_K, c, u0, u1); break;
+        case PI_TYPE_Q4_0:
             if (c->coef_bf16)
                 FN(axpy_units_q4_0_coef)(c, u0, u1);
             else
-                FN(axpy_units_kind)(KIND_Q4_0, 0, c, u0, u1);
+                FN(axpy_units_kind)(PI_TYPE_Q4_0, 0, c, u0, u1);
             break;
-        case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, 0, c, u0, u1); break;
-        case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, 0, c, u0, u1); break;
-        case KIND_F32: FN(axpy_units_kind)(KIND_F32, 0, c, u0, u1); break;
-        case KIND_BF16: FN(axpy_units_kind)(KIND_BF16, 0, c, u0, u1); break;
-        case KIND_Q5_0: FN(axpy_units_kind)(KIND_Q5_0, 0, c, u0, u1); break;
-        case KIND_Q5_1: FN(axpy_units_kind)(KIND_Q5_1, 0, c, u0, u1); break;
-        default: FN(axpy_units_kind)(KIND_F16, 0, c, u0, u1); break;
+        case PI_TYPE_Q4_1: FN(axpy_units_kind)(PI_TYPE_Q4_1, 0, c, u0, u1); break;
+        case PI_TYPE_Q8_0: FN(axpy_units_kind)(PI_TYPE_Q8_0, 0, c, u0, u1); break;
+        case PI_TYPE_F32: FN(axpy_units_kind)(PI_TYPE_F32, 0, c, u0, u1); break;
+        case PI_TYPE_BF16: FN(axpy_units_kind)(PI_TYPE_BF16, 0, c, u0, u1); break;
+        case PI_TYPE_Q5_0: FN(axpy_units_kind)(PI_TYPE_Q5_0, 0, c, u0, u1); break;
+        case PI_TYPE_Q5_1: FN(axpy_units_kind)(PI_TYPE_Q5_1, 0, c, u0, u1); break;
+        default: FN(axpy_units_kind)(PI_TYPE_F16, 0, c, u0, u1); break;
     }
 }
 
