@@ -39,23 +39,6 @@ typedef struct {
     axpy_units_fn units; /* the SIMD variant of the down rows */
 } ffn_ctx;
 
-static size_t unit_bytes_of(int kind) {
-    switch (kind) {
-        case PI_TYPE_Q4_0: return sizeof(block_q4_0);
-        case PI_TYPE_Q4_1: return sizeof(block_q4_1);
-        case PI_TYPE_Q8_0: return sizeof(block_q8_0);
-        case PI_TYPE_Q5_0: return sizeof(block_q5_0);
-        case PI_TYPE_Q5_1: return sizeof(block_q5_1);
-        case PI_TYPE_F32: return AXPY_UNIT * 4;
-        case PI_TYPE_Q2_K:
-        case PI_TYPE_Q3_K:
-        case PI_TYPE_Q4_K:
-        case PI_TYPE_Q5_K:
-        case PI_TYPE_Q6_K: return kq_block_bytes(kind); /* a unit is a super-block */
-        default: return AXPY_UNIT * 2;
-    }
-}
-
 static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, const ffn_ctx *c, float *out) {
     if (m->tq != NULL)
         for (int r = 0; r < R; r++) m->tq(rows[r], c->a, 0, 1, out + r);
@@ -176,7 +159,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
         .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
         .idx = idx, .M = M, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
-                 .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
+                 .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
                  .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
@@ -281,7 +264,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         .up = ffn_mat_of(table, up_kind, q8, up, up_stride, K),
         .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
-                 .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
+                 .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
                  .coef_bf16 = q8 && down_kind == PI_TYPE_Q4_0},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
@@ -443,7 +426,7 @@ int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint
             .idx = idx, .M = 0, .K = K, .u = u, .a = &aq, .act = act, .relu_up = relu_up != 0, .h_is_act = 1,
             .h = a_buf,
             .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
-                     .unit_bytes = unit_bytes_of(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
+                     .unit_bytes = axpy_unit_bytes(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
                      .y_stride = D, .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
             .kind_down = down_kind,
             .units = axpy_units_for(level),

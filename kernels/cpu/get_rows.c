@@ -3,7 +3,7 @@
  * Each type's row decoder (quants.h, kquants.h) matches the reference dequantiser bit for bit. This op moves a few
  * rows per call, so the scalar decoders (auto-vectorised by the compiler) are enough.
  */
-#include "kquants.h"
+#include "quants.h"
 
 /* y[r, :] = decode(W[ids[r], :]) for r < n_ids; W has N rows of K elements, w_stride bytes apart. */
 static int32_t get_rows(row_decode_fn decode, int64_t block_elems, int64_t block_bytes, const uint8_t *w,
@@ -23,27 +23,28 @@ static int32_t get_rows(row_decode_fn decode, int64_t block_elems, int64_t block
 
 /* pi_get_rows_<type>(w, w_stride bytes, N rows, K cols, ids, n_ids, y, y_stride floats, threads, isa): one variant
  * for every level (a few rows per call, auto-vectorised); isa is taken for the uniform kernel ABI. */
-#define DEFINE_GET_ROWS(type, block_elems, block_bytes)                                                        \
-    PI_EXPORT int32_t pi_get_rows_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,              \
-                                         const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride,         \
-                                         int32_t n_threads, int32_t isa) {                                      \
-        (void)isa;                                                                                              \
-        return get_rows(decode_##type, block_elems, block_bytes, w, w_stride, N, K, ids, n_ids, y, y_stride, \
-                        n_threads);                                                                             \
+#define DEFINE_GET_ROWS(name, type)                                                                              \
+    PI_EXPORT int32_t pi_get_rows_##name(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,               \
+                                         const int64_t *ids, int64_t n_ids, float *y, int64_t y_stride,          \
+                                         int32_t n_threads, int32_t isa) {                                       \
+        (void)isa;                                                                                               \
+        const type_traits *tt = &TYPE_TRAITS[type];                                                              \
+        return get_rows(tt->decode, tt->block_elems, tt->block_bytes, w, w_stride, N, K, ids, n_ids, y, y_stride, \
+                        n_threads);                                                                              \
     }
 
-DEFINE_GET_ROWS(f32, 1, 4)
-DEFINE_GET_ROWS(f16, 1, 2)
-DEFINE_GET_ROWS(bf16, 1, 2)
-DEFINE_GET_ROWS(q4_0, QK, sizeof(block_q4_0))
-DEFINE_GET_ROWS(q4_1, QK, sizeof(block_q4_1))
-DEFINE_GET_ROWS(q8_0, QK, sizeof(block_q8_0))
-DEFINE_GET_ROWS(q5_0, QK, sizeof(block_q5_0))
-DEFINE_GET_ROWS(q5_1, QK, sizeof(block_q5_1))
-DEFINE_GET_ROWS(q2_k, QK_K, sizeof(block_q2_k))
-DEFINE_GET_ROWS(q3_k, QK_K, sizeof(block_q3_k))
-DEFINE_GET_ROWS(q4_k, QK_K, sizeof(block_q4_k))
-DEFINE_GET_ROWS(q5_k, QK_K, sizeof(block_q5_k))
-DEFINE_GET_ROWS(q6_k, QK_K, sizeof(block_q6_k))
-DEFINE_GET_ROWS(iq4_nl, QK, sizeof(block_iq4_nl))
-DEFINE_GET_ROWS(iq4_xs, QK_K, sizeof(block_iq4_xs))
+DEFINE_GET_ROWS(f32, PI_TYPE_F32)
+DEFINE_GET_ROWS(f16, PI_TYPE_F16)
+DEFINE_GET_ROWS(bf16, PI_TYPE_BF16)
+DEFINE_GET_ROWS(q4_0, PI_TYPE_Q4_0)
+DEFINE_GET_ROWS(q4_1, PI_TYPE_Q4_1)
+DEFINE_GET_ROWS(q8_0, PI_TYPE_Q8_0)
+DEFINE_GET_ROWS(q5_0, PI_TYPE_Q5_0)
+DEFINE_GET_ROWS(q5_1, PI_TYPE_Q5_1)
+DEFINE_GET_ROWS(q2_k, PI_TYPE_Q2_K)
+DEFINE_GET_ROWS(q3_k, PI_TYPE_Q3_K)
+DEFINE_GET_ROWS(q4_k, PI_TYPE_Q4_K)
+DEFINE_GET_ROWS(q5_k, PI_TYPE_Q5_K)
+DEFINE_GET_ROWS(q6_k, PI_TYPE_Q6_K)
+DEFINE_GET_ROWS(iq4_nl, PI_TYPE_IQ4_NL)
+DEFINE_GET_ROWS(iq4_xs, PI_TYPE_IQ4_XS)

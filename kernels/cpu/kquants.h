@@ -13,7 +13,7 @@
 #ifndef POWERINFER_KERNELS_KQUANTS_H
 #define POWERINFER_KERNELS_KQUANTS_H
 
-#include "quants.h"
+#include "common.h"
 
 #define QK_K 256 /* elements per K-quant super-block */
 

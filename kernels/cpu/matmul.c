@@ -26,7 +26,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "kquants.h"
+#include "quants.h"
 #include "matmul.h"
 
 /* ---- scalar fallback ---------------------------------------------------------------------------------------- */
@@ -216,15 +216,30 @@ DEFINE_DOT_SCALAR(q6_k_f)
 
 /* ---- dispatch: the caller's level on each call ---------------------------------------------------------- */
 
-static const matmul_table matmul_tables[] = {
-#define MATMUL_TABLE(isa)                                                                                           \
-    {quantize_act_##isa, tile_q4_0_##isa, tile_q4_1_##isa, tile_q8_0_##isa, tile_q5_0_##isa, tile_q5_1_##isa,       \
-     tile_f32_##isa, tile_f16_##isa,                                                                               \
-     tile_bf16_##isa, tile_q4_0_f_##isa, tile_q4_1_f_##isa, tile_q8_0_f_##isa, tile_q5_0_f_##isa, tile_q5_1_f_##isa, \
-     dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
-     dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
-     tile_q5_k_f_##isa, tile_q6_k_f_##isa, dot_q2_k_f_##isa, dot_q3_k_f_##isa, dot_q4_k_f_##isa, dot_q5_k_f_##isa,   \
-     dot_q6_k_f_##isa, TILE4(isa, f32), TILE4(isa, f16), TILE4(isa, bf16), TILE8(isa, q4_0), TILE8(isa, q8_0)}
+/* Designated by type id: a type's entry lists its kernels at this level (matmul.h, type_kernels). */
+#define FLOAT_KERNELS(isa, type) {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type)}
+#define BLOCK32_KERNELS(isa, type, panels)                                                                        \
+    {.tile_q8 = tile_##type##_##isa, .tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa, .tile8 = panels}
+#define KQ_KERNELS(isa, type) {.tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa}
+#define MATMUL_TABLE(isa)                                                                                          \
+    {                                                                                                              \
+        .quantize_act = quantize_act_##isa,                                                                        \
+        .types = {                                                                                                 \
+            [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
+            [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
+            [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
+            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, TILE8(isa, q4_0)),                                         \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, NULL),                                                     \
+            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, NULL),                                                     \
+            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, NULL),                                                     \
+            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, TILE8(isa, q8_0)),                                         \
+            [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
+            [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
+            [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
+            [PI_TYPE_Q5_K] = KQ_KERNELS(isa, q5_k),                                                                \
+            [PI_TYPE_Q6_K] = KQ_KERNELS(isa, q6_k),                                                                \
+        },                                                                                                         \
+    }
 #define TILE4(isa, type) tile4_##type##_##isa
 #define TILE8(isa, type) tile8_##type##_##isa
 #define tile4_f32_scalar NULL
@@ -232,11 +247,16 @@ static const matmul_table matmul_tables[] = {
 #define tile4_bf16_scalar NULL
 #define tile8_q4_0_scalar NULL
 #define tile8_q8_0_scalar NULL
+static const matmul_table matmul_tables[] = {
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
 #if PI_X86
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
     [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
 #endif
+};
+#undef FLOAT_KERNELS
+#undef BLOCK32_KERNELS
+#undef KQ_KERNELS
 #undef MATMUL_TABLE
 #undef TILE4
 #undef TILE8
@@ -245,7 +265,6 @@ static const matmul_table matmul_tables[] = {
 #undef tile4_bf16_scalar
 #undef tile8_q4_0_scalar
 #undef tile8_q8_0_scalar
-};
 
 /* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar;
  * always 0 on a CPU other than x86-64, where only the scalar variant is built. */
@@ -309,9 +328,10 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
      * leave the tile's per-row work (horizontal sums, the call) dominant; panels measured 1.7x faster on the
      * 49152 x 256 screen of SmolLM2's head (0.94 -> 0.55 ms, 1 thread) */
     const int short_q4_0 = T == 1 && nb <= TILE8_SHORT_ROW_BLOCKS;
-    const tile8_quant_fn tile8 = tile == table->tile_q4_0 && (T >= TILE8_MIN_T_Q4_0 || short_q4_0) ? table->tile8_q4_0
-                                 : tile == table->tile_q8_0 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? table->tile8_q8_0
-                                                                                     : NULL;
+    const type_kernels *q4_0 = &table->types[PI_TYPE_Q4_0], *q8_0 = &table->types[PI_TYPE_Q8_0];
+    const tile8_quant_fn tile8 = tile == q4_0->tile_q8 && (T >= TILE8_MIN_T_Q4_0 || short_q4_0) ? q4_0->tile8
+                                 : tile == q8_0->tile_q8 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? q8_0->tile8
+                                                                                               : NULL;
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
     const size_t panel_bytes = (size_t)nb * PANEL_MAX_BYTES_PER_BLOCK;
     uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
@@ -450,17 +470,17 @@ static int32_t matmul_float_quads(tile_float4_fn tile4, int64_t row_bytes, tile_
     return PI_OK;
 }
 
-#define DEFINE_FLOAT_DRIVER(type)                                                                                  \
-    static int32_t matmul_##type##_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile,          \
+#define DEFINE_FLOAT_DRIVER(name, type)                                                                            \
+    static int32_t matmul_##name##_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile,          \
                                         const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,        \
                                         int64_t K, const float *x, int64_t x_stride, int64_t T, float *y,          \
                                         int64_t y_stride, int32_t n_threads) {                                     \
-        return matmul_float_quads(table->tile4_##type, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T,   \
-                                  y, y_stride, n_threads);                                                         \
+        return matmul_float_quads(table->types[type].tile4, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, \
+                                  T, y, y_stride, n_threads);                                                      \
     }
-DEFINE_FLOAT_DRIVER(f32)
-DEFINE_FLOAT_DRIVER(f16)
-DEFINE_FLOAT_DRIVER(bf16)
+DEFINE_FLOAT_DRIVER(f32, PI_TYPE_F32)
+DEFINE_FLOAT_DRIVER(f16, PI_TYPE_F16)
+DEFINE_FLOAT_DRIVER(bf16, PI_TYPE_BF16)
 #undef DEFINE_FLOAT_DRIVER
 
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
@@ -502,24 +522,6 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, int stream, const uint8_t 
  * DRAM throughput of the tiled driver; 2 rows of Q4_0 K = 2048 cut it from 37 to 15 GB/s on a 2-core EPYC, although
  * faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
 #define MATVEC_DOT_MAX_ROW 512
-static inline int64_t row_bytes_f32(int64_t K) { return K * 4; }
-static inline int64_t row_bytes_f16(int64_t K) { return K * 2; }
-static inline int64_t row_bytes_bf16(int64_t K) { return K * 2; }
-static inline int64_t row_bytes_q4_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q4_0); }
-static inline int64_t row_bytes_q4_1(int64_t K) { return K / QK * (int64_t)sizeof(block_q4_1); }
-static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q8_0); }
-#define row_bytes_q4_0_f row_bytes_q4_0
-#define row_bytes_q4_1_f row_bytes_q4_1
-#define row_bytes_q8_0_f row_bytes_q8_0
-static inline int64_t row_bytes_q5_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
-static inline int64_t row_bytes_q5_1(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
-#define row_bytes_q5_0_f row_bytes_q5_0
-#define row_bytes_q5_1_f row_bytes_q5_1
-static inline int64_t row_bytes_q2_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q2_k); }
-static inline int64_t row_bytes_q3_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q3_k); }
-static inline int64_t row_bytes_q4_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q4_k); }
-static inline int64_t row_bytes_q5_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q5_k); }
-static inline int64_t row_bytes_q6_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q6_k); }
 
 /* K-quant rows hold whole super-blocks of 256: any other K is a shape error (before the row size is trusted) */
 static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
@@ -534,41 +536,45 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
  * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k] with SIMD level isa (enum pi_isa). */
 /* long_group > 0: T = 1 with rows longer than MATVEC_DOT_MAX_ROW also goes through matvec_dot, long_group rows per call;
  * stream: the type's dot prefetches as it reads (the float types) */
-#define DEFINE_MATMUL(type, driver, dot_field, k_unit, long_group, stream)                                             \
-    PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
-                                       int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
-                                       int32_t n_threads, int32_t isa) {                                      \
-        if (N < 0 || K < 0 || T < 0 || !stride_ok(N, w_stride, row_bytes_##type(K)) ||                        \
-            !stride_ok(T, x_stride, K) || !stride_ok(T, y_stride, N))                                         \
-            return PI_ERR_SHAPE;                                                                              \
-        if (N > 0 && T > 0 && (w == NULL || x == NULL || y == NULL)) return PI_ERR_SHAPE;                     \
-        const matmul_table *table = matmul_table_for(isa);                                                    \
-        const rows_dot_fn dot_fn = dot_field;                                                                 \
-        if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \
-            return matvec_dot(dot_fn, ROWS_DOT_MAX, (stream), w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                      \
-        if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0)             \
-            return matvec_dot(dot_fn, (long_group), (stream), w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                        \
-        return driver(table, row_bytes_##type(K), table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
+/* name: the symbol's suffix; type: the type id; tile: the type_kernels member the driver runs (tile_q8 or tile);
+ * use_dot: T = 1 may go through the type's dot (float activations). */
+#define DEFINE_MATMUL(name, type, driver, tile, use_dot, long_group, stream)                                       \
+    PI_EXPORT int32_t pi_matmul_##name(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x,   \
+                                       int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads, \
+                                       int32_t isa) {                                                              \
+        const int64_t row_bytes = type_row_bytes(type, K), k_unit = TYPE_TRAITS[type].block_elems;                 \
+        if (N < 0 || K < 0 || T < 0 || !stride_ok(N, w_stride, row_bytes) || !stride_ok(T, x_stride, K) ||       \
+            !stride_ok(T, y_stride, N))                                                                            \
+            return PI_ERR_SHAPE;                                                                                   \
+        if (N > 0 && T > 0 && (w == NULL || x == NULL || y == NULL)) return PI_ERR_SHAPE;                          \
+        const matmul_table *table = matmul_table_for(isa);                                                         \
+        const rows_dot_fn dot_fn = (use_dot) ? table->types[type].dot : NULL;                                      \
+        if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % k_unit == 0 && row_bytes <= MATVEC_DOT_MAX_ROW)     \
+            return matvec_dot(dot_fn, ROWS_DOT_MAX, (stream), w, w_stride, N, K, row_bytes, x, y, n_threads);      \
+        if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % k_unit == 0)                   \
+            return matvec_dot(dot_fn, (long_group), (stream), w, w_stride, N, K, row_bytes, x, y, n_threads);      \
+        return driver(table, row_bytes, table->types[type].tile, w, w_stride, NULL, N, K, x, x_stride, T, y,       \
+                      y_stride, n_threads);                                                                        \
     }
 
-DEFINE_MATMUL(f32, matmul_f32_rows, table->dot_f32, 1, 1, 1)
-DEFINE_MATMUL(f16, matmul_f16_rows, table->dot_f16, 1, 1, 1)
-DEFINE_MATMUL(bf16, matmul_bf16_rows, table->dot_bf16, 1, 1, 1)
-DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q5_0, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q5_1, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, table->dot_q4_0_f, QK, 1, 0)
-DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, table->dot_q4_1_f, QK, 1, 0)
-DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1, 0)
-DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1, 0)
-DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1, 0)
+DEFINE_MATMUL(f32, PI_TYPE_F32, matmul_f32_rows, tile, 1, 1, 1)
+DEFINE_MATMUL(f16, PI_TYPE_F16, matmul_f16_rows, tile, 1, 1, 1)
+DEFINE_MATMUL(bf16, PI_TYPE_BF16, matmul_bf16_rows, tile, 1, 1, 1)
+DEFINE_MATMUL(q4_0, PI_TYPE_Q4_0, matmul_quant_rows, tile_q8, 0, 0, 0)
+DEFINE_MATMUL(q4_1, PI_TYPE_Q4_1, matmul_quant_rows, tile_q8, 0, 0, 0)
+DEFINE_MATMUL(q8_0, PI_TYPE_Q8_0, matmul_quant_rows, tile_q8, 0, 0, 0)
+DEFINE_MATMUL(q5_0, PI_TYPE_Q5_0, matmul_quant_rows, tile_q8, 0, 0, 0)
+DEFINE_MATMUL(q5_1, PI_TYPE_Q5_1, matmul_quant_rows, tile_q8, 0, 0, 0)
+DEFINE_MATMUL(q4_0_f, PI_TYPE_Q4_0, matmul_quant_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q4_1_f, PI_TYPE_Q4_1, matmul_quant_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q8_0_f, PI_TYPE_Q8_0, matmul_quant_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q5_0_f, PI_TYPE_Q5_0, matmul_quant_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q5_1_f, PI_TYPE_Q5_1, matmul_quant_f_rows, tile, 1, 1, 0)
 /* K-quants: float activations only (the exact kernel of both precisions); a K not a multiple of 256 fails the
  * dot path's K check and is refused by matmul_kq_f_rows before any row is read */
-DEFINE_MATMUL(q2_k_f, matmul_kq_f_rows, table->dot_q2_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q3_k_f, matmul_kq_f_rows, table->dot_q3_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q4_k_f, matmul_kq_f_rows, table->dot_q4_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q5_k_f, matmul_kq_f_rows, table->dot_q5_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q6_k_f, matmul_kq_f_rows, table->dot_q6_k_f, QK_K, 1, 0)
+DEFINE_MATMUL(q2_k_f, PI_TYPE_Q2_K, matmul_kq_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q3_k_f, PI_TYPE_Q3_K, matmul_kq_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q4_k_f, PI_TYPE_Q4_K, matmul_kq_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q5_k_f, PI_TYPE_Q5_K, matmul_kq_f_rows, tile, 1, 1, 0)
+DEFINE_MATMUL(q6_k_f, PI_TYPE_Q6_K, matmul_kq_f_rows, tile, 1, 1, 0)
 

@@ -29,8 +29,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "common.h"
-#include "kquants.h"
+#include "quants.h"
 #include "matmul.h"
 
 #define KQ8_TILE_T 8 /* tokens per tile: one super-block decode shared by all of them */

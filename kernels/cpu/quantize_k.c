@@ -27,8 +27,7 @@
  */
 #include <math.h>
 
-#include "common.h"
-#include "kquants.h"
+#include "quants.h"
 
 /* IQ4_NL: {fp16 d; u8 qs[16]}, 18 bytes per 32: x[j] = d * levels[qs[j] & 15], x[j + 16] = d * levels[qs[j] >> 4].
  * IQ4_XS: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}, 136 bytes per 256: group g (of 32) has the 6-bit

@@ -1,5 +1,7 @@
-/* The weight types of the kernels: their ids (ggml's type numbers), the block-32 layouts and one scalar decoder per
- * block-32 and float type, shared by get_rows.c, matmul.c and sparse.c (the K-quants' are in kquants.h).
+/* The weight types of the kernels: their ids (ggml's type numbers), the block-32 layouts, one scalar decoder per
+ * block-32 and float type (the K-quants' layouts and decoders are in kquants.h), and the traits table that gives
+ * every type's block size and decoder, shared by get_rows.c, matmul.c and sparse.c. The kernels of a type at each
+ * SIMD level are the per-ISA tables of matmul.c (matmul_table) and matmul_q8k.c.
  *
  * All formats are little endian; fp16 is IEEE binary16. Blocks hold 32 elements (QK).
  *
@@ -18,6 +20,7 @@
 #define POWERINFER_KERNELS_QUANTS_H
 
 #include "common.h"
+#include "kquants.h"
 
 /* Weight type ids: ggml's type numbers (enum ggml_type, the GGUF tensor type), the `type` argument of the kernels
  * that take one (pi_ffn_rows, pi_predict_ffn, pi_quantize_rows, ...) and the index of the per-ISA traits tables. */
@@ -159,6 +162,42 @@ static inline void decode_q5_1(const uint8_t *row, int64_t K, float *y) {
         q5_values(blocks[i].qh, blocks[i].qs, q);
         for (int j = 0; j < QK; j++) y[i * QK + j] = d * (float)q[j] + m;
     }
+}
+
+/* ---- traits of every type ---------------------------------------------------------------------------------- */
+
+typedef struct {
+    int32_t block_elems; /* elements per block: 1 (float types), QK or QK_K; 0: no such type */
+    int32_t block_bytes;
+    row_decode_fn decode; /* to the reference dequantiser's floats */
+} type_traits;
+
+static const type_traits TYPE_TRAITS[PI_TYPE_COUNT] = {
+    [PI_TYPE_F32] = {1, 4, decode_f32},
+    [PI_TYPE_F16] = {1, 2, decode_f16},
+    [PI_TYPE_BF16] = {1, 2, decode_bf16},
+    [PI_TYPE_Q4_0] = {QK, sizeof(block_q4_0), decode_q4_0},
+    [PI_TYPE_Q4_1] = {QK, sizeof(block_q4_1), decode_q4_1},
+    [PI_TYPE_Q5_0] = {QK, sizeof(block_q5_0), decode_q5_0},
+    [PI_TYPE_Q5_1] = {QK, sizeof(block_q5_1), decode_q5_1},
+    [PI_TYPE_Q8_0] = {QK, sizeof(block_q8_0), decode_q8_0},
+    [PI_TYPE_Q2_K] = {QK_K, sizeof(block_q2_k), decode_q2_k},
+    [PI_TYPE_Q3_K] = {QK_K, sizeof(block_q3_k), decode_q3_k},
+    [PI_TYPE_Q4_K] = {QK_K, sizeof(block_q4_k), decode_q4_k},
+    [PI_TYPE_Q5_K] = {QK_K, sizeof(block_q5_k), decode_q5_k},
+    [PI_TYPE_Q6_K] = {QK_K, sizeof(block_q6_k), decode_q6_k},
+    [PI_TYPE_IQ4_NL] = {QK, sizeof(block_iq4_nl), decode_iq4_nl},
+    [PI_TYPE_IQ4_XS] = {QK_K, sizeof(block_iq4_xs), decode_iq4_xs},
+};
+
+/* 1 when `type` is an id of the table (whatever its source: the ids come from callers) */
+static inline int type_known(int32_t type) {
+    return type >= 0 && type < PI_TYPE_COUNT && TYPE_TRAITS[type].block_elems > 0;
+}
+
+/* bytes of a row of K elements (K a multiple of the type's block) */
+static inline int64_t type_row_bytes(int32_t type, int64_t K) {
+    return K / TYPE_TRAITS[type].block_elems * TYPE_TRAITS[type].block_bytes;
 }
 
 #endif

@@ -84,33 +84,36 @@ static int32_t rows_matvec(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w,
 /* pi_rows_matmul_<type>(w, w_stride bytes, N rows, K cols, idx, M, x, x_stride, T, y, y_stride, threads, isa):
  * y[t * y_stride + m] = W[idx[m]] . x[t * x_stride], t < T, m < M; arithmetic of pi_matmul_<type>. T = 1 with
  * float activations runs the rows_dot kernels (the same arithmetic per row, several rows interleaved). */
-#define DEFINE_ROWS_MATMUL(type, driver, row_bytes, dot_expr, k_unit)                                            \
-    PI_EXPORT int32_t pi_rows_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,            \
+/* name: the symbol's suffix; type: the type id; tile: the type_kernels member the driver runs (tile_q8 or tile);
+ * use_dot: T = 1 goes through the type's dot (float activations). */
+#define DEFINE_ROWS_MATMUL(name, type, driver, tile, use_dot)                                                     \
+    PI_EXPORT int32_t pi_rows_matmul_##name(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,            \
                                             const int64_t *idx, int64_t M, const float *x, int64_t x_stride,     \
                                             int64_t T, float *y, int64_t y_stride, int32_t n_threads,            \
                                             int32_t isa) {                                                       \
+        const int64_t row_bytes = type_row_bytes(type, K);                                                       \
         ROWS_MATMUL_PROLOGUE(row_bytes)                                                                          \
         const matmul_table *table = matmul_table_for(isa);                                                       \
-        const rows_dot_fn dot = dot_expr;                                                                        \
-        if (dot != NULL && T == 1 && K % (k_unit) == 0) /* else the driver reports the shape error */         \
-            return rows_matvec(dot, row_bytes, w, w_stride, idx, M, K, x, y, n_threads);                        \
-        return driver(table, row_bytes, table->tile_##type, w, w_stride, idx, M, K, x, x_stride, T, y, y_stride, \
-                      n_threads);                                                                                \
+        const rows_dot_fn dot = (use_dot) ? table->types[type].dot : NULL;                                       \
+        if (dot != NULL && T == 1 && K % TYPE_TRAITS[type].block_elems == 0) /* else the driver reports it */    \
+            return rows_matvec(dot, row_bytes, w, w_stride, idx, M, K, x, y, n_threads);                         \
+        return driver(table, row_bytes, table->types[type].tile, w, w_stride, idx, M, K, x, x_stride, T, y,      \
+                      y_stride, n_threads);                                                                      \
     }
 
-DEFINE_ROWS_MATMUL(f32, matmul_float_rows, K * 4, table->dot_f32, 1)
-DEFINE_ROWS_MATMUL(f16, matmul_float_rows, K * 2, table->dot_f16, 1)
-DEFINE_ROWS_MATMUL(bf16, matmul_float_rows, K * 2, table->dot_bf16, 1)
-DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_0), NULL, QK)
-DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_1), NULL, QK)
-DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0), NULL, QK)
-DEFINE_ROWS_MATMUL(q5_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q5_0), NULL, QK)
-DEFINE_ROWS_MATMUL(q5_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q5_1), NULL, QK)
-DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_0), table->dot_q4_0_f, QK)
-DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_1), table->dot_q4_1_f, QK)
-DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q8_0), table->dot_q8_0_f, QK)
-DEFINE_ROWS_MATMUL(q5_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_0), table->dot_q5_0_f, QK)
-DEFINE_ROWS_MATMUL(q5_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_1), table->dot_q5_1_f, QK)
+DEFINE_ROWS_MATMUL(f32, PI_TYPE_F32, matmul_float_rows, tile, 1)
+DEFINE_ROWS_MATMUL(f16, PI_TYPE_F16, matmul_float_rows, tile, 1)
+DEFINE_ROWS_MATMUL(bf16, PI_TYPE_BF16, matmul_float_rows, tile, 1)
+DEFINE_ROWS_MATMUL(q4_0, PI_TYPE_Q4_0, matmul_quant_rows, tile_q8, 0)
+DEFINE_ROWS_MATMUL(q4_1, PI_TYPE_Q4_1, matmul_quant_rows, tile_q8, 0)
+DEFINE_ROWS_MATMUL(q8_0, PI_TYPE_Q8_0, matmul_quant_rows, tile_q8, 0)
+DEFINE_ROWS_MATMUL(q5_0, PI_TYPE_Q5_0, matmul_quant_rows, tile_q8, 0)
+DEFINE_ROWS_MATMUL(q5_1, PI_TYPE_Q5_1, matmul_quant_rows, tile_q8, 0)
+DEFINE_ROWS_MATMUL(q4_0_f, PI_TYPE_Q4_0, matmul_quant_f_rows, tile, 1)
+DEFINE_ROWS_MATMUL(q4_1_f, PI_TYPE_Q4_1, matmul_quant_f_rows, tile, 1)
+DEFINE_ROWS_MATMUL(q8_0_f, PI_TYPE_Q8_0, matmul_quant_f_rows, tile, 1)
+DEFINE_ROWS_MATMUL(q5_0_f, PI_TYPE_Q5_0, matmul_quant_f_rows, tile, 1)
+DEFINE_ROWS_MATMUL(q5_1_f, PI_TYPE_Q5_1, matmul_quant_f_rows, tile, 1)
 
 /* K-quants: float activations (the exact kernel of both precisions). Rows hold whole super-blocks of 256: any other
  * K is a shape error before a row is read (the T = 1 path checks K % QK_K itself, the tiled one here). */
@@ -122,11 +125,11 @@ static int32_t matmul_kq_f_rows_checked(const matmul_table *table, int64_t row_b
     return matmul_quant_f_rows(table, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
-DEFINE_ROWS_MATMUL(q2_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q2_k), table->dot_q2_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q3_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q3_k), table->dot_q3_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q4_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q4_k), table->dot_q4_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q5_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q5_k), table->dot_q5_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q6_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q6_k), table->dot_q6_k_f, QK_K)
+DEFINE_ROWS_MATMUL(q2_k_f, PI_TYPE_Q2_K, matmul_kq_f_rows_checked, tile, 1)
+DEFINE_ROWS_MATMUL(q3_k_f, PI_TYPE_Q3_K, matmul_kq_f_rows_checked, tile, 1)
+DEFINE_ROWS_MATMUL(q4_k_f, PI_TYPE_Q4_K, matmul_kq_f_rows_checked, tile, 1)
+DEFINE_ROWS_MATMUL(q5_k_f, PI_TYPE_Q5_K, matmul_kq_f_rows_checked, tile, 1)
+DEFINE_ROWS_MATMUL(q6_k_f, PI_TYPE_Q6_K, matmul_kq_f_rows_checked, tile, 1)
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
@@ -181,17 +184,6 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
     }
 }
 
-/* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
-static void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
-    switch (kind) {
-        case PI_TYPE_Q2_K: decode_q2_k(blk, QK_K, out); break;
-        case PI_TYPE_Q3_K: decode_q3_k(blk, QK_K, out); break;
-        case PI_TYPE_Q4_K: decode_q4_k(blk, QK_K, out); break;
-        case PI_TYPE_Q5_K: decode_q5_k(blk, QK_K, out); break;
-        default: decode_q6_k(blk, QK_K, out); break;
-    }
-}
-
 /* K-quant kinds, super-blocks [u0, u1) of y: each super-block of a row decoded once (kquants.h), then the same
  * fmaf chain per element as the other kinds. T = 1 takes the listed rows, T > 1 every row with h != 0. */
 static void axpy_kq_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
@@ -206,7 +198,7 @@ static void axpy_kq_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_
             const uint8_t *row = c->T == 1 ? c->act_rows[m] : c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = u0; u < u1; u++) {
                 float wv[QK_K];
-                kq_decode_kind(kind, row + u * c->unit_bytes, wv);
+                TYPE_TRAITS[kind].decode(row + u * c->unit_bytes, QK_K, wv); /* quants.h */
                 float *yu = yt + u * QK_K;
                 for (int j = 0; j < QK_K; j++) yu[j] = fmaf(hv, wv[j], yu[j]);
             }
@@ -346,26 +338,26 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
 /* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act,
  * threads, isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]; q8_act != 0
  * takes Q4_0 rows with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
-#define DEFINE_ROWS_AXPY(type, kind, unit_bytes)                                                                  \
+#define DEFINE_ROWS_AXPY(type, kind)                                                                  \
     PI_EXPORT int32_t pi_rows_axpy_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,               \
                                           const int64_t *idx, int64_t M, const float *h, int64_t h_stride,        \
                                           int64_t T, float *y, int64_t y_stride, int32_t q8_act, int32_t n_threads,   \
                                           int32_t isa) {                                                          \
-        return rows_axpy(kind, unit_bytes, w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, n_threads, \
+        return rows_axpy(kind, axpy_unit_bytes(kind), w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, n_threads, \
                          isa);                                                                                    \
     }
 
-DEFINE_ROWS_AXPY(f32, PI_TYPE_F32, AXPY_UNIT * 4)
-DEFINE_ROWS_AXPY(f16, PI_TYPE_F16, AXPY_UNIT * 2)
-DEFINE_ROWS_AXPY(bf16, PI_TYPE_BF16, AXPY_UNIT * 2)
-DEFINE_ROWS_AXPY(q4_0, PI_TYPE_Q4_0, sizeof(block_q4_0))
-DEFINE_ROWS_AXPY(q4_1, PI_TYPE_Q4_1, sizeof(block_q4_1))
-DEFINE_ROWS_AXPY(q8_0, PI_TYPE_Q8_0, sizeof(block_q8_0))
-DEFINE_ROWS_AXPY(q5_0, PI_TYPE_Q5_0, sizeof(block_q5_0))
-DEFINE_ROWS_AXPY(q5_1, PI_TYPE_Q5_1, sizeof(block_q5_1))
+DEFINE_ROWS_AXPY(f32, PI_TYPE_F32)
+DEFINE_ROWS_AXPY(f16, PI_TYPE_F16)
+DEFINE_ROWS_AXPY(bf16, PI_TYPE_BF16)
+DEFINE_ROWS_AXPY(q4_0, PI_TYPE_Q4_0)
+DEFINE_ROWS_AXPY(q4_1, PI_TYPE_Q4_1)
+DEFINE_ROWS_AXPY(q8_0, PI_TYPE_Q8_0)
+DEFINE_ROWS_AXPY(q5_0, PI_TYPE_Q5_0)
+DEFINE_ROWS_AXPY(q5_1, PI_TYPE_Q5_1)
 /* K-quants: D must be a multiple of 256 (PI_ERR_SHAPE otherwise); work units are super-blocks */
-DEFINE_ROWS_AXPY(q2_k, PI_TYPE_Q2_K, sizeof(block_q2_k))
-DEFINE_ROWS_AXPY(q3_k, PI_TYPE_Q3_K, sizeof(block_q3_k))
-DEFINE_ROWS_AXPY(q4_k, PI_TYPE_Q4_K, sizeof(block_q4_k))
-DEFINE_ROWS_AXPY(q5_k, PI_TYPE_Q5_K, sizeof(block_q5_k))
-DEFINE_ROWS_AXPY(q6_k, PI_TYPE_Q6_K, sizeof(block_q6_k))
+DEFINE_ROWS_AXPY(q2_k, PI_TYPE_Q2_K)
+DEFINE_ROWS_AXPY(q3_k, PI_TYPE_Q3_K)
+DEFINE_ROWS_AXPY(q4_k, PI_TYPE_Q4_K)
+DEFINE_ROWS_AXPY(q5_k, PI_TYPE_Q5_K)
+DEFINE_ROWS_AXPY(q6_k, PI_TYPE_Q6_K)

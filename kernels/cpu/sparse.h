@@ -8,8 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common.h"
-#include "kquants.h"
+#include "quants.h"
 #include "matmul.h"
 
 #define AXPY_UNIT 32   /* elements per work unit along D: one quant block, or 32 floats of an F32/F16 row */
@@ -43,17 +42,8 @@ static inline int kind_ok(int kind) {
 /* elements per work unit along D of a kind: AXPY_UNIT, or a whole super-block for the K-quants */
 static inline int64_t axpy_unit_of(int kind) { return kind_is_kq(kind) ? QK_K : AXPY_UNIT; }
 
-/* bytes of one K-quant super-block of a kind (0 for the other kinds) */
-static inline size_t kq_block_bytes(int kind) {
-    switch (kind) {
-        case PI_TYPE_Q2_K: return sizeof(block_q2_k);
-        case PI_TYPE_Q3_K: return sizeof(block_q3_k);
-        case PI_TYPE_Q4_K: return sizeof(block_q4_k);
-        case PI_TYPE_Q5_K: return sizeof(block_q5_k);
-        case PI_TYPE_Q6_K: return sizeof(block_q6_k);
-        default: return 0;
-    }
-}
+/* bytes of one work unit of a kind: a quant block, 32 floats of a float row, or a K-quant super-block */
+static inline size_t axpy_unit_bytes(int kind) { return (size_t)type_row_bytes(kind, axpy_unit_of(kind)); }
 
 /* Everything a thread needs; with T = 1 the rows with h != 0 are listed a chunk at a time (axpy_t1_units). */
 typedef struct {
@@ -129,42 +119,14 @@ typedef struct {
     tile_quant_fn tq;  /* int8 activations ("q8" precision, kind_has_q8_tile kinds); NULL otherwise */
 } ffn_mat;
 
-static inline int64_t row_bytes_of(int kind, int64_t K) {
-    switch (kind) {
-        case PI_TYPE_Q4_0: return K / QK * (int64_t)sizeof(block_q4_0);
-        case PI_TYPE_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
-        case PI_TYPE_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
-        case PI_TYPE_Q5_0: return K / QK * (int64_t)sizeof(block_q5_0);
-        case PI_TYPE_Q5_1: return K / QK * (int64_t)sizeof(block_q5_1);
-        case PI_TYPE_F32: return K * 4;
-        case PI_TYPE_Q2_K:
-        case PI_TYPE_Q3_K:
-        case PI_TYPE_Q4_K:
-        case PI_TYPE_Q5_K:
-        case PI_TYPE_Q6_K: return K / QK_K * (int64_t)kq_block_bytes(kind); /* K % QK_K == 0: check_weight */
-        default: return K * 2;
-    }
-}
+/* bytes of a row of K elements of a kind (K a multiple of its block: check_weight) */
+static inline int64_t row_bytes_of(int kind, int64_t K) { return type_row_bytes(kind, K); }
 
 static inline ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t *w, int64_t stride, int64_t K) {
-    ffn_mat m = {.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = NULL, .tq = NULL};
-    switch (kind) {
-        case PI_TYPE_Q4_0: m.dot = t->dot_q4_0_f; m.tq = q8 ? t->tile_q4_0 : NULL; break;
-        case PI_TYPE_Q4_1: m.dot = t->dot_q4_1_f; m.tq = q8 ? t->tile_q4_1 : NULL; break;
-        case PI_TYPE_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
-        case PI_TYPE_F32: m.dot = t->dot_f32; break;
-        case PI_TYPE_BF16: m.dot = t->dot_bf16; break;
-        case PI_TYPE_Q5_0: m.dot = t->dot_q5_0_f; m.tq = q8 ? t->tile_q5_0 : NULL; break;
-        case PI_TYPE_Q5_1: m.dot = t->dot_q5_1_f; m.tq = q8 ? t->tile_q5_1 : NULL; break;
-        /* K-quants: float activations in both precisions here (their q8 matvec is kq8_rows, matmul_q8k.c) */
-        case PI_TYPE_Q2_K: m.dot = t->dot_q2_k_f; break;
-        case PI_TYPE_Q3_K: m.dot = t->dot_q3_k_f; break;
-        case PI_TYPE_Q4_K: m.dot = t->dot_q4_k_f; break;
-        case PI_TYPE_Q5_K: m.dot = t->dot_q5_k_f; break;
-        case PI_TYPE_Q6_K: m.dot = t->dot_q6_k_f; break;
-        default: m.dot = t->dot_f16; break;
-    }
-    return m;
+    /* the K-quants have float activations in both precisions here (their q8 matvec is kq8_rows, matmul_q8k.c) */
+    const type_kernels *k = &t->types[kind];
+    return (ffn_mat){.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = k->dot,
+                     .tq = q8 ? k->tile_q8 : NULL};
 }
 
 /* y[n] = rows n of f . x for n in [n0, n1), consecutive rows of one token (a dense matrix read in order), with the
