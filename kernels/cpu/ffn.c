@@ -121,8 +121,8 @@ PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
  *             idx, M, act, relu_up, q8_act, y, scratch, scratch_bytes, threads, isa):
  * y (D,) as described above; gate and up are (N, K), down_t (N, D); kinds are ggml type ids (enum pi_type:
- * F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K; a K-quant weight needs its row length, K or D, a
- * multiple of 256); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
+ * the float, block-32 and K-quant types of quants.h; a K-quant weight needs its row length, K or D, a multiple of
+ * 256); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
  * q8_act != 0 uses the int8 activation dot products of the quant types (the "q8" precision of rows_matmul).
  * scratch: at least pi_ffn_rows_scratch_bytes(M, K, q8_act) bytes, else PI_ERR_SCRATCH. */
 PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,

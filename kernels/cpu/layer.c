@@ -7,7 +7,7 @@
  *   pi_cats_ffn_block: x += pi_cats_ffn(n) (CATS: every gate row, the thresholds, the active up and down rows)
  *
  * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
- * int8 blocks of Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1, Q8_K for the K-quants; float activations for the other types and in f32),
+ * int8 blocks of 32 for the block-32 types, Q8_K for the K-quants; float activations for the other types and in f32),
  * attention is pi_attn_decode's (attention.h), the norm pi_rms_norm's and the gating pi_gated's (that of the fused
  * sparse FFN, sparse.h): so a block gives the bits of the same ops called one by one. Rows are split over threads in contiguous ranges, one thread per output
  * element: results do not depend on the thread count. Weights are described by pi_mat (kinds: ggml type ids, enum pi_type)

@@ -118,11 +118,7 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
     static void tile_##type##_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         tile_quant_scalar(kind, row, a, t0, ntok, out);                                                      \
     }
-DEFINE_TILE_QUANT_SCALAR(q4_0, PI_TYPE_Q4_0)
-DEFINE_TILE_QUANT_SCALAR(q4_1, PI_TYPE_Q4_1)
-DEFINE_TILE_QUANT_SCALAR(q8_0, PI_TYPE_Q8_0)
-DEFINE_TILE_QUANT_SCALAR(q5_0, PI_TYPE_Q5_0)
-DEFINE_TILE_QUANT_SCALAR(q5_1, PI_TYPE_Q5_1)
+PI_BLOCK32_TYPES(DEFINE_TILE_QUANT_SCALAR)
 #undef DEFINE_TILE_QUANT_SCALAR
 
 static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
@@ -170,21 +166,14 @@ static inline __attribute__((always_inline)) void tile_decoded_scalar(row_decode
     }
     for (int t = 0; t < ntok; t++) out[t] = acc[t];
 }
-#define DEFINE_TILE_DECODED_SCALAR(type, block_elems, block_t)                                                 \
-    static void tile_##type##_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
+#define DEFINE_TILE_DECODED_SCALAR(name, type)                                                                 \
+    static void tile_##name##_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
                                        float *out) {                                                           \
-        tile_decoded_scalar(decode_##type, block_elems, sizeof(block_t), row, K, x, x_stride, ntok, out);      \
+        tile_decoded_scalar(decode_##name, TYPE_TRAITS[type].block_elems, TYPE_TRAITS[type].block_bytes, row, K, \
+                            x, x_stride, ntok, out);                                                           \
     }
-DEFINE_TILE_DECODED_SCALAR(q4_0, QK, block_q4_0)
-DEFINE_TILE_DECODED_SCALAR(q4_1, QK, block_q4_1)
-DEFINE_TILE_DECODED_SCALAR(q8_0, QK, block_q8_0)
-DEFINE_TILE_DECODED_SCALAR(q5_0, QK, block_q5_0)
-DEFINE_TILE_DECODED_SCALAR(q5_1, QK, block_q5_1)
-DEFINE_TILE_DECODED_SCALAR(q2_k, QK_K, block_q2_k)
-DEFINE_TILE_DECODED_SCALAR(q3_k, QK_K, block_q3_k)
-DEFINE_TILE_DECODED_SCALAR(q4_k, QK_K, block_q4_k)
-DEFINE_TILE_DECODED_SCALAR(q5_k, QK_K, block_q5_k)
-DEFINE_TILE_DECODED_SCALAR(q6_k, QK_K, block_q6_k)
+PI_BLOCK32_TYPES(DEFINE_TILE_DECODED_SCALAR)
+PI_KQUANT_TYPES(DEFINE_TILE_DECODED_SCALAR)
 #undef DEFINE_TILE_DECODED_SCALAR
 
 /* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
@@ -194,19 +183,13 @@ DEFINE_TILE_DECODED_SCALAR(q6_k, QK_K, block_q6_k)
         (void)ahead;                                                                                           \
         for (int r = 0; r < R; r++) tile_##type##_scalar(rows[r], K, x, K, 1, out + r);                      \
     }
-DEFINE_DOT_SCALAR(f32)
-DEFINE_DOT_SCALAR(f16)
-DEFINE_DOT_SCALAR(bf16)
-DEFINE_DOT_SCALAR(q4_0_f)
-DEFINE_DOT_SCALAR(q4_1_f)
-DEFINE_DOT_SCALAR(q8_0_f)
-DEFINE_DOT_SCALAR(q5_0_f)
-DEFINE_DOT_SCALAR(q5_1_f)
-DEFINE_DOT_SCALAR(q2_k_f)
-DEFINE_DOT_SCALAR(q3_k_f)
-DEFINE_DOT_SCALAR(q4_k_f)
-DEFINE_DOT_SCALAR(q5_k_f)
-DEFINE_DOT_SCALAR(q6_k_f)
+#define DOT_SCALAR_FLOAT(name, type) DEFINE_DOT_SCALAR(name)
+#define DOT_SCALAR_QUANT(name, type) DEFINE_DOT_SCALAR(name##_f)
+PI_FLOAT_TYPES(DOT_SCALAR_FLOAT)
+PI_BLOCK32_TYPES(DOT_SCALAR_QUANT)
+PI_KQUANT_TYPES(DOT_SCALAR_QUANT)
+#undef DOT_SCALAR_FLOAT
+#undef DOT_SCALAR_QUANT
 #undef DEFINE_DOT_SCALAR
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
@@ -478,9 +461,7 @@ static int32_t matmul_float_quads(tile_float4_fn tile4, int64_t row_bytes, tile_
         return matmul_float_quads(table->types[type].tile4, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, \
                                   T, y, y_stride, n_threads);                                                      \
     }
-DEFINE_FLOAT_DRIVER(f32, PI_TYPE_F32)
-DEFINE_FLOAT_DRIVER(f16, PI_TYPE_F16)
-DEFINE_FLOAT_DRIVER(bf16, PI_TYPE_BF16)
+PI_FLOAT_TYPES(DEFINE_FLOAT_DRIVER)
 #undef DEFINE_FLOAT_DRIVER
 
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
@@ -557,24 +538,17 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
                       y_stride, n_threads);                                                                        \
     }
 
-DEFINE_MATMUL(f32, PI_TYPE_F32, matmul_f32_rows, tile, 1, 1, 1)
-DEFINE_MATMUL(f16, PI_TYPE_F16, matmul_f16_rows, tile, 1, 1, 1)
-DEFINE_MATMUL(bf16, PI_TYPE_BF16, matmul_bf16_rows, tile, 1, 1, 1)
-DEFINE_MATMUL(q4_0, PI_TYPE_Q4_0, matmul_quant_rows, tile_q8, 0, 0, 0)
-DEFINE_MATMUL(q4_1, PI_TYPE_Q4_1, matmul_quant_rows, tile_q8, 0, 0, 0)
-DEFINE_MATMUL(q8_0, PI_TYPE_Q8_0, matmul_quant_rows, tile_q8, 0, 0, 0)
-DEFINE_MATMUL(q5_0, PI_TYPE_Q5_0, matmul_quant_rows, tile_q8, 0, 0, 0)
-DEFINE_MATMUL(q5_1, PI_TYPE_Q5_1, matmul_quant_rows, tile_q8, 0, 0, 0)
-DEFINE_MATMUL(q4_0_f, PI_TYPE_Q4_0, matmul_quant_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q4_1_f, PI_TYPE_Q4_1, matmul_quant_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q8_0_f, PI_TYPE_Q8_0, matmul_quant_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q5_0_f, PI_TYPE_Q5_0, matmul_quant_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q5_1_f, PI_TYPE_Q5_1, matmul_quant_f_rows, tile, 1, 1, 0)
+#define MATMUL_FLOAT(name, type) DEFINE_MATMUL(name, type, matmul_##name##_rows, tile, 1, 1, 1)
+#define MATMUL_BLOCK32(name, type)                                                                                 \
+    DEFINE_MATMUL(name, type, matmul_quant_rows, tile_q8, 0, 0, 0)                                                 \
+    DEFINE_MATMUL(name##_f, type, matmul_quant_f_rows, tile, 1, 1, 0)
+PI_FLOAT_TYPES(MATMUL_FLOAT)
+PI_BLOCK32_TYPES(MATMUL_BLOCK32)
+#undef MATMUL_FLOAT
+#undef MATMUL_BLOCK32
 /* K-quants: float activations only (the exact kernel of both precisions); a K not a multiple of 256 fails the
  * dot path's K check and is refused by matmul_kq_f_rows before any row is read */
-DEFINE_MATMUL(q2_k_f, PI_TYPE_Q2_K, matmul_kq_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q3_k_f, PI_TYPE_Q3_K, matmul_kq_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q4_k_f, PI_TYPE_Q4_K, matmul_kq_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q5_k_f, PI_TYPE_Q5_K, matmul_kq_f_rows, tile, 1, 1, 0)
-DEFINE_MATMUL(q6_k_f, PI_TYPE_Q6_K, matmul_kq_f_rows, tile, 1, 1, 0)
+#define MATMUL_KQUANT(name, type) DEFINE_MATMUL(name##_f, type, matmul_kq_f_rows, tile, 1, 1, 0)
+PI_KQUANT_TYPES(MATMUL_KQUANT)
+#undef MATMUL_KQUANT
 

@@ -43,6 +43,16 @@ enum pi_type {
     PI_TYPE_COUNT = 31, /* table size: ids are < PI_TYPE_COUNT */
 };
 
+/* The types with kernels, by family, as X(name, id) lists: name is the suffix of their symbols (pi_matmul_<name>,
+ * decode_<name>, block_<name>, ...), id their PI_TYPE_. The kernel files instantiate their exported functions from
+ * these lists; a new type is a row here, its layout, decoder and TYPE_TRAITS entry, and its kernels. */
+#define PI_FLOAT_TYPES(X) X(f32, PI_TYPE_F32) X(f16, PI_TYPE_F16) X(bf16, PI_TYPE_BF16)
+#define PI_BLOCK32_TYPES(X)                                                                                        \
+    X(q4_0, PI_TYPE_Q4_0) X(q4_1, PI_TYPE_Q4_1) X(q5_0, PI_TYPE_Q5_0) X(q5_1, PI_TYPE_Q5_1) X(q8_0, PI_TYPE_Q8_0)
+#define PI_KQUANT_TYPES(X)                                                                                         \
+    X(q2_k, PI_TYPE_Q2_K) X(q3_k, PI_TYPE_Q3_K) X(q4_k, PI_TYPE_Q4_K) X(q5_k, PI_TYPE_Q5_K) X(q6_k, PI_TYPE_Q6_K)
+#define PI_IQ4_TYPES(X) X(iq4_nl, PI_TYPE_IQ4_NL) X(iq4_xs, PI_TYPE_IQ4_XS) /* dense kernels only: matmul_q8k.c */
+
 typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *y);
 
 typedef struct {

@@ -101,19 +101,14 @@ static int32_t rows_matvec(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w,
                       y_stride, n_threads);                                                                      \
     }
 
-DEFINE_ROWS_MATMUL(f32, PI_TYPE_F32, matmul_float_rows, tile, 1)
-DEFINE_ROWS_MATMUL(f16, PI_TYPE_F16, matmul_float_rows, tile, 1)
-DEFINE_ROWS_MATMUL(bf16, PI_TYPE_BF16, matmul_float_rows, tile, 1)
-DEFINE_ROWS_MATMUL(q4_0, PI_TYPE_Q4_0, matmul_quant_rows, tile_q8, 0)
-DEFINE_ROWS_MATMUL(q4_1, PI_TYPE_Q4_1, matmul_quant_rows, tile_q8, 0)
-DEFINE_ROWS_MATMUL(q8_0, PI_TYPE_Q8_0, matmul_quant_rows, tile_q8, 0)
-DEFINE_ROWS_MATMUL(q5_0, PI_TYPE_Q5_0, matmul_quant_rows, tile_q8, 0)
-DEFINE_ROWS_MATMUL(q5_1, PI_TYPE_Q5_1, matmul_quant_rows, tile_q8, 0)
-DEFINE_ROWS_MATMUL(q4_0_f, PI_TYPE_Q4_0, matmul_quant_f_rows, tile, 1)
-DEFINE_ROWS_MATMUL(q4_1_f, PI_TYPE_Q4_1, matmul_quant_f_rows, tile, 1)
-DEFINE_ROWS_MATMUL(q8_0_f, PI_TYPE_Q8_0, matmul_quant_f_rows, tile, 1)
-DEFINE_ROWS_MATMUL(q5_0_f, PI_TYPE_Q5_0, matmul_quant_f_rows, tile, 1)
-DEFINE_ROWS_MATMUL(q5_1_f, PI_TYPE_Q5_1, matmul_quant_f_rows, tile, 1)
+#define ROWS_MATMUL_FLOAT(name, type) DEFINE_ROWS_MATMUL(name, type, matmul_float_rows, tile, 1)
+#define ROWS_MATMUL_BLOCK32(name, type)                                                                          \
+    DEFINE_ROWS_MATMUL(name, type, matmul_quant_rows, tile_q8, 0)                                                \
+    DEFINE_ROWS_MATMUL(name##_f, type, matmul_quant_f_rows, tile, 1)
+PI_FLOAT_TYPES(ROWS_MATMUL_FLOAT)
+PI_BLOCK32_TYPES(ROWS_MATMUL_BLOCK32)
+#undef ROWS_MATMUL_FLOAT
+#undef ROWS_MATMUL_BLOCK32
 
 /* K-quants: float activations (the exact kernel of both precisions). Rows hold whole super-blocks of 256: any other
  * K is a shape error before a row is read (the T = 1 path checks K % QK_K itself, the tiled one here). */
@@ -125,27 +120,26 @@ static int32_t matmul_kq_f_rows_checked(const matmul_table *table, int64_t row_b
     return matmul_quant_f_rows(table, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
-DEFINE_ROWS_MATMUL(q2_k_f, PI_TYPE_Q2_K, matmul_kq_f_rows_checked, tile, 1)
-DEFINE_ROWS_MATMUL(q3_k_f, PI_TYPE_Q3_K, matmul_kq_f_rows_checked, tile, 1)
-DEFINE_ROWS_MATMUL(q4_k_f, PI_TYPE_Q4_K, matmul_kq_f_rows_checked, tile, 1)
-DEFINE_ROWS_MATMUL(q5_k_f, PI_TYPE_Q5_K, matmul_kq_f_rows_checked, tile, 1)
-DEFINE_ROWS_MATMUL(q6_k_f, PI_TYPE_Q6_K, matmul_kq_f_rows_checked, tile, 1)
+#define ROWS_MATMUL_KQUANT(name, type) DEFINE_ROWS_MATMUL(name##_f, type, matmul_kq_f_rows_checked, tile, 1)
+PI_KQUANT_TYPES(ROWS_MATMUL_KQUANT)
+#undef ROWS_MATMUL_KQUANT
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
 /* Elements [j0, j1) of unit u of a row, decoded as the reference dequantiser does (quants.h); a block kind's unit is
  * one whole block (j0 = 0, j1 = QK: its rows hold whole blocks). */
 static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, int j1, float *out) {
+#define BLOCK_CASE(name, type)                                                                                     \
+    case type: decode_##name(row + u * sizeof(block_##name), QK, out); break;
+#define FLOAT_CASE(name, type)                                                                                     \
+    case type: decode_##name(row + (u * AXPY_UNIT + j0) * TYPE_TRAITS[type].block_bytes, j1 - j0, out + j0); break;
     switch (kind) {
-        case PI_TYPE_Q4_0: decode_q4_0(row + u * sizeof(block_q4_0), QK, out); break;
-        case PI_TYPE_Q4_1: decode_q4_1(row + u * sizeof(block_q4_1), QK, out); break;
-        case PI_TYPE_Q8_0: decode_q8_0(row + u * sizeof(block_q8_0), QK, out); break;
-        case PI_TYPE_Q5_0: decode_q5_0(row + u * sizeof(block_q5_0), QK, out); break;
-        case PI_TYPE_Q5_1: decode_q5_1(row + u * sizeof(block_q5_1), QK, out); break;
-        case PI_TYPE_F32: decode_f32(row + (u * AXPY_UNIT + j0) * 4, j1 - j0, out + j0); break;
-        case PI_TYPE_BF16: decode_bf16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
-        default: decode_f16(row + (u * AXPY_UNIT + j0) * 2, j1 - j0, out + j0); break;
+        PI_BLOCK32_TYPES(BLOCK_CASE)
+        PI_FLOAT_TYPES(FLOAT_CASE)
+        default: break; /* not a kind of these kernels: check_weight refuses it first */
     }
+#undef BLOCK_CASE
+#undef FLOAT_CASE
 }
 
 /* y += c * (q - 8) over unit u of a Q4_0 row, c = axpy_coef_bf16(h, d): the q8 precision's chain (sparse.h) */
@@ -347,17 +341,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
                          isa);                                                                                    \
     }
 
-DEFINE_ROWS_AXPY(f32, PI_TYPE_F32)
-DEFINE_ROWS_AXPY(f16, PI_TYPE_F16)
-DEFINE_ROWS_AXPY(bf16, PI_TYPE_BF16)
-DEFINE_ROWS_AXPY(q4_0, PI_TYPE_Q4_0)
-DEFINE_ROWS_AXPY(q4_1, PI_TYPE_Q4_1)
-DEFINE_ROWS_AXPY(q8_0, PI_TYPE_Q8_0)
-DEFINE_ROWS_AXPY(q5_0, PI_TYPE_Q5_0)
-DEFINE_ROWS_AXPY(q5_1, PI_TYPE_Q5_1)
+PI_FLOAT_TYPES(DEFINE_ROWS_AXPY)
+PI_BLOCK32_TYPES(DEFINE_ROWS_AXPY)
 /* K-quants: D must be a multiple of 256 (PI_ERR_SHAPE otherwise); work units are super-blocks */
-DEFINE_ROWS_AXPY(q2_k, PI_TYPE_Q2_K)
-DEFINE_ROWS_AXPY(q3_k, PI_TYPE_Q3_K)
-DEFINE_ROWS_AXPY(q4_k, PI_TYPE_Q4_K)
-DEFINE_ROWS_AXPY(q5_k, PI_TYPE_Q5_K)
-DEFINE_ROWS_AXPY(q6_k, PI_TYPE_Q6_K)
+PI_KQUANT_TYPES(DEFINE_ROWS_AXPY)

@@ -18,12 +18,16 @@
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
 /* The weight kinds of the sparse and fused FFN kernels are type ids (enum pi_type, quants.h): the float types, the
- * block-32 types Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q2_K..Q6_K. */
+ * block-32 types and the K-quants (quants.h's PI_FLOAT_TYPES, PI_BLOCK32_TYPES and PI_KQUANT_TYPES). */
+
+#define KIND_CASE(name, type) case type:
 
 /* block types: rows made of 32-element blocks (the others are plain float arrays or K-quant super-blocks) */
 static inline int kind_is_block(int kind) {
-    return kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q4_1 || kind == PI_TYPE_Q8_0 || kind == PI_TYPE_Q5_0 ||
-           kind == PI_TYPE_Q5_1;
+    switch (kind) {
+        PI_BLOCK32_TYPES(KIND_CASE) return 1;
+        default: return 0;
+    }
 }
 
 /* kinds with int8-activation tiles (tile_quant_fn): in the "q8" precision their products read x as int8 blocks of
@@ -32,12 +36,21 @@ static inline int kind_has_q8_tile(int kind) { return kind_is_block(kind); }
 
 /* K-quant kinds: rows made of super-blocks of QK_K = 256, which are also their work units along D (a row length
  * that is not a multiple of 256 is a shape error) */
-static inline int kind_is_kq(int kind) { return kind >= PI_TYPE_Q2_K && kind <= PI_TYPE_Q6_K; }
+static inline int kind_is_kq(int kind) {
+    switch (kind) {
+        PI_KQUANT_TYPES(KIND_CASE) return 1;
+        default: return 0;
+    }
+}
 
 /* the kinds these kernels take: float, block-32 and K-quant types */
 static inline int kind_ok(int kind) {
-    return kind == PI_TYPE_F32 || kind == PI_TYPE_F16 || kind == PI_TYPE_BF16 || kind_is_block(kind) || kind_is_kq(kind);
+    switch (kind) {
+        PI_FLOAT_TYPES(KIND_CASE) PI_BLOCK32_TYPES(KIND_CASE) PI_KQUANT_TYPES(KIND_CASE) return 1;
+        default: return 0;
+    }
 }
+#undef KIND_CASE
 
 /* elements per work unit along D of a kind: AXPY_UNIT, or a whole super-block for the K-quants */
 static inline int64_t axpy_unit_of(int kind) { return kind_is_kq(kind) ? QK_K : AXPY_UNIT; }
