@@ -176,7 +176,7 @@ typedef struct {
 
 /* One token of the K-quant "q8" matvec in parts (matmul_q8k.c), for the fused decode kernels: the bytes of its
  * Q8_K activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
- * w, w_stride bytes apart, of the K-quant `type` (enum pi_type, Q2_K .. Q6_K): the arithmetic of pi_matmul_<q*_k>. */
+ * w, w_stride bytes apart, of the K-quant `type` (enum pi_type): the arithmetic of its pi_matmul_<name>. */
 size_t kq8_act_bytes(int64_t K);
 void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a);
 void kq8_rows(int32_t level, int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,

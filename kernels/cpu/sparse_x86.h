@@ -201,13 +201,13 @@ TARGET_INLINE void FN(axpy_units_kind)(const int kind, const int coef, const axp
 
 /* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to the scalar decoders of kquants.h) */
 TARGET_INLINE void FN(axpy_kq_decode)(const int kind, const uint8_t *blk, float *w) {
+#define KQ_DECODE_CASE(name, type)                                                                                 \
+    case type: FN(kq_simd_##name)(blk, w); break;
     switch (kind) {
-        case PI_TYPE_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
-        case PI_TYPE_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
-        case PI_TYPE_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
-        case PI_TYPE_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
-        default: FN(kq_simd_q6_k)(blk, w); break;
+        PI_KQUANT_TYPES(KQ_DECODE_CASE)
+        default: break;
     }
+#undef KQ_DECODE_CASE
 }
 
 /* T = 1, super-blocks [u0, u1) of y: the listed rows, AXPY_GROUP at a time (their super-blocks decoded side by
@@ -400,28 +400,28 @@ TARGET_INLINE void FN(axpy_units_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64
     FN(axpy_units_kind)(PI_TYPE_Q4_0, 1, c, u0, u1);
 }
 
+/* a block-32 or float kind; Q4_0 in the q8 precision with its bfloat16 coefficients (sparse.h) */
+TARGET_INLINE void FN(axpy_units_plain)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    if (kind == PI_TYPE_Q4_0 && c->coef_bf16)
+        FN(axpy_units_q4_0_coef)(c, u0, u1);
+    else
+        FN(axpy_units_kind)(kind, 0, c, u0, u1);
+}
+
 /* one specialised body per weight kind */
 TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+#define KQ_UNITS_CASE(name, type)                                                                                  \
+    case type: FN(axpy_kq_units)(type, c, u0, u1); break;
+#define UNITS_CASE(name, type)                                                                                     \
+    case type: FN(axpy_units_plain)(type, c, u0, u1); break;
     switch (kind) {
-        case PI_TYPE_Q2_K: FN(axpy_kq_units)(PI_TYPE_Q2_K, c, u0, u1); break;
-        case PI_TYPE_Q3_K: FN(axpy_kq_units)(PI_TYPE_Q3_K, c, u0, u1); break;
-        case PI_TYPE_Q4_K: FN(axpy_kq_units)(PI_TYPE_Q4_K, c, u0, u1); break;
-        case PI_TYPE_Q5_K: FN(axpy_kq_units)(PI_TYPE_Q5_K, c, u0, u1); break;
-        case PI_TYPE_Q6_K: FN(axpy_kq_units)(PI_TYPE_Q6_K, c, u0, u1); break;
-        case PI_TYPE_Q4_0:
-            if (c->coef_bf16)
-                FN(axpy_units_q4_0_coef)(c, u0, u1);
-            else
-                FN(axpy_units_kind)(PI_TYPE_Q4_0, 0, c, u0, u1);
-            break;
-        case PI_TYPE_Q4_1: FN(axpy_units_kind)(PI_TYPE_Q4_1, 0, c, u0, u1); break;
-        case PI_TYPE_Q8_0: FN(axpy_units_kind)(PI_TYPE_Q8_0, 0, c, u0, u1); break;
-        case PI_TYPE_F32: FN(axpy_units_kind)(PI_TYPE_F32, 0, c, u0, u1); break;
-        case PI_TYPE_BF16: FN(axpy_units_kind)(PI_TYPE_BF16, 0, c, u0, u1); break;
-        case PI_TYPE_Q5_0: FN(axpy_units_kind)(PI_TYPE_Q5_0, 0, c, u0, u1); break;
-        case PI_TYPE_Q5_1: FN(axpy_units_kind)(PI_TYPE_Q5_1, 0, c, u0, u1); break;
-        default: FN(axpy_units_kind)(PI_TYPE_F16, 0, c, u0, u1); break;
+        PI_KQUANT_TYPES(KQ_UNITS_CASE)
+        PI_BLOCK32_TYPES(UNITS_CASE)
+        PI_FLOAT_TYPES(UNITS_CASE)
+        default: break; /* not a kind of these kernels: refused before */
     }
+#undef KQ_UNITS_CASE
+#undef UNITS_CASE
 }
 
 #undef SV
