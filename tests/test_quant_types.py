@@ -1,4 +1,4 @@
-"""The type registry (powerinfer/quant/types.py) against what it describes: the C kernels' kind codes and symbols,
+"""The type registry (powerinfer/quant/types.py) against what it describes: the C kernels' type ids and symbols,
 the gguf package's block sizes and quantizers, llama.cpp's file-type guess."""
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ from powerinfer.ops import library
 from powerinfer.quant import C_QUANTIZABLE, QUANTIZABLE, WEIGHT_TYPES, dequantize, quantize
 from powerinfer.quant.types import FILE_TYPES, FTYPE_GUESSED, FTYPES, TYPES, guess_ftype, types_where
 
-SPARSE_H = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "sparse.h"
+QUANTS_H = Path(__file__).resolve().parents[1] / "kernels" / "cpu" / "quants.h"
 
 
-def test_kind_codes_are_the_c_enum():
-    enum = dict(re.findall(r"KIND_(\w+) = (\d+)", SPARSE_H.read_text()))
-    enum.pop("LAST", None)
-    assert {GGMLType[name]: int(code) for name, code in enum.items()} == {
-        t: row.kind for t, row in TYPES.items() if row.kind is not None
-    }
+def test_c_type_ids_are_ggml_numbers():
+    enum = dict(re.findall(r"PI_TYPE_(\w+) = (\d+)", QUANTS_H.read_text()))
+    enum.pop("COUNT")
+    assert {name: int(code) for name, code in enum.items()} == {name: int(GGMLType[name]) for name in enum}
+    # every type with a C kernel has its id there, and the fused FFN kernels take the ggml numbers
+    assert {t.name for t, row in TYPES.items() if row.c_name is not None} == set(enum)
+    assert dict(library.FFN_KINDS) == {t: int(t) for t, row in TYPES.items() if row.sparse_rows}
 
 
 def test_every_c_name_has_its_symbols():

@@ -1,13 +1,5 @@
-/* Shared definitions of the CPU kernels: ggml block layouts, fp16 decoding, error codes.
- *
- * All formats are little endian; fp16 is IEEE binary16. Blocks hold 32 elements (QK).
- *
- *   Q4_0  {fp16 d; uint8 qs[16]}          18 bytes  x[i] = ((qs[i] & 15) - 8) * d, x[i+16] = ((qs[i] >> 4) - 8) * d
- *   Q4_1  {fp16 d; fp16 m; uint8 qs[16]}  20 bytes  x[i] = (qs[i] & 15) * d + m,   x[i+16] = (qs[i] >> 4) * d + m
- *   Q8_0  {fp16 d; int8 qs[32]}           34 bytes  x[i] = qs[i] * d
- *   Q5_0  {fp16 d; u8 qh[4]; u8 qs[16]}   22 bytes  q[i] = (qs[i] & 15) | bit i of qh << 4, q[i+16] = (qs[i] >> 4) |
- *                                                   bit i+16 of qh << 4 (qh little endian); x = (q - 16) * d
- *   Q5_1  {fp16 d, m; u8 qh[4]; qs[16]}   24 bytes  q as Q5_0; x = q * d + m
+/* Shared definitions of the CPU kernels: fp16 decoding, error codes, scratch and thread helpers. The weight types
+ * (enum pi_type) and their block layouts are in quants.h and kquants.h.
  *
  * Kernel ABI: every exported function takes sized integers, explicit row counts and strides, the thread count and
  * the SIMD level `isa` (enum pi_isa; clamped to what the CPU has), and returns 0 or one of the PI_ERR_* codes below.
@@ -70,51 +62,6 @@ static inline int32_t scratch_take(void *scratch, int64_t scratch_bytes, size_t 
     *out = (uint8_t *)aligned;
     return PI_OK;
 }
-
-typedef struct {
-    uint16_t d;
-    uint8_t qs[QK / 2];
-} block_q4_0;
-
-typedef struct {
-    uint16_t d;
-    uint16_t m;
-    uint8_t qs[QK / 2];
-} block_q4_1;
-
-typedef struct {
-    uint16_t d;
-    int8_t qs[QK];
-} block_q8_0;
-
-typedef struct {
-    uint16_t d;
-    uint8_t qh[4];
-    uint8_t qs[QK / 2];
-} block_q5_0;
-
-typedef struct {
-    uint16_t d;
-    uint16_t m;
-    uint8_t qh[4];
-    uint8_t qs[QK / 2];
-} block_q5_1;
-
-/* The 32 five-bit values of a Q5 block, in element order. */
-static inline void q5_values(const uint8_t *qh_bytes, const uint8_t *qs, int *q) {
-    uint32_t qh;
-    memcpy(&qh, qh_bytes, sizeof qh);
-    for (int j = 0; j < QK / 2; j++) {
-        q[j] = (qs[j] & 0x0F) | (int)(((qh >> j) & 1u) << 4);
-        q[j + QK / 2] = (qs[j] >> 4) | (int)(((qh >> (j + QK / 2)) & 1u) << 4);
-    }
-}
-
-_Static_assert(sizeof(block_q5_0) == 22, "block_q5_0 must be 22 bytes");
-_Static_assert(sizeof(block_q5_1) == 24, "block_q5_1 must be 24 bytes");
-_Static_assert(sizeof(block_q4_0) == 18, "block_q4_0 must be 18 bytes");
-_Static_assert(sizeof(block_q4_1) == 20, "block_q4_1 must be 20 bytes");
-_Static_assert(sizeof(block_q8_0) == 34, "block_q8_0 must be 34 bytes");
 
 /* Exact IEEE half -> float conversion (subnormals, inf and nan included). */
 static inline float fp16_to_fp32(uint16_t h) {

@@ -39,23 +39,6 @@ typedef struct {
     axpy_units_fn units; /* the SIMD variant of the down rows */
 } ffn_ctx;
 
-static size_t unit_bytes_of(int kind) {
-    switch (kind) {
-        case KIND_Q4_0: return sizeof(block_q4_0);
-        case KIND_Q4_1: return sizeof(block_q4_1);
-        case KIND_Q8_0: return sizeof(block_q8_0);
-        case KIND_Q5_0: return sizeof(block_q5_0);
-        case KIND_Q5_1: return sizeof(block_q5_1);
-        case KIND_F32: return AXPY_UNIT * 4;
-        case KIND_Q2_K:
-        case KIND_Q3_K:
-        case KIND_Q4_K:
-        case KIND_Q5_K:
-        case KIND_Q6_K: return kq_block_bytes(kind); /* a unit is a super-block */
-        default: return AXPY_UNIT * 2;
-    }
-}
-
 static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, const ffn_ctx *c, float *out) {
     if (m->tq != NULL)
         for (int r = 0; r < R; r++) m->tq(rows[r], c->a, 0, 1, out + r);
@@ -137,9 +120,9 @@ PI_EXPORT int64_t pi_ffn_rows_scratch_bytes(int64_t M, int64_t K, int32_t q8_act
 
 /* pi_ffn_rows(u, K, D, N, gate, gate_stride, gate_kind, up, up_stride, up_kind, down_t, down_stride, down_kind,
  *             idx, M, act, relu_up, q8_act, y, scratch, scratch_bytes, threads, isa):
- * y (D,) as described above; gate and up are (N, K), down_t (N, D); kinds as enum axpy_kind (0 Q4_0, 1 Q4_1,
- * 2 Q8_0, 3 F32, 4 F16, 5 BF16, 6 Q5_0, 7 Q5_1, 8 Q2_K, 9 Q3_K, 10 Q4_K, 11 Q5_K, 12 Q6_K; a K-quant weight needs
- * its row length, K or D, a multiple of 256); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
+ * y (D,) as described above; gate and up are (N, K), down_t (N, D); kinds are ggml type ids (enum pi_type:
+ * the float, block-32 and K-quant types of quants.h; a K-quant weight needs its row length, K or D, a multiple of
+ * 256); act as enum ffn_act (0 relu, 1 silu, 2 gelu, 3 gelu_tanh);
  * q8_act != 0 uses the int8 activation dot products of the quant types (the "q8" precision of rows_matmul).
  * scratch: at least pi_ffn_rows_scratch_bytes(M, K, q8_act) bytes, else PI_ERR_SCRATCH. */
 PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, const uint8_t *gate,
@@ -176,8 +159,8 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
         .up = ffn_mat_of(table, up_kind, q8_act, up, up_stride, K),
         .idx = idx, .M = M, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
-                 .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8_act && down_kind == KIND_Q4_0},
+                 .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
+                 .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
     };
@@ -281,8 +264,8 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         .up = ffn_mat_of(table, up_kind, q8, up, up_stride, K),
         .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
-                 .unit_bytes = unit_bytes_of(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8 && down_kind == KIND_Q4_0},
+                 .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
+                 .coef_bf16 = q8 && down_kind == PI_TYPE_Q4_0},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
     };
@@ -443,8 +426,8 @@ int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint
             .idx = idx, .M = 0, .K = K, .u = u, .a = &aq, .act = act, .relu_up = relu_up != 0, .h_is_act = 1,
             .h = a_buf,
             .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
-                     .unit_bytes = unit_bytes_of(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
-                     .y_stride = D, .coef_bf16 = q8_act && down_kind == KIND_Q4_0},
+                     .unit_bytes = axpy_unit_bytes(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
+                     .y_stride = D, .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
             .kind_down = down_kind,
             .units = axpy_units_for(level),
         },

@@ -90,7 +90,7 @@ static inline void kq3_scales(const uint8_t *packed, int8_t *out) {
     }
 }
 
-static inline void kq_decode_q2_k(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_q2_k(const uint8_t *row, int64_t K, float *y) {
     const block_q2_k *b = (const block_q2_k *)row;
     for (int64_t i = 0; i < K / QK_K; i++, b++) {
         const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
@@ -107,7 +107,7 @@ static inline void kq_decode_q2_k(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
-static inline void kq_decode_q3_k(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_q3_k(const uint8_t *row, int64_t K, float *y) {
     const block_q3_k *b = (const block_q3_k *)row;
     for (int64_t i = 0; i < K / QK_K; i++, b++) {
         const float d = fp16_to_fp32(b->d);
@@ -130,7 +130,7 @@ static inline void kq_decode_q3_k(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
-static inline void kq_decode_q4_k(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_q4_k(const uint8_t *row, int64_t K, float *y) {
     const block_q4_k *b = (const block_q4_k *)row;
     for (int64_t i = 0; i < K / QK_K; i++, b++) {
         const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
@@ -144,7 +144,7 @@ static inline void kq_decode_q4_k(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
-static inline void kq_decode_q5_k(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_q5_k(const uint8_t *row, int64_t K, float *y) {
     const block_q5_k *b = (const block_q5_k *)row;
     for (int64_t i = 0; i < K / QK_K; i++, b++) {
         const float d = fp16_to_fp32(b->d), dmin = fp16_to_fp32(b->dmin);
@@ -159,7 +159,7 @@ static inline void kq_decode_q5_k(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
-static inline void kq_decode_q6_k(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_q6_k(const uint8_t *row, int64_t K, float *y) {
     const block_q6_k *b = (const block_q6_k *)row;
     for (int64_t i = 0; i < K / QK_K; i++, b++) {
         const float d = fp16_to_fp32(b->d);
@@ -214,7 +214,7 @@ static inline int iq4_xs_scale(const block_iq4_xs *b, int j) {
     return (low | (high << 4)) - 32;
 }
 
-static inline void kq_decode_iq4_nl(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_iq4_nl(const uint8_t *row, int64_t K, float *y) {
     const block_iq4_nl *b = (const block_iq4_nl *)row;
     for (int64_t i = 0; i < K / QK; i++, b++, y += QK) {
         const float d = fp16_to_fp32(b->d);
@@ -225,7 +225,7 @@ static inline void kq_decode_iq4_nl(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
-static inline void kq_decode_iq4_xs(const uint8_t *row, int64_t K, float *y) {
+static inline void decode_iq4_xs(const uint8_t *row, int64_t K, float *y) {
     const block_iq4_xs *b = (const block_iq4_xs *)row;
     for (int64_t i = 0; i < K / QK_K; i++, b++) {
         const float d = fp16_to_fp32(b->d);

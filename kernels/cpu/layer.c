@@ -7,10 +7,10 @@
  *   pi_cats_ffn_block: x += pi_cats_ffn(n) (CATS: every gate row, the thresholds, the active up and down rows)
  *
  * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
- * int8 blocks of Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1, Q8_K for the K-quants; float activations for the other types and in f32),
+ * int8 blocks of 32 for the block-32 types, Q8_K for the K-quants; float activations for the other types and in f32),
  * attention is pi_attn_decode's (attention.h), the norm pi_rms_norm's and the gating pi_gated's (that of the fused
  * sparse FFN, sparse.h): so a block gives the bits of the same ops called one by one. Rows are split over threads in contiguous ranges, one thread per output
- * element: results do not depend on the thread count. Weights are described by pi_mat (kinds of enum axpy_kind)
+ * element: results do not depend on the thread count. Weights are described by pi_mat (kinds: ggml type ids, enum pi_type)
  * and checked on every call before any row is read; the caller's scratch holds every intermediate.
  */
 #include <math.h>
@@ -19,7 +19,7 @@
 #include "attention.h"
 #include "sparse.h"
 
-/* One weight matrix: n_rows rows of n_cols elements of `kind` (enum axpy_kind), stride bytes apart. */
+/* One weight matrix: n_rows rows of n_cols elements of `kind` (enum pi_type), stride bytes apart. */
 typedef struct {
     const uint8_t *w;
     int64_t stride;
@@ -132,7 +132,7 @@ static void mv_rows(const matmul_table *t, int32_t level, const pi_mat *m, int q
     if (n0 >= n1) return;
     const int64_t stride = m->stride, K = m->n_cols;
     if (mv_needs_q8k(m, q8)) {
-        kq8_rows(level, m->kind - KIND_Q2_K, m->w + n0 * stride, stride, n1 - n0, &in->ak, y + n0);
+        kq8_rows(level, m->kind, m->w + n0 * stride, stride, n1 - n0, &in->ak, y + n0);
         return;
     }
     const ffn_mat f = ffn_mat_of(t, m->kind, q8, m->w, stride, K);

@@ -26,8 +26,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "common.h"
-#include "kquants.h"
+#include "quants.h"
 #include "matmul.h"
 
 /* ---- scalar fallback ---------------------------------------------------------------------------------------- */
@@ -50,20 +49,19 @@ static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *d
     }
 }
 
-/* Block i of a row of an int8-tile kind (0 Q4_0, 1 Q4_1, 2 Q8_0, 3 Q5_0, 4 Q5_1): its 32 integer weights q in element
+/* Block i of a row of an int8-tile type (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1): its 32 integer weights q in element
  * order (unsigned for the Q4/Q5 kinds, signed for Q8_0), scale d and minimum m (0 where the kind has none). */
-enum { TQ_Q4_0, TQ_Q4_1, TQ_Q8_0, TQ_Q5_0, TQ_Q5_1 };
 static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, float *d, float *m) {
     *m = 0.0f;
     switch (kind) {
-        case TQ_Q4_0:
-        case TQ_Q4_1: {
-            const uint8_t *qs = kind == TQ_Q4_0 ? ((const block_q4_0 *)row)[i].qs : ((const block_q4_1 *)row)[i].qs;
+        case PI_TYPE_Q4_0:
+        case PI_TYPE_Q4_1: {
+            const uint8_t *qs = kind == PI_TYPE_Q4_0 ? ((const block_q4_0 *)row)[i].qs : ((const block_q4_1 *)row)[i].qs;
             for (int j = 0; j < QK / 2; j++) {
                 q[j] = qs[j] & 0x0F;
                 q[j + QK / 2] = qs[j] >> 4;
             }
-            if (kind == TQ_Q4_0) {
+            if (kind == PI_TYPE_Q4_0) {
                 *d = fp16_to_fp32(((const block_q4_0 *)row)[i].d);
             } else {
                 *d = fp16_to_fp32(((const block_q4_1 *)row)[i].d);
@@ -71,13 +69,13 @@ static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, f
             }
             break;
         }
-        case TQ_Q8_0: {
+        case PI_TYPE_Q8_0: {
             const block_q8_0 *b = (const block_q8_0 *)row + i;
             for (int j = 0; j < QK; j++) q[j] = b->qs[j];
             *d = fp16_to_fp32(b->d);
             break;
         }
-        case TQ_Q5_0: {
+        case PI_TYPE_Q5_0: {
             const block_q5_0 *b = (const block_q5_0 *)row + i;
             q5_values(b->qh, b->qs, q);
             *d = fp16_to_fp32(b->d);
@@ -96,8 +94,8 @@ static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, f
 /* The int8 tile of a kind, one block at a time: the integer dot of q with x, minus offset * sum(x) where the values
  * are stored offset (Q4_0: 8, Q5_0: 16), times d_w * d_x; the kinds with a minimum add m * d_x * sum(x) apart. */
 static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    const int offset = kind == TQ_Q4_0 ? 8 : kind == TQ_Q5_0 ? 16 : 0;
-    const int has_m = kind == TQ_Q4_1 || kind == TQ_Q5_1;
+    const int offset = kind == PI_TYPE_Q4_0 ? 8 : kind == PI_TYPE_Q5_0 ? 16 : 0;
+    const int has_m = kind == PI_TYPE_Q4_1 || kind == PI_TYPE_Q5_1;
     for (int t = 0; t < ntok; t++) {
         const int8_t *xq = a->qs + (t0 + t) * a->K;
         const float *xds = a->ds + (t0 + t) * a->nb * 2;
@@ -120,11 +118,7 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
     static void tile_##type##_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         tile_quant_scalar(kind, row, a, t0, ntok, out);                                                      \
     }
-DEFINE_TILE_QUANT_SCALAR(q4_0, TQ_Q4_0)
-DEFINE_TILE_QUANT_SCALAR(q4_1, TQ_Q4_1)
-DEFINE_TILE_QUANT_SCALAR(q8_0, TQ_Q8_0)
-DEFINE_TILE_QUANT_SCALAR(q5_0, TQ_Q5_0)
-DEFINE_TILE_QUANT_SCALAR(q5_1, TQ_Q5_1)
+PI_BLOCK32_TYPES(DEFINE_TILE_QUANT_SCALAR)
 #undef DEFINE_TILE_QUANT_SCALAR
 
 static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
@@ -152,102 +146,35 @@ DEFINE_TILE_HALF_SCALAR(bf16, bf16_to_fp32)
 #undef DEFINE_TILE_HALF_SCALAR
 
 
-/* Exact mode: one block decoded as get_rows does (same float operations), then a plain float dot product. */
-static void decode_block_scalar(int kind, const uint8_t *blk, float *w) {
-    if (kind == 0) {
-        const block_q4_0 *b = (const block_q4_0 *)blk;
-        const float d = fp16_to_fp32(b->d);
-        for (int j = 0; j < QK / 2; j++) {
-            w[j] = (float)((b->qs[j] & 0x0F) - 8) * d;
-            w[j + QK / 2] = (float)((b->qs[j] >> 4) - 8) * d;
-        }
-    } else if (kind == 1) {
-        const block_q4_1 *b = (const block_q4_1 *)blk;
-        const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
-        for (int j = 0; j < QK / 2; j++) {
-            w[j] = d * (float)(b->qs[j] & 0x0F) + m;
-            w[j + QK / 2] = d * (float)(b->qs[j] >> 4) + m;
-        }
-    } else if (kind == 2) {
-        const block_q8_0 *b = (const block_q8_0 *)blk;
-        const float d = fp16_to_fp32(b->d);
-        for (int j = 0; j < QK; j++) w[j] = (float)b->qs[j] * d;
-    } else if (kind == 3) {
-        const block_q5_0 *b = (const block_q5_0 *)blk;
-        const float d = fp16_to_fp32(b->d);
-        int q[QK];
-        q5_values(b->qh, b->qs, q);
-        for (int j = 0; j < QK; j++) w[j] = (float)(q[j] - 16) * d;
-    } else {
-        const block_q5_1 *b = (const block_q5_1 *)blk;
-        const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
-        int q[QK];
-        q5_values(b->qh, b->qs, q);
-        for (int j = 0; j < QK; j++) w[j] = d * (float)q[j] + m;
-    }
-}
-
-static inline void tile_qf_scalar(int kind, size_t block_bytes, const uint8_t *row, int64_t K, const float *x,
-                                  int64_t x_stride, int ntok, float *out) {
+/* Exact mode (quant types, float activations): each block (a super-block of 256 for the K-quants) decoded by the
+ * type's decoder, as get_rows does (quants.h, kquants.h), then one running sum per token. */
+static inline __attribute__((always_inline)) void tile_decoded_scalar(row_decode_fn decode, int64_t block_elems,
+                                                                      int64_t block_bytes, const uint8_t *row,
+                                                                      int64_t K, const float *x, int64_t x_stride,
+                                                                      int ntok, float *out) {
     float acc[TILE_TQ];
     for (int t = 0; t < ntok; t++) acc[t] = 0.0f;
-    for (int64_t i = 0; i < K / QK; i++) {
-        float w[QK];
-        decode_block_scalar(kind, row + i * block_bytes, w);
-        for (int t = 0; t < ntok; t++) {
-            const float *xb = x + t * x_stride + i * QK;
-            float a = acc[t];
-            for (int j = 0; j < QK; j++) a += w[j] * xb[j];
-            acc[t] = a;
-        }
-    }
-    for (int t = 0; t < ntok; t++) out[t] = acc[t];
-}
-
-static void tile_q4_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(0, sizeof(block_q4_0), row, K, x, x_stride, ntok, out);
-}
-static void tile_q4_1_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(1, sizeof(block_q4_1), row, K, x, x_stride, ntok, out);
-}
-static void tile_q8_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(2, sizeof(block_q8_0), row, K, x, x_stride, ntok, out);
-}
-static void tile_q5_0_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(3, sizeof(block_q5_0), row, K, x, x_stride, ntok, out);
-}
-static void tile_q5_1_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    tile_qf_scalar(4, sizeof(block_q5_1), row, K, x, x_stride, ntok, out);
-}
-
-/* K-quants: each super-block decoded (kquants.h), then one running sum per token */
-static void tile_kq_scalar(void (*decode)(const uint8_t *, int64_t, float *), int64_t block_bytes,
-                           const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
-    float acc[TILE_TQ];
-    for (int t = 0; t < ntok; t++) acc[t] = 0.0f;
-    for (int64_t i = 0; i < K / QK_K; i++) {
+    for (int64_t i = 0; i < K / block_elems; i++) {
         float w[QK_K];
-        decode(row + i * block_bytes, QK_K, w);
+        decode(row + i * block_bytes, block_elems, w);
         for (int t = 0; t < ntok; t++) {
-            const float *xb = x + t * x_stride + i * QK_K;
+            const float *xb = x + t * x_stride + i * block_elems;
             float a = acc[t];
-            for (int j = 0; j < QK_K; j++) a += w[j] * xb[j];
+            for (int64_t j = 0; j < block_elems; j++) a += w[j] * xb[j];
             acc[t] = a;
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = acc[t];
 }
-#define DEFINE_TILE_KQ_SCALAR(type, block_t)                                                                   \
-    static void tile_##type##_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
+#define DEFINE_TILE_DECODED_SCALAR(name, type)                                                                 \
+    static void tile_##name##_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
                                        float *out) {                                                           \
-        tile_kq_scalar(kq_decode_##type, sizeof(block_t), row, K, x, x_stride, ntok, out);                     \
+        tile_decoded_scalar(decode_##name, TYPE_TRAITS[type].block_elems, TYPE_TRAITS[type].block_bytes, row, K, \
+                            x, x_stride, ntok, out);                                                           \
     }
-DEFINE_TILE_KQ_SCALAR(q2_k, block_q2_k)
-DEFINE_TILE_KQ_SCALAR(q3_k, block_q3_k)
-DEFINE_TILE_KQ_SCALAR(q4_k, block_q4_k)
-DEFINE_TILE_KQ_SCALAR(q5_k, block_q5_k)
-DEFINE_TILE_KQ_SCALAR(q6_k, block_q6_k)
-#undef DEFINE_TILE_KQ_SCALAR
+PI_BLOCK32_TYPES(DEFINE_TILE_DECODED_SCALAR)
+PI_KQUANT_TYPES(DEFINE_TILE_DECODED_SCALAR)
+#undef DEFINE_TILE_DECODED_SCALAR
 
 /* One token, R rows: the tile of each row in turn (the scalar tiles have no interleaving to gain). */
 #define DEFINE_DOT_SCALAR(type)                                                                                \
@@ -256,19 +183,13 @@ DEFINE_TILE_KQ_SCALAR(q6_k, block_q6_k)
         (void)ahead;                                                                                           \
         for (int r = 0; r < R; r++) tile_##type##_scalar(rows[r], K, x, K, 1, out + r);                      \
     }
-DEFINE_DOT_SCALAR(f32)
-DEFINE_DOT_SCALAR(f16)
-DEFINE_DOT_SCALAR(bf16)
-DEFINE_DOT_SCALAR(q4_0_f)
-DEFINE_DOT_SCALAR(q4_1_f)
-DEFINE_DOT_SCALAR(q8_0_f)
-DEFINE_DOT_SCALAR(q5_0_f)
-DEFINE_DOT_SCALAR(q5_1_f)
-DEFINE_DOT_SCALAR(q2_k_f)
-DEFINE_DOT_SCALAR(q3_k_f)
-DEFINE_DOT_SCALAR(q4_k_f)
-DEFINE_DOT_SCALAR(q5_k_f)
-DEFINE_DOT_SCALAR(q6_k_f)
+#define DOT_SCALAR_FLOAT(name, type) DEFINE_DOT_SCALAR(name)
+#define DOT_SCALAR_QUANT(name, type) DEFINE_DOT_SCALAR(name##_f)
+PI_FLOAT_TYPES(DOT_SCALAR_FLOAT)
+PI_BLOCK32_TYPES(DOT_SCALAR_QUANT)
+PI_KQUANT_TYPES(DOT_SCALAR_QUANT)
+#undef DOT_SCALAR_FLOAT
+#undef DOT_SCALAR_QUANT
 #undef DEFINE_DOT_SCALAR
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
@@ -278,15 +199,30 @@ DEFINE_DOT_SCALAR(q6_k_f)
 
 /* ---- dispatch: the caller's level on each call ---------------------------------------------------------- */
 
-static const matmul_table matmul_tables[] = {
-#define MATMUL_TABLE(isa)                                                                                           \
-    {quantize_act_##isa, tile_q4_0_##isa, tile_q4_1_##isa, tile_q8_0_##isa, tile_q5_0_##isa, tile_q5_1_##isa,       \
-     tile_f32_##isa, tile_f16_##isa,                                                                               \
-     tile_bf16_##isa, tile_q4_0_f_##isa, tile_q4_1_f_##isa, tile_q8_0_f_##isa, tile_q5_0_f_##isa, tile_q5_1_f_##isa, \
-     dot_f32_##isa, dot_f16_##isa, dot_bf16_##isa, dot_q4_0_f_##isa, dot_q4_1_f_##isa, dot_q8_0_f_##isa,             \
-     dot_q5_0_f_##isa, dot_q5_1_f_##isa, tile_q2_k_f_##isa, tile_q3_k_f_##isa, tile_q4_k_f_##isa,                \
-     tile_q5_k_f_##isa, tile_q6_k_f_##isa, dot_q2_k_f_##isa, dot_q3_k_f_##isa, dot_q4_k_f_##isa, dot_q5_k_f_##isa,   \
-     dot_q6_k_f_##isa, TILE4(isa, f32), TILE4(isa, f16), TILE4(isa, bf16), TILE8(isa, q4_0), TILE8(isa, q8_0)}
+/* Designated by type id: a type's entry lists its kernels at this level (matmul.h, type_kernels). */
+#define FLOAT_KERNELS(isa, type) {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type)}
+#define BLOCK32_KERNELS(isa, type, panels)                                                                        \
+    {.tile_q8 = tile_##type##_##isa, .tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa, .tile8 = panels}
+#define KQ_KERNELS(isa, type) {.tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa}
+#define MATMUL_TABLE(isa)                                                                                          \
+    {                                                                                                              \
+        .quantize_act = quantize_act_##isa,                                                                        \
+        .types = {                                                                                                 \
+            [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
+            [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
+            [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
+            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, TILE8(isa, q4_0)),                                         \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, NULL),                                                     \
+            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, NULL),                                                     \
+            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, NULL),                                                     \
+            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, TILE8(isa, q8_0)),                                         \
+            [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
+            [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
+            [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
+            [PI_TYPE_Q5_K] = KQ_KERNELS(isa, q5_k),                                                                \
+            [PI_TYPE_Q6_K] = KQ_KERNELS(isa, q6_k),                                                                \
+        },                                                                                                         \
+    }
 #define TILE4(isa, type) tile4_##type##_##isa
 #define TILE8(isa, type) tile8_##type##_##isa
 #define tile4_f32_scalar NULL
@@ -294,11 +230,16 @@ static const matmul_table matmul_tables[] = {
 #define tile4_bf16_scalar NULL
 #define tile8_q4_0_scalar NULL
 #define tile8_q8_0_scalar NULL
+static const matmul_table matmul_tables[] = {
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
 #if PI_X86
     [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
     [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
 #endif
+};
+#undef FLOAT_KERNELS
+#undef BLOCK32_KERNELS
+#undef KQ_KERNELS
 #undef MATMUL_TABLE
 #undef TILE4
 #undef TILE8
@@ -307,7 +248,6 @@ static const matmul_table matmul_tables[] = {
 #undef tile4_bf16_scalar
 #undef tile8_q4_0_scalar
 #undef tile8_q8_0_scalar
-};
 
 /* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar;
  * always 0 on a CPU other than x86-64, where only the scalar variant is built. */
@@ -371,9 +311,10 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
      * leave the tile's per-row work (horizontal sums, the call) dominant; panels measured 1.7x faster on the
      * 49152 x 256 screen of SmolLM2's head (0.94 -> 0.55 ms, 1 thread) */
     const int short_q4_0 = T == 1 && nb <= TILE8_SHORT_ROW_BLOCKS;
-    const tile8_quant_fn tile8 = tile == table->tile_q4_0 && (T >= TILE8_MIN_T_Q4_0 || short_q4_0) ? table->tile8_q4_0
-                                 : tile == table->tile_q8_0 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? table->tile8_q8_0
-                                                                                     : NULL;
+    const type_kernels *q4_0 = &table->types[PI_TYPE_Q4_0], *q8_0 = &table->types[PI_TYPE_Q8_0];
+    const tile8_quant_fn tile8 = tile == q4_0->tile_q8 && (T >= TILE8_MIN_T_Q4_0 || short_q4_0) ? q4_0->tile8
+                                 : tile == q8_0->tile_q8 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? q8_0->tile8
+                                                                                               : NULL;
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
     const size_t panel_bytes = (size_t)nb * PANEL_MAX_BYTES_PER_BLOCK;
     uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
@@ -512,17 +453,15 @@ static int32_t matmul_float_quads(tile_float4_fn tile4, int64_t row_bytes, tile_
     return PI_OK;
 }
 
-#define DEFINE_FLOAT_DRIVER(type)                                                                                  \
-    static int32_t matmul_##type##_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile,          \
+#define DEFINE_FLOAT_DRIVER(name, type)                                                                            \
+    static int32_t matmul_##name##_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile,          \
                                         const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,        \
                                         int64_t K, const float *x, int64_t x_stride, int64_t T, float *y,          \
                                         int64_t y_stride, int32_t n_threads) {                                     \
-        return matmul_float_quads(table->tile4_##type, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T,   \
-                                  y, y_stride, n_threads);                                                         \
+        return matmul_float_quads(table->types[type].tile4, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, \
+                                  T, y, y_stride, n_threads);                                                      \
     }
-DEFINE_FLOAT_DRIVER(f32)
-DEFINE_FLOAT_DRIVER(f16)
-DEFINE_FLOAT_DRIVER(bf16)
+PI_FLOAT_TYPES(DEFINE_FLOAT_DRIVER)
 #undef DEFINE_FLOAT_DRIVER
 
 /* exact mode of the quant types: float activations, weight blocks decoded in registers */
@@ -564,24 +503,6 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, int stream, const uint8_t 
  * DRAM throughput of the tiled driver; 2 rows of Q4_0 K = 2048 cut it from 37 to 15 GB/s on a 2-core EPYC, although
  * faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
 #define MATVEC_DOT_MAX_ROW 512
-static inline int64_t row_bytes_f32(int64_t K) { return K * 4; }
-static inline int64_t row_bytes_f16(int64_t K) { return K * 2; }
-static inline int64_t row_bytes_bf16(int64_t K) { return K * 2; }
-static inline int64_t row_bytes_q4_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q4_0); }
-static inline int64_t row_bytes_q4_1(int64_t K) { return K / QK * (int64_t)sizeof(block_q4_1); }
-static inline int64_t row_bytes_q8_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q8_0); }
-#define row_bytes_q4_0_f row_bytes_q4_0
-#define row_bytes_q4_1_f row_bytes_q4_1
-#define row_bytes_q8_0_f row_bytes_q8_0
-static inline int64_t row_bytes_q5_0(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_0); }
-static inline int64_t row_bytes_q5_1(int64_t K) { return K / QK * (int64_t)sizeof(block_q5_1); }
-#define row_bytes_q5_0_f row_bytes_q5_0
-#define row_bytes_q5_1_f row_bytes_q5_1
-static inline int64_t row_bytes_q2_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q2_k); }
-static inline int64_t row_bytes_q3_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q3_k); }
-static inline int64_t row_bytes_q4_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q4_k); }
-static inline int64_t row_bytes_q5_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q5_k); }
-static inline int64_t row_bytes_q6_k_f(int64_t K) { return K / QK_K * (int64_t)sizeof(block_q6_k); }
 
 /* K-quant rows hold whole super-blocks of 256: any other K is a shape error (before the row size is trusted) */
 static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
@@ -596,41 +517,38 @@ static int32_t matmul_kq_f_rows(const matmul_table *table, int64_t row_bytes, ti
  * computes y[t * y_stride + n] = sum_k W[n, k] * x[t * x_stride + k] with SIMD level isa (enum pi_isa). */
 /* long_group > 0: T = 1 with rows longer than MATVEC_DOT_MAX_ROW also goes through matvec_dot, long_group rows per call;
  * stream: the type's dot prefetches as it reads (the float types) */
-#define DEFINE_MATMUL(type, driver, dot_field, k_unit, long_group, stream)                                             \
-    PI_EXPORT int32_t pi_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x, \
-                                       int64_t x_stride, int64_t T, float *y, int64_t y_stride,               \
-                                       int32_t n_threads, int32_t isa) {                                      \
-        if (N < 0 || K < 0 || T < 0 || !stride_ok(N, w_stride, row_bytes_##type(K)) ||                        \
-            !stride_ok(T, x_stride, K) || !stride_ok(T, y_stride, N))                                         \
-            return PI_ERR_SHAPE;                                                                              \
-        if (N > 0 && T > 0 && (w == NULL || x == NULL || y == NULL)) return PI_ERR_SHAPE;                     \
-        const matmul_table *table = matmul_table_for(isa);                                                    \
-        const rows_dot_fn dot_fn = dot_field;                                                                 \
-        if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0 && row_bytes_##type(K) <= MATVEC_DOT_MAX_ROW) \
-            return matvec_dot(dot_fn, ROWS_DOT_MAX, (stream), w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                      \
-        if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % (k_unit) == 0)             \
-            return matvec_dot(dot_fn, (long_group), (stream), w, w_stride, N, K, row_bytes_##type(K), x, y, n_threads);                        \
-        return driver(table, row_bytes_##type(K), table->tile_##type, w, w_stride, NULL, N, K, x, x_stride, T, y, y_stride, n_threads); \
+/* name: the symbol's suffix; type: the type id; tile: the type_kernels member the driver runs (tile_q8 or tile);
+ * use_dot: T = 1 may go through the type's dot (float activations). */
+#define DEFINE_MATMUL(name, type, driver, tile, use_dot, long_group, stream)                                       \
+    PI_EXPORT int32_t pi_matmul_##name(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x,   \
+                                       int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads, \
+                                       int32_t isa) {                                                              \
+        const int64_t row_bytes = type_row_bytes(type, K), k_unit = TYPE_TRAITS[type].block_elems;                 \
+        if (N < 0 || K < 0 || T < 0 || !stride_ok(N, w_stride, row_bytes) || !stride_ok(T, x_stride, K) ||       \
+            !stride_ok(T, y_stride, N))                                                                            \
+            return PI_ERR_SHAPE;                                                                                   \
+        if (N > 0 && T > 0 && (w == NULL || x == NULL || y == NULL)) return PI_ERR_SHAPE;                          \
+        const matmul_table *table = matmul_table_for(isa);                                                         \
+        const rows_dot_fn dot_fn = (use_dot) ? table->types[type].dot : NULL;                                      \
+        if (dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % k_unit == 0 && row_bytes <= MATVEC_DOT_MAX_ROW)     \
+            return matvec_dot(dot_fn, ROWS_DOT_MAX, (stream), w, w_stride, N, K, row_bytes, x, y, n_threads);      \
+        if ((long_group) > 0 && dot_fn != NULL && T == 1 && N > 0 && K >= 0 && K % k_unit == 0)                   \
+            return matvec_dot(dot_fn, (long_group), (stream), w, w_stride, N, K, row_bytes, x, y, n_threads);      \
+        return driver(table, row_bytes, table->types[type].tile, w, w_stride, NULL, N, K, x, x_stride, T, y,       \
+                      y_stride, n_threads);                                                                        \
     }
 
-DEFINE_MATMUL(f32, matmul_f32_rows, table->dot_f32, 1, 1, 1)
-DEFINE_MATMUL(f16, matmul_f16_rows, table->dot_f16, 1, 1, 1)
-DEFINE_MATMUL(bf16, matmul_bf16_rows, table->dot_bf16, 1, 1, 1)
-DEFINE_MATMUL(q4_0, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q4_1, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q8_0, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q5_0, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q5_1, matmul_quant_rows, NULL, QK, 0, 0)
-DEFINE_MATMUL(q4_0_f, matmul_quant_f_rows, table->dot_q4_0_f, QK, 1, 0)
-DEFINE_MATMUL(q4_1_f, matmul_quant_f_rows, table->dot_q4_1_f, QK, 1, 0)
-DEFINE_MATMUL(q8_0_f, matmul_quant_f_rows, table->dot_q8_0_f, QK, 1, 0)
-DEFINE_MATMUL(q5_0_f, matmul_quant_f_rows, table->dot_q5_0_f, QK, 1, 0)
-DEFINE_MATMUL(q5_1_f, matmul_quant_f_rows, table->dot_q5_1_f, QK, 1, 0)
+#define MATMUL_FLOAT(name, type) DEFINE_MATMUL(name, type, matmul_##name##_rows, tile, 1, 1, 1)
+#define MATMUL_BLOCK32(name, type)                                                                                 \
+    DEFINE_MATMUL(name, type, matmul_quant_rows, tile_q8, 0, 0, 0)                                                 \
+    DEFINE_MATMUL(name##_f, type, matmul_quant_f_rows, tile, 1, 1, 0)
+PI_FLOAT_TYPES(MATMUL_FLOAT)
+PI_BLOCK32_TYPES(MATMUL_BLOCK32)
+#undef MATMUL_FLOAT
+#undef MATMUL_BLOCK32
 /* K-quants: float activations only (the exact kernel of both precisions); a K not a multiple of 256 fails the
  * dot path's K check and is refused by matmul_kq_f_rows before any row is read */
-DEFINE_MATMUL(q2_k_f, matmul_kq_f_rows, table->dot_q2_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q3_k_f, matmul_kq_f_rows, table->dot_q3_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q4_k_f, matmul_kq_f_rows, table->dot_q4_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q5_k_f, matmul_kq_f_rows, table->dot_q5_k_f, QK_K, 1, 0)
-DEFINE_MATMUL(q6_k_f, matmul_kq_f_rows, table->dot_q6_k_f, QK_K, 1, 0)
+#define MATMUL_KQUANT(name, type) DEFINE_MATMUL(name##_f, type, matmul_kq_f_rows, tile, 1, 1, 0)
+PI_KQUANT_TYPES(MATMUL_KQUANT)
+#undef MATMUL_KQUANT
 

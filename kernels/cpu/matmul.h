@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common.h"
+#include "quants.h"
 
 #define TILE_T 4  /* tokens per tile */
 #define TILE_N 16 /* rows per parallel work item */
@@ -80,17 +80,20 @@ typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const 
 
 #define ROWS_DOT_MAX 4
 
+/* The kernels of one weight type at one SIMD level; NULL where the type has none. */
+typedef struct {
+    tile_quant_fn tile_q8; /* int8 activations (act_q8): the "q8" precision of the block-32 types */
+    tile_float_fn tile;    /* float activations, ntok <= TILE_TQ: the float types, the exact kernel of the quant types */
+    rows_dot_fn dot;       /* float activations, one token, R rows at once: the arithmetic of `tile` */
+    tile_float4_fn tile4;  /* float types, prompts: 4 rows x TILE_T2 tokens (NULL: one row at a time) */
+    tile8_quant_fn tile8;  /* prompts by panels of 8 rows, the bits of tile_q8 (NULL: row by row) */
+} type_kernels;
+
+/* The traits table of one SIMD level: the activation quantiser and the kernels of every type, indexed by type id
+ * (enum pi_type; a type without kernels here has an all-NULL entry). */
 typedef struct {
     quantize_act_fn quantize_act;
-    tile_quant_fn tile_q4_0, tile_q4_1, tile_q8_0, tile_q5_0, tile_q5_1;
-    tile_float_fn tile_f32, tile_f16, tile_bf16;
-    tile_float_fn tile_q4_0_f, tile_q4_1_f, tile_q8_0_f, tile_q5_0_f, tile_q5_1_f; /* float activations, ntok <= TILE_TQ */
-    rows_dot_fn dot_f32, dot_f16, dot_bf16, dot_q4_0_f, dot_q4_1_f, dot_q8_0_f, dot_q5_0_f, dot_q5_1_f; /* T = 1 */
-    /* K-quants (super-blocks of 256), float activations: tiles (ntok <= TILE_TQ) and T = 1 rows */
-    tile_float_fn tile_q2_k_f, tile_q3_k_f, tile_q4_k_f, tile_q5_k_f, tile_q6_k_f;
-    rows_dot_fn dot_q2_k_f, dot_q3_k_f, dot_q4_k_f, dot_q5_k_f, dot_q6_k_f;
-    tile_float4_fn tile4_f32, tile4_f16, tile4_bf16; /* prompts; NULL: one row at a time */
-    tile8_quant_fn tile8_q4_0, tile8_q8_0; /* prompts, the bits of the row tiles; NULL: row by row */
+    type_kernels types[PI_TYPE_COUNT];
 } matmul_table;
 
 /* Bytes of one input of K in the int8 precision as act_q8_prepare lays it out: K int8, the nb {d, d sum} pairs and
@@ -173,10 +176,10 @@ typedef struct {
 
 /* One token of the K-quant "q8" matvec in parts (matmul_q8k.c), for the fused decode kernels: the bytes of its
  * Q8_K activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
- * w, w_stride bytes apart, of the K-quant at k_index (0 Q2_K .. 4 Q6_K): the arithmetic of pi_matmul_<q*_k>. */
+ * w, w_stride bytes apart, of the K-quant `type` (enum pi_type): the arithmetic of its pi_matmul_<name>. */
 size_t kq8_act_bytes(int64_t K);
 void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a);
-void kq8_rows(int32_t level, int k_index, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
+void kq8_rows(int32_t level, int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
               float *out);
 
 #endif

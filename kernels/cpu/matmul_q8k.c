@@ -29,11 +29,8 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "common.h"
-#include "kquants.h"
+#include "quants.h"
 #include "matmul.h"
-
-enum kq8_kind { KQ8_Q2_K, KQ8_Q3_K, KQ8_Q4_K, KQ8_Q5_K, KQ8_Q6_K, KQ8_IQ4_XS, KQ8_N_KINDS };
 
 #define KQ8_TILE_T 8 /* tokens per tile: one super-block decode shared by all of them */
 #define KQ8_PANEL_Q4_K (8 * 10 * 32 + 2 * 32) /* per super-block of 8 rows: 8 chunks x (8 vectors, scales, mins), d, dmin */
@@ -50,8 +47,8 @@ typedef void (*kq8_dot_fn)(const uint8_t *w, int64_t w_stride, int64_t n_rows, c
 
 typedef struct {
     quantize_q8k_fn quantize;
-    kq8_tile_fn tile[KQ8_N_KINDS];
-    kq8_dot_fn dot[KQ8_N_KINDS];
+    kq8_tile_fn tile[PI_TYPE_COUNT];
+    kq8_dot_fn dot[PI_TYPE_COUNT];
     /* Q4_K prompts by panels of 8 rows: rows[0..7] x T tokens into y[t * y_stride + r], the bits of the tile;
      * `panel` holds nb * KQ8_PANEL_Q4_K bytes, 32-byte aligned (NULL: row by row) */
     void (*tile8_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
@@ -113,7 +110,7 @@ typedef struct {
 
 static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
     memset(o, 0, sizeof *o);
-    if (kind == KQ8_Q2_K) {
+    if (kind == PI_TYPE_Q2_K) {
         const block_q2_k *b = (const block_q2_k *)blk;
         for (int e = 0; e < QK_K; e++) {
             const int h = e / 128, j = (e % 128) / 32, l = e % 32;
@@ -126,7 +123,7 @@ static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
         o->d = fp16_to_fp32(b->d);
         o->dmin = fp16_to_fp32(b->dmin);
         o->has_min = 1;
-    } else if (kind == KQ8_Q3_K) {
+    } else if (kind == PI_TYPE_Q3_K) {
         const block_q3_k *b = (const block_q3_k *)blk;
         for (int e = 0; e < QK_K; e++) {
             const int h = e / 128, j = (e % 128) / 32, l = e % 32;
@@ -139,14 +136,14 @@ static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
             o->corr[g] = 4 * o->sc[g];
         }
         o->d = fp16_to_fp32(b->d);
-    } else if (kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
-        const uint8_t *scales = kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->scales : ((const block_q5_k *)blk)->scales;
-        const uint8_t *qs = kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->qs : ((const block_q5_k *)blk)->qs;
+    } else if (kind == PI_TYPE_Q4_K || kind == PI_TYPE_Q5_K) {
+        const uint8_t *scales = kind == PI_TYPE_Q4_K ? ((const block_q4_k *)blk)->scales : ((const block_q5_k *)blk)->scales;
+        const uint8_t *qs = kind == PI_TYPE_Q4_K ? ((const block_q4_k *)blk)->qs : ((const block_q5_k *)blk)->qs;
         for (int e = 0; e < QK_K; e++) {
             const int c = e / 32, l = e % 32;
             const uint8_t q = qs[32 * (c / 2) + l];
             o->w[e] = c % 2 ? q >> 4 : q & 0x0F;
-            if (kind == KQ8_Q5_K) o->w[e] |= ((((const block_q5_k *)blk)->qh[l] >> c) & 1) << 4;
+            if (kind == PI_TYPE_Q5_K) o->w[e] |= ((((const block_q5_k *)blk)->qh[l] >> c) & 1) << 4;
         }
         for (int j = 0; j < 8; j++) {
             uint8_t sc, m;
@@ -158,8 +155,8 @@ static void kq8_int_scalar(int kind, const uint8_t *blk, kq8_int_block *o) {
         o->d = fp16_to_fp32(dd[0]);
         o->dmin = fp16_to_fp32(dd[1]);
         o->has_min = 1;
-        o->reduce = kind == KQ8_Q4_K;
-    } else if (kind == KQ8_Q6_K) {
+        o->reduce = kind == PI_TYPE_Q4_K;
+    } else if (kind == PI_TYPE_Q6_K) {
         const block_q6_k *b = (const block_q6_k *)blk;
         for (int e = 0; e < QK_K; e++) {
             const int h = e / 128, k = (e % 128) / 32, l = e % 32;
@@ -229,12 +226,12 @@ static void kq8_tile_scalar(int kind, int64_t block_bytes, const uint8_t *row, c
                                         float *out) {                                                           \
         for (int64_t r = 0; r < n_rows; r++) kq8_tile_scalar(kind, sizeof(block_t), w + r * w_stride, a, 0, 1, out + r); \
     }
-DEFINE_KQ8_SCALAR(q2_k, KQ8_Q2_K, block_q2_k)
-DEFINE_KQ8_SCALAR(q3_k, KQ8_Q3_K, block_q3_k)
-DEFINE_KQ8_SCALAR(q4_k, KQ8_Q4_K, block_q4_k)
-DEFINE_KQ8_SCALAR(q5_k, KQ8_Q5_K, block_q5_k)
-DEFINE_KQ8_SCALAR(q6_k, KQ8_Q6_K, block_q6_k)
-DEFINE_KQ8_SCALAR(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
+DEFINE_KQ8_SCALAR(q2_k, PI_TYPE_Q2_K, block_q2_k)
+DEFINE_KQ8_SCALAR(q3_k, PI_TYPE_Q3_K, block_q3_k)
+DEFINE_KQ8_SCALAR(q4_k, PI_TYPE_Q4_K, block_q4_k)
+DEFINE_KQ8_SCALAR(q5_k, PI_TYPE_Q5_K, block_q5_k)
+DEFINE_KQ8_SCALAR(q6_k, PI_TYPE_Q6_K, block_q6_k)
+DEFINE_KQ8_SCALAR(iq4_xs, PI_TYPE_IQ4_XS, block_iq4_xs)
 #undef DEFINE_KQ8_SCALAR
 
 /* IQ4_NL x Q8_0-style activations: integer block dot, one float product-sum per block */
@@ -277,11 +274,11 @@ static void tile_iq4_f_scalar(void (*decode)(const uint8_t *, int64_t, float *),
 }
 static void tile_iq4_nl_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok,
                                  float *out) {
-    tile_iq4_f_scalar(kq_decode_iq4_nl, QK, sizeof(block_iq4_nl), row, K, x, x_stride, ntok, out);
+    tile_iq4_f_scalar(decode_iq4_nl, QK, sizeof(block_iq4_nl), row, K, x, x_stride, ntok, out);
 }
 static void tile_iq4_xs_f_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok,
                                  float *out) {
-    tile_iq4_f_scalar(kq_decode_iq4_xs, QK_K, sizeof(block_iq4_xs), row, K, x, x_stride, ntok, out);
+    tile_iq4_f_scalar(decode_iq4_xs, QK_K, sizeof(block_iq4_xs), row, K, x, x_stride, ntok, out);
 }
 
 /* ---- SIMD variants ------------------------------------------------------------------------------------------- */
@@ -295,10 +292,12 @@ static const kq8_table kq8_tables[] = {
 #define KQ8_TABLE(isa)                                                                                             \
     {                                                                                                              \
         quantize_q8k_##isa,                                                                                        \
-        {kq8_tile_q2_k_##isa, kq8_tile_q3_k_##isa, kq8_tile_q4_k_##isa, kq8_tile_q5_k_##isa, kq8_tile_q6_k_##isa,   \
-         kq8_tile_iq4_xs_##isa},                                                                                   \
-        {kq8_dot_q2_k_##isa, kq8_dot_q3_k_##isa, kq8_dot_q4_k_##isa, kq8_dot_q5_k_##isa, kq8_dot_q6_k_##isa,        \
-         kq8_dot_iq4_xs_##isa},                                                                                    \
+        {[PI_TYPE_Q2_K] = kq8_tile_q2_k_##isa, [PI_TYPE_Q3_K] = kq8_tile_q3_k_##isa,                               \
+         [PI_TYPE_Q4_K] = kq8_tile_q4_k_##isa, [PI_TYPE_Q5_K] = kq8_tile_q5_k_##isa,                               \
+         [PI_TYPE_Q6_K] = kq8_tile_q6_k_##isa, [PI_TYPE_IQ4_XS] = kq8_tile_iq4_xs_##isa},                          \
+        {[PI_TYPE_Q2_K] = kq8_dot_q2_k_##isa, [PI_TYPE_Q3_K] = kq8_dot_q3_k_##isa,                                 \
+         [PI_TYPE_Q4_K] = kq8_dot_q4_k_##isa, [PI_TYPE_Q5_K] = kq8_dot_q5_k_##isa,                                 \
+         [PI_TYPE_Q6_K] = kq8_dot_q6_k_##isa, [PI_TYPE_IQ4_XS] = kq8_dot_iq4_xs_##isa},                            \
         KQ8_TILE8(isa),                                                                                            \
         KQ8_TILE16(isa),                                                                                           \
         tile_iq4_nl_##isa, tile_iq4_nl_f_##isa, tile_iq4_xs_f_##isa,                                               \
@@ -362,7 +361,7 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
         }
     } else {
         /* several tokens: Q4_K by panels of 8 rows (the same bits), the last N % 8 rows and the other kinds by tiles */
-        const int panels_ok = kind == KQ8_Q4_K && tb->tile8_q4_k != NULL && T >= KQ8_TILE8_MIN_T;
+        const int panels_ok = kind == PI_TYPE_Q4_K && tb->tile8_q4_k != NULL && T >= KQ8_TILE8_MIN_T;
         const int64_t n16 = panels_ok && tb->tile16_q4_k != NULL ? N / 16 * 16 : 0;
         const int64_t n8 = panels_ok ? N / 8 * 8 : 0;
         const size_t panel_bytes = (size_t)nb * (n16 > 0 ? KQ8_PANEL16_Q4_K : KQ8_PANEL_Q4_K);
@@ -432,12 +431,12 @@ static inline int32_t matmul_args_ok(const uint8_t *w, int64_t w_stride, int64_t
         return kq8_matmul(&kq8_tables[pi_isa_clamp(isa)], kind, w, w_stride, N, K, x, x_stride, T, y, \
                           y_stride, n_threads);                                                               \
     }
-DEFINE_MATMUL_KQ8(q2_k, KQ8_Q2_K, block_q2_k)
-DEFINE_MATMUL_KQ8(q3_k, KQ8_Q3_K, block_q3_k)
-DEFINE_MATMUL_KQ8(q4_k, KQ8_Q4_K, block_q4_k)
-DEFINE_MATMUL_KQ8(q5_k, KQ8_Q5_K, block_q5_k)
-DEFINE_MATMUL_KQ8(q6_k, KQ8_Q6_K, block_q6_k)
-DEFINE_MATMUL_KQ8(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
+DEFINE_MATMUL_KQ8(q2_k, PI_TYPE_Q2_K, block_q2_k)
+DEFINE_MATMUL_KQ8(q3_k, PI_TYPE_Q3_K, block_q3_k)
+DEFINE_MATMUL_KQ8(q4_k, PI_TYPE_Q4_K, block_q4_k)
+DEFINE_MATMUL_KQ8(q5_k, PI_TYPE_Q5_K, block_q5_k)
+DEFINE_MATMUL_KQ8(q6_k, PI_TYPE_Q6_K, block_q6_k)
+DEFINE_MATMUL_KQ8(iq4_xs, PI_TYPE_IQ4_XS, block_iq4_xs)
 #undef DEFINE_MATMUL_KQ8
 
 /* IQ4_NL, "q8" precision: the int8 block activations of Q4_0 / Q8_0 (K a multiple of 32) */
@@ -498,7 +497,7 @@ void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act
     kq8_tables[pi_isa_clamp(level)].quantize(x, nb, a->qs, a->d, a->bsums);
 }
 
-void kq8_rows(int32_t level, int k_index, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
+void kq8_rows(int32_t level, int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
               float *out) {
-    kq8_tables[pi_isa_clamp(level)].dot[k_index](w, w_stride, n_rows, a, out);
+    kq8_tables[pi_isa_clamp(level)].dot[type](w, w_stride, n_rows, a, out);
 }

@@ -151,14 +151,14 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
     __m256i sc16;
     p->corr = p->mn = _mm256_setzero_si256();
     p->dmin = 0.0f;
-    if (kind == KQ8_Q2_K) {
+    if (kind == PI_TYPE_Q2_K) {
         const block_q2_k *b = (const block_q2_k *)blk;
         const __m128i s = _mm_loadu_si128((const __m128i *)b->scales), low4 = _mm_set1_epi8(0x0F);
         sc16 = _mm256_cvtepu8_epi16(_mm_and_si128(s, low4));
         p->mn = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), low4));
         p->d = _cvtsh_ss(b->d);
         p->dmin = _cvtsh_ss(b->dmin);
-    } else if (kind == KQ8_Q3_K) {
+    } else if (kind == PI_TYPE_Q3_K) {
         const block_q3_k *b = (const block_q3_k *)blk;
         /* the 12 packed bytes as words a0, a1, a2 (no 16-byte load: the block ends 2 bytes after them). Scales
          * 0..3, 4..7, 8..11, 12..15: low 4 bits a0 & 15, a1 & 15, a0 >> 4, a1 >> 4 (per byte); top 2 bits: bit
@@ -177,8 +177,8 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
         sc16 = _mm256_cvtepi8_epi16(s);
         p->corr = _mm256_slli_epi16(sc16, 2);
         p->d = _cvtsh_ss(b->d);
-    } else if (kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
-        const __m128i sm = FN(kq8_scales_k4)(kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->scales
+    } else if (kind == PI_TYPE_Q4_K || kind == PI_TYPE_Q5_K) {
+        const __m128i sm = FN(kq8_scales_k4)(kind == PI_TYPE_Q4_K ? ((const block_q4_k *)blk)->scales
                                                                 : ((const block_q5_k *)blk)->scales);
         const __m256i sc = _mm256_cvtepu8_epi32(sm); /* per-32 scales, one per int32 lane */
         FN(kq8_scales_per32)(_mm256_or_si256(sc, _mm256_slli_epi32(sc, 16)), p);
@@ -189,7 +189,7 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
         p->d = _mm_cvtss_f32(dm);
         p->dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
         return;
-    } else if (kind == KQ8_Q6_K) {
+    } else if (kind == PI_TYPE_Q6_K) {
         const block_q6_k *b = (const block_q6_k *)blk;
         sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b->scales));
         p->corr = _mm256_slli_epi16(sc16, 5);
@@ -231,28 +231,28 @@ TARGET_INLINE void FN(kq8_setup)(const int kind, const uint8_t *blk, FN(kq8_sb) 
 TARGET_INLINE __m256i FN(kq8_chunk)(const int kind, const uint8_t *blk, const int c, __m256i *sg) {
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     switch (kind) {
-        case KQ8_Q2_K: {
+        case PI_TYPE_Q2_K: {
             const block_q2_k *b = (const block_q2_k *)blk;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * (c / 4)));
             return _mm256_and_si256(_mm256_srli_epi16(q, 2 * (c & 3)), _mm256_set1_epi8(3));
         }
-        case KQ8_Q3_K: {
+        case PI_TYPE_Q3_K: {
             const block_q3_k *b = (const block_q3_k *)blk;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b->qs + 32 * (c / 4)));
             const __m256i hm = _mm256_loadu_si256((const __m256i *)b->hmask);
             const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q, 2 * (c & 3)), _mm256_set1_epi8(3));
             return _mm256_or_si256(low, KQ8_BIT(hm, c, 2, 0x04)); /* hmask bit c -> value bit 2 */
         }
-        case KQ8_Q4_K:
-        case KQ8_Q5_K: {
-            const uint8_t *qs = kind == KQ8_Q4_K ? ((const block_q4_k *)blk)->qs : ((const block_q5_k *)blk)->qs;
+        case PI_TYPE_Q4_K:
+        case PI_TYPE_Q5_K: {
+            const uint8_t *qs = kind == PI_TYPE_Q4_K ? ((const block_q4_k *)blk)->qs : ((const block_q5_k *)blk)->qs;
             const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * (c / 2)));
             const __m256i nib = _mm256_and_si256(c & 1 ? _mm256_srli_epi16(q, 4) : q, low4);
-            if (kind == KQ8_Q4_K) return nib;
+            if (kind == PI_TYPE_Q4_K) return nib;
             const __m256i qh = _mm256_loadu_si256((const __m256i *)((const block_q5_k *)blk)->qh);
             return _mm256_or_si256(nib, KQ8_BIT(qh, c, 4, 0x10)); /* qh bit c -> value bit 4 */
         }
-        case KQ8_Q6_K: {
+        case PI_TYPE_Q6_K: {
             const block_q6_k *b = (const block_q6_k *)blk;
             const int h = c / 4, k = c & 3;
             const __m256i ql = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32 * (k & 1)));
@@ -272,17 +272,17 @@ TARGET_INLINE __m256i FN(kq8_chunk)(const int kind, const uint8_t *blk, const in
 
 /* Activations of chunk c as the maddubs signed operand (IQ4_XS: the sign of the weight moved onto them) */
 TARGET_INLINE __m256i FN(kq8_act)(const int kind, __m256i x, __m256i sg) {
-    return kind == KQ8_IQ4_XS ? _mm256_sign_epi8(x, sg) : x;
+    return kind == PI_TYPE_IQ4_XS ? _mm256_sign_epi8(x, sg) : x;
 }
 
 /* The float step of one super-block: S (and M) into the 8 float lanes of acc */
 TARGET_INLINE __m256 FN(kq8_accumulate)(const int kind, const FN(kq8_sb) *p, __m256i S, const int16_t *bsums,
                                         float dx, __m256 acc) {
-    if (kind == KQ8_Q3_K || kind == KQ8_Q6_K || kind == KQ8_Q2_K || kind == KQ8_Q4_K || kind == KQ8_Q5_K) {
+    if (kind == PI_TYPE_Q3_K || kind == PI_TYPE_Q6_K || kind == PI_TYPE_Q2_K || kind == PI_TYPE_Q4_K || kind == PI_TYPE_Q5_K) {
         const __m256i bs = _mm256_loadu_si256((const __m256i *)bsums);
-        if (kind == KQ8_Q3_K || kind == KQ8_Q6_K) S = _mm256_sub_epi32(S, _mm256_madd_epi16(bs, p->corr));
+        if (kind == PI_TYPE_Q3_K || kind == PI_TYPE_Q6_K) S = _mm256_sub_epi32(S, _mm256_madd_epi16(bs, p->corr));
         acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p->d * dx), _mm256_cvtepi32_ps(S)));
-        if (kind == KQ8_Q3_K || kind == KQ8_Q6_K) return acc;
+        if (kind == PI_TYPE_Q3_K || kind == PI_TYPE_Q6_K) return acc;
         const __m256i M = _mm256_madd_epi16(bs, p->mn);
         return _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_set1_ps(p->dmin * dx), _mm256_cvtepi32_ps(M)));
     }
@@ -356,11 +356,11 @@ TARGET_INLINE void FN(kq8_tile_q4_k_n)(const uint8_t *row, const act_q8k *a, int
             }
             const uint8_t *blk = (const uint8_t *)(b + g + j);
             FN(kq8_sb) p;
-            FN(kq8_setup)(KQ8_Q4_K, blk, &p);
+            FN(kq8_setup)(PI_TYPE_Q4_K, blk, &p);
             __m256i u[8], sc[8], unused;
 #pragma GCC unroll 8
             for (int c = 0; c < 8; c++) {
-                u[c] = FN(kq8_chunk)(KQ8_Q4_K, blk, c, &unused);
+                u[c] = FN(kq8_chunk)(PI_TYPE_Q4_K, blk, c, &unused);
                 sc[c] = KQ8_SCALE(&p, c);
             }
             for (int t = 0; t < ntok; t++) {
@@ -415,7 +415,7 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
         FN(kq8_q4_k_heads)(rows, 8, sb, sm, dh, mh);
         for (int c = 0; c < 8; c++, v += 10) {
             __m256i u[8], unused;
-            for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
+            for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(PI_TYPE_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
             FN(transpose8_epi32)(u, v);
             int32_t sc[8], mn[8];
             /* AVX-512 multiplies the chunk's int32 sum by the scale, AVX2 madds int16 pair sums with (scale, scale) */
@@ -483,10 +483,10 @@ TARGET static void FN(kq8_tile16_q4_k)(const uint8_t *const *rows, const act_q8k
         for (int c = 0; c < 8; c++, v += 10) {
             __m256i u[8], unused;
             _Alignas(32) __m256i lo[8], hi[8];
-            for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
+            for (int r = 0; r < 8; r++) u[r] = FN(kq8_chunk)(PI_TYPE_Q4_K, rows[r] + sb * sizeof(block_q4_k), c, &unused);
             FN(transpose8_epi32)(u, lo);
             for (int r = 0; r < 8; r++)
-                u[r] = FN(kq8_chunk)(KQ8_Q4_K, rows[8 + r] + sb * sizeof(block_q4_k), c, &unused);
+                u[r] = FN(kq8_chunk)(PI_TYPE_Q4_K, rows[8 + r] + sb * sizeof(block_q4_k), c, &unused);
             FN(transpose8_epi32)(u, hi);
             for (int j = 0; j < 8; j++) _mm512_store_si512(v + j, _mm512_inserti64x4(_mm512_castsi256_si512(lo[j]), hi[j], 1));
             int32_t sc[16], mn[16];
@@ -536,8 +536,8 @@ TARGET static void FN(kq8_tile16_q4_k)(const uint8_t *const *rows, const act_q8k
                                           float *out) {                                                         \
         for (int64_t n = 0; n < n_rows; n++) FN(kq8_tile_n)(kind, sizeof(block_t), w + n * w_stride, a, 0, 1, out + n); \
     }
-DEFINE_KQ8(q2_k, KQ8_Q2_K, block_q2_k)
-DEFINE_KQ8(q3_k, KQ8_Q3_K, block_q3_k)
+DEFINE_KQ8(q2_k, PI_TYPE_Q2_K, block_q2_k)
+DEFINE_KQ8(q3_k, PI_TYPE_Q3_K, block_q3_k)
 TARGET static void FN(kq8_tile_q4_k)(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) {
     FN(kq8_tile_q4_k_n)(row, a, t0, ntok, out);
 }
@@ -557,13 +557,13 @@ TARGET static void FN(kq8_dot_q4_k)(const uint8_t *w, int64_t w_stride, int64_t 
                 const uint8_t *blk = (const uint8_t *)(b + g + j);
                 prefetch_stream(blk, MATVEC_STREAM_AHEAD, (int64_t)sizeof(block_q4_k)); /* dense rows, in order */
                 FN(kq8_sb) p;
-                FN(kq8_setup)(KQ8_Q4_K, blk, &p);
+                FN(kq8_setup)(PI_TYPE_Q4_K, blk, &p);
                 const int8_t *xq = a->qs + (g + j) * QK_K;
                 __m256i acc_s = _mm256_setzero_si256(), unused;
 #pragma GCC unroll 8
                 for (int c = 0; c < 8; c++)
                     acc_s = FN(madd_acc)(acc_s,
-                                         _mm256_maddubs_epi16(FN(kq8_chunk)(KQ8_Q4_K, blk, c, &unused),
+                                         _mm256_maddubs_epi16(FN(kq8_chunk)(PI_TYPE_Q4_K, blk, c, &unused),
                                                               _mm256_loadu_si256((const __m256i *)(xq + 32 * c))),
                                          KQ8_SCALE(&p, c));
                 S[j] = acc_s;
@@ -578,9 +578,9 @@ TARGET static void FN(kq8_dot_q4_k)(const uint8_t *w, int64_t w_stride, int64_t 
         out[n] = FN(hsum256)(acc);
     }
 }
-DEFINE_KQ8(q5_k, KQ8_Q5_K, block_q5_k)
-DEFINE_KQ8(q6_k, KQ8_Q6_K, block_q6_k)
-DEFINE_KQ8(iq4_xs, KQ8_IQ4_XS, block_iq4_xs)
+DEFINE_KQ8(q5_k, PI_TYPE_Q5_K, block_q5_k)
+DEFINE_KQ8(q6_k, PI_TYPE_Q6_K, block_q6_k)
+DEFINE_KQ8(iq4_xs, PI_TYPE_IQ4_XS, block_iq4_xs)
 #undef DEFINE_KQ8
 #undef KQ8_BIT
 #undef KQ8_SCALE

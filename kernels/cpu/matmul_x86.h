@@ -93,25 +93,25 @@ TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) 
     return _mm256_or_si256(FN(unpack_q4)(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* One block step for ntok tokens; KIND 0 = Q4_0, 1 = Q4_1, 2 = Q8_0, 3 = Q5_0, 4 = Q5_1; ACC/BIAS are the parity
+/* One block step for ntok tokens; KIND the type id (PI_TYPE_Q4_0, Q4_1, Q8_0, Q5_0, Q5_1); ACC/BIAS are the parity
  * accumulators. Q5_1 is Q4_1 with the fifth bit (the same bias term), Q5_0 is Q4_0 with 16 for 8. */
 #define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
     do {                                                                                                     \
         __m256i w, wabs = _mm256_setzero_si256();                                                            \
         __m128 dm; /* {d_w, m_w, 0, 0} */                                                                    \
-        if ((KIND) == 0) {                                                                                   \
+        if ((KIND) == PI_TYPE_Q4_0) {                                                                                   \
             w = FN(unpack_q4)(b0[i].qs);                                                                     \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b0[i].d));                                                   \
-        } else if ((KIND) == 1) {                                                                            \
+        } else if ((KIND) == PI_TYPE_Q4_1) {                                                                            \
             uint32_t dm_bits;                                                                                \
             memcpy(&dm_bits, &b1[i].d, sizeof dm_bits);                                                      \
             w = FN(unpack_q4)(b1[i].qs);                                                                     \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
-        } else if ((KIND) == 2) {                                                                            \
+        } else if ((KIND) == PI_TYPE_Q8_0) {                                                                            \
             w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
             wabs = _mm256_sign_epi8(w, w);                                                                   \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b8[i].d));                                                   \
-        } else if ((KIND) == 3) {                                                                            \
+        } else if ((KIND) == PI_TYPE_Q5_0) {                                                                            \
             w = FN(unpack_q5)(b50[i].qh, b50[i].qs);                                                         \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b50[i].d));                                                  \
         } else {                                                                                             \
@@ -125,16 +125,16 @@ TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) 
             /* {d_w * d_x, m_w * d_x * sum(q_x)} */                                                          \
             const __m128 scale = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(xds[t] + 2 * (i))))); \
             __m256i p;                                                                                       \
-            if ((KIND) == 0) /* (q - 8) . x = q . x - 8 sum(x): subtract sum(x) from each of the 8 lanes */ \
+            if ((KIND) == PI_TYPE_Q4_0) /* (q - 8) . x = q . x - 8 sum(x): subtract sum(x) from each of the 8 lanes */ \
                 p = FN(dot_u8s8)(_mm256_set1_epi32(-xi[t][i]), w, xv);                                       \
-            else if ((KIND) == 3) /* (q - 16) . x: 2 sum(x) from each of the 8 lanes */                      \
+            else if ((KIND) == PI_TYPE_Q5_0) /* (q - 16) . x: 2 sum(x) from each of the 8 lanes */                      \
                 p = FN(dot_u8s8)(_mm256_set1_epi32(-2 * xi[t][i]), w, xv);                                   \
-            else if ((KIND) == 2)                                                                            \
+            else if ((KIND) == PI_TYPE_Q8_0)                                                                            \
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
             else                                                                                             \
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
             ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), ACC[t]);           \
-            if ((KIND) == 1 || (KIND) == 4) BIAS[t] = _mm_add_ps(BIAS[t], scale);                            \
+            if ((KIND) == PI_TYPE_Q4_1 || (KIND) == PI_TYPE_Q5_1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                            \
         }                                                                                                    \
     } while (0)
 
@@ -146,10 +146,10 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     const block_q5_0 *b50 = (const block_q5_0 *)row;
     const block_q5_1 *b51 = (const block_q5_1 *)row;
     const int64_t nb = a->nb, ahead = a->ahead;
-    const int64_t bsz = kind == 0   ? (int64_t)sizeof(block_q4_0)
-                        : kind == 1 ? (int64_t)sizeof(block_q4_1)
-                        : kind == 2 ? (int64_t)sizeof(block_q8_0)
-                        : kind == 3 ? (int64_t)sizeof(block_q5_0)
+    const int64_t bsz = kind == PI_TYPE_Q4_0   ? (int64_t)sizeof(block_q4_0)
+                        : kind == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)
+                        : kind == PI_TYPE_Q8_0 ? (int64_t)sizeof(block_q8_0)
+                        : kind == PI_TYPE_Q5_0 ? (int64_t)sizeof(block_q5_0)
                                     : (int64_t)sizeof(block_q5_1);
     const int8_t *xq[TILE_T];
     const float *xds[TILE_T];
@@ -165,7 +165,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     }
     int64_t i = 0;
 #if SIMD_AVX512
-    if (kind == 0 || kind == 1) { /* Q8_0 and Q5 take the 256-bit steps below */
+    if (kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q4_1) { /* Q8_0 and Q5 take the 256-bit steps below */
         /* Q4 on 512-bit vectors: blocks i (even, low half) and i + 1 (odd, high half) in one vector. Lane by lane
          * this is the 256-bit QUANT_STEP pair (same int32 dots, same float products, same FMA into the same
          * accumulator lane): acc0/acc1 are the low/high halves of acc, bias0/bias1 lanes 0-1/2-3 of bias. */
@@ -184,7 +184,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
             prefetch_stream(row + i * bsz, ahead, 2 * bsz);
             __m256i raw;
             uint64_t dm_bits; /* Q4_0 {d_i, 0, d_i+1, 0}, Q4_1 {d_i, m_i, d_i+1, m_i+1} as halves */
-            if (kind == 0) {
+            if (kind == PI_TYPE_Q4_0) {
                 raw = _mm256_loadu2_m128i((const __m128i *)b0[i + 1].qs, (const __m128i *)b0[i].qs);
                 dm_bits = (uint64_t)b0[i].d | ((uint64_t)b0[i + 1].d << 32);
             } else {
@@ -203,7 +203,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
                 /* {d_w d_x, m_w d_x sum(q_x)} of block i, then of block i + 1 */
                 const __m128 sc = _mm_mul_ps(dm, _mm_loadu_ps(xds[t] + 2 * i));
                 __m512i p;
-                if (kind == 0) {
+                if (kind == PI_TYPE_Q4_0) {
                     const __m512i is = _mm512_permutexvar_epi32(
                         idx_i, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(xi[t] + i))));
                     p = _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), is), w, xv);
@@ -212,7 +212,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
                 }
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
                                          _mm512_permutexvar_ps(idx_s, _mm512_castps128_ps512(sc)), acc[t]);
-                if (kind == 1) bias[t] = _mm_add_ps(bias[t], sc);
+                if (kind == PI_TYPE_Q4_1) bias[t] = _mm_add_ps(bias[t], sc);
             }
         }
         for (int t = 0; t < ntok; t++) {
@@ -244,7 +244,7 @@ TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Q4_0 / Q4_1 rows (KIND 0 / 1), 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x))
+/* Q4_0 / Q4_1 rows, 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x))
  * lands in lane j, is converted once and multiplied by d_w d_x (one float product) into lane j of the token's
  * accumulator, and Q4_1 adds m_w (d_x sum(x)) there (one product, one add); a last partial group fills lanes 0..
  * and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every ntok, thread count
@@ -258,9 +258,9 @@ TARGET_INLINE __m256 FN(q4_group)(const int kind, const uint8_t *wu, const int8_
                         _mm256_loadu_si256((const __m256i *)(xq + (j) * QK)))
     Q4G_DOT(0); Q4G_DOT(1); Q4G_DOT(2); Q4G_DOT(3); Q4G_DOT(4); Q4G_DOT(5); Q4G_DOT(6); Q4G_DOT(7);
 #undef Q4G_DOT
-    const __m256i q = kind == 0 ? _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3)) : FN(sum8_epi32)(p);
+    const __m256i q = kind == PI_TYPE_Q4_0 ? _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3)) : FN(sum8_epi32)(p);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, acc);
-    return kind == 0 ? acc : _mm256_add_ps(acc, bias);
+    return kind == PI_TYPE_Q4_0 ? acc : _mm256_add_ps(acc, bias);
 }
 
 /* the even (d_x) or odd (d_x sum(x)) entries of 8 blocks' {d, d sum} pairs, in block order */
@@ -326,13 +326,13 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
     const block_q4_0 *b0 = (const block_q4_0 *)row;
     const block_q4_1 *b1 = (const block_q4_1 *)row;
     const int64_t nb = a->nb, K = a->K, ahead = a->ahead;
-    const int64_t bsz = kind == 0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
+    const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
     _Alignas(32) uint8_t wu[8 * QK];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
     int64_t g = 0;
 #if !SIMD_AVX512
-    if (kind == 0 && ntok == 1 && t0 == 0 && a->qp != NULL)
+    if (kind == PI_TYPE_Q4_0 && ntok == 1 && t0 == 0 && a->qp != NULL)
         for (; g + 8 <= nb; g += 8) {
             prefetch_stream(row + g * bsz, ahead, 8 * bsz);
             acc[0] = FN(q4_0_pairs_group)(b0 + g, a->qp + g * QK, a->isum + g, a->ds + 2 * g, acc[0]);
@@ -341,7 +341,7 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
     for (; g + 8 <= nb; g += 8) {
         prefetch_stream(row + g * bsz, ahead, 8 * bsz);
         __m128i dh, mh = _mm_setzero_si128();
-        if (kind == 0) {
+        if (kind == PI_TYPE_Q4_0) {
             for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b0[g + j].qs));
             dh = _mm_setr_epi16((short)b0[g].d, (short)b0[g + 1].d, (short)b0[g + 2].d, (short)b0[g + 3].d,
                                 (short)b0[g + 4].d, (short)b0[g + 5].d, (short)b0[g + 6].d, (short)b0[g + 7].d);
@@ -357,7 +357,7 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
             const int64_t tt = t0 + t;
             const float *ds = a->ds + (tt * nb + g) * 2;
             const __m256i isum = _mm256_loadu_si256((const __m256i *)(a->isum + tt * nb + g));
-            const __m256 bias = kind == 1 ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
+            const __m256 bias = kind == PI_TYPE_Q4_1 ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
             acc[t] = FN(q4_group)(kind, wu, a->qs + tt * K + g * QK, isum, _mm256_mul_ps(dw, FN(act_pairs)(ds, 0)),
                                   bias, acc[t]);
         }
@@ -367,9 +367,9 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
         const uint8_t *first = row + g * bsz;
         const __m256i lanes = FN(tail_lanes)(n);
         __m256i w[8];
-        for (int j = 0; j < n; j++) w[j] = FN(unpack_q4)(kind == 0 ? b0[g + j].qs : b1[g + j].qs);
+        for (int j = 0; j < n; j++) w[j] = FN(unpack_q4)(kind == PI_TYPE_Q4_0 ? b0[g + j].qs : b1[g + j].qs);
         const __m256 dw = FN(tail_halves)(first, bsz, n, lanes);
-        const __m256 mw = kind == 1 ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
+        const __m256 mw = kind == PI_TYPE_Q4_1 ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
             const int8_t *xq = a->qs + tt * K + g * QK;
@@ -380,11 +380,11 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
                              : _mm256_setzero_si256();
             const __m256i sum = FN(sum8_epi32)(p);
             const __m256i q =
-                kind == 0
+                kind == PI_TYPE_Q4_0
                     ? _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_maskload_epi32(a->isum + tt * nb + g, lanes), 3))
                     : sum;
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, FN(tail_pairs)(ds, n, 0)), acc[t]);
-            if (kind == 1) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
+            if (kind == PI_TYPE_Q4_1) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
@@ -465,7 +465,7 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
         }                                                                                                 \
     }
 #define DEFINE_TILE_QUANT(type, kind) DEFINE_TILE_QUANT_BODY(type, tile_quant_n, kind)
-DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, 0)
+DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
 
@@ -474,7 +474,7 @@ DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, 0)
 #define PANEL_Q4X (10 * 32)
 #define PANEL_Q8_0 (17 * 32)
 
-/* Eight Q4_0 / Q4_1 / Q8_0 rows (KIND 0 / 1 / 2) x all tokens. The rows' blocks are first transposed into `panel`:
+/* Eight Q4_0 / Q4_1 / Q8_0 rows x all tokens. The rows' blocks are first transposed into `panel`:
  * vector j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of
  * that step (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no
  * horizontal sum per block. The arithmetic is the row tile's (tile_q4x_n, tile_q8_0_n), row by row: the same exact
@@ -485,23 +485,23 @@ DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, 0)
 TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
                                    uint8_t *panel, float *y, int64_t y_stride) {
     const int64_t nb = a->nb, K = a->K;
-    const int64_t bsz = kind == 0 ? (int64_t)sizeof(block_q4_0)
-                        : kind == 1 ? (int64_t)sizeof(block_q4_1)
+    const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0)
+                        : kind == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)
                                     : (int64_t)sizeof(block_q8_0);
-    const int64_t stride = kind == 2 ? PANEL_Q8_0 : PANEL_Q4X;
-    const int qs_off = kind == 1 ? 4 : 2; /* d (and m) lead the block */
+    const int64_t stride = kind == PI_TYPE_Q8_0 ? PANEL_Q8_0 : PANEL_Q4X;
+    const int qs_off = kind == PI_TYPE_Q4_1 ? 4 : 2; /* d (and m) lead the block */
     for (int64_t b = 0; b < nb; b++) {
         __m256i r[8];
         uint16_t dh[8], mh[8];
         for (int i = 0; i < 8; i++) {
             const uint8_t *blk = rows[i] + b * bsz;
-            r[i] = kind == 2 ? _mm256_loadu_si256((const __m256i *)(blk + qs_off)) : FN(unpack_q4)(blk + qs_off);
+            r[i] = kind == PI_TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + qs_off)) : FN(unpack_q4)(blk + qs_off);
             memcpy(&dh[i], blk, 2);
-            memcpy(&mh[i], kind == 1 ? blk + 2 : blk, 2);
+            memcpy(&mh[i], kind == PI_TYPE_Q4_1 ? blk + 2 : blk, 2);
         }
         __m256i *v = (__m256i *)(panel + b * stride);
         FN(transpose8_epi32)(r, v);
-        if (kind == 2) {
+        if (kind == PI_TYPE_Q8_0) {
             for (int j = 0; j < 8; j++) _mm256_store_si256(v + 8 + j, _mm256_sign_epi8(v[j], v[j]));
             _mm256_store_ps((float *)(v + 16), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
         } else {
@@ -538,17 +538,17 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
         const int8_t *xb = xq + b * QK;                                                                        \
         __m256 dw;                                                                                             \
         __m256i q;                                                                                             \
-        if (kind == 2) {                                                                                       \
+        if (kind == PI_TYPE_Q8_0) {                                                                                       \
             q = _mm256_setzero_si256();                                                                        \
             for (int j = 0; j < 8; j++) P8_Q8(q, v, j, xb);                                                    \
             dw = _mm256_load_ps((const float *)(v + 16));                                                      \
         } else {                                                                                               \
             P8_Q4(q, v, xb)                                                                                    \
-            q = kind == 0 ? _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3)) : q;           \
+            q = kind == PI_TYPE_Q4_0 ? _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3)) : q;           \
             dw = _mm256_load_ps((const float *)(v + 8));                                                       \
         }                                                                                                      \
         ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, _mm256_set1_ps(ds[2 * b])), ACC);        \
-        if (kind == 1)                                                                                         \
+        if (kind == PI_TYPE_Q4_1)                                                                                         \
             ACC = _mm256_add_ps(ACC, _mm256_mul_ps(_mm256_load_ps((const float *)(v + 9)), _mm256_set1_ps(ds[2 * b + 1]))); \
         b++;                                                                                                   \
     } while (0)
@@ -579,14 +579,14 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
                                         float *y, int64_t y_stride) {                                            \
         FN(tile8_quant)(kind, rows, a, T, panel, y, y_stride);                                                  \
     }
-DEFINE_TILE8(q4_0, 0)
-DEFINE_TILE8(q8_0, 2)
+DEFINE_TILE8(q4_0, PI_TYPE_Q4_0)
+DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
 #undef DEFINE_TILE8
 
-DEFINE_TILE_QUANT(q5_0, 3)
-DEFINE_TILE_QUANT(q5_1, 4)
-DEFINE_TILE_QUANT(q4_1, 1)
-DEFINE_TILE_QUANT(q8_0_b, 2)
+DEFINE_TILE_QUANT(q5_0, PI_TYPE_Q5_0)
+DEFINE_TILE_QUANT(q5_1, PI_TYPE_Q5_1)
+DEFINE_TILE_QUANT(q4_1, PI_TYPE_Q4_1)
+DEFINE_TILE_QUANT(q8_0_b, PI_TYPE_Q8_0)
 
 /* Q8_0 rows: in 8-block groups (tile_q8_0_n: what the prompt panels repeat) when the row has a whole number of
  * groups, else block by block (QUANT_STEP): a ragged last group costs the one-token kernel ~1.6x on SmolLM2's
@@ -630,11 +630,13 @@ TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0
 #define VF_ADD(a, b) _mm256_add_ps(a, b)
 #endif
 
-/* fmt: 0 F32, 1 F16, 2 BF16 (a compile-time constant after inlining) */
-#define VF_LOAD_W(fmt, w16, w32, k) \
-    ((fmt) == 1 ? VF_LOAD_F16((w16) + (k)) : (fmt) == 2 ? VF_LOAD_BF16((w16) + (k)) : VF_LOAD((w32) + (k)))
+/* fmt: PI_TYPE_F32, PI_TYPE_F16 or PI_TYPE_BF16 (a compile-time constant after inlining) */
+#define VF_LOAD_W(fmt, w16, w32, k)                                                                \
+    ((fmt) == PI_TYPE_F16    ? VF_LOAD_F16((w16) + (k))                                           \
+     : (fmt) == PI_TYPE_BF16 ? VF_LOAD_BF16((w16) + (k))                                          \
+                             : VF_LOAD((w32) + (k)))
 #define W_SCALAR(fmt, w16, w32, k) \
-    ((fmt) == 1 ? _cvtsh_ss((w16)[k]) : (fmt) == 2 ? bf16_to_fp32((w16)[k]) : (w32)[k])
+    ((fmt) == PI_TYPE_F16 ? _cvtsh_ss((w16)[k]) : (fmt) == PI_TYPE_BF16 ? bf16_to_fp32((w16)[k]) : (w32)[k])
 
 TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K, const float *x,
                                     int64_t x_stride, const int ntok, float *out) {
@@ -750,9 +752,9 @@ TARGET_INLINE void FN(tile4_float_passes)(const int fmt, const uint8_t *const *r
         FN(tile4_float_passes)(fmt, rows, K, k0, k1, x, x_stride, ntok, state, out);                            \
     }
 
-DEFINE_TILE4_FLOAT(f32, 0)
-DEFINE_TILE4_FLOAT(f16, 1)
-DEFINE_TILE4_FLOAT(bf16, 2)
+DEFINE_TILE4_FLOAT(f32, PI_TYPE_F32)
+DEFINE_TILE4_FLOAT(f16, PI_TYPE_F16)
+DEFINE_TILE4_FLOAT(bf16, PI_TYPE_BF16)
 
 #undef DEFINE_TILE4_FLOAT
 #undef TILE4_PASS
@@ -768,9 +770,9 @@ DEFINE_TILE4_FLOAT(bf16, 2)
         }                                                                                                   \
     }
 
-DEFINE_TILE_FLOAT(f32, 0)
-DEFINE_TILE_FLOAT(f16, 1)
-DEFINE_TILE_FLOAT(bf16, 2)
+DEFINE_TILE_FLOAT(f32, PI_TYPE_F32)
+DEFINE_TILE_FLOAT(f16, PI_TYPE_F16)
+DEFINE_TILE_FLOAT(bf16, PI_TYPE_BF16)
 
 #undef DEFINE_TILE_FLOAT
 
@@ -786,6 +788,8 @@ DEFINE_TILE_FLOAT(bf16, 2)
  * picked with vpermps, which reads only the low 4 bits of each index: no masking of the nibbles is needed.
  * AVX2: 8 floats per vector; nibbles are masked, converted and scaled with one FMA (see decode_qf).
  */
+#include "quants_x86.h"
+
 #if SIMD_AVX512
 #define QF_V 2      /* vectors per block */
 #define QF_TILE 8   /* tokens per call to the inner tile: 4 * QF_TILE accumulators, a few spilled (measured: still
@@ -795,139 +799,8 @@ DEFINE_TILE_FLOAT(bf16, 2)
 #define QF_TILE 2   /* measured faster than 4 (16 accumulators + 4 weight vectors exceed the 16 ymm registers) */
 #endif
 
-TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) {
-#if SIMD_AVX512
-    if (kind == 2) {
-        const block_q8_0 *b = (const block_q8_0 *)blk;
-        const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)b->d));
-        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b->qs))), d);
-        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + 16)))), d);
-        return;
-    }
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    if (kind >= 3) {
-        /* Q5: 32 possible values as two tables (q < 16, q >= 16), picked with vpermt2ps, which reads the low 5 bits
-         * of each index: nibble | (qh bit << 4). Q5_0 (q - 16) * d and Q5_1 d * q + m with d * q exact: one
-         * rounding at most, as the reference. */
-        __m512 lo_t, hi_t;
-        const uint8_t *qs, *qh_bytes;
-        if (kind == 3) {
-            const block_q5_0 *b = (const block_q5_0 *)blk;
-            const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16((short)b->d));
-            lo_t = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(16.0f)), d);
-            hi_t = _mm512_mul_ps(iota, d);
-            qs = b->qs;
-            qh_bytes = b->qh;
-        } else {
-            const block_q5_1 *b = (const block_q5_1 *)blk;
-            const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d)), m = _mm512_set1_ps(_cvtsh_ss(b->m));
-            lo_t = _mm512_add_ps(_mm512_mul_ps(iota, d), m);
-            hi_t = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(iota, _mm512_set1_ps(16.0f)), d), m);
-            qs = b->qs;
-            qh_bytes = b->qh;
-        }
-        uint32_t qh;
-        memcpy(&qh, qh_bytes, sizeof qh);
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-        const __m512i sixteen = _mm512_set1_epi32(16);
-        const __m512i lo = _mm512_and_si512(idx, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(idx, 4);
-        w[0] = _mm512_permutex2var_ps(lo_t, _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFFu), lo, sixteen), hi_t);
-        w[1] = _mm512_permutex2var_ps(lo_t, _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen), hi_t);
-        return;
-    }
-    __m512 table;
-    const uint8_t *qs;
-    if (kind == 0) {
-        const block_q4_0 *b = (const block_q4_0 *)blk;
-        /* the scale broadcast as fp16 and widened in one vector step (fewer shuffles than a scalar convert) */
-        table = _mm512_mul_ps(_mm512_sub_ps(iota, _mm512_set1_ps(8.0f)), _mm512_cvtph_ps(_mm256_set1_epi16((short)b->d)));
-        qs = b->qs;
-    } else {
-        const block_q4_1 *b = (const block_q4_1 *)blk;
-        uint32_t dm_bits;
-        memcpy(&dm_bits, &b->d, sizeof dm_bits);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
-        table = _mm512_add_ps(_mm512_mul_ps(_mm512_broadcastss_ps(dm), iota),
-                              _mm512_broadcastss_ps(_mm_movehdup_ps(dm)));
-        qs = b->qs;
-    }
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs)); /* bytes 0..255 */
-    w[0] = _mm512_permutexvar_ps(idx, table);                                          /* low nibbles */
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), table);                     /* high nibbles */
-#else
-    if (kind == 2) {
-        const block_q8_0 *b = (const block_q8_0 *)blk;
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
-        for (int j = 0; j < 4; j++) {
-            const __m128i q8 = _mm_loadl_epi64((const __m128i *)(b->qs + 8 * j));
-            w[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
-        }
-        return;
-    }
-    if (kind >= 3) {
-        /* Q5: q = nibble | (qh bit << 4); Q5_0 fma(d, q, -16d) = the exact (q - 16) * d, Q5_1 fma(d, q, m) rounds
-         * the exact d * q + m once, as the reference */
-        __m256 d, m;
-        const uint8_t *qs, *qh_bytes;
-        if (kind == 3) {
-            const block_q5_0 *b = (const block_q5_0 *)blk;
-            d = _mm256_set1_ps(_cvtsh_ss(b->d));
-            m = _mm256_mul_ps(d, _mm256_set1_ps(-16.0f));
-            qs = b->qs;
-            qh_bytes = b->qh;
-        } else {
-            const block_q5_1 *b = (const block_q5_1 *)blk;
-            d = _mm256_set1_ps(_cvtsh_ss(b->d));
-            m = _mm256_set1_ps(_cvtsh_ss(b->m));
-            qs = b->qs;
-            qh_bytes = b->qh;
-        }
-        uint32_t qh;
-        memcpy(&qh, qh_bytes, sizeof qh);
-        const __m256i qh_v = _mm256_set1_epi32((int)qh), one = _mm256_set1_epi32(1);
-        const __m256i mask = _mm256_set1_epi32(0x0F);
-        for (int h = 0; h < 2; h++) {
-            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-            const __m256i s_lo = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-            const __m256i sh_lo = _mm256_add_epi32(s_lo, _mm256_set1_epi32(8 * h));
-            const __m256i sh_hi = _mm256_add_epi32(sh_lo, _mm256_set1_epi32(16));
-            const __m256i b_lo = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_lo), one), 4);
-            const __m256i b_hi = _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_hi), one), 4);
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(idx, mask), b_lo);
-            const __m256i hi = _mm256_or_si256(_mm256_srli_epi32(idx, 4), b_hi);
-            w[h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m);
-            w[2 + h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
-        }
-        return;
-    }
-    __m256 d, m = _mm256_setzero_ps();
-    const uint8_t *qs;
-    if (kind == 0) {
-        const block_q4_0 *b = (const block_q4_0 *)blk;
-        d = _mm256_set1_ps(_cvtsh_ss(b->d));
-        m = _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)); /* exact: a power of two times d */
-        qs = b->qs;
-    } else {
-        const block_q4_1 *b = (const block_q4_1 *)blk;
-        uint32_t dm_bits;
-        memcpy(&dm_bits, &b->d, sizeof dm_bits);
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));
-        d = _mm256_broadcastss_ps(dm);
-        m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-        qs = b->qs;
-    }
-    const __m256i mask = _mm256_set1_epi32(0x0F);
-    for (int h = 0; h < 2; h++) {
-        /* bytes 8h..8h+7: low nibbles are elements 8h.., high nibbles elements 16+8h.. */
-        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-        const __m256i lo = _mm256_and_si256(idx, mask), hi = _mm256_srli_epi32(idx, 4);
-        /* Q4_0: fma(q, d, -8d) rounds the exact (q - 8) * d once: bit-equal to the reference.
-         * Q4_1: fma(d, q, m) rounds d * q + m once where the reference rounds twice (within 1 ulp of w). */
-        w[h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m);
-        w[2 + h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
-    }
-#endif
-}
+/* one block of the type decoded into QF_V vectors (quants_x86.h; the AVX2 Q4_1 in one FMA, within 1 ulp) */
+TARGET_INLINE void FN(decode_qf)(const int kind, const uint8_t *blk, VF *w) { FN(decode_block32)(kind, 0, blk, w); }
 
 /* Vector v = i * QF_V + j (block i, vector j) of a row goes to accumulator v % 4 of its token: four independent FMA
  * chains per token, so one token alone (decode) is not bound by the FMA latency. */
@@ -989,11 +862,11 @@ TARGET_INLINE void FN(tile_qf_n)(const int kind, const int64_t block_bytes, cons
 #define QF_CASES(kind, block_t)
 #endif
 
-DEFINE_TILE_QF(q4_0, 0, block_q4_0)
-DEFINE_TILE_QF(q4_1, 1, block_q4_1)
-DEFINE_TILE_QF(q8_0, 2, block_q8_0)
-DEFINE_TILE_QF(q5_0, 3, block_q5_0)
-DEFINE_TILE_QF(q5_1, 4, block_q5_1)
+DEFINE_TILE_QF(q4_0, PI_TYPE_Q4_0, block_q4_0)
+DEFINE_TILE_QF(q4_1, PI_TYPE_Q4_1, block_q4_1)
+DEFINE_TILE_QF(q8_0, PI_TYPE_Q8_0, block_q8_0)
+DEFINE_TILE_QF(q5_0, PI_TYPE_Q5_0, block_q5_0)
+DEFINE_TILE_QF(q5_1, PI_TYPE_Q5_1, block_q5_1)
 
 /* ---- K-quant weight x float activation (exact mode) ------------------------------------------------------ */
 
@@ -1004,10 +877,10 @@ DEFINE_TILE_QF(q5_1, 4, block_q5_1)
 
 TARGET_INLINE void FN(decode_kq)(const int kind, const uint8_t *blk, float *w) {
     switch (kind) { /* SIMD decoders, bit-equal to kquants.h's */
-        case 0: FN(kq_simd_q2_k)(blk, w); break;
-        case 1: FN(kq_simd_q3_k)(blk, w); break;
-        case 2: FN(kq_simd_q4_k)(blk, w); break;
-        case 3: FN(kq_simd_q5_k)(blk, w); break;
+        case PI_TYPE_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
+        case PI_TYPE_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
+        case PI_TYPE_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
+        case PI_TYPE_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
         default: FN(kq_simd_q6_k)(blk, w); break;
     }
 }
@@ -1044,11 +917,11 @@ TARGET_INLINE void FN(tile_kq_n)(const int kind, const int64_t block_bytes, cons
                 FN(tile_kq_n)(kind, sizeof(block_t), row, K, x, x_stride, n, out);                            \
         }                                                                                                     \
     }
-DEFINE_TILE_KQ(q2_k, 0, block_q2_k)
-DEFINE_TILE_KQ(q3_k, 1, block_q3_k)
-DEFINE_TILE_KQ(q4_k, 2, block_q4_k)
-DEFINE_TILE_KQ(q5_k, 3, block_q5_k)
-DEFINE_TILE_KQ(q6_k, 4, block_q6_k)
+DEFINE_TILE_KQ(q2_k, PI_TYPE_Q2_K, block_q2_k)
+DEFINE_TILE_KQ(q3_k, PI_TYPE_Q3_K, block_q3_k)
+DEFINE_TILE_KQ(q4_k, PI_TYPE_Q4_K, block_q4_k)
+DEFINE_TILE_KQ(q5_k, PI_TYPE_Q5_K, block_q5_k)
+DEFINE_TILE_KQ(q6_k, PI_TYPE_Q6_K, block_q6_k)
 
 /* R rows against one x, each with the operation sequence of tile_kq_n at ntok = 1 (bit-identical to it) */
 TARGET_INLINE void FN(dot_kq_n)(const int kind, const int64_t block_bytes, const uint8_t *const *rows, const int R,
@@ -1099,7 +972,7 @@ TARGET_INLINE void FN(dot_qf_n)(const int kind, const int64_t block_bytes, const
 
 TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, const int R, int64_t K,
                                    const float *x, float *out, const int64_t ahead) {
-    const int64_t elem = fmt == 0 ? 4 : 2;
+    const int64_t elem = fmt == PI_TYPE_F32 ? 4 : 2;
     VF acc0[ROWS_DOT_MAX], acc1[ROWS_DOT_MAX];
     float tail[ROWS_DOT_MAX];
     for (int r = 0; r < R; r++) {
@@ -1145,19 +1018,19 @@ TARGET_INLINE void FN(dot_float_n)(const int fmt, const uint8_t *const *rows, co
             default: call(ROWS_DOT_MAX); break;                                                               \
         }                                                                                                     \
     }
-#define DOT_Q4_0(n) FN(dot_qf_n)(0, sizeof(block_q4_0), rows, n, K, x, out)
-#define DOT_Q4_1(n) FN(dot_qf_n)(1, sizeof(block_q4_1), rows, n, K, x, out)
-#define DOT_Q8_0(n) FN(dot_qf_n)(2, sizeof(block_q8_0), rows, n, K, x, out)
-#define DOT_Q5_0(n) FN(dot_qf_n)(3, sizeof(block_q5_0), rows, n, K, x, out)
-#define DOT_Q5_1(n) FN(dot_qf_n)(4, sizeof(block_q5_1), rows, n, K, x, out)
-#define DOT_F32(n) FN(dot_float_n)(0, rows, n, K, x, out, ahead)
-#define DOT_F16(n) FN(dot_float_n)(1, rows, n, K, x, out, ahead)
-#define DOT_BF16(n) FN(dot_float_n)(2, rows, n, K, x, out, ahead)
-#define DOT_Q2_K(n) FN(dot_kq_n)(0, sizeof(block_q2_k), rows, n, K, x, out)
-#define DOT_Q3_K(n) FN(dot_kq_n)(1, sizeof(block_q3_k), rows, n, K, x, out)
-#define DOT_Q4_K(n) FN(dot_kq_n)(2, sizeof(block_q4_k), rows, n, K, x, out)
-#define DOT_Q5_K(n) FN(dot_kq_n)(3, sizeof(block_q5_k), rows, n, K, x, out)
-#define DOT_Q6_K(n) FN(dot_kq_n)(4, sizeof(block_q6_k), rows, n, K, x, out)
+#define DOT_Q4_0(n) FN(dot_qf_n)(PI_TYPE_Q4_0, sizeof(block_q4_0), rows, n, K, x, out)
+#define DOT_Q4_1(n) FN(dot_qf_n)(PI_TYPE_Q4_1, sizeof(block_q4_1), rows, n, K, x, out)
+#define DOT_Q8_0(n) FN(dot_qf_n)(PI_TYPE_Q8_0, sizeof(block_q8_0), rows, n, K, x, out)
+#define DOT_Q5_0(n) FN(dot_qf_n)(PI_TYPE_Q5_0, sizeof(block_q5_0), rows, n, K, x, out)
+#define DOT_Q5_1(n) FN(dot_qf_n)(PI_TYPE_Q5_1, sizeof(block_q5_1), rows, n, K, x, out)
+#define DOT_F32(n) FN(dot_float_n)(PI_TYPE_F32, rows, n, K, x, out, ahead)
+#define DOT_F16(n) FN(dot_float_n)(PI_TYPE_F16, rows, n, K, x, out, ahead)
+#define DOT_BF16(n) FN(dot_float_n)(PI_TYPE_BF16, rows, n, K, x, out, ahead)
+#define DOT_Q2_K(n) FN(dot_kq_n)(PI_TYPE_Q2_K, sizeof(block_q2_k), rows, n, K, x, out)
+#define DOT_Q3_K(n) FN(dot_kq_n)(PI_TYPE_Q3_K, sizeof(block_q3_k), rows, n, K, x, out)
+#define DOT_Q4_K(n) FN(dot_kq_n)(PI_TYPE_Q4_K, sizeof(block_q4_k), rows, n, K, x, out)
+#define DOT_Q5_K(n) FN(dot_kq_n)(PI_TYPE_Q5_K, sizeof(block_q5_k), rows, n, K, x, out)
+#define DOT_Q6_K(n) FN(dot_kq_n)(PI_TYPE_Q6_K, sizeof(block_q6_k), rows, n, K, x, out)
 DEFINE_DOT(q2_k_f, DOT_Q2_K)
 DEFINE_DOT(q3_k_f, DOT_Q3_K)
 DEFINE_DOT(q4_k_f, DOT_Q4_K)

@@ -27,19 +27,7 @@
  */
 #include <math.h>
 
-#include "common.h"
-#include "kquants.h"
-
-/* ggml type numbers (enum ggml_type) of the types produced here */
-enum {
-    QUANT_TYPE_Q2_K = 10,
-    QUANT_TYPE_Q3_K = 11,
-    QUANT_TYPE_Q4_K = 12,
-    QUANT_TYPE_Q5_K = 13,
-    QUANT_TYPE_Q6_K = 14,
-    QUANT_TYPE_IQ4_NL = 20,
-    QUANT_TYPE_IQ4_XS = 23,
-};
+#include "quants.h"
 
 /* IQ4_NL: {fp16 d; u8 qs[16]}, 18 bytes per 32: x[j] = d * levels[qs[j] & 15], x[j + 16] = d * levels[qs[j] >> 4].
  * IQ4_XS: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}, 136 bytes per 256: group g (of 32) has the 6-bit
@@ -641,13 +629,13 @@ PI_EXPORT int32_t pi_quantize_rows(int32_t ggml_type, const float *src, int64_t 
     quantize_block_fn fn;
     int64_t block_elems = QK_K, block_bytes;
     switch (ggml_type) {
-    case QUANT_TYPE_Q2_K: fn = quantize_block_q2_k, block_bytes = sizeof(block_q2_k); break;
-    case QUANT_TYPE_Q3_K: fn = quantize_block_q3_k, block_bytes = sizeof(block_q3_k); break;
-    case QUANT_TYPE_Q4_K: fn = quantize_block_q4_k, block_bytes = sizeof(block_q4_k); break;
-    case QUANT_TYPE_Q5_K: fn = quantize_block_q5_k, block_bytes = sizeof(block_q5_k); break;
-    case QUANT_TYPE_Q6_K: fn = quantize_block_q6_k, block_bytes = sizeof(block_q6_k); break;
-    case QUANT_TYPE_IQ4_NL: fn = quantize_block_iq4_nl, block_elems = 32, block_bytes = sizeof(block_iq4_nl); break;
-    case QUANT_TYPE_IQ4_XS: fn = quantize_block_iq4_xs, block_bytes = sizeof(block_iq4_xs); break;
+    case PI_TYPE_Q2_K: fn = quantize_block_q2_k, block_bytes = sizeof(block_q2_k); break;
+    case PI_TYPE_Q3_K: fn = quantize_block_q3_k, block_bytes = sizeof(block_q3_k); break;
+    case PI_TYPE_Q4_K: fn = quantize_block_q4_k, block_bytes = sizeof(block_q4_k); break;
+    case PI_TYPE_Q5_K: fn = quantize_block_q5_k, block_bytes = sizeof(block_q5_k); break;
+    case PI_TYPE_Q6_K: fn = quantize_block_q6_k, block_bytes = sizeof(block_q6_k); break;
+    case PI_TYPE_IQ4_NL: fn = quantize_block_iq4_nl, block_elems = 32, block_bytes = sizeof(block_iq4_nl); break;
+    case PI_TYPE_IQ4_XS: fn = quantize_block_iq4_xs, block_bytes = sizeof(block_iq4_xs); break;
     default: return PI_ERR_SHAPE;
     }
     if (n_rows < 0 || n_cols < 0 || n_cols % block_elems != 0) return PI_ERR_SHAPE;

@@ -84,33 +84,31 @@ static int32_t rows_matvec(rows_dot_fn dot, int64_t row_bytes, const uint8_t *w,
 /* pi_rows_matmul_<type>(w, w_stride bytes, N rows, K cols, idx, M, x, x_stride, T, y, y_stride, threads, isa):
  * y[t * y_stride + m] = W[idx[m]] . x[t * x_stride], t < T, m < M; arithmetic of pi_matmul_<type>. T = 1 with
  * float activations runs the rows_dot kernels (the same arithmetic per row, several rows interleaved). */
-#define DEFINE_ROWS_MATMUL(type, driver, row_bytes, dot_expr, k_unit)                                            \
-    PI_EXPORT int32_t pi_rows_matmul_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,            \
+/* name: the symbol's suffix; type: the type id; tile: the type_kernels member the driver runs (tile_q8 or tile);
+ * use_dot: T = 1 goes through the type's dot (float activations). */
+#define DEFINE_ROWS_MATMUL(name, type, driver, tile, use_dot)                                                     \
+    PI_EXPORT int32_t pi_rows_matmul_##name(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,            \
                                             const int64_t *idx, int64_t M, const float *x, int64_t x_stride,     \
                                             int64_t T, float *y, int64_t y_stride, int32_t n_threads,            \
                                             int32_t isa) {                                                       \
+        const int64_t row_bytes = type_row_bytes(type, K);                                                       \
         ROWS_MATMUL_PROLOGUE(row_bytes)                                                                          \
         const matmul_table *table = matmul_table_for(isa);                                                       \
-        const rows_dot_fn dot = dot_expr;                                                                        \
-        if (dot != NULL && T == 1 && K % (k_unit) == 0) /* else the driver reports the shape error */         \
-            return rows_matvec(dot, row_bytes, w, w_stride, idx, M, K, x, y, n_threads);                        \
-        return driver(table, row_bytes, table->tile_##type, w, w_stride, idx, M, K, x, x_stride, T, y, y_stride, \
-                      n_threads);                                                                                \
+        const rows_dot_fn dot = (use_dot) ? table->types[type].dot : NULL;                                       \
+        if (dot != NULL && T == 1 && K % TYPE_TRAITS[type].block_elems == 0) /* else the driver reports it */    \
+            return rows_matvec(dot, row_bytes, w, w_stride, idx, M, K, x, y, n_threads);                         \
+        return driver(table, row_bytes, table->types[type].tile, w, w_stride, idx, M, K, x, x_stride, T, y,      \
+                      y_stride, n_threads);                                                                      \
     }
 
-DEFINE_ROWS_MATMUL(f32, matmul_float_rows, K * 4, table->dot_f32, 1)
-DEFINE_ROWS_MATMUL(f16, matmul_float_rows, K * 2, table->dot_f16, 1)
-DEFINE_ROWS_MATMUL(bf16, matmul_float_rows, K * 2, table->dot_bf16, 1)
-DEFINE_ROWS_MATMUL(q4_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_0), NULL, QK)
-DEFINE_ROWS_MATMUL(q4_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q4_1), NULL, QK)
-DEFINE_ROWS_MATMUL(q8_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q8_0), NULL, QK)
-DEFINE_ROWS_MATMUL(q5_0, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q5_0), NULL, QK)
-DEFINE_ROWS_MATMUL(q5_1, matmul_quant_rows, K / QK * (int64_t)sizeof(block_q5_1), NULL, QK)
-DEFINE_ROWS_MATMUL(q4_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_0), table->dot_q4_0_f, QK)
-DEFINE_ROWS_MATMUL(q4_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q4_1), table->dot_q4_1_f, QK)
-DEFINE_ROWS_MATMUL(q8_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q8_0), table->dot_q8_0_f, QK)
-DEFINE_ROWS_MATMUL(q5_0_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_0), table->dot_q5_0_f, QK)
-DEFINE_ROWS_MATMUL(q5_1_f, matmul_quant_f_rows, K / QK * (int64_t)sizeof(block_q5_1), table->dot_q5_1_f, QK)
+#define ROWS_MATMUL_FLOAT(name, type) DEFINE_ROWS_MATMUL(name, type, matmul_float_rows, tile, 1)
+#define ROWS_MATMUL_BLOCK32(name, type)                                                                          \
+    DEFINE_ROWS_MATMUL(name, type, matmul_quant_rows, tile_q8, 0)                                                \
+    DEFINE_ROWS_MATMUL(name##_f, type, matmul_quant_f_rows, tile, 1)
+PI_FLOAT_TYPES(ROWS_MATMUL_FLOAT)
+PI_BLOCK32_TYPES(ROWS_MATMUL_BLOCK32)
+#undef ROWS_MATMUL_FLOAT
+#undef ROWS_MATMUL_BLOCK32
 
 /* K-quants: float activations (the exact kernel of both precisions). Rows hold whole super-blocks of 256: any other
  * K is a shape error before a row is read (the T = 1 path checks K % QK_K itself, the tiled one here). */
@@ -122,77 +120,26 @@ static int32_t matmul_kq_f_rows_checked(const matmul_table *table, int64_t row_b
     return matmul_quant_f_rows(table, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride, n_threads);
 }
 
-DEFINE_ROWS_MATMUL(q2_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q2_k), table->dot_q2_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q3_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q3_k), table->dot_q3_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q4_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q4_k), table->dot_q4_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q5_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q5_k), table->dot_q5_k_f, QK_K)
-DEFINE_ROWS_MATMUL(q6_k_f, matmul_kq_f_rows_checked, K / QK_K * (int64_t)sizeof(block_q6_k), table->dot_q6_k_f, QK_K)
+#define ROWS_MATMUL_KQUANT(name, type) DEFINE_ROWS_MATMUL(name##_f, type, matmul_kq_f_rows_checked, tile, 1)
+PI_KQUANT_TYPES(ROWS_MATMUL_KQUANT)
+#undef ROWS_MATMUL_KQUANT
 
 /* ---- rows_axpy: scalar ------------------------------------------------------------------------------------- */
 
-/* Elements [j0, j1) of unit u of a row, decoded as the reference dequantiser does. */
+/* Elements [j0, j1) of unit u of a row, decoded as the reference dequantiser does (quants.h); a block kind's unit is
+ * one whole block (j0 = 0, j1 = QK: its rows hold whole blocks). */
 static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, int j1, float *out) {
+#define BLOCK_CASE(name, type)                                                                                     \
+    case type: decode_##name(row + u * sizeof(block_##name), QK, out); break;
+#define FLOAT_CASE(name, type)                                                                                     \
+    case type: decode_##name(row + (u * AXPY_UNIT + j0) * TYPE_TRAITS[type].block_bytes, j1 - j0, out + j0); break;
     switch (kind) {
-        case KIND_Q4_0: {
-            const block_q4_0 *b = (const block_q4_0 *)row + u;
-            const float d = fp16_to_fp32(b->d);
-            for (int j = j0; j < j1; j++) {
-                const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
-                out[j] = (float)(q - 8) * d;
-            }
-            break;
-        }
-        case KIND_Q4_1: {
-            const block_q4_1 *b = (const block_q4_1 *)row + u;
-            const float d = fp16_to_fp32(b->d), m = fp16_to_fp32(b->m);
-            for (int j = j0; j < j1; j++) {
-                const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
-                out[j] = d * (float)q + m; /* -ffp-contract=off: two roundings, as the reference */
-            }
-            break;
-        }
-        case KIND_Q8_0: {
-            const block_q8_0 *b = (const block_q8_0 *)row + u;
-            const float d = fp16_to_fp32(b->d);
-            for (int j = j0; j < j1; j++) out[j] = (float)b->qs[j] * d;
-            break;
-        }
-        case KIND_F32:
-            memcpy(out + j0, row + (u * AXPY_UNIT + j0) * 4, (size_t)(j1 - j0) * 4);
-            break;
-        case KIND_Q5_0:
-        case KIND_Q5_1: {
-            const uint8_t *blk = row + u * (kind == KIND_Q5_0 ? sizeof(block_q5_0) : sizeof(block_q5_1));
-            const float d = fp16_to_fp32(((const block_q5_0 *)blk)->d);
-            int q[QK];
-            if (kind == KIND_Q5_0) {
-                const block_q5_0 *b = (const block_q5_0 *)blk;
-                q5_values(b->qh, b->qs, q);
-                for (int j = j0; j < j1; j++) out[j] = (float)(q[j] - 16) * d;
-            } else {
-                const block_q5_1 *b = (const block_q5_1 *)blk;
-                const float m = fp16_to_fp32(b->m);
-                q5_values(b->qh, b->qs, q);
-                for (int j = j0; j < j1; j++) out[j] = d * (float)q[j] + m; /* -ffp-contract=off: as the reference */
-            }
-            break;
-        }
-        case KIND_BF16:
-            for (int j = j0; j < j1; j++) {
-                uint16_t h;
-                memcpy(&h, row + (u * AXPY_UNIT + j) * 2, sizeof h);
-                out[j] = bf16_to_fp32(h);
-            }
-            break;
-        default: {
-            for (int j = j0; j < j1; j++) {
-                uint16_t bits;
-                memcpy(&bits, row + (u * AXPY_UNIT + j) * 2, sizeof bits);
-                out[j] = fp16_to_fp32(bits);
-            }
-            break;
-        }
+        PI_BLOCK32_TYPES(BLOCK_CASE)
+        PI_FLOAT_TYPES(FLOAT_CASE)
+        default: break; /* not a kind of these kernels: check_weight refuses it first */
     }
+#undef BLOCK_CASE
+#undef FLOAT_CASE
 }
 
 /* y += c * (q - 8) over unit u of a Q4_0 row, c = axpy_coef_bf16(h, d): the q8 precision's chain (sparse.h) */
@@ -218,7 +165,7 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
             const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = e0 / AXPY_UNIT; u * AXPY_UNIT < e1; u++) {
                 const int j1 = (int)min_i64(AXPY_UNIT, e1 - u * AXPY_UNIT);
-                if (c->coef_bf16 && kind == KIND_Q4_0) {
+                if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
                     axpy_q4_0_coef_unit_scalar(hv, row, u, yt + u * AXPY_UNIT);
                     continue;
                 }
@@ -228,17 +175,6 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
                 for (int j = 0; j < j1; j++) yu[j] = fmaf(hv, wv[j], yu[j]);
             }
         }
-    }
-}
-
-/* One K-quant super-block of a kind decoded to the reference dequantiser's 256 floats (kquants.h). */
-static void kq_decode_kind(int kind, const uint8_t *blk, float *out) {
-    switch (kind) {
-        case KIND_Q2_K: kq_decode_q2_k(blk, QK_K, out); break;
-        case KIND_Q3_K: kq_decode_q3_k(blk, QK_K, out); break;
-        case KIND_Q4_K: kq_decode_q4_k(blk, QK_K, out); break;
-        case KIND_Q5_K: kq_decode_q5_k(blk, QK_K, out); break;
-        default: kq_decode_q6_k(blk, QK_K, out); break;
     }
 }
 
@@ -256,7 +192,7 @@ static void axpy_kq_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_
             const uint8_t *row = c->T == 1 ? c->act_rows[m] : c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = u0; u < u1; u++) {
                 float wv[QK_K];
-                kq_decode_kind(kind, row + u * c->unit_bytes, wv);
+                TYPE_TRAITS[kind].decode(row + u * c->unit_bytes, QK_K, wv); /* quants.h */
                 float *yu = yt + u * QK_K;
                 for (int j = 0; j < QK_K; j++) yu[j] = fmaf(hv, wv[j], yu[j]);
             }
@@ -280,7 +216,7 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
     for (int64_t r = 0; r < c->n_act; r++) {
         const float hv = c->act_h[r];
         for (int64_t u = u0; u < u1; u++) {
-            if (c->coef_bf16 && kind == KIND_Q4_0) {
+            if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
                 axpy_q4_0_coef_unit_scalar(hv, c->act_rows[r], u, y + u * AXPY_UNIT);
                 continue;
             }
@@ -368,7 +304,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
-                        .coef_bf16 = q8_act != 0 && kind == KIND_Q4_0};
+                        .coef_bf16 = q8_act != 0 && kind == PI_TYPE_Q4_0};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;
@@ -396,26 +332,16 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
 /* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act,
  * threads, isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]; q8_act != 0
  * takes Q4_0 rows with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
-#define DEFINE_ROWS_AXPY(type, kind, unit_bytes)                                                                  \
+#define DEFINE_ROWS_AXPY(type, kind)                                                                  \
     PI_EXPORT int32_t pi_rows_axpy_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,               \
                                           const int64_t *idx, int64_t M, const float *h, int64_t h_stride,        \
                                           int64_t T, float *y, int64_t y_stride, int32_t q8_act, int32_t n_threads,   \
                                           int32_t isa) {                                                          \
-        return rows_axpy(kind, unit_bytes, w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, n_threads, \
+        return rows_axpy(kind, axpy_unit_bytes(kind), w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, n_threads, \
                          isa);                                                                                    \
     }
 
-DEFINE_ROWS_AXPY(f32, KIND_F32, AXPY_UNIT * 4)
-DEFINE_ROWS_AXPY(f16, KIND_F16, AXPY_UNIT * 2)
-DEFINE_ROWS_AXPY(bf16, KIND_BF16, AXPY_UNIT * 2)
-DEFINE_ROWS_AXPY(q4_0, KIND_Q4_0, sizeof(block_q4_0))
-DEFINE_ROWS_AXPY(q4_1, KIND_Q4_1, sizeof(block_q4_1))
-DEFINE_ROWS_AXPY(q8_0, KIND_Q8_0, sizeof(block_q8_0))
-DEFINE_ROWS_AXPY(q5_0, KIND_Q5_0, sizeof(block_q5_0))
-DEFINE_ROWS_AXPY(q5_1, KIND_Q5_1, sizeof(block_q5_1))
+PI_FLOAT_TYPES(DEFINE_ROWS_AXPY)
+PI_BLOCK32_TYPES(DEFINE_ROWS_AXPY)
 /* K-quants: D must be a multiple of 256 (PI_ERR_SHAPE otherwise); work units are super-blocks */
-DEFINE_ROWS_AXPY(q2_k, KIND_Q2_K, sizeof(block_q2_k))
-DEFINE_ROWS_AXPY(q3_k, KIND_Q3_K, sizeof(block_q3_k))
-DEFINE_ROWS_AXPY(q4_k, KIND_Q4_K, sizeof(block_q4_k))
-DEFINE_ROWS_AXPY(q5_k, KIND_Q5_K, sizeof(block_q5_k))
-DEFINE_ROWS_AXPY(q6_k, KIND_Q6_K, sizeof(block_q6_k))
+PI_KQUANT_TYPES(DEFINE_ROWS_AXPY)

@@ -8,8 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common.h"
-#include "kquants.h"
+#include "quants.h"
 #include "matmul.h"
 
 #define AXPY_UNIT 32   /* elements per work unit along D: one quant block, or 32 floats of an F32/F16 row */
@@ -18,35 +17,46 @@
 #define AXPY_PAIRS_AHEAD 4 /* T = 1, Q4_0 in the q8 precision: pairs of rows prefetched ahead */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
-enum axpy_kind { KIND_Q4_0 = 0, KIND_Q4_1 = 1, KIND_Q8_0 = 2, KIND_F32 = 3, KIND_F16 = 4, KIND_BF16 = 5,
-                 KIND_Q5_0 = 6, KIND_Q5_1 = 7,
-                 KIND_Q2_K = 8, KIND_Q3_K = 9, KIND_Q4_K = 10, KIND_Q5_K = 11, KIND_Q6_K = 12, KIND_LAST = KIND_Q6_K };
+/* The weight kinds of the sparse and fused FFN kernels are type ids (enum pi_type, quants.h): the float types, the
+ * block-32 types and the K-quants (quants.h's PI_FLOAT_TYPES, PI_BLOCK32_TYPES and PI_KQUANT_TYPES). */
+
+#define KIND_CASE(name, type) case type:
 
 /* block types: rows made of 32-element blocks (the others are plain float arrays or K-quant super-blocks) */
-static inline int kind_is_block(int kind) { return kind <= KIND_Q8_0 || kind == KIND_Q5_0 || kind == KIND_Q5_1; }
+static inline int kind_is_block(int kind) {
+    switch (kind) {
+        PI_BLOCK32_TYPES(KIND_CASE) return 1;
+        default: return 0;
+    }
+}
 
 /* kinds with int8-activation tiles (tile_quant_fn): in the "q8" precision their products read x as int8 blocks of
  * 32 (act_q8), quantised once per vector */
-static inline int kind_has_q8_tile(int kind) { return kind <= KIND_Q8_0 || kind == KIND_Q5_0 || kind == KIND_Q5_1; }
+static inline int kind_has_q8_tile(int kind) { return kind_is_block(kind); }
 
 /* K-quant kinds: rows made of super-blocks of QK_K = 256, which are also their work units along D (a row length
  * that is not a multiple of 256 is a shape error) */
-static inline int kind_is_kq(int kind) { return kind >= KIND_Q2_K && kind <= KIND_Q6_K; }
+static inline int kind_is_kq(int kind) {
+    switch (kind) {
+        PI_KQUANT_TYPES(KIND_CASE) return 1;
+        default: return 0;
+    }
+}
+
+/* the kinds these kernels take: float, block-32 and K-quant types */
+static inline int kind_ok(int kind) {
+    switch (kind) {
+        PI_FLOAT_TYPES(KIND_CASE) PI_BLOCK32_TYPES(KIND_CASE) PI_KQUANT_TYPES(KIND_CASE) return 1;
+        default: return 0;
+    }
+}
+#undef KIND_CASE
 
 /* elements per work unit along D of a kind: AXPY_UNIT, or a whole super-block for the K-quants */
 static inline int64_t axpy_unit_of(int kind) { return kind_is_kq(kind) ? QK_K : AXPY_UNIT; }
 
-/* bytes of one K-quant super-block of a kind (0 for the other kinds) */
-static inline size_t kq_block_bytes(int kind) {
-    switch (kind) {
-        case KIND_Q2_K: return sizeof(block_q2_k);
-        case KIND_Q3_K: return sizeof(block_q3_k);
-        case KIND_Q4_K: return sizeof(block_q4_k);
-        case KIND_Q5_K: return sizeof(block_q5_k);
-        case KIND_Q6_K: return sizeof(block_q6_k);
-        default: return 0;
-    }
-}
+/* bytes of one work unit of a kind: a quant block, 32 floats of a float row, or a K-quant super-block */
+static inline size_t axpy_unit_bytes(int kind) { return (size_t)type_row_bytes(kind, axpy_unit_of(kind)); }
 
 /* Everything a thread needs; with T = 1 the rows with h != 0 are listed a chunk at a time (axpy_t1_units). */
 typedef struct {
@@ -122,42 +132,14 @@ typedef struct {
     tile_quant_fn tq;  /* int8 activations ("q8" precision, kind_has_q8_tile kinds); NULL otherwise */
 } ffn_mat;
 
-static inline int64_t row_bytes_of(int kind, int64_t K) {
-    switch (kind) {
-        case KIND_Q4_0: return K / QK * (int64_t)sizeof(block_q4_0);
-        case KIND_Q4_1: return K / QK * (int64_t)sizeof(block_q4_1);
-        case KIND_Q8_0: return K / QK * (int64_t)sizeof(block_q8_0);
-        case KIND_Q5_0: return K / QK * (int64_t)sizeof(block_q5_0);
-        case KIND_Q5_1: return K / QK * (int64_t)sizeof(block_q5_1);
-        case KIND_F32: return K * 4;
-        case KIND_Q2_K:
-        case KIND_Q3_K:
-        case KIND_Q4_K:
-        case KIND_Q5_K:
-        case KIND_Q6_K: return K / QK_K * (int64_t)kq_block_bytes(kind); /* K % QK_K == 0: check_weight */
-        default: return K * 2;
-    }
-}
+/* bytes of a row of K elements of a kind (K a multiple of its block: check_weight) */
+static inline int64_t row_bytes_of(int kind, int64_t K) { return type_row_bytes(kind, K); }
 
 static inline ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const uint8_t *w, int64_t stride, int64_t K) {
-    ffn_mat m = {.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = NULL, .tq = NULL};
-    switch (kind) {
-        case KIND_Q4_0: m.dot = t->dot_q4_0_f; m.tq = q8 ? t->tile_q4_0 : NULL; break;
-        case KIND_Q4_1: m.dot = t->dot_q4_1_f; m.tq = q8 ? t->tile_q4_1 : NULL; break;
-        case KIND_Q8_0: m.dot = t->dot_q8_0_f; m.tq = q8 ? t->tile_q8_0 : NULL; break;
-        case KIND_F32: m.dot = t->dot_f32; break;
-        case KIND_BF16: m.dot = t->dot_bf16; break;
-        case KIND_Q5_0: m.dot = t->dot_q5_0_f; m.tq = q8 ? t->tile_q5_0 : NULL; break;
-        case KIND_Q5_1: m.dot = t->dot_q5_1_f; m.tq = q8 ? t->tile_q5_1 : NULL; break;
-        /* K-quants: float activations in both precisions here (their q8 matvec is kq8_rows, matmul_q8k.c) */
-        case KIND_Q2_K: m.dot = t->dot_q2_k_f; break;
-        case KIND_Q3_K: m.dot = t->dot_q3_k_f; break;
-        case KIND_Q4_K: m.dot = t->dot_q4_k_f; break;
-        case KIND_Q5_K: m.dot = t->dot_q5_k_f; break;
-        case KIND_Q6_K: m.dot = t->dot_q6_k_f; break;
-        default: m.dot = t->dot_f16; break;
-    }
-    return m;
+    /* the K-quants have float activations in both precisions here (their q8 matvec is kq8_rows, matmul_q8k.c) */
+    const type_kernels *k = &t->types[kind];
+    return (ffn_mat){.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = k->dot,
+                     .tq = q8 ? k->tile_q8 : NULL};
 }
 
 /* y[n] = rows n of f . x for n in [n0, n1), consecutive rows of one token (a dense matrix read in order), with the
@@ -173,7 +155,7 @@ static inline void ffn_mat_matvec(const ffn_mat *f, int kind, const act_q8 *a, c
         for (int64_t n = n0; n < n1; n++) f->tq(f->w + n * f->stride, &al, 0, 1, y + n);
         return;
     }
-    const int stream = kind == KIND_F32 || kind == KIND_F16 || kind == KIND_BF16;
+    const int stream = kind == PI_TYPE_F32 || kind == PI_TYPE_F16 || kind == PI_TYPE_BF16;
     const int64_t ahead = stream ? 0 : matvec_rows_ahead(f->row_bytes);
     const int group = f->row_bytes > FFN_DOT_MAX_ROW ? 1 : ROWS_DOT_MAX;
     for (int64_t n = n0; n < n1; n += group) {
@@ -210,7 +192,7 @@ static inline float ffn_act(int act, float x) {
  * of 256 for the K-quants), rows that do not overlap, and a buffer when it has rows. The row size every later
  * pointer is computed from (row_bytes_of) follows from the kind and len, so it is checked here first. */
 static inline int32_t check_weight(int32_t kind, int64_t n_rows, int64_t len, const uint8_t *w, int64_t stride) {
-    if (kind < KIND_Q4_0 || kind > KIND_LAST) return PI_ERR_SHAPE;
+    if (!kind_ok(kind)) return PI_ERR_SHAPE;
     if (kind_is_block(kind) && len % QK != 0) return PI_ERR_SHAPE;
     if (kind_is_kq(kind) && len % QK_K != 0) return PI_ERR_SHAPE;
     if (!stride_ok(n_rows, stride, row_bytes_of(kind, len))) return PI_ERR_SHAPE;

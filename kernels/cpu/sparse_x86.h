@@ -1,7 +1,7 @@
 /* SIMD bodies of rows_axpy, compiled twice by sparse.c through simd_variants.h (SIMD_SUFFIX avx2 / avx512).
  *
  * A unit of 32 weights is decoded to floats in registers (AVX2: 4 x 8 lanes, AVX-512: 2 x 16 lanes) with the
- * reference dequantiser's operations, then y = fma(h, w, y) per element. Lanes are independent, so the result is
+ * reference dequantiser's values (block types: quants_x86.h), then y = fma(h, w, y) per element. Lanes are independent, so the result is
  * the same scalar chain per element as in the scalar variant: all variants agree bit for bit.
  *
  * T = 1: the listed rows (h != 0, a chunk of them at a time) are taken AXPY_GROUP at a time; for each unit of the
@@ -38,14 +38,16 @@
 #endif
 #define SV_PER_UNIT (AXPY_UNIT / SV_N)
 
+#include "quants_x86.h"
+
 /* Unit u (32 elements) of a row, decoded into SV_PER_UNIT vectors in element order. */
 TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u, SV *w) {
-    if (kind == KIND_F32) {
+    if (kind == PI_TYPE_F32) {
         const float *p = (const float *)row + u * AXPY_UNIT;
         for (int j = 0; j < SV_PER_UNIT; j++) w[j] = SV_LOAD(p + j * SV_N);
         return;
     }
-    if (kind == KIND_F16) {
+    if (kind == PI_TYPE_F16) {
         const uint16_t *p = (const uint16_t *)row + u * AXPY_UNIT;
 #if SIMD_AVX512
         for (int j = 0; j < 2; j++) w[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16 * j)));
@@ -54,7 +56,7 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
-    if (kind == KIND_BF16) { /* the top half of a float's bits: exact */
+    if (kind == PI_TYPE_BF16) { /* the top half of a float's bits: exact */
         const uint16_t *p = (const uint16_t *)row + u * AXPY_UNIT;
 #if SIMD_AVX512
         for (int j = 0; j < 2; j++)
@@ -67,105 +69,8 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
 #endif
         return;
     }
-    if (kind == KIND_Q5_0 || kind == KIND_Q5_1) {
-        /* q = nibble | (qh bit << 4); Q5_0 (q - 16) * d exactly, Q5_1 d * q (exact) + m rounded once */
-        const uint8_t *qs, *qh_bytes;
-        float df, mf;
-        if (kind == KIND_Q5_0) {
-            const block_q5_0 *b = (const block_q5_0 *)row + u;
-            qs = b->qs;
-            qh_bytes = b->qh;
-            df = _cvtsh_ss(b->d);
-            mf = -16.0f * df;
-        } else {
-            const block_q5_1 *b = (const block_q5_1 *)row + u;
-            qs = b->qs;
-            qh_bytes = b->qh;
-            df = _cvtsh_ss(b->d);
-            mf = _cvtsh_ss(b->m);
-        }
-        uint32_t qh;
-        memcpy(&qh, qh_bytes, sizeof qh);
-#if SIMD_AVX512
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-        const __m512i sixteen = _mm512_set1_epi32(16);
-        const __m512i lo = _mm512_and_si512(idx, _mm512_set1_epi32(0x0F)), hi = _mm512_srli_epi32(idx, 4);
-        const __m512 d = _mm512_set1_ps(df), m = _mm512_set1_ps(mf);
-        w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xFFFFu), lo, sixteen)), m);
-        w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen)), m);
-#else
-        const __m256i qh_v = _mm256_set1_epi32((int)qh), one = _mm256_set1_epi32(1), mask = _mm256_set1_epi32(0x0F);
-        const __m256 d = _mm256_set1_ps(df), m = _mm256_set1_ps(mf);
-        for (int h = 0; h < 2; h++) {
-            const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-            const __m256i sh_lo = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * h));
-            const __m256i sh_hi = _mm256_add_epi32(sh_lo, _mm256_set1_epi32(16));
-            const __m256i lo = _mm256_or_si256(
-                _mm256_and_si256(idx, mask), _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_lo), one), 4));
-            const __m256i hi = _mm256_or_si256(
-                _mm256_srli_epi32(idx, 4), _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(qh_v, sh_hi), one), 4));
-            w[h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(lo), m);
-            w[2 + h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(hi), m);
-        }
-#endif
-        return;
-    }
-    if (kind == KIND_Q8_0) {
-        const block_q8_0 *b = (const block_q8_0 *)row + u;
-#if SIMD_AVX512
-        const __m512 d = _mm512_set1_ps(_cvtsh_ss(b->d));
-        for (int j = 0; j < 2; j++)
-            w[j] = _mm512_mul_ps(
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b->qs + 16 * j)))), d);
-#else
-        const __m256 d = _mm256_set1_ps(_cvtsh_ss(b->d));
-        for (int j = 0; j < 4; j++)
-            w[j] = _mm256_mul_ps(
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b->qs + 8 * j)))), d);
-#endif
-        return;
-    }
-    /* Q4_0: (q - 8) * d (q - 8 exact in float, one rounding); Q4_1: d * q rounded, then + m rounded */
-    const uint8_t *qs;
-    float df, mf = 0.0f;
-    if (kind == KIND_Q4_0) {
-        const block_q4_0 *b = (const block_q4_0 *)row + u;
-        qs = b->qs;
-        df = _cvtsh_ss(b->d);
-    } else {
-        const block_q4_1 *b = (const block_q4_1 *)row + u;
-        qs = b->qs;
-        df = _cvtsh_ss(b->d);
-        mf = _cvtsh_ss(b->m);
-    }
-    const SV d = SV_SET1(df), m = SV_SET1(mf), eight = SV_SET1(8.0f);
-#if SIMD_AVX512
-    /* the 16 possible values of the block, same operations as the reference, picked by nibble with vpermps
-     * (which reads only the low 4 bits of each index) */
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 table = kind == KIND_Q4_0 ? _mm512_mul_ps(_mm512_sub_ps(iota, eight), d)
-                                           : _mm512_add_ps(_mm512_mul_ps(d, iota), m);
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    w[0] = _mm512_permutexvar_ps(q, table);
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
-#else
-    const __m256i mask = _mm256_set1_epi32(0x0F);
-    for (int h = 0; h < 2; h++) {
-        /* bytes 8h..8h+7: low nibbles are elements 8h.., high nibbles elements 16 + 8h.. */
-        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-        const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(q, mask));
-        const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4));
-        if (kind == KIND_Q4_0) {
-            w[h] = _mm256_mul_ps(_mm256_sub_ps(lo, eight), d);
-            w[2 + h] = _mm256_mul_ps(_mm256_sub_ps(hi, eight), d);
-        } else {
-            w[h] = _mm256_add_ps(_mm256_mul_ps(d, lo), m);
-            w[2 + h] = _mm256_add_ps(_mm256_mul_ps(d, hi), m);
-        }
-    }
-#endif
-    (void)m;
-    (void)eight;
+    /* the block types: quants_x86.h, with the reference's roundings (exact) */
+    FN(decode_block32)(kind, 1, row + u * TYPE_TRAITS[kind].block_bytes, w);
 }
 
 /* ---- Q4_0 in the q8 precision: bfloat16 coefficients (sparse.h, axpy_coef_bf16) ---------------------------- */
@@ -296,13 +201,13 @@ TARGET_INLINE void FN(axpy_units_kind)(const int kind, const int coef, const axp
 
 /* one super-block of a K kind decoded to 256 floats (SIMD, bit-equal to the scalar decoders of kquants.h) */
 TARGET_INLINE void FN(axpy_kq_decode)(const int kind, const uint8_t *blk, float *w) {
+#define KQ_DECODE_CASE(name, type)                                                                                 \
+    case type: FN(kq_simd_##name)(blk, w); break;
     switch (kind) {
-        case KIND_Q2_K: FN(kq_simd_q2_k)(blk, w); break;
-        case KIND_Q3_K: FN(kq_simd_q3_k)(blk, w); break;
-        case KIND_Q4_K: FN(kq_simd_q4_k)(blk, w); break;
-        case KIND_Q5_K: FN(kq_simd_q5_k)(blk, w); break;
-        default: FN(kq_simd_q6_k)(blk, w); break;
+        PI_KQUANT_TYPES(KQ_DECODE_CASE)
+        default: break;
     }
+#undef KQ_DECODE_CASE
 }
 
 /* T = 1, super-blocks [u0, u1) of y: the listed rows, AXPY_GROUP at a time (their super-blocks decoded side by
@@ -492,31 +397,31 @@ TARGET_INLINE void FN(axpy_units_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64
         }
 #endif
     }
-    FN(axpy_units_kind)(KIND_Q4_0, 1, c, u0, u1);
+    FN(axpy_units_kind)(PI_TYPE_Q4_0, 1, c, u0, u1);
+}
+
+/* a block-32 or float kind; Q4_0 in the q8 precision with its bfloat16 coefficients (sparse.h) */
+TARGET_INLINE void FN(axpy_units_plain)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+    if (kind == PI_TYPE_Q4_0 && c->coef_bf16)
+        FN(axpy_units_q4_0_coef)(c, u0, u1);
+    else
+        FN(axpy_units_kind)(kind, 0, c, u0, u1);
 }
 
 /* one specialised body per weight kind */
 TARGET static void FN(axpy_units)(int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
+#define KQ_UNITS_CASE(name, type)                                                                                  \
+    case type: FN(axpy_kq_units)(type, c, u0, u1); break;
+#define UNITS_CASE(name, type)                                                                                     \
+    case type: FN(axpy_units_plain)(type, c, u0, u1); break;
     switch (kind) {
-        case KIND_Q2_K: FN(axpy_kq_units)(KIND_Q2_K, c, u0, u1); break;
-        case KIND_Q3_K: FN(axpy_kq_units)(KIND_Q3_K, c, u0, u1); break;
-        case KIND_Q4_K: FN(axpy_kq_units)(KIND_Q4_K, c, u0, u1); break;
-        case KIND_Q5_K: FN(axpy_kq_units)(KIND_Q5_K, c, u0, u1); break;
-        case KIND_Q6_K: FN(axpy_kq_units)(KIND_Q6_K, c, u0, u1); break;
-        case KIND_Q4_0:
-            if (c->coef_bf16)
-                FN(axpy_units_q4_0_coef)(c, u0, u1);
-            else
-                FN(axpy_units_kind)(KIND_Q4_0, 0, c, u0, u1);
-            break;
-        case KIND_Q4_1: FN(axpy_units_kind)(KIND_Q4_1, 0, c, u0, u1); break;
-        case KIND_Q8_0: FN(axpy_units_kind)(KIND_Q8_0, 0, c, u0, u1); break;
-        case KIND_F32: FN(axpy_units_kind)(KIND_F32, 0, c, u0, u1); break;
-        case KIND_BF16: FN(axpy_units_kind)(KIND_BF16, 0, c, u0, u1); break;
-        case KIND_Q5_0: FN(axpy_units_kind)(KIND_Q5_0, 0, c, u0, u1); break;
-        case KIND_Q5_1: FN(axpy_units_kind)(KIND_Q5_1, 0, c, u0, u1); break;
-        default: FN(axpy_units_kind)(KIND_F16, 0, c, u0, u1); break;
+        PI_KQUANT_TYPES(KQ_UNITS_CASE)
+        PI_BLOCK32_TYPES(UNITS_CASE)
+        PI_FLOAT_TYPES(UNITS_CASE)
+        default: break; /* not a kind of these kernels: refused before */
     }
+#undef KQ_UNITS_CASE
+#undef UNITS_CASE
 }
 
 #undef SV

@@ -5,7 +5,7 @@
  *
  * Checks, for every weight type of the kernels (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q2_K..Q6_K, IQ4_NL,
  * IQ4_XS):
- *   get_rows   the block-32 and float types bit-equal to a decoder written here from the layouts in common.h;
+ *   get_rows   the block-32 and float types bit-equal to a decoder written here from the layouts in quants.h;
  *   matmul     exact ("f32") and int8-activation ("q8") kernels, one token (the dot kernels) and several (the
  *              tiles), 1 and 2 threads, against a double-precision dot of the decoded weights: within 12 * 2^-24 *
  *              sum|w x| (float32 summation; measured 4.1) for the exact ones, plus 0.3 of the worst activation
@@ -242,7 +242,7 @@ static uint16_t random_half(int e0, int e1, int allow_negative) {
     return (uint16_t)(sign | e << 10 | (rng_next() & 1023));
 }
 
-/* One row of K elements of a block-32 type decoded from the layouts in common.h. */
+/* One row of K elements of a block-32 type decoded from the layouts in quants.h. */
 static void decode_block32_row(const char *name, const uint8_t *row, int64_t K, float *out) {
     const int bytes = !strcmp(name, "q4_0") ? 18 : !strcmp(name, "q4_1") ? 20 : !strcmp(name, "q5_0") ? 22
                       : !strcmp(name, "q5_1") ? 24 : 34;
@@ -351,7 +351,7 @@ static void check_get_rows(const type_info *t, const uint8_t *w, const float *wf
     if (t->get_rows(w, row_bytes, N, K, ids, 3, y, K, 1, ISA) != 0) fail(t->name, "get_rows failed");
     for (int r = 0; r < 3; r++)
         if (memcmp(y + r * K, wf + ids[r] * K, (size_t)K * sizeof(float)) != 0) {
-            fail(t->name, "get_rows differs from the decoder of common.h's layout");
+            fail(t->name, "get_rows differs from the decoder of quants.h's layout");
             break;
         }
     const int64_t bad = N;

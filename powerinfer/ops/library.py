@@ -52,9 +52,9 @@ K_SPARSE_TYPES = frozenset(t for t in K_TYPES if TYPES[t].sparse_rows)
 # types whose matmul has an exact (float activation) kernel pi_matmul_<suffix>_f next to the int8 one: every block
 # type of 32 elements
 QUANT_TYPES = types_where(dense="block32")
-# weight kind codes of pi_ffn_rows / pi_predict_ffn / pi_cats_ffn (enum axpy_kind in kernels/cpu/sparse.h)
+# weight kinds of pi_ffn_rows / pi_predict_ffn / pi_cats_ffn: the ggml type number (enum pi_type, kernels/cpu/quants.h)
 FFN_KINDS: Mapping[GGMLType, int] = MappingProxyType(
-    {t: row.kind for t, row in sorted(TYPES.items()) if row.kind is not None}
+    {t: int(t) for t in sorted(types_where(sparse_rows=True))}
 )
 
 # status codes (enum pi_status in kernels/cpu/common.h)

@@ -8,7 +8,7 @@ blocks in registers and accumulate in float32, so no dequantised copy of a weigh
   programs split the K columns and the N rows; each writes a partial sum and the partials are added in a fixed
   order (deterministic, no atomics).
 
-Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block layouts in kernels/cpu/common.h), the K-quants Q2_K..Q6_K (super-blocks
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (block layouts in kernels/cpu/quants.h), the K-quants Q2_K..Q6_K (super-blocks
 of 256, kernels/cpu/kquants.h), F16, BF16 and F32. Each program decodes a tile of `BLOCKS` blocks of 32 elements
 per row as two halves: column c of a half is element 32 * (c // 16) + c % 16 (low half) or that + 16 (high
 half), which is how Q4 blocks pack their nibbles; a K-quant block of 32 is one eighth of its super-block, each
@@ -32,8 +32,8 @@ from powerinfer.quant.types import TYPES
 
 __all__ = ["SUPPORTED_TYPES", "axpy", "matmul"]
 
-# kernel codes of the weight types: the registry's kind (the C kernels' enum axpy_kind), as _decode reads them
-_KINDS: dict[GGMLType, int] = {t: row.kind for t, row in TYPES.items() if row.kind is not None}
+# kernel codes of the weight types: their ggml numbers (as the C kernels' enum pi_type), as _decode reads them
+_KINDS: dict[GGMLType, int] = {t: int(t) for t, row in TYPES.items() if row.sparse_rows}
 SUPPORTED_TYPES = frozenset(_KINDS)
 # dtype the float weights are passed as (the kernel reads elements, not bytes)
 _FLOAT_VIEW = {GGMLType.F32: torch.float32, GGMLType.F16: torch.float16, GGMLType.BF16: torch.bfloat16}
@@ -71,7 +71,7 @@ def _byte_at(ptr, mask):
 def _kq_value(sb, e, m, KIND: tl.constexpr):
     """Element e (0..255, any shape) of the K-quant super-blocks at byte pointers sb, as float32 (0 where m is
     False): the reference dequantiser's formula (kernels/cpu/kquants.h has the layouts)."""
-    if KIND == 10 or KIND == 11:  # Q4_K / Q5_K {fp16 d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]}
+    if KIND == 12 or KIND == 13:  # Q4_K / Q5_K {fp16 d, dmin; u8 scales[12]; (Q5_K: u8 qh[32];) u8 qs[128]}
         d = _fp16_at(sb, m)
         dmin = _fp16_at(sb + 2, m)
         j = e // 32  # sub-block: 6-bit scale and min j, nibbles of qs[32 * (j // 2) ..]
@@ -81,14 +81,14 @@ def _kq_value(sb, e, m, KIND: tl.constexpr):
         s_jm4 = _byte_at(sb + 4 + tl.where(j >= 4, j - 4, j), m)
         sc = tl.where(j < 4, s_j & 63, (s_j4 & 15) | ((s_jm4 >> 6) << 4))
         mn = tl.where(j < 4, s_j4 & 63, (s_j4 >> 4) | ((s_j >> 6) << 4))
-        if KIND == 10:
+        if KIND == 12:
             b = _byte_at(sb + 16 + (j // 2) * 32 + el, m)
             q = tl.where(j % 2 == 0, b & 15, b >> 4)
         else:
             b = _byte_at(sb + 48 + (j // 2) * 32 + el, m)
             q = tl.where(j % 2 == 0, b & 15, b >> 4) | (((_byte_at(sb + 16 + el, m) >> j) & 1) << 4)
         value = (d * sc.to(tl.float32)) * q.to(tl.float32) - dmin * mn.to(tl.float32)
-    elif KIND == 12:  # Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d}: halves of 128, quarters of 32
+    elif KIND == 14:  # Q6_K {u8 ql[128]; u8 qh[64]; i8 scales[16]; fp16 d}: halves of 128, quarters of 32
         n = e // 128
         quarter = (e % 128) // 32
         el = e % 32
@@ -102,7 +102,7 @@ def _kq_value(sb, e, m, KIND: tl.constexpr):
         sh = (e % 128) // 32
         el = e % 32
         j = n * 8 + sh * 2 + el // 16  # the scale of these 16 elements
-        if KIND == 8:  # Q2_K {u8 scales[16] (low nibble scale, high nibble min); u8 qs[64]; fp16 d, dmin}
+        if KIND == 10:  # Q2_K {u8 scales[16] (low nibble scale, high nibble min); u8 qs[64]; fp16 d, dmin}
             q = (_byte_at(sb + 16 + n * 32 + el, m) >> (2 * sh)) & 3
             s = _byte_at(sb + j, m)
             d = _fp16_at(sb + 80, m)
@@ -128,20 +128,20 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
     e_lo = blk * 32 + j  # (C,)
     e_hi = e_lo + 16
     base = w_ptr + rows.to(tl.int64)[:, None] * stride_w  # (R, 1)
-    if KIND == 3 or KIND == 4 or KIND == 5:  # F32, F16, BF16: plain elements
+    if KIND == 0 or KIND == 1 or KIND == 30:  # F32, F16, BF16: plain elements
         m_lo = row_mask[:, None] & (e_lo < K)[None, :]
         m_hi = row_mask[:, None] & (e_hi < K)[None, :]
         lo = tl.load(base + e_lo[None, :], mask=m_lo, other=0.0).to(tl.float32)
         hi = tl.load(base + e_hi[None, :], mask=m_hi, other=0.0).to(tl.float32)
     else:
         m = row_mask[:, None] & (blk < K // 32)[None, :]
-        if KIND == 0:  # Q4_0 {fp16 d; u8 qs[16]}
+        if KIND == 2:  # Q4_0 {fp16 d; u8 qs[16]}
             blk_ptr = base + (blk * 18)[None, :]
             d = _fp16_at(blk_ptr, m)
             q = tl.load(blk_ptr + 2 + j[None, :], mask=m, other=0)
             lo = ((q & 15).to(tl.int32) - 8).to(tl.float32) * d
             hi = ((q >> 4).to(tl.int32) - 8).to(tl.float32) * d
-        elif KIND == 1:  # Q4_1 {fp16 d; fp16 m; u8 qs[16]}
+        elif KIND == 3:  # Q4_1 {fp16 d; fp16 m; u8 qs[16]}
             blk_ptr = base + (blk * 20)[None, :]
             d = _fp16_at(blk_ptr, m)
             mn = _fp16_at(blk_ptr + 2, m)
@@ -163,14 +163,14 @@ def _decode(w_ptr, rows, row_mask, stride_w, blk, j, K, KIND: tl.constexpr):
             q = tl.load(blk_ptr + 8 + j[None, :], mask=m, other=0).to(tl.int32)
             lo = ((q & 15) | b_lo).to(tl.float32) * d + mn
             hi = ((q >> 4) | b_hi).to(tl.float32) * d + mn
-        elif KIND >= 8:  # K-quants: block blk is elements 32 * (blk % 8).. of super-block blk // 8
-            if KIND == 8:
+        elif KIND >= 10:  # K-quants: block blk is elements 32 * (blk % 8).. of super-block blk // 8
+            if KIND == 10:
                 sb_bytes = 84
-            elif KIND == 9:
-                sb_bytes = 110
-            elif KIND == 10:
-                sb_bytes = 144
             elif KIND == 11:
+                sb_bytes = 110
+            elif KIND == 12:
+                sb_bytes = 144
+            elif KIND == 13:
                 sb_bytes = 176
             else:
                 sb_bytes = 210

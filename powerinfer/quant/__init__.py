@@ -31,9 +31,9 @@ KERNEL_TYPES = types_where(dense="plain") | types_where(dense="block32")
 WEIGHT_TYPES = frozenset(TYPES)
 # K-quants: super-block types with the sparse row kernels (dense, sparse rows, fused FFN, the pool's Triton kernels)
 K_QUANT_TYPES = types_where(dense="super", sparse_rows=True)
-# types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks (the types with a
-# fused-kernel code, which the Triton kernels share); a tensor of any other type is decoded to F16 there
-POOL_TYPES = frozenset(t for t, row in TYPES.items() if row.kind is not None)
+# types the device pool (GPU, or the CPU standing in for it) keeps as the file's own blocks (the types the fused
+# kernels and the Triton kernels take); a tensor of any other type is decoded to F16 there
+POOL_TYPES = types_where(sparse_rows=True)
 FLOAT_TYPES = types_where(dense="plain")
 
 

@@ -1,12 +1,12 @@
 """The type registry: every ggml tensor type the engine knows, and what each part of it can do with that type.
 
-One row per type; every Python table about types (the kernel symbol suffixes, the fused FFN kernels' kind codes,
-the Triton pool kernels' codes, which types the CPU kernels compute on, which ones quantize produces, the device
+One row per type; every Python table about types (the kernel symbol suffixes, which types the fused FFN kernels and
+the Triton pool kernels take, which types the CPU kernels compute on, which ones quantize produces, the device
 pool keeps, the K-quant fallbacks, llama.cpp's ftype numbers and names) is derived from here. A new block type is
 a row here, its kernels (kernels/cpu, the Triton decoder in ops/triton_quant.py) and their tests.
 
-The kind codes are the C kernels' `enum axpy_kind` (kernels/cpu/sparse.h); the Triton decoder uses the same
-numbers, so a type has one code in every kernel.
+Every kernel that takes a type as an argument (the fused FFN kernels, pi_quantize_rows, the Triton decoder) takes
+its ggml type number: the C kernels' `enum pi_type` (kernels/cpu/quants.h) is ggml's numbering.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class TypeInfo:
     dense: the CPU's dense kernels compute on its blocks ("block32": the int8 kernel plus an exact `_f` one for a
         quantized block of 32; "plain": float elements, one kernel; "super": a super-block type with get_rows, the
         "q8" matmul on Q8_K activations and the exact `_f` one), None: decoded to float32 first.
-    sparse_rows: the row kernels pi_rows_matmul_<c_name>[_f] / pi_rows_axpy_<c_name> exist.
-    kind: its code in the fused FFN kernels (enum axpy_kind) and the Triton pool kernels, None: neither.
+    sparse_rows: the row kernels pi_rows_matmul_<c_name>[_f] / pi_rows_axpy_<c_name> exist, and the fused FFN
+        kernels (pi_ffn_rows, ...) and the Triton pool kernels take it (by its ggml number).
     decodable: the gguf package decodes its blocks (any weight of it can be computed on a float copy).
     fallback: the type a 256-element type falls back to when a row is not a multiple of 256 (llama.cpp's rule).
     ftype: llama_ftype number llama.cpp guesses for a file whose commonest tensor type this is.
@@ -52,7 +52,6 @@ class TypeInfo:
     producer: str | None = None
     dense: str | None = None
     sparse_rows: bool = False
-    kind: int | None = None
     decodable: bool = True
     fallback: GGMLType | None = None
     ftype: int | None = None
@@ -63,19 +62,19 @@ def _t(name: str, **kw) -> TypeInfo:
 
 
 _ROWS = (
-    _t("F32", c_name="f32", producer="gguf", dense="plain", sparse_rows=True, kind=3, ftype=0),
-    _t("F16", c_name="f16", producer="gguf", dense="plain", sparse_rows=True, kind=4, ftype=1),
-    _t("BF16", c_name="bf16", producer="gguf", dense="plain", sparse_rows=True, kind=5, ftype=32),
-    _t("Q4_0", c_name="q4_0", producer="gguf", dense="block32", sparse_rows=True, kind=0, ftype=2),
-    _t("Q4_1", c_name="q4_1", producer="gguf", dense="block32", sparse_rows=True, kind=1, ftype=3),
-    _t("Q5_0", c_name="q5_0", producer="gguf", dense="block32", sparse_rows=True, kind=6, ftype=8),
-    _t("Q5_1", c_name="q5_1", producer="gguf", dense="block32", sparse_rows=True, kind=7, ftype=9),
-    _t("Q8_0", c_name="q8_0", producer="gguf", dense="block32", sparse_rows=True, kind=2, ftype=7),
-    _t("Q2_K", c_name="q2_k", producer="c", dense="super", sparse_rows=True, kind=8, fallback=GGMLType.Q4_0, ftype=10),
-    _t("Q3_K", c_name="q3_k", producer="c", dense="super", sparse_rows=True, kind=9, fallback=GGMLType.Q4_0, ftype=12),
-    _t("Q4_K", c_name="q4_k", producer="c", dense="super", sparse_rows=True, kind=10, fallback=GGMLType.Q5_0, ftype=15),
-    _t("Q5_K", c_name="q5_k", producer="c", dense="super", sparse_rows=True, kind=11, fallback=GGMLType.Q5_1, ftype=17),
-    _t("Q6_K", c_name="q6_k", producer="c", dense="super", sparse_rows=True, kind=12, fallback=GGMLType.Q8_0, ftype=18),
+    _t("F32", c_name="f32", producer="gguf", dense="plain", sparse_rows=True, ftype=0),
+    _t("F16", c_name="f16", producer="gguf", dense="plain", sparse_rows=True, ftype=1),
+    _t("BF16", c_name="bf16", producer="gguf", dense="plain", sparse_rows=True, ftype=32),
+    _t("Q4_0", c_name="q4_0", producer="gguf", dense="block32", sparse_rows=True, ftype=2),
+    _t("Q4_1", c_name="q4_1", producer="gguf", dense="block32", sparse_rows=True, ftype=3),
+    _t("Q5_0", c_name="q5_0", producer="gguf", dense="block32", sparse_rows=True, ftype=8),
+    _t("Q5_1", c_name="q5_1", producer="gguf", dense="block32", sparse_rows=True, ftype=9),
+    _t("Q8_0", c_name="q8_0", producer="gguf", dense="block32", sparse_rows=True, ftype=7),
+    _t("Q2_K", c_name="q2_k", producer="c", dense="super", sparse_rows=True, fallback=GGMLType.Q4_0, ftype=10),
+    _t("Q3_K", c_name="q3_k", producer="c", dense="super", sparse_rows=True, fallback=GGMLType.Q4_0, ftype=12),
+    _t("Q4_K", c_name="q4_k", producer="c", dense="super", sparse_rows=True, fallback=GGMLType.Q5_0, ftype=15),
+    _t("Q5_K", c_name="q5_k", producer="c", dense="super", sparse_rows=True, fallback=GGMLType.Q5_1, ftype=17),
+    _t("Q6_K", c_name="q6_k", producer="c", dense="super", sparse_rows=True, fallback=GGMLType.Q8_0, ftype=18),
     _t("IQ4_NL", c_name="iq4_nl", producer="c", dense="super", ftype=25),
     _t("IQ4_XS", c_name="iq4_xs", producer="c", dense="super", fallback=GGMLType.IQ4_NL, ftype=30),
     # decoded by the gguf package to a float32 copy, no kernel of ours
