@@ -21,7 +21,7 @@
 
 #include "sparse.h"
 
-/* One stacked weight: n_rows rows of n_cols elements of `kind` (enum axpy_kind), stride bytes apart (the layout
+/* One stacked weight: n_rows rows of n_cols elements of `kind` (enum pi_type, a ggml type id), stride bytes apart (the layout
  * of layer.c's pi_mat; the ctypes mirror is powerinfer/ops/layer.py's _Mat). */
 typedef struct {
     const uint8_t *w;
@@ -85,7 +85,7 @@ static void moe_rows(const matmul_table *t, int32_t level, int kind, const uint8
                      int q8, const act_q8 *a, const act_q8k *ak, const float *x, int64_t n0, int64_t n1, float *y) {
     if (n0 >= n1) return;
     if (q8 && kind_is_kq(kind)) {
-        kq8_rows(level, kind - KIND_Q2_K, w + n0 * stride, stride, n1 - n0, ak, y + n0);
+        kq8_rows(level, kind, w + n0 * stride, stride, n1 - n0, ak, y + n0);
         return;
     }
     const ffn_mat f = ffn_mat_of(t, kind, q8, w, stride, K);
