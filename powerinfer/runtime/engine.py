@@ -48,7 +48,7 @@ from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
-from powerinfer.runtime.threads import ThreadGovernor
+from powerinfer.runtime.threads import ThreadGovernor, torch_threads
 from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
 from powerinfer.tokenizer import Tokenizer
@@ -143,8 +143,6 @@ class Engine:
         self.options = o = options or EngineOptions()
         self.model_path = Path(model_path)
         self.kc = kernel_context(o)
-        if o.n_threads is not None and o.n_threads > 0:
-            torch.set_num_threads(o.n_threads)  # torch's own ops (norms, attention) use its thread pool
         if o.n_batch <= 0:
             raise InputError(f"batch size must be positive (got {o.n_batch})")
         if o.n_seq < 1:
@@ -347,11 +345,13 @@ class Engine:
         if self.pipeline is not None:
             if hidden:
                 raise InputError("embeddings are not served by a pipeline of several ranks")
-            logits = self.pipeline.forward(self.model, batch, kv, rows)
+            with torch_threads(self.kc.threads_now):
+                logits = self.pipeline.forward(self.model, batch, kv, rows)
         else:
             if self.governor is not None:
                 self.governor.begin()
-            logits = self.model.forward(batch, kv, rows, hidden=hidden)
+            with torch_threads(self.kc.threads_now):  # torch's ops at this engine's count (runtime.threads)
+                logits = self.model.forward(batch, kv, rows, hidden=hidden)
             if self.governor is not None:
                 self.governor.end()
         for seg in batch.segments:
