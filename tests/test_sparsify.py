@@ -386,14 +386,14 @@ def test_bad_input(tiny, tmp_path: Path, monkeypatch):
     r = sparsify("-m", str(keyed), "-f", str(text), "--sparsity", "0.5")
     assert_refused(tmp_path, r, "already sparse")
     # an FFN without a gate (no architecture here has one yet: the config is altered as it is loaded)
-    import powerinfer.runtime.engine as engine_module
+    import powerinfer.runtime.assembly as assembly_module
 
-    load = engine_module.load_config
+    load = assembly_module.load_config
 
     def ungated(gguf):
         c = load(gguf)
         return dataclasses.replace(c, ffn=dataclasses.replace(c.ffn, gated=False))
 
-    monkeypatch.setattr(engine_module, "load_config", ungated)
+    monkeypatch.setattr(assembly_module, "load_config", ungated)
     r = sparsify("-m", str(model), "-f", str(text), "--sparsity", "0.5", "-c", "128")
     assert_refused(tmp_path, r, "not gated")

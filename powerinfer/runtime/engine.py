@@ -11,7 +11,6 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,10 +18,8 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch import build_model, load_config
-from powerinfer.errors import InputError, PlacementError
+from powerinfer.errors import InputError
 from powerinfer.gguf.constants import Keys
-from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import Head
 from powerinfer.model.head import (
@@ -38,148 +35,54 @@ from powerinfer.model.head import (
     screen_pays,
     screen_rank,
 )
-from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
-from powerinfer.placement.device_plan import DevicePlan, layers_plan
 from powerinfer.quant import row_bytes
 from powerinfer.runtime import head_cache
+from powerinfer.runtime.assembly import (
+    AssembledModel,
+    EngineOptions,
+    assemble,
+    kernel_context,
+    weights_in_memory,
+)
 from powerinfer.runtime.generate import Generator, GenParams
-from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available_memory_bytes, kv_cache_bytes
-from powerinfer.runtime.loader import Loader
-from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
+from powerinfer.runtime.kv_cache import KVCache
 from powerinfer.runtime.threads import ThreadGovernor, torch_threads
 from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
-from powerinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from powerinfer.runtime.pipeline import Pipeline, PipelineOptions, Stage
+    from powerinfer.runtime.pipeline import Pipeline
+
+__all__ = ["AssembledModel", "Engine", "EngineOptions", "assemble", "kernel_context", "weights_in_memory"]
 
 log = logging.getLogger(__name__)
 
-MAX_THREADS = 1024
-# host bytes per position and rotary pair while the RoPE tables are built (float64 angles, complex128 and
-# complex64 rotations, float pairs: model.blocks.Rope), an upper bound
-ROPE_BYTES_PER_PAIR = 64
 # the text a screen for --sparse-head is calibrated on when the file has none
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
-
-
-def _gib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**30:.3g} GiB"
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    n_ctx: int = 512  # 0: the model's training context
-    n_batch: int = 512
-    n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
-    n_threads: int | None = None
-    # activations of the quant matmuls: "f32" (exact) or "q8" (int8 blocks, llama.cpp's arithmetic)
-    act_precision: str | None = None
-    vram_budget_gib: float | None = None
-    n_gpu_layers: int = 0
-    reset_gpu_index: bool = False
-    disable_gpu_index: bool = False
-    dense_ffn: bool = False  # PWRI files: compute every FFN neuron (no predictor)
-    pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
-    gpu_index_path: str | None = None  # use this GPU index instead of planning one
-    pipeline: PipelineOptions | None = None  # one stage of several ranks (runtime.pipeline)
-    # the weights: None copies them into memory (huge pages) when they take at most half of the available memory,
-    # else maps the file; True always maps the file (--mmap), False always copies (--no-mmap)
-    mmap: bool | None = None
-    fixed_threads: bool = False  # False: fewer kernel threads while the cores are shared (runtime.threads)
-    # the output head (model.head): None screens it where the file carries a screen (sparsify writes one), True
-    # also builds a screen for a file without one (from the packaged calibration text), False computes it whole
-    sparse_head: bool | None = None
-
-
-def kernel_context(options: EngineOptions) -> ops.KernelContext:
-    """The kernel settings an engine owns (threads, activation precision)."""
-    n = options.n_threads
-    if n is not None and n > MAX_THREADS:
-        raise InputError(f"-t {n} is more threads than this engine supports ({MAX_THREADS})")
-    kwargs: dict[str, object] = {}
-    if n is not None and n > 0:
-        kwargs["n_threads"] = n
-    if options.act_precision is not None:
-        kwargs["act_precision"] = options.act_precision
-    try:
-        return ops.KernelContext(**kwargs)  # type: ignore[arg-type]
-    except ValueError as e:
-        raise InputError(str(e)) from None
-
-
-def weights_in_memory(gguf: GGUFFile, mmap: bool | None) -> GGUFFile:
-    """The file whose tensors the engine reads: copied into memory (gguf.reader.in_memory: huge pages, no page
-    faults during decode) unless `mmap` is True, or None and the copy would take more than half of the available
-    memory (then the file mapping, as llama.cpp's default)."""
-    if mmap is True:
-        return gguf
-    need, available = tensor_bytes_total(gguf), available_memory_bytes()
-    if mmap is None and available is not None and need > available // 2:
-        log.info(
-            "weights (%s) stay on the file mapping: more than half of the available %s",
-            _gib(need),
-            _gib(available),
-        )
-        return gguf
-    if available is not None and need > available:
-        raise InputError(
-            f"--no-mmap: the weights need {_gib(need)}, only {_gib(available)} is available (use --mmap)"
-        )
-    try:
-        return in_memory(gguf)
-    except OSError as e:
-        raise InputError(f"cannot read the weights of {gguf.path} into memory: {e.strerror or e}") from None
 
 
 class Engine:
     """Owns the model, tokenizer, kernel context and KV cache (n_seq slots)."""
 
-    def __init__(self, model_path: str | os.PathLike[str], options: EngineOptions | None = None) -> None:
+    def __init__(
+        self, model: AssembledModel | str | os.PathLike[str], options: EngineOptions | None = None
+    ) -> None:
+        """Step an assembled model (runtime.assembly.assemble), or assemble the model file at `model` first."""
         t0 = time.perf_counter()
-        self.options = o = options or EngineOptions()
-        self.model_path = Path(model_path)
-        self.kc = kernel_context(o)
-        if o.n_batch <= 0:
-            raise InputError(f"batch size must be positive (got {o.n_batch})")
-        if o.n_seq < 1:
-            raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
-        self.gguf = read_gguf(model_path)
-        self.config = c = load_config(self.gguf)
-        self.stage: Stage | None = None
-        self.pipeline: Pipeline | None = None
-        if o.pipeline is not None:  # this rank's layers only: a view of the file with n_layer of them
-            from powerinfer.runtime.pipeline import plan_stage, stage_view
-
-            self.stage = plan_stage(o.pipeline, self.gguf, c)
-            self.gguf, c = stage_view(self.gguf, c, self.stage.layers)
-            self.config = c
-        self.gguf = weights_in_memory(self.gguf, o.mmap)
-        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, powerinfer_file=self.gguf.is_sparse)
-        if self.tokenizer.n_vocab != c.n_vocab:
-            raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {c.n_vocab}")
-        self.n_ctx = o.n_ctx if o.n_ctx > 0 else c.n_ctx_train
-        if self.n_ctx > c.n_ctx_train:
-            # positions past the training context degrade the text; take the model's own limit
-            log.warning(
-                "context %d exceeds the model's training context %d; using %d",
-                self.n_ctx,
-                c.n_ctx_train,
-                c.n_ctx_train,
-            )
-            self.n_ctx = c.n_ctx_train
-        sparse = self.gguf.is_sparse and not o.dense_ffn
-        self.sparse_stats: SparseStats | None = SparseStats.zeros(c.n_layer) if sparse else None
-        self.plan = self._plan(sparse)
-        self.placement: Placement | None = self.plan.placement
-        self.pool_device = torch.device(self.plan.device) if self.plan.device is not None else None
-        sparsity = Sparsity(c.sparse_method, c.sparse_threshold) if sparse else Sparsity()
-        self.loader = Loader(self.gguf, self.plan, self.kc, sparsity, self.sparse_stats)
-        self._check_context_memory()
-        self.model = build_model(self.gguf, c, self.loader)
+        if not isinstance(model, AssembledModel):
+            model = assemble(model, options)
+        elif options is not None and options is not model.options:
+            raise ValueError("an assembled model carries its own options")
+        self.assembled = m = model
+        self.options, self.model_path, self.kc = m.options, m.model_path, m.kc
+        self.gguf, self.config, self.tokenizer, self.n_ctx = m.gguf, m.config, m.tokenizer, m.n_ctx
+        self.stage, self.plan, self.loader, self.model = m.stage, m.plan, m.loader, m.model
+        self.sparse_stats: SparseStats | None = m.sparse_stats
+        self.placement: Placement | None = m.placement
+        self.pool_device = m.pool_device
+        c, o = self.config, self.options
         self.kv = KVCache(
             c.n_layer,
             self.n_ctx,
@@ -188,8 +91,8 @@ class Engine:
             n_seq=o.n_seq,
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
         )
-        self.model.setup(self.n_ctx, placed=self.plan.device is not None)
         self.head_stats: HeadStats | None = None
+        self.pipeline: Pipeline | None = None
         if self.stage is not None:
             from powerinfer.runtime.pipeline import connect
 
@@ -248,56 +151,6 @@ class Engine:
         ]
         self.free(0)
         return build_head_screen(output, torch.cat(hidden))
-
-    def _check_context_memory(self) -> None:
-        """Refuse a context whose host buffers (KV cache, RoPE tables, attention scores) need more memory than
-        this process can get, before any of them is allocated: the context comes from -c or, with -c 0, from
-        the file's context_length."""
-        c, n_ctx, n_seq = self.config, self.n_ctx, self.options.n_seq
-        n_layer = sum(1 for bid in range(c.n_layer) if self.loader.kv_device(bid).type == "cpu")
-        kv = kv_cache_bytes(n_layer, n_ctx, c.n_embd_gqa, n_seq)
-        tables = n_ctx * (c.head_dim // 2 * ROPE_BYTES_PER_PAIR + c.n_head * 4)
-        available = available_memory_bytes()
-        if available is not None and kv + tables > available:
-            kv_terms = f"{n_layer} layers x {n_ctx} x {c.n_embd_gqa} x 2 x {KV_BYTES_PER_ELEMENT} bytes"
-            raise InputError(
-                f"context of {n_ctx} tokens needs {_gib(kv + tables)} of host memory (KV cache {kv_terms} "
-                f"x {n_seq} sequences = {_gib(kv)}), only {_gib(available)} is available; "
-                "use a smaller context (-c)"
-            )
-
-    def _plan(self, sparse: bool) -> DevicePlan:
-        """Where weights, KV caches and residuals live: -ngl for dense files, the VRAM budget for sparse ones."""
-        o, c = self.options, self.config
-        if o.n_gpu_layers < 0:
-            raise PlacementError(f"-ngl must be >= 0 (got {o.n_gpu_layers})")
-        request = PoolRequest(
-            o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index, o.disable_gpu_index
-        )
-        if sparse:
-            if o.n_gpu_layers > 0:
-                log.warning("sparse models ignore -ngl/--n-gpu-layers; use --vram-budget instead")
-            if (
-                o.vram_budget_gib is not None
-                and o.vram_budget_gib >= 0
-                and not torch.cuda.is_available()
-                and o.pool_device is None
-            ):
-                log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
-            device = pool_device(request)
-            if device is None:
-                return DevicePlan()
-            layers = self.stage.layers if self.stage is not None else None
-            return plan_pool(self.gguf, c, request, device, self.n_ctx, layers)
-        if o.n_gpu_layers > 0:
-            if o.pool_device is None and not torch.cuda.is_available():
-                log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
-                return DevicePlan()
-            device = pool_device(PoolRequest(o.pool_device or "cuda", None))
-            if device is None:  # pragma: no cover - pool_device returns a device when one is asked for
-                raise PlacementError("no device for -ngl")
-            return layers_plan(self.gguf.tensors, c.n_layer, o.n_gpu_layers, str(device))
-        return DevicePlan()
 
     # ------------------------------------------------------------------ forward
     @property
