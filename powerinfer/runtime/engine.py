@@ -14,12 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from powerinfer import ops
 from powerinfer.errors import InputError
-from powerinfer.gguf.constants import Keys
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import Head
 from powerinfer.model.head import (
@@ -38,7 +36,7 @@ from powerinfer.model.head import (
 from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
 from powerinfer.quant import row_bytes
-from powerinfer.runtime import head_cache
+from powerinfer.runtime import head_cache, report
 from powerinfer.runtime.assembly import (
     AssembledModel,
     EngineOptions,
@@ -302,125 +300,23 @@ class Engine:
                 return
             events = gen.step()
 
-    # ------------------------------------------------------------------ reports
+    # ------------------------------------------------------------------ reports (runtime.report)
     def head_read_bytes(self) -> int:
-        """Weight bytes the sparse head reads per token: its screen and candidates, the rows it widened to and the
-        whole head for its fallbacks (averaged over its tokens); 0 without a sparse head."""
-        head, st = self.model.head, self.head_stats
-        if not isinstance(head, SparseHead) or st is None:
-            return 0
-        whole = head.output.raw.numel()
-        extra = st.extra_rows * head.output.raw.shape[1]
-        return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
+        return report.head_read_bytes(self.assembled)
 
     def read_bytes_per_token(self) -> float:
-        """Weight bytes one decoded token reads: the file's tensors, less the FFN rows sparsity skips (by the
-        measured shares), the head as head_read_bytes (the file's screen tensors only when in use)."""
-        per_token = float(self.weight_bytes)
-        for name in (SCREEN, SCREEN_PROJ):
-            if name in self.gguf.tensors:
-                per_token -= self.gguf.tensors[name].n_bytes
-        head = self.model.head
-        if isinstance(head, SparseHead):
-            per_token += self.head_read_bytes() - head.output.raw.numel()
-        moe = getattr(self.config, "moe", None)
-        if moe is not None:  # a token reads the rows of its k experts of n_expert only
-            for name, t in self.gguf.tensors.items():
-                if name.endswith("_exps.weight"):
-                    per_token -= t.n_bytes * (1.0 - moe.n_expert_used / moe.n_expert)
-        s = self.sparse_stats
-        if s is None or int(s.tokens.sum()) == 0:
-            return per_token
-        c = self.config
-        cats = c.sparse_method == "cats"
-        active = s.active / (np.maximum(s.tokens, 1) * c.n_ff)
-        share = float(active.mean())
-        up_share = float((s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).mean()) if cats else share
-        read = {"ffn_up.weight": up_share, "ffn_down_t.weight": share}
-        if not cats:
-            read["ffn_gate.weight"] = share
-        for name, t in self.gguf.tensors.items():
-            fraction = read.get(".".join(name.rsplit(".", 2)[-2:]))
-            if fraction is not None:
-                per_token -= t.n_bytes * (1.0 - fraction)
-        return per_token
+        return report.read_bytes_per_token(self.assembled)
 
     def head_report(self) -> list[str]:
-        """The sparse head's line: candidates, fallbacks, bytes read against the whole head."""
-        head, stats = self.model.head, self.head_stats
-        if not isinstance(head, SparseHead) or stats is None or stats.tokens == 0:
-            return []
-        return [
-            f"head: sparse (screen of rank {head.proj.shape[0]}, {head.n_candidates} exact candidates), "
-            f"of {stats.tokens} tokens {stats.widened / stats.tokens:.1%} widened (mean "
-            f"{stats.extra_rows / max(1, stats.widened):.0f} rows more), {stats.fallbacks / stats.tokens:.1%} "
-            "computed whole; "
-            f"~{self.head_read_bytes() / 2**20:.1f} MiB read per token (whole head: "
-            f"{head.output.raw.numel() / 2**20:.1f} MiB)"
-        ]
+        return report.head_report(self.assembled)
 
     def sparse_report(self) -> list[str]:
-        """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token, and
-        the sparse head's line (MoE files: the experts' share of the bytes a token reads)."""
-        s = self.sparse_stats
-        if s is None or int(s.tokens.sum()) == 0:
-            head_lines = self.head_report()
-            moe = getattr(self.config, "moe", None)
-            if moe is not None:
-                head_lines.append(
-                    f"moe: {moe.n_expert_used} of {moe.n_expert} experts per token: "
-                    f"~{self.read_bytes_per_token() / 2**20:.1f} MiB of weights read per token (the file: "
-                    f"{self.weight_bytes / 2**20:.1f} MiB)"
-                )
-                return head_lines
-            if not head_lines:
-                return []
-            return [
-                *head_lines,
-                f"sparse: ~{self.read_bytes_per_token() / 2**20:.1f} MiB of "
-                f"weights read per token (the file: {self.weight_bytes / 2**20:.1f} MiB)",
-            ]
-        c = self.config
-        active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
-        pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
-        # cats: the gate is read for every neuron, up for those passing the gate stage, down for the active ones
-        cats = c.sparse_method == "cats"
-        up_share = (s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).tolist() if cats else active
-        share = sum(active) / len(active)
-        per_token = self.read_bytes_per_token()
-        per_layer = " ".join(f"{a:.2f}" for a in active)
-        target = self.gguf.metadata.get(Keys.SPARSITY_TARGET)
-        shown = f" {target:.2f}" if isinstance(target, (int, float)) and not isinstance(target, bool) else ""
-        selection = (
-            f"cats thresholds (target sparsity{shown})"
-            if cats
-            else f"predictor {s.predictor_total_ms:.2f} ms in total"
-        )
-        up_note = ""
-        if cats and sum(up_share) > sum(active) + 1e-9:
-            up_note = f" (up rows read for {sum(up_share) / len(up_share):.1%})"
-        lines = [
-            f"sparse: {'active' if cats else 'predicted active'} {share:.1%} of FFN neurons{up_note}, "
-            f"per layer: {per_layer}",
-            f"sparse: {pool:.1%} of active neurons served by the pool"
-            + (f" on {self.pool_device}" if self.pool_device is not None else " (no pool: all on the CPU)"),
-            *self.head_report(),
-            f"sparse: ~{per_token / 2**20:.1f} MiB of weights read per token "
-            f"(the file: {self.weight_bytes / 2**20:.1f} MiB), {selection}",
-        ]
-        if self.placement is not None:
-            lines.append(f"placement: {self.placement.reason}")
-        return lines
+        return report.sparse_report(self.assembled)
 
     def placement_report(self) -> list[str]:
-        """What the device plan put on the pool device, and its bytes there."""
-        if self.pool_device is None:
-            return []
-        return [
-            f"placement: {self.plan.reason}; {self.loader.device_bytes / 2**20:.2f} MiB on {self.pool_device}"
-        ]
+        return report.placement_report(self.assembled)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of tensor data in the model file (read once per decoded token)."""
-        return sum(t.n_bytes for t in self.gguf.tensors.values())
+        return report.weight_bytes(self.assembled)
