@@ -44,9 +44,10 @@ from powerinfer.runtime.assembly import (
     kernel_context,
     weights_in_memory,
 )
-from powerinfer.runtime.generate import Generator, GenParams
+from powerinfer.runtime.forward import Forward, LocalForward, PipelineForward
+from powerinfer.runtime.generate import generate
 from powerinfer.runtime.kv_cache import KVCache
-from powerinfer.runtime.threads import ThreadGovernor, torch_threads
+from powerinfer.runtime.threads import ThreadGovernor
 from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
 
@@ -65,9 +66,14 @@ class Engine:
     """Owns the model, tokenizer, kernel context and KV cache (n_seq slots)."""
 
     def __init__(
-        self, model: AssembledModel | str | os.PathLike[str], options: EngineOptions | None = None
+        self,
+        model: AssembledModel | str | os.PathLike[str],
+        options: EngineOptions | None = None,
+        forward: Forward | None = None,
     ) -> None:
-        """Step an assembled model (runtime.assembly.assemble), or assemble the model file at `model` first."""
+        """Step an assembled model (runtime.assembly.assemble), or assemble the model file at `model` first.
+        `forward` runs the model in each step (runtime.forward); None: here, or through the pipeline of the
+        model's stage, with a thread governor unless options.fixed_threads."""
         t0 = time.perf_counter()
         if not isinstance(model, AssembledModel):
             model = assemble(model, options)
@@ -91,16 +97,25 @@ class Engine:
         )
         self.head_stats: HeadStats | None = None
         self.pipeline: Pipeline | None = None
+        self.governor: ThreadGovernor | None = None
+        if forward is None:
+            forward = self._default_forward()
+        self.forward: Forward = forward
+        self._setup_head(o.sparse_head)
+        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _default_forward(self) -> Forward:
+        """The pipeline of this model's stage (connected now), else the model here under a thread governor."""
         if self.stage is not None:
             from powerinfer.runtime.pipeline import connect
 
-            self.pipeline = connect(self.stage, c, self.gguf)
-        # a step that waits on a device or on other ranks is not a sign of shared cores
-        waits = self.pipeline is not None or (self.pool_device is not None and self.pool_device.type != "cpu")
-        adapt = not (o.fixed_threads or waits) and self.kc.n_threads > 1 and self.kc.uses_kernels
+            self.pipeline = connect(self.stage, self.config, self.gguf)
+            return PipelineForward(self.pipeline, self.kc)
+        # a step that waits on a device is not a sign of shared cores
+        waits = self.pool_device is not None and self.pool_device.type != "cpu"
+        adapt = not (self.options.fixed_threads or waits) and self.kc.n_threads > 1 and self.kc.uses_kernels
         self.governor = ThreadGovernor(self.kc) if adapt else None
-        self._setup_head(o.sparse_head)
-        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+        return LocalForward(self.kc, self.governor)
 
     def _setup_head(self, want: bool | None) -> None:
         """Screen the output head (model.head.SparseHead) as `want` says (EngineOptions.sparse_head)."""
@@ -193,18 +208,7 @@ class Engine:
                 rows = slice(-1, None)
             elif batch.kind == "mixed":
                 rows = torch.tensor([seg.start + seg.n - 1 for seg in batch.segments])
-        if self.pipeline is not None:
-            if hidden:
-                raise InputError("embeddings are not served by a pipeline of several ranks")
-            with torch_threads(self.kc.threads_now):
-                logits = self.pipeline.forward(self.model, batch, kv, rows)
-        else:
-            if self.governor is not None:
-                self.governor.begin()
-            with torch_threads(self.kc.threads_now):  # torch's ops at this engine's count (runtime.threads)
-                logits = self.model.forward(batch, kv, rows, hidden=hidden)
-            if self.governor is not None:
-                self.governor.end()
+        logits = self.forward(self.model, batch, kv, rows, hidden)
         for seg in batch.segments:
             kv.n_past[seg.seq] = seg.pos + seg.n
         return logits
@@ -252,8 +256,7 @@ class Engine:
             if not 0 <= s < self.kv.n_seq:
                 raise InputError(f"sequence {s} out of range (0..{self.kv.n_seq - 1})")
         self.kv.copy_slot(src, dst, self.kv.n_past[src])
-        if self.pipeline is not None:
-            self.pipeline.fork(src, dst, self.kv.n_past[src])
+        self.forward.fork(src, dst, self.kv.n_past[src])
 
     def keep(self, seq: int, n: int) -> None:
         """Shorten sequence `seq` to its first n positions, which must still hold the tokens they were
@@ -284,21 +287,8 @@ class Engine:
     def generate(
         self, prompt: list[int], sampler: Sampler, n_predict: int = -1, ignore_eos: bool = False
     ) -> Iterator[int]:
-        """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context."""
-        if len(prompt) > self.n_ctx - 4:
-            raise InputError(
-                f"prompt is too long ({len(prompt)} tokens, max {self.n_ctx - 4} for -c {self.n_ctx})"
-            )
-        gen = Generator(self)
-        params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos)
-        events = gen.start(0, prompt, params, sampler)
-        while True:
-            for ev in events:
-                if ev.token is not None:
-                    yield ev.token
-            if not gen.live:
-                return
-            events = gen.step()
+        """runtime.generate.generate on this engine."""
+        return generate(self, prompt, sampler, n_predict, ignore_eos)
 
     # ------------------------------------------------------------------ reports (runtime.report)
     def head_read_bytes(self) -> int:
