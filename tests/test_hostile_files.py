@@ -436,7 +436,9 @@ def test_huge_context_is_refused_before_allocation(cli: CliPool, tmp_path: Path)
     assert "available" in line
     path = _huge_context(tmp_path / "m.gguf")
     refused_in_process(path, InputError, "4294967295", n_ctx=0)
-    Engine(path, EngineOptions(n_threads=1, n_ctx=64)).eval([1])  # an explicit -c is capped by it: runs
+    Engine(path, EngineOptions(act_precision="f32", n_threads=1, n_ctx=64)).eval(
+        [1]
+    )  # an explicit -c is capped by it: runs
 
 
 def test_shape_product_overflowing_int64(cli: CliPool):

@@ -147,7 +147,7 @@ def measured_active_share(
     dense), from a dense run whose gate and up products are recomputed with dequantized float32 weights (not the
     kernels sparsify used); also the share passing the gate stage and each neuron's mean |up_n u| over the same
     tokens. Returns (share (n_layer,), tokens run, mean |up u| (n_layer, n_ff), gate-stage share (n_layer,))."""
-    engine = Engine(model, EngineOptions(n_ctx=n_ctx, n_threads=1))
+    engine = Engine(model, EngineOptions(act_precision="f32", n_ctx=n_ctx, n_threads=1))
     ids = tokenize_corpus(engine, text.read_text(encoding="utf-8"))[:max_tokens]
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
     ffns = [layer.ffn for layer in engine.model.layers]

@@ -87,7 +87,7 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
     path = write_llama_gguf(tmp_path / "tiny.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
     torch.set_num_threads(3)
     caller = torch.get_num_threads()
-    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2))
     assert engine.governor is not None and engine.governor.kc is engine.kc
     before = engine.step([0, 0, 0], [1, 2, 3], [0, 1, 2])
     engine.governor.judge(0.5, 0.0)  # as if the cores were shared: one thread, the same logits
@@ -107,9 +107,14 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
         inside == [1] and torch.get_num_threads() == caller
     )  # torch at the engine's count, in its step only
     del engine.model.forward
-    assert Engine(path, EngineOptions(n_ctx=32, n_threads=2, fixed_threads=True)).governor is None
+    assert (
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2, fixed_threads=True)).governor
+        is None
+    )
     assert torch.get_num_threads() == caller  # building and stepping engines left the caller's setting
-    assert Engine(path, EngineOptions(n_ctx=32, n_threads=1)).governor is None  # nothing to lower
+    assert (
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=1)).governor is None
+    )  # nothing to lower
 
     seen = []
 

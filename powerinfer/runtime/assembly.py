@@ -26,6 +26,7 @@ from powerinfer.model.sparse import SparseStats
 from powerinfer.model.transformer import Transformer
 from powerinfer.placement import Placement
 from powerinfer.placement.device_plan import DevicePlan, layers_plan
+from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
@@ -53,8 +54,9 @@ class EngineOptions:
     n_batch: int = 512
     n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
     n_threads: int | None = None
-    # activations of the quant matmuls: "f32" (exact) or "q8" (int8 blocks, llama.cpp's arithmetic)
-    act_precision: str | None = None
+    # activations of the quant matmuls: "q8" (int8 blocks, llama.cpp's arithmetic) or "f32" (exact); the CLI's
+    # default too (runtime.defaults)
+    act_precision: str = DEFAULT_ACT_PRECISION
     vram_budget_gib: float | None = None
     n_gpu_layers: int = 0
     reset_gpu_index: bool = False
@@ -77,11 +79,9 @@ def kernel_context(options: EngineOptions) -> ops.KernelContext:
     n = options.n_threads
     if n is not None and n > MAX_THREADS:
         raise InputError(f"-t {n} is more threads than this engine supports ({MAX_THREADS})")
-    kwargs: dict[str, object] = {}
+    kwargs: dict[str, object] = {"act_precision": options.act_precision}
     if n is not None and n > 0:
         kwargs["n_threads"] = n
-    if options.act_precision is not None:
-        kwargs["act_precision"] = options.act_precision
     try:
         return ops.KernelContext(**kwargs)  # type: ignore[arg-type]
     except ValueError as e:
