@@ -1,8 +1,10 @@
-"""The engine: read a model file once, place and build it, then run steps over KV-cache slots.
+"""The engine: steps over KV-cache slots of a model assembled once (runtime.assembly: read, placed, built).
 
 `step(seq_ids, tokens, positions)` is the one forward entry: prefill chunks, single-token decode and batches of
-sequences all go through it. Sequence lengths live in the KV cache (`kv.n_past`); `prefill`, `decode`, `eval`
-and `logits_all` are thin helpers over `step`. Generation (sampling, stops, limits) is `runtime.generate`.
+sequences all go through it; how it runs the model (here, or through a pipeline of ranks) is its forward
+strategy (runtime.forward). Sequence lengths live in the KV cache (`kv.n_past`); `prefill`, `decode`, `eval`
+and `logits_all` are thin helpers over `step`. Generation (sampling, stops, limits) is `runtime.generate`, the
+report lines `runtime.report`.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.t
 
 
 class Engine:
-    """Owns the model, tokenizer, kernel context and KV cache (n_seq slots)."""
+    """Steps an assembled model (its tokenizer, kernel context and weights) over its own KV cache (n_seq slots)."""
 
     def __init__(
         self,
@@ -122,7 +124,7 @@ class Engine:
         if want is False:
             return
         head = self.model.head
-        on_cpu = self.plan.device is None and self.pipeline is None and isinstance(head, Head)
+        on_cpu = self.plan.device is None and self.stage is None and isinstance(head, Head)
         if not on_cpu or not isinstance(head.output, ops.QWeight):
             if want:
                 raise InputError(
