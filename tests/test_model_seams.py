@@ -192,6 +192,43 @@ def test_step_serves_every_batch_shape(tmp_path):
     assert e.kv.n_past == [7, 6]
 
 
+def test_engine_steps_an_assembled_model_through_its_forward_strategy(tmp_path):
+    """Engine(assemble(...)) is Engine(path, ...); an injected forward strategy runs every step and fork."""
+    from powerinfer.runtime.assembly import assemble
+    from powerinfer.runtime.forward import LocalForward
+    from powerinfer.runtime.generate import generate
+    from powerinfer.sampling import Sampler, SamplingParams
+
+    path = _dense_file(tmp_path, GGMLType.Q8_0)
+    options = EngineOptions(n_ctx=64, n_threads=1, n_seq=2)
+    want = Engine(path, options).logits_all(TOKENS)
+    model = assemble(path, options)
+    assert model.kc.act_precision == "q8" and model.n_ctx == 64 and model.stage is None
+
+    class Counting(LocalForward):
+        steps, forks = 0, []
+
+        def __call__(self, *args):
+            Counting.steps += 1
+            return super().__call__(*args)
+
+        def fork(self, src, dst, n):
+            Counting.forks.append((src, dst, n))
+
+    engine = Engine(model, forward=Counting(model.kc))
+    assert torch.equal(engine.logits_all(TOKENS), want)
+    assert Counting.steps == 1 and engine.governor is None
+    engine.fork(0, 1)
+    assert Counting.forks == [(0, 1, len(TOKENS))] and engine.kv.n_past == [len(TOKENS)] * 2
+    with pytest.raises(ValueError, match="its own options"):
+        Engine(model, EngineOptions(n_ctx=32))
+    greedy = Sampler(SamplingParams(temp=0))
+    engine.reset()
+    assert list(generate(engine, TOKENS, greedy, n_predict=4)) == list(
+        Engine(path, options).generate(TOKENS, Sampler(SamplingParams(temp=0)), n_predict=4)
+    )
+
+
 def test_step_rejects_positions_past_a_sequence(tmp_path):
     from powerinfer.errors import InputError
 
