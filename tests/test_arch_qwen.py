@@ -317,6 +317,7 @@ def rewrite(src: Path, dst: Path, drop: str | None = None, tensors: dict | None 
 
 
 def all_logits(path: Path, ids: list[int], **options) -> torch.Tensor:
+    options.setdefault("act_precision", "f32")
     return Engine(path, EngineOptions(n_ctx=64, n_threads=2, **options)).logits_all(ids)
 
 

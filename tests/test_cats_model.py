@@ -47,6 +47,7 @@ def ids_of(engine: Engine, n: int) -> list[int]:
 
 
 def logits(path: Path, n: int = 40, **options) -> torch.Tensor:
+    options.setdefault("act_precision", "f32")
     e = Engine(path, EngineOptions(n_ctx=128, **options))
     ids = ids_of(e, n)
     return torch.cat([e.logits_all(ids[: n // 2])] + [e.eval([t])[None] for t in ids[n // 2 :]])

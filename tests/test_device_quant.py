@@ -118,7 +118,10 @@ def test_stand_in_pool_bytes_are_the_budgeted_bytes_and_logits_match(tmp_path, g
     fp = footprint_from_gguf(read_gguf(path), 2, N_FF)
     budget = default_reserve_bytes(fp) + fp.dense_bytes + KV_BYTES + int(share * fp.ffn_bytes) + 1
     engine = Engine(
-        path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+        path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30
+        ),
     )
     p = engine.placement
     assert p is not None and p.kv_on_gpu and p.total_bytes <= p.budget_bytes
@@ -210,7 +213,10 @@ def test_k_quant_sparse_ffn_on_the_cpu_and_in_the_pool(tmp_path, gate_up, down):
     kv = kv_cache_bytes(2, 64, 256, 4)
     budget = default_reserve_bytes(fp) + fp.dense_bytes + kv + fp.ffn_bytes // 2 + 1
     pooled = Engine(
-        kq_path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+        kq_path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30
+        ),
     )
     hot = [f.hot for f in pooled.model.ffns]
     assert all(h is not None for h in hot)
@@ -238,7 +244,10 @@ def test_a_budget_holds_3_5x_more_q4_0_neurons_than_f16(tmp_path, monkeypatch):
         fp = footprint_from_gguf(read_gguf(path), 2, n_ff)
         budget = 64 * 1024 + fp.dense_bytes + KV_BYTES + ffn_budget + 1
         engine = Engine(
-            path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+            path,
+            EngineOptions(
+                act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30
+            ),
         )
         p = engine.placement
         assert p is not None and ffn_budget <= p.ffn_budget_bytes <= ffn_budget + 1

@@ -48,6 +48,7 @@ def _json(fixture: str, name: str) -> dict:
 
 
 def _engine(fixture: str, model: str, **kw) -> Engine:
+    kw.setdefault("act_precision", "f32")
     return Engine(fixture_dir(fixture) / MODELS[model], EngineOptions(n_ctx=256, n_threads=1, **kw))
 
 

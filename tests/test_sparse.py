@@ -46,7 +46,7 @@ def _index(tmp_path: Path, gpu_neurons: list[np.ndarray], name: str) -> str:
 def _placements(tmp_path: Path, n_layer: int = 2) -> dict[str, EngineOptions]:
     rng = np.random.default_rng(7)
     half = [np.sort(rng.choice(N_FF, N_FF // 2, replace=False)) for _ in range(n_layer)]
-    base = {"n_ctx": 64, "n_threads": 2}
+    base = {"n_ctx": 64, "n_threads": 2, "act_precision": "f32"}
     return {
         "all-cpu": EngineOptions(**base),
         "all-pool": EngineOptions(
@@ -168,7 +168,7 @@ def test_engine_plans_caches_and_resets_the_gpu_index(tmp_path):
     path = _sparse_file(tmp_path)
     write_activation_stats(tmp_path / "activation", 2, N_FF)
     cache = Path(str(path) + ".generated.gpuidx")
-    opts = {"n_ctx": 64, "n_threads": 1, "pool_device": "cpu"}
+    opts = {"n_ctx": 64, "n_threads": 1, "pool_device": "cpu", "act_precision": "f32"}
     # budget large enough for the dense part and half of the FFN
     small = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045))
     assert small.placement is not None and small.placement.ffn_source == "solved"

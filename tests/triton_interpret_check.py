@@ -113,7 +113,14 @@ def check_engine(failures: list[str]) -> dict[str, float]:
             kv_bytes = kv_cache_bytes(2, 64, n_embd, 4)
             budget = default_reserve_bytes(fp) + fp.dense_bytes + kv_bytes + fp.ffn_bytes // 2
             engine = Engine(
-                path, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=budget / 2**30)
+                path,
+                EngineOptions(
+                    act_precision="f32",
+                    n_ctx=64,
+                    n_threads=1,
+                    pool_device="cpu",
+                    vram_budget_gib=budget / 2**30,
+                ),
             )
             m = engine.model
             # the same placement with Triton weights (the interpreter runs them on the CPU tensors)
