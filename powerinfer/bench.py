@@ -30,6 +30,7 @@ from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile, read_gguf
 from powerinfer.printable import printable
 from powerinfer.quant.types import FTYPE_GUESSED, FTYPES, guess_ftype
+from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
 
 if TYPE_CHECKING:
     import torch
@@ -140,7 +141,7 @@ class BenchParams:
     n_prompt: tuple[int, ...] = (512,)
     n_gen: tuple[int, ...] = (128,)
     n_threads: tuple[int, ...] = (1,)
-    act_precision: tuple[str, ...] = ("f32",)
+    act_precision: tuple[str, ...] = (DEFAULT_ACT_PRECISION,)
     n_batch: tuple[int, ...] = (512,)
     repetitions: int = 5
 

@@ -35,7 +35,10 @@ def main() -> int:
 
     counts = [int(x) for x in args.streams.split(",")]
     model = args.model or default_model()
-    engine = Engine(model, EngineOptions(n_ctx=64 + args.n_gen, n_threads=args.threads, n_seq=max(counts)))
+    engine = Engine(
+        model,
+        EngineOptions(act_precision="f32", n_ctx=64 + args.n_gen, n_threads=args.threads, n_seq=max(counts)),
+    )
     batch = engine
     prompt = engine.tokenizer.encode("The capital of France is", add_bos=None)
     print(

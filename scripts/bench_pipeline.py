@@ -58,6 +58,7 @@ def decode_rate(engine: Engine, n_seq: int, n_tokens: int) -> dict[str, float]:
 
 def rank_main(spec: dict) -> None:
     options = EngineOptions(
+        act_precision="f32",
         n_ctx=128,
         n_seq=spec["n_seq"],
         n_threads=1,

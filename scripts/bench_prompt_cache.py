@@ -62,7 +62,8 @@ def main() -> None:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     opts = ServerOptions(
-        model=model, engine=EngineOptions(n_ctx=args.ctx_size, n_seq=1, n_threads=args.threads)
+        model=model,
+        engine=EngineOptions(act_precision="f32", n_ctx=args.ctx_size, n_seq=1, n_threads=args.threads),
     )
     server = Server(opts, sockets=[sock])
     threading.Thread(target=server.run, daemon=True).start()

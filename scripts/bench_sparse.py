@@ -3,8 +3,8 @@
 
 For each synthetic model in --dir (F16 and Q4_0 written by scripts/make_synthetic_model.py, the other types and
 mixes by `powerinfer quantize` of the F16 file, see FILES), runs alternate:
-a sparse engine (`Engine(path, EngineOptions(n_ctx, n_threads))`), then a dense one on the same weights
-(`EngineOptions(..., dense_ffn=True)`), each loaded fresh so only one engine is in memory at a time. Each run
+a sparse engine (`Engine(path, EngineOptions(n_ctx, n_threads, act_precision="f32"))`), then a dense one on the same
+weights (`EngineOptions(..., dense_ffn=True)`), each loaded fresh so only one engine is in memory at a time. Each run
 evaluates a short prompt (untimed) and then decodes --n-gen tokens greedily, one eval per token (timed). One
 untimed warm-up round comes first. Reported per file and mode (median of --runs):
 

@@ -46,10 +46,12 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--n-gen", type=int, default=32)
     args = ap.parse_args()
-    opts = EngineOptions(n_ctx=256, n_threads=args.threads)
+    opts = EngineOptions(act_precision="f32", n_ctx=256, n_threads=args.threads)
     engines = {
         "dense": Engine(args.dense, opts),
-        "same-dense": Engine(args.sparse, EngineOptions(n_ctx=256, n_threads=args.threads, dense_ffn=True)),
+        "same-dense": Engine(
+            args.sparse, EngineOptions(act_precision="f32", n_ctx=256, n_threads=args.threads, dense_ffn=True)
+        ),
         "sparse": Engine(args.sparse, opts),
     }
     for e in engines.values():

@@ -112,7 +112,10 @@ def main() -> int:
                     hits += got == want
                 same[act] = f"{hits}/{len(PROMPTS)}"
             engine = Engine(
-                path, EngineOptions(n_ctx=args.ctx_size, n_batch=args.ctx_size, n_threads=args.threads)
+                path,
+                EngineOptions(
+                    act_precision="f32", n_ctx=args.ctx_size, n_batch=args.ctx_size, n_threads=args.threads
+                ),
             )
             tokens = tokenize_text(engine, TEXT.read_text(encoding="utf-8").removesuffix("\n"))
             opts_ppl = PerplexityOptions(n_ctx=args.ctx_size, n_chunks=args.chunks)

@@ -97,7 +97,7 @@ def type_summary(path: Path) -> str:
 
 
 def our_ppl(path: Path, tokens: list[int], n_ctx: int, n_chunks: int, threads: int) -> float:
-    engine = Engine(path, EngineOptions(n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads))
     return perplexity(engine, tokens, PerplexityOptions(n_ctx=n_ctx, n_chunks=n_chunks)).ppl
 
 
@@ -140,7 +140,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        engine = Engine(model, EngineOptions(n_ctx=args.ctx_size, n_threads=args.threads))
+        engine = Engine(
+            model, EngineOptions(act_precision="f32", n_ctx=args.ctx_size, n_threads=args.threads)
+        )
         tokens = tokenize_text(engine, args.text.read_text(encoding="utf-8"))
         bos = engine.tokenizer.bos_id if engine.tokenizer.add_bos else None
         chunks = plan_chunks(tokens, PerplexityOptions(n_ctx=args.ctx_size, n_chunks=args.chunks), bos)

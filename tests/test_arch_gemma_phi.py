@@ -198,9 +198,9 @@ def test_logits_match_transformers(models, arch, dtype):
     ref = reference(hf, TOKENS)
     diffs = {}
     for n_batch in (512, 5):  # one prefill pass, then chunks of 5 (chunks start past the window)
-        engine = Engine(path, EngineOptions(n_ctx=64, n_batch=n_batch, n_threads=2))
+        engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_batch=n_batch, n_threads=2))
         diffs[n_batch] = (engine.logits_all(TOKENS) - ref).abs().max().item()
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     step = torch.stack([engine.eval([t]) for t in TOKENS])
     diffs["decode"] = (step - ref).abs().max().item()
     assert max(diffs.values()) <= BOUNDS[dtype], diffs
@@ -215,7 +215,7 @@ def test_sliding_window_matters(models, arch, tmp_path):
     key = f"{arch}.attention.sliding_window"
     wide = copy_gguf(path, tmp_path / "wide.gguf", skip_keys=(key,))
     ref = reference(hf, TOKENS)
-    ours = Engine(wide, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    ours = Engine(wide, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
     if arch == "phi3":
         assert (ours[:WINDOW] - ref[:WINDOW]).abs().max() <= 1e-4
     assert (ours[WINDOW:] - ref[WINDOW:]).abs().max() > 1e-2
@@ -281,16 +281,21 @@ def test_sparsify_dense_and_cpu_pool(models, arch, budget, tmp_path):
     r = sparsify("-m", str(dense), "-f", str(text), "--sparsity", "0", "-o", str(out), "-c", "128")
     assert r.exit_code == 0, r.stderr
     assert "blk.0.ffn_down_t.weight" in read_gguf(out).tensors
-    want = Engine(dense, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    want = Engine(dense, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
     # the dense file with every layer on the CPU stand-in (phi3: halves of ffn_up as DeviceWeight rows)
-    offload = Engine(dense, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=99))
+    offload = Engine(
+        dense, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=99)
+    )
     assert (offload.logits_all(TOKENS) - want).abs().max() <= 1e-4  # measured 0.0
-    cpu = Engine(out, EngineOptions(n_ctx=64, n_threads=2))
+    cpu = Engine(out, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
     assert cpu.sparse_stats is not None
     got = cpu.logits_all(TOKENS)
     assert (got - want).abs().max() <= 1e-4  # measured 1.3e-6 (gemma3), 8.9e-7 (phi3)
     # the CPU standing in for the pool device, with some neurons there: the all-CPU logits
-    pool = Engine(out, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget))
+    pool = Engine(
+        out,
+        EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget),
+    )
     n_pool = sum(hot.ids.numel() for hot in pool.loader.hot)
     assert 0 < n_pool < pool.config.n_layer * pool.config.n_ff, n_pool  # a split
     pooled = pool.logits_all(TOKENS)
@@ -327,7 +332,7 @@ def test_gemma3_query_scale(tmp_path, tokenizer_model):
     hf = tiny_gemma3(seed=3, query_pre_attn_scalar=20)
     path = convert(hf_folder(hf, tmp_path / "g", tokenizer_model), tmp_path / "g.gguf")
     assert read_gguf(path).metadata["gemma3.attention.scale"] == pytest.approx(20**-0.5)
-    ours = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    ours = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
     assert (ours - reference(hf, TOKENS)).abs().max() <= 1e-4
 
 

@@ -265,7 +265,9 @@ def test_profile_counts_expert_selections(checkpoints, tmp_path: Path):
     path = convert(folder, tmp_path / "f32.gguf", "f32")
     ids = tokens()
     windows = [ids[:10], ids[10:]]
-    prof = profile_experts(Engine(path, EngineOptions(n_ctx=64, n_threads=1, dense_ffn=True)), windows)
+    prof = profile_experts(
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1, dense_ffn=True)), windows
+    )
     want = [np.zeros(8, dtype=np.int64) for _ in range(2)]
     for w in windows:
         with torch.no_grad():
@@ -329,7 +331,7 @@ def test_converted_files_match_llama_cpp(converted, model_type: str, kind: str):
         "the tiny checkpoint or the converter changed: re-record tests/data/moe-llama-cpp-converted.json "
         "(scripts/make_synthetic_moe.py --files ... --record)"
     )
-    engine = Engine(path, EngineOptions(n_ctx=128, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=128, n_threads=1))
     compared = wrong = 0
     for run in recorded["runs"][name]:
         engine.reset()

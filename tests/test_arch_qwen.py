@@ -184,10 +184,12 @@ def max_diffs(path: Path, ref: torch.Tensor, ids: list[int]) -> dict[str, float]
     """Max abs logit difference of full prefill, prefill in chunks of 5 and token-by-token decode."""
     out = {}
     for mode, n_batch in (("prefill", 512), ("chunked", 5)):
-        ours = Engine(path, EngineOptions(n_ctx=64, n_batch=n_batch, n_threads=2)).logits_all(ids)
+        ours = Engine(
+            path, EngineOptions(act_precision="f32", n_ctx=64, n_batch=n_batch, n_threads=2)
+        ).logits_all(ids)
         assert ours.shape == ref.shape
         out[mode] = (ours - ref).abs().max().item()
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     step = torch.stack([engine.eval([t]) for t in ids])
     out["decode"] = (step - ref).abs().max().item()
     return out
@@ -219,7 +221,7 @@ def test_mistral_window_beyond_its_length(checkpoints, tmp_path: Path):
     g = read_gguf(path)
     assert g.metadata["general.architecture"] == "llama"
     assert g.metadata["llama.attention.sliding_window"] == WINDOW
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     assert engine.config.attention.sliding_window == WINDOW
     cfg = hf_config("mistral")
     cfg.sliding_window = None
@@ -233,7 +235,7 @@ def test_mistral_window_beyond_its_length(checkpoints, tmp_path: Path):
     ours = torch.stack([engine.eval([t]) for t in ids])
     assert (ours - windowed).abs().max() <= 1e-5
     # two sequences decoded together (positions 4.. and 9..): the batched path's window mask
-    batch = Engine(path, EngineOptions(n_ctx=64, n_threads=2, n_seq=2))
+    batch = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, n_seq=2))
     batch.prefill(0, ids[:4])
     batch.prefill(1, ids[:9])
     for i in range(12):
@@ -315,6 +317,7 @@ def rewrite(src: Path, dst: Path, drop: str | None = None, tensors: dict | None 
 
 
 def all_logits(path: Path, ids: list[int], **options) -> torch.Tensor:
+    options.setdefault("act_precision", "f32")
     return Engine(path, EngineOptions(n_ctx=64, n_threads=2, **options)).logits_all(ids)
 
 
@@ -346,7 +349,12 @@ def test_sparsify_and_pool(checkpoints, tmp_path: Path, model_type: str):
     vector = "blk.1.attn_v.bias" if model_type == "qwen2" else "blk.1.attn_k_norm.weight"
     split = {"qwen2": 0.00025, "qwen3": 0.0005}[model_type]  # GiB: some of the 256 neurons in the pool
     for budget in (split, 1.0):
-        engine = Engine(out, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget))
+        engine = Engine(
+            out,
+            EngineOptions(
+                act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget
+            ),
+        )
         assert engine.loader.hot, "the planner put no neuron in the pool"
         plan = engine.loader.plan
         n_pooled = sum(len(ids) for ids in plan.neurons if ids is not None)
@@ -362,7 +370,7 @@ def test_qwen3_missing_q_norm(checkpoints, tmp_path: Path):
         convert(folder, tmp_path / "q.gguf", "f16"), tmp_path / "bad.gguf", drop="blk.0.attn_q_norm.weight"
     )
     with pytest.raises(FormatError, match=r"missing required tensor 'blk\.0\.attn_q_norm\.weight'"):
-        Engine(path, EngineOptions(n_ctx=32))
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=32))
     r = runner.invoke(app, ["main", "-m", str(path), "-p", "hi", "-n", "1"])
     assert_one_error_line(r, "blk.0.attn_q_norm.weight")
 

@@ -12,7 +12,7 @@ PROMPTS = [[1, 5, 9, 33], [1, 200, 7], [1, 42, 42, 42, 42, 17], [1, 3]]
 
 
 def _greedy_alone(path, prompt, n):
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     logits = engine.eval(prompt)
     out = []
     for _ in range(n):
@@ -28,7 +28,7 @@ def test_batched_greedy_equals_solo(tmp_path, sparse):
     path = write_llama_gguf(tmp_path / "m.gguf", sd, n_head=4, n_head_kv=2, act="relu", **extra)
     n = 10
     want = [_greedy_alone(path, p, n) for p in PROMPTS]
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, n_seq=4))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, n_seq=4))
     batch = engine
     last = [int(batch.prefill(slot, p).argmax()) for slot, p in enumerate(PROMPTS)]
     got = [[t] for t in last]
@@ -42,7 +42,7 @@ def test_batched_greedy_equals_solo(tmp_path, sparse):
     batch.free(1)
     torch.testing.assert_close(
         batch.prefill(1, PROMPTS[1]),
-        Engine(path, EngineOptions(n_ctx=64)).eval(PROMPTS[1]),
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=64)).eval(PROMPTS[1]),
         atol=1e-4,
         rtol=0,
     )

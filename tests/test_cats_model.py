@@ -47,6 +47,7 @@ def ids_of(engine: Engine, n: int) -> list[int]:
 
 
 def logits(path: Path, n: int = 40, **options) -> torch.Tensor:
+    options.setdefault("act_precision", "f32")
     e = Engine(path, EngineOptions(n_ctx=128, **options))
     ids = ids_of(e, n)
     return torch.cat([e.logits_all(ids[: n // 2])] + [e.eval([t])[None] for t in ids[n // 2 :]])
@@ -55,7 +56,7 @@ def logits(path: Path, n: int = 40, **options) -> torch.Tensor:
 def test_zero_sparsity_gives_the_dense_logits(tiny_files):
     dense = logits(tiny_files["dense"])
     sparse = logits(tiny_files["s0.0"])
-    e = Engine(tiny_files["s0.0"], EngineOptions(n_ctx=128))
+    e = Engine(tiny_files["s0.0"], EngineOptions(act_precision="f32", n_ctx=128))
     assert e.config.sparse_method == "cats" and e.sparse_stats is not None
     assert (sparse - dense).abs().max() <= 1e-4
     assert (logits(tiny_files["s0.0"], dense_ffn=True) - dense).abs().max() <= 1e-4
@@ -81,7 +82,7 @@ def test_forced_active_two_stage_file_gives_the_dense_logits(tiny_files, tmp_pat
 
 
 def test_half_sparsity_skips_half_and_changes_the_logits(tiny_files):
-    e = Engine(tiny_files["s0.5"], EngineOptions(n_ctx=128))
+    e = Engine(tiny_files["s0.5"], EngineOptions(act_precision="f32", n_ctx=128))
     ids = ids_of(e, 40)
     e.logits_all(ids)
     s = e.sparse_stats
@@ -101,10 +102,10 @@ def test_first_position_runs_dense(tiny_files, decode):
     # a sequence's first token (the attention sink) computes every neuron: its logits are the dense input
     # file's (measured 8.3e-7, bound 5e-6), in a prefill (row ops with a dense row) and as a lone decode token
     # (the kernel with every neuron passing); the later tokens are sparse (measured 0.48 apart, bound > 1e-2)
-    ids = ids_of(Engine(tiny_files["dense"], EngineOptions(n_ctx=128)), 8)
+    ids = ids_of(Engine(tiny_files["dense"], EngineOptions(act_precision="f32", n_ctx=128)), 8)
     got = []
     for path in (tiny_files["dense"], tiny_files["s0.5"]):
-        e = Engine(path, EngineOptions(n_ctx=128))
+        e = Engine(path, EngineOptions(act_precision="f32", n_ctx=128))
         got.append(torch.stack([e.eval([t]) for t in ids]) if decode else e.logits_all(ids))
     dense, sparse = got
     assert (sparse[0] - dense[0]).abs().max() <= 5e-6
@@ -113,7 +114,7 @@ def test_first_position_runs_dense(tiny_files, decode):
 
 def test_prefill_equals_decode(tiny_files):
     path = tiny_files["s0.5"]
-    e = Engine(path, EngineOptions(n_ctx=128))
+    e = Engine(path, EngineOptions(act_precision="f32", n_ctx=128))
     ids = ids_of(e, 30)
     full = e.logits_all(ids)
     e.reset()
@@ -139,7 +140,9 @@ def test_pool_equals_cpu(tiny_files, budget, device, tmp_path):
     path.write_bytes(src.read_bytes())
     (tmp_path / "activation").symlink_to(src.parent / "activation")
     cpu = logits(path)
-    e = Engine(path, EngineOptions(n_ctx=128, pool_device=device, vram_budget_gib=budget))
+    e = Engine(
+        path, EngineOptions(act_precision="f32", n_ctx=128, pool_device=device, vram_budget_gib=budget)
+    )
     assert e.loader.hot, "the planner put no neuron in the pool"
     pooled = logits(path, pool_device=device, vram_budget_gib=budget)
     # CPU stand-in: measured ~1e-6; CUDA (Triton kernels, float32 sums in another order) not yet measured here

@@ -20,7 +20,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 def tokenizer(tmp_path_factory):
     sd = random_llama_state(n_head=4, n_head_kv=2, seed=2)
     path = write_llama_gguf(tmp_path_factory.mktemp("tok") / "m.gguf", sd, n_head=4, n_head_kv=2)
-    return Engine(path, EngineOptions(n_ctx=32)).tokenizer
+    return Engine(path, EngineOptions(act_precision="f32", n_ctx=32)).tokenizer
 
 
 @pytest.mark.parametrize(

@@ -38,11 +38,11 @@ def test_parallel_greedy_streams_equal_main(tmp_path: Path):
         prompts=tuple(PROMPTS),
         n_parallel=4,
         n_len=n_len,
-        engine=EngineOptions(n_ctx=n_len, n_batch=n_len, n_threads=2, n_seq=4),
+        engine=EngineOptions(act_precision="f32", n_ctx=n_len, n_batch=n_len, n_threads=2, n_seq=4),
         sampling=SamplingParams(temp=0, repeat_penalty=1.0),
     )
     result = run_batched(opts)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     for i, prompt in enumerate(PROMPTS):
         ids = engine.tokenizer.encode(prompt)
         assert result.prompt_ids[i] == ids

@@ -63,7 +63,7 @@ def test_chat_template_names_and_files(tmp_path):
 def test_builtin_templates_render(tmp_path):
     from powerinfer.server.chat import ChatFormatter
 
-    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(n_ctx=64))
+    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(act_precision="f32", n_ctx=64))
     messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
     texts = {
         name: ChatFormatter(engine.tokenizer, src).render(messages) for name, src in BUILTIN_TEMPLATES.items()
@@ -81,7 +81,7 @@ def test_builtin_templates_render(tmp_path):
 
 
 def test_session_sync_evaluates_only_the_new_suffix(tmp_path):
-    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(n_ctx=64))
+    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(act_precision="f32", n_ctx=64))
     tokens = [1, 40, 41, 42, 43, 44, 45]
     reference = engine.prefill(0, tokens)
     session = Session(engine)
@@ -98,7 +98,7 @@ def test_session_sync_evaluates_only_the_new_suffix(tmp_path):
 
 
 def test_session_file_round_trip_and_refusals(tmp_path):
-    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(n_ctx=64))
+    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(act_precision="f32", n_ctx=64))
     tokens = [1, 40, 41, 42, 43]
     reference = engine.prefill(0, tokens + [44])
     engine.free(0)
@@ -110,10 +110,10 @@ def test_session_file_round_trip_and_refusals(tmp_path):
     assert load_session(path, engine) == tokens and engine.n_past == 5
     torch.testing.assert_close(engine.eval([44]), reference, rtol=1e-4, atol=1e-4)
 
-    other = Engine(_tiny(tmp_path / "o.gguf", seed=3), EngineOptions(n_ctx=64))
+    other = Engine(_tiny(tmp_path / "o.gguf", seed=3), EngineOptions(act_precision="f32", n_ctx=64))
     with pytest.raises(FormatError, match="another model"):
         load_session(path, other)
-    small = Engine(tmp_path / "m.gguf", EngineOptions(n_ctx=4))
+    small = Engine(tmp_path / "m.gguf", EngineOptions(act_precision="f32", n_ctx=4))
     with pytest.raises(FormatError, match="context size"):
         load_session(path, small)
     big = tmp_path / "big.bin"
@@ -138,7 +138,7 @@ def test_session_file_round_trip_and_refusals(tmp_path):
 def test_a_flipped_byte_anywhere_in_a_session_file_is_refused(tmp_path):
     """64 bytes inverted at 48 places spread over the file (header, tensor data, zip directory): every copy is
     refused with a FormatError and the cache is left as it was."""
-    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(n_ctx=64))
+    engine = Engine(_tiny(tmp_path / "m.gguf"), EngineOptions(act_precision="f32", n_ctx=64))
     tokens = [1, 40, 41, 42, 43, 44, 45]
     engine.prefill(0, tokens)
     path = tmp_path / "s.bin"
@@ -389,7 +389,7 @@ def test_prompt_cache_reuses_the_prompt_and_refuses_another_model(tmp_path):
     assert first.exit_code == 0 and "session file does not exist, will create." in first.stderr
     second = runner.invoke(app, [*args, "-p", "abcdefgh ij", "--prompt-cache", str(cache)])
     assert second.exit_code == 0, second.stderr
-    tok = Engine(model, EngineOptions(n_ctx=64)).tokenizer
+    tok = Engine(model, EngineOptions(act_precision="f32", n_ctx=64)).tokenizer
     n_old, n_new = len(tok.encode("abcdefgh")), len(tok.encode("abcdefgh ij"))
     assert f"main: loaded a session with prompt size of {n_old} tokens" in second.stderr
     assert f"main: session file matches {n_old} / {n_new} tokens of prompt" in second.stderr

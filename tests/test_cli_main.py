@@ -97,7 +97,7 @@ def test_options_reach_the_library(monkeypatch, tmp_path):
 
 def test_generates_like_the_engine(tiny_gguf: Path):
     """stdout is the echoed prompt then the greedy continuation; timings go to stderr."""
-    engine = Engine(tiny_gguf, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     ids = engine.tokenizer.encode("hello")
     expected = list(engine.generate(ids, Sampler(SamplingParams(temp=0)), n_predict=12, ignore_eos=True))
     result = runner.invoke(
@@ -174,17 +174,17 @@ def test_python_dash_m_entry_point():
 
 @pytest.mark.parametrize("n_batch", [1, 3])
 def test_small_batches_give_the_same_tokens(tiny_gguf: Path, n_batch: int):
-    ref = Engine(tiny_gguf, EngineOptions(n_ctx=64, n_threads=1))
+    ref = Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     ids = ref.tokenizer.encode("a longer prompt")
     want = list(ref.generate(ids, Sampler(SamplingParams(temp=0)), n_predict=8, ignore_eos=True))
-    eng = Engine(tiny_gguf, EngineOptions(n_ctx=64, n_batch=n_batch, n_threads=1))
+    eng = Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=64, n_batch=n_batch, n_threads=1))
     assert list(eng.generate(ids, Sampler(SamplingParams(temp=0)), n_predict=8, ignore_eos=True)) == want
 
 
 def test_engine_owns_its_activation_precision(tiny_gguf: Path):
     """The setting lives in the engine's kernel context: a later engine is not affected."""
     q8 = Engine(tiny_gguf, EngineOptions(n_ctx=16, act_precision="q8"))
-    plain = Engine(tiny_gguf, EngineOptions(n_ctx=16))
+    plain = Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=16))
     assert q8.kc.act_precision == "q8" and plain.kc.act_precision == "f32"
     assert q8.kc.n_threads >= 1
 
@@ -271,7 +271,7 @@ def test_fixture_outputs_match_original_main(original_prompt_files, model, flags
     expected = json.loads((fx / "expected.json").read_text())
     reference = json.loads((fx / "reference.json").read_text())
     path = original_prompt_files[model]
-    tok = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).tokenizer
+    tok = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)).tokenizer
     extra, t1_key, _, _ = MAIN_FLAGS[flags]
     cases = expected[t1_key][model]
     assert len(cases) == 3

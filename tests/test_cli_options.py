@@ -97,3 +97,12 @@ def test_sampling_args_check_values_and_reduce_the_seed():
         SamplingArgs(temp=1e-40).params()
     with pytest.raises(InputError, match="--repeat-penalty must be > 0"):
         SamplingArgs(repeat_penalty=0.0).params()
+
+
+def test_library_and_commands_share_one_activation_precision() -> None:
+    """EngineOptions() and every command (EngineArgs' default) run the quant matmuls the same way: q8."""
+    from powerinfer.runtime.engine import EngineOptions, kernel_context
+
+    assert EngineOptions().act_precision == "q8" == EngineArgs().act_precision.value
+    assert kernel_context(EngineOptions(n_threads=1)).act_precision == "q8"
+    assert kernel_context(EngineOptions(n_threads=1, act_precision="f32")).act_precision == "f32"

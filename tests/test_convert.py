@@ -92,7 +92,7 @@ def test_fixture_outtypes_generate(tmp_path: Path, outtype: str):
     assert g.metadata["general.file_type"] == {"f32": 0, "q8_0": 7}[outtype]
     # greedy ids of PowerInfer's own F16 run (-t 1, no repeat penalty): sparse mode on our file agrees
     case = json.loads((f / "expected.json").read_text())["generate_no_repeat_penalty_t1"]["f16"][0]
-    engine = Engine(out, EngineOptions(n_ctx=64, n_threads=2))
+    engine = Engine(out, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
     assert engine.sparse_stats is not None
     logits, ids = engine.eval(case["prompt_ids"]), []
     for _ in range(12):
@@ -217,7 +217,7 @@ def test_synthetic_dense_matches_transformers(gqa, tmp_path: Path):
     tokens = [1, 70, 80, 90, 100, 110, 120, 130]
     with torch.no_grad():
         want = model(torch.tensor([tokens])).logits[0, -1]
-    got = Engine(out, EngineOptions(n_ctx=32, n_threads=2)).eval(tokens)
+    got = Engine(out, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2)).eval(tokens)
     assert torch.allclose(got.float(), want, atol=1e-3), (got - want).abs().max()
 
 
@@ -266,7 +266,7 @@ def test_bpe_tokenizer_json(gqa, tmp_path: Path):
     assert md["tokenizer.ggml.model"] == "gpt2" and md["tokenizer.ggml.pre"] == "gpt2"
     assert md["tokenizer.ggml.eos_token_id"] == 0 and md["tokenizer.ggml.add_bos_token"] is False
     assert len(md["tokenizer.ggml.tokens"]) == len(TINY_TOKENS) and md["tokenizer.ggml.merges"]
-    engine = Engine(tmp_path / "m.gguf", EngineOptions(n_ctx=32, n_threads=1))
+    engine = Engine(tmp_path / "m.gguf", EngineOptions(act_precision="f32", n_ctx=32, n_threads=1))
     text = "the lazy fox"
     assert engine.tokenizer.encode(text, add_bos=False) == tok.encode(text).ids
 

@@ -63,7 +63,10 @@ def test_cuda_pool_matches_cpu_stand_in(tmp_path, dtype):
     logits, n_bytes = {}, {}
     for device in ("cpu", "cuda"):
         engine = Engine(
-            path, EngineOptions(n_ctx=64, n_threads=2, pool_device=device, gpu_index_path=str(index))
+            path,
+            EngineOptions(
+                act_precision="f32", n_ctx=64, n_threads=2, pool_device=device, gpu_index_path=str(index)
+            ),
         )
         assert all(f.hot.gate.device.type == device for f in engine.model.ffns)
         assert all(
@@ -83,7 +86,7 @@ def test_cuda_pool_matches_cpu_stand_in(tmp_path, dtype):
 def test_cuda_budget_plan(tmp_path):
     path = write_relu_sparse_model(tmp_path / "m.powerinfer.gguf", n_ff=N_FF, seed=2)
     write_activation_stats(tmp_path / "activation", 2, N_FF)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, vram_budget_gib=0.01))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, vram_budget_gib=0.01))
     assert engine.pool_device is not None and engine.pool_device.type == "cuda"
     assert engine.placement is not None and engine.placement.total_bytes <= engine.placement.budget_bytes
     before = torch.cuda.memory_allocated()
@@ -101,7 +104,12 @@ def test_cuda_q4_0_pool_memory_is_the_planned_bytes(tmp_path):
     gc.collect()  # earlier tests' engines must not be freed while this one is measured
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cuda", gpu_index_path=str(index)))
+    engine = Engine(
+        path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cuda", gpu_index_path=str(index)
+        ),
+    )
     held = torch.cuda.memory_allocated() - before
     planned = 2 * N_FF * footprint_from_gguf(engine.gguf, 2, N_FF).neuron_bytes[0]
     assert planned == 2 * N_FF * 3 * 64 * 18 // 32

@@ -114,11 +114,14 @@ def _device_weights(engine: Engine) -> dict[str, ops.DeviceWeight]:
 def test_stand_in_pool_bytes_are_the_budgeted_bytes_and_logits_match(tmp_path, ggml_type, share):
     """The whole dense part and all (or half) of the FFN in the CPU stand-in pool, planned from a budget."""
     path = _model(tmp_path, ggml_type)
-    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    ref = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
     fp = footprint_from_gguf(read_gguf(path), 2, N_FF)
     budget = default_reserve_bytes(fp) + fp.dense_bytes + KV_BYTES + int(share * fp.ffn_bytes) + 1
     engine = Engine(
-        path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+        path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30
+        ),
     )
     p = engine.placement
     assert p is not None and p.kv_on_gpu and p.total_bytes <= p.budget_bytes
@@ -194,9 +197,9 @@ def test_k_quant_sparse_ffn_on_the_cpu_and_in_the_pool(tmp_path, gate_up, down):
     max |logit diff| <= 8.4e-7 of the logits' scale (float32 summation order; about half the neurons active);
     bound 1e-5."""
     kq_path, f32_path = _k_quant_models(tmp_path, gate_up, down)
-    ref = Engine(f32_path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    ref = Engine(f32_path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
     scale = float(ref.abs().max())
-    cpu = Engine(kq_path, EngineOptions(n_ctx=64, n_threads=2))
+    cpu = Engine(kq_path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
     ffn = cpu.model.ffns[0]
     assert ffn.gate.ggml_type == gate_up and ffn.down_t.ggml_type == down and ffn.fused_decode
     prefill = cpu.logits_all(TOKENS)
@@ -210,7 +213,10 @@ def test_k_quant_sparse_ffn_on_the_cpu_and_in_the_pool(tmp_path, gate_up, down):
     kv = kv_cache_bytes(2, 64, 256, 4)
     budget = default_reserve_bytes(fp) + fp.dense_bytes + kv + fp.ffn_bytes // 2 + 1
     pooled = Engine(
-        kq_path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+        kq_path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30
+        ),
     )
     hot = [f.hot for f in pooled.model.ffns]
     assert all(h is not None for h in hot)
@@ -238,7 +244,10 @@ def test_a_budget_holds_3_5x_more_q4_0_neurons_than_f16(tmp_path, monkeypatch):
         fp = footprint_from_gguf(read_gguf(path), 2, n_ff)
         budget = 64 * 1024 + fp.dense_bytes + KV_BYTES + ffn_budget + 1
         engine = Engine(
-            path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30)
+            path,
+            EngineOptions(
+                act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=budget / 2**30
+            ),
         )
         p = engine.placement
         assert p is not None and ffn_budget <= p.ffn_budget_bytes <= ffn_budget + 1
@@ -257,7 +266,10 @@ def test_pool_bytes_for_the_same_neurons(tmp_path):
     ids = np.arange(0, N_FF, 2)
     n_bytes = {}
     for ggml_type in (GGMLType.F16, GGMLType.Q4_0):
-        engine = Engine(_model(tmp_path / ggml_type.name, ggml_type), EngineOptions(n_ctx=64, n_threads=2))
+        engine = Engine(
+            _model(tmp_path / ggml_type.name, ggml_type),
+            EngineOptions(act_precision="f32", n_ctx=64, n_threads=2),
+        )
         ffn = engine.model.ffns[0]
         n_bytes[ggml_type] = HotRows(
             ffn.gate, ffn.up, ffn.down_t, ids, torch.device("cpu"), engine.kc

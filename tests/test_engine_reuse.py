@@ -14,7 +14,7 @@ def _engine(tmp_path) -> Engine:
     path = write_llama_gguf(
         tmp_path / "m.gguf", random_llama_state(n_head_kv=2, seed=5), n_head=4, n_head_kv=2
     )
-    return Engine(path, EngineOptions(n_ctx=64, n_batch=4, n_seq=2, n_threads=1))
+    return Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_batch=4, n_seq=2, n_threads=1))
 
 
 def test_hidden_states_are_what_the_head_projects_and_keep_reuses_a_prefix(tmp_path):

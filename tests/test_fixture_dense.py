@@ -20,7 +20,9 @@ def expected():
 
 @pytest.fixture(scope="module")
 def dense_engine():
-    return Engine(fixture_dir() / "tiny.dense.gguf", EngineOptions(n_ctx=256, n_threads=1))
+    return Engine(
+        fixture_dir() / "tiny.dense.gguf", EngineOptions(act_precision="f32", n_ctx=256, n_threads=1)
+    )
 
 
 def test_dense_greedy_matches_original(dense_engine, expected):

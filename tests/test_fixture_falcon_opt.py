@@ -48,6 +48,7 @@ def _json(fixture: str, name: str) -> dict:
 
 
 def _engine(fixture: str, model: str, **kw) -> Engine:
+    kw.setdefault("act_precision", "f32")
     return Engine(fixture_dir(fixture) / MODELS[model], EngineOptions(n_ctx=256, n_threads=1, **kw))
 
 
@@ -233,7 +234,7 @@ def test_profile_train_predictor_and_convert(tmp_path, fixture):
     report = json.loads((tmp_path / "pred" / "report.json").read_text())
     assert report["mean_recall"] > 0.9, report
     out = convert_hf_to_gguf(f / "hf", tmp_path / "m.gguf", predictor_dir=tmp_path / "pred")
-    engine = Engine(out, EngineOptions(n_ctx=64, n_threads=2))
+    engine = Engine(out, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
     assert engine.sparse_stats is not None
     assert torch.isfinite(engine.logits_all(_json(fixture, "expected.json")["perplexity_tokens"][:32])).all()
 

@@ -23,9 +23,15 @@ def expected():
 
 def _engine(model: str, split: bool, n_ctx: int = 256) -> Engine:
     d = fixture_dir()
-    opts = EngineOptions(n_ctx=n_ctx, n_threads=1)
+    opts = EngineOptions(act_precision="f32", n_ctx=n_ctx, n_threads=1)
     if split:
-        opts = EngineOptions(n_ctx=n_ctx, n_threads=1, pool_device="cpu", gpu_index_path=str(d / GPU_INDEX))
+        opts = EngineOptions(
+            act_precision="f32",
+            n_ctx=n_ctx,
+            n_threads=1,
+            pool_device="cpu",
+            gpu_index_path=str(d / GPU_INDEX),
+        )
     return Engine(d / MODELS[model], opts)
 
 

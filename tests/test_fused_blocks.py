@@ -116,7 +116,7 @@ def test_fused_blocks_at_long_positions(tmp_path):
     bits."""
     sd = random_llama_state(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, seed=6)
     path = write_llama_gguf(tmp_path / "long.gguf", sd, n_head=4, n_head_kv=2, n_ctx=320)
-    engine = Engine(path, EngineOptions(n_ctx=320, n_threads=2))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=320, n_threads=2))
     prompt = [(7 * i) % 28 + 3 for i in range(293)]
     engine.eval(prompt)
     fused = torch.stack([engine.eval([t]).clone() for t in DECODE])
@@ -162,7 +162,7 @@ def test_gated_kernel_matches_torch():
 
 @needs_kernels
 def test_fused_block_rejects_mismatched_buffers(mixed_files):
-    engine = Engine(mixed_files["Q4_0"], EngineOptions(n_ctx=32, n_threads=1))
+    engine = Engine(mixed_files["Q4_0"], EngineOptions(act_precision="f32", n_ctx=32, n_threads=1))
     layer = engine.model.layers[0]
     k_cache, v_cache = engine.kv.layer_view(0).slot(0)
     scratch = layer.attn.workspace.get("attn_block")

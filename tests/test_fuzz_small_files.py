@@ -81,7 +81,10 @@ def test_mutated_activation_statistics_load_or_fail_cleanly(stats_file, steps):
 def session(tmp_path_factory) -> tuple[Engine, Path, bytes]:
     root = tmp_path_factory.mktemp("sess")
     sd = random_llama_state(n_head=4, n_head_kv=2, seed=4)
-    engine = Engine(write_llama_gguf(root / "m.gguf", sd, n_head=4, n_head_kv=2), EngineOptions(n_ctx=32))
+    engine = Engine(
+        write_llama_gguf(root / "m.gguf", sd, n_head=4, n_head_kv=2),
+        EngineOptions(act_precision="f32", n_ctx=32),
+    )
     engine.prefill(0, [1, 5, 9, 13])
     path = root / "s.bin"
     save_session(path, engine, [1, 5, 9, 13])
@@ -207,7 +210,12 @@ def test_damaged_gpu_index_cache_is_rebuilt(pooled_model, damage):
     assert bad != good
     cache.write_bytes(bad)
     with pytest.raises(FormatError) as e:
-        Engine(model, EngineOptions(n_ctx=32, n_threads=1, pool_device="cpu", gpu_index_path=str(cache)))
+        Engine(
+            model,
+            EngineOptions(
+                act_precision="f32", n_ctx=32, n_threads=1, pool_device="cpu", gpu_index_path=str(cache)
+            ),
+        )
     assert str(cache) in str(e.value) and "\n" not in str(e.value)
     r = CliRunner().invoke(app, ["main", "-m", str(model), *POOL_ARGS])
     assert r.exit_code == 0, r.stderr

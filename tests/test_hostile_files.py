@@ -192,7 +192,7 @@ def refused_in_process(model: Path, error: type[PowerInferError], *needles: str,
     """read_gguf + Engine + one decode step raises `error` whose one line holds every needle."""
     with pytest.raises(error) as info:
         read_gguf(model)
-        Engine(model, EngineOptions(n_threads=1, **options)).eval([1])  # type: ignore[arg-type]
+        Engine(model, EngineOptions(n_threads=1, **{"act_precision": "f32", **options})).eval([1])  # type: ignore[arg-type]
     message = str(info.value)
     assert "\n" not in message and len(message.encode()) < MAX_LINE_BYTES, message
     assert not any(ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0 for c in message), message
@@ -436,7 +436,9 @@ def test_huge_context_is_refused_before_allocation(cli: CliPool, tmp_path: Path)
     assert "available" in line
     path = _huge_context(tmp_path / "m.gguf")
     refused_in_process(path, InputError, "4294967295", n_ctx=0)
-    Engine(path, EngineOptions(n_threads=1, n_ctx=64)).eval([1])  # an explicit -c is capped by it: runs
+    Engine(path, EngineOptions(act_precision="f32", n_threads=1, n_ctx=64)).eval(
+        [1]
+    )  # an explicit -c is capped by it: runs
 
 
 def test_shape_product_overflowing_int64(cli: CliPool):

@@ -136,7 +136,7 @@ def test_engine_matches_transformers_on_a_k_quant_file(tmp_path):
     ids = [1, 17, 42, 5, 99, 3, 64, 8, 23, 77]
     with torch.no_grad():
         ref = hf.eval()(torch.tensor([ids])).logits[0]
-    e = Engine(path, EngineOptions(n_ctx=64))
+    e = Engine(path, EngineOptions(act_precision="f32", n_ctx=64))
     prefill = e.logits_all(ids)
     e.reset()
     decode = torch.stack([e.eval([i]) for i in ids])

@@ -37,14 +37,14 @@ def test_logits_match_transformers(tmp_path, n_head, n_head_kv, act, dtype):
 
     # full sequence in one pass, then in prompt chunks of 5
     for n_batch in (512, 5):
-        engine = Engine(path, EngineOptions(n_ctx=64, n_batch=n_batch, n_threads=2))
+        engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_batch=n_batch, n_threads=2))
         ours = engine.logits_all(tokens)
         assert ours.shape == ref.shape
         diff = (ours - ref).abs().max().item()
         assert diff <= 1e-4, f"n_batch={n_batch}: max abs diff {diff}"
 
     # token-by-token decode through the KV cache
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     step = torch.stack([engine.eval([t]) for t in tokens])
     diff = (step - ref).abs().max().item()
     assert diff <= 1e-4, f"decode: max abs diff {diff}"
@@ -57,7 +57,7 @@ def test_prefill_then_decode_matches_full(tmp_path):
     tokens = list(range(5, 25))
     with torch.no_grad():
         ref = hf(torch.tensor([tokens])).logits[0]
-    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2))
     last = engine.eval(tokens[:12])
     torch.testing.assert_close(last, ref[11], atol=1e-4, rtol=0)
     for i in range(12, 20):

@@ -52,8 +52,8 @@ def test_sparse_ffn_computes_the_files_activation(tmp_path, act):
         predictors=random_predictors(sd),
         threshold=float("-inf"),
     )
-    sparse = Engine(path, EngineOptions(n_ctx=64, n_threads=2))
-    dense = Engine(path, EngineOptions(n_ctx=64, n_threads=2, dense_ffn=True))
+    sparse = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
+    dense = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, dense_ffn=True))
     want = dense.logits_all(TOKENS)
     got = sparse.logits_all(TOKENS)
     # measured: 0 for relu, <= 3e-7 relative for silu and gelu (prefill: same matmuls, other summation order in
@@ -69,7 +69,7 @@ def test_sparse_ffn_computes_the_files_activation(tmp_path, act):
         relu = write_llama_gguf(
             tmp_path / "relu-twin.gguf", sd, n_head=N_HEAD, n_head_kv=N_HEAD_KV, act="relu"
         )
-        other = Engine(relu, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+        other = Engine(relu, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
         assert (other - want).abs().max().item() > 1e-2
 
 
@@ -80,8 +80,13 @@ def test_sparse_ffn_computes_the_files_activation(tmp_path, act):
 @pytest.mark.parametrize("n_gpu_layers", [0, 1, N_LAYER // 2, N_LAYER, N_LAYER + 1])
 def test_ngl_offloads_the_last_layers(tmp_path, dtype, n_gpu_layers):
     path = _dense_file(tmp_path, dtype)
-    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=n_gpu_layers))
+    ref = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    engine = Engine(
+        path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=n_gpu_layers
+        ),
+    )
     on_device = [isinstance(layer.attn.wq, ops.DeviceWeight) for layer in engine.model.layers]
     n = min(n_gpu_layers, N_LAYER)
     assert on_device == [False] * (N_LAYER - n) + [True] * n
@@ -102,7 +107,7 @@ def test_ngl_offloads_the_last_layers(tmp_path, dtype, n_gpu_layers):
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     # decode through the offloaded layers (their KV caches live with them)
     engine.reset()
-    cpu = Engine(path, EngineOptions(n_ctx=64, n_threads=2))
+    cpu = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
     for t in TOKENS[:4]:
         a, b = cpu.eval([t]), engine.eval([t])
         assert (a - b).abs().max().item() <= 1e-4 * a.abs().max().item()
@@ -115,8 +120,13 @@ def test_ngl_offloads_the_last_layers(tmp_path, dtype, n_gpu_layers):
 @pytest.mark.parametrize("n_gpu_layers", [0, 1, N_LAYER // 2, N_LAYER, N_LAYER + 1])
 def test_ngl_on_cuda(tmp_path, n_gpu_layers):
     path = _dense_file(tmp_path, GGMLType.Q4_0)
-    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cuda", n_gpu_layers=n_gpu_layers))
+    ref = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    engine = Engine(
+        path,
+        EngineOptions(
+            act_precision="f32", n_ctx=64, n_threads=2, pool_device="cuda", n_gpu_layers=n_gpu_layers
+        ),
+    )
     got = engine.logits_all(TOKENS)
     assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
 
@@ -126,7 +136,7 @@ def test_ngl_is_refused_for_a_negative_count(tmp_path):
 
     path = _dense_file(tmp_path, GGMLType.F32)
     with pytest.raises(PlacementError, match="-ngl"):
-        Engine(path, EngineOptions(n_ctx=64, pool_device="cpu", n_gpu_layers=-1))
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=64, pool_device="cpu", n_gpu_layers=-1))
 
 
 # ------------------------------------------------------------------------------------------ kernel context
@@ -160,12 +170,12 @@ def test_step_serves_every_batch_shape(tmp_path):
     prompts = [[1, 5, 17, 99], [1, 200, 3]]
     single = []
     for p in prompts:
-        e = Engine(path, EngineOptions(n_ctx=64, n_threads=2))
+        e = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2))
         rows = [e.eval(p)]
         for t in (7, 9, 11):
             rows.append(e.eval([t]))
         single.append(torch.stack(rows))
-    e = Engine(path, EngineOptions(n_ctx=64, n_threads=2, n_seq=2))
+    e = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, n_seq=2))
     seqs = [0] * 4 + [1] * 3
     positions = [0, 1, 2, 3, 0, 1, 2]
     first = e.step(seqs, prompts[0] + prompts[1], positions)  # the last token of each run
@@ -182,10 +192,47 @@ def test_step_serves_every_batch_shape(tmp_path):
     assert e.kv.n_past == [7, 6]
 
 
+def test_engine_steps_an_assembled_model_through_its_forward_strategy(tmp_path):
+    """Engine(assemble(...)) is Engine(path, ...); an injected forward strategy runs every step and fork."""
+    from powerinfer.runtime.assembly import assemble
+    from powerinfer.runtime.forward import LocalForward
+    from powerinfer.runtime.generate import generate
+    from powerinfer.sampling import Sampler, SamplingParams
+
+    path = _dense_file(tmp_path, GGMLType.Q8_0)
+    options = EngineOptions(n_ctx=64, n_threads=1, n_seq=2)
+    want = Engine(path, options).logits_all(TOKENS)
+    model = assemble(path, options)
+    assert model.kc.act_precision == "q8" and model.n_ctx == 64 and model.stage is None
+
+    class Counting(LocalForward):
+        steps, forks = 0, []
+
+        def __call__(self, *args):
+            Counting.steps += 1
+            return super().__call__(*args)
+
+        def fork(self, src, dst, n):
+            Counting.forks.append((src, dst, n))
+
+    engine = Engine(model, forward=Counting(model.kc))
+    assert torch.equal(engine.logits_all(TOKENS), want)
+    assert Counting.steps == 1 and engine.governor is None
+    engine.fork(0, 1)
+    assert Counting.forks == [(0, 1, len(TOKENS))] and engine.kv.n_past == [len(TOKENS)] * 2
+    with pytest.raises(ValueError, match="its own options"):
+        Engine(model, EngineOptions(n_ctx=32))
+    greedy = Sampler(SamplingParams(temp=0))
+    engine.reset()
+    assert list(generate(engine, TOKENS, greedy, n_predict=4)) == list(
+        Engine(path, options).generate(TOKENS, Sampler(SamplingParams(temp=0)), n_predict=4)
+    )
+
+
 def test_step_rejects_positions_past_a_sequence(tmp_path):
     from powerinfer.errors import InputError
 
-    e = Engine(_dense_file(tmp_path, GGMLType.F32), EngineOptions(n_ctx=64, n_threads=1))
+    e = Engine(_dense_file(tmp_path, GGMLType.F32), EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     with pytest.raises(InputError, match="skips past"):
         e.step([0], [5], [3])
 

@@ -53,7 +53,7 @@ def forced_steps(path: Path) -> tuple[int, int, int]:
     """Our next-token choice along llama.cpp's greedy continuations (teacher forcing: each step sees llama.cpp's
     ids before it): (steps compared, mismatches, near-ties skipped). A step is compared unless our top-2 margin or
     llama.cpp's is below NEAR_TIE, where either choice is right."""
-    engine = Engine(path, EngineOptions(n_ctx=128, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=128, n_threads=1))
     compared = wrong = skipped = 0
     for run in RECORDED["runs"][path.name]:
         prompt, ids, margins = run["prompt"], run["ids"], run["margins"]
@@ -104,7 +104,9 @@ def test_wrong_router_disagrees_with_llama_cpp(files, monkeypatch, change: str):
 def test_smallthinker_layers(files):
     """llama.cpp's smallthinker with a window key: layer 0 full attention without RoPE, layer 1 windowed (4096)
     with RoPE; ReGLU experts, sigmoid gating, renormalised, the router on the layer input."""
-    engine = Engine(files["moe-smallthinker-tiny-f32.gguf"], EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(
+        files["moe-smallthinker-tiny-f32.gguf"], EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)
+    )
     c = engine.config
     assert c.attention_of(0).rope is None and c.attention_of(0).sliding_window is None
     assert c.attention_of(1).rope is not None and c.attention_of(1).sliding_window == 4096
@@ -117,9 +119,11 @@ def test_smallthinker_routes_on_the_layer_input(files, monkeypatch):
     differences between prefill, chunks and token by token."""
     path = files["moe-smallthinker-tiny-f32.gguf"]
     ids = RECORDED["runs"][path.name][1]["prompt"] + RECORDED["runs"][path.name][1]["ids"]
-    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(ids)
-    chunked = Engine(path, EngineOptions(n_ctx=64, n_batch=5, n_threads=1)).logits_all(ids)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    ref = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)).logits_all(ids)
+    chunked = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_batch=5, n_threads=1)).logits_all(
+        ids
+    )
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     step = torch.stack([engine.eval([t]) for t in ids])
     # measured 4.8e-7 (chunks) and 4.8e-7 (token by token)
     assert (chunked - ref).abs().max() <= 1e-5 and (step - ref).abs().max() <= 1e-5
@@ -127,7 +131,7 @@ def test_smallthinker_routes_on_the_layer_input(files, monkeypatch):
     monkeypatch.setattr(
         arch_moe, "moe_spec", lambda *a, **k: dataclasses.replace(real(*a, **k), route_input="ffn")
     )
-    other = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(ids)
+    other = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)).logits_all(ids)
     assert (other - ref).abs().max() > 0.5
 
 
@@ -160,7 +164,9 @@ def test_sparse_reglu_experts_equal_dense(files, kind: str):
     relative. Measured: bit for bit; about half of the up rows skipped."""
     from powerinfer.model.moe import Experts, route
 
-    engine = Engine(files[f"moe-smallthinker-tiny-{kind}.gguf"], EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(
+        files[f"moe-smallthinker-tiny-{kind}.gguf"], EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)
+    )
     ffn = engine.model.layers[1].ffn
     sparse = ffn.experts
     assert sparse.sparse and sparse.rows_path and sparse.one_path
@@ -196,7 +202,7 @@ def test_bytes_read_per_token(files):
     g = read_gguf(path)
     experts = sum(t.n_bytes for name, t in g.tensors.items() if "_exps." in name)
     others = sum(t.n_bytes for name, t in g.tensors.items() if "_exps." not in name)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     assert engine.read_bytes_per_token() == pytest.approx(others + experts * 2 / 8)
     assert any(line.startswith("moe: 2 of 8 experts per token") for line in engine.sparse_report())
 
@@ -207,7 +213,9 @@ def test_moe_block_batch_invariant(files, arch: str, kind: str):
     """A token's MoE output does not depend on the tokens it is computed with: a prompt grouped by expert equals
     each token alone (the one-token rows path) bit for bit, so prompts split into any batches, the prompt cache and
     the server's batches give the same logits."""
-    engine = Engine(files[f"moe-{arch}-tiny-{kind}.gguf"], EngineOptions(n_ctx=64, n_threads=2))
+    engine = Engine(
+        files[f"moe-{arch}-tiny-{kind}.gguf"], EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)
+    )
     ffn = engine.model.layers[1].ffn
     x = torch.randn(12, 64, generator=torch.Generator().manual_seed(5))
 
@@ -228,10 +236,13 @@ def test_offloaded_layers_on_the_cpu_pool(files, arch: str):
     are placed, the stacked experts stay in the file's memory; logits as without placement."""
     path = files[f"moe-{arch}-tiny-q4_0.gguf"]
     ids = RECORDED["runs"][path.name][2]["prompt"]
-    plain = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(ids)
+    plain = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(ids)
     for n_gpu_layers in (1, 3):
         engine = Engine(
-            path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=n_gpu_layers)
+            path,
+            EngineOptions(
+                act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", n_gpu_layers=n_gpu_layers
+            ),
         )
         layers = engine.model.layers
         assert sum(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in layers) == min(n_gpu_layers, 2)

@@ -155,7 +155,7 @@ def test_fixture_perplexity_matches_original(expected, reference, name, key):
 
 
 def test_fixture_tokens_match_original(expected):
-    engine = Engine(fixture_dir() / "tiny.powerinfer.gguf", EngineOptions(n_ctx=64))
+    engine = Engine(fixture_dir() / "tiny.powerinfer.gguf", EngineOptions(act_precision="f32", n_ctx=64))
     text = (fixture_dir() / "text.txt").read_text().removesuffix("\n")
     assert tokenize_text(engine, text) == [1] + expected["perplexity_tokens"]
 
@@ -213,8 +213,11 @@ def test_every_neuron_active_gives_dense_logits(monkeypatch):
     """With threshold -inf the predictor marks every neuron: recall 1, KLD 0, top-1 100%."""
     monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "-inf")
     path = fixture_dir() / "tiny.powerinfer.gguf"
-    opts = EngineOptions(n_ctx=64, n_threads=1)
-    sparse, dense = Engine(path, opts), Engine(path, EngineOptions(n_ctx=64, n_threads=1, dense_ffn=True))
+    opts = EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)
+    sparse, dense = (
+        Engine(path, opts),
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1, dense_ffn=True)),
+    )
     assert sparse.sparse_stats is not None and dense.sparse_stats is None
     sparse.sparse_stats.track_recall()
     tokens = tokenize_text(sparse, (fixture_dir() / "text.txt").read_text().removesuffix("\n"))
@@ -275,7 +278,7 @@ def test_strided_perplexity_first_window(expected):
     assert result.exit_code == 0, result.stderr
     running, final, _ = parse_stdout(result.stdout)
     assert len(running) == 3
-    engine = Engine(fx / "tiny.powerinfer.gguf", EngineOptions(n_ctx=40, n_threads=1))
+    engine = Engine(fx / "tiny.powerinfer.gguf", EngineOptions(act_precision="f32", n_ctx=40, n_threads=1))
     tokens = [1] + expected["perplexity_tokens"]
     logp = torch.log_softmax(engine.logits_all(tokens[:40]).double(), dim=-1)
     nll = -sum(float(logp[j, tokens[j + 1]]) for j in range(23, 39))
@@ -375,7 +378,7 @@ def test_empty_text(tiny_gguf: Path, tmp_path: Path):
 def test_text_too_short(tiny_gguf: Path, tmp_path: Path):
     text = tmp_path / "short.txt"
     text.write_text("hello world\n")
-    n = len(tokenize_text(Engine(tiny_gguf, EngineOptions(n_ctx=16)), "hello world"))
+    n = len(tokenize_text(Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=16)), "hello world"))
     assert n == 17  # BOS + byte-level pieces; the trailing newline is dropped as llama.cpp's -f does
     assert_one_error_line(
         run_ppl("-m", str(tiny_gguf), "-f", str(text), "-c", "16"),
@@ -402,7 +405,7 @@ def test_dense_tiny_model_runs(tiny_gguf: Path, tmp_path: Path):
     result = run_ppl("-m", str(tiny_gguf), "-f", str(text), "-c", "16", "-b", "8", "-t", "1")
     assert result.exit_code == 0, result.stderr
     running, final, _ = parse_stdout(result.stdout)
-    engine = Engine(tiny_gguf, EngineOptions(n_ctx=16, n_batch=16, n_threads=1))
+    engine = Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=16, n_batch=16, n_threads=1))
     lib = perplexity(
         engine, tokenize_text(engine, text.read_text().removesuffix("\n")), PerplexityOptions(n_ctx=16)
     )

@@ -115,7 +115,7 @@ def test_profile_counts_match_dense_forward(relu_model, tmp_path: Path):
     stats = load_activation_stats(out / "activation", 2, 128)  # what the planner reads
     raw = torch.load(out / "activation" / "activation_0.pt", weights_only=True)
     assert raw.dtype == torch.float32 and raw.shape == (128,)
-    engine = Engine(model, EngineOptions(n_ctx=64, dense_ffn=True))
+    engine = Engine(model, EngineOptions(act_precision="f32", n_ctx=64, dense_ffn=True))
     windows = make_windows(engine.tokenizer.encode(text, add_bos=False, parse_special=False), 64, 1)
     assert summary["n_tokens"] == sum(len(w) for w in windows)
     expected = reference_counts(sd, windows)
@@ -138,7 +138,7 @@ def test_profile_leaves_engine_dense_path_unchanged(relu_model):
     from powerinfer.profile import recording
 
     model, _ = relu_model
-    engine = Engine(model, EngineOptions(n_ctx=32, dense_ffn=True))
+    engine = Engine(model, EngineOptions(act_precision="f32", n_ctx=32, dense_ffn=True))
     ids = [1, 70, 71, 72, 73, 74]
     before = engine.eval(ids).clone()
     ffns = list(engine.model.ffns)
@@ -204,7 +204,7 @@ def test_train_predictor_cli(relu_model, tmp_path: Path):
         predictors=preds,
         threshold=pred.threshold,
     )
-    engine = Engine(sparse_path, EngineOptions(n_ctx=32))
+    engine = Engine(sparse_path, EngineOptions(act_precision="f32", n_ctx=32))
     x = torch.randn(5, 64)
     active = engine.model.ffns[1].selector.select(x)
     assert torch.equal(active, pred.scores(1, x) >= pred.threshold)

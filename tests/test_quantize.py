@@ -204,7 +204,7 @@ def test_fixture_round_trip(tmp_path, target):
     assert types["blk.2.fc1.weight"] == fc and types["blk.2.fc2.weight"] == fc
     assert types["blk.2.ffn_down_t.weight"] == GGMLType[target]
     assert assert_reference_blocks(src, out) == 4 * 9 + 2
-    engine = Engine(out, EngineOptions(n_ctx=64, n_threads=1))
+    engine = Engine(out, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
     assert engine.sparse_stats is not None
     assert torch.isfinite(engine.logits_all([1, 414, 481])).all()
 
@@ -252,8 +252,8 @@ def test_q8_0_fixture_generates_its_dense_text(tmp_path, monkeypatch):
     out = tmp_path / "q8.gguf"
     quantize_model(QuantizeOptions(fixture_dir() / "tiny.powerinfer.gguf", out, require_file_type("Q8_0")))
     monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "-inf")
-    sparse = Engine(out, EngineOptions(n_ctx=128, n_threads=2))
-    dense = Engine(out, EngineOptions(n_ctx=128, n_threads=2, dense_ffn=True))
+    sparse = Engine(out, EngineOptions(act_precision="f32", n_ctx=128, n_threads=2))
+    dense = Engine(out, EngineOptions(act_precision="f32", n_ctx=128, n_threads=2, dense_ffn=True))
     tok = sparse.tokenizer
     for prompt in ("Hello world", "The quick brown fox", "def main():"):
         ids = [tok.bos_id] + tok.encode(prompt, add_bos=False)
@@ -342,7 +342,7 @@ def test_smollm2_requantize(tmp_path, target):
     assert {t.tensor_type for t in reader.tensors if len(t.shape) == 2} == {GGMLType[target], GGMLType.Q8_0}
     if target != "Q8_0":
         return
-    engine = Engine(out, EngineOptions(n_ctx=32, n_threads=2))
+    engine = Engine(out, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2))
     ids = engine.tokenizer.encode("The capital of France is", add_bos=None)
     assert torch.isfinite(engine.logits_all(ids)).all()
 

@@ -37,7 +37,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def live(tiny_model: Path):
     opts = ServerOptions(
         model=tiny_model,
-        engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1),
+        engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=4, n_threads=1),
         alias="tiny",
         max_queue=16,
         max_body_bytes=64 * 1024,
@@ -49,7 +49,7 @@ def live(tiny_model: Path):
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path):
     """Solo greedy generation with the plain Engine: (prompt ids, n) -> (token ids, text)."""
-    engine = Engine(tiny_model, EngineOptions(n_ctx=N_CTX, n_threads=1))
+    engine = Engine(tiny_model, EngineOptions(act_precision="f32", n_ctx=N_CTX, n_threads=1))
 
     def run(prompt: list[int], n: int, stop: tuple[str, ...] = ()) -> tuple[list[int], str]:
         ids = list(engine.generate(prompt, Sampler(GREEDY), n_predict=n))
@@ -298,7 +298,9 @@ def test_body_over_the_limit_gets_413(live):
 
 def test_api_key(tiny_model):
     opts = ServerOptions(
-        model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=1, n_threads=1), api_key="s3cret"
+        model=tiny_model,
+        engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=1, n_threads=1),
+        api_key="s3cret",
     )
     with live_server(opts) as srv:
         body = {"prompt": "a", "n_predict": 2}
@@ -343,7 +345,9 @@ def _wait(predicate, timeout: float = 10.0) -> bool:
 
 def test_disconnect_mid_stream_frees_the_slot_and_queue_full_gets_503(tiny_model, reference):
     opts = ServerOptions(
-        model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=1, n_threads=1), max_queue=1
+        model=tiny_model,
+        engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=1, n_threads=1),
+        max_queue=1,
     )
     with live_server(opts, step_delay_s=0.05) as srv:
         worker = srv.server.worker
@@ -393,7 +397,9 @@ def test_metrics_report_sparsity_and_pool_share(tmp_path):
     write_activation_stats(tmp_path / "activation", 2, 128)
     opts = ServerOptions(
         model=path,
-        engine=EngineOptions(n_ctx=N_CTX, n_seq=2, n_threads=1, pool_device="cpu", vram_budget_gib=0.01),
+        engine=EngineOptions(
+            act_precision="f32", n_ctx=N_CTX, n_seq=2, n_threads=1, pool_device="cpu", vram_budget_gib=0.01
+        ),
     )
     with live_server(opts) as srv:
         assert request(srv, "POST", "/completion", {"prompt": "abc", "n_predict": 4})[0] == 200

@@ -42,7 +42,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path):
     """Solo greedy text of a prompt with the plain Engine (cached)."""
-    engine = Engine(tiny_model, EngineOptions(n_ctx=N_CTX, n_threads=1))
+    engine = Engine(tiny_model, EngineOptions(act_precision="f32", n_ctx=N_CTX, n_threads=1))
     cache: dict[tuple[str, int, bool], str] = {}
 
     def run(prompt: str, n: int, ignore_eos: bool = False) -> str:
@@ -60,7 +60,7 @@ def reference(tiny_model: Path):
 def live(tiny_model: Path):
     opts = ServerOptions(
         model=tiny_model,
-        engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1),
+        engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=4, n_threads=1),
         max_queue=64,
         read_timeout_s=READ_TIMEOUT,
         embedding=True,
@@ -320,7 +320,7 @@ MAX_CONNECTIONS = 10
 def slow(tiny_model: Path):
     opts = ServerOptions(
         model=tiny_model,
-        engine=EngineOptions(n_ctx=N_CTX, n_seq=MAX_CONNECTIONS, n_threads=1),
+        engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=MAX_CONNECTIONS, n_threads=1),
         max_queue=8,
         read_timeout_s=30.0,
         max_connections=MAX_CONNECTIONS,
@@ -723,7 +723,9 @@ def test_a_compile_stops_when_its_client_leaves(tiny_model: Path):
     are answered meanwhile, and the next grammar compiles in a new process. The first compile of a server
     starts its process (importing xgrammar: measured 1.5-3.5 s here), so a client that leaves after 0.3 s leaves
     during that compile."""
-    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=2, n_threads=1))
+    opts = ServerOptions(
+        model=tiny_model, engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=2, n_threads=1)
+    )
     with live_server(opts) as live:
         grammars = live.server.state.grammars
         body = json.dumps({"prompt": "x", "n_predict": 4, "grammar": 'root ::= "ab" [0-9]'}).encode()
@@ -755,7 +757,7 @@ def test_a_compile_past_its_time_or_memory_is_one_400_and_its_process_is_killed(
     from powerinfer.server.errors import ApiError
     from powerinfer.server.grammar import Grammars
 
-    tokenizer = Engine(tiny_model, EngineOptions(n_ctx=N_CTX, n_threads=1)).tokenizer
+    tokenizer = Engine(tiny_model, EngineOptions(act_precision="f32", n_ctx=N_CTX, n_threads=1)).tokenizer
     short = Grammars(tokenizer, timeout_s=0.2)
     t = time.perf_counter()
     with pytest.raises(ApiError) as e:
@@ -782,7 +784,9 @@ def test_concurrent_compiles_share_two_processes(tiny_model: Path):
     GRAMMAR_PROCESSES compile processes, which stay for later requests."""
     from powerinfer.server.grammar import GRAMMAR_PROCESSES
 
-    opts = ServerOptions(model=tiny_model, engine=EngineOptions(n_ctx=N_CTX, n_seq=4, n_threads=1))
+    opts = ServerOptions(
+        model=tiny_model, engine=EngineOptions(act_precision="f32", n_ctx=N_CTX, n_seq=4, n_threads=1)
+    )
     with live_server(opts) as live:
         grammars = live.server.state.grammars
 

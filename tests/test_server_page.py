@@ -104,7 +104,9 @@ def test_chat_page_streams_an_answer(tmp_path, webdriver):
     model = write_llama_gguf(
         tmp_path / "m.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2, n_ctx=512
     )
-    opts = ServerOptions(model=model, engine=EngineOptions(n_ctx=512, n_seq=2, n_threads=1), alias="tiny")
+    opts = ServerOptions(
+        model=model, engine=EngineOptions(act_precision="f32", n_ctx=512, n_seq=2, n_threads=1), alias="tiny"
+    )
     with live_server(opts, step_delay_s=0.03) as srv:
         webdriver.goto(srv.url + "/")
         deadline = time.monotonic() + 20

@@ -26,8 +26,10 @@ N = 8
 def smol():
     path = smollm2_path()
     openai = pytest.importorskip("openai")
-    engine = Engine(path, EngineOptions(n_ctx=256, n_threads=2))
-    opts = ServerOptions(model=path, engine=EngineOptions(n_ctx=512, n_seq=4, n_threads=2), embedding=True)
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=256, n_threads=2))
+    opts = ServerOptions(
+        model=path, engine=EngineOptions(act_precision="f32", n_ctx=512, n_seq=4, n_threads=2), embedding=True
+    )
     with live_server(opts) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         yield srv, client, engine

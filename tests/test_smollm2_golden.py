@@ -16,7 +16,7 @@ from conftest import smollm2_path
 
 from powerinfer import ops
 from powerinfer.eval import PerplexityOptions, perplexity, tokenize_text
-from powerinfer.runtime import engine as engine_module
+from powerinfer.runtime import assembly as assembly_module
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 
@@ -32,8 +32,8 @@ PPL_REL = 1e-6
 @functools.cache
 def engine_for(isa: str, act: str) -> Engine:
     with pytest.MonkeyPatch.context() as mp:
-        make = engine_module.kernel_context
-        mp.setattr(engine_module, "kernel_context", lambda options: make(options).replace(isa=isa))
+        make = assembly_module.kernel_context
+        mp.setattr(assembly_module, "kernel_context", lambda options: make(options).replace(isa=isa))
         n_ctx = GOLDEN["n_ctx"]
         engine = Engine(
             smollm2_path(), EngineOptions(n_ctx=n_ctx, n_batch=n_ctx, n_threads=2, act_precision=act)

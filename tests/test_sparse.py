@@ -46,7 +46,7 @@ def _index(tmp_path: Path, gpu_neurons: list[np.ndarray], name: str) -> str:
 def _placements(tmp_path: Path, n_layer: int = 2) -> dict[str, EngineOptions]:
     rng = np.random.default_rng(7)
     half = [np.sort(rng.choice(N_FF, N_FF // 2, replace=False)) for _ in range(n_layer)]
-    base = {"n_ctx": 64, "n_threads": 2}
+    base = {"n_ctx": 64, "n_threads": 2, "act_precision": "f32"}
     return {
         "all-cpu": EngineOptions(**base),
         "all-pool": EngineOptions(
@@ -73,7 +73,7 @@ def test_all_active_equals_dense(tmp_path, monkeypatch):
         predictors=random_predictors(sd),
         threshold=0.0,
     )
-    ref = Engine(dense, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    ref = Engine(dense, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
     monkeypatch.setenv("LLAMA_SPARSE_PRED_THRESHOLD", "-inf")
     for name, opts in _placements(tmp_path).items():
         engine = Engine(sparse, opts)
@@ -82,7 +82,7 @@ def test_all_active_equals_dense(tmp_path, monkeypatch):
         assert diff <= 1e-4, (name, diff)
         assert engine.sparse_stats.active.sum().item() == 2 * len(TOKENS) * N_FF
     # the dense path of the PWRI file (ffn_down_t) agrees too
-    forced_dense = Engine(sparse, EngineOptions(n_ctx=64, n_threads=2, dense_ffn=True))
+    forced_dense = Engine(sparse, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, dense_ffn=True))
     assert (forced_dense.logits_all(TOKENS) - ref).abs().max().item() <= 1e-4
 
 
@@ -168,7 +168,7 @@ def test_engine_plans_caches_and_resets_the_gpu_index(tmp_path):
     path = _sparse_file(tmp_path)
     write_activation_stats(tmp_path / "activation", 2, N_FF)
     cache = Path(str(path) + ".generated.gpuidx")
-    opts = {"n_ctx": 64, "n_threads": 1, "pool_device": "cpu"}
+    opts = {"n_ctx": 64, "n_threads": 1, "pool_device": "cpu", "act_precision": "f32"}
     # budget large enough for the dense part and half of the FFN
     small = Engine(path, EngineOptions(**opts, vram_budget_gib=0.00045))
     assert small.placement is not None and small.placement.ffn_source == "solved"
@@ -196,8 +196,11 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
 
     path = _sparse_file(tmp_path, GGMLType.F16)
     write_activation_stats(tmp_path / "activation", 2, N_FF)
-    ref = Engine(path, EngineOptions(n_ctx=64, n_threads=2)).logits_all(TOKENS)
-    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01))
+    ref = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(TOKENS)
+    engine = Engine(
+        path,
+        EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01),
+    )
     p = engine.placement
     assert p is not None and p.kv_on_gpu and "output.weight" in p.gpu_tensors
     assert all(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in engine.model.layers)
@@ -207,7 +210,14 @@ def test_plan_moves_attention_predictors_and_output_to_the_pool(tmp_path):
     # --disable-gpu-index keeps the dense offload and skips only the FFN split
     off = Engine(
         path,
-        EngineOptions(n_ctx=64, n_threads=2, pool_device="cpu", vram_budget_gib=0.01, disable_gpu_index=True),
+        EngineOptions(
+            act_precision="f32",
+            n_ctx=64,
+            n_threads=2,
+            pool_device="cpu",
+            vram_budget_gib=0.01,
+            disable_gpu_index=True,
+        ),
     )
     assert all(f.hot is None for f in _ffns(off))
     assert all(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in off.model.layers)
@@ -221,7 +231,7 @@ def test_fused_decode_equals_separate_steps(tmp_path, dtype):
     path = _sparse_file(tmp_path, dtype, threshold=0.05)
     gen = torch.Generator().manual_seed(3)
     for threads in (1, 2):
-        engine = Engine(path, EngineOptions(n_ctx=64, n_threads=threads))
+        engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=threads))
         for ffn in _ffns(engine):
             for _ in range(4):
                 u, x = torch.randn(1, 64, generator=gen), torch.randn(1, 64, generator=gen)

@@ -63,7 +63,9 @@ def screen_cache(tmp_path_factory):
 
 def test_screen_shape_and_pays():
     assert screen_rank(576) == 256 and screen_rank(2048) == 896 and screen_rank(64) == 32
-    engine = Engine(smollm2_path(), EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
+    engine = Engine(
+        smollm2_path(), EngineOptions(act_precision="f32", n_ctx=64, n_threads=1, sparse_head=False)
+    )
     assert screen_pays(engine.model.head.output)  # 7.9 MB of screen against the 30.1 MB Q8_0 head
 
 
@@ -123,10 +125,12 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
 def test_engine_builds_and_reports_it(screen_cache: Path):
     """--sparse-head on a dense file calibrates a screen at load (kept in the cache folder); greedy decode
     equals the whole head's."""
-    options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
+    options = EngineOptions(act_precision="f32", n_ctx=128, n_threads=2, sparse_head=True)
     engine = Engine(smollm2_path(), options)
     assert isinstance(engine.model.head, SparseHead)
-    dense = Engine(smollm2_path(), EngineOptions(n_ctx=128, n_threads=2, sparse_head=False))
+    dense = Engine(
+        smollm2_path(), EngineOptions(act_precision="f32", n_ctx=128, n_threads=2, sparse_head=False)
+    )
     ids = engine.tokenizer.encode("The capital of France is")
     a, b = engine.eval(ids), dense.eval(ids)
     for _ in range(16):
@@ -145,7 +149,10 @@ def test_same_bits_however_the_token_arrives(screen_cache: Path):
     decode step shared with another sequence, and at 1 or 2 threads."""
     outs = []
     for threads in (2, 1):
-        e = Engine(smollm2_path(), EngineOptions(n_ctx=128, n_threads=threads, n_seq=3, sparse_head=True))
+        e = Engine(
+            smollm2_path(),
+            EngineOptions(act_precision="f32", n_ctx=128, n_threads=threads, n_seq=3, sparse_head=True),
+        )
         assert isinstance(e.model.head, SparseHead)
         ids = e.tokenizer.encode("The capital of France is Paris, and the capital of Italy is")
         whole = e.prefill(0, ids)
@@ -200,8 +207,10 @@ def test_sparsify_writes_the_screen(tmp_path: Path):
     )
     tensors = read_gguf(out).tensors
     assert tensors[SCREEN_PROJ].shape == (256, 576) and tensors[SCREEN].shape == (49152, 256)
-    assert isinstance(Engine(out, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
-    plain = Engine(out, EngineOptions(n_ctx=64, n_threads=1, sparse_head=False))
+    assert isinstance(
+        Engine(out, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)).model.head, SparseHead
+    )
+    plain = Engine(out, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1, sparse_head=False))
     assert not isinstance(plain.model.head, SparseHead)
     # quantize keeps the screen as written (its types are part of its design), whatever the target
     from typer.testing import CliRunner
@@ -213,12 +222,14 @@ def test_sparsify_writes_the_screen(tmp_path: Path):
     for name in (SCREEN, SCREEN_PROJ):
         assert after[name].ggml_type == tensors[name].ggml_type
         assert bytes(after[name].data) == bytes(tensors[name].data)
-    assert isinstance(Engine(q8, EngineOptions(n_ctx=64, n_threads=1)).model.head, SparseHead)
+    assert isinstance(
+        Engine(q8, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)).model.head, SparseHead
+    )
 
 
 def test_cached_screen_is_checked(screen_cache: Path, monkeypatch, caplog):
     """A later load takes the cached screen; a flipped byte anywhere in it is caught and the screen rebuilt."""
-    options = EngineOptions(n_ctx=128, n_threads=2, sparse_head=True)
+    options = EngineOptions(act_precision="f32", n_ctx=128, n_threads=2, sparse_head=True)
     first = Engine(smollm2_path(), options).model.head
     path = head_cache.cache_path(smollm2_path())
     assert path.is_file() and not list(path.parent.glob(".tmp-*"))

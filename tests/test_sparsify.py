@@ -147,7 +147,7 @@ def measured_active_share(
     dense), from a dense run whose gate and up products are recomputed with dequantized float32 weights (not the
     kernels sparsify used); also the share passing the gate stage and each neuron's mean |up_n u| over the same
     tokens. Returns (share (n_layer,), tokens run, mean |up u| (n_layer, n_ff), gate-stage share (n_layer,))."""
-    engine = Engine(model, EngineOptions(n_ctx=n_ctx, n_threads=1))
+    engine = Engine(model, EngineOptions(act_precision="f32", n_ctx=n_ctx, n_threads=1))
     ids = tokenize_corpus(engine, text.read_text(encoding="utf-8"))[:max_tokens]
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
     ffns = [layer.ffn for layer in engine.model.layers]
@@ -386,14 +386,14 @@ def test_bad_input(tiny, tmp_path: Path, monkeypatch):
     r = sparsify("-m", str(keyed), "-f", str(text), "--sparsity", "0.5")
     assert_refused(tmp_path, r, "already sparse")
     # an FFN without a gate (no architecture here has one yet: the config is altered as it is loaded)
-    import powerinfer.runtime.engine as engine_module
+    import powerinfer.runtime.assembly as assembly_module
 
-    load = engine_module.load_config
+    load = assembly_module.load_config
 
     def ungated(gguf):
         c = load(gguf)
         return dataclasses.replace(c, ffn=dataclasses.replace(c.ffn, gated=False))
 
-    monkeypatch.setattr(engine_module, "load_config", ungated)
+    monkeypatch.setattr(assembly_module, "load_config", ungated)
     r = sparsify("-m", str(model), "-f", str(text), "--sparsity", "0.5", "-c", "128")
     assert_refused(tmp_path, r, "not gated")

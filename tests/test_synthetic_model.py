@@ -95,7 +95,7 @@ def test_file_is_pwri_with_sparse_tensors(synthetic, kind):
 @pytest.mark.parametrize("kind", ["f16", "q4_0"])
 def test_engine_runs_sparse_at_requested_share(synthetic, kind):
     path = _paths(synthetic)[kind]
-    engine = Engine(path, EngineOptions(n_ctx=128, n_threads=2))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=128, n_threads=2))
     assert engine.sparse_stats is not None  # sparse mode
     c = engine.config
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_bos=True)
@@ -112,7 +112,7 @@ def test_engine_runs_sparse_at_requested_share(synthetic, kind):
     assert share == pytest.approx(ACTIVE, abs=0.03)
     assert len(set(generated)) > 4  # a plausible model, not a constant output
 
-    dense = Engine(path, EngineOptions(n_ctx=128, n_threads=2, dense_ffn=True))
+    dense = Engine(path, EngineOptions(act_precision="f32", n_ctx=128, n_threads=2, dense_ffn=True))
     assert dense.sparse_stats is None
     assert torch.isfinite(dense.eval(prompt)).all()
 

@@ -30,11 +30,12 @@ def test_context_shares_its_thread_cell() -> None:
 
 def test_governor_drops_probes_and_backs_off(keep_torch_threads) -> None:
     kc = KernelContext(n_threads=2)
+    before = torch.get_num_threads()
     g = ThreadGovernor(kc)
     g.judge(0.99, 0.0)  # a quiet machine: nothing changes
     assert kc.threads_now == 2
     g.judge(0.66, 1.0)  # 3 busy threads on 2 cores: each gets two thirds
-    assert kc.threads_now == 1 and torch.get_num_threads() == 1
+    assert kc.threads_now == 1 and torch.get_num_threads() == before  # torch's pool: the steps' business
     g.judge(1.0, 1.0 + th.PROBE_S / 2)  # too early to try again
     assert kc.threads_now == 1
     g.judge(1.0, 1.0 + th.PROBE_S)  # the probe
@@ -84,15 +85,36 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
     from powerinfer.runtime.engine import Engine, EngineOptions
 
     path = write_llama_gguf(tmp_path / "tiny.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
-    engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2))
+    torch.set_num_threads(3)
+    caller = torch.get_num_threads()
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2))
     assert engine.governor is not None and engine.governor.kc is engine.kc
     before = engine.step([0, 0, 0], [1, 2, 3], [0, 1, 2])
     engine.governor.judge(0.5, 0.0)  # as if the cores were shared: one thread, the same logits
     assert engine.kc.threads_now == 1
     engine.reset()
+    inside = []
+    forward = engine.model.forward
+
+    def recording(*args, **kwargs):
+        inside.append(torch.get_num_threads())
+        return forward(*args, **kwargs)
+
+    engine.model.forward = recording
+    engine.governor.load = lambda: None  # no look at the machine's load that could raise the count again
     assert torch.equal(engine.step([0, 0, 0], [1, 2, 3], [0, 1, 2]), before)
-    assert Engine(path, EngineOptions(n_ctx=32, n_threads=2, fixed_threads=True)).governor is None
-    assert Engine(path, EngineOptions(n_ctx=32, n_threads=1)).governor is None  # nothing to lower
+    assert (
+        inside == [1] and torch.get_num_threads() == caller
+    )  # torch at the engine's count, in its step only
+    del engine.model.forward
+    assert (
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=2, fixed_threads=True)).governor
+        is None
+    )
+    assert torch.get_num_threads() == caller  # building and stepping engines left the caller's setting
+    assert (
+        Engine(path, EngineOptions(act_precision="f32", n_ctx=32, n_threads=1)).governor is None
+    )  # nothing to lower
 
     seen = []
 
@@ -112,6 +134,19 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
     finally:
         mp.undo()
     assert seen == [False, True]
+
+
+def test_torch_threads_is_scoped(keep_torch_threads) -> None:
+    """torch's process-global count is the engine's only inside its step, whatever the engine's count."""
+    torch.set_num_threads(3)
+    seen = []
+    for n in (1, 3, 2):
+        with th.torch_threads(n):
+            seen.append(torch.get_num_threads())
+        assert torch.get_num_threads() == 3
+    with pytest.raises(RuntimeError), th.torch_threads(1):
+        raise RuntimeError
+    assert seen == [1, 3, 2] and torch.get_num_threads() == 3
 
 
 def test_a_fresh_step_looks_at_the_load_first(keep_torch_threads) -> None:

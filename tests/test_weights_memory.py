@@ -14,7 +14,7 @@ from powerinfer.cli import app
 from powerinfer.cli import main as cli_main
 from powerinfer.errors import InputError
 from powerinfer.gguf.reader import in_memory, read_gguf, tensor_bytes_total
-from powerinfer.runtime import engine as engine_module
+from powerinfer.runtime import assembly as assembly_module
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 PROMPT = [5, 9, 14, 3, 7]
@@ -39,7 +39,8 @@ def test_in_memory_copies_every_tensor_byte_for_byte(tiny_gguf: Path):
 
 def test_mmap_option_places_the_weights_and_keeps_the_bits(tiny_gguf: Path):
     engines = {
-        m: Engine(tiny_gguf, EngineOptions(n_ctx=32, n_threads=1, mmap=m)) for m in (True, False, None)
+        m: Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=32, n_threads=1, mmap=m))
+        for m in (True, False, None)
     }
     assert all(_on_mapping(engines[True]))
     assert not any(_on_mapping(engines[False]))
@@ -50,11 +51,13 @@ def test_mmap_option_places_the_weights_and_keeps_the_bits(tiny_gguf: Path):
 
 def test_default_maps_weights_that_do_not_fit_and_no_mmap_refuses(tiny_gguf: Path, monkeypatch):
     need = tensor_bytes_total(read_gguf(tiny_gguf))
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: need + 1)  # under twice the weights
-    assert all(_on_mapping(Engine(tiny_gguf, EngineOptions(n_ctx=32, n_threads=1))))
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: need - 1)
+    monkeypatch.setattr(
+        assembly_module, "available_memory_bytes", lambda: need + 1
+    )  # under twice the weights
+    assert all(_on_mapping(Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=32, n_threads=1))))
+    monkeypatch.setattr(assembly_module, "available_memory_bytes", lambda: need - 1)
     with pytest.raises(InputError, match=r"--no-mmap: the weights need .* is available \(use --mmap\)"):
-        Engine(tiny_gguf, EngineOptions(n_ctx=32, n_threads=1, mmap=False))
+        Engine(tiny_gguf, EngineOptions(act_precision="f32", n_ctx=32, n_threads=1, mmap=False))
 
 
 @pytest.mark.parametrize(("flag", "value"), [([], None), (["--mmap"], True), (["--no-mmap"], False)])

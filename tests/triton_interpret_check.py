@@ -107,13 +107,20 @@ def check_engine(failures: list[str]) -> dict[str, float]:
             ("Q4_K/Q6_K", _k_quant_models(Path(tmp) / "kq", GGMLType.Q4_K, GGMLType.Q6_K)[0], 512, 256)
         )
         for name, path, n_ff, n_embd in models:
-            ref = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(tokens)
+            ref = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=1)).logits_all(tokens)
             # a budget for the dense part and half of the FFN: hot and cold rows both in use
             fp = footprint_from_gguf(read_gguf(path), 2, n_ff)
             kv_bytes = kv_cache_bytes(2, 64, n_embd, 4)
             budget = default_reserve_bytes(fp) + fp.dense_bytes + kv_bytes + fp.ffn_bytes // 2
             engine = Engine(
-                path, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=budget / 2**30)
+                path,
+                EngineOptions(
+                    act_precision="f32",
+                    n_ctx=64,
+                    n_threads=1,
+                    pool_device="cpu",
+                    vram_budget_gib=budget / 2**30,
+                ),
             )
             m = engine.model
             # the same placement with Triton weights (the interpreter runs them on the CPU tensors)

@@ -11,6 +11,7 @@ from powerinfer.app.console import err_console
 from powerinfer.app.interactive import InteractiveOptions, run_session
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.generate import generate
 from powerinfer.runtime.timings import format_timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
@@ -103,7 +104,7 @@ def run_main(opts: MainOptions) -> int:
         out.write(opts.prompt)
         out.flush()
     decoder = StreamDecoder(tok)
-    for token in engine.generate(prompt_ids, sampler, opts.n_predict, opts.ignore_eos):
+    for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos):
         piece = decoder.feed(token)
         if piece:
             out.write(piece)

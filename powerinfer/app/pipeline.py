@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.threads import torch_threads
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,7 @@ def serve_if_worker(model: Path, options: EngineOptions) -> bool:
     engine = Engine(model, options)
     assert engine.pipeline is not None and engine.stage is not None
     log.info("%s; this is rank %d", engine.stage.describe(), p.env.rank)
-    n_steps = engine.pipeline.serve(engine)
+    with torch_threads(engine.kc.threads_now):  # this process serves one engine: torch at its count
+        n_steps = engine.pipeline.serve(engine)
     log.info("pipeline rank %d: %d steps served", p.env.rank, n_steps)
     return True

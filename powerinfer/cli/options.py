@@ -28,6 +28,7 @@ import typer
 from powerinfer.app.console import resolve_model
 from powerinfer.errors import InputError, PlacementError
 from powerinfer.printable import printable
+from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION as ENGINE_DEFAULT_ACT_PRECISION
 from powerinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -83,9 +84,8 @@ class ActPrecision(str, Enum):
     q8 = "q8"
 
 
-# the default of every command: int8 activation blocks as llama.cpp computes them (the speed a user expects of a
-# llama.cpp drop-in; f32 decodes the weights to floats in registers, exact against float references but slower)
-DEFAULT_ACT_PRECISION = ActPrecision.q8
+# the default of every command and of the library's EngineOptions (runtime.defaults)
+DEFAULT_ACT_PRECISION = ActPrecision(ENGINE_DEFAULT_ACT_PRECISION)
 
 ActPrecisionOpt = Annotated[
     ActPrecision,

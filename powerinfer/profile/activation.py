@@ -156,7 +156,11 @@ def run_profile(
     text = read_corpus(opts.corpus)
     out = Path(opts.out_dir)
     check_profile_outputs(out, opts.plot)  # before the run: a bad -o must not cost the whole profile
-    engine = Engine(opts.model, EngineOptions(n_ctx=opts.n_ctx, n_threads=opts.n_threads, dense_ffn=True))
+    # exact activations (f32): statistics of the model itself, not of int8-rounded inputs
+    engine = Engine(
+        opts.model,
+        EngineOptions(act_precision="f32", n_ctx=opts.n_ctx, n_threads=opts.n_threads, dense_ffn=True),
+    )
     moe = moe_ffns(engine) is not None
     if not moe:
         require_relu(engine.config)

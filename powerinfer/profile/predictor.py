@@ -325,8 +325,12 @@ def train_predictors(
         )
     text = read_corpus(opts.corpus)
     n_ctx = opts.n_ctx or 512
+    # exact activations (f32): statistics of the model itself, not of int8-rounded inputs
     engine = Engine(
-        opts.model, EngineOptions(n_ctx=n_ctx, n_batch=n_ctx, n_threads=opts.n_threads, dense_ffn=True)
+        opts.model,
+        EngineOptions(
+            act_precision="f32", n_ctx=n_ctx, n_batch=n_ctx, n_threads=opts.n_threads, dense_ffn=True
+        ),
     )
     c = engine.config
     require_relu(c)
@@ -375,7 +379,11 @@ def evaluate_on_text(
     device: str | None = None,
 ) -> list[LayerMetrics]:
     """Per-layer metrics of a predictor set on the dense run of a text (e.g. held-out text)."""
-    engine = Engine(model, EngineOptions(n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, dense_ffn=True))
+    # exact activations (f32): statistics of the model itself, not of int8-rounded inputs
+    engine = Engine(
+        model,
+        EngineOptions(act_precision="f32", n_ctx=n_ctx, n_batch=n_ctx, n_threads=n_threads, dense_ffn=True),
+    )
     ids = tokenize_corpus(engine, text)
     ids = ids[:max_tokens] if max_tokens > 0 else ids
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)

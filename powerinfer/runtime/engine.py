@@ -1,8 +1,10 @@
-"""The engine: read a model file once, place and build it, then run steps over KV-cache slots.
+"""The engine: steps over KV-cache slots of a model assembled once (runtime.assembly: read, placed, built).
 
 `step(seq_ids, tokens, positions)` is the one forward entry: prefill chunks, single-token decode and batches of
-sequences all go through it. Sequence lengths live in the KV cache (`kv.n_past`); `prefill`, `decode`, `eval`
-and `logits_all` are thin helpers over `step`. Generation (sampling, stops, limits) is `runtime.generate`.
+sequences all go through it; how it runs the model (here, or through a pipeline of ranks) is its forward
+strategy (runtime.forward). Sequence lengths live in the KV cache (`kv.n_past`); `prefill`, `decode`, `eval`
+and `logits_all` are thin helpers over `step`. Generation (sampling, stops, limits) is `runtime.generate`, the
+report lines `runtime.report`.
 """
 
 from __future__ import annotations
@@ -11,18 +13,13 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch import build_model, load_config
-from powerinfer.errors import InputError, PlacementError
-from powerinfer.gguf.constants import Keys
-from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
+from powerinfer.errors import InputError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import Head
 from powerinfer.model.head import (
@@ -38,150 +35,60 @@ from powerinfer.model.head import (
     screen_pays,
     screen_rank,
 )
-from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
 from powerinfer.placement import Placement
-from powerinfer.placement.device_plan import DevicePlan, layers_plan
 from powerinfer.quant import row_bytes
-from powerinfer.runtime import head_cache
-from powerinfer.runtime.generate import Generator, GenParams
-from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, KVCache, available_memory_bytes, kv_cache_bytes
-from powerinfer.runtime.loader import Loader
-from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
+from powerinfer.runtime import head_cache, report
+from powerinfer.runtime.assembly import (
+    AssembledModel,
+    EngineOptions,
+    assemble,
+    kernel_context,
+    weights_in_memory,
+)
+from powerinfer.runtime.forward import Forward, LocalForward, PipelineForward
+from powerinfer.runtime.generate import generate
+from powerinfer.runtime.kv_cache import KVCache
 from powerinfer.runtime.threads import ThreadGovernor
 from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
-from powerinfer.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from powerinfer.runtime.pipeline import Pipeline, PipelineOptions, Stage
+    from powerinfer.runtime.pipeline import Pipeline
+
+__all__ = ["AssembledModel", "Engine", "EngineOptions", "assemble", "kernel_context", "weights_in_memory"]
 
 log = logging.getLogger(__name__)
 
-MAX_THREADS = 1024
-# host bytes per position and rotary pair while the RoPE tables are built (float64 angles, complex128 and
-# complex64 rotations, float pairs: model.blocks.Rope), an upper bound
-ROPE_BYTES_PER_PAIR = 64
 # the text a screen for --sparse-head is calibrated on when the file has none
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 
 
-def _gib(n_bytes: int) -> str:
-    return f"{n_bytes / 2**30:.3g} GiB"
-
-
-@dataclass(frozen=True)
-class EngineOptions:
-    n_ctx: int = 512  # 0: the model's training context
-    n_batch: int = 512
-    n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
-    n_threads: int | None = None
-    # activations of the quant matmuls: "f32" (exact) or "q8" (int8 blocks, llama.cpp's arithmetic)
-    act_precision: str | None = None
-    vram_budget_gib: float | None = None
-    n_gpu_layers: int = 0
-    reset_gpu_index: bool = False
-    disable_gpu_index: bool = False
-    dense_ffn: bool = False  # PWRI files: compute every FFN neuron (no predictor)
-    pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
-    gpu_index_path: str | None = None  # use this GPU index instead of planning one
-    pipeline: PipelineOptions | None = None  # one stage of several ranks (runtime.pipeline)
-    # the weights: None copies them into memory (huge pages) when they take at most half of the available memory,
-    # else maps the file; True always maps the file (--mmap), False always copies (--no-mmap)
-    mmap: bool | None = None
-    fixed_threads: bool = False  # False: fewer kernel threads while the cores are shared (runtime.threads)
-    # the output head (model.head): None screens it where the file carries a screen (sparsify writes one), True
-    # also builds a screen for a file without one (from the packaged calibration text), False computes it whole
-    sparse_head: bool | None = None
-
-
-def kernel_context(options: EngineOptions) -> ops.KernelContext:
-    """The kernel settings an engine owns (threads, activation precision)."""
-    n = options.n_threads
-    if n is not None and n > MAX_THREADS:
-        raise InputError(f"-t {n} is more threads than this engine supports ({MAX_THREADS})")
-    kwargs: dict[str, object] = {}
-    if n is not None and n > 0:
-        kwargs["n_threads"] = n
-    if options.act_precision is not None:
-        kwargs["act_precision"] = options.act_precision
-    try:
-        return ops.KernelContext(**kwargs)  # type: ignore[arg-type]
-    except ValueError as e:
-        raise InputError(str(e)) from None
-
-
-def weights_in_memory(gguf: GGUFFile, mmap: bool | None) -> GGUFFile:
-    """The file whose tensors the engine reads: copied into memory (gguf.reader.in_memory: huge pages, no page
-    faults during decode) unless `mmap` is True, or None and the copy would take more than half of the available
-    memory (then the file mapping, as llama.cpp's default)."""
-    if mmap is True:
-        return gguf
-    need, available = tensor_bytes_total(gguf), available_memory_bytes()
-    if mmap is None and available is not None and need > available // 2:
-        log.info(
-            "weights (%s) stay on the file mapping: more than half of the available %s",
-            _gib(need),
-            _gib(available),
-        )
-        return gguf
-    if available is not None and need > available:
-        raise InputError(
-            f"--no-mmap: the weights need {_gib(need)}, only {_gib(available)} is available (use --mmap)"
-        )
-    try:
-        return in_memory(gguf)
-    except OSError as e:
-        raise InputError(f"cannot read the weights of {gguf.path} into memory: {e.strerror or e}") from None
-
-
 class Engine:
-    """Owns the model, tokenizer, kernel context and KV cache (n_seq slots)."""
+    """Steps an assembled model (its tokenizer, kernel context and weights) over its own KV cache (n_seq slots)."""
 
-    def __init__(self, model_path: str | os.PathLike[str], options: EngineOptions | None = None) -> None:
+    def __init__(
+        self,
+        model: AssembledModel | str | os.PathLike[str],
+        options: EngineOptions | None = None,
+        forward: Forward | None = None,
+    ) -> None:
+        """Step an assembled model (runtime.assembly.assemble), or assemble the model file at `model` first.
+        `forward` runs the model in each step (runtime.forward); None: here, or through the pipeline of the
+        model's stage, with a thread governor unless options.fixed_threads."""
         t0 = time.perf_counter()
-        self.options = o = options or EngineOptions()
-        self.model_path = Path(model_path)
-        self.kc = kernel_context(o)
-        if o.n_threads is not None and o.n_threads > 0:
-            torch.set_num_threads(o.n_threads)  # torch's own ops (norms, attention) use its thread pool
-        if o.n_batch <= 0:
-            raise InputError(f"batch size must be positive (got {o.n_batch})")
-        if o.n_seq < 1:
-            raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
-        self.gguf = read_gguf(model_path)
-        self.config = c = load_config(self.gguf)
-        self.stage: Stage | None = None
-        self.pipeline: Pipeline | None = None
-        if o.pipeline is not None:  # this rank's layers only: a view of the file with n_layer of them
-            from powerinfer.runtime.pipeline import plan_stage, stage_view
-
-            self.stage = plan_stage(o.pipeline, self.gguf, c)
-            self.gguf, c = stage_view(self.gguf, c, self.stage.layers)
-            self.config = c
-        self.gguf = weights_in_memory(self.gguf, o.mmap)
-        self.tokenizer = Tokenizer.from_metadata(self.gguf.metadata, powerinfer_file=self.gguf.is_sparse)
-        if self.tokenizer.n_vocab != c.n_vocab:
-            raise InputError(f"tokenizer has {self.tokenizer.n_vocab} tokens, model {c.n_vocab}")
-        self.n_ctx = o.n_ctx if o.n_ctx > 0 else c.n_ctx_train
-        if self.n_ctx > c.n_ctx_train:
-            # positions past the training context degrade the text; take the model's own limit
-            log.warning(
-                "context %d exceeds the model's training context %d; using %d",
-                self.n_ctx,
-                c.n_ctx_train,
-                c.n_ctx_train,
-            )
-            self.n_ctx = c.n_ctx_train
-        sparse = self.gguf.is_sparse and not o.dense_ffn
-        self.sparse_stats: SparseStats | None = SparseStats.zeros(c.n_layer) if sparse else None
-        self.plan = self._plan(sparse)
-        self.placement: Placement | None = self.plan.placement
-        self.pool_device = torch.device(self.plan.device) if self.plan.device is not None else None
-        sparsity = Sparsity(c.sparse_method, c.sparse_threshold) if sparse else Sparsity()
-        self.loader = Loader(self.gguf, self.plan, self.kc, sparsity, self.sparse_stats)
-        self._check_context_memory()
-        self.model = build_model(self.gguf, c, self.loader)
+        if not isinstance(model, AssembledModel):
+            model = assemble(model, options)
+        elif options is not None and options is not model.options:
+            raise ValueError("an assembled model carries its own options")
+        self.assembled = m = model
+        self.options, self.model_path, self.kc = m.options, m.model_path, m.kc
+        self.gguf, self.config, self.tokenizer, self.n_ctx = m.gguf, m.config, m.tokenizer, m.n_ctx
+        self.stage, self.plan, self.loader, self.model = m.stage, m.plan, m.loader, m.model
+        self.sparse_stats: SparseStats | None = m.sparse_stats
+        self.placement: Placement | None = m.placement
+        self.pool_device = m.pool_device
+        c, o = self.config, self.options
         self.kv = KVCache(
             c.n_layer,
             self.n_ctx,
@@ -190,25 +97,34 @@ class Engine:
             n_seq=o.n_seq,
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
         )
-        self.model.setup(self.n_ctx, placed=self.plan.device is not None)
         self.head_stats: HeadStats | None = None
+        self.pipeline: Pipeline | None = None
+        self.governor: ThreadGovernor | None = None
+        if forward is None:
+            forward = self._default_forward()
+        self.forward: Forward = forward
+        self._setup_head(o.sparse_head)
+        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+
+    def _default_forward(self) -> Forward:
+        """The pipeline of this model's stage (connected now), else the model here under a thread governor."""
         if self.stage is not None:
             from powerinfer.runtime.pipeline import connect
 
-            self.pipeline = connect(self.stage, c, self.gguf)
-        # a step that waits on a device or on other ranks is not a sign of shared cores
-        waits = self.pipeline is not None or (self.pool_device is not None and self.pool_device.type != "cpu")
-        adapt = not (o.fixed_threads or waits) and self.kc.n_threads > 1 and self.kc.uses_kernels
+            self.pipeline = connect(self.stage, self.config, self.gguf)
+            return PipelineForward(self.pipeline, self.kc)
+        # a step that waits on a device is not a sign of shared cores
+        waits = self.pool_device is not None and self.pool_device.type != "cpu"
+        adapt = not (self.options.fixed_threads or waits) and self.kc.n_threads > 1 and self.kc.uses_kernels
         self.governor = ThreadGovernor(self.kc) if adapt else None
-        self._setup_head(o.sparse_head)
-        self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
+        return LocalForward(self.kc, self.governor)
 
     def _setup_head(self, want: bool | None) -> None:
         """Screen the output head (model.head.SparseHead) as `want` says (EngineOptions.sparse_head)."""
         if want is False:
             return
         head = self.model.head
-        on_cpu = self.plan.device is None and self.pipeline is None and isinstance(head, Head)
+        on_cpu = self.plan.device is None and self.stage is None and isinstance(head, Head)
         if not on_cpu or not isinstance(head.output, ops.QWeight):
             if want:
                 raise InputError(
@@ -250,56 +166,6 @@ class Engine:
         ]
         self.free(0)
         return build_head_screen(output, torch.cat(hidden))
-
-    def _check_context_memory(self) -> None:
-        """Refuse a context whose host buffers (KV cache, RoPE tables, attention scores) need more memory than
-        this process can get, before any of them is allocated: the context comes from -c or, with -c 0, from
-        the file's context_length."""
-        c, n_ctx, n_seq = self.config, self.n_ctx, self.options.n_seq
-        n_layer = sum(1 for bid in range(c.n_layer) if self.loader.kv_device(bid).type == "cpu")
-        kv = kv_cache_bytes(n_layer, n_ctx, c.n_embd_gqa, n_seq)
-        tables = n_ctx * (c.head_dim // 2 * ROPE_BYTES_PER_PAIR + c.n_head * 4)
-        available = available_memory_bytes()
-        if available is not None and kv + tables > available:
-            kv_terms = f"{n_layer} layers x {n_ctx} x {c.n_embd_gqa} x 2 x {KV_BYTES_PER_ELEMENT} bytes"
-            raise InputError(
-                f"context of {n_ctx} tokens needs {_gib(kv + tables)} of host memory (KV cache {kv_terms} "
-                f"x {n_seq} sequences = {_gib(kv)}), only {_gib(available)} is available; "
-                "use a smaller context (-c)"
-            )
-
-    def _plan(self, sparse: bool) -> DevicePlan:
-        """Where weights, KV caches and residuals live: -ngl for dense files, the VRAM budget for sparse ones."""
-        o, c = self.options, self.config
-        if o.n_gpu_layers < 0:
-            raise PlacementError(f"-ngl must be >= 0 (got {o.n_gpu_layers})")
-        request = PoolRequest(
-            o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index, o.disable_gpu_index
-        )
-        if sparse:
-            if o.n_gpu_layers > 0:
-                log.warning("sparse models ignore -ngl/--n-gpu-layers; use --vram-budget instead")
-            if (
-                o.vram_budget_gib is not None
-                and o.vram_budget_gib >= 0
-                and not torch.cuda.is_available()
-                and o.pool_device is None
-            ):
-                log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
-            device = pool_device(request)
-            if device is None:
-                return DevicePlan()
-            layers = self.stage.layers if self.stage is not None else None
-            return plan_pool(self.gguf, c, request, device, self.n_ctx, layers)
-        if o.n_gpu_layers > 0:
-            if o.pool_device is None and not torch.cuda.is_available():
-                log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
-                return DevicePlan()
-            device = pool_device(PoolRequest(o.pool_device or "cuda", None))
-            if device is None:  # pragma: no cover - pool_device returns a device when one is asked for
-                raise PlacementError("no device for -ngl")
-            return layers_plan(self.gguf.tensors, c.n_layer, o.n_gpu_layers, str(device))
-        return DevicePlan()
 
     # ------------------------------------------------------------------ forward
     @property
@@ -344,16 +210,7 @@ class Engine:
                 rows = slice(-1, None)
             elif batch.kind == "mixed":
                 rows = torch.tensor([seg.start + seg.n - 1 for seg in batch.segments])
-        if self.pipeline is not None:
-            if hidden:
-                raise InputError("embeddings are not served by a pipeline of several ranks")
-            logits = self.pipeline.forward(self.model, batch, kv, rows)
-        else:
-            if self.governor is not None:
-                self.governor.begin()
-            logits = self.model.forward(batch, kv, rows, hidden=hidden)
-            if self.governor is not None:
-                self.governor.end()
+        logits = self.forward(self.model, batch, kv, rows, hidden)
         for seg in batch.segments:
             kv.n_past[seg.seq] = seg.pos + seg.n
         return logits
@@ -401,8 +258,7 @@ class Engine:
             if not 0 <= s < self.kv.n_seq:
                 raise InputError(f"sequence {s} out of range (0..{self.kv.n_seq - 1})")
         self.kv.copy_slot(src, dst, self.kv.n_past[src])
-        if self.pipeline is not None:
-            self.pipeline.fork(src, dst, self.kv.n_past[src])
+        self.forward.fork(src, dst, self.kv.n_past[src])
 
     def keep(self, seq: int, n: int) -> None:
         """Shorten sequence `seq` to its first n positions, which must still hold the tokens they were
@@ -433,141 +289,26 @@ class Engine:
     def generate(
         self, prompt: list[int], sampler: Sampler, n_predict: int = -1, ignore_eos: bool = False
     ) -> Iterator[int]:
-        """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context."""
-        if len(prompt) > self.n_ctx - 4:
-            raise InputError(
-                f"prompt is too long ({len(prompt)} tokens, max {self.n_ctx - 4} for -c {self.n_ctx})"
-            )
-        gen = Generator(self)
-        params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos)
-        events = gen.start(0, prompt, params, sampler)
-        while True:
-            for ev in events:
-                if ev.token is not None:
-                    yield ev.token
-            if not gen.live:
-                return
-            events = gen.step()
+        """runtime.generate.generate on this engine."""
+        return generate(self, prompt, sampler, n_predict, ignore_eos)
 
-    # ------------------------------------------------------------------ reports
+    # ------------------------------------------------------------------ reports (runtime.report)
     def head_read_bytes(self) -> int:
-        """Weight bytes the sparse head reads per token: its screen and candidates, the rows it widened to and the
-        whole head for its fallbacks (averaged over its tokens); 0 without a sparse head."""
-        head, st = self.model.head, self.head_stats
-        if not isinstance(head, SparseHead) or st is None:
-            return 0
-        whole = head.output.raw.numel()
-        extra = st.extra_rows * head.output.raw.shape[1]
-        return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
+        return report.head_read_bytes(self.assembled)
 
     def read_bytes_per_token(self) -> float:
-        """Weight bytes one decoded token reads: the file's tensors, less the FFN rows sparsity skips (by the
-        measured shares), the head as head_read_bytes (the file's screen tensors only when in use)."""
-        per_token = float(self.weight_bytes)
-        for name in (SCREEN, SCREEN_PROJ):
-            if name in self.gguf.tensors:
-                per_token -= self.gguf.tensors[name].n_bytes
-        head = self.model.head
-        if isinstance(head, SparseHead):
-            per_token += self.head_read_bytes() - head.output.raw.numel()
-        moe = getattr(self.config, "moe", None)
-        if moe is not None:  # a token reads the rows of its k experts of n_expert only
-            for name, t in self.gguf.tensors.items():
-                if name.endswith("_exps.weight"):
-                    per_token -= t.n_bytes * (1.0 - moe.n_expert_used / moe.n_expert)
-        s = self.sparse_stats
-        if s is None or int(s.tokens.sum()) == 0:
-            return per_token
-        c = self.config
-        cats = c.sparse_method == "cats"
-        active = s.active / (np.maximum(s.tokens, 1) * c.n_ff)
-        share = float(active.mean())
-        up_share = float((s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).mean()) if cats else share
-        read = {"ffn_up.weight": up_share, "ffn_down_t.weight": share}
-        if not cats:
-            read["ffn_gate.weight"] = share
-        for name, t in self.gguf.tensors.items():
-            fraction = read.get(".".join(name.rsplit(".", 2)[-2:]))
-            if fraction is not None:
-                per_token -= t.n_bytes * (1.0 - fraction)
-        return per_token
+        return report.read_bytes_per_token(self.assembled)
 
     def head_report(self) -> list[str]:
-        """The sparse head's line: candidates, fallbacks, bytes read against the whole head."""
-        head, stats = self.model.head, self.head_stats
-        if not isinstance(head, SparseHead) or stats is None or stats.tokens == 0:
-            return []
-        return [
-            f"head: sparse (screen of rank {head.proj.shape[0]}, {head.n_candidates} exact candidates), "
-            f"of {stats.tokens} tokens {stats.widened / stats.tokens:.1%} widened (mean "
-            f"{stats.extra_rows / max(1, stats.widened):.0f} rows more), {stats.fallbacks / stats.tokens:.1%} "
-            "computed whole; "
-            f"~{self.head_read_bytes() / 2**20:.1f} MiB read per token (whole head: "
-            f"{head.output.raw.numel() / 2**20:.1f} MiB)"
-        ]
+        return report.head_report(self.assembled)
 
     def sparse_report(self) -> list[str]:
-        """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token, and
-        the sparse head's line (MoE files: the experts' share of the bytes a token reads)."""
-        s = self.sparse_stats
-        if s is None or int(s.tokens.sum()) == 0:
-            head_lines = self.head_report()
-            moe = getattr(self.config, "moe", None)
-            if moe is not None:
-                head_lines.append(
-                    f"moe: {moe.n_expert_used} of {moe.n_expert} experts per token: "
-                    f"~{self.read_bytes_per_token() / 2**20:.1f} MiB of weights read per token (the file: "
-                    f"{self.weight_bytes / 2**20:.1f} MiB)"
-                )
-                return head_lines
-            if not head_lines:
-                return []
-            return [
-                *head_lines,
-                f"sparse: ~{self.read_bytes_per_token() / 2**20:.1f} MiB of "
-                f"weights read per token (the file: {self.weight_bytes / 2**20:.1f} MiB)",
-            ]
-        c = self.config
-        active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
-        pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
-        # cats: the gate is read for every neuron, up for those passing the gate stage, down for the active ones
-        cats = c.sparse_method == "cats"
-        up_share = (s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).tolist() if cats else active
-        share = sum(active) / len(active)
-        per_token = self.read_bytes_per_token()
-        per_layer = " ".join(f"{a:.2f}" for a in active)
-        target = self.gguf.metadata.get(Keys.SPARSITY_TARGET)
-        shown = f" {target:.2f}" if isinstance(target, (int, float)) and not isinstance(target, bool) else ""
-        selection = (
-            f"cats thresholds (target sparsity{shown})"
-            if cats
-            else f"predictor {s.predictor_total_ms:.2f} ms in total"
-        )
-        up_note = ""
-        if cats and sum(up_share) > sum(active) + 1e-9:
-            up_note = f" (up rows read for {sum(up_share) / len(up_share):.1%})"
-        lines = [
-            f"sparse: {'active' if cats else 'predicted active'} {share:.1%} of FFN neurons{up_note}, "
-            f"per layer: {per_layer}",
-            f"sparse: {pool:.1%} of active neurons served by the pool"
-            + (f" on {self.pool_device}" if self.pool_device is not None else " (no pool: all on the CPU)"),
-            *self.head_report(),
-            f"sparse: ~{per_token / 2**20:.1f} MiB of weights read per token "
-            f"(the file: {self.weight_bytes / 2**20:.1f} MiB), {selection}",
-        ]
-        if self.placement is not None:
-            lines.append(f"placement: {self.placement.reason}")
-        return lines
+        return report.sparse_report(self.assembled)
 
     def placement_report(self) -> list[str]:
-        """What the device plan put on the pool device, and its bytes there."""
-        if self.pool_device is None:
-            return []
-        return [
-            f"placement: {self.plan.reason}; {self.loader.device_bytes / 2**20:.2f} MiB on {self.pool_device}"
-        ]
+        return report.placement_report(self.assembled)
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of tensor data in the model file (read once per decoded token)."""
-        return sum(t.n_bytes for t in self.gguf.tensors.values())
+        return report.weight_bytes(self.assembled)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -260,3 +261,27 @@ class Generator:
         seq.end = reason
         seq.pending = None
         return Event(seq.slot, token, text, reason, stopping_word, seq)
+
+
+def generate(
+    engine: GenerationEngine,
+    prompt: list[int],
+    sampler: Sampler,
+    n_predict: int = -1,
+    ignore_eos: bool = False,
+) -> Iterator[int]:
+    """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context."""
+    if len(prompt) > engine.n_ctx - 4:
+        raise InputError(
+            f"prompt is too long ({len(prompt)} tokens, max {engine.n_ctx - 4} for -c {engine.n_ctx})"
+        )
+    gen = Generator(engine)
+    params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos)
+    events = gen.start(0, prompt, params, sampler)
+    while True:
+        for ev in events:
+            if ev.token is not None:
+                yield ev.token
+        if not gen.live:
+            return
+        events = gen.step()

@@ -19,6 +19,11 @@ A window is judged only after steps ran, so a prompt (one step) and the first de
 -t 2 against 35-79 ms at -t 1). So a step that starts fresh (the first one, or FRESH_S after the last ended) looks
 at the load first: with k other runnable tasks (Linux /proc/loadavg) on c usable cores it starts at
 max(1, c - k) threads (at most n_threads); a quiet machine starts at n_threads again.
+
+torch's own thread pool (its ops inside a step: prompt attention, norms) is process-global, so an engine never
+sets it for good: `torch_threads` sets it to the engine's current count for the length of one step (or of a
+pipeline rank's serving loop) and puts the caller's back afterwards. Two engines of one process with different
+-t each run their steps at their own count, and a program that embeds one keeps its own torch setting.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +63,20 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's thread count set to n inside the block, the caller's restored after it (no call when equal)."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass
@@ -125,7 +145,6 @@ class ThreadGovernor:
             self.probing = True
 
     def _set(self, n: int, now: float, why: str) -> None:
-        self.kc.threads.n = n
-        torch.set_num_threads(n)  # torch's own ops (prompt attention, norms) wait at barriers too
+        self.kc.threads.n = n  # torch's ops follow it: the engine's steps run under torch_threads(threads.n)
         self.changed_at = now
         log.debug("threads: %d (%s)", n, why)

@@ -61,7 +61,8 @@ def make(d: DefaultModel) -> None:
     from powerinfer.runtime.engine import Engine, EngineOptions
     from powerinfer.sparsify.write import write_copy
 
-    engine = Engine(d.src, EngineOptions(n_ctx=512, sparse_head=False))
+    # exact activations (f32): statistics of the model itself, not of int8-rounded inputs
+    engine = Engine(d.src, EngineOptions(act_precision="f32", n_ctx=512, sparse_head=False))
     output = engine.model.head.output
     screen = engine.calibrated_screen(output)
     d.output.parent.mkdir(parents=True, exist_ok=True)

@@ -244,7 +244,10 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     check_paths(opts)
 
     t0 = time.perf_counter()
-    engine = Engine(opts.model, EngineOptions(n_ctx=opts.n_ctx, n_threads=opts.n_threads))
+    # exact activations (f32): statistics of the model itself, not of int8-rounded inputs
+    engine = Engine(
+        opts.model, EngineOptions(act_precision="f32", n_ctx=opts.n_ctx, n_threads=opts.n_threads)
+    )
     c = engine.config
     if not c.ffn.gated:
         raise ConfigError(

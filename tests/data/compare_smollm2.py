@@ -83,7 +83,7 @@ def main() -> None:
     torch.set_num_threads(a.t)
     path, text = model_path(), TEXT.read_text(encoding="utf-8").removesuffix("\n")
     out: dict = {"model": path.name, "n_ctx": a.c}
-    engine = Engine(path, EngineOptions(n_ctx=a.c, n_batch=a.c, n_threads=a.t))
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=a.c, n_batch=a.c, n_threads=a.t))
     tokens = tokenize_text(engine, text)
     opts = PerplexityOptions(n_ctx=a.c, n_chunks=a.chunks)
     t = time.perf_counter()

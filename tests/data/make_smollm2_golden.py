@@ -23,7 +23,7 @@ from pathlib import Path
 
 from powerinfer import ops
 from powerinfer.eval import PerplexityOptions, perplexity, tokenize_text
-from powerinfer.runtime import engine as engine_module
+from powerinfer.runtime import assembly as assembly_module
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sampling import Sampler, SamplingParams
 
@@ -44,14 +44,14 @@ def model_path() -> Path:
 
 def engine_for(isa: str, act: str) -> Engine:
     """The engine as main builds it, with its kernels pinned to one SIMD variant."""
-    make = engine_module.kernel_context
-    engine_module.kernel_context = lambda options: make(options).replace(isa=isa)
+    make = assembly_module.kernel_context
+    assembly_module.kernel_context = lambda options: make(options).replace(isa=isa)
     try:
         engine = Engine(
             model_path(), EngineOptions(n_ctx=N_CTX, n_batch=N_CTX, n_threads=2, act_precision=act)
         )
     finally:
-        engine_module.kernel_context = make
+        assembly_module.kernel_context = make
     assert engine.kc.isa == isa
     return engine
 

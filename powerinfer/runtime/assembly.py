@@ -1,0 +1,241 @@
+"""Model assembly: read a model file once, plan where its weights go and build the model over them.
+
+`assemble(path, options)` returns an `AssembledModel`: the file (copied into memory or mapped), its config and
+tokenizer, the kernel context, the device plan, the loader that carried the plan out and the built model. It runs
+no step and holds no KV cache; `runtime.engine.Engine` takes an assembled model and steps it. A pipeline rank
+assembles its stage only (a view of the file with its own layers, runtime.pipeline.stage_view).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from powerinfer import ops
+from powerinfer.arch import build_model, load_config
+from powerinfer.errors import InputError, PlacementError
+from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
+from powerinfer.model.config import ModelConfig
+from powerinfer.model.source import Sparsity
+from powerinfer.model.sparse import SparseStats
+from powerinfer.model.transformer import Transformer
+from powerinfer.placement import Placement
+from powerinfer.placement.device_plan import DevicePlan, layers_plan
+from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
+from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, available_memory_bytes, kv_cache_bytes
+from powerinfer.runtime.loader import Loader
+from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
+from powerinfer.runtime.threads import torch_threads
+from powerinfer.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.pipeline import PipelineOptions, Stage
+
+log = logging.getLogger(__name__)
+
+MAX_THREADS = 1024
+# host bytes per position and rotary pair while the RoPE tables are built (float64 angles, complex128 and
+# complex64 rotations, float pairs: model.blocks.Rope), an upper bound
+ROPE_BYTES_PER_PAIR = 64
+
+
+def _gib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**30:.3g} GiB"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    n_ctx: int = 512  # 0: the model's training context
+    n_batch: int = 512
+    n_seq: int = 1  # KV cache slots: independent sequences decoded together (batched, server)
+    n_threads: int | None = None
+    # activations of the quant matmuls: "q8" (int8 blocks, llama.cpp's arithmetic) or "f32" (exact); the CLI's
+    # default too (runtime.defaults)
+    act_precision: str = DEFAULT_ACT_PRECISION
+    vram_budget_gib: float | None = None
+    n_gpu_layers: int = 0
+    reset_gpu_index: bool = False
+    disable_gpu_index: bool = False
+    dense_ffn: bool = False  # PWRI files: compute every FFN neuron (no predictor)
+    pool_device: str | None = None  # device of the pool: "cuda", "cuda:1", or "cpu" (stand-in)
+    gpu_index_path: str | None = None  # use this GPU index instead of planning one
+    pipeline: PipelineOptions | None = None  # one stage of several ranks (runtime.pipeline)
+    # the weights: None copies them into memory (huge pages) when they take at most half of the available memory,
+    # else maps the file; True always maps the file (--mmap), False always copies (--no-mmap)
+    mmap: bool | None = None
+    fixed_threads: bool = False  # False: fewer kernel threads while the cores are shared (runtime.threads)
+    # the output head (model.head): None screens it where the file carries a screen (sparsify writes one), True
+    # also builds a screen for a file without one (from the packaged calibration text), False computes it whole
+    sparse_head: bool | None = None
+
+
+def kernel_context(options: EngineOptions) -> ops.KernelContext:
+    """The kernel settings an engine owns (threads, activation precision)."""
+    n = options.n_threads
+    if n is not None and n > MAX_THREADS:
+        raise InputError(f"-t {n} is more threads than this engine supports ({MAX_THREADS})")
+    kwargs: dict[str, object] = {"act_precision": options.act_precision}
+    if n is not None and n > 0:
+        kwargs["n_threads"] = n
+    try:
+        return ops.KernelContext(**kwargs)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise InputError(str(e)) from None
+
+
+def weights_in_memory(gguf: GGUFFile, mmap: bool | None) -> GGUFFile:
+    """The file whose tensors the engine reads: copied into memory (gguf.reader.in_memory: huge pages, no page
+    faults during decode) unless `mmap` is True, or None and the copy would take more than half of the available
+    memory (then the file mapping, as llama.cpp's default)."""
+    if mmap is True:
+        return gguf
+    need, available = tensor_bytes_total(gguf), available_memory_bytes()
+    if mmap is None and available is not None and need > available // 2:
+        log.info(
+            "weights (%s) stay on the file mapping: more than half of the available %s",
+            _gib(need),
+            _gib(available),
+        )
+        return gguf
+    if available is not None and need > available:
+        raise InputError(
+            f"--no-mmap: the weights need {_gib(need)}, only {_gib(available)} is available (use --mmap)"
+        )
+    try:
+        return in_memory(gguf)
+    except OSError as e:
+        raise InputError(f"cannot read the weights of {gguf.path} into memory: {e.strerror or e}") from None
+
+
+@dataclass(eq=False)
+class AssembledModel:
+    """A model file read, placed and built for the kernels of `kc`: what an Engine steps.
+
+    stage: this rank's layers under a pipeline (gguf and config are then the stage's view), else None.
+    sparse_stats: the sparse FFN's counters (None for a dense run); the model's sparse FFNs add to them.
+    """
+
+    model_path: Path
+    options: EngineOptions
+    kc: ops.KernelContext
+    gguf: GGUFFile
+    config: ModelConfig
+    tokenizer: Tokenizer
+    n_ctx: int
+    stage: Stage | None
+    plan: DevicePlan
+    loader: Loader
+    model: Transformer
+    sparse_stats: SparseStats | None
+
+    @property
+    def placement(self) -> Placement | None:
+        return self.plan.placement
+
+    @property
+    def pool_device(self) -> torch.device | None:
+        return torch.device(self.plan.device) if self.plan.device is not None else None
+
+
+def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None = None) -> AssembledModel:
+    """Read, plan and build the model of `model_path` as `options` say (the KV cache and steps: Engine)."""
+    o = options or EngineOptions()
+    kc = kernel_context(o)
+    if o.n_batch <= 0:
+        raise InputError(f"batch size must be positive (got {o.n_batch})")
+    if o.n_seq < 1:
+        raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
+    gguf = read_gguf(model_path)
+    c = load_config(gguf)
+    stage: Stage | None = None
+    if o.pipeline is not None:  # this rank's layers only: a view of the file with n_layer of them
+        from powerinfer.runtime.pipeline import plan_stage, stage_view
+
+        stage = plan_stage(o.pipeline, gguf, c)
+        gguf, c = stage_view(gguf, c, stage.layers)
+    gguf = weights_in_memory(gguf, o.mmap)
+    tokenizer = Tokenizer.from_metadata(gguf.metadata, powerinfer_file=gguf.is_sparse)
+    if tokenizer.n_vocab != c.n_vocab:
+        raise InputError(f"tokenizer has {tokenizer.n_vocab} tokens, model {c.n_vocab}")
+    n_ctx = context_size(o.n_ctx, c.n_ctx_train)
+    sparse = gguf.is_sparse and not o.dense_ffn
+    sparse_stats = SparseStats.zeros(c.n_layer) if sparse else None
+    plan = device_plan(o, gguf, c, n_ctx, sparse, stage.layers if stage is not None else None)
+    sparsity = Sparsity(c.sparse_method, c.sparse_threshold) if sparse else Sparsity()
+    loader = Loader(gguf, plan, kc, sparsity, sparse_stats)
+    check_context_memory(c, loader, n_ctx, o.n_seq)
+    with torch_threads(kc.n_threads):  # torch's ops while building (RoPE tables) at this engine's count
+        model = build_model(gguf, c, loader)
+        model.setup(n_ctx, placed=plan.device is not None)
+    return AssembledModel(
+        Path(model_path), o, kc, gguf, c, tokenizer, n_ctx, stage, plan, loader, model, sparse_stats
+    )
+
+
+def context_size(n_ctx: int, n_ctx_train: int) -> int:
+    """The context an engine runs: -c, 0 for the model's training context, at most that."""
+    n = n_ctx if n_ctx > 0 else n_ctx_train
+    if n > n_ctx_train:
+        # positions past the training context degrade the text; take the model's own limit
+        log.warning(
+            "context %d exceeds the model's training context %d; using %d", n, n_ctx_train, n_ctx_train
+        )
+        return n_ctx_train
+    return n
+
+
+def check_context_memory(c: ModelConfig, loader: Loader, n_ctx: int, n_seq: int) -> None:
+    """Refuse a context whose host buffers (KV cache, RoPE tables, attention scores) need more memory than
+    this process can get, before any of them is allocated: the context comes from -c or, with -c 0, from
+    the file's context_length."""
+    n_layer = sum(1 for bid in range(c.n_layer) if loader.kv_device(bid).type == "cpu")
+    kv = kv_cache_bytes(n_layer, n_ctx, c.n_embd_gqa, n_seq)
+    tables = n_ctx * (c.head_dim // 2 * ROPE_BYTES_PER_PAIR + c.n_head * 4)
+    available = available_memory_bytes()
+    if available is not None and kv + tables > available:
+        kv_terms = f"{n_layer} layers x {n_ctx} x {c.n_embd_gqa} x 2 x {KV_BYTES_PER_ELEMENT} bytes"
+        raise InputError(
+            f"context of {n_ctx} tokens needs {_gib(kv + tables)} of host memory (KV cache {kv_terms} "
+            f"x {n_seq} sequences = {_gib(kv)}), only {_gib(available)} is available; "
+            "use a smaller context (-c)"
+        )
+
+
+def device_plan(
+    o: EngineOptions, gguf: GGUFFile, c: ModelConfig, n_ctx: int, sparse: bool, layers: range | None
+) -> DevicePlan:
+    """Where weights, KV caches and residuals live: -ngl for dense files, the VRAM budget for sparse ones
+    (`layers`: a pipeline stage's, else every layer)."""
+    if o.n_gpu_layers < 0:
+        raise PlacementError(f"-ngl must be >= 0 (got {o.n_gpu_layers})")
+    request = PoolRequest(
+        o.pool_device, o.vram_budget_gib, o.gpu_index_path, o.reset_gpu_index, o.disable_gpu_index
+    )
+    if sparse:
+        if o.n_gpu_layers > 0:
+            log.warning("sparse models ignore -ngl/--n-gpu-layers; use --vram-budget instead")
+        if (
+            o.vram_budget_gib is not None
+            and o.vram_budget_gib >= 0
+            and not torch.cuda.is_available()
+            and o.pool_device is None
+        ):
+            log.warning("no CUDA device: --vram-budget ignored, running on the CPU")
+        device = pool_device(request)
+        if device is None:
+            return DevicePlan()
+        return plan_pool(gguf, c, request, device, n_ctx, layers)
+    if o.n_gpu_layers > 0:
+        if o.pool_device is None and not torch.cuda.is_available():
+            log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
+            return DevicePlan()
+        device = pool_device(PoolRequest(o.pool_device or "cuda", None))
+        if device is None:  # pragma: no cover - pool_device returns a device when one is asked for
+            raise PlacementError("no device for -ngl")
+        return layers_plan(gguf.tensors, c.n_layer, o.n_gpu_layers, str(device))
+    return DevicePlan()

@@ -1,0 +1,160 @@
+"""What an assembled model reads per token and how its sparse parts did: the lines `-v` and `--verbose-prompt`
+print after a run, and the byte counts behind them.
+
+Every function reads an `AssembledModel` (runtime.assembly) and the counters its blocks keep (the sparse FFN's
+SparseStats, the sparse head's HeadStats); tensors are found by their name templates (gguf.constants.TensorNames)
+per layer, not by matching names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from powerinfer.gguf.constants import Keys, TensorNames
+from powerinfer.model.head import SCREEN, SCREEN_PROJ, SparseHead
+
+if TYPE_CHECKING:
+    from powerinfer.runtime.assembly import AssembledModel
+
+# the matrices of one mixture-of-experts layer, all experts stacked; a token reads k of n_expert of each
+EXPERT_MATRICES = (TensorNames.FFN_GATE_EXPS, TensorNames.FFN_UP_EXPS, TensorNames.FFN_DOWN_EXPS)
+
+
+def weight_bytes(m: AssembledModel) -> int:
+    """Bytes of tensor data in the model file (read once per decoded token)."""
+    return sum(t.n_bytes for t in m.gguf.tensors.values())
+
+
+def _layer_bytes(m: AssembledModel, template: str) -> int:
+    """Bytes of one tensor kind over every layer of the file (0 where a layer has none)."""
+    tensors = m.gguf.tensors
+    names = (template.format(bid=bid) for bid in range(m.config.n_layer))
+    return sum(tensors[name].n_bytes for name in names if name in tensors)
+
+
+def sparse_head(m: AssembledModel) -> SparseHead | None:
+    head = m.model.head
+    return head if isinstance(head, SparseHead) else None
+
+
+def head_read_bytes(m: AssembledModel) -> int:
+    """Weight bytes the sparse head reads per token: its screen and candidates, the rows it widened to and the
+    whole head for its fallbacks (averaged over its tokens); 0 without a sparse head."""
+    head = sparse_head(m)
+    if head is None:
+        return 0
+    st = head.stats
+    whole = head.output.raw.numel()
+    extra = st.extra_rows * head.output.raw.shape[1]
+    return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
+
+
+def read_bytes_per_token(m: AssembledModel) -> float:
+    """Weight bytes one decoded token reads: the file's tensors, less the FFN rows sparsity skips (by the
+    measured shares), the head as head_read_bytes (the file's screen tensors only when in use)."""
+    per_token = float(weight_bytes(m))
+    for name in (SCREEN, SCREEN_PROJ):
+        if name in m.gguf.tensors:
+            per_token -= m.gguf.tensors[name].n_bytes
+    head = sparse_head(m)
+    if head is not None:
+        per_token += head_read_bytes(m) - head.output.raw.numel()
+    c = m.config
+    moe = getattr(c, "moe", None)
+    if moe is not None:  # a token reads the rows of its k experts of n_expert only
+        experts = sum(_layer_bytes(m, template) for template in EXPERT_MATRICES)
+        per_token -= experts * (1.0 - moe.n_expert_used / moe.n_expert)
+    s = m.sparse_stats
+    if s is None or int(s.tokens.sum()) == 0:
+        return per_token
+    cats = c.sparse_method == "cats"
+    active = s.active / (np.maximum(s.tokens, 1) * c.n_ff)
+    share = float(active.mean())
+    up_share = float((s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).mean()) if cats else share
+    read = {TensorNames.FFN_UP: up_share, TensorNames.FFN_DOWN_T: share}
+    if not cats:
+        read[TensorNames.FFN_GATE] = share
+    for template, fraction in read.items():
+        per_token -= _layer_bytes(m, template) * (1.0 - fraction)
+    return per_token
+
+
+def head_report(m: AssembledModel) -> list[str]:
+    """The sparse head's line: candidates, fallbacks, bytes read against the whole head."""
+    head = sparse_head(m)
+    if head is None or head.stats.tokens == 0:
+        return []
+    stats = head.stats
+    return [
+        f"head: sparse (screen of rank {head.proj.shape[0]}, {head.n_candidates} exact candidates), "
+        f"of {stats.tokens} tokens {stats.widened / stats.tokens:.1%} widened (mean "
+        f"{stats.extra_rows / max(1, stats.widened):.0f} rows more), {stats.fallbacks / stats.tokens:.1%} "
+        "computed whole; "
+        f"~{head_read_bytes(m) / 2**20:.1f} MiB read per token (whole head: "
+        f"{head.output.raw.numel() / 2**20:.1f} MiB)"
+    ]
+
+
+def sparse_report(m: AssembledModel) -> list[str]:
+    """Telemetry lines of sparse mode: predicted active share per layer, pool share, bytes per token, and
+    the sparse head's line (MoE files: the experts' share of the bytes a token reads)."""
+    s = m.sparse_stats
+    file_mib = weight_bytes(m) / 2**20
+    if s is None or int(s.tokens.sum()) == 0:
+        head_lines = head_report(m)
+        moe = getattr(m.config, "moe", None)
+        if moe is not None:
+            head_lines.append(
+                f"moe: {moe.n_expert_used} of {moe.n_expert} experts per token: "
+                f"~{read_bytes_per_token(m) / 2**20:.1f} MiB of weights read per token (the file: "
+                f"{file_mib:.1f} MiB)"
+            )
+            return head_lines
+        if not head_lines:
+            return []
+        return [
+            *head_lines,
+            f"sparse: ~{read_bytes_per_token(m) / 2**20:.1f} MiB of "
+            f"weights read per token (the file: {file_mib:.1f} MiB)",
+        ]
+    c = m.config
+    active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer
+    pool = float(s.active_gpu.sum()) / max(1.0, float(s.active.sum()))
+    # cats: the gate is read for every neuron, up for those passing the gate stage, down for the active ones
+    cats = c.sparse_method == "cats"
+    up_share = (s.up_read / (np.maximum(s.tokens, 1) * c.n_ff)).tolist() if cats else active
+    share = sum(active) / len(active)
+    per_token = read_bytes_per_token(m)
+    per_layer = " ".join(f"{a:.2f}" for a in active)
+    target = m.gguf.metadata.get(Keys.SPARSITY_TARGET)
+    shown = f" {target:.2f}" if isinstance(target, (int, float)) and not isinstance(target, bool) else ""
+    selection = (
+        f"cats thresholds (target sparsity{shown})"
+        if cats
+        else f"predictor {s.predictor_total_ms:.2f} ms in total"
+    )
+    up_note = ""
+    if cats and sum(up_share) > sum(active) + 1e-9:
+        up_note = f" (up rows read for {sum(up_share) / len(up_share):.1%})"
+    pool_device = m.pool_device
+    lines = [
+        f"sparse: {'active' if cats else 'predicted active'} {share:.1%} of FFN neurons{up_note}, "
+        f"per layer: {per_layer}",
+        f"sparse: {pool:.1%} of active neurons served by the pool"
+        + (f" on {pool_device}" if pool_device is not None else " (no pool: all on the CPU)"),
+        *head_report(m),
+        f"sparse: ~{per_token / 2**20:.1f} MiB of weights read per token "
+        f"(the file: {file_mib:.1f} MiB), {selection}",
+    ]
+    if m.placement is not None:
+        lines.append(f"placement: {m.placement.reason}")
+    return lines
+
+
+def placement_report(m: AssembledModel) -> list[str]:
+    """What the device plan put on the pool device, and its bytes there."""
+    if m.pool_device is None:
+        return []
+    return [f"placement: {m.plan.reason}; {m.loader.device_bytes / 2**20:.2f} MiB on {m.pool_device}"]
