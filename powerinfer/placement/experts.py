@@ -182,6 +182,18 @@ def static_choice(request: ExpertRequest, gguf: GGUFFile, bid: int) -> str | Non
     return None
 
 
+def warn_other_matches(request: ExpertRequest, names: list[str]) -> None:
+    """A warning when -ot patterns match tensors other than the stacked experts: those follow -ngl here."""
+    experts = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
+    others = [n for n in names if not experts.match(n) and any(re.search(p, n) for p, _ in request.overrides)]
+    if others:
+        log.warning(
+            "-ot matches %d tensors that are not stacked experts (e.g. %s): they follow -ngl / the budget",
+            len(others),
+            printable(others[0]),
+        )
+
+
 def plan_experts(
     gguf: GGUFFile,
     n_layer: int,
@@ -195,6 +207,7 @@ def plan_experts(
     """The experts in the pool: forced by the flags, then those of `default_layers` (no budget) or, with `budget`
     bytes, the free ones in order of selections per byte (`counts` (n_layer, n_expert)), else by layer from the
     last down, as long as they fit."""
+    warn_other_matches(request, list(gguf.tensors))
     per_expert = [expert_bytes(gguf, bid, n_expert) for bid in range(n_layer)]
     chosen = [np.zeros(n_expert, dtype=bool) for _ in range(n_layer)]
     free: list[int] = []
