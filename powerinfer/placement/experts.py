@@ -206,7 +206,7 @@ def plan_experts(
 ) -> ExpertPlan:
     """The experts in the pool: forced by the flags, then those of `default_layers` (no budget) or, with `budget`
     bytes, the free ones in order of selections per byte (`counts` (n_layer, n_expert)), else by layer from the
-    last down, as long as they fit."""
+    last down, as long as they fit. The expected share comes from `counts` when given."""
     warn_other_matches(request, list(gguf.tensors))
     per_expert = [expert_bytes(gguf, bid, n_expert) for bid in range(n_layer)]
     chosen = [np.zeros(n_expert, dtype=bool) for _ in range(n_layer)]

@@ -354,9 +354,12 @@ def plan_moe_pool(
     the last layers' dense parts as fit; the experts then share the bytes left, hottest first."""
     c = config
     dev = str(device)
+    counts = load_expert_counts(Path(gguf.path), c.n_layer, n_expert)  # None without a profile
     if budget is None:
         base = layers_plan(gguf.tensors, c.n_layer, n_gpu_layers, dev)
-        experts = plan_experts(gguf, c.n_layer, n_expert, request, dev, default_layers=base.layers)
+        experts = plan_experts(
+            gguf, c.n_layer, n_expert, request, dev, default_layers=base.layers, counts=counts
+        )
     else:
         kv = kv_cache_bytes(1, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
         need = [dense_layer_bytes(gguf, bid) + kv for bid in range(c.n_layer)]
@@ -368,7 +371,6 @@ def plan_moe_pool(
         else:
             used = sum(need[max(0, c.n_layer - n) :])
         base = layers_plan(gguf.tensors, c.n_layer, n, dev)
-        counts = load_expert_counts(Path(gguf.path), c.n_layer, n_expert)
         left = max(0, budget - used)
         experts = plan_experts(gguf, c.n_layer, n_expert, request, dev, budget=left, counts=counts)
     return dataclasses.replace(base, experts=experts, reason=f"{base.reason}; {experts.describe()}")
