@@ -600,13 +600,14 @@ def test_kernels_refuse_inconsistent_arguments():
     assert get_rows(wp, K * 4, N, K, ids.data_ptr(), 2, rows.data_ptr(), K - 1, 1, 0) == shape_error
     assert get_rows(wp, K * 4, 7, K, ids.data_ptr(), 2, rows.data_ptr(), K, 1, 0) == index_error
 
-    # the fused decode FFN: gate, up (N, K), down_t (N, D) with D = K; kind 3 = F32
+    # the fused decode FFN: gate, up (N, K), down_t (N, D) with D = K; F32 weights (kinds are ggml type ids)
     u, y1 = torch.zeros(K), torch.zeros(K)
+    F32 = int(GGMLType.F32)
     scratch = torch.zeros(lib.ffn_rows_scratch_bytes(N, K, 0), dtype=torch.uint8)
 
     def ffn_rows(down_stride: int, down_ptr: int | None = wp) -> int:
         return lib.ffn_rows(
-            u.data_ptr(), K, K, N, wp, K * 4, 3, wp, K * 4, 3, down_ptr, down_stride, 3, ip, N, 0, 0, 0,
+            u.data_ptr(), K, K, N, wp, K * 4, F32, wp, K * 4, F32, down_ptr, down_stride, F32, ip, N, 0, 0, 0,
             y1.data_ptr(), scratch.data_ptr(), scratch.numel(), 1, 0,
         )  # fmt: skip
 
@@ -624,8 +625,8 @@ def test_kernels_refuse_inconsistent_arguments():
 
     def predict(fc2_stride: int) -> int:
         return lib.predict_ffn(
-            u.data_ptr(), u.data_ptr(), K, K, N, fc1.data_ptr(), K * 4, 3, rank, fc2.data_ptr(), fc2_stride, 3,
-            0.0, wp, K * 4, 3, wp, K * 4, 3, wp, K * 4, 3, 0, 0, 0, out_idx.data_ptr(), n_active.data_ptr(), None,
+            u.data_ptr(), u.data_ptr(), K, K, N, fc1.data_ptr(), K * 4, F32, rank, fc2.data_ptr(), fc2_stride, F32,
+            0.0, wp, K * 4, F32, wp, K * 4, F32, wp, K * 4, F32, 0, 0, 0, out_idx.data_ptr(), n_active.data_ptr(), None,
             y1.data_ptr(), pscratch.data_ptr(), pscratch.numel(), 1, 0,
         )  # fmt: skip
 
