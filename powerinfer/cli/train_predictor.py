@@ -10,9 +10,10 @@ import typer
 
 from powerinfer.app.profile import run_train_predictor_report
 from powerinfer.cli.common import err_console, resolve_model, run_guarded, setup_logging
-from powerinfer.cli.options import CtxOpt, LogDisableOpt, ModelOpt, ThreadsOpt, resolve_device, threads
+from powerinfer.cli.options import CtxOpt, LogDisableOpt, ModelOpt, ThreadsOpt, threads
 from powerinfer.cli.profile import CorpusOpt
 from powerinfer.errors import InputError
+from powerinfer.placement.requests import resolve_device
 from powerinfer.profile import PredictorOptions
 from powerinfer.profile.collect import check_output_folder
 
