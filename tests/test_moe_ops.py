@@ -80,6 +80,39 @@ def test_one_token_paths_equal_per_expert_matmuls(name: str, act: str, precision
         assert torch.equal(experts(x, ids, weights), want)
 
 
+@pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("act", ["silu", "relu"])
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_grouped_kernel_equals_each_token_alone(name: str, act: str, precision: str):
+    """A prompt's experts in one kernel call (pi_moe_grouped_ffn: tokens grouped by expert, matrices split in row
+    ranges between threads) equal each token through the one-token kernel and the op-by-op grouped path (grouped
+    matmuls, gated, index_add_) bit for bit, at 1 and 2 threads; widths above the row split (128) so the split runs."""
+    from powerinfer.model.moe import Experts, MoESpec, route
+
+    E, F, D, T = 8, 512, 256, 11
+    t = GGMLType[name]
+    rng = np.random.default_rng(7)
+
+    def stack(rows: int, cols: int) -> ops.QWeight:
+        data = rng.normal(0, 0.1, (E * rows, cols)).astype(np.float32)
+        return ops.QWeight.from_numpy(np.asarray(quantize(data, t)), t, (E * rows, cols))
+
+    spec = MoESpec(n_expert=E, n_expert_used=3, n_ff_exp=F, act=act, norm_weights=True)
+    gate, up, down = stack(F, D), stack(F, D), stack(D, F)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(8))
+    ids, weights = route(torch.randn(T, E, generator=torch.Generator().manual_seed(9)), spec)
+    for threads in (1, 2):
+        kc = ops.KernelContext(n_threads=threads, act_precision=precision)
+        experts = Experts(spec, gate, up, down, kc)
+        assert experts.kernel is not None
+        got = experts(x, ids, weights)
+        alone = torch.cat([experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1]) for i in range(T)])
+        assert torch.equal(got, alone), threads
+        kernel, experts.kernel = experts.kernel, None  # the op-by-op grouped path
+        assert torch.equal(got, experts(x, ids, weights)), threads
+        experts.kernel = kernel
+
+
 @pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "IQ4_XS"])
 def test_grouped_matmul_matches_linear(name: str):
     from powerinfer.ops.moe import grouped_matmul, grouped_matmul_ref

@@ -366,3 +366,127 @@ PI_EXPORT int32_t pi_grouped_matmul(const void *matmul, const uint8_t *w, int64_
     free(start);
     return status;
 }
+
+/* ---- a prompt's MoE FFN in one call ------------------------------------------------------------------------------- */
+
+#define MOE_GROUP_ROWS 128 /* rows of a matrix per work item when threads share a group (a multiple of every tile) */
+
+/* pi_moe_grouped_ffn(desc, gate_mm, up_mm, down_mm, x, T, ids, weights, out, n_threads, isa): the experts of T tokens
+ * at once, out (T, n_embd) = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) from zero, j = 0 .. k - 1 in order (k =
+ * desc->n_used), x (T, n_embd) the normed inputs. The tokens are grouped by expert (tokens in order within a group)
+ * and each group's gate, up and down products are the matmul kernels given (pi_matmul_<type> of each stack's type)
+ * over the group's tokens, in work items of up to MOE_GROUP_ROWS rows shared by the team (larger groups first), so a
+ * product's bits do not depend on the thread count, the split or the grouping; the activation is pi_gated's and the
+ * weighted sum pi_moe_experts': one token's row of out is the bits the one-token kernel adds to it. One parallel
+ * region, no Python between the steps. */
+PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, const void *up_mm,
+                                     const void *down_mm, const float *x, int64_t T, const int64_t *ids,
+                                     const float *weights, float *out, int32_t n_threads, int32_t isa) {
+    if (d == NULL || gate_mm == NULL || up_mm == NULL || down_mm == NULL || T < 0) return PI_ERR_SHAPE;
+    const int64_t E = d->n_embd, F = d->n_ff, NE = d->n_expert, k = d->n_used;
+    if (E <= 0 || F <= 0 || E > MOE_MAX_DIM || F > MOE_MAX_DIM || NE <= 0 || NE > MOE_MAX_EXPERTS || k <= 0 ||
+        k > NE || d->act < ACT_RELU || d->act > ACT_LAST || T > MOE_MAX_DIM / k)
+        return PI_ERR_SHAPE;
+    if (!moe_mat_ok(&d->gate, NE * F, E) || !moe_mat_ok(&d->up, NE * F, E) || !moe_mat_ok(&d->down, NE * E, F))
+        return PI_ERR_SHAPE;
+    if (T == 0) return PI_OK;
+    if (x == NULL || ids == NULL || weights == NULL || out == NULL) return PI_ERR_SHAPE;
+    const int64_t S = T * k; /* slots: (token, expert) pairs */
+    for (int64_t s = 0; s < S; s++)
+        if (ids[s] < 0 || ids[s] >= NE) return PI_ERR_INDEX;
+    const int64_t RF = (F + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS, RE = (E + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
+    /* per expert: count, start; per slot: its row in the grouped layout, the token of each grouped row; the groups
+     * by size; the work items */
+    const size_t ints = (size_t)(2 * NE + 1) + (size_t)(2 * S) + (size_t)NE + (size_t)NE * (size_t)(2 * RF + RE);
+    int64_t *count = malloc(ints * sizeof(int64_t));
+    float *fbuf = malloc((size_t)S * (size_t)(2 * E + 2 * F) * sizeof(float));
+    if (count == NULL || fbuf == NULL) {
+        free(count);
+        free(fbuf);
+        return PI_ERR_ALLOC;
+    }
+    int64_t *start = count + NE, *slot_row = start + NE + 1, *row_token = slot_row + S, *order = row_token + S;
+    int64_t *items = order + NE;
+    float *xs = fbuf, *g = xs + S * E, *u = g + S * F, *yd = u + S * F;
+    memset(count, 0, (size_t)NE * sizeof(int64_t));
+    for (int64_t s = 0; s < S; s++) count[ids[s]]++;
+    start[0] = 0;
+    for (int64_t e = 0; e < NE; e++) start[e + 1] = start[e] + count[e];
+    int64_t n_groups = 0;
+    for (int64_t e = 0; e < NE; e++) {
+        if (count[e] == 0) continue;
+        int64_t q = n_groups++ - 1; /* insertion by size, larger first (ties: lower id first) */
+        for (; q >= 0 && count[order[q]] < count[e]; q--) order[q + 1] = order[q];
+        order[q + 1] = e;
+        count[e] = 0; /* reused as the fill position below */
+    }
+    for (int64_t s = 0; s < S; s++) { /* slots in token order: a group's tokens in order */
+        const int64_t e = ids[s], r = start[e] + count[e]++;
+        slot_row[s] = r;
+        row_token[r] = s / k;
+    }
+    int32_t nt = threads_for_work(n_threads, S * 3 * F * E);
+    if (nt > S) nt = (int32_t)S;
+    const int split = nt > 1; /* one thread: each matrix of a group in one call */
+    const int64_t rf = split ? RF : 1, re = split ? RE : 1, rows_f = split ? MOE_GROUP_ROWS : F,
+                  rows_e = split ? MOE_GROUP_ROWS : E;
+    int64_t n_items = 0; /* (group, matrix 0 gate / 1 up, chunk) then the down items at n_up */
+    for (int64_t i = 0; i < n_groups; i++)
+        for (int64_t c = 0; c < rf; c++) {
+            items[n_items++] = (order[i] * 2 + 0) * rf + c;
+            items[n_items++] = (order[i] * 2 + 1) * rf + c;
+        }
+    const int64_t n_up = n_items;
+    for (int64_t i = 0; i < n_groups; i++)
+        for (int64_t c = 0; c < re; c++) items[n_items++] = order[i] * re + c;
+    const moe_matmul_fn fg = (moe_matmul_fn)gate_mm, fu = (moe_matmul_fn)up_mm, fd = (moe_matmul_fn)down_mm;
+    const pi_moe_mat *gm = &d->gate, *um = &d->up, *dm = &d->down;
+    const int act = d->act;
+    int32_t status = PI_OK;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        int32_t mine = PI_OK;
+#pragma omp for schedule(static)
+        for (int64_t s = 0; s < S; s++) memcpy(xs + slot_row[s] * E, x + (s / k) * E, (size_t)E * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n_up; i++) {
+            const int64_t it = items[i], c = it % rf, m = (it / rf) % 2, e = it / rf / 2;
+            const int64_t r0 = c * rows_f, nr = min_i64(rows_f, F - r0), n = start[e + 1] - start[e];
+            const pi_moe_mat *w = m ? um : gm;
+            float *dst = (m ? u : g) + start[e] * F + r0;
+            const int32_t st = (m ? fu : fg)(w->w + (e * F + r0) * w->stride, w->stride, nr, E, xs + start[e] * E,
+                                             E, n, dst, F, 1, isa);
+            if (st != PI_OK) mine = st;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < S; r++) {
+            float *gr = g + r * F;
+            const float *ur = u + r * F;
+            for (int64_t n = 0; n < F; n++) gr[n] = ffn_act(act, gr[n]) * ur[n];
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = n_up; i < n_items; i++) {
+            const int64_t it = items[i], c = it % re, e = it / re;
+            const int64_t r0 = c * rows_e, nr = min_i64(rows_e, E - r0), n = start[e + 1] - start[e];
+            const int32_t st = fd(dm->w + (e * E + r0) * dm->stride, dm->stride, nr, F, g + start[e] * F, F, n,
+                                  yd + start[e] * E + r0, E, 1, isa);
+            if (st != PI_OK) mine = st;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            float *o = out + t * E; /* o[n] = ((0 + y_0 w_0) + y_1 w_1) + ..., pi_moe_experts' acc */
+            for (int64_t n = 0; n < E; n++) o[n] = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                const float *yj = yd + slot_row[t * k + j] * E, wj = weights[t * k + j];
+                for (int64_t n = 0; n < E; n++) o[n] += yj[n] * wj;
+            }
+        }
+        if (mine != PI_OK) {
+#pragma omp critical(pi_moe_grouped_status)
+            status = mine;
+        }
+    }
+    free(count);
+    free(fbuf);
+    return status;
+}

@@ -150,6 +150,10 @@ class Experts:
             for j, e in enumerate(ids[0].tolist()):
                 out += self.expert(e, x) * weights[0, j]
             return out
+        if self.kernel is not None:  # the whole step in one kernel call (gate, up, activation, down, sum)
+            grouped = self.kernel.grouped(x, ids, weights)
+            if grouped is not None:
+                return grouped
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (T k,) slots grouped by expert, tokens in order within a group
         counts = torch.bincount(flat, minlength=self.spec.n_expert)
