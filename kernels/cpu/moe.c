@@ -369,16 +369,17 @@ PI_EXPORT int32_t pi_grouped_matmul(const void *matmul, const uint8_t *w, int64_
 
 /* ---- a prompt's MoE FFN in one call ------------------------------------------------------------------------------- */
 
-#define MOE_GROUP_ROWS 128 /* rows of a matrix per work item when threads share a group (a multiple of every tile) */
+#define MOE_GROUP_ROWS 64 /* a group's matrices split in row ranges of a multiple of this (a multiple of every tile) */
 
 /* pi_moe_grouped_ffn(desc, gate_mm, up_mm, down_mm, x, T, ids, weights, out, n_threads, isa): the experts of T tokens
  * at once, out (T, n_embd) = sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) from zero, j = 0 .. k - 1 in order (k =
  * desc->n_used), x (T, n_embd) the normed inputs. The tokens are grouped by expert (tokens in order within a group)
  * and each group's gate, up and down products are the matmul kernels given (pi_matmul_<type> of each stack's type)
- * over the group's tokens, in work items of up to MOE_GROUP_ROWS rows shared by the team (larger groups first), so a
- * product's bits do not depend on the thread count, the split or the grouping; the activation is pi_gated's and the
- * weighted sum pi_moe_experts': one token's row of out is the bits the one-token kernel adds to it. One parallel
- * region, no Python between the steps. */
+ * over the group's tokens; the team shares work items (larger groups first): a row range of a group's gate and up
+ * with its activation (pi_gated's), then a row range of its down; few groups are split in more ranges (multiples
+ * of MOE_GROUP_ROWS rows) so the threads end together. A product's bits do not depend on the thread count, the
+ * split or the grouping, and the weighted sum is pi_moe_experts': one token's row of out is the bits the one-token
+ * kernel adds to it. One parallel region, no Python between the steps. */
 PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, const void *up_mm,
                                      const void *down_mm, const float *x, int64_t T, const int64_t *ids,
                                      const float *weights, float *out, int32_t n_threads, int32_t isa) {
@@ -395,9 +396,10 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     for (int64_t s = 0; s < S; s++)
         if (ids[s] < 0 || ids[s] >= NE) return PI_ERR_INDEX;
     const int64_t RF = (F + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS, RE = (E + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
+    /* (at most RF and RE row ranges per group below) */
     /* per expert: count, start; per slot: its row in the grouped layout, the token of each grouped row; the groups
      * by size; the work items */
-    const size_t ints = (size_t)(2 * NE + 1) + (size_t)(2 * S) + (size_t)NE + (size_t)NE * (size_t)(2 * RF + RE);
+    const size_t ints = (size_t)(2 * NE + 1) + (size_t)(2 * S) + (size_t)NE + (size_t)NE * (size_t)(RF + RE);
     int64_t *count = malloc(ints * sizeof(int64_t));
     float *fbuf = malloc((size_t)S * (size_t)(2 * E + 2 * F) * sizeof(float));
     if (count == NULL || fbuf == NULL) {
@@ -427,15 +429,15 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     }
     int32_t nt = threads_for_work(n_threads, S * 3 * F * E);
     if (nt > S) nt = (int32_t)S;
-    const int split = nt > 1; /* one thread: each matrix of a group in one call */
-    const int64_t rf = split ? RF : 1, re = split ? RE : 1, rows_f = split ? MOE_GROUP_ROWS : F,
-                  rows_e = split ? MOE_GROUP_ROWS : E;
-    int64_t n_items = 0; /* (group, matrix 0 gate / 1 up, chunk) then the down items at n_up */
+    /* a group's matrix in `chunks` row ranges, enough items for the team to end together (4 per thread), each a
+     * multiple of MOE_GROUP_ROWS rows (every call quantises the group's inputs again: no more ranges than that) */
+    const int64_t chunks = nt > 1 ? (4 * nt + n_groups - 1) / n_groups : 1;
+    const int64_t rows_f = min_i64(F, ((F + chunks - 1) / chunks + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS * MOE_GROUP_ROWS),
+                  rows_e = min_i64(E, ((E + chunks - 1) / chunks + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS * MOE_GROUP_ROWS);
+    const int64_t rf = (F + rows_f - 1) / rows_f, re = (E + rows_e - 1) / rows_e;
+    int64_t n_items = 0; /* (group, row range) of gate and up, then the down items at n_up */
     for (int64_t i = 0; i < n_groups; i++)
-        for (int64_t c = 0; c < rf; c++) {
-            items[n_items++] = (order[i] * 2 + 0) * rf + c;
-            items[n_items++] = (order[i] * 2 + 1) * rf + c;
-        }
+        for (int64_t c = 0; c < rf; c++) items[n_items++] = order[i] * rf + c;
     const int64_t n_up = n_items;
     for (int64_t i = 0; i < n_groups; i++)
         for (int64_t c = 0; c < re; c++) items[n_items++] = order[i] * re + c;
@@ -449,20 +451,16 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < S; s++) memcpy(xs + slot_row[s] * E, x + (s / k) * E, (size_t)E * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n_up; i++) {
-            const int64_t it = items[i], c = it % rf, m = (it / rf) % 2, e = it / rf / 2;
+        for (int64_t i = 0; i < n_up; i++) { /* a row range of a group's gate and up, then its activation */
+            const int64_t it = items[i], c = it % rf, e = it / rf;
             const int64_t r0 = c * rows_f, nr = min_i64(rows_f, F - r0), n = start[e + 1] - start[e];
-            const pi_moe_mat *w = m ? um : gm;
-            float *dst = (m ? u : g) + start[e] * F + r0;
-            const int32_t st = (m ? fu : fg)(w->w + (e * F + r0) * w->stride, w->stride, nr, E, xs + start[e] * E,
-                                             E, n, dst, F, 1, isa);
+            float *gg = g + start[e] * F + r0, *uu = u + start[e] * F + r0;
+            const float *xe = xs + start[e] * E;
+            int32_t st = fg(gm->w + (e * F + r0) * gm->stride, gm->stride, nr, E, xe, E, n, gg, F, 1, isa);
+            if (st == PI_OK) st = fu(um->w + (e * F + r0) * um->stride, um->stride, nr, E, xe, E, n, uu, F, 1, isa);
             if (st != PI_OK) mine = st;
-        }
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < S; r++) {
-            float *gr = g + r * F;
-            const float *ur = u + r * F;
-            for (int64_t n = 0; n < F; n++) gr[n] = ffn_act(act, gr[n]) * ur[n];
+            for (int64_t r = 0; r < n; r++)
+                for (int64_t q = 0; q < nr; q++) gg[r * F + q] = ffn_act(act, gg[r * F + q]) * uu[r * F + q];
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = n_up; i < n_items; i++) {
