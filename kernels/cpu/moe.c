@@ -7,7 +7,8 @@
  * one list of k * n_ff neurons split over the team in contiguous ranges (a neuron's gate and up rows on one thread,
  * so h needs no barrier), then each expert's h is prepared for its down rows, then each thread takes a contiguous
  * range of the n_embd outputs of every expert and sums the k products with the routing weights in expert order.
- * ReGLU experts (sparse) read the up row of a neuron only where its gate is > 0 (h = 0 elsewhere: exact).
+ * ReGLU experts (sparse) read the up row of a neuron only where its gate is > 0 (h = 0 elsewhere: exact), all the
+ * up rows of a chunk of neurons as one stream where at least MOE_DENSE_NUM / MOE_DENSE_DEN of its gates are.
  *
  * Every product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen precision (the helpers of sparse.h
  * and matmul.h the fused blocks of layer.c use), the activation pi_gated's, and the sum is torch's
@@ -55,6 +56,8 @@ int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, cons
 #define MOE_ROUTE_MAX_EXPERTS 4096
 #define MOE_CHUNK 256     /* ReGLU: gate values scanned per list of active neurons */
 #define MOE_ROWS_AHEAD 2  /* ReGLU: rows of that list prefetched ahead */
+#define MOE_DENSE_NUM 3   /* ReGLU: a chunk with at least NUM / DEN of its gates positive reads all its up rows */
+#define MOE_DENSE_DEN 8
 #define MOE_MAX_DIM (1LL << 30)
 
 static size_t moe_input_bytes(int64_t K) { return act_q8_bytes(K) + kq8_act_bytes(K); }
@@ -155,6 +158,16 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
                     for (int64_t n = c0; n < c1; n++) {
                         if (gj[n] > 0.0f) act[m++] = n;
                         else gj[n] = 0.0f;
+                    }
+                    if (m * MOE_DENSE_DEN >= MOE_DENSE_NUM * (c1 - c0)) {
+                        /* most rows active: all the chunk's up rows as one stream (a row list costs about as much
+                         * to read, the hardware prefetchers fetching the gaps), the inactive products unused (the
+                         * same values: an active row's product is the same bits either way; measured, 24 MoE
+                         * blocks of the SmallThinker-shaped bench file, ~50% active, best of 60 on 2 busy cores:
+                         * 9.39 -> 9.12 ms at -t 1, 10.19 -> 9.81 ms at -t 2) */
+                        moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, c0, c1, uj);
+                        for (int64_t i = 0; i < m; i++) gj[act[i]] = relu_f(gj[act[i]]) * uj[act[i]];
+                        continue;
                     }
                     for (int64_t i = 0; i < m; i++) {
                         const int64_t n = act[i];
