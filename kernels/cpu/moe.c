@@ -406,6 +406,8 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     if (T == 0) return PI_OK;
     if (x == NULL || ids == NULL || weights == NULL || out == NULL) return PI_ERR_SHAPE;
     const int64_t S = T * k; /* slots: (token, expert) pairs */
+    if ((double)S * (double)(2 * E + 2 * F) * 4.0 > 0x1p48 || (double)NE * (double)(E + F) > 0x1p40)
+        return PI_ERR_ALLOC; /* the buffers below, before their sizes overflow */
     for (int64_t s = 0; s < S; s++)
         if (ids[s] < 0 || ids[s] >= NE) return PI_ERR_INDEX;
     const int64_t RF = (F + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS, RE = (E + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
