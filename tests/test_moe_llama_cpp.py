@@ -233,7 +233,8 @@ def test_moe_block_batch_invariant(files, arch: str, kind: str):
 @pytest.mark.parametrize("arch", ["qwen2moe", "smallthinker"])
 def test_offloaded_layers_on_the_cpu_pool(files, arch: str):
     """-ngl on MoE files (the CPU standing in for the pool device): attention, norms, routers and the shared expert
-    are placed, the stacked experts stay in the file's memory; logits as without placement."""
+    are placed, and the offloaded layers' experts whole (llama.cpp's rule; tests/test_moe_placement.py covers the
+    expert plans); logits as without placement."""
     path = files[f"moe-{arch}-tiny-q4_0.gguf"]
     ids = RECORDED["runs"][path.name][2]["prompt"]
     plain = Engine(path, EngineOptions(act_precision="f32", n_ctx=64, n_threads=2)).logits_all(ids)
@@ -247,6 +248,7 @@ def test_offloaded_layers_on_the_cpu_pool(files, arch: str):
         layers = engine.model.layers
         assert sum(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in layers) == min(n_gpu_layers, 2)
         assert isinstance(layers[-1].ffn.router, ops.DeviceWeight)
+        assert [la.ffn.experts.pool is not None for la in layers] == [n_gpu_layers > 1, True]
         placed = engine.logits_all(ids)
         engine.reset()
         step = torch.stack([engine.eval([t]) for t in ids])

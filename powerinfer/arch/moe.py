@@ -210,13 +210,10 @@ def moe_ffn(c: MoEConfig, bid: int, src: WeightSource) -> MoEFFN:
         return template.format(bid=bid)
 
     E, F = s.n_expert, s.n_ff_exp
-    experts = Experts(
-        s,
-        src.host_stack(name(TensorNames.FFN_GATE_EXPS), (E, F, D)),
-        src.host_stack(name(TensorNames.FFN_UP_EXPS), (E, F, D)),
-        src.host_stack(name(TensorNames.FFN_DOWN_EXPS), (E, D, F)),
-        kc,
-    )
+    gate = src.host_stack(name(TensorNames.FFN_GATE_EXPS), (E, F, D))
+    up = src.host_stack(name(TensorNames.FFN_UP_EXPS), (E, F, D))
+    down = src.host_stack(name(TensorNames.FFN_DOWN_EXPS), (E, D, F))
+    experts = Experts(s, gate, up, down, kc, pool=src.pool_experts(bid, gate, up, down, E, s.act))
     shared = None
     if s.n_ff_shexp:
         Fs = s.n_ff_shexp

@@ -116,6 +116,23 @@ PoolDeviceOpt = Annotated[
         help="Device of the hot-neuron pool (default: cuda when available; 'cpu' = stand-in).",
     ),
 ]
+CpuMoeOpt = Annotated[
+    bool, typer.Option("--cpu-moe", help="MoE files: keep every expert tensor on the CPU (llama.cpp's flag).")
+]
+NCpuMoeOpt = Annotated[
+    int,
+    typer.Option("--n-cpu-moe", help="MoE files: keep the experts of the first N layers on the CPU."),
+]
+OverrideTensorOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "-ot",
+        "--override-tensor",
+        help="MoE files: REGEX=DEV[,...] puts the expert tensors whose name matches REGEX on DEV: CPU, or "
+        "the pool device (pool; cuda, CUDA0 on a GPU); the first match wins, repeatable.",
+        show_default=False,
+    ),
+]
 PipelineSplitOpt = Annotated[
     str | None,
     typer.Option(
@@ -193,6 +210,13 @@ def resolve_vram_budget(gib: float) -> float | None:
     return gib
 
 
+def n_cpu_moe(n: int) -> int:
+    """--n-cpu-moe: a layer count, >= 0."""
+    if n < 0:
+        raise InputError(f"--n-cpu-moe must be >= 0 (got {n})")
+    return n
+
+
 def resolve_device(text: str | None, option: str = "--pool-device") -> str | None:
     """A device option: cpu, cuda or cuda:N (N an existing device); InputError / PlacementError otherwise."""
     if text is None:
@@ -235,6 +259,9 @@ class EngineArgs:
     reset_gpu_index: ResetIdxOpt = False
     disable_gpu_index: DisableIdxOpt = False
     pool_device: PoolDeviceOpt = None
+    cpu_moe: CpuMoeOpt = False
+    n_cpu_moe: NCpuMoeOpt = 0
+    override_tensor: OverrideTensorOpt = None
     pipeline_split: PipelineSplitOpt = None
     dist_timeout: DistTimeoutOpt = 60.0
 
@@ -261,6 +288,9 @@ class EngineArgs:
             reset_gpu_index=self.reset_gpu_index,
             disable_gpu_index=self.disable_gpu_index,
             pool_device=resolve_device(self.pool_device),
+            cpu_moe=self.cpu_moe,
+            n_cpu_moe=n_cpu_moe(self.n_cpu_moe),
+            override_tensor=tuple(self.override_tensor or ()),
         )
         values.update(fields)
         if "pipeline" not in values:

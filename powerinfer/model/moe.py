@@ -11,6 +11,7 @@ one group per distinct selected expert (at most min(n_expert, tokens * k)).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -89,8 +90,26 @@ def route(
     return ids, weights.gather(-1, order)
 
 
+class ExpertPart(Protocol):
+    """The experts of a layer held whole in the pool (runtime.pool.PoolExperts)."""
+
+    member: torch.Tensor  # (n_expert,) bool on the CPU: which experts it holds
+
+    def launch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The weighted sum per token (T, n_embd) on the CPU of the (token, expert) pairs mask (T, k) selects."""
+        ...
+
+    def wait(self) -> None: ...
+
+
 class Experts:
-    """n_expert gated FFNs stored stacked: y_e = down_e(act(gate_e x) * up_e x)."""
+    """n_expert gated FFNs stored stacked: y_e = down_e(act(gate_e x) * up_e x).
+
+    pool: the experts the pool holds whole (None: all on the CPU); a step then computes the pairs routed to
+    them there, the rest here, and adds the pool's sum to the CPU's (a step with no pair in the pool runs as
+    without one). calls / pool_calls count (token, expert) pairs and those the pool served."""
 
     def __init__(
         self,
@@ -100,6 +119,7 @@ class Experts:
         down: ops.QWeight,
         kc: ops.KernelContext,
         sparse: bool | None = None,
+        pool: ExpertPart | None = None,
     ) -> None:
         E, F = spec.n_expert, spec.n_ff_exp
         n_embd = gate.shape[1]
@@ -130,6 +150,8 @@ class Experts:
         # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
         relu = (spec.act == "relu") if sparse is None else sparse
         self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc)
+        self.pool = pool
+        self.calls = self.pool_calls = 0
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
@@ -139,6 +161,47 @@ class Experts:
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
+        self.calls += ids.numel()
+        if self.pool is None:
+            return self.on_cpu(x, ids, weights)
+        pooled = self.pool.member[ids]  # (T, k)
+        n_pool = int(pooled.sum())
+        if n_pool == 0:
+            return self.on_cpu(x, ids, weights)
+        self.pool_calls += n_pool
+        y = self.pool.launch(x, ids, weights, pooled)
+        out = self.pairs(x, ids, weights, ~pooled)  # the CPU's pairs while the pool computes
+        self.pool.wait()
+        return out.add_(y)
+
+    def pairs(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them."""
+        T, k = ids.shape
+        out = torch.zeros(T, self.n_embd, dtype=torch.float32)
+        slots = mask.reshape(-1).nonzero().reshape(-1)
+        if slots.numel() == 0:
+            return out
+        chosen = ids.reshape(-1)[slots]
+        order = chosen.argsort(stable=True)
+        slots, chosen = slots[order], chosen[order]
+        used, counts = torch.unique_consecutive(chosen, return_counts=True)
+        tokens = slots // k
+        xs = x[tokens]
+        experts, sizes = used.tolist(), counts.tolist()
+        if self.one_path:
+            F, kc = self.spec.n_ff_exp, self.kc
+            g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
+            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
+        else:
+            y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
+        out.index_add_(0, tokens, y * weights.reshape(-1)[slots, None])
+        return out
+
+    def on_cpu(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every selected expert on the CPU."""
         T, k = ids.shape
         out = torch.zeros(T, self.n_embd, dtype=torch.float32)
         if T == 1 and self.kernel is not None:
@@ -236,7 +299,13 @@ class MoEFFN:
         in place: ops.moe_ffn_block); None where that does not apply (no experts kernel, a shared expert, a
         LayerNorm, a placed router)."""
         experts = self.experts.kernel
-        if experts is None or self.shared is not None or norm.spec.kind == "layer" or self.router.on_device:
+        if (
+            experts is None
+            or self.shared is not None
+            or norm.spec.kind == "layer"
+            or self.router.on_device
+            or self.experts.pool is not None
+        ):
             return None
         s = self.spec
         router = None if s.route_input == "layer" else self.router
@@ -292,6 +361,7 @@ class FusedMoEFFN:
                 raise RuntimeError("MoE layer routed on the layer input was called without route_early")
             logits = logits.contiguous()
         counting = ffn.counts is not None
+        ffn.experts.calls += ffn.spec.n_expert_used
         self.block(x, logits, self.ids if counting else None)
         if ffn.counts is not None:
             ffn.counts += torch.bincount(self.ids, minlength=ffn.spec.n_expert)

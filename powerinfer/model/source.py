@@ -7,13 +7,16 @@ architecture asks for tensors by name and never learns where they live.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from powerinfer import ops
 from powerinfer.model.sparse import HotPart, SparseStats
 from powerinfer.model.workspace import Workspace
+
+if TYPE_CHECKING:
+    from powerinfer.model.moe import ExpertPart
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,12 @@ class WeightSource(Protocol):
         b_up: torch.Tensor | None = None,
     ) -> HotPart | None:
         """The pool part of a layer's sparse FFN (None: every neuron on the CPU)."""
+        ...
+
+    def pool_experts(
+        self, layer: int, gate: ops.QWeight, up: ops.QWeight, down: ops.QWeight, n_expert: int, act: str
+    ) -> ExpertPart | None:
+        """The experts of a MoE layer the plan keeps whole in the pool (None: every expert on the CPU)."""
         ...
 
     def layer_device(self, layer: int) -> torch.device: ...

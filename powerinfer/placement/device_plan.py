@@ -17,6 +17,7 @@ import numpy as np
 
 from powerinfer.errors import PlacementError
 from powerinfer.gguf.constants import TensorNames
+from powerinfer.placement.experts import ExpertPlan
 from powerinfer.placement.planner import Placement
 
 _ATTN = (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V, TensorNames.ATTN_OUT)
@@ -40,6 +41,7 @@ class DevicePlan:
     computed there. backend: the kernels of the device's weights ("triton" on CUDA, "kernels": the C kernels
     of the CPU stand-in). kv_layers: layers whose KV cache is there (their attention runs there). head: the final
     norm and output projection run there. neurons: per layer, the FFN neuron ids whose rows the pool holds.
+    experts: MoE files, the experts each layer keeps whole in the pool (placement.experts).
     """
 
     device: str | None = None
@@ -51,6 +53,7 @@ class DevicePlan:
     neurons: tuple[np.ndarray | None, ...] = ()
     reason: str = "everything on the CPU"
     placement: Placement | None = field(default=None, compare=False)  # the sparse planner's result, if any
+    experts: ExpertPlan | None = field(default=None, compare=False)  # MoE files: the experts in the pool
 
     def __post_init__(self) -> None:
         if self.device is not None and self.backend is None:
@@ -64,6 +67,13 @@ class DevicePlan:
             return None
         ids = self.neurons[layer]
         return ids if ids is not None and len(ids) else None
+
+    def pool_experts(self, layer: int) -> np.ndarray | None:
+        """The ids of layer's experts held whole in the pool (None: none)."""
+        if self.device is None or self.experts is None or layer >= len(self.experts.experts):
+            return None
+        ids = self.experts.experts[layer]
+        return ids if len(ids) else None
 
 
 def layers_plan(names: Iterable[str], n_layer: int, n_gpu_layers: int, device: str) -> DevicePlan:

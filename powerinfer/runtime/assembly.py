@@ -26,10 +26,11 @@ from powerinfer.model.sparse import SparseStats
 from powerinfer.model.transformer import Transformer
 from powerinfer.placement import Placement
 from powerinfer.placement.device_plan import DevicePlan, layers_plan
+from powerinfer.placement.experts import ExpertRequest, parse_overrides, pool_names
 from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
-from powerinfer.runtime.pool import PoolRequest, plan_pool, pool_device
+from powerinfer.runtime.pool import PoolRequest, budget_bytes, plan_moe_pool, plan_pool, pool_device
 from powerinfer.runtime.threads import torch_threads
 from powerinfer.tokenizer import Tokenizer
 
@@ -72,6 +73,11 @@ class EngineOptions:
     # the output head (model.head): None screens it where the file carries a screen (sparsify writes one), True
     # also builds a screen for a file without one (from the packaged calibration text), False computes it whole
     sparse_head: bool | None = None
+    # MoE files (placement.experts): every expert on the CPU (--cpu-moe), the experts of the first N layers
+    # (--n-cpu-moe), and -ot/--override-tensor values (REGEX=DEV[,REGEX=DEV...]) in order
+    cpu_moe: bool = False
+    n_cpu_moe: int = 0
+    override_tensor: tuple[str, ...] = ()
 
 
 def kernel_context(options: EngineOptions) -> ops.KernelContext:
@@ -230,6 +236,11 @@ def device_plan(
         if device is None:
             return DevicePlan()
         return plan_pool(gguf, c, request, device, n_ctx, layers)
+    moe = getattr(c, "moe", None)
+    if moe is not None:
+        return moe_device_plan(o, gguf, c, moe.n_expert, n_ctx)
+    if o.cpu_moe or o.n_cpu_moe or o.override_tensor:
+        log.warning("%s is not a MoE model: --cpu-moe, --n-cpu-moe and -ot ignored", gguf.path)
     if o.n_gpu_layers > 0:
         if o.pool_device is None and not torch.cuda.is_available():
             log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
@@ -239,3 +250,26 @@ def device_plan(
             raise PlacementError("no device for -ngl")
         return layers_plan(gguf.tensors, c.n_layer, o.n_gpu_layers, str(device))
     return DevicePlan()
+
+
+def moe_device_plan(
+    o: EngineOptions, gguf: GGUFFile, c: ModelConfig, n_expert: int, n_ctx: int
+) -> DevicePlan:
+    """A MoE file's plan: -ngl layers (or, with --vram-budget, the dense parts that fit) and the experts the
+    static flags and the budget put in the pool (placement.experts); everything on the CPU without a pool."""
+    cuda = torch.cuda.is_available()
+    has_pool = o.pool_device is not None or cuda
+    device = None
+    if has_pool:
+        device = pool_device(PoolRequest(o.pool_device or "cuda", o.vram_budget_gib))
+    overrides = parse_overrides(o.override_tensor, pool_names(None if device is None else str(device)))
+    request = ExpertRequest(o.cpu_moe, o.n_cpu_moe, overrides)
+    budget = o.vram_budget_gib is not None and has_pool
+    if device is None or not (o.n_gpu_layers > 0 or budget or any(d == "pool" for _, d in overrides)):
+        if o.n_gpu_layers > 0 and not has_pool:
+            log.warning("no CUDA device: -ngl %d ignored, running on the CPU", o.n_gpu_layers)
+        return DevicePlan()
+    if o.n_gpu_layers < 0:
+        raise PlacementError(f"-ngl must be >= 0 (got {o.n_gpu_layers})")
+    limit = budget_bytes(PoolRequest(str(device), o.vram_budget_gib), device) if budget else None
+    return plan_moe_pool(gguf, c, n_expert, device, n_ctx, o.n_gpu_layers, limit, request)

@@ -18,7 +18,7 @@ from powerinfer.model.sparse import HotPart, SparseStats
 from powerinfer.model.workspace import Workspace
 from powerinfer.placement.device_plan import DevicePlan
 from powerinfer.printable import printable
-from powerinfer.runtime.pool import HotRows
+from powerinfer.runtime.pool import HotRows, PoolExperts
 
 
 class Loader:
@@ -36,6 +36,7 @@ class Loader:
         self.device = torch.device(plan.device) if plan.device is not None else None
         self.workspace = Workspace()
         self.hot: list[HotRows] = []
+        self.experts: list[PoolExperts] = []
         self.device_weights: list[ops.DeviceWeight] = []
         self.device_vectors: list[torch.Tensor] = []
 
@@ -45,8 +46,14 @@ class Loader:
         return (
             sum(w.n_bytes for w in self.device_weights)
             + sum(h.n_bytes for h in self.hot)
+            + self.expert_bytes
             + sum(v.nbytes for v in self.device_vectors)
         )
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes the MoE experts held whole take on the pool device."""
+        return sum(e.n_bytes for e in self.experts)
 
     def _info(self, name: str) -> TensorInfo:
         info = self.gguf.tensors.get(name)
@@ -112,6 +119,16 @@ class Loader:
         hot = HotRows(gate, up, down_t, ids, self.device, self.kc, self.plan.backend, b_up)
         self.hot.append(hot)
         return hot
+
+    def pool_experts(
+        self, layer: int, gate: ops.QWeight, up: ops.QWeight, down: ops.QWeight, n_expert: int, act: str
+    ) -> PoolExperts | None:
+        ids = self.plan.pool_experts(layer)
+        if ids is None or self.device is None:
+            return None
+        part = PoolExperts(gate, up, down, ids, n_expert, act, self.device, self.kc, self.plan.backend)
+        self.experts.append(part)
+        return part
 
     def layer_device(self, layer: int) -> torch.device:
         if self.device is not None and layer in self.plan.layers:

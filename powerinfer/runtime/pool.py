@@ -8,6 +8,7 @@ CUDA pool computes on them with Triton kernels, the CPU stand-in with the C kern
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer import ops
+from powerinfer import ops, quant
 from powerinfer.errors import ConfigError, PlacementError, PowerInferError
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.config import ModelConfig
@@ -29,7 +30,8 @@ from powerinfer.placement import (
     read_gpu_index,
     write_gpu_index,
 )
-from powerinfer.placement.device_plan import DevicePlan, neurons_plan, sparse_plan
+from powerinfer.placement.device_plan import DevicePlan, layers_plan, neurons_plan, sparse_plan
+from powerinfer.placement.experts import EXPERT_TENSORS, ExpertRequest, load_expert_counts, plan_experts
 
 log = logging.getLogger(__name__)
 
@@ -233,3 +235,142 @@ class HotRows:
     def wait(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+
+
+class PoolExperts:
+    """The experts of one MoE layer held whole in the pool: each pooled expert's gate, up and down rows, in the
+    file's block format on `device` (ops.DeviceWeight, the bytes placement.experts planned).
+
+    `member` (n_expert,) bool on the CPU marks them; `launch` computes the (token, expert) pairs a mask selects,
+    grouped by expert (one gate, up and down call per distinct pooled expert of a step: at most k for one token),
+    and returns their weighted sum per token on the CPU. A CUDA pool queues them on its own stream."""
+
+    def __init__(
+        self,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down: ops.QWeight,
+        ids: np.ndarray,
+        n_expert: int,
+        act: str,
+        device: torch.device,
+        kc: ops.KernelContext,
+        backend: str | None = None,
+    ) -> None:
+        n_ff, n_embd = gate.shape[0] // n_expert, gate.shape[1]
+        self.device, self.kc, self.act, self.n_embd = device, kc, act, n_embd
+        self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        self.member = torch.zeros(n_expert, dtype=torch.bool)
+        self.member[self.ids] = True
+        self.local = torch.full((n_expert,), -1, dtype=torch.int64)  # expert id -> its slot here
+        self.local[self.ids] = torch.arange(len(self.ids))
+
+        def rows(w: ops.QWeight, n: int, e: int) -> ops.DeviceWeight:
+            return ops.DeviceWeight.from_qweight(w, device, torch.arange(e * n, (e + 1) * n), backend, kc)
+
+        experts = self.ids.tolist()  # build time grows with experts, a step does not
+        self.gates = [rows(gate, n_ff, e) for e in experts]
+        self.ups = [rows(up, n_ff, e) for e in experts]
+        self.downs = [rows(down, n_embd, e) for e in experts]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @property
+    def n_bytes(self) -> int:
+        return sum(w.n_bytes for ws in (self.gates, self.ups, self.downs) for w in ws)
+
+    def launch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """sum over the pairs (t, j) with mask[t, j] of weights[t, j] * expert_{ids[t, j]}(x[t]), for x (T, n_embd)
+        float32 on the CPU and ids, weights, mask (T, k): (T, n_embd) float32 on the CPU."""
+        T, k = ids.shape
+        slots = mask.reshape(-1).nonzero().reshape(-1)
+        experts = ids.reshape(-1)[slots]
+        order = experts.argsort(stable=True)  # pairs grouped by expert, tokens in order within a group
+        slots, experts = slots[order], experts[order]
+        used, sizes = torch.unique_consecutive(experts, return_counts=True)
+        tokens = slots // k
+        xs, w = x[tokens], weights.reshape(-1)[slots]
+        if self.stream is None:
+            return self._compute(xs, tokens, w, used, sizes, T)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            d = self.device
+            y = self._compute(
+                xs.to(d, non_blocking=True), tokens.to(d, non_blocking=True), w.to(d, non_blocking=True),
+                used, sizes, T,
+            )  # fmt: skip
+            return y.to("cpu", non_blocking=True)
+
+    def _compute(
+        self,
+        xs: torch.Tensor,
+        tokens: torch.Tensor,
+        w: torch.Tensor,
+        used: torch.Tensor,
+        sizes: torch.Tensor,
+        T: int,
+    ) -> torch.Tensor:
+        kc, ys = self.kc, []
+        for j, xg in zip(self.local[used].tolist(), xs.split(sizes.tolist()), strict=True):
+            g, u = self.gates[j].linear(xg, kc), self.ups[j].linear(xg, kc)
+            h = ops.gated(g, u, self.act, False) if g.is_cpu else ops.gated_ref(g, u, self.act, False)
+            ys.append(self.downs[j].linear(h, kc))
+        out = torch.zeros(T, self.n_embd, dtype=torch.float32, device=xs.device)
+        if ys:
+            y = torch.cat(ys).to(xs.device)
+            out.index_add_(0, tokens, y * w[:, None])
+        return out
+
+    def wait(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def dense_layer_bytes(gguf: GGUFFile, bid: int) -> int:
+    """Pool bytes of layer bid's tensors but its stacked experts: matrices as DeviceWeight stores them, vectors
+    as float32."""
+    prefix, experts = f"blk.{bid}.", {t.format(bid=bid) for t in EXPERT_TENSORS}
+    total = 0
+    for name, info in gguf.tensors.items():
+        if name.startswith(prefix) and name not in experts:
+            shape = tuple(info.shape)
+            total += quant.pool_bytes(info.ggml_type, shape) if len(shape) == 2 else 4 * int(np.prod(shape))
+    return total
+
+
+def plan_moe_pool(
+    gguf: GGUFFile,
+    config: ModelConfig,
+    n_expert: int,
+    device: torch.device,
+    n_ctx: int,
+    n_gpu_layers: int,
+    budget: int | None,
+    request: ExpertRequest,
+) -> DevicePlan:
+    """The device plan of a MoE file: the last -ngl layers' dense parts (attention, norms, router, shared expert)
+    and KV caches on the pool, and the experts placement.experts chooses. With a budget and no -ngl, as many of
+    the last layers' dense parts as fit; the experts then share the bytes left, hottest first."""
+    c = config
+    dev = str(device)
+    counts = load_expert_counts(Path(gguf.path), c.n_layer, n_expert)  # None without a profile
+    if budget is None:
+        base = layers_plan(gguf.tensors, c.n_layer, n_gpu_layers, dev)
+        experts = plan_experts(
+            gguf, c.n_layer, n_expert, request, dev, default_layers=base.layers, counts=counts
+        )
+    else:
+        kv = kv_cache_bytes(1, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
+        need = [dense_layer_bytes(gguf, bid) + kv for bid in range(c.n_layer)]
+        n, used = n_gpu_layers, 0
+        if n <= 0:
+            while n < c.n_layer and used + need[c.n_layer - 1 - n] <= budget:
+                used += need[c.n_layer - 1 - n]
+                n += 1
+        else:
+            used = sum(need[max(0, c.n_layer - n) :])
+        base = layers_plan(gguf.tensors, c.n_layer, n, dev)
+        left = max(0, budget - used)
+        experts = plan_experts(gguf, c.n_layer, n_expert, request, dev, budget=left, counts=counts)
+    return dataclasses.replace(base, experts=experts, reason=f"{base.reason}; {experts.describe()}")

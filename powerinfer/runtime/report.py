@@ -111,7 +111,7 @@ def sparse_report(m: AssembledModel) -> list[str]:
                 f"~{read_bytes_per_token(m) / 2**20:.1f} MiB of weights read per token (the file: "
                 f"{file_mib:.1f} MiB)"
             )
-            return head_lines
+            return head_lines + expert_report(m)
         if not head_lines:
             return []
         return [
@@ -158,3 +158,25 @@ def placement_report(m: AssembledModel) -> list[str]:
     if m.pool_device is None:
         return []
     return [f"placement: {m.plan.reason}; {m.loader.device_bytes / 2**20:.2f} MiB on {m.pool_device}"]
+
+
+def expert_calls(m: AssembledModel) -> tuple[int, int]:
+    """(token, expert) calls of the MoE layers so far, and those the pool served."""
+    calls = pool = 0
+    for layer in m.model.layers:
+        experts = getattr(layer.ffn, "experts", None)
+        if experts is not None:
+            calls, pool = calls + experts.calls, pool + experts.pool_calls
+    return calls, pool
+
+
+def expert_report(m: AssembledModel) -> list[str]:
+    """MoE files with experts in the pool: the share of expert calls the pool served, and the plan's."""
+    plan = m.plan.experts
+    calls, pool = expert_calls(m)
+    if plan is None or calls == 0:
+        return []
+    return [
+        f"moe: {pool / calls:.1%} of {calls} expert calls served by the pool on {m.pool_device} "
+        f"(planned {plan.expected_share:.1%}, {plan.source})"
+    ]
