@@ -114,6 +114,15 @@ def test_grouped_kernel_equals_each_token_alone(name: str, act: str, precision: 
             kernel, experts.kernel = experts.kernel, None  # the op-by-op grouped path
             assert torch.equal(got, experts(x[:n], ids[:n], weights[:n])), (threads, n)
             experts.kernel = kernel
+        mask = (
+            torch.rand(T, 3, generator=torch.Generator().manual_seed(threads)) < 0.6
+        )  # the pairs a pool leaves
+        got = experts.pairs(x, ids, weights, mask)
+        kernel, experts.kernel = experts.kernel, None
+        assert torch.equal(got, experts.pairs(x, ids, weights, mask)), threads
+        experts.kernel = kernel
+    with pytest.raises(IndexError, match="moe_grouped_ffn"):  # an expert past the stack
+        experts.kernel.grouped(x, torch.full_like(ids, E), weights)
 
 
 @pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "IQ4_XS"])

@@ -392,7 +392,8 @@ PI_EXPORT int32_t pi_grouped_matmul(const void *matmul, const uint8_t *w, int64_
  * with its activation (pi_gated's), then a row range of its down; few groups are split in more ranges (multiples
  * of MOE_GROUP_ROWS rows) so the threads end together. A product's bits do not depend on the thread count, the
  * split or the grouping, and the weighted sum is pi_moe_experts': one token's row of out is the bits the one-token
- * kernel adds to it. One parallel region, no Python between the steps. */
+ * kernel adds to it. One parallel region, no Python between the steps. An id of -1 leaves its pair out of the sum
+ * (the pairs another device computes). */
 PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, const void *up_mm,
                                      const void *down_mm, const float *x, int64_t T, const int64_t *ids,
                                      const float *weights, float *out, int32_t n_threads, int32_t isa) {
@@ -409,7 +410,7 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     if ((double)S * (double)(2 * E + 2 * F) * 4.0 > 0x1p48 || (double)NE * (double)(E + F) > 0x1p40)
         return PI_ERR_ALLOC; /* the buffers below, before their sizes overflow */
     for (int64_t s = 0; s < S; s++)
-        if (ids[s] < 0 || ids[s] >= NE) return PI_ERR_INDEX;
+        if (ids[s] < -1 || ids[s] >= NE) return PI_ERR_INDEX;
     const int64_t RF = (F + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS, RE = (E + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
     /* (at most RF and RE row ranges per group below) */
     /* per expert: count, start; per slot: its row in the grouped layout, the token of each grouped row; the groups
@@ -426,7 +427,8 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     int64_t *items = order + NE;
     float *xs = fbuf, *g = xs + S * E, *u = g + S * F, *yd = u + S * F;
     memset(count, 0, (size_t)NE * sizeof(int64_t));
-    for (int64_t s = 0; s < S; s++) count[ids[s]]++;
+    for (int64_t s = 0; s < S; s++)
+        if (ids[s] >= 0) count[ids[s]]++;
     start[0] = 0;
     for (int64_t e = 0; e < NE; e++) start[e + 1] = start[e] + count[e];
     int64_t n_groups = 0;
@@ -438,6 +440,10 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
         count[e] = 0; /* reused as the fill position below */
     }
     for (int64_t s = 0; s < S; s++) { /* slots in token order: a group's tokens in order */
+        if (ids[s] < 0) {
+            slot_row[s] = -1;
+            continue;
+        }
         const int64_t e = ids[s], r = start[e] + count[e]++;
         slot_row[s] = r;
         row_token[r] = s / k;
@@ -464,7 +470,8 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     {
         int32_t mine = PI_OK;
 #pragma omp for schedule(static)
-        for (int64_t s = 0; s < S; s++) memcpy(xs + slot_row[s] * E, x + (s / k) * E, (size_t)E * sizeof(float));
+        for (int64_t s = 0; s < S; s++)
+            if (slot_row[s] >= 0) memcpy(xs + slot_row[s] * E, x + (s / k) * E, (size_t)E * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n_up; i++) { /* a row range of a group's gate and up, then its activation */
             const int64_t it = items[i], c = it % rf, e = it / rf;
@@ -490,6 +497,7 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
             float *o = out + t * E; /* o[n] = ((0 + y_0 w_0) + y_1 w_1) + ..., pi_moe_experts' acc */
             for (int64_t n = 0; n < E; n++) o[n] = 0.0f;
             for (int64_t j = 0; j < k; j++) {
+                if (slot_row[t * k + j] < 0) continue;
                 const float *yj = yd + slot_row[t * k + j] * E, wj = weights[t * k + j];
                 for (int64_t n = 0; n < E; n++) o[n] += yj[n] * wj;
             }

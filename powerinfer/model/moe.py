@@ -178,6 +178,10 @@ class Experts:
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them."""
+        if self.kernel is not None:  # one kernel call, the pairs left out marked -1
+            grouped = self.kernel.grouped(x, ids.masked_fill(~mask, -1), weights)
+            if grouped is not None:
+                return grouped
         T, k = ids.shape
         out = torch.zeros(T, self.n_embd, dtype=torch.float32)
         slots = mask.reshape(-1).nonzero().reshape(-1)

@@ -246,8 +246,8 @@ class MoEExperts:
         """The experts of T tokens at once: (T, n_embd) float32, row t = sum_j weights[t, j] *
         expert_{ids[t, j]}(x[t]) in j order, the bits this kernel adds for the token alone (pi_moe_grouped_ffn:
         the tokens grouped by expert, each group's matrices in the matmul kernels `linear` calls, the threads
-        sharing groups and row ranges of them). x (T, n_embd) float32, ids (T, k) int64, weights (T, k) float32;
-        None where the kernels lack it."""
+        sharing groups and row ranges of them). x (T, n_embd) float32, ids (T, k) int64 (-1: the pair left out),
+        weights (T, k) float32; None where the kernels lack it."""
         kc = self.kc
         kernel, mm = kc.kernels.moe_grouped_ffn, kc.kernels.matmul
         fns = [mm.get(w.ggml_type) for w in self._keep]
