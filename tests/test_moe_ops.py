@@ -63,21 +63,66 @@ def test_one_token_paths_equal_per_expert_matmuls(name: str, act: str, precision
     t = GGMLType[name]
     rng = np.random.default_rng(4)
 
-    def stack(rows: int, cols: int) -> ops.QWeight:
-        data = rng.normal(0, 0.1, (E * rows, cols)).astype(np.float32)
+    def stack(rows: int, cols: int, loc: float = 0.0) -> ops.QWeight:
+        data = rng.normal(loc, 0.1, (E * rows, cols)).astype(np.float32)
         return ops.QWeight.from_numpy(np.asarray(quantize(data, t)), t, (E * rows, cols))
 
     spec = MoESpec(n_expert=E, n_expert_used=3, n_ff_exp=F, act=act, norm_weights=True)
     kc = ops.default_context().replace(act_precision=precision)
-    experts = Experts(spec, stack(F, D), stack(F, D), stack(D, F), kc)
+    experts = Experts(spec, stack(F, D, -0.02), stack(F, D), stack(D, F), kc)
     assert (experts.kernel is None) == (name == "IQ4_NL")
     for seed in range(4):
         x = torch.randn(1, D, generator=torch.Generator().manual_seed(seed))
+        if seed >= 2:  # positive inputs: most gates negative (ReGLU: the up rows of a list), else about half
+            x = x.abs()
         ids, weights = route(torch.randn(1, E, generator=torch.Generator().manual_seed(10 + seed)), spec)
         want = torch.zeros(1, D)
         for j, e in enumerate(ids[0].tolist()):
             want += experts.expert(e, x) * weights[0, j]
         assert torch.equal(experts(x, ids, weights), want)
+
+
+@pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("act", ["silu", "relu"])
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_grouped_kernel_equals_each_token_alone(name: str, act: str, precision: str):
+    """A prompt's experts in one kernel call (pi_moe_grouped_ffn: tokens grouped by expert, matrices split in row
+    ranges between threads) equal each token through the one-token kernel and the op-by-op grouped path (grouped
+    matmuls, gated, index_add_) bit for bit, at 1 and 2 threads."""
+    from powerinfer.model.moe import Experts, MoESpec, route
+
+    E, F, D, T = 8, 512, 256, 11
+    t = GGMLType[name]
+    rng = np.random.default_rng(7)
+
+    def stack(rows: int, cols: int) -> ops.QWeight:
+        data = rng.normal(0, 0.1, (E * rows, cols)).astype(np.float32)
+        return ops.QWeight.from_numpy(np.asarray(quantize(data, t)), t, (E * rows, cols))
+
+    spec = MoESpec(n_expert=E, n_expert_used=3, n_ff_exp=F, act=act, norm_weights=True)
+    gate, up, down = stack(F, D), stack(F, D), stack(D, F)
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(8))
+    ids, weights = route(torch.randn(T, E, generator=torch.Generator().manual_seed(9)), spec)
+    for threads in (1, 2):
+        kc = ops.KernelContext(n_threads=threads, act_precision=precision)
+        experts = Experts(spec, gate, up, down, kc)
+        assert experts.kernel is not None
+        alone = torch.cat([experts(x[i : i + 1], ids[i : i + 1], weights[i : i + 1]) for i in range(T)])
+        for n in (2, T):  # 2 tokens: at most 6 groups, each split in row ranges at 2 threads
+            got = experts(x[:n], ids[:n], weights[:n])
+            assert torch.equal(got, alone[:n]), (threads, n)
+            kernel, experts.kernel = experts.kernel, None  # the op-by-op grouped path
+            assert torch.equal(got, experts(x[:n], ids[:n], weights[:n])), (threads, n)
+            experts.kernel = kernel
+        mask = (
+            torch.rand(T, 3, generator=torch.Generator().manual_seed(threads)) < 0.6
+        )  # the pairs a pool leaves
+        got = experts.pairs(x, ids, weights, mask)
+        kernel, experts.kernel = experts.kernel, None
+        assert torch.equal(got, experts.pairs(x, ids, weights, mask)), threads
+        experts.kernel = kernel
+    with pytest.raises(IndexError, match="moe_grouped_ffn"):  # an expert past the stack
+        experts.kernel.grouped(x, torch.full_like(ids, E), weights)
 
 
 @pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "IQ4_XS"])

@@ -178,6 +178,10 @@ class Experts:
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
         """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them."""
+        if self.kernel is not None:  # one kernel call, the pairs left out marked -1
+            grouped = self.kernel.grouped(x, ids.masked_fill(~mask, -1), weights)
+            if grouped is not None:
+                return grouped
         T, k = ids.shape
         out = torch.zeros(T, self.n_embd, dtype=torch.float32)
         slots = mask.reshape(-1).nonzero().reshape(-1)
@@ -213,6 +217,10 @@ class Experts:
             for j, e in enumerate(ids[0].tolist()):
                 out += self.expert(e, x) * weights[0, j]
             return out
+        if self.kernel is not None:  # the whole step in one kernel call (gate, up, activation, down, sum)
+            grouped = self.kernel.grouped(x, ids, weights)
+            if grouped is not None:
+                return grouped
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)  # (T k,) slots grouped by expert, tokens in order within a group
         counts = torch.bincount(flat, minlength=self.spec.n_expert)

@@ -73,11 +73,12 @@ class _Resolved:
     moe_route: Any  # router logits -> top-k experts
     moe_ffn_block: Any  # one token's MoE FFN block
     grouped_matmul: Any  # matmul over token groups, one parallel region
+    moe_grouped_ffn: Any  # a prompt's MoE experts grouped by expert, one call
 
 
 _NONE = _Resolved(
     _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None, None, None,
-    None, None,
+    None, None, None,
 )  # fmt: skip
 
 
@@ -106,6 +107,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         moe_route=lib.moe_route,
         moe_ffn_block=lib.moe_ffn_block,
         grouped_matmul=lib.grouped_matmul,
+        moe_grouped_ffn=lib.moe_grouped_ffn,
     )
 
 

@@ -128,6 +128,8 @@ _GROUPED_MATMUL_ARGTYPES = (
     _i32,
     _i32,
 )
+# moe_grouped_ffn (desc, gate matmul, up matmul, down matmul, x, T, ids, weights, out, n_threads, isa)
+_MOE_GROUPED_FFN_ARGTYPES = (_ptr,) * 5 + (_i64, _ptr, _ptr, _ptr, _i32, _i32)
 # rms_norm (x, T, D, x_stride, w or NULL, eps, out, out_stride)
 _RMS_NORM_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, ctypes.c_float, _ptr, _i64)
 
@@ -179,6 +181,7 @@ class Library:
     grouped_matmul: (
         Any  # a matmul kernel over a prompt's tokens grouped by expert, the groups shared by the threads
     )
+    moe_grouped_ffn: Any  # a prompt's MoE experts, tokens grouped by expert, in one call
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
@@ -248,6 +251,7 @@ def _open(path: str) -> Library:
         moe_ffn_block=_symbol(lib, "pi_moe_ffn_block", _MOE_FFN_BLOCK_ARGTYPES),
         moe_ffn_block_scratch_bytes=_symbol(lib, "pi_moe_ffn_block_scratch_bytes", (_i64,) * 4, _i64),
         grouped_matmul=_symbol(lib, "pi_grouped_matmul", _GROUPED_MATMUL_ARGTYPES),
+        moe_grouped_ffn=_symbol(lib, "pi_moe_grouped_ffn", _MOE_GROUPED_FFN_ARGTYPES),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),

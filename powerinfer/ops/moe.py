@@ -242,6 +242,33 @@ class MoEExperts:
         if status:
             check_status(status, "moe_experts")
 
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """The experts of T tokens at once: (T, n_embd) float32, row t = sum_j weights[t, j] *
+        expert_{ids[t, j]}(x[t]) in j order, the bits this kernel adds for the token alone (pi_moe_grouped_ffn:
+        the tokens grouped by expert, each group's matrices in the matmul kernels `linear` calls, the threads
+        sharing groups and row ranges of them). x (T, n_embd) float32, ids (T, k) int64 (-1: the pair left out),
+        weights (T, k) float32; None where the kernels lack it."""
+        kc = self.kc
+        kernel, mm = kc.kernels.moe_grouped_ffn, kc.kernels.matmul
+        fns = [mm.get(w.ggml_type) for w in self._keep]
+        if kernel is None or any(f is None for f in fns):
+            return None
+        T, k, E = x.shape[0], self.n_used, self.n_embd
+        if x.shape != (T, E) or ids.shape != (T, k) or weights.shape != (T, k):
+            raise ValueError("moe_experts: x, ids or weights do not match the experts")
+        x = x.to("cpu", torch.float32).contiguous()
+        ids = ids.to("cpu", torch.int64).contiguous()
+        weights = weights.to("cpu", torch.float32).contiguous()
+        out = torch.empty(T, E, dtype=torch.float32)
+        ptrs = [ctypes.cast(f, ctypes.c_void_p).value for f in fns]
+        status = kernel(
+            self._desc_ref, *ptrs, x.data_ptr(), T, ids.data_ptr(), weights.data_ptr(), out.data_ptr(),
+            kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "moe_grouped_ffn")
+        return out
+
 
 def moe_experts(
     gate: QWeight,
@@ -270,6 +297,7 @@ def moe_experts(
     if up.shape != gate.shape or down.shape != (n_expert * n_embd, n_ff):
         return None
     desc = _MoEDesc(n_embd, n_ff, n_expert, activation_code(act), int(sparse), *mats)
+    desc.n_used = n_used  # the experts per token of the grouped kernel
     return MoEExperts(desc, (gate, up, down), n_used, kc)
 
 
