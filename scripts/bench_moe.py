@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,11 @@ class LlamaCpp:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self._read()
+        self.pause()
+
+    def pause(self) -> None:
+        """Stop the worker between its runs: its idle threads must not take cycles from our side's runs."""
+        self.proc.send_signal(signal.SIGSTOP)
 
     def _read(self) -> dict:
         assert self.proc.stdout is not None
@@ -84,13 +90,16 @@ class LlamaCpp:
 
     def run(self, n_prompt: int, n_gen: int) -> tuple[float, float]:
         assert self.proc.stdin is not None
+        self.proc.send_signal(signal.SIGCONT)
         self.proc.stdin.write(json.dumps({"n_prompt": n_prompt, "n_gen": n_gen}) + "\n")
         self.proc.stdin.flush()
         r = self._read()
+        self.pause()
         return r["pp"], r["tg"]
 
     def close(self) -> None:
         assert self.proc.stdin is not None
+        self.proc.send_signal(signal.SIGCONT)
         self.proc.stdin.close()
         self.proc.wait()
 
@@ -102,8 +111,11 @@ class Ours:
     def __init__(self, model: Path, threads: int, n_ctx: int) -> None:
         from powerinfer.runtime.engine import Engine, EngineOptions
 
-        # int8 activation blocks (the CLI's default, llama.cpp's arithmetic)
-        options = EngineOptions(n_ctx=n_ctx, n_batch=512, n_threads=threads, act_precision="q8")
+        # int8 activation blocks (the CLI's default, llama.cpp's arithmetic); a fixed thread count, as llama.cpp's:
+        # the governor would read the llama.cpp worker's last moments as load and start a step on fewer threads
+        options = EngineOptions(
+            n_ctx=n_ctx, n_batch=512, n_threads=threads, act_precision="q8", fixed_threads=True
+        )
         self.engine = Engine(model, options)
         self.engine.eval(prompt_tokens(self.engine.config.n_vocab, 8))  # page cache, thread pool
 
