@@ -121,6 +121,10 @@ def test_grouped_kernel_equals_each_token_alone(name: str, act: str, precision: 
         kernel, experts.kernel = experts.kernel, None
         assert torch.equal(got, experts.pairs(x, ids, weights, mask)), threads
         experts.kernel = kernel
+        none = torch.zeros_like(
+            mask
+        )  # every pair on the pool: no group left (this divided by zero at 2 threads)
+        assert torch.equal(experts.pairs(x, ids, weights, none), torch.zeros(T, D)), threads
     with pytest.raises(IndexError, match="moe_grouped_ffn"):  # an expert past the stack
         experts.kernel.grouped(x, torch.full_like(ids, E), weights)
 

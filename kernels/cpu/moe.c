@@ -452,7 +452,7 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     if (nt > S) nt = (int32_t)S;
     /* a group's matrix in `chunks` row ranges, enough items for the team to end together (4 per thread), each a
      * multiple of MOE_GROUP_ROWS rows (every call quantises the group's inputs again: no more ranges than that) */
-    const int64_t chunks = nt > 1 ? (4 * nt + n_groups - 1) / n_groups : 1;
+    const int64_t chunks = nt > 1 && n_groups > 0 ? (4 * nt + n_groups - 1) / n_groups : 1; /* 0 groups: all masked */
     const int64_t rows_f = min_i64(F, ((F + chunks - 1) / chunks + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS * MOE_GROUP_ROWS),
                   rows_e = min_i64(E, ((E + chunks - 1) / chunks + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS * MOE_GROUP_ROWS);
     const int64_t rf = (F + rows_f - 1) / rows_f, re = (E + rows_e - 1) / rows_e;
