@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -20,6 +21,23 @@ FIXTURE = SHARED / "fixtures" / "tiny-relu-llama"
 # a byte-level SentencePiece vocabulary: <unk> <s> </s> + 256 byte tokens
 TINY_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
 TINY_TYPES = [2, 3, 3] + [6] * 256
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (scripts/ is not a package), loaded once per process: registered in sys.modules
+    while its body runs, so its dataclasses resolve their module."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
 
 
 def in_ci() -> bool:

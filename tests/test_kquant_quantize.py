@@ -22,6 +22,7 @@ from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.ops import library
 from powerinfer.ops.encode import quantize
 from powerinfer.quant import C_QUANTIZABLE, KERNEL_TYPES, QUANTIZABLE, dequantize, row_bytes
+from tests.conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "data" / "kquant_golden.npz"
@@ -30,21 +31,11 @@ TYPES = sorted(C_QUANTIZABLE)
 type_ids = pytest.mark.parametrize("ggml_type", TYPES, ids=lambda t: t.name)
 
 
-def golden_script():
-    """scripts/make_kquant_golden.py as a module (its llama.cpp oracle), loaded from its path."""
-    spec = importlib.util.spec_from_file_location(
-        "make_kquant_golden", ROOT / "scripts" / "make_kquant_golden.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def llama_cpp_quantizer():
     """ggml_quantize_chunk of the installed llama-cpp-python (skip without it)."""
     if importlib.util.find_spec("llama_cpp") is None:
         pytest.skip("llama-cpp-python is not installed")
-    return golden_script().ggml_quantizer()
+    return load_script("make_kquant_golden").ggml_quantizer()
 
 
 def first_difference(got: np.ndarray, want: np.ndarray) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -18,30 +17,18 @@ import torch
 import powerinfer.arch.moe as arch_moe
 from powerinfer import ops
 from powerinfer.runtime.engine import Engine, EngineOptions
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "make_synthetic_moe.py"
 RECORDED = json.loads((REPO / "tests" / "data" / "moe-llama-cpp-greedy.json").read_text())
 # README's rule: greedy ids exact except at a near-tie, a step whose top-2 logit margin is below ~0.05
 NEAR_TIE = 0.05
 
 
-def load_script():
-    name = "make_synthetic_moe"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     """The tiny files of every architecture, F32, F16 and Q4_0, regenerated: byte for byte those llama.cpp ran."""
-    mod = load_script()
+    mod = load_script("make_synthetic_moe")
     out = tmp_path_factory.mktemp("moe")
     paths = mod.generate(out, list(mod.ARCHS), "tiny", ["f32", "f16", "q4_0"], seed=0)
     for p in paths:

@@ -7,7 +7,6 @@ Files: the tiny synthetic MoE files of scripts/make_synthetic_moe.py (2 layers, 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -20,9 +19,9 @@ import torch
 from powerinfer.placement.experts import load_expert_counts
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.report import expert_calls
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "make_synthetic_moe.py"
 TEXT = (REPO / "powerinfer" / "data" / "calibration.txt").read_text()
 PROFILE_TEXT, HELD_OUT = (
     TEXT[:12000],
@@ -30,22 +29,12 @@ PROFILE_TEXT, HELD_OUT = (
 )  # disjoint parts: profile on one, measure on the other
 
 
-def load_script():
-    name = "make_synthetic_moe"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("moe-placement")
-    paths = load_script().generate(out, ["qwen3moe", "qwen2moe", "smallthinker"], "tiny", ["q4_0"], seed=0)
+    paths = load_script("make_synthetic_moe").generate(
+        out, ["qwen3moe", "qwen2moe", "smallthinker"], "tiny", ["q4_0"], seed=0
+    )
     return {p.name: p for p in paths}
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,33 +12,16 @@ import torch
 from powerinfer.gguf import GGMLType
 from powerinfer.gguf.reader import read_gguf
 from powerinfer.runtime.engine import Engine, EngineOptions
+from tests.conftest import load_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "make_synthetic_model.py"
 ACTIVE = 0.10
 N_SAMPLE = 128
 
 
-def load_script():
-    """Import scripts/make_synthetic_model.py as a module (scripts/ is not a package)."""
-    name = "make_synthetic_model"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their module while the class body runs
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
-    mod = load_script()
+    mod = load_script("make_synthetic_model")
     out = tmp_path_factory.mktemp("synthetic")
     summary = mod.generate(out, mod.SHAPES["tiny"], ["f16", "q4_0"], ACTIVE, seed=0, n_sample=N_SAMPLE)
     return mod, out, summary
@@ -169,7 +150,7 @@ def test_cli_is_deterministic_and_types_are_independent(synthetic, tmp_path):
 
 
 def test_vocabulary_pieces_are_unique():
-    mod = load_script()
+    mod = load_script("make_synthetic_model")
     tokens, scores, types = mod.vocabulary(32000)
     assert len(tokens) == len(set(tokens)) == 32000
     assert types[0] == 2 and list(types[1:3]) == [3, 3]
