@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import assert_one_error_line
-from test_moe_llama_cpp import load_script
 from typer.testing import CliRunner
 
 from powerinfer.cli import app
 from powerinfer.gguf import GGMLType, GGUFWriter, read_gguf
 from powerinfer.gguf.constants import ValueType
+from tests.conftest import load_script
 
 runner = CliRunner()
 
@@ -22,7 +22,7 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> Path:
     """A tiny qwen3moe F32 file (scripts/make_synthetic_moe.py)."""
-    mod = load_script()
+    mod = load_script("make_synthetic_moe")
     return mod.generate(tmp_path_factory.mktemp("moe"), ["qwen3moe"], "tiny", ["f32"])[0]
 
 
@@ -110,7 +110,7 @@ def test_expert_tensor_shapes(good: Path, tmp_path: Path, name: str, shape):
 
 def test_mixtral_expert_count_zero_is_dense(tmp_path: Path):
     """A llama file with expert_count 0 is a dense Llama (as llama.cpp reads it): it then needs ffn_gate."""
-    mod = load_script()
+    mod = load_script("make_synthetic_moe")
     path = mod.generate(tmp_path, ["mixtral"], "tiny", ["f32"])[0]
     bad = rewrite(path, tmp_path / "bad.gguf", keys={"llama.expert_count": 0})
     assert_one_error_line(run_main(bad), "missing required tensor", "ffn_gate.weight")
