@@ -46,7 +46,29 @@ typedef struct {
     pi_moe_mat router;
     int64_t n_used;
     int32_t gating, norm_weights;
+    /* NULL, or where each expert's rows start when the experts live apart from the stacked tensors (a bounded
+     * cache of them, powerinfer/runtime/expert_store.py): 3 * n_expert pointers, the gate rows of expert e at
+     * [e], its up rows at [n_expert + e], its down rows at [2 n_expert + e] (rows `stride` bytes apart as in the
+     * stack); NULL for an expert not resident, which no call may select */
+    const uint8_t *const *experts;
 } pi_moe_desc;
+
+/* Where expert e's rows of matrix m (0 gate, 1 up, 2 down) start. */
+static inline const uint8_t *moe_expert_w(const pi_moe_desc *d, int m, int64_t e) {
+    if (d->experts != NULL) return d->experts[m * d->n_expert + e];
+    const pi_moe_mat *w = m == 0 ? &d->gate : m == 1 ? &d->up : &d->down;
+    return w->w + e * (m == 2 ? d->n_embd : d->n_ff) * w->stride;
+}
+
+/* Every expert `ids` selects (n of them, -1: none) has its rows: PI_OK, else PI_ERR_INDEX. */
+static int32_t moe_experts_resident(const pi_moe_desc *d, const int64_t *ids, int64_t n) {
+    if (d->experts == NULL) return PI_OK;
+    for (int64_t j = 0; j < n; j++)
+        if (ids[j] >= 0 && (moe_expert_w(d, 0, ids[j]) == NULL || moe_expert_w(d, 1, ids[j]) == NULL ||
+                            moe_expert_w(d, 2, ids[j]) == NULL))
+            return PI_ERR_INDEX;
+    return PI_OK;
+}
 
 /* pi_rms_norm (layer.c) */
 int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, const float *w, float eps, float *out,
@@ -115,6 +137,7 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
         return PI_ERR_SHAPE;
     for (int64_t j = 0; j < k; j++)
         if (ids[j] < 0 || ids[j] >= NE) return PI_ERR_INDEX;
+    if (moe_experts_resident(d, ids, k) != PI_OK) return PI_ERR_INDEX;
     uint8_t *buf;
     int32_t status = scratch_take(scratch, scratch_bytes, moe_scratch(E, F, k), &buf);
     if (status != PI_OK) return status;
@@ -142,7 +165,7 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
         const int64_t total = k * F, r0 = total * me / all, r1 = total * (me + 1) / all;
         for (int64_t j = r0 / F; j < k && j * F < r1; j++) {
             const int64_t lo = r0 > j * F ? r0 - j * F : 0, hi = r1 < (j + 1) * F ? r1 - j * F : F;
-            const uint8_t *gw = gm->w + ids[j] * F * gm->stride, *uw = um->w + ids[j] * F * um->stride;
+            const uint8_t *gw = moe_expert_w(d, 0, ids[j]), *uw = moe_expert_w(d, 1, ids[j]);
             float *gj = g + j * F, *uj = u + j * F;
             moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
             if (sparse) {
@@ -192,7 +215,7 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
 #pragma omp barrier
         const int64_t e0 = E * me / all, e1 = E * (me + 1) / all;
         for (int64_t j = 0; j < k; j++)
-            moe_rows(t, level, dm->kind, dm->w + ids[j] * E * dm->stride, dm->stride, F, q8, &ha[j], &hak[j],
+            moe_rows(t, level, dm->kind, moe_expert_w(d, 2, ids[j]), dm->stride, F, q8, &ha[j], &hak[j],
                      g + j * F, e0, e1, yb + j * E);
         for (int64_t n = e0; n < e1; n++) {
             float acc = 0.0f;
@@ -411,6 +434,7 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
         return PI_ERR_ALLOC; /* the buffers below, before their sizes overflow */
     for (int64_t s = 0; s < S; s++)
         if (ids[s] < -1 || ids[s] >= NE) return PI_ERR_INDEX;
+    if (moe_experts_resident(d, ids, S) != PI_OK) return PI_ERR_INDEX;
     const int64_t RF = (F + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS, RE = (E + MOE_GROUP_ROWS - 1) / MOE_GROUP_ROWS;
     /* (at most RF and RE row ranges per group below) */
     /* per expert: count, start; per slot: its row in the grouped layout, the token of each grouped row; the groups
@@ -478,8 +502,8 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
             const int64_t r0 = c * rows_f, nr = min_i64(rows_f, F - r0), n = start[e + 1] - start[e];
             float *gg = g + start[e] * F + r0, *uu = u + start[e] * F + r0;
             const float *xe = xs + start[e] * E;
-            int32_t st = fg(gm->w + (e * F + r0) * gm->stride, gm->stride, nr, E, xe, E, n, gg, F, 1, isa);
-            if (st == PI_OK) st = fu(um->w + (e * F + r0) * um->stride, um->stride, nr, E, xe, E, n, uu, F, 1, isa);
+            int32_t st = fg(moe_expert_w(d, 0, e) + r0 * gm->stride, gm->stride, nr, E, xe, E, n, gg, F, 1, isa);
+            if (st == PI_OK) st = fu(moe_expert_w(d, 1, e) + r0 * um->stride, um->stride, nr, E, xe, E, n, uu, F, 1, isa);
             if (st != PI_OK) mine = st;
             for (int64_t r = 0; r < n; r++)
                 for (int64_t q = 0; q < nr; q++) gg[r * F + q] = ffn_act(act, gg[r * F + q]) * uu[r * F + q];
@@ -488,7 +512,7 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
         for (int64_t i = n_up; i < n_items; i++) {
             const int64_t it = items[i], c = it % re, e = it / re;
             const int64_t r0 = c * rows_e, nr = min_i64(rows_e, E - r0), n = start[e + 1] - start[e];
-            const int32_t st = fd(dm->w + (e * E + r0) * dm->stride, dm->stride, nr, F, g + start[e] * F, F, n,
+            const int32_t st = fd(moe_expert_w(d, 2, e) + r0 * dm->stride, dm->stride, nr, F, g + start[e] * F, F, n,
                                   yd + start[e] * E + r0, E, 1, isa);
             if (st != PI_OK) mine = st;
         }

@@ -213,7 +213,8 @@ def moe_ffn(c: MoEConfig, bid: int, src: WeightSource) -> MoEFFN:
     gate = src.host_stack(name(TensorNames.FFN_GATE_EXPS), (E, F, D))
     up = src.host_stack(name(TensorNames.FFN_UP_EXPS), (E, F, D))
     down = src.host_stack(name(TensorNames.FFN_DOWN_EXPS), (E, D, F))
-    experts = Experts(s, gate, up, down, kc, pool=src.pool_experts(bid, gate, up, down, E, s.act))
+    pool = src.pool_experts(bid, gate, up, down, E, s.act)
+    experts = Experts(s, gate, up, down, kc, pool=pool, store=src.stored_experts(bid))
     shared = None
     if s.n_ff_shexp:
         Fs = s.n_ff_shexp

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from powerinfer import ops
@@ -104,6 +105,21 @@ class ExpertPart(Protocol):
     def wait(self) -> None: ...
 
 
+class ExpertSource(Protocol):
+    """A layer's experts held apart from the stacked tensors (runtime.expert_store, --memory-limit): `table`
+    (3, n_expert) int64 the addresses of each expert's gate, up and down rows (0: not resident) that the kernels
+    read; `ensure` makes a step's experts resident first, `prefetch` starts reading experts a prediction names,
+    `routed` hands the routed input on to the next layer's predictor."""
+
+    table: np.ndarray
+
+    def ensure(self, ids: torch.Tensor) -> None: ...
+
+    def prefetch(self, ids: torch.Tensor) -> None: ...
+
+    def routed(self, x: torch.Tensor) -> None: ...
+
+
 class Experts:
     """n_expert gated FFNs stored stacked: y_e = down_e(act(gate_e x) * up_e x).
 
@@ -120,6 +136,7 @@ class Experts:
         kc: ops.KernelContext,
         sparse: bool | None = None,
         pool: ExpertPart | None = None,
+        store: ExpertSource | None = None,
     ) -> None:
         E, F = spec.n_expert, spec.n_ff_exp
         n_embd = gate.shape[1]
@@ -149,7 +166,14 @@ class Experts:
         # one token in one kernel call (kernels/cpu/moe.c: gate, up, down of the k experts and their weighted sum,
         # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
         relu = (spec.act == "relu") if sparse is None else sparse
-        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc)
+        table = None if store is None else store.table
+        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, table)
+        self.store = store
+        grouped = getattr(kc.kernels, "moe_grouped_ffn", None) is not None and self.one_path
+        if store is not None and (self.kernel is None or not grouped or pool is not None):
+            raise ConfigError(
+                "--memory-limit needs the MoE kernels for these expert types on the CPU, without a pool"
+            )
         self.pool = pool
         self.calls = self.pool_calls = 0
 
@@ -162,6 +186,10 @@ class Experts:
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
         self.calls += ids.numel()
+        if self.store is not None:  # the experts from the store: resident first, then the kernels
+            self.store.ensure(ids)
+            self.store.routed(x)
+            return self.on_cpu(x, ids, weights)  # the kernels, which read the store's table
         if self.pool is None:
             return self.on_cpu(x, ids, weights)
         pooled = self.pool.member[ids]  # (T, k)
@@ -309,6 +337,7 @@ class MoEFFN:
             or norm.spec.kind == "layer"
             or self.router.on_device
             or self.experts.pool is not None
+            or self.experts.store is not None
         ):
             return None
         s = self.spec
@@ -322,6 +351,9 @@ class MoEFFN:
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
         self._early = ops.linear(x if self.router.on_device else x.to("cpu"), self.router, self.kc)
+        store = self.experts.store
+        if store is not None:  # this step's experts are known now: read them while attention runs
+            store.prefetch(route(self._early.to("cpu"), self.spec, self.kc)[0])
 
     def logits(self, x_norm: torch.Tensor) -> torch.Tensor:
         if self.spec.route_input == "layer":

@@ -16,7 +16,7 @@ from powerinfer.model.sparse import HotPart, SparseStats
 from powerinfer.model.workspace import Workspace
 
 if TYPE_CHECKING:
-    from powerinfer.model.moe import ExpertPart
+    from powerinfer.model.moe import ExpertPart, ExpertSource
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,10 @@ class WeightSource(Protocol):
         self, layer: int, gate: ops.QWeight, up: ops.QWeight, down: ops.QWeight, n_expert: int, act: str
     ) -> ExpertPart | None:
         """The experts of a MoE layer the plan keeps whole in the pool (None: every expert on the CPU)."""
+        ...
+
+    def stored_experts(self, layer: int) -> ExpertSource | None:
+        """A MoE layer's experts held apart from the file mapping under a memory limit (None: the mapping)."""
         ...
 
     def layer_device(self, layer: int) -> torch.device: ...

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 
+import numpy as np
 import torch
 
 from powerinfer.ops import library
@@ -163,7 +164,7 @@ class _MoEDesc(ctypes.Structure):  # pi_moe_desc
         ("n_embd", _i64), ("n_ff", _i64), ("n_expert", _i64), ("act", _i32), ("sparse", _i32),
         ("gate", _Mat), ("up", _Mat), ("down", _Mat),
         ("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("weights_scale", ctypes.c_float), ("router", _Mat),
-        ("n_used", _i64), ("gating", _i32), ("norm_weights", _i32),
+        ("n_used", _i64), ("gating", _i32), ("norm_weights", _i32), ("experts", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -279,11 +280,14 @@ def moe_experts(
     act: str,
     sparse: bool,
     kc: KernelContext | None = None,
+    table: np.ndarray | None = None,
 ) -> MoEExperts | None:
     """The one-token kernel of n_expert stacked experts (gate and up (n_expert * n_ff, n_embd), down
     (n_expert * n_embd, n_ff)) of which n_used are selected per token; `sparse` (ReGLU): the up rows of neurons
-    whose gate is <= 0 are not read. None where the kernels cannot run it (a weight on a device or of a type
-    without a kernel kind)."""
+    whose gate is <= 0 are not read. `table`: None (each expert's rows in the stack), or a C-contiguous int64
+    array (3, n_expert) of addresses where expert e's gate, up and down rows start (laid out as in the stack), 0
+    for an expert not resident, which the owner (runtime.expert_store) fills before each call and keeps alive.
+    None where the kernels cannot run it (a weight on a device or of a type without a kernel kind)."""
     kc = kc or default_context()
     if kc.kernels.moe_experts is None:
         return None
@@ -298,6 +302,10 @@ def moe_experts(
         return None
     desc = _MoEDesc(n_embd, n_ff, n_expert, activation_code(act), int(sparse), *mats)
     desc.n_used = n_used  # the experts per token of the grouped kernel
+    if table is not None:
+        if table.shape != (3, n_expert) or table.dtype != np.int64 or not table.flags.c_contiguous:
+            raise ValueError(f"moe_experts: an expert table must be int64 (3, {n_expert}), C-contiguous")
+        desc.experts = table.ctypes.data
     return MoEExperts(desc, (gate, up, down), n_used, kc)
 
 

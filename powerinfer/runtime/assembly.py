@@ -21,13 +21,22 @@ from powerinfer.arch import build_model, load_config
 from powerinfer.errors import InputError, PlacementError
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.config import ModelConfig
+from powerinfer.model.moe import MoEFFN
 from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
 from powerinfer.model.transformer import Transformer
 from powerinfer.placement import Placement
 from powerinfer.placement.device_plan import DevicePlan, layers_plan
-from powerinfer.placement.experts import ExpertRequest, parse_overrides, pool_names
+from powerinfer.placement.experts import (
+    EXPERT_TENSORS,
+    ExpertRequest,
+    load_expert_counts,
+    parse_overrides,
+    pool_names,
+)
+from powerinfer.placement.memory import plan_memory, runtime_bytes
 from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
+from powerinfer.runtime.expert_store import ExpertStore, LayerFiles, NextRouter, resident_bytes
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, budget_bytes, plan_moe_pool, plan_pool, pool_device
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_THREADS = 1024
+MAX_MEMORY_LIMIT_GIB = 1 << 20
 # host bytes per position and rotary pair while the RoPE tables are built (float64 angles, complex128 and
 # complex64 rotations, float pairs: model.blocks.Rope), an upper bound
 ROPE_BYTES_PER_PAIR = 64
@@ -78,6 +88,12 @@ class EngineOptions:
     cpu_moe: bool = False
     n_cpu_moe: int = 0
     override_tensor: tuple[str, ...] = ()
+    # MoE files larger than memory (--memory-limit GiB): the dense weights and the hottest experts resident, the
+    # rest read from the file through a bounded cache (placement.memory, runtime.expert_store); None: no limit.
+    # memory_runtime_bytes: the interpreter's and libraries' bytes the plan assumes (None: this process's
+    # resident size when the model is assembled)
+    memory_limit_gib: float | None = None
+    memory_runtime_bytes: int | None = None
 
 
 def kernel_context(options: EngineOptions) -> ops.KernelContext:
@@ -164,7 +180,8 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
 
         stage = plan_stage(o.pipeline, gguf, c)
         gguf, c = stage_view(gguf, c, stage.layers)
-    gguf = weights_in_memory(gguf, o.mmap)
+    if o.memory_limit_gib is None:
+        gguf = weights_in_memory(gguf, o.mmap)
     tokenizer = Tokenizer.from_metadata(gguf.metadata, powerinfer_file=gguf.is_sparse)
     if tokenizer.n_vocab != c.n_vocab:
         raise InputError(f"tokenizer has {tokenizer.n_vocab} tokens, model {c.n_vocab}")
@@ -175,12 +192,71 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
     sparsity = Sparsity(c.sparse_method, c.sparse_threshold) if sparse else Sparsity()
     loader = Loader(gguf, plan, kc, sparsity, sparse_stats)
     check_context_memory(c, loader, n_ctx, o.n_seq)
+    if o.memory_limit_gib is not None:
+        loader.store = expert_store(o, Path(model_path), gguf, c, plan, stage, n_ctx)
     with torch_threads(kc.n_threads):  # torch's ops while building (RoPE tables) at this engine's count
         model = build_model(gguf, c, loader)
         model.setup(n_ctx, placed=plan.device is not None)
+    if loader.store is not None:
+        connect_predictors(model, loader.store, kc)
     return AssembledModel(
         Path(model_path), o, kc, gguf, c, tokenizer, n_ctx, stage, plan, loader, model, sparse_stats
     )
+
+
+def expert_store(
+    o: EngineOptions,
+    path: Path,
+    gguf: GGUFFile,
+    c: ModelConfig,
+    plan: DevicePlan,
+    stage: Stage | None,
+    n_ctx: int,
+) -> ExpertStore:
+    """The experts under --memory-limit: planned from the limit, this process's size, the dense weights and the
+    profile's expert counts, then the pinned ones read (placement.memory, runtime.expert_store)."""
+    assert o.memory_limit_gib is not None
+    moe = getattr(c, "moe", None)
+    if moe is None:
+        raise InputError(
+            "--memory-limit applies to mixture-of-experts files only (this model has no experts)"
+        )
+    if not 0 < o.memory_limit_gib <= MAX_MEMORY_LIMIT_GIB:
+        raise InputError(
+            f"--memory-limit must be in (0, {MAX_MEMORY_LIMIT_GIB}] GiB (got {o.memory_limit_gib})"
+        )
+    if plan.device is not None or stage is not None:
+        raise InputError(
+            "--memory-limit runs the experts on the CPU of one process (no pool device, no pipeline)"
+        )
+    if o.mmap is False:
+        raise InputError("--memory-limit reads the dense weights from the file mapping (not with --no-mmap)")
+    limit = int(o.memory_limit_gib * 2**30)
+    base = o.memory_runtime_bytes if o.memory_runtime_bytes is not None else resident_bytes()
+    kv = kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, o.n_seq)
+    layers, expert_sizes, expert_total = [], [], 0
+    for bid in range(c.n_layer):
+        infos = [gguf.tensors[t.format(bid=bid)] for t in EXPERT_TENSORS]
+        sizes = tuple(info.n_bytes // moe.n_expert for info in infos)
+        layers.append(LayerFiles(tuple(info.offset for info in infos), sizes))  # type: ignore[arg-type]
+        expert_sizes.append(sizes)
+        expert_total += sum(info.n_bytes for info in infos)
+    dense = tensor_bytes_total(gguf) - expert_total
+    counts = load_expert_counts(path, c.n_layer, moe.n_expert)
+    mplan = plan_memory(limit, runtime_bytes(limit, base, kv), dense, expert_sizes, moe.n_expert, counts)
+    log.info("%s", mplan.describe(moe.n_expert))
+    return ExpertStore(path, layers, moe.n_expert, mplan)
+
+
+def connect_predictors(model: Transformer, store: ExpertStore, kc: ops.KernelContext) -> None:
+    """Each MoE layer routed on its FFN input predicts the next layer's experts (runtime.expert_store)."""
+    ffns = [layer.ffn for layer in model.layers]
+    for bid in range(len(ffns) - 1):
+        here, nxt = ffns[bid], ffns[bid + 1]
+        if not isinstance(here, MoEFFN) or not isinstance(nxt, MoEFFN) or nxt.spec.route_input != "ffn":
+            continue
+        ratio = model.layers[bid + 1].ffn_norm.weight.to("cpu") / model.layers[bid].ffn_norm.weight.to("cpu")
+        store.predictors[bid] = NextRouter(nxt, ratio.float(), kc)
 
 
 def context_size(n_ctx: int, n_ctx_train: int) -> int:

@@ -18,6 +18,7 @@ from powerinfer.model.sparse import HotPart, SparseStats
 from powerinfer.model.workspace import Workspace
 from powerinfer.placement.device_plan import DevicePlan
 from powerinfer.printable import printable
+from powerinfer.runtime.expert_store import ExpertStore, StoredExperts
 from powerinfer.runtime.pool import HotRows, PoolExperts
 
 
@@ -39,6 +40,7 @@ class Loader:
         self.experts: list[PoolExperts] = []
         self.device_weights: list[ops.DeviceWeight] = []
         self.device_vectors: list[torch.Tensor] = []
+        self.store: ExpertStore | None = None  # the experts under --memory-limit (runtime.assembly sets it)
 
     @property
     def device_bytes(self) -> int:
@@ -129,6 +131,9 @@ class Loader:
         part = PoolExperts(gate, up, down, ids, n_expert, act, self.device, self.kc, self.plan.backend)
         self.experts.append(part)
         return part
+
+    def stored_experts(self, layer: int) -> StoredExperts | None:
+        return None if self.store is None else self.store.layer(layer)
 
     def layer_device(self, layer: int) -> torch.device:
         if self.device is not None and layer in self.plan.layers:
