@@ -5,7 +5,8 @@ Architectures: `qwen3moe`, `qwen2moe` (shared expert), `olmoe` (whole-projection
 `llama` with `llama.expert_count`) and `smallthinker` (router on the layer input, ReGLU experts, a sliding-window
 key so that layers il % 4 == 0 have no RoPE). Shapes: `tiny` (2 layers, n_embd 64, 8 experts of 32, top 2, vocab
 320: tests and the llama.cpp oracle) and `bench` (Qwen3-MoE-like: 24 layers, n_embd 1024, 16/4 heads of 64,
-64 experts of 512, top 8, vocab 32000; about 1.5 GB in Q4_0, for the speed comparison with llama.cpp).
+64 experts of 512, top 8, vocab 32000; about 1.5 GB in Q4_0, for the speed comparison with llama.cpp) and `large`
+(the same with 256 experts: about 5.5 GB in Q4_0, for the --memory-limit benchmark, with --router-skew).
 
 Weights: one numpy stream per tensor name (seed + crc32 of the name), normal with std 0.08 (routers 0.5, so that
 the top-k choice is far from ties; output.weight 0.5, so that greedy choices are mostly far from ties too; norms
@@ -77,6 +78,8 @@ class Shape:
 SHAPES = {
     "tiny": Shape(2, 64, 4, 2, 16, 8, 2, 32, 48, 320, 256),
     "bench": Shape(24, 1024, 16, 4, 64, 64, 8, 512, 1024, 32000, 4096),
+    # --memory-limit benchmark: 256 experts a layer, about 5.5 GB in Q4_0
+    "large": Shape(24, 1024, 16, 4, 64, 256, 8, 512, 1024, 32000, 4096),
 }
 U8 = np.uint8
 
@@ -139,13 +142,25 @@ def tensor_shapes(arch: str, s: Shape) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def float_tensor(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """The tensor's values, F16-representable float32."""
+def router_scales(seed: int, name: str, n_expert: int, skew: float) -> np.ndarray:
+    """Per-expert factors on a router's rows for a skewed selection: the expert of rank r (a random order per
+    layer) gets (r + 1) ** -skew, normalised to mean 1. A row's logit then spreads that much wider, so that the
+    experts of low rank win the top-k more often (skew 0.3 on 256 experts, top 8, Gaussian inputs: the top 10%
+    take ~46% of the selections, the top 37% ~82%)."""
+    rank = rng_for(seed, name + ".rank").permutation(n_expert)
+    scale = (rank + 1.0) ** -skew
+    return scale / scale.mean()
+
+
+def float_tensor(seed: int, name: str, shape: tuple[int, ...], skew: float = 0.0) -> np.ndarray:
+    """The tensor's values, F16-representable float32; `skew` > 0 scales the routers' rows (router_scales)."""
     rng = rng_for(seed, name)
     if "norm" in name:
         data = rng.uniform(0.8, 1.2, shape)
     elif name.endswith("ffn_gate_inp.weight"):
         data = rng.normal(0, ROUTER_STD, shape)
+        if skew > 0:
+            data *= router_scales(seed, name, shape[0], skew)[:, None]
     elif name == "output.weight":
         data = rng.normal(0, OUTPUT_STD, shape)
     elif name.endswith(".bias"):
@@ -183,7 +198,7 @@ def gguf_arch(arch: str) -> str:
     return "llama" if arch == "mixtral" else arch
 
 
-def write(path: Path, arch: str, s: Shape, kind: str, seed: int) -> Path:
+def write(path: Path, arch: str, s: Shape, kind: str, seed: int, skew: float = 0.0) -> Path:
     """One file of `arch` with `kind` ("f32", "f16", "q4_0") matrices (1-D tensors and routers F32)."""
     import gguf
 
@@ -244,7 +259,7 @@ def write(path: Path, arch: str, s: Shape, kind: str, seed: int) -> Path:
         if form == "q4_0":
             w.write_tensor_data(q4_0_blocks(seed, name, shape))
         else:
-            data = float_tensor(seed, name, shape)
+            data = float_tensor(seed, name, shape, skew)
             w.write_tensor_data(data.astype(np.float16) if form == "f16" else data)
     w.close()
     return path
@@ -254,9 +269,11 @@ def filename(arch: str, shape: str, kind: str) -> str:
     return f"moe-{arch}-{shape}-{kind}.gguf"
 
 
-def generate(out: Path, archs: list[str], shape: str, kinds: list[str], seed: int = 0) -> list[Path]:
+def generate(
+    out: Path, archs: list[str], shape: str, kinds: list[str], seed: int = 0, skew: float = 0.0
+) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    return [write(out / filename(a, shape, k), a, SHAPES[shape], k, seed) for a in archs for k in kinds]
+    return [write(out / filename(a, shape, k), a, SHAPES[shape], k, seed, skew) for a in archs for k in kinds]
 
 
 def tensor_digest(path: Path) -> str:
@@ -313,6 +330,9 @@ def main() -> int:
     ap.add_argument("--types", default="f32,f16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--router-skew", type=float, default=0.0, help="skewed expert selection (router_scales), e.g. 0.3"
+    )
+    ap.add_argument(
         "--record", type=Path, default=None, help="run llama.cpp on the files, write its greedy ids"
     )
     args = ap.parse_args()
@@ -329,7 +349,7 @@ def main() -> int:
     if any(a not in ARCHS for a in archs):
         print(f"unknown architecture in {args.arch} (known: {', '.join(ARCHS)})", file=sys.stderr)
         return 1
-    paths = generate(args.out, archs, args.shape, args.types.split(","), args.seed)
+    paths = generate(args.out, archs, args.shape, args.types.split(","), args.seed, args.router_skew)
     for p in paths:
         print(p, p.stat().st_size, file=sys.stderr)
     if args.record is not None:

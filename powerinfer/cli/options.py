@@ -123,6 +123,16 @@ NCpuMoeOpt = Annotated[
     int,
     typer.Option("--n-cpu-moe", help="MoE files: keep the experts of the first N layers on the CPU."),
 ]
+MemoryLimitOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-limit",
+        help="MoE files larger than memory: stay within GIB (page cache included): the dense weights and the "
+        "hottest experts (profile.json beside the model) resident, the others read from the file through a "
+        "bounded cache.",
+        metavar="GIB",
+    ),
+]
 OverrideTensorOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -221,6 +231,7 @@ class EngineArgs:
     cpu_moe: CpuMoeOpt = False
     n_cpu_moe: NCpuMoeOpt = 0
     override_tensor: OverrideTensorOpt = None
+    memory_limit: MemoryLimitOpt = None
     pipeline_split: PipelineSplitOpt = None
     dist_timeout: DistTimeoutOpt = 60.0
 
@@ -250,6 +261,7 @@ class EngineArgs:
             cpu_moe=self.cpu_moe,
             n_cpu_moe=n_cpu_moe(self.n_cpu_moe),
             override_tensor=tuple(self.override_tensor or ()),
+            memory_limit_gib=self.memory_limit,
         )
         values.update(fields)
         if "pipeline" not in values:

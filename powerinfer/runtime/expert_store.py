@@ -20,13 +20,15 @@ compute (a training-free predictor; its accuracy is reported).
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -94,7 +96,9 @@ class _Slot:
 class ExpertStore:
     """Pinned experts, cache slots and reads from the file for every MoE layer of one model."""
 
-    def __init__(self, path: Path, layers: list[LayerFiles], n_expert: int, plan: MemoryPlan) -> None:
+    def __init__(
+        self, path: Path, layers: list[LayerFiles], n_expert: int, plan: MemoryPlan, direct: bool = True
+    ) -> None:
         self.path, self.layers, self.n_expert, self.plan = path, layers, n_expert, plan
         self.stats = StoreStats()
         self.tables = [np.zeros((3, n_expert), dtype=np.int64) for _ in layers]
@@ -102,7 +106,8 @@ class ExpertStore:
         self._tick = 0
         self._pending: dict[int, tuple[int, Future[int]]] = {}  # key -> (slot, read)
         self._prefetched = np.zeros((len(layers), n_expert), dtype=bool)  # read ahead, not yet selected
-        self._fd, self.direct = self._open(path)
+        self._fd, self.direct = self._open(path, direct)
+        self._switch = threading.Lock()
         self._io = ThreadPoolExecutor(max_workers=IO_THREADS, thread_name_prefix="expert-io")
         self._slot_size = plan.slot_bytes
         n_slots = plan.n_slots
@@ -121,14 +126,14 @@ class ExpertStore:
         self._load_pinned()
 
     @staticmethod
-    def _open(path: Path) -> tuple[int, bool]:
+    def _open(path: Path, want_direct: bool) -> tuple[int, bool]:
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        direct = getattr(os, "O_DIRECT", 0)
+        direct = getattr(os, "O_DIRECT", 0) if want_direct else 0
         if direct:
             try:
                 return os.open(path, flags | direct), True
             except OSError:
-                pass  # a file system without direct I/O (tmpfs): buffered reads, pages dropped after each
+                pass  # a file system without direct I/O: buffered reads, pages dropped after each
         try:
             return os.open(path, flags), False
         except OSError as e:
@@ -137,7 +142,22 @@ class ExpertStore:
     # -- reading -----------------------------------------------------------------------------------------------
     def _read_into(self, buf: mmap.mmap, base: int, at: int, bid: int, e: int) -> tuple[list[int], int]:
         """Expert e of layer bid into buf[at:] (page aligned): the addresses of its gate, up and down rows and the
-        bytes read."""
+        bytes read. A file system that refuses a direct read (EINVAL) gets buffered reads from then on."""
+        fd = self._fd
+        try:
+            return self._read_fd(fd, buf, base, at, bid, e)
+        except OSError as err:
+            if err.errno != errno.EINVAL or not self.direct:
+                raise
+        with self._switch:
+            if self._fd == fd:
+                self._fd, self.direct = self._open(self.path, False)
+                os.close(fd)
+        return self._read_fd(self._fd, buf, base, at, bid, e)
+
+    def _read_fd(
+        self, fd: int, buf: mmap.mmap, base: int, at: int, bid: int, e: int
+    ) -> tuple[list[int], int]:
         view = memoryview(buf)
         files = self.layers[bid]
         addrs, total = [], 0
@@ -147,14 +167,14 @@ class ExpertStore:
             n = end - first
             got = 0
             while got < n:
-                r = os.preadv(self._fd, [view[at + got : at + n]], first + got)
+                r = os.preadv(fd, [view[at + got : at + n]], first + got)
                 if r <= 0:
                     break
                 got += r
             if got < off + size - first:
                 raise OSError(f"short read of expert {e} of layer {bid} from {self.path}")
             if not self.direct:
-                os.posix_fadvise(self._fd, first, n, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(fd, first, n, os.POSIX_FADV_DONTNEED)
             addrs.append(base + at + (off - first))
             total += got
             at += _page_up(size + PAGE) + PAGE

@@ -155,9 +155,11 @@ def sparse_report(m: AssembledModel) -> list[str]:
 
 def placement_report(m: AssembledModel) -> list[str]:
     """What the device plan put on the pool device, and its bytes there."""
+    store = m.loader.store
+    lines = [f"placement: {store.plan.describe(store.n_expert)}"] if store is not None else []
     if m.pool_device is None:
-        return []
-    return [f"placement: {m.plan.reason}; {m.loader.device_bytes / 2**20:.2f} MiB on {m.pool_device}"]
+        return lines
+    return [f"placement: {m.plan.reason}; {m.loader.device_bytes / 2**20:.2f} MiB on {m.pool_device}", *lines]
 
 
 def expert_calls(m: AssembledModel) -> tuple[int, int]:
@@ -174,9 +176,31 @@ def expert_report(m: AssembledModel) -> list[str]:
     """MoE files with experts in the pool: the share of expert calls the pool served, and the plan's."""
     plan = m.plan.experts
     calls, pool = expert_calls(m)
+    if m.loader.store is not None and calls:
+        return store_report(m)
     if plan is None or calls == 0:
         return []
     return [
         f"moe: {pool / calls:.1%} of {calls} expert calls served by the pool on {m.pool_device} "
         f"(planned {plan.expected_share:.1%}, {plan.source})"
+    ]
+
+
+def store_report(m: AssembledModel) -> list[str]:
+    """MoE files under --memory-limit: where the expert calls were served (pinned, cache, read ahead, read on
+    demand), the bytes read from the file per token, the cache's hit rate and the prefetch's accuracy."""
+    store = m.loader.store
+    assert store is not None
+    st = store.stats
+    moe = getattr(m.config, "moe", None)
+    per_token = max(1, len(store.layers) * (moe.n_expert_used if moe is not None else 1))
+    tokens = max(1, st.calls // per_token)
+    calls = max(1, st.calls)
+    accuracy = st.prefetch_accuracy
+    ahead = "no prefetch" if accuracy is None else f"prefetch accuracy {accuracy:.1%} of {st.prefetch_issued}"
+    return [
+        f"moe: {st.calls} expert calls: {st.pinned / calls:.1%} pinned in RAM, {st.cached / calls:.1%} from the "
+        f"cache, {st.prefetched / calls:.1%} read ahead, {st.disk / calls:.1%} read on demand from the file",
+        f"moe: {st.bytes_read / tokens / 2**20:.2f} MiB read from the file per token, cache hit rate "
+        f"{st.hit_rate:.1%} (calls not pinned), {ahead}",
     ]
