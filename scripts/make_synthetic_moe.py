@@ -73,13 +73,20 @@ class Shape:
     n_ff_shexp: int
     n_vocab: int
     n_ctx: int
+    # a factor on the blocks that write into the residual stream (attn_output, ffn_down_exps) of Q4_0 files: small
+    # keeps the residual stream token-specific (a random model's attention otherwise averages it to one vector
+    # for every token, and its routers then pick the same experts for every token, which no trained router does)
+    out_scale: float = 1.0
+    # Q4_0 nibbles drawn from 1..15 (mean 8: zero-mean weights) instead of 0..15 (mean 7.5: every row then shares
+    # a -0.5 d offset, a direction that grows layer by layer until every token routes alike)
+    centered: bool = False
 
 
 SHAPES = {
     "tiny": Shape(2, 64, 4, 2, 16, 8, 2, 32, 48, 320, 256),
     "bench": Shape(24, 1024, 16, 4, 64, 64, 8, 512, 1024, 32000, 4096),
     # --memory-limit benchmark: 256 experts a layer, about 5.5 GB in Q4_0
-    "large": Shape(24, 1024, 16, 4, 64, 256, 8, 512, 1024, 32000, 4096),
+    "large": Shape(24, 1024, 16, 4, 64, 256, 8, 512, 1024, 32000, 4096, out_scale=0.05, centered=True),
 }
 U8 = np.uint8
 
@@ -170,7 +177,9 @@ def float_tensor(seed: int, name: str, shape: tuple[int, ...], skew: float = 0.0
     return data.astype(np.float16).astype(np.float32)
 
 
-def q4_0_blocks(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
+def q4_0_blocks(
+    seed: int, name: str, shape: tuple[int, ...], scale: float = 1.0, centered: bool = False
+) -> np.ndarray:
     """Random Q4_0 blocks of a tensor: (rows, K / 32 * 18) bytes (f16 scale, 16 bytes of nibbles)."""
     rng = rng_for(seed, name)
     rows, K = int(np.prod(shape[:-1])), shape[-1]
@@ -178,9 +187,13 @@ def q4_0_blocks(seed: int, name: str, shape: tuple[int, ...]) -> np.ndarray:
     step = max(1, (1 << 24) // K)
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        d = (STD / 8 * rng.uniform(0.5, 1.5, (r1 - r0, K // 32))).astype(np.float16)
+        d = (scale * STD / 8 * rng.uniform(0.5, 1.5, (r1 - r0, K // 32))).astype(np.float16)
         out[r0:r1, :, :2] = d.view(U8).reshape(r1 - r0, K // 32, 2)
-        out[r0:r1, :, 2:] = rng.integers(0, 256, (r1 - r0, K // 32, 16), dtype=U8)
+        if centered:
+            lo, hi = rng.integers(1, 16, (2, r1 - r0, K // 32, 16), dtype=U8)
+            out[r0:r1, :, 2:] = lo | (hi << 4)
+        else:
+            out[r0:r1, :, 2:] = rng.integers(0, 256, (r1 - r0, K // 32, 16), dtype=U8)
     return out.reshape(rows, -1)
 
 
@@ -257,7 +270,8 @@ def write(path: Path, arch: str, s: Shape, kind: str, seed: int, skew: float = 0
     for name, shape in shapes.items():
         form = stored_as(name, shape, kind)
         if form == "q4_0":
-            w.write_tensor_data(q4_0_blocks(seed, name, shape))
+            out = name.endswith(("attn_output.weight", "ffn_down_exps.weight"))
+            w.write_tensor_data(q4_0_blocks(seed, name, shape, s.out_scale if out else 1.0, s.centered))
         else:
             data = float_tensor(seed, name, shape, skew)
             w.write_tensor_data(data.astype(np.float16) if form == "f16" else data)

@@ -130,7 +130,7 @@ def test_store_reads_each_experts_bytes(files, direct: bool):
     sizes = expert_sizes(engine)
     g = engine.assembled.gguf
     infos = [[g.tensors[f"blk.{b}.ffn_{m}_exps.weight"] for m in ("gate", "up", "down")] for b in range(2)]
-    layers = [LayerFiles(tuple(i.offset for i in inf), s) for inf, s in zip(infos, sizes)]  # type: ignore[arg-type]
+    layers = [LayerFiles(tuple(i.offset for i in inf), s) for inf, s in zip(infos, sizes, strict=True)]  # type: ignore[arg-type]
     slot = max(slot_bytes(s) for s in sizes)
     none = np.zeros(0, dtype=np.int64)
     plan = MemoryPlan(

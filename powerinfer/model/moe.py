@@ -94,7 +94,13 @@ def route(
 class ExpertPart(Protocol):
     """The experts of a layer held whole in the pool (runtime.pool.PoolExperts)."""
 
-    member: torch.Tensor  # (n_expert,) bool on the CPU: which experts it holds
+    member: torch.Tensor  # (n_expert,) bool on the CPU: which experts it holds whole
+    partial_member: (
+        torch.Tensor
+    )  # (n_expert,) bool: experts of which it holds some neurons (the CPU the rest)
+    cpu_table: (
+        np.ndarray | None
+    )  # with partial experts: the row addresses the CPU kernel reads (ops.moe_experts)
 
     def launch(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
@@ -166,7 +172,7 @@ class Experts:
         # one token in one kernel call (kernels/cpu/moe.c: gate, up, down of the k experts and their weighted sum,
         # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
         relu = (spec.act == "relu") if sparse is None else sparse
-        table = None if store is None else store.table
+        table = store.table if store is not None else (pool.cpu_table if pool is not None else None)
         self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, table)
         self.store = store
         grouped = getattr(kc.kernels, "moe_grouped_ffn", None) is not None and self.one_path
@@ -174,6 +180,8 @@ class Experts:
             raise ConfigError(
                 "--memory-limit needs the MoE kernels for these expert types on the CPU, without a pool"
             )
+        if table is not None and (self.kernel is None or not grouped):
+            raise ConfigError("neurons of experts in the pool need the MoE kernels for these expert types")
         self.pool = pool
         self.calls = self.pool_calls = 0
 
@@ -193,11 +201,12 @@ class Experts:
         if self.pool is None:
             return self.on_cpu(x, ids, weights)
         pooled = self.pool.member[ids]  # (T, k)
+        partial = self.pool.partial_member[ids]  # the pool computes some of their neurons, the CPU the rest
         n_pool = int(pooled.sum())
-        if n_pool == 0:
+        if n_pool == 0 and not bool(partial.any()):
             return self.on_cpu(x, ids, weights)
         self.pool_calls += n_pool
-        y = self.pool.launch(x, ids, weights, pooled)
+        y = self.pool.launch(x, ids, weights, pooled | partial)
         out = self.pairs(x, ids, weights, ~pooled)  # the CPU's pairs while the pool computes
         self.pool.wait()
         return out.add_(y)
@@ -325,6 +334,8 @@ class MoEFFN:
         self.experts, self.shared = experts, shared
         self._early: torch.Tensor | None = None  # router logits of the layer input (route_input "layer")
         self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
+        # ReLU experts while profiling: (n_expert, n_ff) how often each neuron's gate was positive when selected
+        self.neuron_counts: torch.Tensor | None = None
 
     def fuse(self, norm: Norm) -> FusedMoEFFN | None:
         """This block behind `norm` as one kernel call for one token (norm, router, routing, experts, residual add
@@ -370,10 +381,25 @@ class MoEFFN:
         ids, weights = route(self.logits(x).to("cpu"), self.spec, self.kc)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
+        if self.neuron_counts is not None:
+            self.count_neurons(x, ids)
         out = self.experts(x, ids, weights)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+    def count_neurons(self, x: torch.Tensor, ids: torch.Tensor) -> None:
+        """Profiling: add each selected expert's neurons with a positive gate (one gate matmul per distinct
+        expert of the step, as the prompt path groups them)."""
+        assert self.neuron_counts is not None
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        order = flat.argsort(stable=True)
+        used, sizes = torch.unique_consecutive(flat[order], return_counts=True)
+        experts, counts = used.tolist(), sizes.tolist()
+        g = grouped_matmul(x[order // k], self.experts.gate, self.spec.n_ff_exp, experts, counts, self.kc)
+        for e, rows in zip(experts, (g > 0).split(counts), strict=True):
+            self.neuron_counts[e] += rows.sum(dim=0)
 
 
 class FusedMoEFFN:

@@ -75,6 +75,12 @@ class DevicePlan:
         ids = self.experts.experts[layer]
         return ids if len(ids) else None
 
+    def pool_expert_neurons(self, layer: int) -> dict[int, np.ndarray]:
+        """Layer's experts of which some neurons (not the whole expert) are in the pool: id -> neuron ids."""
+        if self.device is None or self.experts is None or layer >= len(self.experts.neurons):
+            return {}
+        return self.experts.neurons[layer]
+
 
 def layers_plan(names: Iterable[str], n_layer: int, n_gpu_layers: int, device: str) -> DevicePlan:
     """`-ngl N`: the last N layers (and, for N > n_layer, the head) on `device`."""

@@ -12,6 +12,12 @@ The rules, in the order they apply to one layer's stacked expert tensors `blk.N.
    with a budget (`--vram-budget` on the pool): the experts left free go in order of benefit per byte until the
    bytes the dense parts left are spent: selections per byte from the profile (`profile.json` beside the model,
    `expert_counts`), else whole layers from the last layer down.
+4. Then, for ReLU experts with per-neuron counts (`expert_neurons.npy` beside the model, which `profile` writes:
+   (n_layer, n_expert, n_ff) int64, how often each neuron of an expert had a positive gate), the hottest neurons
+   of the experts not held whole, in order of activations per byte (a neuron's gate and up rows as stored and
+   its down column in float32), until the budget is spent: the pool computes those neurons of a selected expert,
+   the CPU the others (the CPU's copy of that expert's gate has the pooled neurons' rows zeroed, so their
+   ReLU(gate) is 0 there and their up rows are not read).
 
 The plan's expected hit rate is the share of the profile's selections its pooled experts took (without a profile,
 the share of experts, as if routing were uniform); the engine measures the share it served (runtime.report).
@@ -121,6 +127,13 @@ class ExpertPlan:
     source: str  # "profile" or "uniform" (the expected share's basis)
     flags: str = ""
     device: str = ""
+    # per layer: expert id -> the ids (ascending) of its neurons in the pool, for experts not held whole
+    neurons: tuple[dict[int, np.ndarray], ...] = ()
+    neuron_share: float = 0.0  # of the profile's neuron activations in experts not held whole
+
+    @property
+    def n_neurons(self) -> int:
+        return sum(len(ids) for layer in self.neurons for ids in layer.values())
 
     @property
     def n_pooled(self) -> int:
@@ -130,6 +143,12 @@ class ExpertPlan:
         total = self.n_expert * len(self.experts)
         text = f"experts: {self.n_pooled}/{total} in the pool ({self.device}), {self.bytes / 2**30:.3g} GiB"
         text += f", expected {self.expected_share:.1%} of expert calls ({self.source})"
+        if self.n_neurons:
+            n_partial = sum(len(layer) for layer in self.neurons)
+            text += (
+                f"; {self.n_neurons} neurons of {n_partial} more experts (expected {self.neuron_share:.1%} of "
+                "their activations)"
+            )
         return text + (f"; {self.flags}" if self.flags else "")
 
 
@@ -140,6 +159,36 @@ def expert_bytes(gguf: GGUFFile, bid: int, n_expert: int) -> int:
         info = gguf.tensors[t.format(bid=bid)]
         total += quant.pool_bytes(info.ggml_type, tuple(info.shape))
     return total // n_expert
+
+
+NEURON_COUNTS_FILE = "expert_neurons.npy"
+
+
+def neuron_bytes(gguf: GGUFFile, bid: int, n_embd: int) -> int:
+    """Pool bytes of one neuron of an expert of layer bid: its gate and up rows as stored, its down column in
+    float32."""
+    total = 4 * n_embd
+    for t in EXPERT_TENSORS[:2]:
+        info = gguf.tensors[t.format(bid=bid)]
+        total += quant.pool_bytes(info.ggml_type, (1, int(info.shape[-1])))
+    return total
+
+
+def load_neuron_counts(model_path: Path, n_layer: int, n_expert: int, n_ff: int) -> np.ndarray | None:
+    """Per-neuron activation counts of ReLU experts (n_layer, n_expert, n_ff) from expert_neurons.npy beside the
+    model, or None (no file, or one of another shape or content: then a warning)."""
+    path = model_path.parent / NEURON_COUNTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        log.warning("%s: unreadable (%s); no neurons of experts placed", path, e)
+        return None
+    if counts.shape != (n_layer, n_expert, n_ff) or counts.dtype.kind not in "iu" or (counts < 0).any():
+        log.warning("%s: counts of shape %s do not fit this model; ignored", path, counts.shape)
+        return None
+    return counts
 
 
 def load_expert_counts(model_path: Path, n_layer: int, n_expert: int) -> np.ndarray | None:
@@ -203,6 +252,7 @@ def plan_experts(
     default_layers: frozenset[int] = frozenset(),
     budget: int | None = None,
     counts: np.ndarray | None = None,
+    neuron_counts: np.ndarray | None = None,
 ) -> ExpertPlan:
     """The experts in the pool: forced by the flags, then those of `default_layers` (no budget) or, with `budget`
     bytes, the free ones in order of selections per byte (`counts` (n_layer, n_expert)), else by layer from the
@@ -238,5 +288,29 @@ def plan_experts(
     else:
         share = sum(int(c.sum()) for c in chosen) / max(1, n_layer * n_expert)
         source = "uniform"
+    neurons: list[dict[int, np.ndarray]] = [{} for _ in range(n_layer)]
+    neuron_share = 0.0
+    if budget is not None and neuron_counts is not None and free:
+        n_embd = int(gguf.tensors[EXPERT_TENSORS[0].format(bid=0)].shape[-1])
+        per_neuron = np.array([neuron_bytes(gguf, bid, n_embd) for bid in range(n_layer)], dtype=np.float64)
+        warm = np.zeros(neuron_counts.shape, dtype=bool)  # neurons of experts the flags left free, not whole
+        for bid in free:
+            warm[bid][~chosen[bid]] = True
+        value = np.where(warm & (neuron_counts > 0), neuron_counts / per_neuron[:, None, None], -1.0)
+        order = np.argsort(-value, axis=None, kind="stable")
+        n_warm = int((value > 0).sum())
+        room = budget - used
+        # a prefix of the ranking that fits (each neuron of layer bid costs per_neuron[bid])
+        costs = per_neuron[np.unravel_index(order[:n_warm], value.shape)[0]]
+        take = int(np.searchsorted(np.cumsum(costs), room, side="right"))
+        picked = np.zeros(neuron_counts.shape, dtype=bool)
+        picked[np.unravel_index(order[:take], value.shape)] = True
+        used += int(costs[:take].sum())
+        for bid, e in zip(*np.nonzero(picked.any(axis=2)), strict=True):
+            neurons[int(bid)][int(e)] = np.flatnonzero(picked[bid, e]).astype(np.int64)
+        total = float(neuron_counts[warm].sum())
+        neuron_share = float(neuron_counts[picked].sum()) / total if total else 0.0
     experts = tuple(np.flatnonzero(c).astype(np.int64) for c in chosen)
-    return ExpertPlan(experts, n_expert, used, share, source, request.flags(), device)
+    return ExpertPlan(
+        experts, n_expert, used, share, source, request.flags(), device, tuple(neurons), neuron_share
+    )

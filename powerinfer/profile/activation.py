@@ -17,6 +17,7 @@ import torch
 
 from powerinfer.errors import InputError
 from powerinfer.gguf.writer import output_problem, write_file_atomically
+from powerinfer.placement.experts import NEURON_COUNTS_FILE
 from powerinfer.placement.stats import activation_file
 from powerinfer.printable import printable
 from powerinfer.profile.collect import (
@@ -30,7 +31,13 @@ from powerinfer.profile.collect import (
     tokenize_corpus,
     write_folder_atomically,
 )
-from powerinfer.profile.experts import ExpertProfile, moe_ffns, profile_experts, write_expert_report
+from powerinfer.profile.experts import (
+    ExpertProfile,
+    moe_ffns,
+    profile_experts,
+    write_expert_report,
+    write_neuron_counts,
+)
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 log = logging.getLogger(__name__)
@@ -170,11 +177,14 @@ def run_profile(
     windows = make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
     if not windows:
         raise InputError(f"corpus file {printable(str(opts.corpus))} has no tokens")
-    if moe:  # expert selections instead of neuron firings: profile.json only
+    if moe:  # expert selections instead of neuron firings: profile.json (and ReLU experts' neuron counts)
         experts = profile_experts(engine, windows, progress)
         out.mkdir(exist_ok=True)
         info = {"model": str(opts.model), "corpus": str(opts.corpus), "n_ctx": engine.n_ctx}
-        return experts, {"report": write_expert_report(out / "profile.json", info | experts.summary())}
+        written = {"report": write_expert_report(out / "profile.json", info | experts.summary())}
+        if experts.neurons is not None:
+            written["neuron counts"] = write_neuron_counts(out / NEURON_COUNTS_FILE, experts.neurons)
+        return experts, written
     profile = profile_engine(engine, windows, progress)
     out.mkdir(exist_ok=True)  # its parent exists (checked above)
     paths = {"activation": write_activation_folder(out / "activation", profile)}

@@ -27,6 +27,7 @@ class ExpertProfile:
     counts: list[np.ndarray]
     n_tokens: int
     n_used: int
+    neurons: np.ndarray | None = None  # ReLU experts: (n_layer, n_expert, n_ff) positive-gate counts
 
     @property
     def n_expert(self) -> int:
@@ -64,15 +65,27 @@ def profile_experts(
     ffns = moe_ffns(engine)
     if ffns is None:
         raise ValueError("profile_experts needs a MoE model")
+    relu = all(ffn.spec.act == "relu" for ffn in ffns)
     for ffn in ffns:
         ffn.counts = torch.zeros(ffn.spec.n_expert, dtype=torch.int64)
+        if relu:
+            ffn.neuron_counts = torch.zeros(ffn.spec.n_expert, ffn.spec.n_ff_exp, dtype=torch.int64)
     try:
         n_tokens = run_windows(engine, windows, progress)
         counts = [ffn.counts.numpy().copy() for ffn in ffns if ffn.counts is not None]
+        neurons = None
+        if relu:
+            neurons = np.stack([ffn.neuron_counts.numpy() for ffn in ffns if ffn.neuron_counts is not None])
     finally:
         for ffn in ffns:
-            ffn.counts = None
-    return ExpertProfile(counts, n_tokens, ffns[0].spec.n_expert_used)
+            ffn.counts = ffn.neuron_counts = None
+    return ExpertProfile(counts, n_tokens, ffns[0].spec.n_expert_used, neurons)
+
+
+def write_neuron_counts(path: Path, counts: np.ndarray) -> Path:
+    """The per-neuron counts of ReLU experts as an .npy file (placement.experts reads it beside the model)."""
+    write_file_atomically(path, lambda f: np.save(f, counts.astype(np.int64), allow_pickle=False))
+    return path
 
 
 def write_expert_report(path: Path, summary: dict[str, object]) -> Path:

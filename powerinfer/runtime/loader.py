@@ -7,6 +7,7 @@ checked against the shape the architecture expects before any kernel sees it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from powerinfer import ops, quant
@@ -126,9 +127,14 @@ class Loader:
         self, layer: int, gate: ops.QWeight, up: ops.QWeight, down: ops.QWeight, n_expert: int, act: str
     ) -> PoolExperts | None:
         ids = self.plan.pool_experts(layer)
-        if ids is None or self.device is None:
+        partial = self.plan.pool_expert_neurons(layer)
+        if (ids is None and not partial) or self.device is None:
             return None
-        part = PoolExperts(gate, up, down, ids, n_expert, act, self.device, self.kc, self.plan.backend)
+        if ids is None:
+            ids = np.zeros(0, dtype=np.int64)
+        part = PoolExperts(
+            gate, up, down, ids, n_expert, act, self.device, self.kc, self.plan.backend, partial=partial
+        )
         self.experts.append(part)
         return part
 

@@ -18,6 +18,7 @@ import torch
 
 from powerinfer import ops, quant
 from powerinfer.errors import ConfigError, PlacementError, PowerInferError
+from powerinfer.gguf.constants import GGMLType
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.config import ModelConfig
 from powerinfer.placement import (
@@ -31,7 +32,13 @@ from powerinfer.placement import (
     write_gpu_index,
 )
 from powerinfer.placement.device_plan import DevicePlan, layers_plan, neurons_plan, sparse_plan
-from powerinfer.placement.experts import EXPERT_TENSORS, ExpertRequest, load_expert_counts, plan_experts
+from powerinfer.placement.experts import (
+    EXPERT_TENSORS,
+    ExpertRequest,
+    load_expert_counts,
+    load_neuron_counts,
+    plan_experts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +250,14 @@ class PoolExperts:
 
     `member` (n_expert,) bool on the CPU marks them; `launch` computes the (token, expert) pairs a mask selects,
     grouped by expert (one gate, up and down call per distinct pooled expert of a step: at most k for one token),
-    and returns their weighted sum per token on the CPU. A CUDA pool queues them on its own stream."""
+    and returns their weighted sum per token on the CPU. A CUDA pool queues them on its own stream.
+
+    `partial` (expert id -> neuron ids): experts of which only some neurons are here (placement.experts, ReLU
+    experts): their gate and up rows as stored and their down columns in float32 (rows of a transposed copy);
+    `partial_member` marks them, `launch` computes their pooled neurons for the pairs the mask selects, and
+    `cpu_table` is the (3, n_expert) table of row addresses the CPU's MoE kernel reads instead of the stacked
+    tensors: the stacked rows, except a copy of each partial expert's gate with its pooled neurons' rows zeroed
+    (ReLU(0) = 0: the CPU computes the other neurons only)."""
 
     def __init__(
         self,
@@ -256,6 +270,7 @@ class PoolExperts:
         device: torch.device,
         kc: ops.KernelContext,
         backend: str | None = None,
+        partial: dict[int, np.ndarray] | None = None,
     ) -> None:
         n_ff, n_embd = gate.shape[0] // n_expert, gate.shape[1]
         self.device, self.kc, self.act, self.n_embd = device, kc, act, n_embd
@@ -272,11 +287,51 @@ class PoolExperts:
         self.gates = [rows(gate, n_ff, e) for e in experts]
         self.ups = [rows(up, n_ff, e) for e in experts]
         self.downs = [rows(down, n_embd, e) for e in experts]
+        self.partial_member = torch.zeros(n_expert, dtype=torch.bool)
+        self.cpu_table: np.ndarray | None = None
+        self.hot: dict[int, HotRows] = {}
+        if partial:
+            self._setup_partial(gate, up, down, partial, n_expert, n_ff, backend)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _setup_partial(
+        self,
+        gate: ops.QWeight,
+        up: ops.QWeight,
+        down: ops.QWeight,
+        partial: dict[int, np.ndarray],
+        n_expert: int,
+        n_ff: int,
+        backend: str | None,
+    ) -> None:
+        n_embd = self.n_embd
+        table = np.zeros((3, n_expert), dtype=np.int64)
+        for m, (w, n) in enumerate(((gate, n_ff), (up, n_ff), (down, n_embd))):
+            table[m] = w._raw_ptr + np.arange(n_expert, dtype=np.int64) * n * w._raw_stride
+        self._gate_copies: list[np.ndarray] = []
+        for e, ids in sorted(partial.items()):
+            g = ops.weight_rows(gate, e * n_ff, (e + 1) * n_ff)
+            u = ops.weight_rows(up, e * n_ff, (e + 1) * n_ff)
+            d = ops.weight_rows(down, e * n_embd, (e + 1) * n_embd)
+            # the expert's down (n_embd, n_ff) as float32 rows of its neurons, exactly the stored values (the pool
+            # copies the pooled neurons' rows)
+            dense_down = quant.dequantize(d.raw.numpy(), d.ggml_type, (n_embd, n_ff)).reshape(n_embd, n_ff)
+            down_t = ops.QWeight.from_numpy(
+                np.ascontiguousarray(dense_down.T, dtype=np.float32), GGMLType.F32, (n_ff, n_embd)
+            )
+            self.hot[e] = HotRows(g, u, down_t, ids, self.device, self.kc, backend)
+            copy = np.ascontiguousarray(g.raw.numpy())  # (n_ff, row bytes): a copy (the rows are contiguous)
+            copy[ids] = 0  # every ggml type decodes all-zero bytes to 0
+            self._gate_copies.append(copy)
+            assert copy.strides[0] == gate._raw_stride
+            table[0, e] = copy.ctypes.data
+            self.partial_member[e] = True
+        self.cpu_table = table
 
     @property
     def n_bytes(self) -> int:
-        return sum(w.n_bytes for ws in (self.gates, self.ups, self.downs) for w in ws)
+        whole = sum(w.n_bytes for ws in (self.gates, self.ups, self.downs) for w in ws)
+        return whole + sum(h.n_bytes for h in self.hot.values())
 
     def launch(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
@@ -312,7 +367,13 @@ class PoolExperts:
         T: int,
     ) -> torch.Tensor:
         kc, ys = self.kc, []
-        for j, xg in zip(self.local[used].tolist(), xs.split(sizes.tolist()), strict=True):
+        for e, j, xg in zip(used.tolist(), self.local[used].tolist(), xs.split(sizes.tolist()), strict=True):
+            if j < 0:  # some neurons of this expert: their part (the CPU computes the rest)
+                hot = self.hot[e]
+                ys.append(
+                    hot._compute(xg, torch.ones(1, dtype=torch.float32, device=xg.device), self.act, False)
+                )
+                continue
             g, u = self.gates[j].linear(xg, kc), self.ups[j].linear(xg, kc)
             h = ops.gated(g, u, self.act, False) if g.is_cpu else ops.gated_ref(g, u, self.act, False)
             ys.append(self.downs[j].linear(h, kc))
@@ -372,5 +433,11 @@ def plan_moe_pool(
             used = sum(need[max(0, c.n_layer - n) :])
         base = layers_plan(gguf.tensors, c.n_layer, n, dev)
         left = max(0, budget - used)
-        experts = plan_experts(gguf, c.n_layer, n_expert, request, dev, budget=left, counts=counts)
+        moe = getattr(c, "moe", None)
+        neuron_counts = None
+        if moe is not None and moe.act == "relu":
+            neuron_counts = load_neuron_counts(Path(gguf.path), c.n_layer, n_expert, moe.n_ff_exp)
+        experts = plan_experts(
+            gguf, c.n_layer, n_expert, request, dev, budget=left, counts=counts, neuron_counts=neuron_counts
+        )
     return dataclasses.replace(base, experts=experts, reason=f"{base.reason}; {experts.describe()}")
