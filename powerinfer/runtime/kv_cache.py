@@ -65,9 +65,11 @@ class KVLayerView:
     def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k, self.v = k, v  # (n_seq, n_ctx, H_kv, D)
         self.positions = torch.arange(k.shape[1], device=k.device)
+        # each sequence's views, made once: a decode step asks for one per layer (indexing costs ~10 us)
+        self._slots = [(k[i], v[i]) for i in range(k.shape[0])]
 
     def slot(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[seq], self.v[seq]
+        return self._slots[seq]
 
     def update(
         self, seq: int, pos: int, k: torch.Tensor, v: torch.Tensor
