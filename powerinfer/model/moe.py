@@ -109,7 +109,9 @@ class Experts:
 
     pool: the experts the pool holds whole (None: all on the CPU); a step then computes the pairs routed to
     them there, the rest here, and adds the pool's sum to the CPU's (a step with no pair in the pool runs as
-    without one). calls / pool_calls count (token, expert) pairs and those the pool served."""
+    without one). calls / pool_calls count (token, expert) pairs and those the pool served. thresholds (CATS,
+    `powerinfer sparsify`): (n_expert, n_ff) float32, neuron n of expert e active where |act(gate_n x)| >
+    thresholds[e, n], h_n = 0 elsewhere (every path; the one-token kernel does not read those up rows)."""
 
     def __init__(
         self,
@@ -120,6 +122,7 @@ class Experts:
         kc: ops.KernelContext,
         sparse: bool | None = None,
         pool: ExpertPart | None = None,
+        thresholds: torch.Tensor | None = None,
     ) -> None:
         E, F = spec.n_expert, spec.n_ff_exp
         n_embd = gate.shape[1]
@@ -128,7 +131,12 @@ class Experts:
                 f"expert tensors of shapes {gate.shape}, {up.shape}, {down.shape} do not fit {E} experts of "
                 f"width {F}"
             )
+        if thresholds is not None and (thresholds.shape != (E, F) or pool is not None):
+            raise ConfigError(
+                f"expert thresholds of shape {tuple(thresholds.shape)} do not fit {E} experts of {F}"
+            )
         self.spec, self.kc = spec, kc
+        self.thresholds = None if thresholds is None else thresholds.to("cpu", torch.float32).contiguous()
         # per-expert row views of the stacked bytes, made once (build time grows with experts, a step does not)
         self.gates = [ops.weight_rows(gate, e * F, (e + 1) * F) for e in range(E)]
         self.ups = [ops.weight_rows(up, e * F, (e + 1) * F) for e in range(E)]
@@ -145,18 +153,28 @@ class Experts:
         self.one_path = all(t.ggml_type in matmul for t in (gate, up, down))
         self.rows_path = gate.ggml_type in rows and up.ggml_type in rows
         self.sparse = ((spec.act == "relu") if sparse is None else sparse) and self.rows_path
+        self.sparse = self.sparse and self.thresholds is None
         self.neurons = torch.arange(F)
         # one token in one kernel call (kernels/cpu/moe.c: gate, up, down of the k experts and their weighted sum,
         # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
         relu = (spec.act == "relu") if sparse is None else sparse
-        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc)
+        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, self.thresholds)
         self.pool = pool
         self.calls = self.pool_calls = 0
+
+    def hidden(self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """h = act(g) * u (n, n_ff) of rows computed by experts (n,) int64; with thresholds, 0 where |act(g)| is
+        not above the row's expert's threshold (the kernels' h: act(g) then a product with u)."""
+        if self.thresholds is None:
+            return ops.gated(g, u, self.spec.act, False)
+        a = ops.gated(g, torch.ones_like(g), self.spec.act, False)
+        return torch.where(a.abs() > self.thresholds[experts], a * u, torch.zeros_like(a))
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
         kc = self.kc
-        h = ops.gated(ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc), self.spec.act, False)
+        g, u = ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc)
+        h = self.hidden(g, u, torch.full((x.shape[0],), e, dtype=torch.int64))
         return ops.linear(h, self.downs[e], kc)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -197,7 +215,7 @@ class Experts:
         if self.one_path:
             F, kc = self.spec.n_ff_exp, self.kc
             g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
-            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            h = self.hidden(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), chosen)
             y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
         else:
             y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
@@ -231,7 +249,7 @@ class Experts:
         if self.one_path:  # each matrix of each selected expert in one kernel call over its tokens
             F, kc = self.spec.n_ff_exp, self.kc
             g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
-            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            h = self.hidden(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), flat[order])
             y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
         else:
             y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
@@ -246,9 +264,9 @@ class Experts:
         experts compute only the up rows of neurons whose gate is positive."""
         kc, F = self.kc, self.spec.n_ff_exp
         experts = ids[0].tolist()
-        if not self.rows_path:
+        if not self.rows_path or self.thresholds is not None:
             g, u = experts_matmul(x, self.gate, F, experts, kc), experts_matmul(x, self.up, F, experts, kc)
-            h = ops.gated(g, u, self.spec.act, False)  # (k, F)
+            h = self.hidden(g, u, ids[0])  # (k, F)
         else:
             rows = (ids[0, :, None] * F + self.neurons).reshape(-1)  # (k F,) rows of the stacked gate and up
             g = ops.rows_matmul(x, self.gate, rows, kc)[0]
