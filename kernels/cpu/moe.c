@@ -10,7 +10,8 @@
  * ReGLU experts (sparse) read the up row of a neuron only where its gate is > 0 (h = 0 elsewhere: exact), all the
  * up rows of a chunk of neurons as one stream where at least MOE_DENSE_NUM / MOE_DENSE_DEN of its gates are.
  * With CATS thresholds the same machinery reads the up rows of the neurons with |act(gate)| > their expert's
- * threshold (h = 0 elsewhere: an approximation the thresholds were calibrated for). The down matrices are stored
+ * threshold (h = 0 elsewhere: an approximation the thresholds were calibrated for; a chunk's up rows as one stream
+ * only where all its neurons are active, so an inactive neuron's up row is never read). The down matrices are stored
  * (n_expert * n_embd, n_ff), a zero h cannot skip a row of them: down stays a dense product over h, zeros and all.
  *
  * Every product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen precision (the helpers of sparse.h
@@ -183,7 +184,9 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
                         }
                     }
                     n_active += m;
-                    if (m * MOE_DENSE_DEN >= MOE_DENSE_NUM * (c1 - c0)) {
+                    /* CATS streams a chunk only when every neuron of it is active: an inactive neuron's up row is
+                     * never read (ReGLU: the measured rule below) */
+                    if (thr != NULL ? m == c1 - c0 : m * MOE_DENSE_DEN >= MOE_DENSE_NUM * (c1 - c0)) {
                         n_read += c1 - c0;
                         /* most rows active: all the chunk's up rows as one stream (a row list costs about as much
                          * to read, the hardware prefetchers fetching the gaps), the inactive products unused (the
