@@ -14,8 +14,8 @@ import torch
 from powerinfer.errors import ConfigError, InputError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.model.blocks import Head
-from powerinfer.model.moe import MoEFFN
 from powerinfer.model.head import SCREEN_TOKENS, HeadScreen, build_head_screen, screen_pays
+from powerinfer.model.moe import MoEFFN
 from powerinfer.ops.weights import QWeight
 from powerinfer.printable import printable
 from powerinfer.profile.collect import check_output_folder, make_windows, read_corpus, tokenize_corpus
