@@ -4,7 +4,7 @@ Every tensor of the input is copied as stored, in input order, except `blk.N.ffn
 which becomes `blk.N.ffn_down_t.weight` (n_ff, n_embd), its transpose, in the same ggml type where that type can
 be produced (else Q8_0, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
 per-neuron thresholds on |act(gate)|, and, for two-stage selection, `blk.N.ffn_out_threshold` (F32 (n_ff,)), its
-thresholds on |act(gate) * up|.
+thresholds on |act(gate) * up|. MoE files (`write_moe_gguf`): a GGUF copy with the experts' thresholds as a key.
 """
 
 from __future__ import annotations
