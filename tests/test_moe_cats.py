@@ -257,3 +257,16 @@ def test_bad_thresholds_one_error_line(files, tmp_path: Path, value, needles):
     path = with_key(files["s05-f32"], tmp_path / "bad.gguf", value)
     result = runner.invoke(app, ["main", "-m", str(path), "-n", "2", "--temp", "0", "-p", "hi"])
     assert_one_error_line(result, *needles)
+
+
+def test_offload_keeps_cats_experts_on_the_cpu(files):
+    """-ngl on a file with expert thresholds: attention and routers placed (the CPU standing in for the pool
+    device), every expert on the CPU with its thresholds (the pool would run them dense); the same logits."""
+    path = files["s05-f32"]
+    plain = Engine(path, EngineOptions(n_ctx=64, n_threads=1)).logits_all(PROMPT)
+    engine = Engine(path, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", n_gpu_layers=3))
+    assert all(
+        la.ffn.experts.pool is None and la.ffn.experts.thresholds is not None for la in engine.model.layers
+    )
+    assert any("experts on the CPU (CATS thresholds)" in line for line in engine.placement_report())
+    assert (engine.logits_all(PROMPT) - plain).abs().max() <= 1e-5  # measured 0 (the placed attention's sums)
