@@ -373,6 +373,8 @@ def plan_moe_pool(
         base = layers_plan(gguf.tensors, c.n_layer, n, dev)
         left = max(0, budget - used)
         experts = plan_experts(gguf, c.n_layer, n_expert, request, dev, budget=left, counts=counts)
-    if getattr(c, "expert_thresholds", None) is not None:  # CATS experts run on the CPU (the pool's are dense)
+    if (
+        getattr(c, "expert_thresholds", None) is not None
+    ):  # CATS experts run on the CPU (the pool's are dense)
         return dataclasses.replace(base, reason=f"{base.reason}; experts on the CPU (CATS thresholds)")
     return dataclasses.replace(base, experts=experts, reason=f"{base.reason}; {experts.describe()}")
