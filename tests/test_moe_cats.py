@@ -270,3 +270,17 @@ def test_offload_keeps_cats_experts_on_the_cpu(files):
     )
     assert any("experts on the CPU (CATS thresholds)" in line for line in engine.placement_report())
     assert (engine.logits_all(PROMPT) - plain).abs().max() <= 1e-5  # measured 0 (the placed attention's sums)
+
+
+@pytest.mark.parametrize("kind", ["f32", "q4_0"])
+def test_first_token_runs_dense(files, kind: str):
+    """A sequence's first token (position 0, the attention sink) runs the experts without thresholds, as the dense
+    CATS files do: its logits are the dense file's bits, in a prompt and decoded alone (the fused block), and the
+    later tokens' are not."""
+    for threads in (1, 2):
+        opts = EngineOptions(n_ctx=64, n_threads=threads)
+        dense = Engine(files[f"moe-qwen3moe-tiny-{kind}.gguf"], opts).logits_all(PROMPT)
+        engine = Engine(files[f"s05-{kind}"], opts)
+        prompt = engine.logits_all(PROMPT)
+        assert torch.equal(prompt[0], dense[0]) and not torch.equal(prompt[1:], dense[1:])
+        assert torch.equal(decode(engine, PROMPT)[0], dense[0])

@@ -159,27 +159,45 @@ class Experts:
         # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
         relu = (spec.act == "relu") if sparse is None else sparse
         self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, self.thresholds)
+        # with thresholds, a sequence's first token (the attention sink every later token reads) runs dense
+        self.dense_kernel = (
+            None
+            if self.thresholds is None
+            else moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc)
+        )
         self.pool = pool
         self.calls = self.pool_calls = 0
 
-    def hidden(self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """h = act(g) * u (n, n_ff) of rows computed by experts (n,) int64; with thresholds, 0 where |act(g)| is
-        not above the row's expert's threshold (the kernels' h: act(g) then a product with u)."""
-        if self.thresholds is None:
+    def hidden(
+        self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor, dense: bool = False
+    ) -> torch.Tensor:
+        """h = act(g) * u (n, n_ff) of rows computed by experts (n,) int64; with thresholds (unless dense), 0
+        where |act(g)| is not above the row's expert's threshold (the kernels' h: act(g) then a product with u)."""
+        if self.thresholds is None or dense:
             return ops.gated(g, u, self.spec.act, False)
         a = ops.gated(g, torch.ones_like(g), self.spec.act, False)
         return torch.where(a.abs() > self.thresholds[experts], a * u, torch.zeros_like(a))
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def expert(self, e: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
         kc = self.kc
         g, u = ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc)
-        h = self.hidden(g, u, torch.full((x.shape[0],), e, dtype=torch.int64))
+        h = self.hidden(g, u, torch.full((x.shape[0],), e, dtype=torch.int64), dense)
         return ops.linear(h, self.downs[e], kc)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        dense_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k); dense_rows
+        (T,) bool: tokens computed without the thresholds (a sequence's first token)."""
         self.calls += ids.numel()
+        if self.thresholds is not None and dense_rows is not None and bool(dense_rows.any()):
+            first = dense_rows[:, None].expand_as(ids)  # each token's pairs whole in one of the two calls
+            return self.pairs(x, ids, weights, ~first).add_(self.pairs(x, ids, weights, first, dense=True))
         if self.pool is None:
             return self.on_cpu(x, ids, weights)
         pooled = self.pool.member[ids]  # (T, k)
@@ -193,11 +211,18 @@ class Experts:
         return out.add_(y)
 
     def pairs(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+        dense: bool = False,
     ) -> torch.Tensor:
-        """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them."""
-        if self.kernel is not None:  # one kernel call, the pairs left out marked -1
-            grouped = self.kernel.grouped(x, ids.masked_fill(~mask, -1), weights)
+        """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them
+        (dense: without the thresholds)."""
+        kernel = self.dense_kernel if dense else self.kernel
+        if kernel is not None:  # one kernel call, the pairs left out marked -1
+            grouped = kernel.grouped(x, ids.masked_fill(~mask, -1), weights)
             if grouped is not None:
                 return grouped
         T, k = ids.shape
@@ -215,10 +240,10 @@ class Experts:
         if self.one_path:
             F, kc = self.spec.n_ff_exp, self.kc
             g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
-            h = self.hidden(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), chosen)
+            h = self.hidden(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), chosen, dense)
             y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
         else:
-            y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
+            y = torch.cat([self.expert(e, g, dense) for e, g in zip(experts, xs.split(sizes), strict=True)])
         out.index_add_(0, tokens, y * weights.reshape(-1)[slots, None])
         return out
 
@@ -335,7 +360,15 @@ class MoEFFN:
         block = moe_ffn_block(
             norm.weight, norm.spec.eps, router, experts, s.gating, s.norm_weights, s.weights_scale, self.kc
         )
-        return None if block is None else FusedMoEFFN(self, block)
+        dense = self.experts.dense_kernel
+        dense_block = None
+        if dense is not None:  # thresholds: a sequence's first token through the experts without them
+            dense_block = moe_ffn_block(
+                norm.weight, norm.spec.eps, router, dense, s.gating, s.norm_weights, s.weights_scale, self.kc
+            )
+            if dense_block is None:
+                return None
+        return None if block is None else FusedMoEFFN(self, block, dense_block)
 
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
@@ -356,7 +389,14 @@ class MoEFFN:
         ids, weights = route(self.logits(x).to("cpu"), self.spec, self.kc)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
-        out = self.experts(x, ids, weights)
+        dense_rows = None  # a sequence's first token runs without the thresholds (CATS files)
+        if (
+            batch is not None
+            and batch.positions.shape[0] == x.shape[0]
+            and any(g.pos == 0 for g in batch.segments)
+        ):
+            dense_rows = batch.positions == 0
+        out = self.experts(x, ids, weights, dense_rows)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -366,8 +406,8 @@ class FusedMoEFFN:
     """A layer's MoE FFN block (norm and residual add included) as one kernel call for one token (the fused-FFN
     protocol of powerinfer.model.transformer)."""
 
-    def __init__(self, ffn: MoEFFN, block: MoEFFNBlock) -> None:
-        self.ffn, self.block = ffn, block
+    def __init__(self, ffn: MoEFFN, block: MoEFFNBlock, dense_block: MoEFFNBlock | None = None) -> None:
+        self.ffn, self.block, self.dense_block = ffn, block, dense_block  # dense_block: a first token (CATS)
         self.ids = torch.empty(ffn.spec.n_expert_used, dtype=torch.int64)
 
     def scratch_bytes(self) -> int:
@@ -384,6 +424,7 @@ class FusedMoEFFN:
             logits = logits.contiguous()
         counting = ffn.counts is not None
         ffn.experts.calls += ffn.spec.n_expert_used
-        self.block(x, logits, self.ids if counting else None)
+        block = self.dense_block if first and self.dense_block is not None else self.block
+        block(x, logits, self.ids if counting else None)
         if ffn.counts is not None:
             ffn.counts += torch.bincount(self.ids, minlength=ffn.spec.n_expert)
