@@ -159,10 +159,9 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
             moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
             if (sparse) {
                 /* the up rows of the active neurons (ReGLU: a positive gate; CATS: |act(gate)| above the threshold,
-                 * gj then holding act(gate), which ReLU leaves as it is where the gate is positive), a chunk of
-                 * them at a time: the int8-tile kinds
-                 * prefetch each row MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows
-                 * between are not read), the others row by row as moe_rows computes them */
+                 * gj then holding act(gate)), a chunk of them at a time: the int8-tile kinds prefetch each row
+                 * MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows between are not read),
+                 * the others row by row as moe_rows computes them */
                 const ffn_mat f = ffn_mat_of(t, um->kind, q8, uw, um->stride, E);
                 act_q8 al = xa;
                 al.ahead = 0;
@@ -194,7 +193,10 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
                          * blocks of the SmallThinker-shaped bench file, ~50% active, best of 60 on 2 busy cores:
                          * 9.39 -> 9.12 ms at -t 1, 10.19 -> 9.81 ms at -t 2) */
                         moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, c0, c1, uj);
-                        for (int64_t i = 0; i < m; i++) gj[act[i]] = (thr != NULL ? gj[act[i]] : relu_f(gj[act[i]])) * uj[act[i]];
+                        for (int64_t i = 0; i < m; i++) {
+                            const int64_t n = act[i];
+                            gj[n] = (thr != NULL ? gj[n] : relu_f(gj[n])) * uj[n];
+                        }
                         continue;
                     }
                     n_read += m;

@@ -131,10 +131,12 @@ class Experts:
                 f"expert tensors of shapes {gate.shape}, {up.shape}, {down.shape} do not fit {E} experts of "
                 f"width {F}"
             )
-        if thresholds is not None and (thresholds.shape != (E, F) or pool is not None):
+        if thresholds is not None and thresholds.shape != (E, F):
             raise ConfigError(
                 f"expert thresholds of shape {tuple(thresholds.shape)} do not fit {E} experts of {F}"
             )
+        if thresholds is not None and pool is not None:
+            raise ConfigError("experts with thresholds run on the CPU: the pool computes its experts dense")
         self.spec, self.kc = spec, kc
         self.thresholds = None if thresholds is None else thresholds.to("cpu", torch.float32).contiguous()
         # per-expert row views of the stacked bytes, made once (build time grows with experts, a step does not)
