@@ -284,3 +284,10 @@ def test_first_token_runs_dense(files, kind: str):
         prompt = engine.logits_all(PROMPT)
         assert torch.equal(prompt[0], dense[0]) and not torch.equal(prompt[1:], dense[1:])
         assert torch.equal(decode(engine, PROMPT)[0], dense[0])
+
+
+def test_sparsify_refuses_a_sparsified_moe_file(files, tmp_path: Path):
+    result = runner.invoke(
+        app, ["sparsify", "-m", str(files["s05-f32"]), "-f", str(CORPUS), "-o", str(tmp_path / "o.gguf")]
+    )
+    assert_one_error_line(result, "already sparse")
