@@ -288,6 +288,17 @@ def test_first_token_runs_dense(files, kind: str):
 
 def test_sparsify_refuses_a_sparsified_moe_file(files, tmp_path: Path):
     result = runner.invoke(
-        app, ["sparsify", "-m", str(files["s05-f32"]), "-f", str(CORPUS), "-o", str(tmp_path / "o.gguf")]
+        app,
+        [
+            "sparsify",
+            "-m",
+            str(files["s05-f32"]),
+            "-f",
+            str(CORPUS),
+            "--sparsity",
+            "0.5",
+            "-o",
+            str(tmp_path / "o.gguf"),
+        ],
     )
     assert_one_error_line(result, "already sparse")
