@@ -164,7 +164,7 @@ def test_kernel_refuses_an_expert_not_resident(files):
     experts = engine.assembled.model.layers[0].ffn.experts
     table = np.zeros((3, N_EXPERT), dtype=np.int64)
     k = moe_experts(
-        experts.gate, experts.up, experts.down, N_EXPERT, 2, "silu", False, engine.assembled.kc, table
+        experts.gate, experts.up, experts.down, N_EXPERT, 2, "silu", False, engine.assembled.kc, table=table
     )
     assert k is not None
     x, y = torch.randn(1, experts.n_embd), torch.zeros(1, experts.n_embd)

@@ -9,6 +9,10 @@
  * range of the n_embd outputs of every expert and sums the k products with the routing weights in expert order.
  * ReGLU experts (sparse) read the up row of a neuron only where its gate is > 0 (h = 0 elsewhere: exact), all the
  * up rows of a chunk of neurons as one stream where at least MOE_DENSE_NUM / MOE_DENSE_DEN of its gates are.
+ * With CATS thresholds the same machinery reads the up rows of the neurons with |act(gate)| > their expert's
+ * threshold (h = 0 elsewhere: an approximation the thresholds were calibrated for; a chunk's up rows as one stream
+ * only where all its neurons are active, so an inactive neuron's up row is never read). The down matrices are stored
+ * (n_expert * n_embd, n_ff), a zero h cannot skip a row of them: down stays a dense product over h, zeros and all.
  *
  * Every product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen precision (the helpers of sparse.h
  * and matmul.h the fused blocks of layer.c use), the activation pi_gated's, and the sum is torch's
@@ -51,6 +55,12 @@ typedef struct {
      * [e], its up rows at [n_expert + e], its down rows at [2 n_expert + e] (rows `stride` bytes apart as in the
      * stack); NULL for an expert not resident, which no call may select */
     const uint8_t *const *experts;
+    /* CATS (`powerinfer sparsify` on MoE files): thresholds (n_expert, n_ff) or NULL; a neuron n of expert e is
+     * active where |act(gate_n . x)| > thresholds[e * n_ff + n], else h_n = 0 and its up row is not read (the
+     * one-token kernel; the grouped one computes it and drops it: the same h). counts (3 int64, or NULL): the
+     * one-token kernel adds (active neurons, up rows read, neurons) of the selected experts to it. */
+    const float *thresholds;
+    int64_t *counts;
 } pi_moe_desc;
 
 /* Where expert e's rows of matrix m (0 gate, 1 up, 2 down) start. */
@@ -152,7 +162,8 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
     const int32_t level = pi_isa_clamp(isa);
     const matmul_table *t = matmul_table_for(level);
     const pi_moe_mat *gm = &d->gate, *um = &d->up, *dm = &d->down;
-    const int act = d->act, sparse = d->sparse != 0;
+    const int act = d->act, sparse = d->sparse != 0 || d->thresholds != NULL;
+    const float *thr = d->thresholds;
     const int32_t nt = threads_for_work(n_threads, 3 * k * F * E);
     act_q8 xa = {0};
     act_q8k xak = {0};
@@ -163,35 +174,55 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
         moe_prepare(t, level, gm->kind, um->kind, q8, xn, E, prep_x, &xa, &xak);
         /* this thread's neurons of the k * F, each with its gate and up rows */
         const int64_t total = k * F, r0 = total * me / all, r1 = total * (me + 1) / all;
+        int64_t n_active = 0, n_read = 0;
         for (int64_t j = r0 / F; j < k && j * F < r1; j++) {
             const int64_t lo = r0 > j * F ? r0 - j * F : 0, hi = r1 < (j + 1) * F ? r1 - j * F : F;
             const uint8_t *gw = moe_expert_w(d, 0, ids[j]), *uw = moe_expert_w(d, 1, ids[j]);
             float *gj = g + j * F, *uj = u + j * F;
             moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
             if (sparse) {
-                /* the up rows of the neurons with a positive gate, a chunk of them at a time: the int8-tile kinds
-                 * prefetch each row MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows
-                 * between are not read), the others row by row as moe_rows computes them */
+                /* the up rows of the active neurons (ReGLU: a positive gate; CATS: |act(gate)| above the threshold,
+                 * gj then holding act(gate)), a chunk of them at a time: the int8-tile kinds prefetch each row
+                 * MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows between are not read),
+                 * the others row by row as moe_rows computes them */
                 const ffn_mat f = ffn_mat_of(t, um->kind, q8, uw, um->stride, E);
                 act_q8 al = xa;
                 al.ahead = 0;
                 for (int64_t c0 = lo; c0 < hi; c0 += MOE_CHUNK) {
                     const int64_t c1 = min_i64(c0 + MOE_CHUNK, hi);
                     int64_t act[MOE_CHUNK], m = 0;
-                    for (int64_t n = c0; n < c1; n++) {
-                        if (gj[n] > 0.0f) act[m++] = n;
-                        else gj[n] = 0.0f;
+                    if (thr != NULL) {
+                        const float *tj = thr + ids[j] * F;
+                        for (int64_t n = c0; n < c1; n++) {
+                            const float a = ffn_act(d->act, gj[n]);
+                            const int on = fabsf(a) > tj[n];
+                            gj[n] = on ? a : 0.0f;
+                            if (on) act[m++] = n;
+                        }
+                    } else {
+                        for (int64_t n = c0; n < c1; n++) {
+                            if (gj[n] > 0.0f) act[m++] = n;
+                            else gj[n] = 0.0f;
+                        }
                     }
-                    if (m * MOE_DENSE_DEN >= MOE_DENSE_NUM * (c1 - c0)) {
+                    n_active += m;
+                    /* CATS streams a chunk only when every neuron of it is active: an inactive neuron's up row is
+                     * never read (ReGLU: the measured rule below) */
+                    if (thr != NULL ? m == c1 - c0 : m * MOE_DENSE_DEN >= MOE_DENSE_NUM * (c1 - c0)) {
+                        n_read += c1 - c0;
                         /* most rows active: all the chunk's up rows as one stream (a row list costs about as much
                          * to read, the hardware prefetchers fetching the gaps), the inactive products unused (the
                          * same values: an active row's product is the same bits either way; measured, 24 MoE
                          * blocks of the SmallThinker-shaped bench file, ~50% active, best of 60 on 2 busy cores:
                          * 9.39 -> 9.12 ms at -t 1, 10.19 -> 9.81 ms at -t 2) */
                         moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, c0, c1, uj);
-                        for (int64_t i = 0; i < m; i++) gj[act[i]] = relu_f(gj[act[i]]) * uj[act[i]];
+                        for (int64_t i = 0; i < m; i++) {
+                            const int64_t n = act[i];
+                            gj[n] = (thr != NULL ? gj[n] : relu_f(gj[n])) * uj[n];
+                        }
                         continue;
                     }
+                    n_read += m;
                     for (int64_t i = 0; i < m; i++) {
                         const int64_t n = act[i];
                         if (f.tq != NULL) {
@@ -200,13 +231,23 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
                         } else {
                             moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, n, n + 1, uj);
                         }
-                        gj[n] = relu_f(gj[n]) * uj[n];
+                        gj[n] = (thr != NULL ? gj[n] : relu_f(gj[n])) * uj[n];
                     }
                 }
             } else {
                 moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, lo, hi, uj);
                 for (int64_t n = lo; n < hi; n++) gj[n] = ffn_act(act, gj[n]) * uj[n];
+                n_active += hi - lo;
+                n_read += hi - lo;
             }
+        }
+        if (d->counts != NULL) {
+#pragma omp atomic
+            d->counts[0] += n_active;
+#pragma omp atomic
+            d->counts[1] += n_read;
+#pragma omp atomic
+            d->counts[2] += r1 - r0;
         }
 #pragma omp barrier
         for (int64_t j = me; j < k; j += all)
@@ -489,6 +530,7 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
     const moe_matmul_fn fg = (moe_matmul_fn)gate_mm, fu = (moe_matmul_fn)up_mm, fd = (moe_matmul_fn)down_mm;
     const pi_moe_mat *gm = &d->gate, *um = &d->up, *dm = &d->down;
     const int act = d->act;
+    const float *thr = d->thresholds;
     int32_t status = PI_OK;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -505,6 +547,15 @@ PI_EXPORT int32_t pi_moe_grouped_ffn(const pi_moe_desc *d, const void *gate_mm, 
             int32_t st = fg(moe_expert_w(d, 0, e) + r0 * gm->stride, gm->stride, nr, E, xe, E, n, gg, F, 1, isa);
             if (st == PI_OK) st = fu(moe_expert_w(d, 1, e) + r0 * um->stride, um->stride, nr, E, xe, E, n, uu, F, 1, isa);
             if (st != PI_OK) mine = st;
+            if (thr != NULL) { /* CATS: the one-token kernel's h, the inactive neurons' products dropped */
+                const float *te = thr + e * F + r0;
+                for (int64_t r = 0; r < n; r++)
+                    for (int64_t q = 0; q < nr; q++) {
+                        const float a = ffn_act(act, gg[r * F + q]);
+                        gg[r * F + q] = fabsf(a) > te[q] ? a * uu[r * F + q] : 0.0f;
+                    }
+                continue;
+            }
             for (int64_t r = 0; r < n; r++)
                 for (int64_t q = 0; q < nr; q++) gg[r * F + q] = ffn_act(act, gg[r * F + q]) * uu[r * F + q];
         }

@@ -63,5 +63,6 @@ def run_sparsify_report(opts: SparsifyOptions) -> None:
     result = sparsify_with_progress(opts)
     err_console.print(sparsity_table(result))
     err_console.print(f"sparsify: wrote {result.output}", markup=False)
-    err_console.print(f"sparsify: wrote activation {result.activation}", markup=False)
+    if result.activation is not None:
+        err_console.print(f"sparsify: wrote activation {result.activation}", markup=False)
     sys.stdout.write(json.dumps(result.summary()) + "\n")

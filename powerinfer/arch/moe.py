@@ -65,6 +65,8 @@ class MoEConfig(ModelConfig):
 
     moe: MoESpec | None = None
     layer_attention: tuple[AttentionSpec, ...] = ()
+    # CATS (`powerinfer sparsify`): (n_layer, n_expert, n_ff) float32 thresholds on |act(gate)|, or None
+    expert_thresholds: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def attention_of(self, bid: int) -> AttentionSpec:
         return self.layer_attention[bid] if self.layer_attention else self.attention
@@ -130,8 +132,34 @@ def moe_config(
         attention = dataclasses.replace(attention, qk_norm_whole=True)
     spec = moe_spec(metadata, arch, config.n_ff, variant)
     return dataclasses.replace(
-        config, attention=attention, moe=spec, ffn=FFNSpec(act=variant.act, gated=True)
+        config,
+        attention=attention,
+        moe=spec,
+        ffn=FFNSpec(act=variant.act, gated=True),
+        expert_thresholds=expert_thresholds(metadata, config.n_layer, spec),
     )
+
+
+def expert_thresholds(metadata: dict[str, Any], n_layer: int, spec: MoESpec) -> np.ndarray | None:
+    """The file's CATS thresholds of every expert's neurons (n_layer, n_expert, n_ff) float32, or None without
+    the key; ConfigError for a value that is not n_layer * n_expert * n_ff float32 numbers."""
+    key = Keys.SPARSITY_EXPERT_THRESHOLDS
+    if key not in metadata:
+        return None
+    value = metadata[key]
+    shape = (n_layer, spec.n_expert, spec.n_ff_exp)
+    n = n_layer * spec.n_expert * spec.n_ff_exp
+    if not isinstance(value, np.ndarray) or value.dtype != np.float32 or value.ndim != 1 or value.size != n:
+        got = (
+            f"{value.size} {value.dtype} values"
+            if isinstance(value, np.ndarray)
+            else printable(type(value).__name__)
+        )
+        raise ConfigError(
+            f"metadata key '{key}' should hold {n} float32 thresholds (n_layer x n_expert x n_ff = "
+            f"{' x '.join(map(str, shape))}), got {got}"
+        )
+    return value.reshape(shape)
 
 
 # tensors of one layer every MoE file holds (norms, attention, router and the three stacked experts)
@@ -213,8 +241,15 @@ def moe_ffn(c: MoEConfig, bid: int, src: WeightSource) -> MoEFFN:
     gate = src.host_stack(name(TensorNames.FFN_GATE_EXPS), (E, F, D))
     up = src.host_stack(name(TensorNames.FFN_UP_EXPS), (E, F, D))
     down = src.host_stack(name(TensorNames.FFN_DOWN_EXPS), (E, D, F))
-    pool = src.pool_experts(bid, gate, up, down, E, s.act)
-    experts = Experts(s, gate, up, down, kc, pool=pool, store=src.stored_experts(bid))
+    store = src.stored_experts(bid)
+    if (
+        c.expert_thresholds is not None
+    ):  # CATS experts: every expert on the CPU (the pool computes dense ones)
+        thresholds = torch.from_numpy(np.ascontiguousarray(c.expert_thresholds[bid]))
+        experts = Experts(s, gate, up, down, kc, thresholds=thresholds, store=store)
+    else:
+        pool = src.pool_experts(bid, gate, up, down, E, s.act)
+        experts = Experts(s, gate, up, down, kc, pool=pool, store=store)
     shared = None
     if s.n_ff_shexp:
         Fs = s.n_ff_shexp

@@ -103,8 +103,8 @@ def sparsify(
     and, in two stages (the default), on |act(gate x) * up x|.
 
     Calibrates on the text of -f, writes a PowerInfer GGUF (ffn_down stored transposed as ffn_down_t, the
-    thresholds as per-layer tensors) and activation/activation_<N>.pt beside it. Prints a per-layer table on
-    stderr and one JSON line on stdout.
+    thresholds as per-layer tensors) and activation/activation_<N>.pt beside it; MoE files: one-stage thresholds
+    per expert, as a key of a GGUF copy. Prints a per-layer table on stderr and one JSON line on stdout.
     """
     setup_logging(log_disable)
     err_console.quiet = log_disable

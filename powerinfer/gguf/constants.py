@@ -101,6 +101,9 @@ class Keys:
     SPARSITY_TARGET = "powerinfer.sparsity.target"
     SPARSITY_THRESHOLDS = "powerinfer.sparsity.thresholds"  # t_l on |act| * mean|up| (per-neuron: a tensor)
     SPARSITY_LAYER_SPARSITY = "powerinfer.sparsity.layer_sparsity"
+    # MoE files: float32[n_layer * n_expert * n_ff], layer-major then expert: the thresholds on |act(gate)| of
+    # every expert's neurons (a key, not a tensor: llama.cpp refuses a file with tensors it does not know)
+    SPARSITY_EXPERT_THRESHOLDS = "powerinfer.sparsity.expert_act_thresholds"
 
     TOKENIZER_MODEL = "tokenizer.ggml.model"
     TOKENIZER_PRE = "tokenizer.ggml.pre"

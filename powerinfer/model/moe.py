@@ -131,7 +131,9 @@ class Experts:
 
     pool: the experts the pool holds whole (None: all on the CPU); a step then computes the pairs routed to
     them there, the rest here, and adds the pool's sum to the CPU's (a step with no pair in the pool runs as
-    without one). calls / pool_calls count (token, expert) pairs and those the pool served."""
+    without one). calls / pool_calls count (token, expert) pairs and those the pool served. thresholds (CATS,
+    `powerinfer sparsify`): (n_expert, n_ff) float32, neuron n of expert e active where |act(gate_n x)| >
+    thresholds[e, n], h_n = 0 elsewhere (every path; the one-token kernel does not read those up rows)."""
 
     def __init__(
         self,
@@ -143,6 +145,7 @@ class Experts:
         sparse: bool | None = None,
         pool: ExpertPart | None = None,
         store: ExpertSource | None = None,
+        thresholds: torch.Tensor | None = None,
     ) -> None:
         E, F = spec.n_expert, spec.n_ff_exp
         n_embd = gate.shape[1]
@@ -151,7 +154,14 @@ class Experts:
                 f"expert tensors of shapes {gate.shape}, {up.shape}, {down.shape} do not fit {E} experts of "
                 f"width {F}"
             )
+        if thresholds is not None and thresholds.shape != (E, F):
+            raise ConfigError(
+                f"expert thresholds of shape {tuple(thresholds.shape)} do not fit {E} experts of {F}"
+            )
+        if thresholds is not None and pool is not None:
+            raise ConfigError("experts with thresholds run on the CPU: the pool computes its experts dense")
         self.spec, self.kc = spec, kc
+        self.thresholds = None if thresholds is None else thresholds.to("cpu", torch.float32).contiguous()
         # per-expert row views of the stacked bytes, made once (build time grows with experts, a step does not)
         self.gates = [ops.weight_rows(gate, e * F, (e + 1) * F) for e in range(E)]
         self.ups = [ops.weight_rows(up, e * F, (e + 1) * F) for e in range(E)]
@@ -168,12 +178,21 @@ class Experts:
         self.one_path = all(t.ggml_type in matmul for t in (gate, up, down))
         self.rows_path = gate.ggml_type in rows and up.ggml_type in rows
         self.sparse = ((spec.act == "relu") if sparse is None else sparse) and self.rows_path
+        self.sparse = self.sparse and self.thresholds is None
         self.neurons = torch.arange(F)
         # one token in one kernel call (kernels/cpu/moe.c: gate, up, down of the k experts and their weighted sum,
         # the bits of the per-matrix calls below) where the kernels read all three types; else op by op
         relu = (spec.act == "relu") if sparse is None else sparse
         table = store.table if store is not None else (pool.cpu_table if pool is not None else None)
-        self.kernel = moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, table)
+        self.kernel = moe_experts(
+            gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, self.thresholds, table=table
+        )
+        # with thresholds, a sequence's first token (the attention sink every later token reads) runs dense
+        self.dense_kernel = (
+            None
+            if self.thresholds is None
+            else moe_experts(gate, up, down, E, spec.n_expert_used, spec.act, relu, kc, table=table)
+        )
         self.store = store
         grouped = getattr(kc.kernels, "moe_grouped_ffn", None) is not None and self.one_path
         if store is not None and (self.kernel is None or not grouped or pool is not None):
@@ -185,19 +204,39 @@ class Experts:
         self.pool = pool
         self.calls = self.pool_calls = 0
 
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def hidden(
+        self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor, dense: bool = False
+    ) -> torch.Tensor:
+        """h = act(g) * u (n, n_ff) of rows computed by experts (n,) int64; with thresholds (unless dense), 0
+        where |act(g)| is not above the row's expert's threshold (the kernels' h: act(g) then a product with u)."""
+        if self.thresholds is None or dense:
+            return ops.gated(g, u, self.spec.act, False)
+        a = ops.gated(g, torch.ones_like(g), self.spec.act, False)
+        return torch.where(a.abs() > self.thresholds[experts], a * u, torch.zeros_like(a))
+
+    def expert(self, e: int, x: torch.Tensor, dense: bool = False) -> torch.Tensor:
         """Expert e over x (n, n_embd): (n, n_embd)."""
         kc = self.kc
-        h = ops.gated(ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc), self.spec.act, False)
+        g, u = ops.linear(x, self.gates[e], kc), ops.linear(x, self.ups[e], kc)
+        h = self.hidden(g, u, torch.full((x.shape[0],), e, dtype=torch.int64), dense)
         return ops.linear(h, self.downs[e], kc)
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k)."""
+    def __call__(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        dense_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for x (T, n_embd), ids and weights (T, k); dense_rows
+        (T,) bool: tokens computed without the thresholds (a sequence's first token)."""
         self.calls += ids.numel()
-        if self.store is not None:  # the experts from the store: resident first, then the kernels
+        if self.store is not None:  # the experts from the store: resident first, then the kernels (its table)
             self.store.ensure(ids)
             self.store.routed(x)
-            return self.on_cpu(x, ids, weights)  # the kernels, which read the store's table
+        if self.thresholds is not None and dense_rows is not None and bool(dense_rows.any()):
+            first = dense_rows[:, None].expand_as(ids)  # each token's pairs whole in one of the two calls
+            return self.pairs(x, ids, weights, ~first).add_(self.pairs(x, ids, weights, first, dense=True))
         if self.pool is None:
             return self.on_cpu(x, ids, weights)
         pooled = self.pool.member[ids]  # (T, k)
@@ -212,11 +251,18 @@ class Experts:
         return out.add_(y)
 
     def pairs(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        mask: torch.Tensor,
+        dense: bool = False,
     ) -> torch.Tensor:
-        """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them."""
-        if self.kernel is not None:  # one kernel call, the pairs left out marked -1
-            grouped = self.kernel.grouped(x, ids.masked_fill(~mask, -1), weights)
+        """The sum of the pairs (t, j) mask (T, k) selects, grouped by expert as a prompt step groups them
+        (dense: without the thresholds)."""
+        kernel = self.dense_kernel if dense else self.kernel
+        if kernel is not None:  # one kernel call, the pairs left out marked -1
+            grouped = kernel.grouped(x, ids.masked_fill(~mask, -1), weights)
             if grouped is not None:
                 return grouped
         T, k = ids.shape
@@ -234,10 +280,10 @@ class Experts:
         if self.one_path:
             F, kc = self.spec.n_ff_exp, self.kc
             g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
-            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            h = self.hidden(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), chosen, dense)
             y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
         else:
-            y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
+            y = torch.cat([self.expert(e, g, dense) for e, g in zip(experts, xs.split(sizes), strict=True)])
         out.index_add_(0, tokens, y * weights.reshape(-1)[slots, None])
         return out
 
@@ -268,7 +314,7 @@ class Experts:
         if self.one_path:  # each matrix of each selected expert in one kernel call over its tokens
             F, kc = self.spec.n_ff_exp, self.kc
             g = grouped_matmul(xs, self.gate, F, experts, sizes, kc)
-            h = ops.gated(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), self.spec.act, False)
+            h = self.hidden(g, grouped_matmul(xs, self.up, F, experts, sizes, kc), flat[order])
             y = grouped_matmul(h, self.down, self.n_embd, experts, sizes, kc)
         else:
             y = torch.cat([self.expert(e, g) for e, g in zip(experts, xs.split(sizes), strict=True)])
@@ -283,9 +329,9 @@ class Experts:
         experts compute only the up rows of neurons whose gate is positive."""
         kc, F = self.kc, self.spec.n_ff_exp
         experts = ids[0].tolist()
-        if not self.rows_path:
+        if not self.rows_path or self.thresholds is not None:
             g, u = experts_matmul(x, self.gate, F, experts, kc), experts_matmul(x, self.up, F, experts, kc)
-            h = ops.gated(g, u, self.spec.act, False)  # (k, F)
+            h = self.hidden(g, u, ids[0])  # (k, F)
         else:
             rows = (ids[0, :, None] * F + self.neurons).reshape(-1)  # (k F,) rows of the stacked gate and up
             g = ops.rows_matmul(x, self.gate, rows, kc)[0]
@@ -357,7 +403,15 @@ class MoEFFN:
         block = moe_ffn_block(
             norm.weight, norm.spec.eps, router, experts, s.gating, s.norm_weights, s.weights_scale, self.kc
         )
-        return None if block is None else FusedMoEFFN(self, block)
+        dense = self.experts.dense_kernel
+        dense_block = None
+        if dense is not None:  # thresholds: a sequence's first token through the experts without them
+            dense_block = moe_ffn_block(
+                norm.weight, norm.spec.eps, router, dense, s.gating, s.norm_weights, s.weights_scale, self.kc
+            )
+            if dense_block is None:
+                return None
+        return None if block is None else FusedMoEFFN(self, block, dense_block)
 
     def route_early(self, x: torch.Tensor) -> None:
         """Router logits of the layer input x (T, n_embd), for the FFN call of the same step."""
@@ -383,7 +437,14 @@ class MoEFFN:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
         if self.neuron_counts is not None:
             self.count_neurons(x, ids)
-        out = self.experts(x, ids, weights)
+        dense_rows = None  # a sequence's first token runs without the thresholds (CATS files)
+        if (
+            batch is not None
+            and batch.positions.shape[0] == x.shape[0]
+            and any(g.pos == 0 for g in batch.segments)
+        ):
+            dense_rows = batch.positions == 0
+        out = self.experts(x, ids, weights, dense_rows)
         if self.shared is not None:
             out = out + self.shared(x)
         return out
@@ -406,8 +467,8 @@ class FusedMoEFFN:
     """A layer's MoE FFN block (norm and residual add included) as one kernel call for one token (the fused-FFN
     protocol of powerinfer.model.transformer)."""
 
-    def __init__(self, ffn: MoEFFN, block: MoEFFNBlock) -> None:
-        self.ffn, self.block = ffn, block
+    def __init__(self, ffn: MoEFFN, block: MoEFFNBlock, dense_block: MoEFFNBlock | None = None) -> None:
+        self.ffn, self.block, self.dense_block = ffn, block, dense_block  # dense_block: a first token (CATS)
         self.ids = torch.empty(ffn.spec.n_expert_used, dtype=torch.int64)
 
     def scratch_bytes(self) -> int:
@@ -424,6 +485,7 @@ class FusedMoEFFN:
             logits = logits.contiguous()
         counting = ffn.counts is not None
         ffn.experts.calls += ffn.spec.n_expert_used
-        self.block(x, logits, self.ids if counting else None)
+        block = self.dense_block if first and self.dense_block is not None else self.block
+        block(x, logits, self.ids if counting else None)
         if ffn.counts is not None:
             ffn.counts += torch.bincount(self.ids, minlength=ffn.spec.n_expert)

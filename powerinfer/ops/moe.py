@@ -165,6 +165,7 @@ class _MoEDesc(ctypes.Structure):  # pi_moe_desc
         ("gate", _Mat), ("up", _Mat), ("down", _Mat),
         ("norm", ctypes.c_void_p), ("eps", ctypes.c_float), ("weights_scale", ctypes.c_float), ("router", _Mat),
         ("n_used", _i64), ("gating", _i32), ("norm_weights", _i32), ("experts", ctypes.c_void_p),
+        ("thresholds", ctypes.c_void_p), ("counts", ctypes.c_void_p),
     ]  # fmt: skip
 
 
@@ -213,6 +214,8 @@ class MoEExperts:
         self.desc, self._keep, self.kc = desc, keep, kc
         self._desc_ref = ctypes.byref(desc)
         self.n_embd, self.n_used = int(desc.n_embd), n_used
+        # CATS: (active neurons, up rows read, neurons) the one-token kernel has seen (None: no thresholds)
+        self.counts: torch.Tensor | None = None
         n = int(library.load().moe_experts_scratch_bytes(desc.n_embd, desc.n_ff, n_used))
         self.scratch = torch.empty(n, dtype=torch.uint8)  # this layer's, reused by every call
 
@@ -251,7 +254,7 @@ class MoEExperts:
         weights (T, k) float32; None where the kernels lack it."""
         kc = self.kc
         kernel, mm = kc.kernels.moe_grouped_ffn, kc.kernels.matmul
-        fns = [mm.get(w.ggml_type) for w in self._keep]
+        fns = [mm.get(w.ggml_type) for w in self._keep[:3]]  # type: ignore[attr-defined]
         if kernel is None or any(f is None for f in fns):
             return None
         T, k, E = x.shape[0], self.n_used, self.n_embd
@@ -280,14 +283,17 @@ def moe_experts(
     act: str,
     sparse: bool,
     kc: KernelContext | None = None,
+    thresholds: torch.Tensor | None = None,
     table: np.ndarray | None = None,
 ) -> MoEExperts | None:
     """The one-token kernel of n_expert stacked experts (gate and up (n_expert * n_ff, n_embd), down
     (n_expert * n_embd, n_ff)) of which n_used are selected per token; `sparse` (ReGLU): the up rows of neurons
-    whose gate is <= 0 are not read. `table`: None (each expert's rows in the stack), or a C-contiguous int64
-    array (3, n_expert) of addresses where expert e's gate, up and down rows start (laid out as in the stack), 0
-    for an expert not resident, which the owner (runtime.expert_store) fills before each call and keeps alive.
-    None where the kernels cannot run it (a weight on a device or of a type without a kernel kind)."""
+    whose gate is <= 0 are not read; `thresholds` (CATS): (n_expert, n_ff) float32, a neuron of expert e is
+    active where |act(gate)| > thresholds[e, n] (h = 0 and its up row not read elsewhere), in the one-token and
+    the grouped kernel alike. `table`: None (each expert's rows in the stack), or a C-contiguous int64 array
+    (3, n_expert) of addresses where expert e's gate, up and down rows start (laid out as in the stack), 0 for an
+    expert not resident, which the owner (runtime.expert_store, runtime.pool) fills before each call and keeps
+    alive. None where the kernels cannot run it (a weight on a device or of a type without a kernel kind)."""
     kc = kc or default_context()
     if kc.kernels.moe_experts is None:
         return None
@@ -306,7 +312,22 @@ def moe_experts(
         if table.shape != (3, n_expert) or table.dtype != np.int64 or not table.flags.c_contiguous:
             raise ValueError(f"moe_experts: an expert table must be int64 (3, {n_expert}), C-contiguous")
         desc.experts = table.ctypes.data
-    return MoEExperts(desc, (gate, up, down), n_used, kc)
+    keep: tuple[object, ...] = (gate, up, down)
+    counts = None
+    if thresholds is not None:
+        if thresholds.shape != (n_expert, n_ff):
+            raise ValueError(
+                f"moe_experts: thresholds {tuple(thresholds.shape)}, expected ({n_expert}, {n_ff})"
+            )
+        thresholds = thresholds.to("cpu", torch.float32).contiguous()
+        counts = torch.zeros(
+            3, dtype=torch.int64
+        )  # (active neurons, up rows read, neurons): the one-token kernel's
+        desc.thresholds, desc.counts = thresholds.data_ptr(), counts.data_ptr()
+        keep = (*keep, thresholds, counts)
+    experts = MoEExperts(desc, keep, n_used, kc)
+    experts.counts = counts
+    return experts
 
 
 class MoEFFNBlock:
@@ -373,6 +394,7 @@ def moe_ffn_block(
         return None
     desc = _MoEDesc(
         d.n_embd, d.n_ff, d.n_expert, d.act, d.sparse, d.gate, d.up, d.down, weight.data_ptr(), eps,
-        weights_scale, mat, experts.n_used, GATINGS.index(gating), int(norm_weights),
+        weights_scale, mat, experts.n_used, GATINGS.index(gating), int(norm_weights), d.experts, d.thresholds,
+        d.counts,
     )  # fmt: skip
     return MoEFFNBlock(desc, (weight, router, experts), kc)

@@ -440,4 +440,8 @@ def plan_moe_pool(
         experts = plan_experts(
             gguf, c.n_layer, n_expert, request, dev, budget=left, counts=counts, neuron_counts=neuron_counts
         )
+    if (
+        getattr(c, "expert_thresholds", None) is not None
+    ):  # CATS experts run on the CPU (the pool's are dense)
+        return dataclasses.replace(base, reason=f"{base.reason}; experts on the CPU (CATS thresholds)")
     return dataclasses.replace(base, experts=experts, reason=f"{base.reason}; {experts.describe()}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.model.head import SCREEN, SCREEN_PROJ, SparseHead
@@ -111,7 +112,7 @@ def sparse_report(m: AssembledModel) -> list[str]:
                 f"~{read_bytes_per_token(m) / 2**20:.1f} MiB of weights read per token (the file: "
                 f"{file_mib:.1f} MiB)"
             )
-            return head_lines + expert_report(m)
+            return head_lines + cats_expert_report(m) + expert_report(m)
         if not head_lines:
             return []
         return [
@@ -170,6 +171,25 @@ def expert_calls(m: AssembledModel) -> tuple[int, int]:
         if experts is not None:
             calls, pool = calls + experts.calls, pool + experts.pool_calls
     return calls, pool
+
+
+def cats_expert_report(m: AssembledModel) -> list[str]:
+    """MoE files with CATS thresholds: the share of the selected experts' neurons active and of their up rows
+    read, over the one-token steps so far."""
+    counts = []
+    for layer in m.model.layers:
+        kernel = getattr(getattr(layer.ffn, "experts", None), "kernel", None)
+        if kernel is not None and kernel.counts is not None:
+            counts.append(kernel.counts)
+    if not counts:
+        return []
+    active, read, total = (int(v) for v in torch.stack(counts).sum(0))
+    if total == 0:
+        return []
+    return [
+        f"moe: cats thresholds: {active / total:.1%} of the selected experts' neurons active, up rows read for "
+        f"{read / total:.1%} (one-token steps)"
+    ]
 
 
 def expert_report(m: AssembledModel) -> list[str]:

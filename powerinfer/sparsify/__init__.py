@@ -11,7 +11,8 @@ up ratio, 1 for one stage) and t2_l the quantile of the output scores that leave
 s_l is either the target S for every layer or allocated greedily on per-layer output-error curves (TEAL-style)
 so that mean_l s_l = S. The file holds t_l (key powerinfer.sparsity.thresholds) and, per layer, the engine's
 thresholds t_l / w_n on |act| (tensor blk.N.ffn_act_threshold) and t2_l / d_n on |h| (blk.N.ffn_out_threshold,
-two stages only).
+two stages only). Mixture-of-experts files get one-stage thresholds per expert instead (sparsify.moe), written as
+a key of a GGUF copy (write.write_moe_gguf).
 """
 
 from powerinfer.sparsify.allocate import MAX_LAYER_SPARSITY, allocate_greedy, allocate_uniform

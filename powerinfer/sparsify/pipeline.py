@@ -15,6 +15,7 @@ from powerinfer.errors import ConfigError, InputError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.model.blocks import Head
 from powerinfer.model.head import SCREEN_TOKENS, HeadScreen, build_head_screen, screen_pays
+from powerinfer.model.moe import MoEFFN
 from powerinfer.ops.weights import QWeight
 from powerinfer.printable import printable
 from powerinfer.profile.collect import check_output_folder, make_windows, read_corpus, tokenize_corpus
@@ -39,7 +40,13 @@ from powerinfer.sparsify.calibrate import (
     magnitudes,
     up_scales,
 )
-from powerinfer.sparsify.write import SPARSITY_KEYS, write_activation_folder, write_sparse_gguf
+from powerinfer.sparsify.moe import MIN_EXPERT_TOKENS, expert_layer_threshold, moe_ffn
+from powerinfer.sparsify.write import (
+    SPARSITY_KEYS,
+    write_activation_folder,
+    write_moe_gguf,
+    write_sparse_gguf,
+)
 
 METHODS = ("cats", "teal", "predictor")
 ALLOCATIONS = ("greedy", "uniform")
@@ -73,7 +80,7 @@ class SparsifyOptions:
 @dataclass
 class SparsifyResult:
     output: Path
-    activation: Path
+    activation: Path | None  # None: MoE files (no neuron placement for experts)
     target: float
     allocation: str
     thresholds: np.ndarray  # (n_layer,) t_l
@@ -88,12 +95,15 @@ class SparsifyResult:
     down_types: dict[str, str] = field(default_factory=dict)
     head_screen_rank: int = 0  # rank of the output head's screen written (0: none)
     seconds: dict[str, float] = field(default_factory=dict)
+    # MoE files: per layer, the experts routed fewer than MIN_EXPERT_TOKENS calibration tokens (the layer's
+    # fallback thresholds); None for dense files
+    fallback_experts: list[int] | None = None
 
     def summary(self) -> dict[str, object]:
         """The JSON line the command prints."""
         return {
             "output": str(self.output),
-            "activation": str(self.activation),
+            "activation": None if self.activation is None else str(self.activation),
             "method": "cats",
             "allocation": self.allocation,
             "target": self.target,
@@ -111,6 +121,7 @@ class SparsifyResult:
             "down_t_types": sorted(set(self.down_types.values())),
             "head_screen_rank": self.head_screen_rank,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            **({} if self.fallback_experts is None else {"fallback_experts": self.fallback_experts}),
         }
 
 
@@ -254,9 +265,17 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             f"the model's FFN is not gated (down(act(up x))): CATS thresholds act(gate x), so sparsify "
             f"needs a gated FFN ({c.arch})"
         )
+    moe = isinstance(engine.model.layers[0].ffn, MoEFFN)
+    if moe:
+        for bid in range(c.n_layer):
+            moe_ffn(engine, bid)  # refuse ReGLU experts before the calibration
+        if opts.allocation != "uniform":
+            raise InputError("--allocation greedy is not built for MoE files: use uniform")
     windows = calibration_windows(engine, text, opts.max_tokens)
     calib = calibrate(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
+    if moe:
+        return sparsify_moe(opts, engine, calib, t0, t1, progress)
 
     # uniform needs no error curves (the slow part of allocation): only the scales
     curves, scales, out_scales = error_curves(
@@ -340,4 +359,59 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             "threshold": t3 - t2,
             "write": t4 - t3,
         },
+    )
+
+
+def sparsify_moe(
+    opts: SparsifyOptions,
+    engine: Engine,
+    calib: Calibration,
+    t0: float,
+    t1: float,
+    progress: StageProgress | None = None,
+) -> SparsifyResult:
+    """A MoE file's experts: one-stage CATS thresholds per expert (sparsify.moe), written into a copy of the
+    GGUF (keys only, llama.cpp still loads it); uniform sparsity, no activation/ folder, no head screen."""
+    c = engine.config
+    sparsity = allocate_uniform(opts.sparsity, c.n_layer)
+    layers = []
+    for bid in range(c.n_layer):
+        layers.append(
+            expert_layer_threshold(moe_ffn(engine, bid), calib.u[bid], float(sparsity[bid]), engine.kc)
+        )
+        if progress is not None:
+            progress("threshold", bid + 1, c.n_layer)
+    n_tokens, n_kept = calib.n_tokens, calib.n_kept
+    del calib
+    t2 = time.perf_counter()
+    thresholds = np.array([lt.fallback for lt in layers], dtype=np.float64)
+    out = Path(opts.output)
+    write_moe_gguf(
+        engine.gguf,
+        out,
+        target=opts.sparsity,
+        thresholds=thresholds,
+        expert_thresholds=np.stack([lt.neurons for lt in layers]),
+        layer_sparsity=sparsity,
+    )
+    if progress is not None:
+        progress("write", c.n_layer, c.n_layer)
+    t3 = time.perf_counter()
+    active = np.array([lt.active_share for lt in layers])
+    return SparsifyResult(
+        output=out,
+        activation=None,
+        target=opts.sparsity,
+        allocation="uniform",
+        thresholds=thresholds,
+        layer_sparsity=sparsity,
+        active_share=active,
+        up_share=active,
+        up_ratio=1.0,
+        est_error=None,
+        n_tokens=n_tokens,
+        n_kept=n_kept,
+        n_ff=engine.config.experts.n_ff_exp,  # type: ignore[attr-defined]
+        fallback_experts=[int((lt.tokens < MIN_EXPERT_TOKENS).sum()) for lt in layers],
+        seconds={"load_calibrate": t1 - t0, "threshold": t2 - t1, "write": t3 - t2},
     )

@@ -4,7 +4,7 @@ Every tensor of the input is copied as stored, in input order, except `blk.N.ffn
 which becomes `blk.N.ffn_down_t.weight` (n_ff, n_embd), its transpose, in the same ggml type where that type can
 be produced (else Q8_0, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
 per-neuron thresholds on |act(gate)|, and, for two-stage selection, `blk.N.ffn_out_threshold` (F32 (n_ff,)), its
-thresholds on |act(gate) * up|.
+thresholds on |act(gate) * up|. MoE files (`write_moe_gguf`): a GGUF copy with the experts' thresholds as a key.
 """
 
 from __future__ import annotations
@@ -33,12 +33,15 @@ SPARSITY_TARGET_KEY = "powerinfer.sparsity.target"  # float32: the mean skipped 
 SPARSITY_THRESHOLDS_KEY = "powerinfer.sparsity.thresholds"  # float32[n_layer]: t_l on |act(gate u)|
 SPARSITY_LAYER_KEY = "powerinfer.sparsity.layer_sparsity"  # float32[n_layer]: calibrated s_l
 SPARSITY_UP_KEY = "powerinfer.sparsity.up_sparsity"  # float32[n_layer]: calibrated share of up rows skipped
+# MoE files: float32[n_layer * n_expert * n_ff], every expert's per-neuron thresholds on |act(gate u)|
+SPARSITY_EXPERT_KEY = Keys.SPARSITY_EXPERT_THRESHOLDS
 SPARSITY_KEYS = (
     SPARSITY_METHOD_KEY,
     SPARSITY_TARGET_KEY,
     SPARSITY_THRESHOLDS_KEY,
     SPARSITY_LAYER_KEY,
     SPARSITY_UP_KEY,
+    SPARSITY_EXPERT_KEY,
 )
 
 FFN_DOWN = re.compile(r"blk\.(\d+)\.ffn_down\.weight")
@@ -201,4 +204,36 @@ def write_copy(
     for t in model.tensors.values():
         writer.add_tensor(t.name, t.data, t.ggml_type, t.shape)
     _add_extra(writer, model, extra)
+    _write(writer, path)
+
+
+def write_moe_gguf(
+    model: GGUFFile,
+    path: Path,
+    *,
+    target: float,
+    thresholds: np.ndarray,
+    expert_thresholds: np.ndarray,
+    layer_sparsity: np.ndarray,
+) -> None:
+    """Write `model` (a MoE GGUF) with CATS thresholds for its experts to `path` (temp file, renamed into place).
+
+    Every tensor and key is copied as stored (the file stays a GGUF llama.cpp loads: it ignores unknown keys but
+    refuses unknown tensors), plus the sparsity keys: method "cats", the target, thresholds (the layers' t_l, the
+    fallback of experts too rarely routed to), layer_sparsity and expert_act_thresholds, float32 (n_layer,
+    n_expert, n_ff) flattened layer-major: the engine's per-neuron thresholds on |act(gate u)| of every expert.
+    """
+    writer = GGUFWriter(path, sparse=False, alignment=model.alignment)
+    skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
+    if model.alignment != GGUF_DEFAULT_ALIGNMENT:
+        skip.add(Keys.ALIGNMENT)
+    model.copy_metadata(writer, frozenset(skip))
+    writer.add(SPARSITY_METHOD_KEY, "cats", ValueType.STRING)
+    writer.add(SPARSITY_TARGET_KEY, float(target), ValueType.FLOAT32)
+    writer.add(SPARSITY_THRESHOLDS_KEY, np.asarray(thresholds, dtype=np.float32), ValueType.ARRAY)
+    writer.add(SPARSITY_LAYER_KEY, np.asarray(layer_sparsity, dtype=np.float32), ValueType.ARRAY)
+    flat = np.ascontiguousarray(expert_thresholds, dtype=np.float32).reshape(-1)
+    writer.add(SPARSITY_EXPERT_KEY, flat, ValueType.ARRAY)
+    for t in model.tensors.values():
+        writer.add_tensor(t.name, t.data, t.ggml_type, t.shape)
     _write(writer, path)
