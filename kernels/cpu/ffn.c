@@ -160,7 +160,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
         .idx = idx, .M = M, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
                  .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
+                 .coef_bf16 = q8_act && type_coef_bf16(down_kind)},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
     };
@@ -265,7 +265,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                  .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8 && down_kind == PI_TYPE_Q4_0},
+                 .coef_bf16 = q8 && type_coef_bf16(down_kind)},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
     };
@@ -427,7 +427,7 @@ int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint
             .h = a_buf,
             .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                      .unit_bytes = axpy_unit_bytes(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
-                     .y_stride = D, .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
+                     .y_stride = D, .coef_bf16 = q8_act && type_coef_bf16(down_kind)},
             .kind_down = down_kind,
             .units = axpy_units_for(level),
         },

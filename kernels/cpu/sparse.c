@@ -142,14 +142,15 @@ static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, 
 #undef FLOAT_CASE
 }
 
-/* y += c * (q - 8) over unit u of a Q4_0 row, c = axpy_coef_bf16(h, d): the q8 precision's chain (sparse.h) */
-static void axpy_q4_0_coef_unit_scalar(float h, const uint8_t *row, int64_t u, float *yu) {
-    const block_q4_0 *b = (const block_q4_0 *)row + u;
-    const float cf = bf16_to_fp32(axpy_coef_bf16(h, b->d));
-    for (int j = 0; j < QK; j++) {
-        const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
-        yu[j] = fmaf(cf, (float)(q - 8), yu[j]);
-    }
+/* y += c * (q - offset) over unit u of a row of a coef_bf16 type (its integer view, quants.h), c = bf16(h * d) as
+ * axpy_coef_bf16 rounds it: the q8 precision's chain (sparse.h) */
+static void axpy_coef_unit_scalar(int kind, float h, const uint8_t *row, int64_t u, float *yu) {
+    const type_traits *tt = &TYPE_TRAITS[kind];
+    int q[QK];
+    float d, m;
+    tt->ints(row, u, q, &d, &m);
+    const float cf = bf16_to_fp32(bf16_round(h * d));
+    for (int j = 0; j < QK; j++) yu[j] = fmaf(cf, (float)(q[j] - tt->int8_offset), yu[j]);
 }
 
 /* Elements [e0, e1) of y for every token (e0 a multiple of AXPY_UNIT): the plain definition. Also used by the SIMD
@@ -165,8 +166,8 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
             const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = e0 / AXPY_UNIT; u * AXPY_UNIT < e1; u++) {
                 const int j1 = (int)min_i64(AXPY_UNIT, e1 - u * AXPY_UNIT);
-                if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
-                    axpy_q4_0_coef_unit_scalar(hv, row, u, yt + u * AXPY_UNIT);
+                if (c->coef_bf16 && type_coef_bf16(kind)) {
+                    axpy_coef_unit_scalar(kind, hv, row, u, yt + u * AXPY_UNIT);
                     continue;
                 }
                 float wv[AXPY_UNIT];
@@ -216,8 +217,8 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
     for (int64_t r = 0; r < c->n_act; r++) {
         const float hv = c->act_h[r];
         for (int64_t u = u0; u < u1; u++) {
-            if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
-                axpy_q4_0_coef_unit_scalar(hv, c->act_rows[r], u, y + u * AXPY_UNIT);
+            if (c->coef_bf16 && type_coef_bf16(kind)) {
+                axpy_coef_unit_scalar(kind, hv, c->act_rows[r], u, y + u * AXPY_UNIT);
                 continue;
             }
             float wv[AXPY_UNIT];
@@ -304,7 +305,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
-                        .coef_bf16 = q8_act != 0 && kind == PI_TYPE_Q4_0};
+                        .coef_bf16 = q8_act != 0 && type_coef_bf16(kind)};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;

@@ -32,6 +32,7 @@ from powerinfer.gguf.constants import TensorNames
 from powerinfer.model.blocks import Head
 from powerinfer.ops.weights import QWeight
 from powerinfer.quant import dequantize, quantize
+from powerinfer.quant.types import SPARSE_HEAD_PROJ_TYPE, SPARSE_HEAD_SCREEN_TYPE
 
 # candidates computed exactly per token
 HEAD_CANDIDATES = 1024
@@ -114,8 +115,8 @@ class SparseHead:
 
 SCREEN_PROJ = TensorNames.OUTPUT_SCREEN_PROJ
 SCREEN = TensorNames.OUTPUT_SCREEN
-PROJ_TYPE = GGMLType.Q8_0
-SCREEN_TYPE = GGMLType.Q4_0
+PROJ_TYPE = SPARSE_HEAD_PROJ_TYPE
+SCREEN_TYPE = SPARSE_HEAD_SCREEN_TYPE
 # calibration tokens whose hidden states define the screen's basis
 SCREEN_TOKENS = 2048
 # the screen pays when it reads at most this share of the head's bytes, on a head of at least MIN_HEAD_BYTES (below,

@@ -25,6 +25,7 @@ from powerinfer.placement.stats import activation_file
 from powerinfer.printable import printable
 from powerinfer.profile.collect import write_folder_atomically
 from powerinfer.quant import QUANTIZABLE, dequantize, quantize, row_bytes
+from powerinfer.quant.types import DOWN_T_DEFAULT, DOWN_T_KEPT
 
 # metadata of a sparsified file (the engine reads them; Keys.SPARSITY_* name the same keys)
 ACTIVATION_KEY = "powerinfer.ffn_activation"  # arch.base.ACTIVATION_KEY
@@ -54,11 +55,10 @@ def transposed_type(src: GGMLType, n_cols: int, want: GGMLType | None = None) ->
     type as Q8_0, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2 Q4_1 +8%
     perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
     sparsify the F16 model and `quantize` the result (ffn_down_t is then rounded once, as PowerInfer does)."""
-    keep = {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0}
     if want is not None:
         dst = want
     else:
-        dst = src if src in keep and src in QUANTIZABLE else GGMLType.Q8_0
+        dst = src if src in DOWN_T_KEPT and src in QUANTIZABLE else DOWN_T_DEFAULT
     if n_cols % QUANT_SIZES[dst][0]:
         dst = GGMLType.F32 if src == GGMLType.F32 else GGMLType.F16
     return dst
