@@ -1,13 +1,13 @@
 """Quantize a GGUF or PowerInfer GGUF file, as llama.cpp's `quantize` does.
 
-Per-tensor types follow llama.cpp's `llama_tensor_get_type` (powerinfer.quant.mix): the K-quant mixes
-(Q4_K_M gives half the attn_v and ffn_down matrices Q6_K, ...), output.weight Q6_K (Q8_0 when its rows are not
-a multiple of 256), and the fallback to a 32-element type when a row length is not a multiple of 256. A model
-without `output.weight` (tied embeddings: `token_embd.weight` is also the output head) gets the output rule on
-`token_embd.weight`, as later llama.cpp does; the original PowerInfer quantized it like any matrix, which costs
-SmolLM2-135M 8% perplexity at Q4_0. PowerInfer's own rule (spec 1.7) is kept for its predictor matrices: fc1/fc2
-become Q5_0 (Q4_0 for a Q4_0 target). Blocks come from `powerinfer.quant`: the `gguf` package's reference
-quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c) for K-quants and IQ4.
+Per-tensor types follow llama.cpp's `llama_tensor_get_type` (powerinfer.quant.mix): the K-quant mixes (more
+bits on some attn_v and ffn_down matrices), the output.weight rule, and the fallback to a 32-element type when a
+row length is not a multiple of 256. A model without `output.weight` (tied embeddings: `token_embd.weight` is also
+the output head) gets the output rule on `token_embd.weight`, as later llama.cpp does; the original PowerInfer
+quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at Q4_0. PowerInfer's own rule (spec 1.7) is
+kept for its predictor matrices fc1/fc2 (mix.predictor_type). Blocks come from `powerinfer.quant`: the `gguf`
+package's reference quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c) for K-quants
+and IQ4.
 """
 
 from __future__ import annotations

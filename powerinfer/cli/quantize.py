@@ -32,7 +32,7 @@ def _aliases() -> str:
 
 
 def _fallbacks() -> str:
-    """The registry's fallbacks, 'Q2_K/Q3_K -> Q4_0, ...', sources grouped by target in registry order."""
+    """The registry's fallbacks as 'A/B -> C, ...': sources grouped by target, in registry order."""
     by_target: dict[str, list[str]] = {}
     for t, row in TYPES.items():
         if row.fallback is not None:

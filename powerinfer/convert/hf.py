@@ -482,7 +482,7 @@ def convert_hf_to_gguf(
 ) -> Path:
     """Convert a HF Llama-family checkpoint into a PowerInfer GGUF (with `predictor_dir`) or a dense GGUF.
 
-    outtype: "f32", "f16" or "q8_0" for 2-D tensors (1-D tensors are always F32). dense=True (or no
+    outtype: a key of OUTTYPES (quant.types.CONVERT_FILE_TYPES, lower-cased) for 2-D tensors (1-D tensors are always F32). dense=True (or no
     predictor folder) writes a plain llama.cpp GGUF with `ffn_down`. Returns the written path.
     """
     return convert_checkpoint(hf_dir, outfile, predictor_dir=predictor_dir, outtype=outtype, dense=dense).path

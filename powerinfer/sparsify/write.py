@@ -2,7 +2,7 @@
 
 Every tensor of the input is copied as stored, in input order, except `blk.N.ffn_down.weight` (n_embd, n_ff),
 which becomes `blk.N.ffn_down_t.weight` (n_ff, n_embd), its transpose, in the same ggml type where that type can
-be produced (else Q8_0, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
+be produced and kept (quant.types.DOWN_T_KEPT; else DOWN_T_DEFAULT, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
 per-neuron thresholds on |act(gate)|, and, for two-stage selection, `blk.N.ffn_out_threshold` (F32 (n_ff,)), its
 thresholds on |act(gate) * up|.
 """
@@ -51,9 +51,9 @@ def down_t_name(name: str) -> str:
 
 
 def transposed_type(src: GGMLType, n_cols: int, want: GGMLType | None = None) -> GGMLType:
-    """The type of ffn_down_t: float types and Q8_0 as they are (exact, or one 8-bit rounding); every lower-bit
-    type as Q8_0, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2 Q4_1 +8%
-    perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
+    """The type of ffn_down_t: the DOWN_T_KEPT types as they are (exact, or one 8-bit rounding); every lower-bit
+    type as DOWN_T_DEFAULT, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2
+    Q4_1 +8% perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
     sparsify the F16 model and `quantize` the result (ffn_down_t is then rounded once, as PowerInfer does)."""
     if want is not None:
         dst = want
