@@ -237,7 +237,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
     for (int i = 0; i < 5; i++)
         if (check_weight(kinds[i], rows[i], lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
     const int q8 = q8_act != 0;
-    if (q8 && kind_is_kq(fc1_kind)) return PI_ERR_SHAPE; /* its q8 matmul is the Q8_K one, not a row tile */
+    if (q8 && kind_is_kq(fc1_kind)) return PI_ERR_SHAPE; /* its q8 matmul takes int8 super-blocks, not a row tile */
     uint8_t *buf;
     const int32_t status = scratch_take(scratch, scratch_bytes, predict_ffn_scratch(N, K, rank, q8), &buf);
     if (status != PI_OK) return status;

@@ -1,16 +1,14 @@
 /* matmul: y[t, n] = sum_k W[n, k] * x[t, k] for T tokens, W given as raw ggml rows.
  *
- * Quant types (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) quantise the activations once per call into int8 blocks of 32
+ * The block-32 types (PI_BLOCK32_TYPES) quantise the activations once per call into int8 blocks of 32
  * (x ~= d * q, |q| <= 127, plus sum(q) per block) and compute integer block dot products scaled per block:
- *   Q4_0:  d_w * d_x * (q_w . q_x - 8 * sum(q_x))
- *   Q4_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
- *   Q8_0:  d_w * d_x * (q_w . q_x)
- *   Q5_0:  d_w * d_x * (q_w . q_x - 16 * sum(q_x))        (q_w the 5-bit values 0..31)
- *   Q5_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
- * F32, F16 and BF16 weights use float FMA directly.
+ *   d_w * d_x * (q_w . q_x - offset * sum(q_x)) [+ m_w * d_x * sum(q_x)]
+ * with the type's integer view q_w, int8_offset and minimum (quants.h, TYPE_TRAITS). Float types use float FMA
+ * directly.
  *
  * Exact mode (pi_matmul_<type>_f, quant types only): the activations stay float32. Each weight block is decoded
- * in registers to the floats of the reference dequantiser (bit-equal; AVX2 Q4_1 within 1 ulp) and multiplied
+ * in registers to the floats of the reference dequantiser (bit-equal, but for the one AVX2 decoder quants_x86.h
+ * says is within 1 ulp) and multiplied
  * with x in float32 (FMA), so the result equals x @ dequant(W).T up to float summation order, like F32/F16 (and
  * like transformers). Nothing is
  * dequantised to memory. Token tiles are TILE_TQ wide there: the block decode is shared by more tokens.
@@ -213,7 +211,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         .nb = nb,
     };
     const int32_t nt = threads_for_work(n_threads, N * K * T);
-    if (T == 1) { /* one token: quantised here, once, with its pair order for the Q4_0 rows */
+    if (T == 1) { /* one token: quantised here, once, with its pair order for the kernels that read it */
         table->quantize_act(x, nb, a.qs, a.ds, a.isum);
         act_pair_order(&a, (int8_t *)(scratch + qs_bytes + 3 * block_bytes));
     }

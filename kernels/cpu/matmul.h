@@ -24,11 +24,11 @@
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
     int8_t *qs;
-    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term Q4_1 needs, side by side */
+    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term the types with a minimum need */
     int32_t *isum; /* sum(qs) over the block */
     int64_t K;
     int64_t nb;
-    /* token 0's qs in pair order (act_pair_order), or NULL: the one-token Q4_0 rows read two blocks' nibbles with
+    /* token 0's qs in pair order (act_pair_order), or NULL: the one-token rows of a 4-bit type read two blocks' nibbles with
      * one vector when it is there (the same integers, so the same results, as without it) */
     const int8_t *qp;
     /* != 0: the SIMD tiles of one token prefetch, as they read, the bytes this far from what they read, a few lines
@@ -37,7 +37,7 @@ typedef struct {
     int64_t ahead;
 } act_q8;
 
-/* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token Q4_0 rows: blocks a, a + 1
+/* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token 4-bit rows: blocks a, a + 1
  * as [a 0..15 | a+1 0..15] then [a 16..31 | a+1 16..31] (the low and the high nibbles of the two blocks' weights
  * side by side in one vector). qp holds K bytes. */
 static inline void act_pair_order(act_q8 *a, int8_t *qp) {
@@ -178,7 +178,7 @@ int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_f
                             int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
                             int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads);
 
-/* Activations of T tokens in Q8_K (the "q8" precision of the K-quants): arrays indexed [t * K + k], [t * nb + s]
+/* Activations of T tokens in int8 super-blocks of 256 (the "q8" precision of the K-quants): arrays indexed [t * K + k], [t * nb + s]
  * and [(t * nb + s) * 16 + g]. */
 typedef struct {
     int8_t *qs;
@@ -189,7 +189,7 @@ typedef struct {
 } act_q8k;
 
 /* One token of the K-quant "q8" matvec in parts (matmul_q8k.c), for the fused decode kernels: the bytes of its
- * Q8_K activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
+ * int8 super-block activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
  * w, w_stride bytes apart, of the K-quant `type` (enum pi_type): the arithmetic of its pi_matmul_<name>. */
 size_t kq8_act_bytes(int64_t K);
 void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a);

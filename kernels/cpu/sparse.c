@@ -7,7 +7,7 @@
  * rows_axpy: y[t, :] = sum_m h[t, m] * W_t[idx[m], :] (idx NULL: all N rows). Rows with h[t, m] == 0 are skipped.
  *   Each output element is one sequential chain in index order: y = fma(h[t, m], w[m, e], y) over the rows with
  *   h != 0, starting from 0. Weights are decoded in registers to the reference dequantiser's floats (bit-equal,
- *   Q4_1 included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1). The
+ *   a minimum included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1). The
  *   OUTPUT dimension D is split over threads in units of 32 elements (a super-block of 256 for the K-quants, whose
  *   D must be a multiple of 256), each thread summing all rows for its slice, so there is no cross-thread
  *   reduction: the result depends neither on the thread count, nor on the SIMD variant (scalar uses fmaf), nor on
@@ -258,7 +258,7 @@ __attribute__((constructor)) static void bf16_dot_probe(void) {
 
 int axpy_bf16_dot_ok(void) { return bf16_dot_ok; }
 
-/* 1 when the Q4_0 rows of the q8 precision run on vdpbf16ps here (sparse.h), for reports */
+/* 1 when the coef_bf16 rows of the q8 precision run on vdpbf16ps here (sparse.h), for reports */
 PI_EXPORT int32_t pi_kernels_bf16_dot(void) { return bf16_dot_ok; }
 
 #define AXPY_CHUNK 256 /* T = 1: rows listed at a time on a thread's stack (3 KiB) */
@@ -332,7 +332,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
 
 /* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act,
  * threads, isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]; q8_act != 0
- * takes Q4_0 rows with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
+ * takes the rows of a coef_bf16 type (quants.h) with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
 #define DEFINE_ROWS_AXPY(type, kind)                                                                  \
     PI_EXPORT int32_t pi_rows_axpy_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,               \
                                           const int64_t *idx, int64_t M, const float *h, int64_t h_stride,        \
