@@ -1,13 +1,13 @@
 """Quantize a GGUF or PowerInfer GGUF file, as llama.cpp's `quantize` does.
 
-Per-tensor types follow llama.cpp's `llama_tensor_get_type` (powerinfer.quant.mix): the K-quant mixes
-(Q4_K_M gives half the attn_v and ffn_down matrices Q6_K, ...), output.weight Q6_K (Q8_0 when its rows are not
-a multiple of 256), and the fallback to a 32-element type when a row length is not a multiple of 256. A model
-without `output.weight` (tied embeddings: `token_embd.weight` is also the output head) gets the output rule on
-`token_embd.weight`, as later llama.cpp does; the original PowerInfer quantized it like any matrix, which costs
-SmolLM2-135M 8% perplexity at Q4_0. PowerInfer's own rule (spec 1.7) is kept for its predictor matrices: fc1/fc2
-become Q5_0 (Q4_0 for a Q4_0 target). Blocks come from `powerinfer.quant`: the `gguf` package's reference
-quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c) for K-quants and IQ4.
+Per-tensor types follow llama.cpp's `llama_tensor_get_type` (powerinfer.quant.mix): the K-quant mixes (more
+bits on some attn_v and ffn_down matrices), the output.weight rule, and the fallback to a 32-element type when a
+row length is not a multiple of 256. A model without `output.weight` (tied embeddings: `token_embd.weight` is also
+the output head) gets the output rule on `token_embd.weight`, as later llama.cpp does; the original PowerInfer
+quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at Q4_0. PowerInfer's own rule (spec 1.7) is
+kept for its predictor matrices fc1/fc2 (mix.predictor_type). Blocks come from `powerinfer.quant`: the `gguf`
+package's reference quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c) for K-quants
+and IQ4.
 """
 
 from __future__ import annotations
@@ -42,17 +42,20 @@ from powerinfer.quant.mix import (
     llama_order,
     mix_type,
     model_facts,
+    predictor_type,
 )
-from powerinfer.quant.types import FILE_TYPES, FileType, guess_ftype
+from powerinfer.quant.types import (
+    FILE_TYPE_ALIASES,
+    FILE_TYPES,
+    FILE_TYPES_NEED_IMATRIX,
+    FileType,
+    guess_ftype,
+)
 
 QUANTIZATION_VERSION = 2  # GGML_QNT_VERSION
 _CHUNK_ELEMENTS = 1 << 20  # elements per work item of the thread pool
 
 
-# quantize.cpp's aliases
-ALIASES = {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
-# mixes llama.cpp only makes with an importance matrix (which `quantize` does not read yet)
-NEEDS_IMATRIX = {"Q2_K_S": 21}
 _BY_NAME = {ft.name: ft for ft in FILE_TYPES}
 _BY_NUMBER = {ft.ftype: ft for ft in FILE_TYPES if ft.ggml_type is not None}
 # ggml type -> llama_ftype, for a file without general.file_type (llama.cpp guesses from the commonest type)
@@ -62,8 +65,8 @@ def parse_file_type(text: str) -> FileType | None:
     """TYPE by name (case-insensitive, quantize.cpp's aliases included) or llama_ftype number; None when `text`
     is not a type at all. Raises InputError for a mix that needs an importance matrix."""
     name = text.strip().upper()
-    name = ALIASES.get(name, name)
-    imatrix_name = next((k for k, v in NEEDS_IMATRIX.items() if name in (k, str(v))), None)
+    name = FILE_TYPE_ALIASES.get(name, name)
+    imatrix_name = next((k for k, v in FILE_TYPES_NEED_IMATRIX.items() if name in (k, str(v))), None)
     if imatrix_name is not None:
         raise InputError(
             f"type {imatrix_name} needs an importance matrix (--imatrix), which is not supported"
@@ -193,7 +196,7 @@ def tensor_type(
         new_type = target
         if not opts.pure:
             if name.endswith((".fc1.weight", ".fc2.weight")):
-                new_type = GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q5_0  # as the original
+                new_type = predictor_type(target)
             else:
                 new_type = mix_type(opts.file_type.ftype, target, name, shape[-1], facts, state)
         chosen = new_type

@@ -160,7 +160,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
         .idx = idx, .M = M, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
                  .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
+                 .coef_bf16 = q8_act && type_coef_bf16(down_kind)},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
     };
@@ -237,7 +237,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
     for (int i = 0; i < 5; i++)
         if (check_weight(kinds[i], rows[i], lens[i], weights[i], strides[i]) != PI_OK) return PI_ERR_SHAPE;
     const int q8 = q8_act != 0;
-    if (q8 && kind_is_kq(fc1_kind)) return PI_ERR_SHAPE; /* its q8 matmul is the Q8_K one, not a row tile */
+    if (q8 && kind_is_kq(fc1_kind)) return PI_ERR_SHAPE; /* its q8 matmul takes int8 super-blocks, not a row tile */
     uint8_t *buf;
     const int32_t status = scratch_take(scratch, scratch_bytes, predict_ffn_scratch(N, K, rank, q8), &buf);
     if (status != PI_OK) return status;
@@ -265,7 +265,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                  .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8 && down_kind == PI_TYPE_Q4_0},
+                 .coef_bf16 = q8 && type_coef_bf16(down_kind)},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
     };
@@ -427,7 +427,7 @@ int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint
             .h = a_buf,
             .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                      .unit_bytes = axpy_unit_bytes(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
-                     .y_stride = D, .coef_bf16 = q8_act && down_kind == PI_TYPE_Q4_0},
+                     .y_stride = D, .coef_bf16 = q8_act && type_coef_bf16(down_kind)},
             .kind_down = down_kind,
             .units = axpy_units_for(level),
         },

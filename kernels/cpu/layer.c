@@ -7,7 +7,8 @@
  *   pi_cats_ffn_block: x += pi_cats_ffn(n) (CATS: every gate row, the thresholds, the active up and down rows)
  *
  * Every matrix product is the arithmetic of pi_matmul_<type> at T = 1 in the chosen activation precision (q8: the
- * int8 blocks of 32 for the block-32 types, Q8_K for the K-quants; float activations for the other types and in f32),
+ * int8 blocks of 32 for the block-32 types, int8 super-blocks of 256 for the K-quants; float activations for the
+ * other types and in f32),
  * attention is pi_attn_decode's (attention.h), the norm pi_rms_norm's and the gating pi_gated's (that of the fused
  * sparse FFN, sparse.h): so a block gives the bits of the same ops called one by one. Rows are split over threads in contiguous ranges, one thread per output
  * element: results do not depend on the thread count. Weights are described by pi_mat (kinds: ggml type ids, enum pi_type)
@@ -99,7 +100,7 @@ PI_EXPORT int32_t pi_gated(const float *g, const float *u, int64_t n, int32_t ac
 /* ---- one token's matrix-vector products in row ranges ---------------------------------------------------------- */
 
 /* A vector prepared for the products of a phase: the floats, and where some matrix of the phase needs them in the
- * q8 precision, its int8 blocks of 32 (kind_has_q8_tile) and its Q8_K super-blocks (K-quants). */
+ * q8 precision, its int8 blocks of 32 (kind_has_q8_tile) and its int8 super-blocks of 256 (K-quants). */
 typedef struct {
     const float *x;
     act_q8 a;

@@ -1,16 +1,14 @@
 /* matmul: y[t, n] = sum_k W[n, k] * x[t, k] for T tokens, W given as raw ggml rows.
  *
- * Quant types (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1) quantise the activations once per call into int8 blocks of 32
+ * The block-32 types (PI_BLOCK32_TYPES) quantise the activations once per call into int8 blocks of 32
  * (x ~= d * q, |q| <= 127, plus sum(q) per block) and compute integer block dot products scaled per block:
- *   Q4_0:  d_w * d_x * (q_w . q_x - 8 * sum(q_x))
- *   Q4_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
- *   Q8_0:  d_w * d_x * (q_w . q_x)
- *   Q5_0:  d_w * d_x * (q_w . q_x - 16 * sum(q_x))        (q_w the 5-bit values 0..31)
- *   Q5_1:  d_w * d_x * (q_w . q_x) + m_w * d_x * sum(q_x)
- * F32, F16 and BF16 weights use float FMA directly.
+ *   d_w * d_x * (q_w . q_x - offset * sum(q_x)) [+ m_w * d_x * sum(q_x)]
+ * with the type's integer view q_w, int8_offset and minimum (quants.h, TYPE_TRAITS). Float types use float FMA
+ * directly.
  *
  * Exact mode (pi_matmul_<type>_f, quant types only): the activations stay float32. Each weight block is decoded
- * in registers to the floats of the reference dequantiser (bit-equal; AVX2 Q4_1 within 1 ulp) and multiplied
+ * in registers to the floats of the reference dequantiser (bit-equal, but for the one AVX2 decoder quants_x86.h
+ * says is within 1 ulp) and multiplied
  * with x in float32 (FMA), so the result equals x @ dequant(W).T up to float summation order, like F32/F16 (and
  * like transformers). Nothing is
  * dequantised to memory. Token tiles are TILE_TQ wide there: the block decode is shared by more tokens.
@@ -49,53 +47,12 @@ static void quantize_act_scalar(const float *x, int64_t nb, int8_t *qs, float *d
     }
 }
 
-/* Block i of a row of an int8-tile type (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1): its 32 integer weights q in element
- * order (unsigned for the Q4/Q5 kinds, signed for Q8_0), scale d and minimum m (0 where the kind has none). */
-static void tile_block_values(int kind, const uint8_t *row, int64_t i, int *q, float *d, float *m) {
-    *m = 0.0f;
-    switch (kind) {
-        case PI_TYPE_Q4_0:
-        case PI_TYPE_Q4_1: {
-            const uint8_t *qs = kind == PI_TYPE_Q4_0 ? ((const block_q4_0 *)row)[i].qs : ((const block_q4_1 *)row)[i].qs;
-            for (int j = 0; j < QK / 2; j++) {
-                q[j] = qs[j] & 0x0F;
-                q[j + QK / 2] = qs[j] >> 4;
-            }
-            if (kind == PI_TYPE_Q4_0) {
-                *d = fp16_to_fp32(((const block_q4_0 *)row)[i].d);
-            } else {
-                *d = fp16_to_fp32(((const block_q4_1 *)row)[i].d);
-                *m = fp16_to_fp32(((const block_q4_1 *)row)[i].m);
-            }
-            break;
-        }
-        case PI_TYPE_Q8_0: {
-            const block_q8_0 *b = (const block_q8_0 *)row + i;
-            for (int j = 0; j < QK; j++) q[j] = b->qs[j];
-            *d = fp16_to_fp32(b->d);
-            break;
-        }
-        case PI_TYPE_Q5_0: {
-            const block_q5_0 *b = (const block_q5_0 *)row + i;
-            q5_values(b->qh, b->qs, q);
-            *d = fp16_to_fp32(b->d);
-            break;
-        }
-        default: {
-            const block_q5_1 *b = (const block_q5_1 *)row + i;
-            q5_values(b->qh, b->qs, q);
-            *d = fp16_to_fp32(b->d);
-            *m = fp16_to_fp32(b->m);
-            break;
-        }
-    }
-}
-
-/* The int8 tile of a kind, one block at a time: the integer dot of q with x, minus offset * sum(x) where the values
- * are stored offset (Q4_0: 8, Q5_0: 16), times d_w * d_x; the kinds with a minimum add m * d_x * sum(x) apart. */
+/* The int8 tile of a block-32 type, one block at a time (its integer view, quants.h: block_ints_fn): the integer
+ * dot of q with x, minus int8_offset * sum(x) where the values are stored offset, times d_w * d_x; the types with a
+ * minimum add m * d_x * sum(x) apart. */
 static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    const int offset = kind == PI_TYPE_Q4_0 ? 8 : kind == PI_TYPE_Q5_0 ? 16 : 0;
-    const int has_m = kind == PI_TYPE_Q4_1 || kind == PI_TYPE_Q5_1;
+    const type_traits *tt = &TYPE_TRAITS[kind];
+    const int offset = tt->int8_offset, has_m = tt->has_min;
     for (int t = 0; t < ntok; t++) {
         const int8_t *xq = a->qs + (t0 + t) * a->K;
         const float *xds = a->ds + (t0 + t) * a->nb * 2;
@@ -104,7 +61,7 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
         for (int64_t i = 0; i < a->nb; i++) {
             int q[QK];
             float d, m;
-            tile_block_values(kind, row, i, q, &d, &m);
+            tt->ints(row, i, q, &d, &m);
             int32_t dot = 0;
             for (int j = 0; j < QK; j++) dot += q[j] * xq[i * QK + j];
             acc += (float)(dot - offset * xi[i]) * (d * xds[2 * i]);
@@ -199,55 +156,8 @@ PI_KQUANT_TYPES(DOT_SCALAR_QUANT)
 
 /* ---- dispatch: the caller's level on each call ---------------------------------------------------------- */
 
-/* Designated by type id: a type's entry lists its kernels at this level (matmul.h, type_kernels). */
-#define FLOAT_KERNELS(isa, type) {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type)}
-#define BLOCK32_KERNELS(isa, type, panels)                                                                        \
-    {.tile_q8 = tile_##type##_##isa, .tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa, .tile8 = panels}
-#define KQ_KERNELS(isa, type) {.tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa}
-#define MATMUL_TABLE(isa)                                                                                          \
-    {                                                                                                              \
-        .quantize_act = quantize_act_##isa,                                                                        \
-        .types = {                                                                                                 \
-            [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
-            [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
-            [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
-            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, TILE8(isa, q4_0)),                                         \
-            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, NULL),                                                     \
-            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, NULL),                                                     \
-            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, NULL),                                                     \
-            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, TILE8(isa, q8_0)),                                         \
-            [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
-            [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
-            [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
-            [PI_TYPE_Q5_K] = KQ_KERNELS(isa, q5_k),                                                                \
-            [PI_TYPE_Q6_K] = KQ_KERNELS(isa, q6_k),                                                                \
-        },                                                                                                         \
-    }
-#define TILE4(isa, type) tile4_##type##_##isa
-#define TILE8(isa, type) tile8_##type##_##isa
-#define tile4_f32_scalar NULL
-#define tile4_f16_scalar NULL
-#define tile4_bf16_scalar NULL
-#define tile8_q4_0_scalar NULL
-#define tile8_q8_0_scalar NULL
-static const matmul_table matmul_tables[] = {
-    [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
-#if PI_X86
-    [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
-    [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
-#endif
-};
-#undef FLOAT_KERNELS
-#undef BLOCK32_KERNELS
-#undef KQ_KERNELS
-#undef MATMUL_TABLE
-#undef TILE4
-#undef TILE8
-#undef tile4_f32_scalar
-#undef tile4_f16_scalar
-#undef tile4_bf16_scalar
-#undef tile8_q4_0_scalar
-#undef tile8_q8_0_scalar
+/* the per-ISA traits tables: matmul_tables[isa].types[type id] (matmul_types.h) */
+#include "matmul_types.h"
 
 /* The best SIMD level of this CPU (enum pi_isa): 2 AVX-512 (F, BW, VL, DQ, VNNI), 1 AVX2 (+ FMA, F16C), 0 scalar;
  * always 0 on a CPU other than x86-64, where only the scalar variant is built. */
@@ -301,20 +211,14 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         .nb = nb,
     };
     const int32_t nt = threads_for_work(n_threads, N * K * T);
-    if (T == 1) { /* one token: quantised here, once, with its pair order for the Q4_0 rows */
+    if (T == 1) { /* one token: quantised here, once, with its pair order for the kernels that read it */
         table->quantize_act(x, nb, a.qs, a.ds, a.isum);
         act_pair_order(&a, (int8_t *)(scratch + qs_bytes + 3 * block_bytes));
     }
     if (rows == NULL && T == 1) a.ahead = MATVEC_STREAM_AHEAD; /* dense decode: the tiles prefetch as they go */
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
-    /* one token over short Q4_0 rows (a sparse head's screen: 8 blocks) takes the panels too: one row's few blocks
-     * leave the tile's per-row work (horizontal sums, the call) dominant; panels measured 1.7x faster on the
-     * 49152 x 256 screen of SmolLM2's head (0.94 -> 0.55 ms, 1 thread) */
-    const int short_q4_0 = T == 1 && nb <= TILE8_SHORT_ROW_BLOCKS;
-    const type_kernels *q4_0 = &table->types[PI_TYPE_Q4_0], *q8_0 = &table->types[PI_TYPE_Q8_0];
-    const tile8_quant_fn tile8 = tile == q4_0->tile_q8 && (T >= TILE8_MIN_T_Q4_0 || short_q4_0) ? q4_0->tile8
-                                 : tile == q8_0->tile_q8 && T >= TILE8_MIN_T_Q8_0 && nb % 8 == 0 ? q8_0->tile8
-                                                                                               : NULL;
+    /* the panels' rule is the type's entry (type_kernels: tile8_min_t, tile8_short_rows, tile8_nb_multiple) */
+    const tile8_quant_fn tile8 = tile8_for(table, tile, T, nb);
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
     const size_t panel_bytes = (size_t)nb * PANEL_MAX_BYTES_PER_BLOCK;
     uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;

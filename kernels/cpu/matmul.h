@@ -16,22 +16,19 @@
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
 #define TILE_T2 6 /* tokens per tile of the four-row float kernels (prompts; AVX2 in two passes of 3) */
-/* tokens from which Q4_0 / Q8_0 rows go by panels of 8 (tile8_quant_fn; Q8_0 when the rows have a multiple of
- * 8 blocks, see tile_q8_0); measured on the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0
- * ones (+40% at 64) from about 12 */
-#define TILE8_MIN_T_Q4_0 4
-#define TILE8_SHORT_ROW_BLOCKS 8 /* and one token over rows of at most this many blocks */
-#define TILE8_MIN_T_Q8_0 12
+/* one token over rows of at most this many blocks takes a type's panels of 8 rows where its entry says so
+ * (type_kernels.tile8_short_rows; the tokens from which each type's panels pay are its entry's, matmul_types.h) */
+#define TILE8_SHORT_ROW_BLOCKS 8
 #define PANEL_MAX_BYTES_PER_BLOCK (17 * 32) /* a block of 8 rows in the panel of a tile8_quant_fn, at most */
 
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
     int8_t *qs;
-    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term Q4_1 needs, side by side */
+    float *ds;     /* per block {d, d * sum(qs)}: scale and the sum term the types with a minimum need */
     int32_t *isum; /* sum(qs) over the block */
     int64_t K;
     int64_t nb;
-    /* token 0's qs in pair order (act_pair_order), or NULL: the one-token Q4_0 rows read two blocks' nibbles with
+    /* token 0's qs in pair order (act_pair_order), or NULL: the one-token rows of a 4-bit type read two blocks' nibbles with
      * one vector when it is there (the same integers, so the same results, as without it) */
     const int8_t *qp;
     /* != 0: the SIMD tiles of one token prefetch, as they read, the bytes this far from what they read, a few lines
@@ -40,7 +37,7 @@ typedef struct {
     int64_t ahead;
 } act_q8;
 
-/* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token Q4_0 rows: blocks a, a + 1
+/* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token 4-bit rows: blocks a, a + 1
  * as [a 0..15 | a+1 0..15] then [a 16..31 | a+1 16..31] (the low and the high nibbles of the two blocks' weights
  * side by side in one vector). qp holds K bytes. */
 static inline void act_pair_order(act_q8 *a, int8_t *qp) {
@@ -87,6 +84,9 @@ typedef struct {
     rows_dot_fn dot;       /* float activations, one token, R rows at once: the arithmetic of `tile` */
     tile_float4_fn tile4;  /* float types, prompts: 4 rows x TILE_T2 tokens (NULL: one row at a time) */
     tile8_quant_fn tile8;  /* prompts by panels of 8 rows, the bits of tile_q8 (NULL: row by row) */
+    /* when tile8 runs: from tile8_min_t tokens, or for one token over rows of at most TILE8_SHORT_ROW_BLOCKS blocks
+     * where tile8_short_rows; only on rows of a multiple of tile8_nb_multiple blocks (0: any) */
+    int32_t tile8_min_t, tile8_short_rows, tile8_nb_multiple;
 } type_kernels;
 
 /* The traits table of one SIMD level: the activation quantiser and the kernels of every type, indexed by type id
@@ -95,6 +95,20 @@ typedef struct {
     quantize_act_fn quantize_act;
     type_kernels types[PI_TYPE_COUNT];
 } matmul_table;
+
+/* The panels of 8 rows for the int8 tile `tile` (a tile_q8 of table's) at T tokens over rows of nb blocks, or NULL:
+ * row by row (the type has none, or its entry's rule says they do not pay here). */
+static inline tile8_quant_fn tile8_for(const matmul_table *table, tile_quant_fn tile, int64_t T, int64_t nb) {
+    if (tile == NULL) return NULL;
+    for (int i = 0; i < PI_TYPE_COUNT; i++) {
+        const type_kernels *k = &table->types[i];
+        if (k->tile_q8 != tile) continue;
+        const int tokens_ok = T >= k->tile8_min_t || (k->tile8_short_rows && T == 1 && nb <= TILE8_SHORT_ROW_BLOCKS);
+        const int rows_ok = k->tile8_nb_multiple <= 1 || nb % k->tile8_nb_multiple == 0;
+        return tokens_ok && rows_ok ? k->tile8 : NULL;
+    }
+    return NULL;
+}
 
 /* Bytes of one input of K in the int8 precision as act_q8_prepare lays it out: K int8, the nb {d, d sum} pairs and
  * sums, then the K int8 in pair order */
@@ -164,7 +178,7 @@ int32_t matmul_quant_f_rows(const matmul_table *table, int64_t row_bytes, tile_f
                             int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
                             int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads);
 
-/* Activations of T tokens in Q8_K (the "q8" precision of the K-quants): arrays indexed [t * K + k], [t * nb + s]
+/* Activations of T tokens in int8 super-blocks of 256 (the "q8" precision of the K-quants): arrays indexed [t * K + k], [t * nb + s]
  * and [(t * nb + s) * 16 + g]. */
 typedef struct {
     int8_t *qs;
@@ -175,7 +189,7 @@ typedef struct {
 } act_q8k;
 
 /* One token of the K-quant "q8" matvec in parts (matmul_q8k.c), for the fused decode kernels: the bytes of its
- * Q8_K activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
+ * int8 super-block activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
  * w, w_stride bytes apart, of the K-quant `type` (enum pi_type): the arithmetic of its pi_matmul_<name>. */
 size_t kq8_act_bytes(int64_t K);
 void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a);

@@ -36,6 +36,8 @@
 #define KQ8_PANEL_Q4_K (8 * 10 * 32 + 2 * 32) /* per super-block of 8 rows: 8 chunks x (8 vectors, scales, mins), d, dmin */
 #define KQ8_PANEL16_Q4_K (8 * 10 * 64 + 2 * 64) /* the same for 16 rows in 512-bit vectors (AVX-512) */
 #define KQ8_TILE8_MIN_T 4                      /* tokens from which Q4_K rows go by panels of 8 */
+/* bytes per super-block of a type's panels of 8 and of 16 rows (0: it has none) */
+static const int32_t kq8_panel_bytes[PI_TYPE_COUNT][2] = {[PI_TYPE_Q4_K] = {KQ8_PANEL_Q4_K, KQ8_PANEL16_Q4_K}};
 
 typedef void (*quantize_q8k_fn)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums);
 /* out[t] = row . token t0 + t, t < ntok <= KQ8_TILE_T */
@@ -44,18 +46,18 @@ typedef void (*kq8_tile_fn)(const uint8_t *row, const act_q8k *a, int64_t t0, in
  * One row at a time (measured: interleaving 2 or 4 rows is no faster in cache, and for Q6_K 6x slower: the
  * values, scales and accumulators of several rows exceed the 16 ymm registers). */
 typedef void (*kq8_dot_fn)(const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a, float *out);
+typedef void (*kq8_panel_fn)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
+                             int64_t y_stride);
 
 typedef struct {
     quantize_q8k_fn quantize;
     kq8_tile_fn tile[PI_TYPE_COUNT];
     kq8_dot_fn dot[PI_TYPE_COUNT];
-    /* Q4_K prompts by panels of 8 rows: rows[0..7] x T tokens into y[t * y_stride + r], the bits of the tile;
-     * `panel` holds nb * KQ8_PANEL_Q4_K bytes, 32-byte aligned (NULL: row by row) */
-    void (*tile8_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
-                       int64_t y_stride);
-    /* the same by panels of 16 rows (AVX-512; NULL: none), `panel` of nb * KQ8_PANEL16_Q4_K bytes, 64-byte aligned */
-    void (*tile16_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel, float *y,
-                        int64_t y_stride);
+    /* prompts by panels of 8 rows, per type id: rows[0..7] x T tokens into y[t * y_stride + r], the bits of the
+     * tile; `panel` holds nb * kq8_panel_bytes[type][0] bytes, 32-byte aligned (NULL: row by row) */
+    kq8_panel_fn tile8[PI_TYPE_COUNT];
+    /* the same by panels of 16 rows (NULL: none), `panel` of nb * kq8_panel_bytes[type][1] bytes, 64-byte aligned */
+    kq8_panel_fn tile16[PI_TYPE_COUNT];
     tile_quant_fn tile_iq4_nl;                    /* Q8_0-style activations (act_q8) */
     tile_float_fn tile_iq4_nl_f, tile_iq4_xs_f; /* float activations, ntok <= TILE_TQ */
 } kq8_table;
@@ -298,8 +300,8 @@ static const kq8_table kq8_tables[] = {
         {[PI_TYPE_Q2_K] = kq8_dot_q2_k_##isa, [PI_TYPE_Q3_K] = kq8_dot_q3_k_##isa,                                 \
          [PI_TYPE_Q4_K] = kq8_dot_q4_k_##isa, [PI_TYPE_Q5_K] = kq8_dot_q5_k_##isa,                                 \
          [PI_TYPE_Q6_K] = kq8_dot_q6_k_##isa, [PI_TYPE_IQ4_XS] = kq8_dot_iq4_xs_##isa},                            \
-        KQ8_TILE8(isa),                                                                                            \
-        KQ8_TILE16(isa),                                                                                           \
+        {[PI_TYPE_Q4_K] = KQ8_TILE8(isa)},                                                                         \
+        {[PI_TYPE_Q4_K] = KQ8_TILE16(isa)},                                                                        \
         tile_iq4_nl_##isa, tile_iq4_nl_f_##isa, tile_iq4_xs_f_##isa,                                               \
     }
 #define KQ8_TILE8(isa) kq8_tile8_q4_k_##isa
@@ -360,11 +362,13 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
             dot(w + n0 * w_stride, w_stride, n1 - n0, &a, y + n0);
         }
     } else {
-        /* several tokens: Q4_K by panels of 8 rows (the same bits), the last N % 8 rows and the other kinds by tiles */
-        const int panels_ok = kind == PI_TYPE_Q4_K && tb->tile8_q4_k != NULL && T >= KQ8_TILE8_MIN_T;
-        const int64_t n16 = panels_ok && tb->tile16_q4_k != NULL ? N / 16 * 16 : 0;
-        const int64_t n8 = panels_ok ? N / 8 * 8 : 0;
-        const size_t panel_bytes = (size_t)nb * (n16 > 0 ? KQ8_PANEL16_Q4_K : KQ8_PANEL_Q4_K);
+        /* several tokens: by panels of 8 or 16 rows where the type has them (the same bits), the last rows and the
+         * other kinds by tiles */
+        const kq8_panel_fn tile8 = T >= KQ8_TILE8_MIN_T ? tb->tile8[kind] : NULL;
+        const kq8_panel_fn tile16 = tile8 != NULL ? tb->tile16[kind] : NULL;
+        const int64_t n16 = tile16 != NULL ? N / 16 * 16 : 0;
+        const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
+        const size_t panel_bytes = (size_t)nb * (size_t)kq8_panel_bytes[kind][n16 > 0 ? 1 : 0];
         uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
         if (n8 > 0 && panels == NULL) {
             if (scratch != on_stack) free(scratch);
@@ -381,13 +385,13 @@ static int32_t kq8_matmul(const kq8_table *tb, int kind, const uint8_t *w, int64
                 for (int64_t n0 = 0; n0 < n16; n0 += 16) {
                     const uint8_t *r16[16];
                     for (int i = 0; i < 16; i++) r16[i] = w + (n0 + i) * w_stride;
-                    tb->tile16_q4_k(r16, &a, T, panel, y + n0, y_stride);
+                    tile16(r16, &a, T, panel, y + n0, y_stride);
                 }
 #pragma omp for schedule(static) nowait
                 for (int64_t n0 = n16; n0 < n8; n0 += 8) {
                     const uint8_t *r8[8];
                     for (int i = 0; i < 8; i++) r8[i] = w + (n0 + i) * w_stride;
-                    tb->tile8_q4_k(r8, &a, T, panel, y + n0, y_stride);
+                    tile8(r8, &a, T, panel, y + n0, y_stride);
                 }
             }
 #pragma omp for schedule(static)

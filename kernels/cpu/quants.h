@@ -174,23 +174,78 @@ static inline void decode_q5_1(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
+/* ---- block-32 types as integers: block i of a row, its 32 integer weights q in element order (stored offset by
+ * the type's int8_offset: unsigned for the Q4/Q5 types, signed for Q8_0), scale d and minimum m (0 where the type has
+ * none). The scalar int8 ("q8") kernels compute on these; x = (q - int8_offset) * d + m. ----------------------- */
+
+typedef void (*block_ints_fn)(const uint8_t *row, int64_t i, int *q, float *d, float *m);
+
+static inline void q4_values(const uint8_t *qs, int *q) {
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = qs[j] & 0x0F;
+        q[j + QK / 2] = qs[j] >> 4;
+    }
+}
+
+static inline void ints_q4_0(const uint8_t *row, int64_t i, int *q, float *d, float *m) {
+    const block_q4_0 *b = (const block_q4_0 *)row + i;
+    q4_values(b->qs, q);
+    *d = fp16_to_fp32(b->d);
+    *m = 0.0f;
+}
+
+static inline void ints_q4_1(const uint8_t *row, int64_t i, int *q, float *d, float *m) {
+    const block_q4_1 *b = (const block_q4_1 *)row + i;
+    q4_values(b->qs, q);
+    *d = fp16_to_fp32(b->d);
+    *m = fp16_to_fp32(b->m);
+}
+
+static inline void ints_q8_0(const uint8_t *row, int64_t i, int *q, float *d, float *m) {
+    const block_q8_0 *b = (const block_q8_0 *)row + i;
+    for (int j = 0; j < QK; j++) q[j] = b->qs[j];
+    *d = fp16_to_fp32(b->d);
+    *m = 0.0f;
+}
+
+static inline void ints_q5_0(const uint8_t *row, int64_t i, int *q, float *d, float *m) {
+    const block_q5_0 *b = (const block_q5_0 *)row + i;
+    q5_values(b->qh, b->qs, q);
+    *d = fp16_to_fp32(b->d);
+    *m = 0.0f;
+}
+
+static inline void ints_q5_1(const uint8_t *row, int64_t i, int *q, float *d, float *m) {
+    const block_q5_1 *b = (const block_q5_1 *)row + i;
+    q5_values(b->qh, b->qs, q);
+    *d = fp16_to_fp32(b->d);
+    *m = fp16_to_fp32(b->m);
+}
+
 /* ---- traits of every type ---------------------------------------------------------------------------------- */
 
 typedef struct {
     int32_t block_elems; /* elements per block: 1 (float types), QK or QK_K; 0: no such type */
     int32_t block_bytes;
     row_decode_fn decode; /* to the reference dequantiser's floats */
+    /* block-32 types: the integer view of a block (block_ints_fn), the offset its q are stored with and whether it
+     * has a minimum m; NULL / 0 for the others */
+    block_ints_fn ints;
+    int32_t int8_offset;
+    int32_t has_min;
+    /* 1: its sparse rows in the "q8" precision take bfloat16 coefficients c = bf16(h * d) (sparse.h, coef_bf16) */
+    int32_t coef_bf16;
 } type_traits;
 
 static const type_traits TYPE_TRAITS[PI_TYPE_COUNT] = {
     [PI_TYPE_F32] = {1, 4, decode_f32},
     [PI_TYPE_F16] = {1, 2, decode_f16},
     [PI_TYPE_BF16] = {1, 2, decode_bf16},
-    [PI_TYPE_Q4_0] = {QK, sizeof(block_q4_0), decode_q4_0},
-    [PI_TYPE_Q4_1] = {QK, sizeof(block_q4_1), decode_q4_1},
-    [PI_TYPE_Q5_0] = {QK, sizeof(block_q5_0), decode_q5_0},
-    [PI_TYPE_Q5_1] = {QK, sizeof(block_q5_1), decode_q5_1},
-    [PI_TYPE_Q8_0] = {QK, sizeof(block_q8_0), decode_q8_0},
+    [PI_TYPE_Q4_0] = {QK, sizeof(block_q4_0), decode_q4_0, ints_q4_0, .int8_offset = 8, .coef_bf16 = 1},
+    [PI_TYPE_Q4_1] = {QK, sizeof(block_q4_1), decode_q4_1, ints_q4_1, .has_min = 1},
+    [PI_TYPE_Q5_0] = {QK, sizeof(block_q5_0), decode_q5_0, ints_q5_0, .int8_offset = 16},
+    [PI_TYPE_Q5_1] = {QK, sizeof(block_q5_1), decode_q5_1, ints_q5_1, .has_min = 1},
+    [PI_TYPE_Q8_0] = {QK, sizeof(block_q8_0), decode_q8_0, ints_q8_0},
     [PI_TYPE_Q2_K] = {QK_K, sizeof(block_q2_k), decode_q2_k},
     [PI_TYPE_Q3_K] = {QK_K, sizeof(block_q3_k), decode_q3_k},
     [PI_TYPE_Q4_K] = {QK_K, sizeof(block_q4_k), decode_q4_k},
@@ -204,6 +259,9 @@ static const type_traits TYPE_TRAITS[PI_TYPE_COUNT] = {
 static inline int type_known(int32_t type) {
     return type >= 0 && type < PI_TYPE_COUNT && TYPE_TRAITS[type].block_elems > 0;
 }
+
+/* 1 when sparse rows of `type` in the "q8" precision take bfloat16 coefficients (any id, checked) */
+static inline int type_coef_bf16(int32_t type) { return type_known(type) && TYPE_TRAITS[type].coef_bf16; }
 
 /* bytes of a row of K elements (K a multiple of the type's block) */
 static inline int64_t type_row_bytes(int32_t type, int64_t K) {

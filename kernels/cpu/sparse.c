@@ -7,7 +7,7 @@
  * rows_axpy: y[t, :] = sum_m h[t, m] * W_t[idx[m], :] (idx NULL: all N rows). Rows with h[t, m] == 0 are skipped.
  *   Each output element is one sequential chain in index order: y = fma(h[t, m], w[m, e], y) over the rows with
  *   h != 0, starting from 0. Weights are decoded in registers to the reference dequantiser's floats (bit-equal,
- *   Q4_1 included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1). The
+ *   a minimum included: d * q then + m, rounded separately; K-quant super-blocks into a small buffer in L1). The
  *   OUTPUT dimension D is split over threads in units of 32 elements (a super-block of 256 for the K-quants, whose
  *   D must be a multiple of 256), each thread summing all rows for its slice, so there is no cross-thread
  *   reduction: the result depends neither on the thread count, nor on the SIMD variant (scalar uses fmaf), nor on
@@ -142,14 +142,15 @@ static void decode_unit_scalar(int kind, const uint8_t *row, int64_t u, int j0, 
 #undef FLOAT_CASE
 }
 
-/* y += c * (q - 8) over unit u of a Q4_0 row, c = axpy_coef_bf16(h, d): the q8 precision's chain (sparse.h) */
-static void axpy_q4_0_coef_unit_scalar(float h, const uint8_t *row, int64_t u, float *yu) {
-    const block_q4_0 *b = (const block_q4_0 *)row + u;
-    const float cf = bf16_to_fp32(axpy_coef_bf16(h, b->d));
-    for (int j = 0; j < QK; j++) {
-        const int q = j < QK / 2 ? (b->qs[j] & 0x0F) : (b->qs[j - QK / 2] >> 4);
-        yu[j] = fmaf(cf, (float)(q - 8), yu[j]);
-    }
+/* y += c * (q - offset) over unit u of a row of a coef_bf16 type (its integer view, quants.h), c = bf16(h * d) as
+ * axpy_coef_bf16 rounds it: the q8 precision's chain (sparse.h) */
+static void axpy_coef_unit_scalar(int kind, float h, const uint8_t *row, int64_t u, float *yu) {
+    const type_traits *tt = &TYPE_TRAITS[kind];
+    int q[QK];
+    float d, m;
+    tt->ints(row, u, q, &d, &m);
+    const float cf = bf16_to_fp32(bf16_round(h * d));
+    for (int j = 0; j < QK; j++) yu[j] = fmaf(cf, (float)(q[j] - tt->int8_offset), yu[j]);
 }
 
 /* Elements [e0, e1) of y for every token (e0 a multiple of AXPY_UNIT): the plain definition. Also used by the SIMD
@@ -165,8 +166,8 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
             const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
             for (int64_t u = e0 / AXPY_UNIT; u * AXPY_UNIT < e1; u++) {
                 const int j1 = (int)min_i64(AXPY_UNIT, e1 - u * AXPY_UNIT);
-                if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
-                    axpy_q4_0_coef_unit_scalar(hv, row, u, yt + u * AXPY_UNIT);
+                if (c->coef_bf16 && type_coef_bf16(kind)) {
+                    axpy_coef_unit_scalar(kind, hv, row, u, yt + u * AXPY_UNIT);
                     continue;
                 }
                 float wv[AXPY_UNIT];
@@ -216,8 +217,8 @@ static void axpy_units_scalar(int kind, const axpy_ctx *c, int64_t u0, int64_t u
     for (int64_t r = 0; r < c->n_act; r++) {
         const float hv = c->act_h[r];
         for (int64_t u = u0; u < u1; u++) {
-            if (c->coef_bf16 && kind == PI_TYPE_Q4_0) {
-                axpy_q4_0_coef_unit_scalar(hv, c->act_rows[r], u, y + u * AXPY_UNIT);
+            if (c->coef_bf16 && type_coef_bf16(kind)) {
+                axpy_coef_unit_scalar(kind, hv, c->act_rows[r], u, y + u * AXPY_UNIT);
                 continue;
             }
             float wv[AXPY_UNIT];
@@ -257,7 +258,7 @@ __attribute__((constructor)) static void bf16_dot_probe(void) {
 
 int axpy_bf16_dot_ok(void) { return bf16_dot_ok; }
 
-/* 1 when the Q4_0 rows of the q8 precision run on vdpbf16ps here (sparse.h), for reports */
+/* 1 when the coef_bf16 rows of the q8 precision run on vdpbf16ps here (sparse.h), for reports */
 PI_EXPORT int32_t pi_kernels_bf16_dot(void) { return bf16_dot_ok; }
 
 #define AXPY_CHUNK 256 /* T = 1: rows listed at a time on a thread's stack (3 KiB) */
@@ -304,7 +305,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
-                        .coef_bf16 = q8_act != 0 && kind == PI_TYPE_Q4_0};
+                        .coef_bf16 = q8_act != 0 && type_coef_bf16(kind)};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;
@@ -331,7 +332,7 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
 
 /* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act,
  * threads, isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]; q8_act != 0
- * takes Q4_0 rows with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
+ * takes the rows of a coef_bf16 type (quants.h) with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
 #define DEFINE_ROWS_AXPY(type, kind)                                                                  \
     PI_EXPORT int32_t pi_rows_axpy_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,               \
                                           const int64_t *idx, int64_t M, const float *h, int64_t h_stride,        \

@@ -14,7 +14,7 @@
 #define AXPY_UNIT 32   /* elements per work unit along D: one quant block, or 32 floats of an F32/F16 row */
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
 #define AXPY_AHEAD 2   /* T = 1: groups of rows prefetched ahead */
-#define AXPY_PAIRS_AHEAD 4 /* T = 1, Q4_0 in the q8 precision: pairs of rows prefetched ahead */
+#define AXPY_PAIRS_AHEAD 4 /* T = 1, coef_bf16 rows in the q8 precision: pairs of rows prefetched ahead */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 
 /* The weight kinds of the sparse and fused FFN kernels are type ids (enum pi_type, quants.h): the float types, the
@@ -75,11 +75,11 @@ typedef struct {
     const float *act_h;       /* and their h */
     int64_t n_act;
     int accumulate; /* T == 1: add the chunk to y (else y starts from 0) */
-    int coef_bf16;  /* Q4_0 rows in the q8 precision: bfloat16 coefficients (axpy_coef_bf16) */
+    int coef_bf16;  /* rows of a coef_bf16 type (quants.h) in the q8 precision: bfloat16 coefficients */
 } axpy_ctx;
 
-/* Q4_0 rows in the "q8" precision (coef_bf16): y += c * (q - 8) per element, the listed rows in order, with one
- * coefficient per row and unit, c = bf16(h * d): h * d rounded to float, then to bfloat16 to nearest even (a
+/* Rows of a coef_bf16 type (quants.h: the 4-bit type with offset 8) in the "q8" precision: y += c * (q - 8) per
+ * element, the listed rows in order, with one coefficient per row and unit, c = bf16(h * d): h * d rounded to float, then to bfloat16 to nearest even (a
  * subnormal c is 0). c * (q - 8) is exact in float (8 significant bits times 4), so each step rounds once, and
  * the chain is the same whether a float FMA applies one row at a time or AVX512-BF16's vdpbf16ps applies a pair
  * (which adds its odd lane's product first, then the even lane's: the pair's first row goes in the odd lane).

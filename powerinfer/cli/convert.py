@@ -9,6 +9,11 @@ import typer
 
 from powerinfer.app.convert import print_converted, run_convert
 from powerinfer.cli.common import run_guarded
+from powerinfer.quant.types import CONVERT_FILE_TYPES
+
+_OUTTYPES = (
+    ", ".join(name.lower() for name in CONVERT_FILE_TYPES[:-1]) + f" or {CONVERT_FILE_TYPES[-1].lower()}"
+)
 
 
 def convert(
@@ -27,7 +32,7 @@ def convert(
     ] = None,
     *,
     outfile: Annotated[Path, typer.Option("--outfile", "-o", help="Output GGUF file.", show_default=False)],
-    outtype: Annotated[str, typer.Option("--outtype", help="Type of 2-D tensors: f32, f16 or q8_0.")] = "f16",
+    outtype: Annotated[str, typer.Option("--outtype", help=f"Type of 2-D tensors: {_OUTTYPES}.")] = "f16",
     dense: Annotated[
         bool, typer.Option("--dense", help="Write a plain llama.cpp GGUF (ffn_down, no predictors).")
     ] = False,

@@ -12,6 +12,9 @@ from powerinfer.cli.common import run_guarded, setup_logging
 from powerinfer.cli.options import threads
 from powerinfer.errors import InputError
 from powerinfer.printable import printable
+from powerinfer.quant import FLOAT_TYPES
+from powerinfer.quant.mix import RULES_HELP
+from powerinfer.quant.types import FILE_TYPE_ALIASES, TYPES
 from powerinfer.quantize import (
     FILE_TYPES,
     QuantizeOptions,
@@ -22,19 +25,31 @@ from powerinfer.quantize import (
 )
 from powerinfer.textfile import check_output_file
 
+
+def _aliases() -> str:
+    names = list(FILE_TYPE_ALIASES)
+    return f"{', '.join(names[:-1])} and {names[-1]} mean the _M mixes"
+
+
+def _fallbacks() -> str:
+    """The registry's fallbacks as 'A/B -> C, ...': sources grouped by target, in registry order."""
+    by_target: dict[str, list[str]] = {}
+    for t, row in TYPES.items():
+        if row.fallback is not None:
+            by_target.setdefault(row.fallback.name, []).append(t.name)
+    return ", ".join(f"{'/'.join(sources)} -> {target}" for target, sources in by_target.items())
+
+
 HELP = (
     "Quantize a GGUF or PowerInfer GGUF file: IN [OUT] TYPE [NTHREADS] (llama.cpp quantize).\n\n"
-    "TYPE is a name (case-insensitive; Q3_K, Q4_K and Q5_K mean the _M mixes) or llama.cpp ftype number: "
+    f"TYPE is a name (case-insensitive; {_aliases()}) or llama.cpp ftype number: "
     + ", ".join(f"{ft.name}" + (f" ({ft.ftype})" if ft.ggml_type is not None else "") for ft in FILE_TYPES)
     + ". Without OUT the output is <input dir>/ggml-model-<TYPE>.gguf. NTHREADS <= 0: all cores.\n\n"
     "Only 2-D tensors whose names end in 'weight' are converted (not norms); 1-D tensors keep their type. "
-    "Unless --pure, quantized targets follow llama.cpp's per-tensor rules: the K-quant mixes (e.g. Q4_K_M "
-    "gives half the attn_v and ffn_down matrices Q6_K; ffn_down_t of sparse files counts as ffn_down), "
-    "output.weight Q6_K (Q8_0 when n_embd % 256 != 0), the predictor matrices fc1/fc2 Q4_0 for a Q4_0 target "
-    "and Q5_0 otherwise (as the original), and a 32-element type when a row length is not a multiple of 256 "
-    "(Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, Q2_K/Q3_K -> Q4_0, IQ4_XS -> IQ4_NL). Float targets (F32, F16, "
-    "BF16) convert every eligible tensor to that type. PowerInfer (PWRI) files stay PWRI. Logs and timings go "
-    "to stderr."
+    f"Unless --pure, quantized targets follow llama.cpp's per-tensor rules: {RULES_HELP}, and a 32-element type "
+    f"when a row length is not a multiple of 256 ({_fallbacks()}). Float targets "
+    f"({', '.join(t.name for t in TYPES if t in FLOAT_TYPES)}) convert every eligible tensor to that type. "
+    "PowerInfer (PWRI) files stay PWRI. Logs and timings go to stderr."
 )
 
 
@@ -91,12 +106,14 @@ def quantize(
     ] = False,
     output_tensor_type: Annotated[
         str | None,
-        typer.Option("--output-tensor-type", metavar="GGML_TYPE", help="output.weight's type (e.g. Q8_0)."),
+        typer.Option(
+            "--output-tensor-type", metavar="GGML_TYPE", help="output.weight's type (a ggml type name)."
+        ),
     ] = None,
     token_embedding_type: Annotated[
         str | None,
         typer.Option(
-            "--token-embedding-type", metavar="GGML_TYPE", help="token_embd.weight's type (e.g. Q8_0)."
+            "--token-embedding-type", metavar="GGML_TYPE", help="token_embd.weight's type (a ggml type name)."
         ),
     ] = None,
 ) -> None:

@@ -29,17 +29,19 @@ from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_sha
 from powerinfer.convert.predictor import Predictors, load_predictors
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError
-from powerinfer.gguf.constants import GGMLType, Keys, TensorNames, ValueType
+from powerinfer.gguf.constants import QUANT_SIZES, GGMLType, Keys, TensorNames, ValueType
 from powerinfer.gguf.writer import GGUFWriter, output_problem
 from powerinfer.printable import printable
+from powerinfer.quant.types import CONVERT_FILE_TYPES, FILE_TYPES
 
 log = logging.getLogger(__name__)
 
 # --outtype -> (ggml type of 2-D tensors, llama_ftype written as general.file_type)
 OUTTYPES: dict[str, tuple[GGMLType, int]] = {
-    "f32": (GGMLType.F32, 0),
-    "f16": (GGMLType.F16, 1),
-    "q8_0": (GGMLType.Q8_0, 7),
+    ft.name.lower(): (ft.ggml_type, ft.ftype)
+    for name in CONVERT_FILE_TYPES
+    for ft in FILE_TYPES
+    if ft.name == name and ft.ggml_type is not None
 }
 ARCHITECTURES = tuple(FAMILIES)  # HF model_type values (convert/families.py)
 # HF model_type -> the converter of a family kept in its own module (dense GGUF only): it writes the file
@@ -413,9 +415,11 @@ def convert_checkpoint(
     if predictor_dir is not None and dense:
         log.warning("--dense: ignoring the predictor folder %s", predictor_dir)
     predictors = load_predictors(Path(predictor_dir), c.n_layer, c.n_embd, c.n_ff) if sparse else None
-    if predictors is not None and matrix_type == GGMLType.Q8_0 and predictors.fc1[0].shape[0] % 32:
+    block = QUANT_SIZES[matrix_type][0]
+    if predictors is not None and predictors.fc1[0].shape[0] % block:
         raise FormatError(
-            f"predictor rank {predictors.fc1[0].shape[0]} is not a multiple of 32 (needed for q8_0)"
+            f"predictor rank {predictors.fc1[0].shape[0]} is not a multiple of {block} "
+            f"(needed for {matrix_type.name.lower()})"
         )
 
     writer = GGUFWriter(outfile, sparse=sparse)
@@ -478,7 +482,7 @@ def convert_hf_to_gguf(
 ) -> Path:
     """Convert a HF Llama-family checkpoint into a PowerInfer GGUF (with `predictor_dir`) or a dense GGUF.
 
-    outtype: "f32", "f16" or "q8_0" for 2-D tensors (1-D tensors are always F32). dense=True (or no
+    outtype: a key of OUTTYPES (quant.types.CONVERT_FILE_TYPES, lower-cased) for 2-D tensors (1-D tensors are always F32). dense=True (or no
     predictor folder) writes a plain llama.cpp GGUF with `ffn_down`. Returns the written path.
     """
     return convert_checkpoint(hf_dir, outfile, predictor_dir=predictor_dir, outtype=outtype, dense=dense).path

@@ -132,8 +132,8 @@ class TensorNames:
     TOKEN_EMBD = "token_embd.weight"
     OUTPUT_NORM = "output_norm.weight"
     OUTPUT = "output.weight"
-    OUTPUT_SCREEN_PROJ = "output_screen_proj.weight"  # the sparse head's basis (r, n_embd), Q8_0 (model.head)
-    OUTPUT_SCREEN = "output_screen.weight"  # the head seen in that basis (n_vocab, r), Q4_0
+    OUTPUT_SCREEN_PROJ = "output_screen_proj.weight"  # the sparse head's basis (r, n_embd) (model.head)
+    OUTPUT_SCREEN = "output_screen.weight"  # the head seen in that basis (n_vocab, r)
     ROPE_FREQS = "rope_freqs.weight"
     ATTN_NORM = "blk.{bid}.attn_norm.weight"
     ATTN_Q = "blk.{bid}.attn_q.weight"

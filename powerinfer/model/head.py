@@ -2,8 +2,8 @@
 
 For a small model with a large vocabulary the output matrix is a third of the bytes a token reads (SmolLM2-135M:
 28.7 of 92 MiB). Per token u = norm(x):
-  z = P . u               P (r, D): the r leading principal directions of calibration hidden states (Q8_0)
-  s = A . z               A (V, r) = W P^T, the head seen through that basis (Q4_0): every row screened
+  z = P . u               P (r, D): the r leading principal directions of calibration hidden states
+  s = A . z               A (V, r) = W P^T, the head seen through that basis: every row screened
   C = about K top rows    (every row over a threshold sampled from s: ops.top_about_k) get exact logits
                           e_c = W_c . u, from the rows of the real head in its own type
   safe when max_c e_c > max_{i not in C} s_i + max_c |e_c - s_c|: the best exact candidate beats the best row
@@ -32,6 +32,7 @@ from powerinfer.gguf.constants import TensorNames
 from powerinfer.model.blocks import Head
 from powerinfer.ops.weights import QWeight
 from powerinfer.quant import dequantize, quantize
+from powerinfer.quant.types import SPARSE_HEAD_PROJ_TYPE, SPARSE_HEAD_SCREEN_TYPE
 
 # candidates computed exactly per token
 HEAD_CANDIDATES = 1024
@@ -108,14 +109,15 @@ class SparseHead:
 # ---- the screen: a principal basis of calibration hidden states and the head seen in it.
 #
 # P (r, D) holds the r leading eigenvectors of the final-normed hidden states' second moment over the calibration
-# windows; A = W P^T (V, r). P is stored Q8_0, A Q4_0: `output_screen_proj.weight` and `output_screen.weight`.
+# windows; A = W P^T (V, r). P and A are stored as `output_screen_proj.weight` and `output_screen.weight`, in the
+# registry's SPARSE_HEAD_PROJ_TYPE and SPARSE_HEAD_SCREEN_TYPE (powerinfer.quant.types).
 # A basis of the weights alone (the head's own SVD) screens poorly: on SmolLM2 its rank-256 screen held the dense
 # argmax among 256 candidates for 29% of held-out tokens, the hidden states' basis for 100%.
 
 SCREEN_PROJ = TensorNames.OUTPUT_SCREEN_PROJ
 SCREEN = TensorNames.OUTPUT_SCREEN
-PROJ_TYPE = GGMLType.Q8_0
-SCREEN_TYPE = GGMLType.Q4_0
+PROJ_TYPE = SPARSE_HEAD_PROJ_TYPE
+SCREEN_TYPE = SPARSE_HEAD_SCREEN_TYPE
 # calibration tokens whose hidden states define the screen's basis
 SCREEN_TOKENS = 2048
 # the screen pays when it reads at most this share of the head's bytes, on a head of at least MIN_HEAD_BYTES (below,
@@ -126,8 +128,8 @@ MIN_HEAD_BYTES = 8 << 20
 
 @dataclass(frozen=True)
 class HeadScreen:
-    proj: np.ndarray  # raw Q8_0 rows (r, row bytes)
-    screen: np.ndarray  # raw Q4_0 rows (V, row bytes)
+    proj: np.ndarray  # raw PROJ_TYPE rows (r, row bytes)
+    screen: np.ndarray  # raw SCREEN_TYPE rows (V, row bytes)
     rank: int
 
     def tensors(self, n_vocab: int, n_embd: int) -> list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]]:

@@ -5,12 +5,12 @@ contexts with different settings can be used side by side in one process. It res
 will call once, when it is made, so an op does one mapping lookup per call. Ops given no context use
 `default_context()`: the defaults below with torch's current thread count.
 
-Activation precision of the quant kernels (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the K-quants, IQ4_NL, IQ4_XS in dense
-matmuls, the K-quants' sparse row kernels being always exact):
+Activation precision of the quant kernels (the block-32 types; the super-block types in dense matmuls, the
+K-quants' sparse row kernels being always exact; which types each kernel takes: powerinfer.quant.types):
 - "f32" (default, exact mode): x stays float32; each weight block is decoded in registers to the reference
   dequantiser's floats and multiplied in float32. Equal to x @ dequant(W).T up to summation order, as
   transformers computes it.
-- "q8": x is rounded to int8 blocks of 32 (K-quants and IQ4_XS: Q8_K super-blocks of 256) and the block dot
+- "q8": x is rounded to int8 blocks of 32 (the super-block types: int8 super-blocks of 256) and the block dot
   products are integer (llama.cpp's arithmetic): faster, slightly less precise.
 """
 

@@ -2,7 +2,7 @@
 
 The gguf package's reference quantizers for the QUANTIZABLE types (powerinfer.quant.quantize), the C quantizers
 (kernels/cpu/quantize_k.c, pi_quantize_rows: bit-exact with llama.cpp's without an importance matrix) for the
-K-quants and IQ4_NL / IQ4_XS. Here rather than in powerinfer.quant, which the ops import.
+C_QUANTIZABLE types (the K-quants and IQ4). Here rather than in powerinfer.quant, which the ops import.
 """
 
 from __future__ import annotations

@@ -41,8 +41,8 @@ def isa_ceiling(machine: str) -> int:
 
 # ggml type -> suffix of the C symbols pi_matmul_<suffix> and pi_get_rows_<suffix>: the plain and block-of-32 types
 C_NAMES: Mapping[GGMLType, str] = MappingProxyType({t: TYPES[t].c_name for t in sorted(KERNEL_TYPES)})
-# super-block types (K-quants, IQ4): the row decoder pi_get_rows_<suffix>, the "q8" matmul pi_matmul_<suffix> (Q8_K
-# activations; IQ4_NL: int8 blocks of 32) and the exact (float activation) one pi_matmul_<suffix>_f. Those with
+# super-block types (K-quants, IQ4): the row decoder pi_get_rows_<suffix>, the "q8" matmul pi_matmul_<suffix> (int8
+# super-blocks of 256, or blocks of 32 for a 32-element IQ4) and the exact (float activation) one pi_matmul_<suffix>_f. Those with
 # sparse_rows (the K-quants) also have pi_rows_matmul_<suffix>_f / pi_rows_axpy_<suffix> (rows of whole
 # super-blocks of 256), the exact ones in both precisions; IQ4 sparse ops decode the rows they need
 K_TYPES: Mapping[GGMLType, str] = MappingProxyType(
@@ -159,7 +159,7 @@ class Library:
     predict_ffn_scratch_bytes: Any
     cats_ffn_scratch_bytes: Any
     attn_decode_scratch_bytes: Any
-    # float32 rows -> Q2_K..Q6_K, IQ4_NL, IQ4_XS blocks, bit-exact with llama.cpp's quantizers (no imatrix)
+    # float32 rows -> blocks of the types our C produces (types_where(producer="c")), bit-exact with llama.cpp's quantizers (no imatrix)
     quantize_rows: Any
     # fused decode blocks of one token (kernels/cpu/layer.c) and RMSNorm
     attn_block: Any

@@ -260,7 +260,7 @@ def predict_ffn(
     active neurons and the predictor's share of the time in seconds. Bit-identical to
     `ffn_rows(u, gate, up, down_t, nonzero(linear(relu(linear(x, fc1)), fc2') >= threshold), act, relu_up)` in
     the context's precision, fc2' in the exact one (its rows are short: the float several-rows dot); applies to
-    kernel types on the CPU (in the q8 precision, not to a K-quant fc1, whose q8 matmul is the Q8_K one).
+    kernel types on the CPU (in the q8 precision, not to a K-quant fc1, whose q8 matmul takes int8 super-blocks).
     scratch: as for `ffn_rows` (`ffn_scratch_bytes(N, K, rank)` bytes).
     """
     if kc is None:

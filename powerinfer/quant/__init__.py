@@ -2,7 +2,7 @@
 
 The reference implementations are the `gguf` package's quantizers (the same maths as ggml-quants.c),
 so there is a single block decoder per format on the Python side. The gguf package has no quantizer for the
-K-quants and IQ4_NL / IQ4_XS: those blocks come from our C quantizers (kernels/cpu/quantize_k.c, bit-exact with
+K-quants and IQ4 (C_QUANTIZABLE): those blocks come from our C quantizers (kernels/cpu/quantize_k.c, bit-exact with
 llama.cpp's quantizers without an importance matrix) through powerinfer.ops.encode, so producing them needs the
 built kernels.
 """

@@ -29,6 +29,14 @@ class Ftype:
     Q2_K_S, IQ4_NL, IQ4_XS, BF16 = 21, 25, 30, 32
 
 
+# the rules in a sentence, for `quantize --help`
+RULES_HELP = (
+    "the K-quant mixes (e.g. Q4_K_M gives half the attn_v and ffn_down matrices Q6_K; ffn_down_t of sparse files "
+    "counts as ffn_down), output.weight Q6_K (Q8_0 when n_embd % 256 != 0), the predictor matrices fc1/fc2 Q4_0 "
+    "for a Q4_0 target and Q5_0 otherwise (as the original)"
+)
+
+
 class Category(Enum):
     TOKEN_EMBD = "token_embd"
     ATTN_Q = "attn_q"
@@ -163,6 +171,11 @@ def fallback(ggml_type: GGMLType, n_cols: int) -> GGMLType:
     if n_cols % QUANT_SIZES[new_type][0] != 0:
         new_type = GGMLType.F16
     return new_type
+
+
+def predictor_type(target: GGMLType) -> GGMLType:
+    """PowerInfer's rule (spec 1.7) for its predictor matrices fc1/fc2: Q4_0 for a Q4_0 target, Q5_0 otherwise."""
+    return GGMLType.Q4_0 if target == GGMLType.Q4_0 else GGMLType.Q5_0
 
 
 def mix_type(

@@ -18,12 +18,20 @@ from types import MappingProxyType
 from powerinfer.gguf.constants import GGMLType
 
 __all__ = [
+    "CONVERT_FILE_TYPES",
+    "DOWN_T_DEFAULT",
+    "DOWN_T_KEPT",
+    "DOWN_T_TYPES",
     "FILE_TYPES",
+    "FILE_TYPE_ALIASES",
+    "FILE_TYPES_NEED_IMATRIX",
     "FTYPES",
     "FTYPE_GUESSED",
     "TYPES",
     "FileType",
     "TypeInfo",
+    "SPARSE_HEAD_PROJ_TYPE",
+    "SPARSE_HEAD_SCREEN_TYPE",
     "guess_ftype",
     "info",
     "types_where",
@@ -138,6 +146,27 @@ FILE_TYPES: tuple[FileType, ...] = (
     FileType("F32", 0, GGMLType.F32, "32 bpw"),
     FileType("COPY", 0, None, "copy tensors as they are (general.file_type kept)"),
 )
+
+# quantize.cpp's aliases of TYPE names
+FILE_TYPE_ALIASES: Mapping[str, str] = MappingProxyType(
+    {"Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M", "Q5_K": "Q5_K_M"}
+)
+# mixes llama.cpp only makes with an importance matrix (which `quantize` does not read yet): name -> llama_ftype
+FILE_TYPES_NEED_IMATRIX: Mapping[str, int] = MappingProxyType({"Q2_K_S": 21})
+# `convert --outtype` (lower-cased): the file types convert writes its 2-D tensors in
+CONVERT_FILE_TYPES = ("F32", "F16", "Q8_0")
+
+# The types of tensors the engine writes itself, by role.
+# The sparse head (model.head): the basis P (r, n_embd) and the head seen in it, A (n_vocab, r)
+SPARSE_HEAD_PROJ_TYPE = GGMLType.Q8_0
+SPARSE_HEAD_SCREEN_TYPE = GGMLType.Q4_0
+# The transposed down projection ffn_down_t (sparsify.write): the types `sparsify --down-type` offers (in its help's
+# order), those a source keeps (exact, or one 8-bit rounding), and the one every other source gets: rounding the
+# transpose to 4 or 5 bits again along the other axis costs SmolLM2 Q4_1 +8% (4 bits) and +1.7% (5 bits, S = 0.4)
+# perplexity on its own
+DOWN_T_TYPES = tuple(GGMLType[n] for n in ("F32", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"))
+DOWN_T_KEPT = frozenset({GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0})
+DOWN_T_DEFAULT = GGMLType.Q8_0
 
 # llama_ftype number -> the name llama.cpp prints for it (llama_model_ftype_name)
 FTYPES: Mapping[int, str] = MappingProxyType(

@@ -19,6 +19,7 @@ from powerinfer.model.moe import MoEFFN
 from powerinfer.ops.weights import QWeight
 from powerinfer.printable import printable
 from powerinfer.profile.collect import check_output_folder, make_windows, read_corpus, tokenize_corpus
+from powerinfer.quant.types import DOWN_T_TYPES
 from powerinfer.quantize import _check_output as check_output_file
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.sparsify.allocate import (
@@ -51,7 +52,7 @@ from powerinfer.sparsify.write import (
 METHODS = ("cats", "teal", "predictor")
 ALLOCATIONS = ("greedy", "uniform")
 # types sparsify writes ffn_down_t in (--down-type; kernels read them as sparse rows, 32-element blocks)
-DOWN_TYPES = ("F32", "F16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+DOWN_TYPES = tuple(t.name for t in DOWN_T_TYPES)
 MIN_TOKENS = 256  # calibration tokens needed at least
 
 # (stage, done, total): stage "calibrate" counts tokens; "allocate", "threshold" and "write" count layers

@@ -2,7 +2,7 @@
 
 Every tensor of the input is copied as stored, in input order, except `blk.N.ffn_down.weight` (n_embd, n_ff),
 which becomes `blk.N.ffn_down_t.weight` (n_ff, n_embd), its transpose, in the same ggml type where that type can
-be produced (else Q8_0, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
+be produced and kept (quant.types.DOWN_T_KEPT; else DOWN_T_DEFAULT, e.g. for K-quants), followed by `blk.N.ffn_act_threshold` (F32 (n_ff,)), the layer's
 per-neuron thresholds on |act(gate)|, and, for two-stage selection, `blk.N.ffn_out_threshold` (F32 (n_ff,)), its
 thresholds on |act(gate) * up|. MoE files (`write_moe_gguf`): a GGUF copy with the experts' thresholds as a key.
 """
@@ -25,6 +25,7 @@ from powerinfer.placement.stats import activation_file
 from powerinfer.printable import printable
 from powerinfer.profile.collect import write_folder_atomically
 from powerinfer.quant import QUANTIZABLE, dequantize, quantize, row_bytes
+from powerinfer.quant.types import DOWN_T_DEFAULT, DOWN_T_KEPT
 
 # metadata of a sparsified file (the engine reads them; Keys.SPARSITY_* name the same keys)
 ACTIVATION_KEY = "powerinfer.ffn_activation"  # arch.base.ACTIVATION_KEY
@@ -53,15 +54,14 @@ def down_t_name(name: str) -> str:
 
 
 def transposed_type(src: GGMLType, n_cols: int, want: GGMLType | None = None) -> GGMLType:
-    """The type of ffn_down_t: float types and Q8_0 as they are (exact, or one 8-bit rounding); every lower-bit
-    type as Q8_0, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2 Q4_1 +8%
-    perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
+    """The type of ffn_down_t: the DOWN_T_KEPT types as they are (exact, or one 8-bit rounding); every lower-bit
+    type as DOWN_T_DEFAULT, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2
+    Q4_1 +8% perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
     sparsify the F16 model and `quantize` the result (ffn_down_t is then rounded once, as PowerInfer does)."""
-    keep = {GGMLType.F32, GGMLType.F16, GGMLType.BF16, GGMLType.Q8_0}
     if want is not None:
         dst = want
     else:
-        dst = src if src in keep and src in QUANTIZABLE else GGMLType.Q8_0
+        dst = src if src in DOWN_T_KEPT and src in QUANTIZABLE else DOWN_T_DEFAULT
     if n_cols % QUANT_SIZES[dst][0]:
         dst = GGMLType.F32 if src == GGMLType.F32 else GGMLType.F16
     return dst

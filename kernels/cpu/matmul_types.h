@@ -1,0 +1,70 @@
+/* The traits tables of the matmul kernels: for each SIMD level, every type's kernels at that level, indexed by type
+ * id (matmul.h, type_kernels). Included once, by matmul.c, after the SIMD variants it names. A new type with dense
+ * kernels is a row here (the K-quants' int8 kernels and IQ4's are matmul_q8k.c's table).
+ *
+ * Panels of 8 rows (tile8) where a type has them: Q4_0 from TILE8_MIN_T_Q4_0 tokens, and for one token over short
+ * rows (a sparse head's screen: 8 blocks), where one row's few blocks leave the tile's per-row work (horizontal
+ * sums, the call) dominant; panels measured 1.7x faster on the 49152 x 256 screen of SmolLM2's head (0.94 -> 0.55
+ * ms, 1 thread). Q8_0 from TILE8_MIN_T_Q8_0 tokens, on rows of a multiple of 8 blocks (see tile8_q8_0). Measured on
+ * the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0 ones (+40% at 64) from about 12.
+ */
+#ifndef POWERINFER_KERNELS_MATMUL_TYPES_H
+#define POWERINFER_KERNELS_MATMUL_TYPES_H
+
+#include "matmul.h"
+
+#define TILE8_MIN_T_Q4_0 4
+#define TILE8_MIN_T_Q8_0 12
+
+#define FLOAT_KERNELS(isa, type) {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type)}
+#define BLOCK32_KERNELS(isa, type, ...)                                                                           \
+    {.tile_q8 = tile_##type##_##isa, .tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa, __VA_ARGS__}
+#define KQ_KERNELS(isa, type) {.tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa}
+#define MATMUL_TABLE(isa)                                                                                          \
+    {                                                                                                              \
+        .quantize_act = quantize_act_##isa,                                                                        \
+        .types = {                                                                                                 \
+            [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
+            [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
+            [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
+            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+                                             .tile8_short_rows = 1),                                               \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1),                                                           \
+            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0),                                                           \
+            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1),                                                           \
+            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0, \
+                                             .tile8_nb_multiple = 8),                                              \
+            [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
+            [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
+            [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
+            [PI_TYPE_Q5_K] = KQ_KERNELS(isa, q5_k),                                                                \
+            [PI_TYPE_Q6_K] = KQ_KERNELS(isa, q6_k),                                                                \
+        },                                                                                                         \
+    }
+#define TILE4(isa, type) tile4_##type##_##isa
+#define TILE8(isa, type) tile8_##type##_##isa
+#define tile4_f32_scalar NULL
+#define tile4_f16_scalar NULL
+#define tile4_bf16_scalar NULL
+#define tile8_q4_0_scalar NULL
+#define tile8_q8_0_scalar NULL
+static const matmul_table matmul_tables[] = {
+    [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
+#if PI_X86
+    [PI_ISA_AVX2] = MATMUL_TABLE(avx2),
+    [PI_ISA_AVX512] = MATMUL_TABLE(avx512),
+#endif
+};
+#undef FLOAT_KERNELS
+#undef BLOCK32_KERNELS
+#undef KQ_KERNELS
+#undef MATMUL_TABLE
+#undef TILE4
+#undef TILE8
+#undef tile4_f32_scalar
+#undef tile4_f16_scalar
+#undef tile4_bf16_scalar
+#undef tile8_q4_0_scalar
+#undef tile8_q8_0_scalar
+
+#endif
