@@ -193,15 +193,6 @@ def run_worker(python: str, args: list[str], cgroup_limit: int | None, timeout: 
             cg.close()
 
 
-def agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("-m", "--model", type=Path)
@@ -234,6 +225,10 @@ def main() -> int:
     if args.model is None:
         print("-m FILE is required", file=sys.stderr)
         return 1
+    from powerinfer.runtime.session import (
+        common_prefix as agree,  # (the workers need only the standard library)
+    )
+
     limit = int(args.limit * 2**30)
     common = [
         "-m",
