@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
@@ -111,3 +112,36 @@ def run_train_predictor_report(opts: PredictorOptions) -> None:
     sys.stdout.write(
         json.dumps({k: summary[k] for k in ("rank", "threshold", "mean_recall", "min_recall")}) + "\n"
     )
+
+
+def is_moe_file(path: Path) -> bool:
+    """Whether the GGUF at path is a mixture-of-experts model (its header and config only)."""
+    from powerinfer.arch import load_config
+    from powerinfer.gguf.reader import read_gguf
+
+    return getattr(load_config(read_gguf(path)), "moe", None) is not None
+
+
+def run_router_predictor_report(
+    model: Path, corpus: Path, folder: Path, n_ctx: int, max_tokens: int, n_threads: int | None
+) -> None:
+    """MoE files: fit the next-layer router predictors, write router_predictor.npz (and its report) into folder; the
+    accuracy table on stderr, the summary on stdout."""
+    from powerinfer.profile.router_predictor import train_router_predictors, write_router_predictors
+
+    with progress_bar("collecting", "tokens") as bar:
+        task = bar.add_task("run", total=None)
+        result = train_router_predictors(
+            model, corpus, n_ctx, max_tokens, n_threads, lambda d, t: bar.update(task, completed=d, total=t)
+        )
+    table = Table(
+        title=f"Next-layer expert prediction on {result.n_test} held-out tokens (fitted on {result.n_train})"
+    )
+    for name in ("layer", "trained predictor", "next layer's router (fallback)"):
+        table.add_column(name, justify="right")
+    for bid, (a, b) in enumerate(zip(result.accuracy, result.baseline, strict=True)):
+        table.add_row(f"{bid} -> {bid + 1}", f"{a:.3f}", f"{b:.3f}")
+    err_console.print(table)
+    path = write_router_predictors(folder, result)
+    err_console.print(f"train-predictor: wrote {printable(str(path))}", markup=False)
+    sys.stdout.write(json.dumps(result.summary()) + "\n")

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from powerinfer.app.profile import run_train_predictor_report
+from powerinfer.app.profile import is_moe_file, run_router_predictor_report, run_train_predictor_report
 from powerinfer.cli.common import err_console, resolve_model, run_guarded, setup_logging
 from powerinfer.cli.options import CtxOpt, LogDisableOpt, ModelOpt, ThreadsOpt, threads
 from powerinfer.cli.profile import CorpusOpt
@@ -21,9 +21,15 @@ from powerinfer.profile.collect import check_output_folder
 def train_predictor(
     model: ModelOpt = None,
     file: CorpusOpt = ...,  # type: ignore[assignment]
-    out_dir: Annotated[Path, typer.Option("-o", "--output", help="Predictor folder to write.")] = Path(
-        "predictor"
-    ),
+    out_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "-o",
+            "--output",
+            help="Predictor folder to write (default: predictor; MoE files: the model's folder, where "
+            "--memory-limit reads router_predictor.npz).",
+        ),
+    ] = None,
     rank: Annotated[int, typer.Option("--rank", help="Predictor rank r, a multiple of 32 (0 = auto).")] = 0,
     target_recall: Annotated[
         float,
@@ -51,13 +57,22 @@ def train_predictor(
     err_console.quiet = log_disable
 
     def body() -> None:
-        check_output_folder(out_dir)  # before the training: a bad -o must not cost the run
+        model_path = resolve_model(model)
+        if is_moe_file(
+            model_path
+        ):  # a predictor of the next layer's experts, for --memory-limit's read-ahead
+            folder = out_dir if out_dir is not None else model_path.parent
+            check_output_folder(folder)
+            run_router_predictor_report(model_path, file, folder, ctx_size, max_tokens, threads(threads_))
+            return
+        out = out_dir if out_dir is not None else Path("predictor")
+        check_output_folder(out)  # before the training: a bad -o must not cost the run
         if not math.isfinite(pos_weight) or pos_weight <= 0:
             raise InputError(f"--pos-weight must be a finite number > 0, got {pos_weight}")
         opts = PredictorOptions(
-            model=resolve_model(model),
+            model=model_path,
             corpus=file,
-            out_dir=out_dir,
+            out_dir=out,
             rank=rank,
             target_recall=target_recall,
             n_ctx=ctx_size,

@@ -382,6 +382,9 @@ class MoEFFN:
         self.counts: torch.Tensor | None = None  # selections per expert when counting (profile), else None
         # ReLU experts while profiling: (n_expert, n_ff) how often each neuron's gate was positive when selected
         self.neuron_counts: torch.Tensor | None = None
+        self.record: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            None  # (input, logits) per step, or None
+        )
 
     def fuse(self, norm: Norm) -> FusedMoEFFN | None:
         """This block behind `norm` as one kernel call for one token (norm, router, routing, experts, residual add
@@ -432,7 +435,10 @@ class MoEFFN:
         self, x_norm: torch.Tensor, x_residual: torch.Tensor, batch: StepBatch | None = None
     ) -> torch.Tensor:
         x = x_norm.to("cpu").float().contiguous()
-        ids, weights = route(self.logits(x).to("cpu"), self.spec, self.kc)
+        logits = self.logits(x).to("cpu")
+        if self.record is not None:  # train-predictor: this layer's routed input and its router's logits
+            self.record.append((x.clone(), logits.clone()))
+        ids, weights = route(logits, self.spec, self.kc)
         if self.counts is not None:
             self.counts += torch.bincount(ids.reshape(-1), minlength=self.spec.n_expert)
         if self.neuron_counts is not None:

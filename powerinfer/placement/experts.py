@@ -162,6 +162,31 @@ def expert_bytes(gguf: GGUFFile, bid: int, n_expert: int) -> int:
 
 
 NEURON_COUNTS_FILE = "expert_neurons.npy"
+ROUTER_PREDICTOR_FILE = "router_predictor.npz"  # train-predictor on MoE files (profile.router_predictor)
+
+
+def load_router_predictor(
+    model_path: Path, n_layer: int, n_expert: int, n_embd: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The next-layer router predictor beside the model: w (n_layer - 1, n_expert, n_embd) and b (n_layer - 1,
+    n_expert) float32, or None (no file, or one that does not fit this model: then a warning)."""
+    path = model_path.parent / ROUTER_PREDICTOR_FILE
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            w, b = np.asarray(z["w"], dtype=np.float32), np.asarray(z["b"], dtype=np.float32)
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("%s: unreadable (%s); the next layer's router predicts instead", path, e)
+        return None
+    if (
+        w.shape != (n_layer - 1, n_expert, n_embd)
+        or b.shape != (n_layer - 1, n_expert)
+        or not (np.isfinite(w).all() and np.isfinite(b).all())
+    ):
+        log.warning("%s: does not fit this model; the next layer's router predicts instead", path)
+        return None
+    return w, b
 
 
 def neuron_bytes(gguf: GGUFFile, bid: int, n_embd: int) -> int:

@@ -31,12 +31,13 @@ from powerinfer.placement.experts import (
     EXPERT_TENSORS,
     ExpertRequest,
     load_expert_counts,
+    load_router_predictor,
     parse_overrides,
     pool_names,
 )
 from powerinfer.placement.memory import plan_memory, runtime_bytes
 from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
-from powerinfer.runtime.expert_store import ExpertStore, LayerFiles, NextRouter, resident_bytes
+from powerinfer.runtime.expert_store import ExpertStore, LayerFiles, NextRouter, TrainedRouter, resident_bytes
 from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, available_memory_bytes, kv_cache_bytes
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, budget_bytes, plan_moe_pool, plan_pool, pool_device
@@ -198,7 +199,7 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
         model = build_model(gguf, c, loader)
         model.setup(n_ctx, placed=plan.device is not None)
     if loader.store is not None:
-        connect_predictors(model, loader.store, kc)
+        connect_predictors(model, loader.store, kc, Path(model_path), c)
     return AssembledModel(
         Path(model_path), o, kc, gguf, c, tokenizer, n_ctx, stage, plan, loader, model, sparse_stats
     )
@@ -248,12 +249,20 @@ def expert_store(
     return ExpertStore(path, layers, moe.n_expert, mplan)
 
 
-def connect_predictors(model: Transformer, store: ExpertStore, kc: ops.KernelContext) -> None:
-    """Each MoE layer routed on its FFN input predicts the next layer's experts (runtime.expert_store)."""
+def connect_predictors(
+    model: Transformer, store: ExpertStore, kc: ops.KernelContext, path: Path, c: ModelConfig
+) -> None:
+    """Each MoE layer routed on its FFN input predicts the next layer's experts (runtime.expert_store): with the
+    predictor train-predictor wrote beside the model where there is one, else the next layer's router."""
     ffns = [layer.ffn for layer in model.layers]
+    moe = getattr(c, "moe", None)
+    trained = None if moe is None else load_router_predictor(path, c.n_layer, moe.n_expert, c.n_embd)
     for bid in range(len(ffns) - 1):
         here, nxt = ffns[bid], ffns[bid + 1]
         if not isinstance(here, MoEFFN) or not isinstance(nxt, MoEFFN) or nxt.spec.route_input != "ffn":
+            continue
+        if trained is not None:
+            store.predictors[bid] = TrainedRouter(nxt, trained[0][bid], trained[1][bid])
             continue
         ratio = model.layers[bid + 1].ffn_norm.weight.to("cpu") / model.layers[bid].ffn_norm.weight.to("cpu")
         store.predictors[bid] = NextRouter(nxt, ratio.float(), kc)

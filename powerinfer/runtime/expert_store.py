@@ -328,6 +328,19 @@ class NextRouter:
         return route(logits.to("cpu"), self.ffn.spec, self.kc)[0]
 
 
+class TrainedRouter:
+    """The predictor train-predictor fitted (profile.router_predictor): the next layer's router logits ~ x w^T + b,
+    routed as the next layer routes (its top-k)."""
+
+    def __init__(self, nxt: MoEFFN, w: np.ndarray, b: np.ndarray) -> None:
+        self.ffn, self.w, self.b = nxt, torch.from_numpy(w), torch.from_numpy(b)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] != 1:
+            return None
+        return route(torch.addmm(self.b[None, :], x, self.w.T), self.ffn.spec)[0]
+
+
 @dataclass
 class StoredExperts:
     """One layer's view of the store (model.moe.ExpertSource)."""
