@@ -3,11 +3,14 @@ routed FFN input, for the read-ahead of --memory-limit (runtime.expert_store rea
 l + 1 while layer l's experts compute).
 
 The samples come from one run over the corpus (every token of every window): X_l, the normed FFN input layer l
-routes on, and Y_{l+1}, the router logits of layer l + 1. The predictor is ridge regression with a bias,
-[W_l b_l] = argmin |[X_l 1] [W_l b_l]^T - Y_{l+1}|^2 + lam |W_l|^2 (closed form; lam = RIDGE times the mean squared
-input), fitted on the first (1 - HELD_OUT) of the tokens and scored on the rest: the share of layer l + 1's
-top-k experts among the predicted top-k, against the training-free rule the engine falls back to (layer l + 1's
-router on X_l rescaled by the ratio of the two FFN norm weights). Written as router_predictor.npz (w (n_layer - 1,
+routes on, and Y_{l+1}, the router logits of layer l + 1. The predictor starts from the training-free rule the
+engine uses without one, B_l = R_{l+1} diag(g_{l+1} / g_l) (layer l + 1's router on X_l rescaled by the ratio of
+the two FFN norm weights), and learns a correction by ridge regression with a bias: W_l = B_l + D_l,
+[D_l c_l] = argmin |X_l D_l^T + c_l - (Y_{l+1} - X_l B_l^T)|^2 + lam |D_l|^2, closed form, lam chosen among
+RIDGES (times the mean squared centred input) on the last fifth of the training tokens, then refitted on all of
+them: a small corpus leaves it near the rule, a large one lets it learn. Fitted on the first (1 - HELD_OUT) of
+the tokens and scored on the rest: the share of layer l + 1's top-k experts among the predicted top-k, against the
+rule alone. Written as router_predictor.npz (w (n_layer - 1,
 n_expert, n_embd) float32, b (n_layer - 1, n_expert) float32) beside the model, where the engine looks for it.
 SmallThinker routes each layer before its attention, exactly: nothing to predict, refused.
 """
@@ -22,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer import ops
+from powerinfer import ops, quant
 from powerinfer.errors import InputError
 from powerinfer.gguf.writer import write_file_atomically
 from powerinfer.placement.experts import ROUTER_PREDICTOR_FILE
@@ -31,7 +34,7 @@ from powerinfer.profile.experts import moe_ffns
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 HELD_OUT = 0.2
-RIDGE = 1e-3
+RIDGES = (1e-3, 1e-2, 1e-1, 1.0, 10.0, 1e3)
 MIN_TOKENS = 64
 
 
@@ -65,16 +68,32 @@ def topk_overlap(pred: torch.Tensor, true: torch.Tensor, k: int) -> float:
     return float(hits) / float(t.numel())
 
 
-def fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ridge regression with a bias in float64: y ~ x w^T + b."""
+def ridge(x: torch.Tensor, y: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ridge regression with a bias in float64: y ~ x d^T + c, lam = scale times the mean squared centred input."""
     x64, y64 = x.double(), y.double()
     xm, ym = x64.mean(dim=0), y64.mean(dim=0)
     xc, yc = x64 - xm, y64 - ym
     gram = xc.T @ xc
-    lam = RIDGE * float(gram.diagonal().mean())
-    w = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=torch.float64), xc.T @ yc).T
-    b = ym - w @ xm
-    return w.float(), b.float()
+    lam = scale * float(gram.diagonal().mean())
+    d = torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=torch.float64), xc.T @ yc).T
+    return d, ym - d @ xm
+
+
+def fit(x: torch.Tensor, y: torch.Tensor, base: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W = base + D and b for y ~ x W^T + b, the ridge strength chosen on the last fifth of (x, y)."""
+    n = x.shape[0]
+    cut = max(1, int(n * 0.8))
+    resid = y.double() - x.double() @ base.double().T
+    best, best_score = RIDGES[-1], -1.0
+    if n - cut >= 8:
+        for scale in RIDGES:
+            d, c = ridge(x[:cut], resid[:cut], scale)
+            pred = x[cut:].double() @ (base.double() + d).T + c
+            score = topk_overlap(pred, y[cut:].double(), k)
+            if score > best_score:
+                best, best_score = scale, score
+    d, c = ridge(x, resid, best)
+    return (base.double() + d).float(), c.float()
 
 
 def train_router_predictors(
@@ -123,14 +142,20 @@ def train_router_predictors(
     ws, bs, acc, base = [], [], [], []
     for bid in range(len(ffns) - 1):
         x, y = xs[bid], ys[bid + 1]
-        w, b = fit(x[:n_train], y[:n_train])
+        router = ffns[bid + 1].router
+        if router.on_device:
+            raise InputError("train-predictor reads the routers on the CPU")
+        r = torch.from_numpy(quant.dequantize(router.raw.numpy(), router.ggml_type, router.shape)).reshape(
+            router.shape
+        )
+        rule = r * ffns_norm_ratio(engine, bid)[None, :]  # the engine's fallback as a matrix
+        w, b = fit(x[:n_train], y[:n_train], rule, k)
         ws.append(w.numpy())
         bs.append(b.numpy())
         xt, yt = x[n_train:], y[n_train:]
         if xt.shape[0]:
             acc.append(topk_overlap(xt @ w.T + b, yt, k))
-            ratio = ffns_norm_ratio(engine, bid)
-            guess = ops.linear((xt * ratio).contiguous(), ffns[bid + 1].router, engine.assembled.kc)
+            guess = ops.linear((xt * ffns_norm_ratio(engine, bid)).contiguous(), router, engine.assembled.kc)
             base.append(topk_overlap(guess.to("cpu"), yt, k))
     return RouterPredictors(np.stack(ws), np.stack(bs), acc, base, n_train, n - n_train)
 
