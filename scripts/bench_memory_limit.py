@@ -69,7 +69,7 @@ def ours_worker(model: str, threads: int, limit: float | None, n_prompt: int, n_
             "calls": st.calls, "pinned": st.pinned, "cached": st.cached, "prefetched": st.prefetched,
             "disk": st.disk, "bytes_read": st.bytes_read, "prefetch_issued": st.prefetch_issued,
             "prefetch_used": st.prefetch_used, "n_slots": store.plan.n_slots, "n_pinned": store.plan.n_pinned,
-            "expected_share": store.plan.share,
+            "expected_share": store.plan.share, "direct": store.direct,
         }  # fmt: skip
     return out
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,6 +177,11 @@ def load_router_predictor(
     try:
         with np.load(path, allow_pickle=False) as z:
             w, b = np.asarray(z["w"], dtype=np.float32), np.asarray(z["b"], dtype=np.float32)
+        fd = os.open(path, os.O_RDONLY)  # its pages leave the page cache (a memory limit counts them)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
     except (OSError, ValueError, KeyError) as e:
         log.warning("%s: unreadable (%s); the next layer's router predicts instead", path, e)
         return None

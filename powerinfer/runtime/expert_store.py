@@ -35,6 +35,7 @@ import torch
 
 from powerinfer import ops
 from powerinfer.errors import InputError
+from powerinfer.gguf.constants import GGMLType
 from powerinfer.model.moe import MoEFFN, route
 from powerinfer.placement.memory import PAGE, MemoryPlan, slot_bytes
 
@@ -332,13 +333,17 @@ class TrainedRouter:
     """The predictor train-predictor fitted (profile.router_predictor): the next layer's router logits ~ x w^T + b,
     routed as the next layer routes (its top-k)."""
 
-    def __init__(self, nxt: MoEFFN, w: np.ndarray, b: np.ndarray) -> None:
-        self.ffn, self.w, self.b = nxt, torch.from_numpy(w), torch.from_numpy(b)
+    def __init__(self, nxt: MoEFFN, w: np.ndarray, b: np.ndarray, kc: ops.KernelContext) -> None:
+        # w as an F32 weight of the engine's own kernels (torch's matmul would map its BLAS libraries: pages a
+        # memory limit counts)
+        w = np.ascontiguousarray(w, dtype=np.float32)
+        self.ffn, self.kc, self.b = nxt, kc, torch.from_numpy(np.ascontiguousarray(b, dtype=np.float32))
+        self.w = ops.QWeight.from_numpy(w.view(np.uint8), GGMLType.F32, w.shape)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         if x.shape[0] != 1:
             return None
-        return route(torch.addmm(self.b[None, :], x, self.w.T), self.ffn.spec)[0]
+        return route(ops.linear(x, self.w, self.kc).add_(self.b), self.ffn.spec, self.kc)[0]
 
 
 @dataclass
