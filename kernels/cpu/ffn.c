@@ -58,7 +58,7 @@ static inline void ffn_prefetch_rows(const ffn_mat *mat, const int64_t *idx, int
  * rows), so the requests stay spread over the work; the float kernels take two rows per step with the rows
  * FFN_AHEAD steps ahead prefetched whole. Measured on the AVX-512 Xeon (pi_ffn_rows over the 22 layers of the 1.1B
  * Q4_0 file, 10% random rows, q8): whole rows ahead 4.01 / 2.25 ms at 1 / 2 threads, streamed 2 rows ahead 3.43,
- * 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. */
+ * 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. The prefetches fill L2 only (prefetch_act, matmul.h). */
 #define FFN_STREAM_ROWS 8
 /* One pass over the neurons [m0, m1) of the list: the gate rows (pass 0, their dots into h) or the up rows (pass 1,
  * h = act(h) * up, or h * up when h holds act(gate) already) */
@@ -68,8 +68,9 @@ static void ffn_pass(const ffn_ctx *c, int pass, int64_t m0, int64_t m1) {
 #define FFN_GATED(g, v) (act < 0 ? (g) : ffn_act(act, (g))) * (c->relu_up ? relu_f(v) : (v))
     if (mat->tq != NULL) {
         act_q8 al = *c->a;
+        al.ahead_l2 = 1;
         for (int64_t r = m0; r < min_i64(m0 + FFN_STREAM_ROWS, m1); r++)
-            prefetch_bytes(mat->w + c->idx[r] * mat->stride, mat->row_bytes);
+            prefetch_bytes_l2(mat->w + c->idx[r] * mat->stride, mat->row_bytes);
         for (int64_t m = m0; m < m1; m++) {
             al.ahead = m + FFN_STREAM_ROWS < m1 ? (c->idx[m + FFN_STREAM_ROWS] - c->idx[m]) * mat->stride : 0;
             float out;

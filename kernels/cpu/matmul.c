@@ -253,6 +253,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
                     if (rows != NULL && T == 1) {
                         /* one token's listed rows: streamed ROWS_STREAM_AHEAD rows ahead (matmul.h) */
                         an.ahead = n + ROWS_STREAM_AHEAD < N ? (rows[n + ROWS_STREAM_AHEAD] - rows[n]) * w_stride : 0;
+                        an.ahead_l2 = 1;
                     } else if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                         prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                     }

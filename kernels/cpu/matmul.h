@@ -35,6 +35,8 @@ typedef struct {
      * per step: MATVEC_STREAM_AHEAD for a dense matrix read in order, the distance to a row further down the list
      * for scattered rows (ffn.c); 0: no prefetch in the tile */
     int64_t ahead;
+    /* != 0: those prefetches fill L2 only (listed rows, LISTED_PREFETCH_L2); 0: L1 (a dense matrix read in order) */
+    int32_t ahead_l2;
 } act_q8;
 
 /* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token 4-bit rows: blocks a, a + 1
@@ -123,6 +125,7 @@ static inline void act_q8_prepare(const matmul_table *table, const float *x, int
     a->K = K;
     a->nb = nb;
     a->ahead = 0;
+    a->ahead_l2 = 0;
     table->quantize_act(x, nb, a->qs, a->ds, a->isum);
     act_pair_order(a, (int8_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * 12)));
 }
@@ -141,12 +144,15 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 
 #define ROWS_PREFETCH_AHEAD 2 /* rows ahead of the one being computed */
 /* One token's listed rows (rows_matmul, T = 1): each tile prefetches, as it reads, the row this many places further
- * down the list at the same offset (act_q8.ahead), instead of whole rows ROWS_PREFETCH_AHEAD ahead. Measured on the
- * 2-core EPYC (1 thread, 12 Q4_0 matrices of 5632 x 2048 from DRAM, q8): 75% random rows 0.72 -> 0.51 ms, 50%
- * 0.59 -> 0.41 ms (dense 0.38-0.40 ms); 1, 2 and 4 rows ahead within noise, 8 slower (0.63). Rows read in a
- * random subset still cost about what all rows cost: the hardware prefetchers fetch the rows in the gaps too
- * (contiguous half 0.20 ms, random half 0.41-0.43, runs of 8 rows 0.27, runs of 32 0.20; docs/sparsity.md). */
-#define ROWS_STREAM_AHEAD 4
+ * down the list at the same offset (act_q8.ahead), into L2 (prefetch_act), instead of whole rows ROWS_PREFETCH_AHEAD
+ * ahead. Measured on the 2-core EPYC (1 thread, 12 Q4_0 matrices of 5632 x 2048 from DRAM, q8, two runs each):
+ * into L1 4 rows ahead, a random quarter / half / three quarters of the rows 0.26-0.29 / 0.45-0.50 / 0.57-0.60 ms,
+ * all rows listed 0.35-0.44, the dense matvec 0.36-0.44; into L2 8 rows ahead 0.20-0.23 / 0.31-0.34 / 0.35-0.42,
+ * all listed 0.40-0.49, dense 0.40-0.43. A plain read of the same rows (no arithmetic) shows why: a random half
+ * read in order with L1 prefetches took 1.7x the time of reading every row, with L2 prefetches 8 rows ahead 1.0x;
+ * the hardware prefetchers fetch the gaps' lines too, so a random subset of short rows moves about the bytes of all
+ * rows, and what it saves is the arithmetic of the rows skipped (docs/sparsity.md). */
+#define ROWS_STREAM_AHEAD 8
 
 /* One token's dense rows of the int8 tiles (act_q8.ahead): each step of a tile prefetches the lines this far past the
  * bytes it reads, so the requests stay spread over the row and DRAM sees a steady stream. Measured on a Xeon with
@@ -155,6 +161,19 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 #define MATVEC_STREAM_AHEAD 2048
 static inline void prefetch_stream(const uint8_t *p, int64_t ahead, int64_t bytes) {
     if (ahead != 0) prefetch_bytes(p + ahead, bytes);
+}
+static inline void prefetch_bytes_l2(const uint8_t *p, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+/* The int8 tiles' prefetch as they read: listed rows (act_q8.ahead_l2, the row ROWS_STREAM_AHEAD or FFN_STREAM_ROWS
+ * down the list) into L2 only, a dense matrix read in order into L1 (into L2 it measured 1.4x slower, 0.59-0.61
+ * against 0.36-0.44 ms in the measurement above). */
+static inline void prefetch_act(const act_q8 *a, const uint8_t *p, int64_t bytes) {
+    if (a->ahead == 0) return;
+    if (a->ahead_l2)
+        prefetch_bytes_l2(p + a->ahead, bytes);
+    else
+        prefetch_bytes(p + a->ahead, bytes);
 }
 
 /* One token's dense rows are prefetched this many bytes ahead: the compute per byte is high enough that the

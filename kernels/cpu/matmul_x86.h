@@ -145,7 +145,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     const block_q8_0 *b8 = (const block_q8_0 *)row;
     const block_q5_0 *b50 = (const block_q5_0 *)row;
     const block_q5_1 *b51 = (const block_q5_1 *)row;
-    const int64_t nb = a->nb, ahead = a->ahead;
+    const int64_t nb = a->nb;
     const int64_t bsz = kind == PI_TYPE_Q4_0   ? (int64_t)sizeof(block_q4_0)
                         : kind == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)
                         : kind == PI_TYPE_Q8_0 ? (int64_t)sizeof(block_q8_0)
@@ -181,7 +181,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
             bias[t] = _mm_setzero_ps();
         }
         for (; i + 1 < nb; i += 2) {
-            prefetch_stream(row + i * bsz, ahead, 2 * bsz);
+            prefetch_act(a, row + i * bsz, 2 * bsz);
             __m256i raw;
             uint64_t dm_bits; /* Q4_0 {d_i, 0, d_i+1, 0}, Q4_1 {d_i, m_i, d_i+1, m_i+1} as halves */
             if (kind == PI_TYPE_Q4_0) {
@@ -224,7 +224,7 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
     }
 #endif
     for (; i + 1 < nb; i += 2) {
-        prefetch_stream(row + i * bsz, ahead, 2 * bsz);
+        prefetch_act(a, row + i * bsz, 2 * bsz);
         QUANT_STEP(kind, i, acc0, bias0);
         QUANT_STEP(kind, i + 1, acc1, bias1);
     }
@@ -353,7 +353,7 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
                                   float *out) {
     const block_q4_0 *b0 = (const block_q4_0 *)row;
     const block_q4_1 *b1 = (const block_q4_1 *)row;
-    const int64_t nb = a->nb, K = a->K, ahead = a->ahead;
+    const int64_t nb = a->nb, K = a->K;
     const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
     _Alignas(32) uint8_t wu[8 * QK];
     __m256 acc[TILE_T];
@@ -361,11 +361,11 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
     int64_t g = 0;
     if (kind == PI_TYPE_Q4_0 && ntok == 1 && t0 == 0 && a->qp != NULL)
         for (; g + 8 <= nb; g += 8) {
-            prefetch_stream(row + g * bsz, ahead, 8 * bsz);
+            prefetch_act(a, row + g * bsz, 8 * bsz);
             acc[0] = FN(q4_0_pairs_group)(b0 + g, a->qp + g * QK, a->isum + g, a->ds + 2 * g, acc[0]);
         }
     for (; g + 8 <= nb; g += 8) {
-        prefetch_stream(row + g * bsz, ahead, 8 * bsz);
+        prefetch_act(a, row + g * bsz, 8 * bsz);
         __m128i dh, mh = _mm_setzero_si128();
         if (kind == PI_TYPE_Q4_0) {
             for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b0[g + j].qs));
@@ -429,13 +429,13 @@ TARGET_INLINE __m256 FN(q8_0_group)(const __m256i *w, const int8_t *xq, __m256 s
 
 TARGET_INLINE void FN(tile_q8_0_n)(const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok, float *out) {
     const block_q8_0 *b = (const block_q8_0 *)row;
-    const int64_t nb = a->nb, K = a->K, ahead = a->ahead;
+    const int64_t nb = a->nb, K = a->K;
     __m256i w[8];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 8 <= nb; g += 8) {
-        prefetch_stream((const uint8_t *)(b + g), ahead, 8 * (int64_t)sizeof(block_q8_0));
+        prefetch_act(a, (const uint8_t *)(b + g), 8 * (int64_t)sizeof(block_q8_0));
         for (int j = 0; j < 8; j++) w[j] = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
         const __m128i dh = _mm_setr_epi16((short)b[g].d, (short)b[g + 1].d, (short)b[g + 2].d, (short)b[g + 3].d,
                                           (short)b[g + 4].d, (short)b[g + 5].d, (short)b[g + 6].d, (short)b[g + 7].d);

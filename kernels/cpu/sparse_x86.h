@@ -118,7 +118,7 @@ TARGET_INLINE void FN(axpy_t1)(const int kind, const int coef, const axpy_ctx *c
         const uint8_t *const *rows_ahead = c->act_rows + (ahead < c->n_act ? ahead : 0);
         for (int64_t u = u0; u < u1; u++) {
             float *yu = y + u * AXPY_UNIT;
-            for (int r = 0; r < n_ahead; r++) __builtin_prefetch(rows_ahead[r] + u * c->unit_bytes, 0, 3);
+            for (int r = 0; r < n_ahead; r++) __builtin_prefetch(rows_ahead[r] + u * c->unit_bytes, 0, 2);
             SV acc[SV_PER_UNIT];
             for (int j = 0; j < SV_PER_UNIT; j++) acc[j] = SV_LOAD(yu + j * SV_N);
             for (int r = 0; r < n; r++) {
@@ -349,8 +349,8 @@ TARGET_BF static void FN(axpy_t1_q4_0_dp)(const axpy_ctx *c, int64_t u0, int64_t
             }
             for (int k = 0; k < nu; k++) {
                 const int64_t u = uc + k;
-                if (a0 != NULL) __builtin_prefetch(a0 + u * c->unit_bytes, 0, 3);
-                if (a1 != NULL) __builtin_prefetch(a1 + u * c->unit_bytes, 0, 3);
+                if (a0 != NULL) __builtin_prefetch(a0 + u * c->unit_bytes, 0, 2);
+                if (a1 != NULL) __builtin_prefetch(a1 + u * c->unit_bytes, 0, 2);
                 const block_q4_0 *b0 = (const block_q4_0 *)r0 + u, *b1 = (const block_q4_0 *)r1 + u;
                 const __m256i both = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)b1->qs),
                                                       _mm_loadu_si128((const __m128i *)b0->qs));
