@@ -31,7 +31,7 @@ C_ALLOWED = {
     "quantize_k.c",
     "matmul_types.h",
     "matmul_x86.h",
-    "matmul_q8k.c",
+    "matmul_q8k_types.h",
     "matmul_q8k_x86.h",
     "sparse_x86.h",
 }

@@ -78,6 +78,10 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
 PI_BLOCK32_TYPES(DEFINE_TILE_QUANT_SCALAR)
 #undef DEFINE_TILE_QUANT_SCALAR
 
+void tile_quant_scalar_of(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    tile_quant_scalar(kind, row, a, t0, ntok, out);
+}
+
 static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
     const float *w = (const float *)row;
     for (int t = 0; t < ntok; t++) {

@@ -127,6 +127,10 @@ static inline void act_q8_prepare(const matmul_table *table, const float *x, int
     act_pair_order(a, (int8_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * 12)));
 }
 
+/* The scalar int8 tile of block-32 type `kind` through its integer view (quants.h, TYPE_TRAITS.ints), as
+ * matmul.c's own: for the block-32 types whose kernels are matmul_q8k.c's (PI_KQ8_BLOCK32_TYPES). */
+void tile_quant_scalar_of(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
+
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */
 const matmul_table *matmul_table_for(int32_t isa);
 
@@ -192,6 +196,9 @@ typedef struct {
  * int8 super-block activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
  * w, w_stride bytes apart, of the K-quant `type` (enum pi_type): the arithmetic of its pi_matmul_<name>. */
 size_t kq8_act_bytes(int64_t K);
+/* nb super-blocks of x into qs (nb * 256), d (nb) and bsums (nb * 16): the activation quantiser of those kernels */
+typedef void (*quantize_q8k_fn)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums);
+quantize_q8k_fn kq8_quantizer(int32_t level);
 void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a);
 void kq8_rows(int32_t level, int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
               float *out);
