@@ -33,7 +33,6 @@ C_ALLOWED = {
     "matmul_x86.h",
     "matmul_q8k_types.h",
     "matmul_q8k_x86.h",
-    "sparse_x86.h",
 }
 
 
