@@ -408,8 +408,8 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, int stream, const uint8_t 
 }
 
 /* Dense rows longer than this stream better one at a time (measured: interleaving 4 long consecutive rows halves the
- * DRAM throughput of the tiled driver; 2 rows of Q4_0 K = 2048 cut it from 37 to 15 GB/s on a 2-core EPYC, although
- * faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
+ * DRAM throughput of the tiled driver; 2 rows of a 4-bit block type, K = 2048, cut it from 37 to 15 GB/s on a 2-core
+ * EPYC, although faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
 #define MATVEC_DOT_MAX_ROW 512
 
 /* K-quant rows hold whole super-blocks of 256: any other K is a shape error (before the row size is trusted) */

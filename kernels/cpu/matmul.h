@@ -146,24 +146,25 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 #define ROWS_PREFETCH_AHEAD 2 /* rows ahead of the one being computed */
 /* One token's listed rows (rows_matmul, T = 1): each tile prefetches, as it reads, the row this many places further
  * down the list at the same offset (act_q8.ahead), instead of whole rows ROWS_PREFETCH_AHEAD ahead. Measured on the
- * 2-core EPYC (1 thread, 12 Q4_0 matrices of 5632 x 2048 from DRAM, q8): 75% random rows 0.72 -> 0.51 ms, 50%
- * 0.59 -> 0.41 ms (dense 0.38-0.40 ms); 1, 2 and 4 rows ahead within noise, 8 slower (0.63). Rows read in a
- * random subset still cost about what all rows cost: the hardware prefetchers fetch the rows in the gaps too
- * (contiguous half 0.20 ms, random half 0.41-0.43, runs of 8 rows 0.27, runs of 32 0.20; docs/sparsity.md). */
+ * 2-core EPYC (1 thread, 12 matrices of 5632 x 2048 of a 4-bit block type from DRAM, q8; docs/kernels.md): 75% random
+ * rows 0.72 -> 0.51 ms, 50% 0.59 -> 0.41 ms (dense 0.38-0.40 ms); 1, 2 and 4 rows ahead within noise, 8 slower
+ * (0.63). Rows read in a random subset still cost about what all rows cost: the hardware prefetchers fetch the rows
+ * in the gaps too (contiguous half 0.20 ms, random half 0.41-0.43, runs of 8 rows 0.27, runs of 32 0.20;
+ * docs/sparsity.md). */
 #define ROWS_STREAM_AHEAD 4
 
 /* One token's dense rows of the int8 tiles (act_q8.ahead): each step of a tile prefetches the lines this far past the
  * bytes it reads, so the requests stay spread over the row and DRAM sees a steady stream. Measured on a Xeon with
- * AVX-512 (1 thread, 225,280 Q4_0 rows of K = 2048 from DRAM): whole rows 1-4 KB ahead 8.0-8.1 GB/s, none 5.4,
- * in-step 256 B ahead 12.0, 1 KB 13.0-13.7, 2 KB 13.7-14.4 (a plain read streams 13.7), 4 KB 9.8-12.0. */
+ * AVX-512 (1 thread, 225,280 rows of K = 2048 of a 4-bit block type from DRAM): whole rows 1-4 KB ahead 8.0-8.1 GB/s,
+ * none 5.4, in-step 256 B ahead 12.0, 1 KB 13.0-13.7, 2 KB 13.7-14.4 (a plain read streams 13.7), 4 KB 9.8-12.0. */
 #define MATVEC_STREAM_AHEAD 2048
 static inline void prefetch_stream(const uint8_t *p, int64_t ahead, int64_t bytes) {
     if (ahead != 0) prefetch_bytes(p + ahead, bytes);
 }
 
-/* One token's dense rows are prefetched this many bytes ahead: the compute per byte is high enough that the
- * hardware prefetcher alone leaves the DRAM idle between rows (measured: SmolLM2 Q4_1 decode, 1 thread, ~20% less
- * time a token with 4 KB than without; 2 KB and 8 KB in between). */
+/* One token's dense rows are prefetched this many bytes ahead: the compute per byte is high enough that the hardware
+ * prefetcher alone leaves the DRAM idle between rows (measured: the bundled SmolLM2 file's decode, a 4-bit block type
+ * with a minimum, 1 thread, ~20% less time a token with 4 KB than without; 2 KB and 8 KB in between). */
 #define MATVEC_AHEAD_BYTES 4096
 static inline int64_t matvec_rows_ahead(int64_t row_bytes) {
     return row_bytes > 0 ? (MATVEC_AHEAD_BYTES + row_bytes - 1) / row_bytes : 0;
