@@ -1,7 +1,8 @@
 /* The weight types of the kernels: their ids (ggml's type numbers), the block-32 layouts, one scalar decoder per
  * block-32 and float type (the K-quants' layouts and decoders are in kquants.h), and the traits table that gives
  * every type's block size and decoder, shared by get_rows.c, matmul.c and sparse.c. The kernels of a type at each
- * SIMD level are the per-ISA tables of matmul.c (matmul_table) and matmul_q8k.c.
+ * SIMD level are the per-ISA tables of matmul.c (matmul_table, matmul_types.h) and matmul_q8k.c (kq8_table,
+ * matmul_q8k_types.h).
  *
  * All formats are little endian; fp16 is IEEE binary16. Blocks hold 32 elements (QK).
  *
