@@ -129,7 +129,7 @@ static void kq8_lanes_scalar(const kq8_int_block *b, const int8_t *xq, const int
     }
 }
 
-/* A row's super-blocks in integer form (the type's kq8_ints, kquants.h) against ntok tokens */
+/* A row's super-blocks in integer form (the type's kq8_ints_<name>, kquants.h) against ntok tokens */
 static void kq8_tile_scalar(kq8_ints_fn ints, int64_t block_bytes, const uint8_t *row, const act_q8k *a, int64_t t0,
                             int ntok, float *out) {
     float acc[KQ8_TILE_T][8] = {{0}};
@@ -146,13 +146,12 @@ static void kq8_tile_scalar(kq8_ints_fn ints, int64_t block_bytes, const uint8_t
 
 #define DEFINE_KQ8_SCALAR(name, type)                                                                          \
     static void kq8_tile_##name##_scalar(const uint8_t *row, const act_q8k *a, int64_t t0, int ntok, float *out) { \
-        kq8_tile_scalar(TYPE_TRAITS[type].kq8_ints, TYPE_TRAITS[type].block_bytes, row, a, t0, ntok, out);       \
+        kq8_tile_scalar(kq8_ints_##name, TYPE_TRAITS[type].block_bytes, row, a, t0, ntok, out);                  \
     }                                                                                                           \
     static void kq8_dot_##name##_scalar(const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,    \
                                         float *out) {                                                           \
         for (int64_t r = 0; r < n_rows; r++)                                                                    \
-            kq8_tile_scalar(TYPE_TRAITS[type].kq8_ints, TYPE_TRAITS[type].block_bytes, w + r * w_stride, a, 0, 1, \
-                            out + r);                                                                           \
+            kq8_tile_scalar(kq8_ints_##name, TYPE_TRAITS[type].block_bytes, w + r * w_stride, a, 0, 1, out + r); \
     }
 PI_KQ8_TYPES(DEFINE_KQ8_SCALAR)
 #undef DEFINE_KQ8_SCALAR

@@ -257,9 +257,6 @@ typedef struct {
     /* 1: its sparse rows in the "q8" precision take bfloat16 coefficients c = bf16(h * d) (sparse.h, coef_bf16);
      * its blocks are block_coef4's */
     int32_t coef_bf16;
-    /* the super-block types of matmul_q8k.c's "q8" kernels (PI_KQ8_TYPES): a super-block in integer form
-     * (kquants.h); NULL for the others */
-    kq8_ints_fn kq8_ints;
 } type_traits;
 
 static const type_traits TYPE_TRAITS[PI_TYPE_COUNT] = {
@@ -271,13 +268,13 @@ static const type_traits TYPE_TRAITS[PI_TYPE_COUNT] = {
     [PI_TYPE_Q5_0] = {QK, sizeof(block_q5_0), decode_q5_0, ints_q5_0, .int8_offset = 16},
     [PI_TYPE_Q5_1] = {QK, sizeof(block_q5_1), decode_q5_1, ints_q5_1, .has_min = 1},
     [PI_TYPE_Q8_0] = {QK, sizeof(block_q8_0), decode_q8_0, ints_q8_0},
-    [PI_TYPE_Q2_K] = {QK_K, sizeof(block_q2_k), decode_q2_k, .kq8_ints = kq8_ints_q2_k},
-    [PI_TYPE_Q3_K] = {QK_K, sizeof(block_q3_k), decode_q3_k, .kq8_ints = kq8_ints_q3_k},
-    [PI_TYPE_Q4_K] = {QK_K, sizeof(block_q4_k), decode_q4_k, .kq8_ints = kq8_ints_q4_k},
-    [PI_TYPE_Q5_K] = {QK_K, sizeof(block_q5_k), decode_q5_k, .kq8_ints = kq8_ints_q5_k},
-    [PI_TYPE_Q6_K] = {QK_K, sizeof(block_q6_k), decode_q6_k, .kq8_ints = kq8_ints_q6_k},
+    [PI_TYPE_Q2_K] = {QK_K, sizeof(block_q2_k), decode_q2_k},
+    [PI_TYPE_Q3_K] = {QK_K, sizeof(block_q3_k), decode_q3_k},
+    [PI_TYPE_Q4_K] = {QK_K, sizeof(block_q4_k), decode_q4_k},
+    [PI_TYPE_Q5_K] = {QK_K, sizeof(block_q5_k), decode_q5_k},
+    [PI_TYPE_Q6_K] = {QK_K, sizeof(block_q6_k), decode_q6_k},
     [PI_TYPE_IQ4_NL] = {QK, sizeof(block_iq4_nl), decode_iq4_nl, ints_iq4_nl},
-    [PI_TYPE_IQ4_XS] = {QK_K, sizeof(block_iq4_xs), decode_iq4_xs, .kq8_ints = kq8_ints_iq4_xs},
+    [PI_TYPE_IQ4_XS] = {QK_K, sizeof(block_iq4_xs), decode_iq4_xs},
 };
 
 /* 1 when `type` is an id of the table (whatever its source: the ids come from callers) */
