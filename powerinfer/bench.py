@@ -52,7 +52,7 @@ class ModelInfo:
     path: Path
     arch: str
     size_class: str  # general.size_label, else the weight count in its notation ("8.4M", "1.1B")
-    ftype_name: str  # llama.cpp's file type name ("Q4_0", "Q4_K - Medium")
+    ftype_name: str  # llama.cpp's file type name (llama_model_ftype_name; powerinfer.quant.types.FTYPES)
     sparse: bool  # a PowerInfer (PWRI) file: predictor-selected sparse FFN
     size_bytes: int  # tensor data bytes
     n_params: int  # elements of every tensor
@@ -61,7 +61,8 @@ class ModelInfo:
 
     @property
     def description(self) -> str:
-        """llama-bench's model_type ("llama 1B Q4_0"), with " sparse" for PowerInfer files."""
+        """llama-bench's model_type: architecture, size class and file type name ("llama 1B " then the name), with
+        " sparse" for PowerInfer files."""
         return f"{self.arch} {self.size_class} {self.ftype_name}" + (" sparse" if self.sparse else "")
 
 

@@ -4,10 +4,10 @@ Per-tensor types follow llama.cpp's `llama_tensor_get_type` (powerinfer.quant.mi
 bits on some attn_v and ffn_down matrices), the output.weight rule, and the fallback to a 32-element type when a
 row length is not a multiple of 256. A model without `output.weight` (tied embeddings: `token_embd.weight` is also
 the output head) gets the output rule on `token_embd.weight`, as later llama.cpp does; the original PowerInfer
-quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at Q4_0. PowerInfer's own rule (spec 1.7) is
-kept for its predictor matrices fc1/fc2 (mix.predictor_type). Blocks come from `powerinfer.quant`: the `gguf`
-package's reference quantizers for the legacy types, our C quantizers (bit-exact with ggml-quants.c) for K-quants
-and IQ4.
+quantized it like any matrix, which costs SmolLM2-135M 8% perplexity at 4 bits (docs/kernels.md). PowerInfer's own
+rule (spec 1.7) is kept for its predictor matrices fc1/fc2 (mix.predictor_type). Blocks come from
+`powerinfer.quant`: the `gguf` package's reference quantizers for the legacy types, our C quantizers (bit-exact with
+ggml-quants.c) for K-quants and IQ4.
 """
 
 from __future__ import annotations

@@ -51,14 +51,15 @@ static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, 
 static inline void ffn_prefetch_rows(const ffn_mat *mat, const int64_t *idx, int64_t m, int64_t m1) {
     for (int64_t r = m; r < min_i64(m + 2, m1); r++) prefetch_bytes(mat->w + idx[r] * mat->stride, mat->row_bytes);
 }
-/* The gate rows of the range first (their dots into h), then the up rows (h = act(gate) * up): one matrix's
- * scattered rows streamed at a time. Reading a gate and an up row side by side measured 35-45% slower (1.1B Q4_0
- * shapes, 10% of the rows, 1 thread, on a 2-core EPYC). Int8 tiles read a row at a time and prefetch, as they go,
- * the row FFN_STREAM_ROWS further down the list at the same offset (act_q8.ahead is the distance between the two
- * rows), so the requests stay spread over the work; the float kernels take two rows per step with the rows
- * FFN_AHEAD steps ahead prefetched whole. Measured on the AVX-512 Xeon (pi_ffn_rows over the 22 layers of the 1.1B
- * Q4_0 file, 10% random rows, q8): whole rows ahead 4.01 / 2.25 ms at 1 / 2 threads, streamed 2 rows ahead 3.43,
- * 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. The prefetches fill L2 only (prefetch_act, matmul.h). */
+/* The gate rows of the range first (their dots into h), then the up rows (h = act(gate) * up): one matrix's scattered
+ * rows streamed at a time. Reading a gate and an up row side by side measured 35-45% slower (1.1B shapes of a 4-bit
+ * block type, 10% of the rows, 1 thread, on a 2-core EPYC; docs/kernels.md). Int8 tiles read a row at a time and
+ * prefetch, as they go, the row FFN_STREAM_ROWS further down the list at the same offset (act_q8.ahead is the
+ * distance between the two rows), so the requests stay spread over the work; the float kernels take two rows per step
+ * with the rows FFN_AHEAD steps ahead prefetched whole. Measured on the AVX-512 Xeon (pi_ffn_rows over the 22 layers
+ * of the 1.1B file of a 4-bit block type, 10% random rows, q8): whole rows ahead 4.01 / 2.25 ms at 1 / 2 threads,
+ * streamed 2 rows ahead 3.43, 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. The
+ * prefetches fill L2 only (prefetch_act, matmul.h). */
 #define FFN_STREAM_ROWS 8
 /* One pass over the neurons [m0, m1) of the list: the gate rows (pass 0, their dots into h) or the up rows (pass 1,
  * h = act(h) * up, or h * up when h holds act(gate) already) */

@@ -181,6 +181,106 @@ static inline void decode_q6_k(const uint8_t *row, int64_t K, float *y) {
     }
 }
 
+/* ---- super-blocks in integer form: what the scalar "q8" kernels (matmul_q8k.c) compute on ------------------
+ *
+ * A super-block of weights is, per 16 elements g, an unsigned value u per element (Q2_K 0..3, Q3_K 0..7, Q4_K
+ * 0..15, Q5_K 0..31, Q6_K 0..63; IQ4_XS: the signed kv[index]), an integer scale sc_g and, for some types, an
+ * integer min mn_g (Q2_K, Q4_K, Q5_K) or an offset o (Q3_K 4, Q6_K 32):
+ *   w = d * sc_g * (u - o) - dmin * mn_g.
+ * corr_g = sc_g * o is the coefficient of the activations' group sum subtracted from the integer dot. Q4_K / Q5_K
+ * scales and mins are per 32 elements: both groups of 16 take them. */
+typedef struct {
+    int16_t w[QK_K];
+    int16_t sc[16], corr[16], mn[16];
+    float d, dmin;
+    int has_min;
+    /* the float order of the type's "q8" kernels (matmul_q8k.c): S and M summed over the super-block first, one
+     * float step into lane (block % 8) (Q4_K, whose SIMD kernels run 8 super-blocks at a time) */
+    int reduce;
+} kq8_int_block;
+
+typedef void (*kq8_ints_fn)(const uint8_t *blk, kq8_int_block *o);
+
+static inline void kq8_ints_q2_k(const uint8_t *blk, kq8_int_block *o) {
+    memset(o, 0, sizeof *o);
+    const block_q2_k *b = (const block_q2_k *)blk;
+    for (int e = 0; e < QK_K; e++) {
+        const int h = e / 128, j = (e % 128) / 32, l = e % 32;
+        o->w[e] = (b->qs[32 * h + l] >> (2 * j)) & 3;
+    }
+    for (int g = 0; g < 16; g++) {
+        o->sc[g] = b->scales[g] & 0x0F;
+        o->mn[g] = b->scales[g] >> 4;
+    }
+    o->d = fp16_to_fp32(b->d);
+    o->dmin = fp16_to_fp32(b->dmin);
+    o->has_min = 1;
+}
+
+static inline void kq8_ints_q3_k(const uint8_t *blk, kq8_int_block *o) {
+    memset(o, 0, sizeof *o);
+    const block_q3_k *b = (const block_q3_k *)blk;
+    for (int e = 0; e < QK_K; e++) {
+        const int h = e / 128, j = (e % 128) / 32, l = e % 32;
+        o->w[e] = ((b->qs[32 * h + l] >> (2 * j)) & 3) | (((b->hmask[l] >> (4 * h + j)) & 1) << 2);
+    }
+    int8_t sc[16];
+    kq3_scales(b->scales, sc);
+    for (int g = 0; g < 16; g++) {
+        o->sc[g] = sc[g] - 32;
+        o->corr[g] = 4 * o->sc[g];
+    }
+    o->d = fp16_to_fp32(b->d);
+}
+
+/* Q4_K and Q5_K (qh: the fifth bits, NULL for Q4_K); d and dmin lead both layouts */
+static inline void kq8_ints_k45(const uint8_t *blk, const uint8_t *scales, const uint8_t *qs, const uint8_t *qh,
+                                int reduce, kq8_int_block *o) {
+    memset(o, 0, sizeof *o);
+    for (int e = 0; e < QK_K; e++) {
+        const int c = e / 32, l = e % 32;
+        const uint8_t q = qs[32 * (c / 2) + l];
+        o->w[e] = c % 2 ? q >> 4 : q & 0x0F;
+        if (qh != NULL) o->w[e] |= ((qh[l] >> c) & 1) << 4;
+    }
+    for (int j = 0; j < 8; j++) {
+        uint8_t sc, m;
+        kq_scale_min(j, scales, &sc, &m);
+        o->sc[2 * j] = o->sc[2 * j + 1] = sc;
+        o->mn[2 * j] = o->mn[2 * j + 1] = m;
+    }
+    const uint16_t *dd = (const uint16_t *)blk;
+    o->d = fp16_to_fp32(dd[0]);
+    o->dmin = fp16_to_fp32(dd[1]);
+    o->has_min = 1;
+    o->reduce = reduce;
+}
+
+static inline void kq8_ints_q4_k(const uint8_t *blk, kq8_int_block *o) {
+    const block_q4_k *b = (const block_q4_k *)blk;
+    kq8_ints_k45(blk, b->scales, b->qs, NULL, 1, o);
+}
+
+static inline void kq8_ints_q5_k(const uint8_t *blk, kq8_int_block *o) {
+    const block_q5_k *b = (const block_q5_k *)blk;
+    kq8_ints_k45(blk, b->scales, b->qs, b->qh, 0, o);
+}
+
+static inline void kq8_ints_q6_k(const uint8_t *blk, kq8_int_block *o) {
+    memset(o, 0, sizeof *o);
+    const block_q6_k *b = (const block_q6_k *)blk;
+    for (int e = 0; e < QK_K; e++) {
+        const int h = e / 128, k = (e % 128) / 32, l = e % 32;
+        const uint8_t q = b->ql[64 * h + 32 * (k & 1) + l];
+        o->w[e] = (k < 2 ? q & 0x0F : q >> 4) | (((b->qh[32 * h + l] >> (2 * k)) & 3) << 4);
+    }
+    for (int g = 0; g < 16; g++) {
+        o->sc[g] = b->scales[g];
+        o->corr[g] = 32 * o->sc[g];
+    }
+    o->d = fp16_to_fp32(b->d);
+}
+
 /* ---- IQ4_NL / IQ4_XS: 4-bit indices into the non-linear table kvalues_iq4 ----------------------------------
  *
  *   IQ4_NL  18 B (32 elements):  d, qs[16]: element j < 16 is the low nibble of qs[j], j >= 16 the high nibble of
@@ -238,6 +338,18 @@ static inline void decode_iq4_xs(const uint8_t *row, int64_t K, float *y) {
             }
         }
     }
+}
+
+static inline void kq8_ints_iq4_xs(const uint8_t *blk, kq8_int_block *o) {
+    memset(o, 0, sizeof *o);
+    const block_iq4_xs *b = (const block_iq4_xs *)blk;
+    for (int e = 0; e < QK_K; e++) {
+        const int c = e / 32, l = e % 32;
+        const uint8_t q = b->qs[16 * c + l % 16];
+        o->w[e] = kvalues_iq4[l < 16 ? q & 0x0F : q >> 4];
+    }
+    for (int g = 0; g < 16; g++) o->sc[g] = (int16_t)iq4_xs_scale(b, g / 2);
+    o->d = fp16_to_fp32(b->d);
 }
 
 #endif

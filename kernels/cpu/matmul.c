@@ -78,6 +78,10 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
 PI_BLOCK32_TYPES(DEFINE_TILE_QUANT_SCALAR)
 #undef DEFINE_TILE_QUANT_SCALAR
 
+void tile_quant_scalar_of(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
+    tile_quant_scalar(kind, row, a, t0, ntok, out);
+}
+
 static void tile_f32_scalar(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out) {
     const float *w = (const float *)row;
     for (int t = 0; t < ntok; t++) {
@@ -405,8 +409,8 @@ static int32_t matvec_dot(rows_dot_fn dot, int group, int stream, const uint8_t 
 }
 
 /* Dense rows longer than this stream better one at a time (measured: interleaving 4 long consecutive rows halves the
- * DRAM throughput of the tiled driver; 2 rows of Q4_0 K = 2048 cut it from 37 to 15 GB/s on a 2-core EPYC, although
- * faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
+ * DRAM throughput of the tiled driver; 2 rows of a 4-bit block type, K = 2048, cut it from 37 to 15 GB/s on a 2-core
+ * EPYC, although faster in cache), shorter ones (predictor fc2: 72 bytes) gain from the grouping. */
 #define MATVEC_DOT_MAX_ROW 512
 
 /* K-quant rows hold whole super-blocks of 256: any other K is a shape error (before the row size is trusted) */

@@ -130,6 +130,10 @@ static inline void act_q8_prepare(const matmul_table *table, const float *x, int
     act_pair_order(a, (int8_t *)(buf + align_up((size_t)K) + align_up((size_t)nb * 12)));
 }
 
+/* The scalar int8 tile of block-32 type `kind` through its integer view (quants.h, TYPE_TRAITS.ints), as
+ * matmul.c's own: for the block-32 types whose kernels are matmul_q8k.c's (PI_KQ8_BLOCK32_TYPES). */
+void tile_quant_scalar_of(int kind, const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out);
+
 /* The tile functions of SIMD level `isa` (enum pi_isa), clamped to what the CPU has. */
 const matmul_table *matmul_table_for(int32_t isa);
 
@@ -145,9 +149,9 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 #define ROWS_PREFETCH_AHEAD 2 /* rows ahead of the one being computed */
 /* One token's listed rows (rows_matmul, T = 1): each tile prefetches, as it reads, the row this many places further
  * down the list at the same offset (act_q8.ahead), into L2 (prefetch_act), instead of whole rows ROWS_PREFETCH_AHEAD
- * ahead. Measured on the 2-core EPYC (1 thread, 12 Q4_0 matrices of 5632 x 2048 from DRAM, q8, two runs each):
- * into L1 4 rows ahead, a random quarter / half / three quarters of the rows 0.26-0.29 / 0.45-0.50 / 0.57-0.60 ms,
- * all rows listed 0.35-0.44, the dense matvec 0.36-0.44; into L2 8 rows ahead 0.20-0.23 / 0.31-0.34 / 0.35-0.42,
+ * ahead. Measured on the 2-core EPYC (1 thread, 12 matrices of 5632 x 2048 of a 4-bit block type from DRAM, q8, two
+ * runs each; docs/kernels.md): into L1 4 rows ahead, a random quarter / half / three quarters of the rows
+ * 0.26-0.29 / 0.45-0.50 / 0.57-0.60 ms, all rows listed 0.35-0.44, the dense matvec 0.36-0.44; into L2 8 rows ahead 0.20-0.23 / 0.31-0.34 / 0.35-0.42,
  * all listed 0.40-0.49, dense 0.40-0.43. A plain read of the same rows (no arithmetic) shows why: a random half
  * read in order with L1 prefetches took 1.7x the time of reading every row, with L2 prefetches 8 rows ahead 1.0x;
  * the hardware prefetchers fetch the gaps' lines too, so a random subset of short rows moves about the bytes of all
@@ -156,8 +160,8 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 
 /* One token's dense rows of the int8 tiles (act_q8.ahead): each step of a tile prefetches the lines this far past the
  * bytes it reads, so the requests stay spread over the row and DRAM sees a steady stream. Measured on a Xeon with
- * AVX-512 (1 thread, 225,280 Q4_0 rows of K = 2048 from DRAM): whole rows 1-4 KB ahead 8.0-8.1 GB/s, none 5.4,
- * in-step 256 B ahead 12.0, 1 KB 13.0-13.7, 2 KB 13.7-14.4 (a plain read streams 13.7), 4 KB 9.8-12.0. */
+ * AVX-512 (1 thread, 225,280 rows of K = 2048 of a 4-bit block type from DRAM): whole rows 1-4 KB ahead 8.0-8.1 GB/s,
+ * none 5.4, in-step 256 B ahead 12.0, 1 KB 13.0-13.7, 2 KB 13.7-14.4 (a plain read streams 13.7), 4 KB 9.8-12.0. */
 #define MATVEC_STREAM_AHEAD 2048
 static inline void prefetch_stream(const uint8_t *p, int64_t ahead, int64_t bytes) {
     if (ahead != 0) prefetch_bytes(p + ahead, bytes);
@@ -176,9 +180,9 @@ static inline void prefetch_act(const act_q8 *a, const uint8_t *p, int64_t bytes
         prefetch_bytes(p + a->ahead, bytes);
 }
 
-/* One token's dense rows are prefetched this many bytes ahead: the compute per byte is high enough that the
- * hardware prefetcher alone leaves the DRAM idle between rows (measured: SmolLM2 Q4_1 decode, 1 thread, ~20% less
- * time a token with 4 KB than without; 2 KB and 8 KB in between). */
+/* One token's dense rows are prefetched this many bytes ahead: the compute per byte is high enough that the hardware
+ * prefetcher alone leaves the DRAM idle between rows (measured: the bundled SmolLM2 file's decode, a 4-bit block type
+ * with a minimum, 1 thread, ~20% less time a token with 4 KB than without; 2 KB and 8 KB in between). */
 #define MATVEC_AHEAD_BYTES 4096
 static inline int64_t matvec_rows_ahead(int64_t row_bytes) {
     return row_bytes > 0 ? (MATVEC_AHEAD_BYTES + row_bytes - 1) / row_bytes : 0;
@@ -211,6 +215,9 @@ typedef struct {
  * int8 super-block activations (K a multiple of 256), their computation into buf, and out[r] = row r . a for n_rows rows at
  * w, w_stride bytes apart, of the K-quant `type` (enum pi_type): the arithmetic of its pi_matmul_<name>. */
 size_t kq8_act_bytes(int64_t K);
+/* nb super-blocks of x into qs (nb * 256), d (nb) and bsums (nb * 16): the activation quantiser of those kernels */
+typedef void (*quantize_q8k_fn)(const float *x, int64_t nb, int8_t *qs, float *d, int16_t *bsums);
+quantize_q8k_fn kq8_quantizer(int32_t level);
 void kq8_act_prepare(int32_t level, const float *x, int64_t K, uint8_t *buf, act_q8k *a);
 void kq8_rows(int32_t level, int type, const uint8_t *w, int64_t w_stride, int64_t n_rows, const act_q8k *a,
               float *out);

@@ -11,6 +11,12 @@
  * per group of 16), lane l = groups 2l, 2l+1.
  */
 
+/* bytes per super-block of the Q4_K panels (kq8_tile8_q4_k, kq8_tile16_q4_k; their traits, matmul_q8k_types.h) */
+#ifndef KQ8_PANEL_Q4_K
+#define KQ8_PANEL_Q4_K (8 * 10 * 32 + 2 * 32) /* per super-block of 8 rows: 8 chunks x (8 vectors, scales, mins), d, dmin */
+#define KQ8_PANEL16_Q4_K (8 * 10 * 64 + 2 * 64) /* the same for 16 rows in 512-bit vectors (AVX-512) */
+#endif
+
 #define SIMD_CAT_(a, b) a##_##b
 #define SIMD_CAT(a, b) SIMD_CAT_(a, b)
 #define FN(name) SIMD_CAT(name, SIMD_SUFFIX)

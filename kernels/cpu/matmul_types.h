@@ -1,6 +1,6 @@
 /* The traits tables of the matmul kernels: for each SIMD level, every type's kernels at that level, indexed by type
  * id (matmul.h, type_kernels). Included once, by matmul.c, after the SIMD variants it names. A new type with dense
- * kernels is a row here (the K-quants' int8 kernels and IQ4's are matmul_q8k.c's table).
+ * kernels is a row here (the K-quants' int8 kernels and IQ4's are matmul_q8k.c's table, matmul_q8k_types.h).
  *
  * Panels of 8 rows (tile8) where a type has them: Q4_0 from TILE8_MIN_T_Q4_0 tokens, and for one token over short
  * rows (a sparse head's screen: 8 blocks), where one row's few blocks leave the tile's per-row work (horizontal

@@ -28,6 +28,7 @@
 #include <math.h>
 
 #include "quants.h"
+#include "matmul.h"
 
 /* IQ4_NL: {fp16 d; u8 qs[16]}, 18 bytes per 32: x[j] = d * levels[qs[j] & 15], x[j + 16] = d * levels[qs[j] >> 4].
  * IQ4_XS: {fp16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]}, 136 bytes per 256: group g (of 32) has the 6-bit
@@ -646,5 +647,18 @@ PI_EXPORT int32_t pi_quantize_rows(int32_t ggml_type, const float *src, int64_t 
     const int32_t nt = threads_for_work(n_threads, n_rows * n_cols);
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t b = 0; b < n_blocks; b++) fn(src + b * block_elems, dst + b * block_bytes);
+    return PI_OK;
+}
+
+/* pi_quantize_q8_k(x, K, T, qs, d, bsums, isa): the Q8_K activations the "q8" K-quant kernels compute with
+ * (matmul_q8k.c, at SIMD level `isa`), for T contiguous rows of K floats (K a multiple of 256): qs (T, K) int8,
+ * d (T, K / 256) float, bsums (T, K / 16) int16. Exported for tests and tools; the kernels quantise internally. */
+PI_EXPORT int32_t pi_quantize_q8_k(const float *x, int64_t K, int64_t T, int8_t *qs, float *d, int16_t *bsums,
+                                   int32_t isa) {
+    if (K < 0 || T < 0 || K % QK_K != 0) return PI_ERR_SHAPE;
+    if (K > 0 && T > 0 && (x == NULL || qs == NULL || d == NULL || bsums == NULL)) return PI_ERR_SHAPE;
+    const quantize_q8k_fn quantize = kq8_quantizer(isa);
+    const int64_t nb = K / QK_K;
+    for (int64_t t = 0; t < T; t++) quantize(x + t * K, nb, qs + t * K, d + t * nb, bsums + t * nb * 16);
     return PI_OK;
 }

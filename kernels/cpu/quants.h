@@ -1,7 +1,8 @@
 /* The weight types of the kernels: their ids (ggml's type numbers), the block-32 layouts, one scalar decoder per
  * block-32 and float type (the K-quants' layouts and decoders are in kquants.h), and the traits table that gives
  * every type's block size and decoder, shared by get_rows.c, matmul.c and sparse.c. The kernels of a type at each
- * SIMD level are the per-ISA tables of matmul.c (matmul_table) and matmul_q8k.c.
+ * SIMD level are the per-ISA tables of matmul.c (matmul_table, matmul_types.h) and matmul_q8k.c (kq8_table,
+ * matmul_q8k_types.h).
  *
  * All formats are little endian; fp16 is IEEE binary16. Blocks hold 32 elements (QK).
  *
@@ -52,6 +53,10 @@ enum pi_type {
 #define PI_KQUANT_TYPES(X)                                                                                         \
     X(q2_k, PI_TYPE_Q2_K) X(q3_k, PI_TYPE_Q3_K) X(q4_k, PI_TYPE_Q4_K) X(q5_k, PI_TYPE_Q5_K) X(q6_k, PI_TYPE_Q6_K)
 #define PI_IQ4_TYPES(X) X(iq4_nl, PI_TYPE_IQ4_NL) X(iq4_xs, PI_TYPE_IQ4_XS) /* dense kernels only: matmul_q8k.c */
+/* matmul_q8k.c's "q8" kernels: the types on int8 super-block activations (act_q8k), and the block-32 ones on the
+ * int8 blocks of 32 of matmul.c (act_q8) whose kernels are there rather than in matmul.c's table */
+#define PI_KQ8_TYPES(X) PI_KQUANT_TYPES(X) X(iq4_xs, PI_TYPE_IQ4_XS)
+#define PI_KQ8_BLOCK32_TYPES(X) X(iq4_nl, PI_TYPE_IQ4_NL)
 
 typedef void (*row_decode_fn)(const uint8_t *row, int64_t K, float *y);
 
@@ -222,18 +227,35 @@ static inline void ints_q5_1(const uint8_t *row, int64_t i, int *q, float *d, fl
     *m = fp16_to_fp32(b->m);
 }
 
+/* IQ4_NL (kquants.h): the table values kv[index], signed as Q8_0's, no offset */
+static inline void ints_iq4_nl(const uint8_t *row, int64_t i, int *q, float *d, float *m) {
+    const block_iq4_nl *b = (const block_iq4_nl *)row + i;
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = kvalues_iq4[b->qs[j] & 0x0F];
+        q[j + QK / 2] = kvalues_iq4[b->qs[j] >> 4];
+    }
+    *d = fp16_to_fp32(b->d);
+    *m = 0.0f;
+}
+
+/* The blocks of every coef_bf16 type (the traits below): 32 4-bit values q, element j < 16 the low nibble of qs[j],
+ * j >= 16 the high nibble of qs[j - 16], w = (q - int8_offset) * d, no minimum. The sparse "q8" kernels read the
+ * units of those types through this layout (sparse.c, sparse_x86.h); a type with another layout cannot set it. */
+typedef block_q4_0 block_coef4;
+
 /* ---- traits of every type ---------------------------------------------------------------------------------- */
 
 typedef struct {
     int32_t block_elems; /* elements per block: 1 (float types), QK or QK_K; 0: no such type */
     int32_t block_bytes;
     row_decode_fn decode; /* to the reference dequantiser's floats */
-    /* block-32 types: the integer view of a block (block_ints_fn), the offset its q are stored with and whether it
-     * has a minimum m; NULL / 0 for the others */
+    /* block-32 types (IQ4_NL's too): the integer view of a block (block_ints_fn), the offset its q are stored with
+     * and whether it has a minimum m; NULL / 0 for the others */
     block_ints_fn ints;
     int32_t int8_offset;
     int32_t has_min;
-    /* 1: its sparse rows in the "q8" precision take bfloat16 coefficients c = bf16(h * d) (sparse.h, coef_bf16) */
+    /* 1: its sparse rows in the "q8" precision take bfloat16 coefficients c = bf16(h * d) (sparse.h, coef_bf16);
+     * its blocks are block_coef4's */
     int32_t coef_bf16;
 } type_traits;
 
@@ -251,7 +273,7 @@ static const type_traits TYPE_TRAITS[PI_TYPE_COUNT] = {
     [PI_TYPE_Q4_K] = {QK_K, sizeof(block_q4_k), decode_q4_k},
     [PI_TYPE_Q5_K] = {QK_K, sizeof(block_q5_k), decode_q5_k},
     [PI_TYPE_Q6_K] = {QK_K, sizeof(block_q6_k), decode_q6_k},
-    [PI_TYPE_IQ4_NL] = {QK, sizeof(block_iq4_nl), decode_iq4_nl},
+    [PI_TYPE_IQ4_NL] = {QK, sizeof(block_iq4_nl), decode_iq4_nl, ints_iq4_nl},
     [PI_TYPE_IQ4_XS] = {QK_K, sizeof(block_iq4_xs), decode_iq4_xs},
 };
 

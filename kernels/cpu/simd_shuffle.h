@@ -21,11 +21,11 @@ TARGET_INLINE void FN(transpose8_epi32)(const __m256i *r, __m256i *v) {
     _mm256_store_si256(v + 7, _mm256_permute2x128_si256(u3, u7, 0x31));
 }
 
-/* _mm256_hadd_ps / _mm256_hadd_epi32: {a0+a1, a2+a3, b0+b1, b2+b3} in each 128-bit lane, the same additions (so
- * the same bits). The AVX-512 variant computes them with two shuffles and an add: vphadd has no EVEX form, so where
- * the compiler keeps values in ymm16-31 it copies them to ymm0-15 around each one, and that measured slow (a Xeon
- * with AVX-512, one-token Q8_0 rows in L2: 2.8 ns a block with vphaddd, 0.96 with the shuffles; 1.15 for the AVX2
- * variant, whose code never sees ymm16-31). */
+/* _mm256_hadd_ps / _mm256_hadd_epi32: {a0+a1, a2+a3, b0+b1, b2+b3} in each 128-bit lane, the same additions (so the
+ * same bits). The AVX-512 variant computes them with two shuffles and an add: vphadd has no EVEX form, so where the
+ * compiler keeps values in ymm16-31 it copies them to ymm0-15 around each one, and that measured slow (a Xeon with
+ * AVX-512, one-token rows of the 8-bit block type in L2: 2.8 ns a block with vphaddd, 0.96 with the shuffles; 1.15
+ * for the AVX2 variant, whose code never sees ymm16-31). */
 TARGET_INLINE __m256 FN(hadd_ps)(__m256 a, __m256 b) {
 #if SIMD_AVX512
     return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));

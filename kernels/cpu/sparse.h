@@ -117,9 +117,9 @@ void axpy_t1_units(axpy_units_fn units, int kind, const axpy_ctx *c, int64_t u0,
 
 /* ---- shared with the fused decode kernels (ffn.c, layer.c) ---- */
 
-/* rows longer than this go through the float dot products one at a time: interleaving several long rows halves
- * the DRAM throughput (measured on a 2-core EPYC: the 22 gate matrices of a 1.1B Q4_0 model, one token, 45 ms
- * with 4 rows per call against 27 ms one row at a time), as for the dense matvec (matmul.c) */
+/* rows longer than this go through the float dot products one at a time: interleaving several long rows halves the
+ * DRAM throughput (measured on a 2-core EPYC: the 22 gate matrices of a 1.1B model of a 4-bit block type, one token,
+ * 45 ms with 4 rows per call against 27 ms one row at a time), as for the dense matvec (matmul.c) */
 #define FFN_DOT_MAX_ROW 512
 
 enum ffn_act { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_LAST = ACT_GELU_TANH };

@@ -73,34 +73,37 @@ TARGET_INLINE void FN(axpy_decode)(const int kind, const uint8_t *row, int64_t u
     FN(decode_block32)(kind, 1, row + u * TYPE_TRAITS[kind].block_bytes, w);
 }
 
-/* ---- Q4_0 in the q8 precision: bfloat16 coefficients (sparse.h, axpy_coef_bf16) ---------------------------- */
+/* ---- coef_bf16 kinds in the q8 precision: bfloat16 coefficients (sparse.h, axpy_coef_bf16) ------------------- */
 
-/* q - 8 of the 32 elements of a Q4_0 unit as floats (exact), in element order */
-TARGET_INLINE void FN(q4_0_ints)(const uint8_t *qs, SV *w) {
+/* q - int8_offset of the 32 elements of a unit of a coef_bf16 kind (its 16 bytes of 4-bit values, block_coef4 in
+ * quants.h) as floats (exact), in element order */
+TARGET_INLINE void FN(coef_ints)(const int kind, const uint8_t *qs, SV *w) {
+    const float offset = (float)TYPE_TRAITS[kind].int8_offset;
 #if SIMD_AVX512
-    const __m512 iota8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 iota = _mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                      _mm512_set1_ps(offset));
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-    w[0] = _mm512_permutexvar_ps(q, iota8);
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), iota8);
+    w[0] = _mm512_permutexvar_ps(q, iota);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), iota);
 #else
     const __m256i mask = _mm256_set1_epi32(0x0F);
-    const __m256 eight = _mm256_set1_ps(8.0f);
+    const __m256 off = _mm256_set1_ps(offset);
     for (int h = 0; h < 2; h++) {
         const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * h)));
-        w[h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), eight);
-        w[2 + h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), eight);
+        w[h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, mask)), off);
+        w[2 + h] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), off);
     }
 #endif
 }
 
-/* axpy_coef_bf16 with the F16C conversion (exact, as fp16_to_fp32) */
+/* axpy_coef_bf16 with the F16C conversion (exact, as fp16_to_fp32) of unit u's scale */
 TARGET_INLINE float FN(coef_f32)(float h, const uint8_t *row, int64_t u) {
-    return bf16_to_fp32(bf16_round(h * _cvtsh_ss(((const block_q4_0 *)row + u)->d)));
+    return bf16_to_fp32(bf16_round(h * _cvtsh_ss(((const block_coef4 *)row + u)->d)));
 }
 
 /* T = 1, full units [u0, u1) of y: the listed rows added to y (c->accumulate) or to zero. */
-/* coef (Q4_0 in the q8 precision, sparse.h): the integers q - 8 times each row's bfloat16 coefficient of the unit
- * instead of the decoded weights times h */
+/* coef (a coef_bf16 kind in the q8 precision, sparse.h): the integers q - offset times each row's bfloat16
+ * coefficient of the unit instead of the decoded weights times h */
 TARGET_INLINE void FN(axpy_t1)(const int kind, const int coef, const axpy_ctx *c, int64_t u0, int64_t u1) {
     float *y = c->y;
     if (!c->accumulate)
@@ -124,7 +127,7 @@ TARGET_INLINE void FN(axpy_t1)(const int kind, const int coef, const axpy_ctx *c
             for (int r = 0; r < n; r++) {
                 SV w[SV_PER_UNIT];
                 if (coef)
-                    FN(q4_0_ints)(((const block_q4_0 *)rows[r] + u)->qs, w);
+                    FN(coef_ints)(kind, ((const block_coef4 *)rows[r] + u)->qs, w);
                 else
                     FN(axpy_decode)(kind, rows[r], u, w);
                 const SV h = coef ? SV_SET1(FN(coef_f32)(c->act_h[g + r], rows[r], u)) : hv[r];
@@ -161,7 +164,7 @@ TARGET_INLINE void FN(axpy_tile)(const int kind, const int coef, const axpy_ctx 
         for (int64_t u = u0; u < u1; u++) {
             SV w[SV_PER_UNIT];
             if (coef)
-                FN(q4_0_ints)(((const block_q4_0 *)row + u)->qs, w);
+                FN(coef_ints)(kind, ((const block_coef4 *)row + u)->qs, w);
             else
                 FN(axpy_decode)(kind, row, u, w);
             for (int t = 0; t < ntok; t++) {
@@ -308,19 +311,20 @@ TARGET_BF static inline __m512i FN(bf16_round_v)(__m512 p) {
     return _mm512_mask_or_epi32(r, nan, r, _mm512_set1_epi32(0x40));
 }
 
-/* T = 1 with vdpbf16ps: the group's rows a pair at a time. Bytes of the pair's two units (first row's 16, then
- * the second's) are spread to words by vpermb: word 2i + 1 = byte i of the first row (odd lane, added first),
- * word 2i = byte i of the second; vpermw picks bf16(q - 8) from a table by the low 5 bits (the table repeats, so
- * bit 4, the other nibble's, is ignored), the high nibbles after a shift by 4. An odd row out is paired with a
- * zero coefficient (its lane adds +0). */
-TARGET_BF static void FN(axpy_t1_q4_0_dp)(const axpy_ctx *c, int64_t u0, int64_t u1) {
+/* T = 1 with vdpbf16ps, a coef_bf16 kind: the group's rows a pair at a time. Bytes of the pair's two units (first
+ * row's 16, then the second's) are spread to words by vpermb: word 2i + 1 = byte i of the first row (odd lane,
+ * added first), word 2i = byte i of the second; vpermw picks bf16(q - offset) from a table by the low 5 bits (the
+ * table repeats, so bit 4, the other nibble's, is ignored), the high nibbles after a shift by 4. An odd row out is
+ * paired with a zero coefficient (its lane adds +0). */
+TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     float *y = c->y;
     if (!c->accumulate)
         for (int64_t u = u0; u < u1; u++)
             for (int j = 0; j < 2; j++) _mm512_storeu_ps(y + u * AXPY_UNIT + 16 * j, _mm512_setzero_ps());
     uint16_t tab_words[32];
     uint8_t spread[64];
-    for (int i = 0; i < 32; i++) tab_words[i] = axpy_coef_bf16((float)((i & 15) - 8), 0x3C00 /* 1.0 */);
+    for (int i = 0; i < 32; i++)
+        tab_words[i] = axpy_coef_bf16((float)((i & 15) - TYPE_TRAITS[kind].int8_offset), 0x3C00 /* 1.0 */);
     for (int j = 0; j < 32; j++) spread[2 * j] = spread[2 * j + 1] = (uint8_t)((j & 1 ? 0 : 16) + j / 2);
     const __m512i tab = _mm512_loadu_si512(tab_words), perm = _mm512_loadu_si512(spread);
     /* a pair of rows at a time over the whole slice: two sequential streams (rows stay in DRAM order), y in L1;
@@ -336,8 +340,8 @@ TARGET_BF static void FN(axpy_t1_q4_0_dp)(const axpy_ctx *c, int64_t u0, int64_t
             /* the chunk's coefficients, pair dwords (first row high), bf16_round in SIMD */
             uint16_t d0[16] = {0}, d1[16] = {0};
             for (int k = 0; k < nu; k++) {
-                d0[k] = ((const block_q4_0 *)r0 + uc + k)->d;
-                d1[k] = ((const block_q4_0 *)r1 + uc + k)->d;
+                d0[k] = ((const block_coef4 *)r0 + uc + k)->d;
+                d1[k] = ((const block_coef4 *)r1 + uc + k)->d;
             }
             uint32_t coef[16];
             {
@@ -351,7 +355,7 @@ TARGET_BF static void FN(axpy_t1_q4_0_dp)(const axpy_ctx *c, int64_t u0, int64_t
                 const int64_t u = uc + k;
                 if (a0 != NULL) __builtin_prefetch(a0 + u * c->unit_bytes, 0, 2);
                 if (a1 != NULL) __builtin_prefetch(a1 + u * c->unit_bytes, 0, 2);
-                const block_q4_0 *b0 = (const block_q4_0 *)r0 + u, *b1 = (const block_q4_0 *)r1 + u;
+                const block_coef4 *b0 = (const block_coef4 *)r0 + u, *b1 = (const block_coef4 *)r1 + u;
                 const __m256i both = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)b1->qs),
                                                       _mm_loadu_si128((const __m128i *)b0->qs));
                 const __m512i x = _mm512_permutexvar_epi8(perm, _mm512_castsi256_si512(both));
@@ -387,23 +391,24 @@ TARGET_BF static int FN(bf16_dot_selftest)(void) {
 #undef TARGET_BF
 #endif
 
-TARGET_INLINE void FN(axpy_units_q4_0_coef)(const axpy_ctx *c, int64_t u0, int64_t u1) {
+TARGET_INLINE void FN(axpy_units_coef)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     if (u1 <= u0) return;
     if (c->T == 1) {
 #if SIMD_AVX512
         if (axpy_bf16_dot_ok()) {
-            FN(axpy_t1_q4_0_dp)(c, u0, u1);
+            FN(axpy_t1_coef_dp)(kind, c, u0, u1);
             return;
         }
 #endif
     }
-    FN(axpy_units_kind)(PI_TYPE_Q4_0, 1, c, u0, u1);
+    FN(axpy_units_kind)(kind, 1, c, u0, u1);
 }
 
-/* a block-32 or float kind; Q4_0 in the q8 precision with its bfloat16 coefficients (sparse.h) */
+/* a block-32 or float kind; a coef_bf16 kind (TYPE_TRAITS) in the q8 precision with its bfloat16 coefficients
+ * (sparse.h) */
 TARGET_INLINE void FN(axpy_units_plain)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
-    if (kind == PI_TYPE_Q4_0 && c->coef_bf16)
-        FN(axpy_units_q4_0_coef)(c, u0, u1);
+    if (TYPE_TRAITS[kind].coef_bf16 && c->coef_bf16)
+        FN(axpy_units_coef)(kind, c, u0, u1);
     else
         FN(axpy_units_kind)(kind, 0, c, u0, u1);
 }

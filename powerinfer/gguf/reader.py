@@ -328,10 +328,11 @@ def in_memory(gguf: GGUFFile) -> GGUFFile:
     for transparent huge pages; the metadata stays on the memory map.
 
     The kernels then stream the weights through 2 MiB pages instead of the file mapping's 4 KiB ones (fewer TLB
-    misses) and never take a page fault during decode. Measured on a 2-core AVX-512 Xeon VM, one-token Q4_0
-    products over the FFN matrices of a 1.1B file: 10.0 GB/s from the file mapping, 12.4 from such a copy at 1
-    thread (16.0 and 17.2 at 2). Only the tensors listed in `gguf.tensors` are read (a pipeline stage's view holds
-    its own layers). Raises FormatError when the file no longer holds the bytes its header promised."""
+    misses) and never take a page fault during decode. Measured on a 2-core AVX-512 Xeon VM, one-token products
+    over the FFN matrices of a 1.1B file of a 4-bit block type (docs/kernels.md): 10.0 GB/s from the file mapping,
+    12.4 from such a copy at 1 thread (16.0 and 17.2 at 2). Only the tensors listed in `gguf.tensors` are read (a
+    pipeline stage's view holds its own layers). Raises FormatError when the file no longer holds the bytes its
+    header promised."""
     total = tensor_bytes_total(gguf)
     buf = mmap.mmap(-1, max(total, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):

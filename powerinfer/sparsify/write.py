@@ -55,9 +55,10 @@ def down_t_name(name: str) -> str:
 
 def transposed_type(src: GGMLType, n_cols: int, want: GGMLType | None = None) -> GGMLType:
     """The type of ffn_down_t: the DOWN_T_KEPT types as they are (exact, or one 8-bit rounding); every lower-bit
-    type as DOWN_T_DEFAULT, since rounding the transpose to 4 or 5 bits again along the other axis costs SmolLM2
-    Q4_1 +8% perplexity on its own (measured: PPL 18.92 vs 17.68 dense; Q8_0: 17.71). For the smallest sparse file,
-    sparsify the F16 model and `quantize` the result (ffn_down_t is then rounded once, as PowerInfer does)."""
+    type as DOWN_T_DEFAULT, since rounding the transpose to 4 or 5 bits again along the other axis costs the bundled
+    SmolLM2 file +8% perplexity on its own (measured: PPL 18.92 vs 17.68 dense; with DOWN_T_DEFAULT 17.71;
+    docs/sparsity.md). For the smallest sparse file, sparsify the F16 model and `quantize` the result (ffn_down_t is
+    then rounded once, as PowerInfer does)."""
     if want is not None:
         dst = want
     else:
