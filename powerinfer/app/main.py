@@ -37,9 +37,11 @@ def print_timings(engine: Engine) -> None:
     for line in format_timings(tm):
         err.print(line, markup=False)
     if tm.n_eval and tm.eval_ms > 0:
-        gbs = engine.weight_bytes * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
+        # the bytes a decoded token reads (a MoE token its k experts' rows, a sparse one its active rows), not the
+        # file's: the whole file overstated MoE files by n_expert / k on their expert tensors
+        gbs = engine.read_bytes_per_token() * tm.n_eval / (tm.eval_ms / 1e3) / 1e9
         err.print(
-            f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (model bytes x tokens/s)",
+            f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (weight bytes read per token x tokens/s)",
             markup=False,
         )
     for line in engine.sparse_report():
