@@ -1,5 +1,5 @@
 """Q4_0 down rows in the q8 precision (kernels/cpu/sparse.h, axpy_coef_bf16): y += c * (q - 8) per element, rows
-in order, c = bfloat16(h * d) rounded to nearest even. The product is exact in float, so the chain is defined to
+in order in each of the AXPY_CHAINS chains (axpy_chains), c = bfloat16(h * d) rounded to nearest even. The product is exact in float, so the chain is defined to
 the bit; the oracle below computes it in torch one row at a time (float32 adds of exact products) and every
 SIMD variant (vdpbf16ps pairs on AVX512-BF16 CPUs, float FMAs elsewhere), the tiled T > 1 path and every thread
 count must give exactly its bits. The f32 precision keeps the float chain of the other types."""
@@ -35,15 +35,25 @@ def random_q4_0(n_rows: int, n_cols: int, seed: int) -> tuple[ops.QWeight, torch
     return ops.QWeight.from_numpy(raw, GGMLType.Q4_0, (n_rows, n_cols)), *q4_0_parts(raw, n_rows, n_cols)
 
 
+AXPY_CHAINS = 2  # kernels/cpu/sparse.h
+
+
 def chain(h: torch.Tensor, q: torch.Tensor, d: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """The defined chain for one token: rows with h != 0 in idx order."""
-    y = torch.zeros(q.shape[1], dtype=torch.float32)
-    for m, row in enumerate(idx.tolist()):
-        if h[m] == 0:
-            continue
-        c = (h[m] * d[row]).to(torch.bfloat16).to(torch.float32)  # float product, then RNE to bfloat16
-        y = y + c.repeat_interleave(32) * q[row]  # exact products, one rounding per add
-    return y
+    """The defined sum for one token: AXPY_CHAINS chains, chain p over the listed rows with an id in
+    [N p / P, N (p + 1) / P) (N rows), each the rows with h != 0 in list order from 0, then chain 0 + chain 1 + ...
+    in that order."""
+    n_rows, rows = q.shape[0], idx.tolist()
+    total = None
+    for p in range(AXPY_CHAINS):
+        lo, hi = n_rows * p // AXPY_CHAINS, n_rows * (p + 1) // AXPY_CHAINS
+        y = torch.zeros(q.shape[1], dtype=torch.float32)
+        for m, row in enumerate(rows):
+            if h[m] == 0 or not lo <= row < hi:
+                continue
+            c = (h[m] * d[row]).to(torch.bfloat16).to(torch.float32)  # float product, then RNE to bfloat16
+            y = y + c.repeat_interleave(32) * q[row]  # exact products, one rounding per add
+        total = y if total is None else total + y
+    return total
 
 
 @needs_kernels

@@ -6,6 +6,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "sparse.h"
 
@@ -37,6 +38,7 @@ typedef struct {
     axpy_ctx down; /* T = 1 over h */
     int kind_down;
     axpy_units_fn units; /* the SIMD variant of the down rows */
+    float *chains;       /* the down rows' chains after the first (axpy_chains_scratch(1, D, 0)) */
 } ffn_ctx;
 
 static inline void ffn_dot(const ffn_mat *m, const uint8_t *const *rows, int R, const ffn_ctx *c, float *out) {
@@ -98,14 +100,10 @@ static void ffn_phase1(const ffn_ctx *c, int64_t m0, int64_t m1) {
     ffn_pass(c, 1, m0, m1);
 }
 
-/* this thread's slice of the output units: the rows with h != 0, as rows_axpy sums them */
+/* this thread's share of the down rows with h != 0, as rows_axpy sums them (its chains: axpy_chains); every
+ * thread of the team calls it */
 static void ffn_phase2(const ffn_ctx *c, int64_t me, int64_t all) {
-    const axpy_ctx *d = &c->down;
-    const int64_t unit = axpy_unit_of(c->kind_down);
-    const int64_t n_full = d->D / unit, n_units = (d->D + unit - 1) / unit;
-    const int64_t u0 = n_units * me / all, u1 = n_units * (me + 1) / all;
-    axpy_t1_units(c->units, c->kind_down, d, u0, min_i64(u1, n_full));
-    if (u1 > n_full) axpy_range_scalar(c->kind_down, d, n_full * unit, d->D); /* partial unit: F32/F16 */
+    axpy_chains(c->units, c->kind_down, &c->down, c->chains, me, all);
 }
 
 /* Scratch of pi_ffn_rows over M neurons of K inputs: h (M floats), then the int8 activations in the q8 precision. */
@@ -162,10 +160,12 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
         .idx = idx, .M = M, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = M, .D = D,
                  .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = M, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8_act && type_coef_bf16(down_kind)},
+                 .coef_bf16 = q8_act && type_coef_bf16(down_kind), .n_rows = N},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
+        .chains = malloc(axpy_chains_scratch(1, D, 0)),
     };
+    if (c.chains == NULL) return PI_ERR_ALLOC;
     if (nt == 1) {
         ffn_phase1(&c, 0, M);
         ffn_phase2(&c, 0, 1);
@@ -178,6 +178,7 @@ PI_EXPORT int32_t pi_ffn_rows(const float *u, int64_t K, int64_t D, int64_t N, c
             ffn_phase2(&c, me, all);
         }
     }
+    free(c.chains);
     return PI_OK;
 }
 
@@ -267,10 +268,12 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
         .idx = idx, .M = 0, .K = K, .u = u, .a = &a, .act = act, .relu_up = relu_up != 0, .h = h,
         .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                  .unit_bytes = axpy_unit_bytes(down_kind), .h = h, .h_stride = 0, .T = 1, .y = y, .y_stride = D,
-                 .coef_bf16 = q8 && type_coef_bf16(down_kind)},
+                 .coef_bf16 = q8 && type_coef_bf16(down_kind), .n_rows = N},
         .kind_down = down_kind,
         .units = axpy_units_for(level),
+        .chains = malloc(axpy_chains_scratch(1, D, 0)),
     };
+    if (c.chains == NULL) return PI_ERR_ALLOC;
     double t_pred = 0.0;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -309,6 +312,7 @@ PI_EXPORT int32_t pi_predict_ffn(const float *x, const float *u, int64_t K, int6
 #pragma omp barrier
         ffn_phase2(&c, me, all);
     }
+    free(c.chains);
     *n_active = c.M;
     if (predictor_seconds != NULL) *predictor_seconds = t_pred;
     if (c.M == 0)
@@ -429,13 +433,15 @@ int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint
             .h = a_buf,
             .down = {.w = down, .w_stride = down_stride, .idx = idx, .M = 0, .D = D,
                      .unit_bytes = axpy_unit_bytes(down_kind), .h = a_buf, .h_stride = 0, .T = 1, .y = y,
-                     .y_stride = D, .coef_bf16 = q8_act && type_coef_bf16(down_kind)},
+                     .y_stride = D, .coef_bf16 = q8_act && type_coef_bf16(down_kind), .n_rows = N},
             .kind_down = down_kind,
             .units = axpy_units_for(level),
+            .chains = malloc(axpy_chains_scratch(1, D, 0)),
         },
         .gate_kind = gate_kind, .cand = cand, .C = C, .thresholds = thresholds,
         .out_thresholds = dense ? NULL : out_thresholds, .dense = dense != 0, .idx = idx, .a = a_buf,
     };
+    if (k.c.chains == NULL) return PI_ERR_ALLOC;
 #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
@@ -476,6 +482,7 @@ int32_t cats_ffn_run(const float *u, int64_t K, int64_t D, int64_t N, const uint
         } /* implicit barrier */
         ffn_phase2(&k.c, me, all);
     }
+    free(k.c.chains);
     *n_active = k.c.M;
     if (n_up != NULL) *n_up = up_total;
     if (k.c.M == 0)

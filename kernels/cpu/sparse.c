@@ -162,8 +162,9 @@ void axpy_range_scalar(int kind, const axpy_ctx *c, int64_t e0, int64_t e1) {
         for (int64_t e = e0; e < e1; e++) yt[e] = 0.0f;
         for (int64_t m = 0; m < c->M; m++) {
             const float hv = ht[m];
-            if (hv == 0.0f) continue;
-            const uint8_t *row = c->w + row_of(c->idx, m) * c->w_stride;
+            const int64_t id = row_of(c->idx, m);
+            if (hv == 0.0f || id < c->row_lo || id >= c->row_hi) continue; /* this chain's rows (axpy_chains) */
+            const uint8_t *row = c->w + id * c->w_stride;
             for (int64_t u = e0 / AXPY_UNIT; u * AXPY_UNIT < e1; u++) {
                 const int j1 = (int)min_i64(AXPY_UNIT, e1 - u * AXPY_UNIT);
                 if (c->coef_bf16 && type_coef_bf16(kind)) {
@@ -276,14 +277,74 @@ void axpy_t1_units(axpy_units_fn units, int kind, const axpy_ctx *c, int64_t u0,
         int64_t n = 0;
         for (; m < c->M && n < AXPY_CHUNK; m++) {
             const float hv = c->h[m];
-            if (hv == 0.0f) continue;
-            rows[n] = c->w + row_of(c->idx, m) * c->w_stride;
+            const int64_t row = row_of(c->idx, m);
+            if (hv == 0.0f || row < c->row_lo || row >= c->row_hi) continue;
+            rows[n] = c->w + row * c->w_stride;
             hs[n++] = hv;
         }
         d.n_act = n;
         units(kind, &d, u0, u1);
         d.accumulate = 1;
     } while (m < c->M);
+}
+
+static inline int64_t axpy_chain_lo(const axpy_ctx *c, int p) { return c->n_rows * p / AXPY_CHAINS; }
+
+void axpy_chains_prepare(const axpy_ctx *c, float *scratch) {
+    if (c->T <= 1) return;
+    float *hp = scratch + (int64_t)(AXPY_CHAINS - 1) * c->T * c->D;
+    for (int p = 0; p < AXPY_CHAINS; p++) {
+        const int64_t lo = axpy_chain_lo(c, p), hi = axpy_chain_lo(c, p + 1);
+        for (int64_t t = 0; t < c->T; t++)
+            for (int64_t m = 0; m < c->M; m++) {
+                const int64_t row = row_of(c->idx, m);
+                hp[(p * c->T + t) * c->M + m] = row >= lo && row < hi ? c->h[t * c->h_stride + m] : 0.0f;
+            }
+    }
+}
+
+void axpy_chains(axpy_units_fn units, int kind, const axpy_ctx *c, float *scratch, int64_t me, int64_t all) {
+    const int64_t unit = axpy_unit_of(kind);
+    const int64_t n_full = c->D / unit, n_units = (c->D + unit - 1) / unit;
+    const int64_t n = c->T * c->D;
+    for (int p = 0; p < AXPY_CHAINS; p++) {
+        int64_t j = 0, g = 1; /* this thread's slice j of the chain's g slices of units */
+        if (all >= AXPY_CHAINS) {
+            if (me % AXPY_CHAINS != p) continue;
+            g = (all - p + AXPY_CHAINS - 1) / AXPY_CHAINS;
+            j = me / AXPY_CHAINS;
+        } else if (p % all != me) {
+            continue;
+        }
+        axpy_ctx d = *c;
+        d.row_lo = axpy_chain_lo(c, p);
+        d.row_hi = axpy_chain_lo(c, p + 1);
+        if (p > 0) {
+            d.y = scratch + (int64_t)(p - 1) * n;
+            d.y_stride = c->D;
+        }
+        if (c->T > 1) { /* the other chains' rows at h = 0, which every path skips */
+            d.h = scratch + (int64_t)(AXPY_CHAINS - 1) * n + (int64_t)p * c->T * c->M;
+            d.h_stride = c->M;
+        }
+        const int64_t u0 = n_units * j / g, u1 = n_units * (j + 1) / g;
+        if (c->T == 1)
+            axpy_t1_units(units, kind, &d, u0, min_i64(u1, n_full));
+        else if (u0 < min_i64(u1, n_full))
+            units(kind, &d, u0, min_i64(u1, n_full));
+        if (u1 > n_full) axpy_range_scalar(kind, &d, n_full * unit, c->D); /* partial unit: F32/F16 only */
+    }
+    if (all > 1) {
+#pragma omp barrier
+    }
+    /* y = ((chain 0 + chain 1) + ...), this thread's elements of every token */
+    const int64_t e0 = n * me / all, e1 = n * (me + 1) / all;
+    for (int64_t i = e0; i < e1; i++) {
+        const int64_t t = i / c->D, e = i % c->D;
+        float v = c->y[t * c->y_stride + e];
+        for (int p = 1; p < AXPY_CHAINS; p++) v += scratch[(int64_t)(p - 1) * n + i];
+        c->y[t * c->y_stride + e] = v;
+    }
 }
 
 static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,
@@ -305,28 +366,22 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
-                        .coef_bf16 = q8_act != 0 && type_coef_bf16(kind)};
+                        .coef_bf16 = q8_act != 0 && type_coef_bf16(kind), .n_rows = N};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;
         for (int64_t m = 0; m < M; m++) work_rows += h[m] != 0.0f;
     }
     const axpy_units_fn units = axpy_units_for(isa);
-    const int64_t unit = axpy_unit_of(kind);
-    const int64_t n_full = D / unit;
-    const int64_t n_units = (D + unit - 1) / unit;
+    const int64_t n_units = (D + axpy_unit_of(kind) - 1) / axpy_unit_of(kind);
     int32_t nt = threads_for_work(n_threads, work_rows * D * T);
-    if (nt > n_units) nt = (int32_t)n_units;
-#pragma omp parallel num_threads(nt)
-    {
-        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
-        const int64_t u0 = n_units * me / all, u1 = n_units * (me + 1) / all;
-        if (T == 1)
-            axpy_t1_units(units, kind, &c, u0, min_i64(u1, n_full));
-        else
-            units(kind, &c, u0, min_i64(u1, n_full));
-        if (u1 > n_full) axpy_range_scalar(kind, &c, n_full * unit, D); /* partial unit: F32/F16 only */
-    }
+    if (nt > AXPY_CHAINS * n_units) nt = (int32_t)(AXPY_CHAINS * n_units);
+    float *scratch = malloc(axpy_chains_scratch(T, D, M));
+    if (scratch == NULL) return PI_ERR_ALLOC;
+    axpy_chains_prepare(&c, scratch);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    axpy_chains(units, kind, &c, scratch, omp_get_thread_num(), omp_get_num_threads());
+    free(scratch);
     return PI_OK;
 }
 

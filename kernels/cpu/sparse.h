@@ -75,6 +75,9 @@ typedef struct {
     const float *act_h;       /* and their h */
     int64_t n_act;
     int accumulate; /* T == 1: add the chunk to y (else y starts from 0) */
+    int64_t n_rows;         /* rows of the weight (the ids idx may hold): the chains split this range */
+    int64_t row_lo, row_hi; /* the chain's rows (axpy_chains): axpy_t1_units and axpy_range_scalar take only the
+                             * listed rows with an id in [row_lo, row_hi); T > 1 gets them through h */
     int coef_bf16;  /* rows of a coef_bf16 type (quants.h) in the q8 precision: bfloat16 coefficients */
 } axpy_ctx;
 
@@ -114,6 +117,33 @@ axpy_units_fn axpy_units_for(int32_t isa);
 /* T = 1, full units [u0, u1) of y: the rows with h != 0 in index order (c->h, c->idx, c->M), listed a chunk at a
  * time on the calling thread's stack; each element is the same FMA chain whatever the chunking. */
 void axpy_t1_units(axpy_units_fn units, int kind, const axpy_ctx *c, int64_t u0, int64_t u1);
+
+/* The sum over the listed rows is AXPY_CHAINS chains, fixed whatever the thread count and however the rows are
+ * listed: chain p takes the listed rows with an id in [n_rows p / AXPY_CHAINS, n_rows (p + 1) / AXPY_CHAINS), in
+ * list order, each element a chain of FMAs (or of bfloat16 coefficient steps) from 0, and y = ((chain 0 + chain 1)
+ * + ...). A token's compact list of active rows (decode) and a prompt's list of every row with h = 0 where the token
+ * is inactive give the same chains. With two or more threads each chain has threads of its own, which read whole
+ * rows of their half of the matrix: a split of the output columns had every thread read part of every row, and each
+ * core's prefetchers fetched the rest of the row too, so both cores pulled the whole matrix (measured on the 2-core
+ * EPYC, 12 matrices of 5632 rows of 1152 bytes, a plain read: 1 thread 0.276 ms a matrix, 2 threads on half of each
+ * row 0.691, 2 threads on half of the rows 0.175; docs/sparsity.md). */
+#define AXPY_CHAINS 2
+
+/* Bytes of the scratch axpy_chains needs for T tokens of D outputs over a list of M rows: the chains after the
+ * first, and for T > 1 each chain's copy of h with the other chains' rows at 0 */
+static inline size_t axpy_chains_scratch(int64_t T, int64_t D, int64_t M) {
+    return (size_t)(AXPY_CHAINS - 1) * (size_t)T * (size_t)D * sizeof(float) +
+           (T > 1 ? (size_t)AXPY_CHAINS * (size_t)T * (size_t)M * sizeof(float) : 0);
+}
+
+/* T > 1: chain p's h (T x M, stride M) at scratch + (AXPY_CHAINS - 1) T D floats + p T M, filled from c->h; once,
+ * before the threads of axpy_chains start */
+void axpy_chains_prepare(const axpy_ctx *c, float *scratch);
+
+/* Thread `me` of a team of `all` (all = 1 outside a parallel region): its share of every chain of c into c->y (chain
+ * 0) and the scratch (the others), then, after a barrier of the team, its share of the sum into c->y. Every thread
+ * of the team must call it. */
+void axpy_chains(axpy_units_fn units, int kind, const axpy_ctx *c, float *scratch, int64_t me, int64_t all);
 
 /* ---- shared with the fused decode kernels (ffn.c, layer.c) ---- */
 
