@@ -196,22 +196,16 @@ def test_sparsify_other_moe_archs(files, tmp_path: Path, arch: str):
     assert torch.isfinite(engine.logits_all(PROMPT)).all()
 
 
+def invoke_sparsify(model: Path, out: Path):
+    """`powerinfer sparsify` at S = 0.5 on the calibration corpus, through the CLI"""
+    return runner.invoke(
+        app, ["sparsify", "-m", str(model), "-f", str(CORPUS), "--sparsity", "0.5", "-o", str(out)]
+    )
+
+
 def test_sparsify_refuses_reglu_experts(files, tmp_path: Path):
     model = files["moe-smallthinker-tiny-f32.gguf"]
-    result = runner.invoke(
-        app,
-        [
-            "sparsify",
-            "-m",
-            str(model),
-            "-f",
-            str(CORPUS),
-            "--sparsity",
-            "0.5",
-            "-o",
-            str(tmp_path / "o.gguf"),
-        ],
-    )
+    result = invoke_sparsify(model, tmp_path / "o.gguf")
     assert_one_error_line(result, "ReGLU")
     assert not (tmp_path / "o.gguf").exists()
 
@@ -287,18 +281,5 @@ def test_first_token_runs_dense(files, kind: str):
 
 
 def test_sparsify_refuses_a_sparsified_moe_file(files, tmp_path: Path):
-    result = runner.invoke(
-        app,
-        [
-            "sparsify",
-            "-m",
-            str(files["s05-f32"]),
-            "-f",
-            str(CORPUS),
-            "--sparsity",
-            "0.5",
-            "-o",
-            str(tmp_path / "o.gguf"),
-        ],
-    )
+    result = invoke_sparsify(files["s05-f32"], tmp_path / "o.gguf")
     assert_one_error_line(result, "already sparse")
