@@ -295,20 +295,15 @@ TARGET_INLINE void FN(axpy_kq_units)(const int kind, const axpy_ctx *c, int64_t 
 #if SIMD_AVX512
 #define TARGET_BF __attribute__((target(SIMD_TARGET ",avx512bf16,avx512vbmi")))
 
-/* bf16_round (sparse.h) of 16 floats, in the low 16 bits of each lane */
-TARGET_BF static inline __m512i FN(bf16_round_v)(__m512 p) {
-    const __m512i bits = _mm512_castps_si512(p);
-    const __m512i e = _mm512_and_si512(bits, _mm512_set1_epi32(0x7F800000));
-    const __m512i top = _mm512_srli_epi32(bits, 16);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)),
-                                                   _mm512_and_si512(top, _mm512_set1_epi32(1))),
-                                  16);
-    const __mmask16 tiny = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
-    const __mmask16 special = _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(0x7F800000));
-    const __mmask16 nan = special & _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0xFFFF));
-    r = _mm512_mask_mov_epi32(r, tiny, _mm512_and_si512(top, _mm512_set1_epi32(0x8000)));
-    r = _mm512_mask_mov_epi32(r, special, top);
-    return _mm512_mask_or_epi32(r, nan, r, _mm512_set1_epi32(0x40));
+/* The scales of 16 consecutive block_coef4 units from p (288 bytes): units 0-7 lie in bytes 0-127 and units 8-15
+ * in bytes 144-271, so each half is one two-table byte permute (pick: the scale bytes of units 0-7, repeated for
+ * words 8-15) */
+TARGET_BF static inline __m256i FN(coef4_scales16)(const uint8_t *p, const __m512i pick) {
+    const __m512i lo = _mm512_maskz_permutex2var_epi8(0x00000000FFFFull, _mm512_loadu_si512(p), pick,
+                                                      _mm512_loadu_si512(p + 64));
+    const __m512i hi = _mm512_maskz_permutex2var_epi8(0x0000FFFF0000ull, _mm512_loadu_si512(p + 144), pick,
+                                                      _mm512_loadu_si512(p + 208));
+    return _mm512_castsi512_si256(_mm512_or_si512(lo, hi));
 }
 
 /* T = 1 with vdpbf16ps, a coef_bf16 kind: the group's rows a pair at a time. Bytes of the pair's two units (first
@@ -327,6 +322,13 @@ TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int
         tab_words[i] = axpy_coef_bf16((float)((i & 15) - TYPE_TRAITS[kind].int8_offset), 0x3C00 /* 1.0 */);
     for (int j = 0; j < 32; j++) spread[2 * j] = spread[2 * j + 1] = (uint8_t)((j & 1 ? 0 : 16) + j / 2);
     const __m512i tab = _mm512_loadu_si512(tab_words), perm = _mm512_loadu_si512(spread);
+    uint8_t pick[64] = {0};
+    for (int k = 0; k < 8; k++)
+        for (int b = 0; b < 2; b++) pick[2 * k + b] = pick[16 + 2 * k + b] = (uint8_t)(k * sizeof(block_coef4) + b);
+    const __m512i scale_pick = _mm512_loadu_si512(pick);
+    uint16_t pair_idx[32];
+    for (int k = 0; k < 16; k++) pair_idx[2 * k] = (uint16_t)k, pair_idx[2 * k + 1] = (uint16_t)(16 + k);
+    const __m512i pair_words = _mm512_loadu_si512(pair_idx);
     /* a pair of rows at a time over the whole slice: two sequential streams (rows stay in DRAM order), y in L1;
      * the rows AXPY_PAIRS_AHEAD pairs ahead prefetched a unit at a time */
     for (int64_t p = 0; p < c->n_act; p += 2) {
@@ -337,19 +339,26 @@ TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int
         const uint8_t *a1 = pa + 1 < c->n_act ? c->act_rows[pa + 1] : NULL;
         for (int64_t uc = u0; uc < u1; uc += 16) {
             const int nu = (int)min_i64(16, u1 - uc);
-            /* the chunk's coefficients, pair dwords (first row high), bf16_round in SIMD */
-            uint16_t d0[16] = {0}, d1[16] = {0};
-            for (int k = 0; k < nu; k++) {
-                d0[k] = ((const block_coef4 *)r0 + uc + k)->d;
-                d1[k] = ((const block_coef4 *)r1 + uc + k)->d;
+            /* the chunk's coefficients, pair dwords (first row high), bf16_round in SIMD; a full chunk's 16 scales
+             * picked by two-table byte permutes from its 288 bytes, a shorter one's read one by one */
+            __m256i s0, s1;
+            if (nu == 16) {
+                s0 = FN(coef4_scales16)((const uint8_t *)((const block_coef4 *)r0 + uc), scale_pick);
+                s1 = FN(coef4_scales16)((const uint8_t *)((const block_coef4 *)r1 + uc), scale_pick);
+            } else {
+                uint16_t d0[16] = {0}, d1[16] = {0};
+                for (int k = 0; k < nu; k++) {
+                    d0[k] = ((const block_coef4 *)r0 + uc + k)->d;
+                    d1[k] = ((const block_coef4 *)r1 + uc + k)->d;
+                }
+                s0 = _mm256_loadu_si256((const __m256i *)d0);
+                s1 = _mm256_loadu_si256((const __m256i *)d1);
             }
             uint32_t coef[16];
             {
-                const __m512i c0 = FN(bf16_round_v)(_mm512_mul_ps(_mm512_set1_ps(h0),
-                                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d0))));
-                const __m512i c1 = FN(bf16_round_v)(_mm512_mul_ps(_mm512_set1_ps(h1),
-                                                               _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d1))));
-                _mm512_storeu_si512(coef, _mm512_or_si512(_mm512_slli_epi32(c0, 16), c1));
+                const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_set1_ps(h0), _mm512_cvtph_ps(s0)),
+                                                          _mm512_mul_ps(_mm512_set1_ps(h1), _mm512_cvtph_ps(s1)));
+                _mm512_storeu_si512(coef, _mm512_permutexvar_epi16(pair_words, (__m512i)both));
             }
             for (int k = 0; k < nu; k++) {
                 const int64_t u = uc + k;
