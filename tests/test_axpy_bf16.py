@@ -92,6 +92,23 @@ def test_long_lists_cross_the_chunks_with_the_same_bits():
 
 
 @needs_kernels
+def test_wide_rows_and_every_list_length_keep_the_bits():
+    """Rows of 85 units (a block of 64 coefficients, a full run of 16 and 5 more) and lists of 1-9 rows (two pairs
+    at a time, then a pair, then a row with a +0 partner), as one chain (one thread) and split."""
+    n_rows, n_cols = 40, 32 * 85
+    w, q, d = random_q4_0(n_rows, n_cols, seed=7)
+    rng = np.random.default_rng(7)
+    for n in range(1, 10):
+        idx = torch.from_numpy(np.sort(rng.choice(n_rows, n, replace=False)).astype(np.int64))
+        h = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+        want = chain(h, q, d, idx)
+        for isa in available_isas():
+            for n_threads in (1, 2):
+                kc = ops.KernelContext(n_threads=n_threads, isa=isa, act_precision="q8")
+                assert torch.equal(sparse.rows_axpy(h, w, idx, kc), want), (n, isa, n_threads)
+
+
+@needs_kernels
 def test_the_bf16_dot_report_matches_the_cpu():
     lib = ctypes.CDLL(library.load().path)
     flags = open("/proc/cpuinfo").read() if library.load().isa_best == 2 else ""

@@ -14,6 +14,7 @@
 #define AXPY_UNIT 32   /* elements per work unit along D: one quant block, or 32 floats of an F32/F16 row */
 #define AXPY_GROUP 8   /* T = 1: rows applied to a unit of y while it stays in registers */
 #define AXPY_AHEAD 2   /* T = 1: groups of rows prefetched ahead */
+#define AXPY_COEF_BLOCK 64 /* T = 1, coef_bf16 rows in the q8 precision: units whose coefficients are made at once */
 #define AXPY_PAIRS_AHEAD 4 /* T = 1, coef_bf16 rows in the q8 precision: pairs of rows prefetched ahead */
 #define AXPY_TILE_T 4  /* T > 1: tokens sharing one decode of each weight unit */
 

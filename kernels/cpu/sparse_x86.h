@@ -306,6 +306,78 @@ TARGET_BF static inline __m256i FN(coef4_scales16)(const uint8_t *p, const __m51
     return _mm512_castsi512_si256(_mm512_or_si512(lo, hi));
 }
 
+/* The coefficients of listed rows p, p + 1 (h of a row past the list: 0) for units [ub, ue) (at most
+ * AXPY_COEF_BLOCK), as pair dwords (first row high) */
+TARGET_BF static inline void FN(axpy_coef_pair)(const axpy_ctx *c, int64_t p, int64_t ub, int64_t ue,
+                                                  const __m512i scale_pick, const __m512i pair_words, uint32_t *coef) {
+    const uint8_t *r0 = c->act_rows[p], *r1 = p + 1 < c->n_act ? c->act_rows[p + 1] : r0;
+    const float h0 = c->act_h[p], h1 = p + 1 < c->n_act ? c->act_h[p + 1] : 0.0f;
+    /* 16 at a time: a full 16's scales picked by two two-table byte permutes from its 288 bytes, a shorter run's
+     * read one by one */
+    for (int64_t uc = ub; uc < ue; uc += 16) {
+        const int nu = (int)min_i64(16, ue - uc);
+        __m256i s0, s1;
+        if (nu == 16) {
+            s0 = FN(coef4_scales16)((const uint8_t *)((const block_coef4 *)r0 + uc), scale_pick);
+            s1 = FN(coef4_scales16)((const uint8_t *)((const block_coef4 *)r1 + uc), scale_pick);
+        } else {
+            uint16_t d0[16] = {0}, d1[16] = {0};
+            for (int k = 0; k < nu; k++) {
+                d0[k] = ((const block_coef4 *)r0 + uc + k)->d;
+                d1[k] = ((const block_coef4 *)r1 + uc + k)->d;
+            }
+            s0 = _mm256_loadu_si256((const __m256i *)d0);
+            s1 = _mm256_loadu_si256((const __m256i *)d1);
+        }
+        const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_set1_ps(h0), _mm512_cvtph_ps(s0)),
+                                                  _mm512_mul_ps(_mm512_set1_ps(h1), _mm512_cvtph_ps(s1)));
+        _mm512_storeu_si512(coef + (uc - ub), _mm512_permutexvar_epi16(pair_words, (__m512i)both));
+    }
+}
+
+/* Unit u of two rows spread to words by one two-table byte permute: word 2i + 1 = byte i of r0, word 2i = byte i
+ * of r1 (perm: i and 64 + i) */
+TARGET_BF static inline __m512i FN(axpy_pair_bytes)(const uint8_t *r0, const uint8_t *r1, int64_t u,
+                                                    const __m512i perm) {
+    return _mm512_permutex2var_epi8(
+        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((const block_coef4 *)r0 + u)->qs)), perm,
+        _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)((const block_coef4 *)r1 + u)->qs)));
+}
+
+/* y += the np (1 or 2) pairs of listed rows from p, the pairs in order, over units [u0, u1) */
+TARGET_BF static inline void FN(axpy_coef_dp_pairs)(const axpy_ctx *c, int64_t p, const int np, int64_t u0,
+                                                      int64_t u1, const __m512i tab, const __m512i perm,
+                                                      const __m512i scale_pick, const __m512i pair_words) {
+    float *y = c->y;
+    const int64_t pa = p + 2 * AXPY_PAIRS_AHEAD;
+    /* the rows (a row past the list: the one before it, with coefficient +0) */
+    const uint8_t *rows[4];
+    for (int r = 0; r < 2 * np; r++) rows[r] = c->act_rows[p + r < c->n_act ? p + r : p + r - 1];
+    for (int64_t ub = u0; ub < u1; ub += AXPY_COEF_BLOCK) {
+        const int64_t ue = min_i64(u1, ub + AXPY_COEF_BLOCK);
+        /* the block's coefficients first, so that the unit loop reads stores long retired */
+        uint32_t coef[2][AXPY_COEF_BLOCK];
+        for (int q = 0; q < np; q++) FN(axpy_coef_pair)(c, p + 2 * q, ub, ue, scale_pick, pair_words, coef[q]);
+        /* the block's bytes of the rows AXPY_PAIRS_AHEAD pairs ahead, a cache line at a time */
+        for (int64_t r = pa; r < pa + 2 * np && r < c->n_act; r++)
+            for (int64_t o = ub * (int64_t)c->unit_bytes; o < ue * (int64_t)c->unit_bytes; o += 64)
+                __builtin_prefetch(c->act_rows[r] + o, 0, 2);
+        for (int64_t u = ub; u < ue; u++) {
+            float *yu = y + u * AXPY_UNIT;
+            __m512 lo = _mm512_loadu_ps(yu), hi = _mm512_loadu_ps(yu + 16);
+            for (int q = 0; q < np; q++) {
+                const __m512i x = FN(axpy_pair_bytes)(rows[2 * q], rows[2 * q + 1], u, perm);
+                const __m512i cv = _mm512_set1_epi32((int)coef[q][u - ub]);
+                lo = _mm512_dpbf16_ps(lo, (__m512bh)_mm512_permutexvar_epi16(x, tab), (__m512bh)cv);
+                hi = _mm512_dpbf16_ps(hi, (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), tab),
+                                      (__m512bh)cv);
+            }
+            _mm512_storeu_ps(yu, lo);
+            _mm512_storeu_ps(yu + 16, hi);
+        }
+    }
+}
+
 /* T = 1 with vdpbf16ps, a coef_bf16 kind: the group's rows a pair at a time. Bytes of the pair's two units (first
  * row's 16, then the second's) are spread to words by vpermb: word 2i + 1 = byte i of the first row (odd lane,
  * added first), word 2i = byte i of the second; vpermw picks bf16(q - offset) from a table by the low 5 bits (the
@@ -320,7 +392,7 @@ TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int
     uint8_t spread[64];
     for (int i = 0; i < 32; i++)
         tab_words[i] = axpy_coef_bf16((float)((i & 15) - TYPE_TRAITS[kind].int8_offset), 0x3C00 /* 1.0 */);
-    for (int j = 0; j < 32; j++) spread[2 * j] = spread[2 * j + 1] = (uint8_t)((j & 1 ? 0 : 16) + j / 2);
+    for (int j = 0; j < 32; j++) spread[2 * j] = spread[2 * j + 1] = (uint8_t)((j & 1 ? 0 : 64) + j / 2);
     const __m512i tab = _mm512_loadu_si512(tab_words), perm = _mm512_loadu_si512(spread);
     uint8_t pick[64] = {0};
     for (int k = 0; k < 8; k++)
@@ -329,56 +401,12 @@ TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int
     uint16_t pair_idx[32];
     for (int k = 0; k < 16; k++) pair_idx[2 * k] = (uint16_t)k, pair_idx[2 * k + 1] = (uint16_t)(16 + k);
     const __m512i pair_words = _mm512_loadu_si512(pair_idx);
-    /* a pair of rows at a time over the whole slice: two sequential streams (rows stay in DRAM order), y in L1;
-     * the rows AXPY_PAIRS_AHEAD pairs ahead prefetched a unit at a time */
-    for (int64_t p = 0; p < c->n_act; p += 2) {
-        const uint8_t *r0 = c->act_rows[p], *r1 = p + 1 < c->n_act ? c->act_rows[p + 1] : r0;
-        const float h0 = c->act_h[p], h1 = p + 1 < c->n_act ? c->act_h[p + 1] : 0.0f;
-        const int64_t pa = p + 2 * AXPY_PAIRS_AHEAD;
-        const uint8_t *a0 = pa < c->n_act ? c->act_rows[pa] : NULL;
-        const uint8_t *a1 = pa + 1 < c->n_act ? c->act_rows[pa + 1] : NULL;
-        for (int64_t uc = u0; uc < u1; uc += 16) {
-            const int nu = (int)min_i64(16, u1 - uc);
-            /* the chunk's coefficients, pair dwords (first row high), bf16_round in SIMD; a full chunk's 16 scales
-             * picked by two-table byte permutes from its 288 bytes, a shorter one's read one by one */
-            __m256i s0, s1;
-            if (nu == 16) {
-                s0 = FN(coef4_scales16)((const uint8_t *)((const block_coef4 *)r0 + uc), scale_pick);
-                s1 = FN(coef4_scales16)((const uint8_t *)((const block_coef4 *)r1 + uc), scale_pick);
-            } else {
-                uint16_t d0[16] = {0}, d1[16] = {0};
-                for (int k = 0; k < nu; k++) {
-                    d0[k] = ((const block_coef4 *)r0 + uc + k)->d;
-                    d1[k] = ((const block_coef4 *)r1 + uc + k)->d;
-                }
-                s0 = _mm256_loadu_si256((const __m256i *)d0);
-                s1 = _mm256_loadu_si256((const __m256i *)d1);
-            }
-            uint32_t coef[16];
-            {
-                const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_mul_ps(_mm512_set1_ps(h0), _mm512_cvtph_ps(s0)),
-                                                          _mm512_mul_ps(_mm512_set1_ps(h1), _mm512_cvtph_ps(s1)));
-                _mm512_storeu_si512(coef, _mm512_permutexvar_epi16(pair_words, (__m512i)both));
-            }
-            for (int k = 0; k < nu; k++) {
-                const int64_t u = uc + k;
-                if (a0 != NULL) __builtin_prefetch(a0 + u * c->unit_bytes, 0, 2);
-                if (a1 != NULL) __builtin_prefetch(a1 + u * c->unit_bytes, 0, 2);
-                const block_coef4 *b0 = (const block_coef4 *)r0 + u, *b1 = (const block_coef4 *)r1 + u;
-                const __m256i both = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)b1->qs),
-                                                      _mm_loadu_si128((const __m128i *)b0->qs));
-                const __m512i x = _mm512_permutexvar_epi8(perm, _mm512_castsi256_si512(both));
-                const __m512i cv = _mm512_set1_epi32((int)coef[k]);
-                float *yu = y + u * AXPY_UNIT;
-                _mm512_storeu_ps(yu, _mm512_dpbf16_ps(_mm512_loadu_ps(yu), (__m512bh)_mm512_permutexvar_epi16(x, tab),
-                                                      (__m512bh)cv));
-                _mm512_storeu_ps(yu + 16,
-                                 _mm512_dpbf16_ps(_mm512_loadu_ps(yu + 16),
-                                                  (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(x, 4), tab),
-                                                  (__m512bh)cv));
-            }
-        }
-    }
+    /* two pairs of rows at a time over the whole slice (then a last pair): four sequential streams (rows stay in
+     * DRAM order), y in L1, loaded and stored once per two pairs; the rows AXPY_PAIRS_AHEAD pairs ahead
+     * prefetched a block at a time */
+    int64_t p = 0;
+    for (; p + 4 <= c->n_act; p += 4) FN(axpy_coef_dp_pairs)(c, p, 2, u0, u1, tab, perm, scale_pick, pair_words);
+    for (; p < c->n_act; p += 2) FN(axpy_coef_dp_pairs)(c, p, 1, u0, u1, tab, perm, scale_pick, pair_words);
 }
 
 /* 1 when vdpbf16ps adds a pair as sparse.h says: exact products, odd lane first, one rounding each (cases where
