@@ -353,16 +353,18 @@ TARGET_BF static inline void FN(axpy_coef_dp_pairs)(const axpy_ctx *c, int64_t p
     /* the rows (a row past the list: the one before it, with coefficient +0) */
     const uint8_t *rows[4];
     for (int r = 0; r < 2 * np; r++) rows[r] = c->act_rows[p + r < c->n_act ? p + r : p + r - 1];
+    /* the rows to prefetch (past the list: the last one, already read) */
+    const uint8_t *ahead[4];
+    for (int r = 0; r < 2 * np; r++) ahead[r] = c->act_rows[pa + r < c->n_act ? pa + r : c->n_act - 1];
     for (int64_t ub = u0; ub < u1; ub += AXPY_COEF_BLOCK) {
         const int64_t ue = min_i64(u1, ub + AXPY_COEF_BLOCK);
         /* the block's coefficients first, so that the unit loop reads stores long retired */
         uint32_t coef[2][AXPY_COEF_BLOCK];
         for (int q = 0; q < np; q++) FN(axpy_coef_pair)(c, p + 2 * q, ub, ue, scale_pick, pair_words, coef[q]);
-        /* the block's bytes of the rows AXPY_PAIRS_AHEAD pairs ahead, a cache line at a time */
-        for (int64_t r = pa; r < pa + 2 * np && r < c->n_act; r++)
-            for (int64_t o = ub * (int64_t)c->unit_bytes; o < ue * (int64_t)c->unit_bytes; o += 64)
-                __builtin_prefetch(c->act_rows[r] + o, 0, 2);
         for (int64_t u = ub; u < ue; u++) {
+            /* the rows AXPY_PAIRS_AHEAD pairs ahead, every third unit (a cache line holds 3.5 units) */
+            if ((u - ub) % 3 == 0)
+                for (int r = 0; r < 2 * np; r++) __builtin_prefetch(ahead[r] + u * (int64_t)c->unit_bytes, 0, 2);
             float *yu = y + u * AXPY_UNIT;
             __m512 lo = _mm512_loadu_ps(yu), hi = _mm512_loadu_ps(yu + 16);
             for (int q = 0; q < np; q++) {
