@@ -74,11 +74,8 @@ static void ffn_pass(const ffn_ctx *c, int pass, int64_t m0, int64_t m1) {
         for (int64_t r = m0; r < min_i64(m0 + FFN_STREAM_ROWS, m1); r++)
             prefetch_bytes_l2(mat->w + c->idx[r] * mat->stride, mat->row_bytes);
         for (int64_t m = m0; m < m1; m++) {
-            const int64_t gap = m + FFN_STREAM_ROWS < m1 ? c->idx[m + FFN_STREAM_ROWS] - c->idx[m] : 0;
-            /* a run of consecutive rows streams as the dense matvec does; scattered rows, the row down the list
-             * into L2 */
-            al.ahead_l2 = gap != FFN_STREAM_ROWS;
-            al.ahead = gap == FFN_STREAM_ROWS ? MATVEC_STREAM_AHEAD : gap * mat->stride;
+            listed_ahead(&al, m + FFN_STREAM_ROWS < m1 ? c->idx[m + FFN_STREAM_ROWS] - c->idx[m] : 0, FFN_STREAM_ROWS,
+                         mat->stride);
             float out;
             mat->tq(mat->w + c->idx[m] * mat->stride, &al, 0, 1, &out);
             c->h[m] = pass == 0 ? out : FFN_GATED(c->h[m], out);

@@ -255,9 +255,9 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
                     float out[TILE_T];
                     act_q8 an = a;
                     if (rows != NULL && T == 1) {
-                        /* one token's listed rows: streamed ROWS_STREAM_AHEAD rows ahead (matmul.h) */
-                        an.ahead = n + ROWS_STREAM_AHEAD < N ? (rows[n + ROWS_STREAM_AHEAD] - rows[n]) * w_stride : 0;
-                        an.ahead_l2 = 1;
+                        /* one token's listed rows: streamed by the row ROWS_STREAM_AHEAD down the list (matmul.h) */
+                        listed_ahead(&an, n + ROWS_STREAM_AHEAD < N ? rows[n + ROWS_STREAM_AHEAD] - rows[n] : 0,
+                                     ROWS_STREAM_AHEAD, w_stride);
                     } else if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                         prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
                     }
