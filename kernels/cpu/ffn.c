@@ -60,8 +60,8 @@ static inline void ffn_prefetch_rows(const ffn_mat *mat, const int64_t *idx, int
  * distance between the two rows), so the requests stay spread over the work; the float kernels take two rows per step
  * with the rows FFN_AHEAD steps ahead prefetched whole. Measured on the AVX-512 Xeon (pi_ffn_rows over the 22 layers
  * of the 1.1B file of a 4-bit block type, 10% random rows, q8): whole rows ahead 4.01 / 2.25 ms at 1 / 2 threads,
- * streamed 2 rows ahead 3.43, 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. The
- * prefetches fill L2 only (prefetch_act, matmul.h). */
+ * streamed 2 rows ahead 3.43, 4 rows 3.26 / 1.84, 8 rows 3.21 / 1.77, 16 rows 3.52 / 1.93. Scattered rows' prefetches
+ * fill L2 only, runs of consecutive rows stream as dense ones (listed_ahead, matmul.h). */
 #define FFN_STREAM_ROWS 8
 /* One pass over the neurons [m0, m1) of the list: the gate rows (pass 0, their dots into h) or the up rows (pass 1,
  * h = act(h) * up, or h * up when h holds act(gate) already) */

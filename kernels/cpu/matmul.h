@@ -35,7 +35,7 @@ typedef struct {
      * per step: MATVEC_STREAM_AHEAD for a dense matrix read in order, the distance to a row further down the list
      * for scattered rows (ffn.c); 0: no prefetch in the tile */
     int64_t ahead;
-    /* != 0: those prefetches fill L2 only (listed rows, LISTED_PREFETCH_L2); 0: L1 (a dense matrix read in order) */
+    /* != 0: those prefetches fill L2 only (scattered listed rows, listed_ahead); 0: L1 (rows read in order) */
     int32_t ahead_l2;
 } act_q8;
 
@@ -148,7 +148,7 @@ static inline void prefetch_bytes(const uint8_t *p, int64_t bytes) {
 
 #define ROWS_PREFETCH_AHEAD 2 /* rows ahead of the one being computed */
 /* One token's listed rows (rows_matmul, T = 1): each tile prefetches, as it reads, the row this many places further
- * down the list at the same offset (act_q8.ahead), into L2 (prefetch_act), instead of whole rows ROWS_PREFETCH_AHEAD
+ * down the list at the same offset (act_q8.ahead), into L2 (listed_ahead), instead of whole rows ROWS_PREFETCH_AHEAD
  * ahead. Measured on the 2-core EPYC (1 thread, 12 matrices of 5632 x 2048 of a 4-bit block type from DRAM, q8, two
  * runs each; docs/kernels.md): into L1 4 rows ahead, a random quarter / half / three quarters of the rows
  * 0.26-0.29 / 0.45-0.50 / 0.57-0.60 ms, all rows listed 0.35-0.44, the dense matvec 0.36-0.44; into L2 8 rows ahead 0.20-0.23 / 0.31-0.34 / 0.35-0.42,

@@ -306,12 +306,10 @@ TARGET_BF static inline __m256i FN(coef4_scales16)(const uint8_t *p, const __m51
     return _mm512_castsi512_si256(_mm512_or_si512(lo, hi));
 }
 
-/* The coefficients of listed rows p, p + 1 (h of a row past the list: 0) for units [ub, ue) (at most
- * AXPY_COEF_BLOCK), as pair dwords (first row high) */
-TARGET_BF static inline void FN(axpy_coef_pair)(const axpy_ctx *c, int64_t p, int64_t ub, int64_t ue,
-                                                  const __m512i scale_pick, const __m512i pair_words, uint32_t *coef) {
-    const uint8_t *r0 = c->act_rows[p], *r1 = p + 1 < c->n_act ? c->act_rows[p + 1] : r0;
-    const float h0 = c->act_h[p], h1 = p + 1 < c->n_act ? c->act_h[p + 1] : 0.0f;
+/* The coefficients of rows r0, r1 with h0, h1 for units [ub, ue), as pair dwords (first row high) */
+TARGET_BF static inline void FN(axpy_coef_pair)(const uint8_t *r0, const uint8_t *r1, float h0, float h1, int64_t ub,
+                                                  int64_t ue, const __m512i scale_pick, const __m512i pair_words,
+                                                  uint32_t *coef) {
     /* 16 at a time: a full 16's scales picked by two two-table byte permutes from its 288 bytes, a shorter run's
      * read one by one */
     for (int64_t uc = ub; uc < ue; uc += 16) {
@@ -350,9 +348,14 @@ TARGET_BF static inline void FN(axpy_coef_dp_pairs)(const axpy_ctx *c, int64_t p
                                                       const __m512i scale_pick, const __m512i pair_words) {
     float *y = c->y;
     const int64_t pa = p + 2 * AXPY_PAIRS_AHEAD;
-    /* the rows (a row past the list: the one before it, with coefficient +0) */
+    /* the rows and their h (a row past the list: the one before it, with h = 0, so its lane adds +0) */
     const uint8_t *rows[4];
-    for (int r = 0; r < 2 * np; r++) rows[r] = c->act_rows[p + r < c->n_act ? p + r : p + r - 1];
+    float h[4];
+    for (int r = 0; r < 2 * np; r++) {
+        const int live = p + r < c->n_act;
+        rows[r] = c->act_rows[live ? p + r : p + r - 1];
+        h[r] = live ? c->act_h[p + r] : 0.0f;
+    }
     /* the rows to prefetch (past the list: the last one, already read) */
     const uint8_t *ahead[4];
     for (int r = 0; r < 2 * np; r++) ahead[r] = c->act_rows[pa + r < c->n_act ? pa + r : c->n_act - 1];
@@ -360,7 +363,9 @@ TARGET_BF static inline void FN(axpy_coef_dp_pairs)(const axpy_ctx *c, int64_t p
         const int64_t ue = min_i64(u1, ub + AXPY_COEF_BLOCK);
         /* the block's coefficients first, so that the unit loop reads stores long retired */
         uint32_t coef[2][AXPY_COEF_BLOCK];
-        for (int q = 0; q < np; q++) FN(axpy_coef_pair)(c, p + 2 * q, ub, ue, scale_pick, pair_words, coef[q]);
+        for (int q = 0; q < np; q++)
+            FN(axpy_coef_pair)(rows[2 * q], rows[2 * q + 1], h[2 * q], h[2 * q + 1], ub, ue, scale_pick, pair_words,
+                               coef[q]);
         for (int64_t u = ub; u < ue; u++) {
             /* the rows AXPY_PAIRS_AHEAD pairs ahead, every third unit (a cache line holds 3.5 units) */
             if ((u - ub) % 3 == 0)
@@ -380,11 +385,12 @@ TARGET_BF static inline void FN(axpy_coef_dp_pairs)(const axpy_ctx *c, int64_t p
     }
 }
 
-/* T = 1 with vdpbf16ps, a coef_bf16 kind: the group's rows a pair at a time. Bytes of the pair's two units (first
- * row's 16, then the second's) are spread to words by vpermb: word 2i + 1 = byte i of the first row (odd lane,
- * added first), word 2i = byte i of the second; vpermw picks bf16(q - offset) from a table by the low 5 bits (the
- * table repeats, so bit 4, the other nibble's, is ignored), the high nibbles after a shift by 4. An odd row out is
- * paired with a zero coefficient (its lane adds +0). */
+/* T = 1 with vdpbf16ps, a coef_bf16 kind: the listed rows two pairs at a time (then a pair) over the whole slice,
+ * y loaded and stored once per pass (FN(axpy_coef_dp_pairs)). A pair's units are spread to words by one two-table
+ * byte permute: word 2i + 1 = byte i of the first row (odd lane, added first), word 2i = byte i of the second; vpermw
+ * picks bf16(q - offset) from a table by the low 5 bits (the table repeats, so bit 4, the other nibble's, is
+ * ignored), the high nibbles after a shift by 4. An odd row out is paired with a zero coefficient (its lane adds
+ * +0). */
 TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int64_t u0, int64_t u1) {
     float *y = c->y;
     if (!c->accumulate)
@@ -403,9 +409,7 @@ TARGET_BF static void FN(axpy_t1_coef_dp)(const int kind, const axpy_ctx *c, int
     uint16_t pair_idx[32];
     for (int k = 0; k < 16; k++) pair_idx[2 * k] = (uint16_t)k, pair_idx[2 * k + 1] = (uint16_t)(16 + k);
     const __m512i pair_words = _mm512_loadu_si512(pair_idx);
-    /* two pairs of rows at a time over the whole slice (then a last pair): four sequential streams (rows stay in
-     * DRAM order), y in L1, loaded and stored once per two pairs; the rows AXPY_PAIRS_AHEAD pairs ahead
-     * prefetched a block at a time */
+    /* four sequential streams (rows stay in DRAM order), y in L1 */
     int64_t p = 0;
     for (; p + 4 <= c->n_act; p += 4) FN(axpy_coef_dp_pairs)(c, p, 2, u0, u1, tab, perm, scale_pick, pair_words);
     for (; p < c->n_act; p += 2) FN(axpy_coef_dp_pairs)(c, p, 1, u0, u1, tab, perm, scale_pick, pair_words);
