@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from powerinfer import ops
+from powerinfer.ops.library import kernels_available
 
 
 def vectors():
@@ -73,3 +74,24 @@ def test_bad_k():
         ops.top_k(torch.zeros(4), 5)
     with pytest.raises(ValueError):
         ops.top_about_k(torch.zeros(4), 0)
+
+
+@pytest.mark.skipif(not kernels_available(), reason="needs the C kernels")
+@pytest.mark.parametrize("k", [16, 1024])
+def test_top_about_k_same_at_every_simd_level(k):
+    """The AVX-512 pass (16 keys at a time) lists the same indices and the same largest value left out as the
+    scalar one: NaN, -0 and +0, infinities, ties and a tail that is not a multiple of 16 included."""
+    for v in vectors():
+        if k > v.numel():
+            continue
+        for n in (v.numel(), v.numel() - 7):
+            if k > n:
+                continue
+            w = v[:n].clone()
+            w[1::997] = float("inf")
+            w[2::1999] = float("-inf")
+            w[3::2999] = -float("nan")
+            ids0, left0 = ops.top_about_k(w, k, isa=0)
+            ids2, left2 = ops.top_about_k(w, k, isa=2)
+            assert torch.equal(ids0, ids2)
+            assert left0 == left2 or (left0 != left0 and left2 != left2)

@@ -108,6 +108,13 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
     full = ops.linear(x, weak.output, engine.kc)
     got = weak(x)
     assert weak.stats.fallbacks + weak.stats.widened > 10
+    # one token at a time the head runs its chain in one kernel call (ops.head_chain), then the same check: the
+    # same bits as the batch's op-by-op path, on tokens the check widened or computed whole too
+    assert weak.chain is not None
+    settled = weak.stats.fallbacks + weak.stats.widened
+    for t in range(0, 256, 5):
+        assert torch.equal(weak(x[t : t + 1])[0], got[t]), t
+    assert weak.stats.fallbacks + weak.stats.widened > settled
     # the candidates alone (no check): the exact argmax among the screen's 64 best rows
     screened = ops.linear(ops.linear(x, proj, engine.kc).contiguous(), screen, engine.kc)
     cand = screened.topk(64, dim=1).indices

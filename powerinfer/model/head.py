@@ -72,6 +72,8 @@ class SparseHead:
         # a token whose near rows exceed this computes the whole head instead
         self.max_extra = max(self.n_candidates, n_vocab // 8)
         self.stats = HeadStats()
+        # one token's chain in one kernel call (None where the kernels do not apply: the ops one by one)
+        self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc)
 
     def read_bytes(self) -> int:
         """Weight bytes a safe token reads: projection, screen and the candidates' rows."""
@@ -81,6 +83,11 @@ class SparseHead:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kc, k = self.kc, self.n_candidates
         u = self.norm(x).contiguous()
+        if u.shape[0] == 1 and self.chain is not None:  # one token: the whole chain in one kernel call
+            r = self.chain(u)
+            self._settle(u, r.logits, 0, r.candidates, r.left_out, r.err, r.best)
+            self.stats.tokens += 1
+            return r.logits
         z = ops.linear(u, self.proj, kc)
         logits = ops.linear(z.contiguous(), self.screen, kc)  # (T, V)
         for t in range(u.shape[0]):
@@ -89,21 +96,37 @@ class SparseHead:
             exact = ops.rows_matmul(u[t : t + 1], self.output, cand, kc)[0]
             err = float((exact - row[cand]).abs().max())
             best = float(exact.max())
-            if not best > left_out + err:
-                # rows left out whose screen value is within the error of the best: compute those exactly too
-                near = row > best - err
-                near[cand] = False
-                extra = near.nonzero().view(-1)
-                if extra.numel() > self.max_extra:
-                    logits[t] = ops.linear(u[t : t + 1], self.output, kc)[0]
-                    self.stats.fallbacks += 1
-                    continue
-                row[extra] = ops.rows_matmul(u[t : t + 1], self.output, extra, kc)[0]
-                self.stats.widened += 1
-                self.stats.extra_rows += extra.numel()
             row[cand] = exact
+            self._settle(u[t : t + 1], logits, t, cand, left_out, err, best)
         self.stats.tokens += u.shape[0]
         return logits
+
+    def _settle(
+        self,
+        u: torch.Tensor,
+        logits: torch.Tensor,
+        t: int,
+        cand: torch.Tensor,
+        left_out: float,
+        err: float,
+        best: float,
+    ) -> None:
+        """Row t of logits, its candidates' exact values written in: where the margin is not safe, the rows left
+        out whose screen value is within the error of the best get exact values too (the whole head instead
+        where they are too many)."""
+        if best > left_out + err:
+            return
+        row = logits[t]
+        near = row > best - err
+        near[cand] = False
+        extra = near.nonzero().view(-1)
+        if extra.numel() > self.max_extra:
+            logits[t] = ops.linear(u, self.output, self.kc)[0]
+            self.stats.fallbacks += 1
+            return
+        row[extra] = ops.rows_matmul(u, self.output, extra, self.kc)[0]
+        self.stats.widened += 1
+        self.stats.extra_rows += extra.numel()
 
 
 # ---- the screen: a principal basis of calibration hidden states and the head seen in it.

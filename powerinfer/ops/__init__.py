@@ -23,6 +23,7 @@ from powerinfer.ops.attention import (
 )
 from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_context
 from powerinfer.ops.dense import get_rows, linear, top_about_k, top_k
+from powerinfer.ops.head import HeadChain, head_chain
 from powerinfer.ops.layer import (
     AttnBlock,
     CATSFFNBlock,
@@ -55,6 +56,8 @@ from powerinfer.ops.weights import DeviceWeight, QWeight, weight_rows
 __all__ = [
     "ACTIVATIONS",
     "AttnBlock",
+    "HeadChain",
+    "head_chain",
     "CATSFFNBlock",
     "FFNBlock",
     "attn_block",

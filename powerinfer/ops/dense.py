@@ -122,11 +122,12 @@ def top_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     return ids, float(left.value)
 
 
-def top_about_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
+def top_about_k(values: torch.Tensor, k: int, isa: int | None = None) -> tuple[torch.Tensor, float]:
     """About k of the largest of values (n,) float32, for a set of large values and the largest value left out:
     the indices (m,) int64 in increasing order of every value >= a threshold taken from every 16th value (its
     ceil(k / 16)-th largest), m at most 4k (else exactly top_k's k), and the largest value below (-inf when
-    none). Depends only on the values. top_k where the kernels are missing."""
+    none). Depends only on the values (and not on isa, the SIMD level of the pass: the best by default). top_k
+    where the kernels are missing."""
     n = values.shape[0]
     if not 0 < k <= n or values.dim() != 1:
         raise ValueError(f"top_about_k: k = {k} of {tuple(values.shape)}")
@@ -138,8 +139,9 @@ def top_about_k(values: torch.Tensor, k: int) -> tuple[torch.Tensor, float]:
     scratch = torch.empty(n, dtype=torch.float32)
     m, left = ctypes.c_int64(), ctypes.c_float()
     status = lib.top_about_k(
-        values.data_ptr(), n, k, ids.data_ptr(), ctypes.byref(m), ctypes.byref(left), scratch.data_ptr()
-    )
+        values.data_ptr(), n, k, ids.data_ptr(), ctypes.byref(m), ctypes.byref(left), scratch.data_ptr(),
+        lib.isa_best if isa is None else isa,
+    )  # fmt: skip
     if status:
         check_status(status, "top_about_k")
     return ids[: m.value], float(left.value)

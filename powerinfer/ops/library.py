@@ -185,6 +185,8 @@ class Library:
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
+    head_t1: Any  # the sparse output head's chain for one token (kernels/cpu/head.c)
+    head_t1_scratch_bytes: Any
 
 
 def _symbol(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any = _i32) -> Any:
@@ -254,7 +256,9 @@ def _open(path: str) -> Library:
         moe_grouped_ffn=_symbol(lib, "pi_moe_grouped_ffn", _MOE_GROUPED_FFN_ARGTYPES),
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
-        top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr)),
+        top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i32)),
+        head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 9 + (_i64, _i32, _i32)),
+        head_t1_scratch_bytes=_symbol(lib, "pi_head_t1_scratch_bytes", (_i64,) * 3, _i64),
     )
 
 

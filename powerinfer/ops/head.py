@@ -1,0 +1,109 @@
+"""The sparse output head's chain for one token in one kernel call (kernels/cpu/head.c).
+
+`head_chain` describes the screen's projection P, the screen A and the head W once, as a C struct of weight
+pointers and the matmul kernels ops.linear / ops.rows_matmul would call for them in the context's precision; each
+call then computes z = P u, s = A z, about k candidates of s (ops.top_about_k), their exact logits written over s,
+and the numbers the head's safety check needs, with the bits of those ops called one by one. It returns None where
+the kernels do not apply (no kernels, a weight on a device or of a type without a kernel), and the caller runs the
+ops one by one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple
+
+import torch
+
+from powerinfer.ops import library
+from powerinfer.ops.context import KernelContext
+from powerinfer.ops.library import check_status
+from powerinfer.ops.weights import QWeight
+
+__all__ = ["HeadChain", "HeadResult", "head_chain"]
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _HeadDesc(ctypes.Structure):  # head_desc
+    _fields_ = [
+        ("n_vocab", _i64), ("n_embd", _i64), ("rank", _i64), ("k", _i64),
+        ("proj", _ptr), ("proj_stride", _i64), ("proj_matmul", _ptr),
+        ("screen", _ptr), ("screen_stride", _i64), ("screen_matmul", _ptr),
+        ("output", _ptr), ("output_stride", _i64), ("output_rows", _ptr),
+    ]  # fmt: skip
+
+
+class HeadResult(NamedTuple):
+    logits: torch.Tensor  # (1, n_vocab): the screen's values with the candidates' exact logits
+    candidates: torch.Tensor  # (m,) int64, increasing; valid until the chain's next call
+    left_out: float  # the largest screen value not among the candidates
+    err: float  # max |exact - screen| over the candidates
+    best: float  # the largest exact logit
+
+
+class HeadChain:
+    """One token through the screen and the candidates' rows (head_chain builds it)."""
+
+    def __init__(self, desc: _HeadDesc, keep: tuple[object, ...], kc: KernelContext) -> None:
+        lib = library.load()
+        assert lib is not None
+        self.desc, self._keep, self.kc = desc, keep, kc  # keep: the tensors the struct points into
+        self._desc_ref = ctypes.byref(desc)
+        self._call = lib.head_t1
+        self.n_vocab, self.n_embd = int(desc.n_vocab), int(desc.n_embd)
+        self._scratch = torch.empty(
+            int(lib.head_t1_scratch_bytes(desc.n_vocab, desc.rank, desc.k)), dtype=torch.uint8
+        )
+        self._ids = torch.empty(4 * int(desc.k), dtype=torch.int64)
+        self._m, self._left, self._err, self._best = _i64(), _f32(), _f32(), _f32()
+        self._refs = tuple(ctypes.byref(v) for v in (self._m, self._left, self._err, self._best))
+
+    def __call__(self, u: torch.Tensor) -> HeadResult:
+        """u (1, n_embd) float32 contiguous CPU: the final-normed hidden state of one token."""
+        if u.numel() != self.n_embd or u.dtype is not torch.float32 or not u.is_contiguous():
+            raise ValueError("head chain: u does not match the head")
+        logits = torch.empty(1, self.n_vocab, dtype=torch.float32)
+        kc, scratch = self.kc, self._scratch
+        status = self._call(
+            self._desc_ref, u.data_ptr(), logits.data_ptr(), self._ids.data_ptr(), *self._refs, scratch.data_ptr(),
+            scratch.numel(), kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "head_t1")
+        return HeadResult(
+            logits, self._ids[: self._m.value], self._left.value, self._err.value, self._best.value
+        )
+
+
+def _address(fn: object) -> int:
+    return int(ctypes.cast(fn, _ptr).value or 0)
+
+
+def head_chain(
+    proj: QWeight, screen: QWeight, output: QWeight, k: int, kc: KernelContext
+) -> HeadChain | None:
+    """The chain of a head W (n_vocab, n_embd) screened by P (rank, n_embd) and A (n_vocab, rank) with about k
+    candidates, or None where the kernels do not apply."""
+    lib = library.load()
+    if lib is None or not kc.uses_kernels:
+        return None
+    weights = (proj, screen, output)
+    if any(not isinstance(w, QWeight) or w.on_device or not w.raw.is_cpu for w in weights):
+        return None
+    proj_mm = kc.kernels.matmul.get(proj.ggml_type)
+    screen_mm = kc.kernels.matmul.get(screen.ggml_type)
+    rows = kc.kernels.rows_matmul.get(output.ggml_type)
+    if proj_mm is None or screen_mm is None or rows is None:
+        return None
+    n_vocab, n_embd = output.shape
+    rank = proj.shape[0]
+    if proj.shape != (rank, n_embd) or screen.shape != (n_vocab, rank) or not 0 < k < n_vocab:
+        return None
+    desc = _HeadDesc(
+        n_vocab, n_embd, rank, k,
+        proj._raw_ptr, proj._raw_stride, _address(proj_mm),
+        screen._raw_ptr, screen._raw_stride, _address(screen_mm),
+        output._raw_ptr, output._raw_stride, _address(rows),
+    )  # fmt: skip
+    return HeadChain(desc, weights, kc)
