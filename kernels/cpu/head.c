@@ -1,4 +1,5 @@
-/* The sparse output head's chain for one token (model/head.py's SparseHead): z = P u, s = A z, the candidates
+/* The sparse output head's chain for one token (model/head.py's SparseHead): u = RMSNorm(x) (pi_rms_norm, where the
+ * head's final norm is one; else the caller passes u), z = P u, s = A z, the candidates
  * C = top_about_k(s), their exact logits e = W_C u written over s, and what the head's safety check needs (the
  * largest screen value left out, max |e - s_C| and max e). The three products are the kernels the caller would
  * call one by one (pi_matmul_<type> and pi_rows_matmul_<type> of its precision, passed in the descriptor), so the
@@ -20,6 +21,9 @@ typedef int32_t (*head_rows_fn)(const uint8_t *w, int64_t w_stride, int64_t N, i
 /* The head's weights and kernels (ops.head_block builds it from the QWeights; the memory stays the caller's). */
 typedef struct {
     int64_t n_vocab, n_embd, rank, k; /* W (n_vocab, n_embd), P (rank, n_embd), A (n_vocab, rank); about k candidates */
+    int32_t norm;                     /* 1: u = RMSNorm(x) with norm_weight (NULL: none) and eps; 0: x is u */
+    float eps;
+    const float *norm_weight;
     const uint8_t *proj;
     int64_t proj_stride;
     head_matmul_fn proj_matmul;
@@ -31,6 +35,8 @@ typedef struct {
     head_rows_fn output_rows;
 } head_desc;
 
+int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, const float *w, float eps, float *out,
+                    int64_t out_stride);
 int32_t pi_top_about_k(const float *s, int64_t n, int64_t k, int64_t *idx, int64_t *m, float *next, float *scratch,
                        int32_t isa);
 
@@ -48,14 +54,14 @@ PI_EXPORT int64_t pi_head_t1_scratch_bytes(int64_t n_vocab, int64_t rank, int64_
     return need < 0 ? -1 : need + PI_SCRATCH_ALIGN;
 }
 
-/* pi_head_t1(desc, u, logits, ids_out, m, left, err, best, scratch, scratch_bytes, n_threads, isa): u (n_embd) the
- * final-normed hidden state; logits (n_vocab) receives s with the candidates' exact values; ids_out (4k int64, or
+/* pi_head_t1(desc, x, u, logits, ids_out, m, left, err, best, scratch, scratch_bytes, n_threads, isa): x (n_embd) the
+ * hidden state, u (n_embd) receives the final-normed one (x itself where desc->norm is 0); logits (n_vocab) receives s with the candidates' exact values; ids_out (4k int64, or
  * NULL) the candidates' ids in increasing order, *m of them; *left the largest screen value left out, *err
  * max |e - s| over the candidates and *best max e (NaN when any value they take is NaN, as torch's max). */
-PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *u, float *logits, int64_t *ids_out, int64_t *m,
-                             float *left, float *err, float *best, void *scratch, int64_t scratch_bytes,
+PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *x, float *u, float *logits, int64_t *ids_out,
+                             int64_t *m, float *left, float *err, float *best, void *scratch, int64_t scratch_bytes,
                              int32_t n_threads, int32_t isa) {
-    if (d == NULL || u == NULL || logits == NULL || m == NULL || left == NULL || err == NULL || best == NULL ||
+    if (d == NULL || x == NULL || u == NULL || logits == NULL || m == NULL || left == NULL || err == NULL || best == NULL ||
         scratch == NULL || d->proj_matmul == NULL || d->screen_matmul == NULL || d->output_rows == NULL)
         return PI_ERR_SHAPE;
     const int64_t need = head_need(d->n_vocab, d->rank, d->k);
@@ -67,6 +73,12 @@ PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *u, float *logits, 
     float *exact = (float *)(p + head_part(d->rank * 4));
     int64_t *ids = (int64_t *)(p + head_part(d->rank * 4) + head_part(4 * d->k * 4));
     float *sel_scratch = (float *)(p + head_part(d->rank * 4) + head_part(4 * d->k * 4) + head_part(4 * d->k * 8));
+    if (d->norm) {
+        status = pi_rms_norm(x, 1, d->n_embd, d->n_embd, d->norm_weight, d->eps, u, d->n_embd);
+        if (status != PI_OK) return status;
+    } else {
+        memmove(u, x, (size_t)d->n_embd * sizeof(float));
+    }
     status = d->proj_matmul(d->proj, d->proj_stride, d->rank, d->n_embd, u, d->n_embd, 1, z, d->rank,
                                     n_threads, isa);
     if (status != PI_OK) return status;

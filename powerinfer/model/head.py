@@ -29,7 +29,7 @@ import torch
 from powerinfer import ops
 from powerinfer.gguf import GGMLType
 from powerinfer.gguf.constants import TensorNames
-from powerinfer.model.blocks import Head
+from powerinfer.model.blocks import Head, Norm
 from powerinfer.ops.weights import QWeight
 from powerinfer.quant import dequantize, quantize
 from powerinfer.quant.types import SPARSE_HEAD_PROJ_TYPE, SPARSE_HEAD_SCREEN_TYPE
@@ -73,7 +73,14 @@ class SparseHead:
         self.max_extra = max(self.n_candidates, n_vocab // 8)
         self.stats = HeadStats()
         # one token's chain in one kernel call (None where the kernels do not apply: the ops one by one)
-        self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc)
+        # the norm too where it is an RMSNorm of the kernels (Norm's kinds "rms" and "rms_1p")
+        norm = self.norm
+        self.chain_norms = isinstance(norm, Norm) and norm.spec.kind != "layer"
+        rms = (norm.weight, norm.spec.eps) if self.chain_norms else None
+        self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc, rms)
+        if self.chain is None and rms is not None:
+            self.chain_norms = False
+            self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc)
 
     def read_bytes(self) -> int:
         """Weight bytes a safe token reads: projection, screen and the candidates' rows."""
@@ -82,12 +89,16 @@ class SparseHead:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kc, k = self.kc, self.n_candidates
-        u = self.norm(x).contiguous()
-        if u.shape[0] == 1 and self.chain is not None:  # one token: the whole chain in one kernel call
-            r = self.chain(u)
-            self._settle(u, r.logits, 0, r.candidates, r.left_out, r.err, r.best)
+        if x.shape[0] == 1 and self.chain is not None:  # one token: the whole chain in one kernel call
+            if self.chain_norms:
+                x = x.to(torch.float32).contiguous()
+            else:
+                x = self.norm(x).contiguous()
+            r = self.chain(x)
+            self._settle(r.u, r.logits, 0, r.candidates, r.left_out, r.err, r.best)
             self.stats.tokens += 1
             return r.logits
+        u = self.norm(x).contiguous()
         z = ops.linear(u, self.proj, kc)
         logits = ops.linear(z.contiguous(), self.screen, kc)  # (T, V)
         for t in range(u.shape[0]):

@@ -2,7 +2,7 @@
 
 `head_chain` describes the screen's projection P, the screen A and the head W once, as a C struct of weight
 pointers and the matmul kernels ops.linear / ops.rows_matmul would call for them in the context's precision; each
-call then computes z = P u, s = A z, about k candidates of s (ops.top_about_k), their exact logits written over s,
+call then computes u = RMSNorm(x) (where asked), z = P u, s = A z, about k candidates of s (ops.top_about_k), their exact logits written over s,
 and the numbers the head's safety check needs, with the bits of those ops called one by one. It returns None where
 the kernels do not apply (no kernels, a weight on a device or of a type without a kernel), and the caller runs the
 ops one by one.
@@ -22,12 +22,13 @@ from powerinfer.ops.weights import QWeight
 
 __all__ = ["HeadChain", "HeadResult", "head_chain"]
 
-_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
 
 
 class _HeadDesc(ctypes.Structure):  # head_desc
     _fields_ = [
-        ("n_vocab", _i64), ("n_embd", _i64), ("rank", _i64), ("k", _i64),
+        ("n_vocab", _i64), ("n_embd", _i64), ("rank", _i64), ("k", _i64), ("norm", _i32), ("eps", _f32),
+        ("norm_weight", _ptr),
         ("proj", _ptr), ("proj_stride", _i64), ("proj_matmul", _ptr),
         ("screen", _ptr), ("screen_stride", _i64), ("screen_matmul", _ptr),
         ("output", _ptr), ("output_stride", _i64), ("output_rows", _ptr),
@@ -35,6 +36,7 @@ class _HeadDesc(ctypes.Structure):  # head_desc
 
 
 class HeadResult(NamedTuple):
+    u: torch.Tensor  # (1, n_embd): the final-normed hidden state; valid until the chain's next call
     logits: torch.Tensor  # (1, n_vocab): the screen's values with the candidates' exact logits
     candidates: torch.Tensor  # (m,) int64, increasing; valid until the chain's next call
     left_out: float  # the largest screen value not among the candidates
@@ -56,23 +58,25 @@ class HeadChain:
             int(lib.head_t1_scratch_bytes(desc.n_vocab, desc.rank, desc.k)), dtype=torch.uint8
         )
         self._ids = torch.empty(4 * int(desc.k), dtype=torch.int64)
+        self._u = torch.empty(1, int(desc.n_embd), dtype=torch.float32)
         self._m, self._left, self._err, self._best = _i64(), _f32(), _f32(), _f32()
         self._refs = tuple(ctypes.byref(v) for v in (self._m, self._left, self._err, self._best))
 
-    def __call__(self, u: torch.Tensor) -> HeadResult:
-        """u (1, n_embd) float32 contiguous CPU: the final-normed hidden state of one token."""
-        if u.numel() != self.n_embd or u.dtype is not torch.float32 or not u.is_contiguous():
-            raise ValueError("head chain: u does not match the head")
+    def __call__(self, x: torch.Tensor) -> HeadResult:
+        """x (1, n_embd) float32 contiguous CPU: one token's hidden state (its final-normed state where the chain was
+        built without the norm)."""
+        if x.numel() != self.n_embd or x.dtype is not torch.float32 or not x.is_contiguous() or not x.is_cpu:
+            raise ValueError("head chain: x does not match the head")
         logits = torch.empty(1, self.n_vocab, dtype=torch.float32)
         kc, scratch = self.kc, self._scratch
         status = self._call(
-            self._desc_ref, u.data_ptr(), logits.data_ptr(), self._ids.data_ptr(), *self._refs, scratch.data_ptr(),
+            self._desc_ref, x.data_ptr(), self._u.data_ptr(), logits.data_ptr(), self._ids.data_ptr(), *self._refs, scratch.data_ptr(),
             scratch.numel(), kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
             check_status(status, "head_t1")
         return HeadResult(
-            logits, self._ids[: self._m.value], self._left.value, self._err.value, self._best.value
+            self._u, logits, self._ids[: self._m.value], self._left.value, self._err.value, self._best.value
         )
 
 
@@ -81,10 +85,16 @@ def _address(fn: object) -> int:
 
 
 def head_chain(
-    proj: QWeight, screen: QWeight, output: QWeight, k: int, kc: KernelContext
+    proj: QWeight,
+    screen: QWeight,
+    output: QWeight,
+    k: int,
+    kc: KernelContext,
+    norm: tuple[torch.Tensor | None, float] | None = None,
 ) -> HeadChain | None:
     """The chain of a head W (n_vocab, n_embd) screened by P (rank, n_embd) and A (n_vocab, rank) with about k
-    candidates, or None where the kernels do not apply."""
+    candidates, or None where the kernels do not apply. norm (weight or None, eps): the chain applies that RMSNorm
+    (ops.rms_norm's kernel) to its input first; None: its input is the normed state already."""
     lib = library.load()
     if lib is None or not kc.uses_kernels:
         return None
@@ -100,10 +110,17 @@ def head_chain(
     rank = proj.shape[0]
     if proj.shape != (rank, n_embd) or screen.shape != (n_vocab, rank) or not 0 < k < n_vocab:
         return None
+    weight, eps = norm if norm is not None else (None, 0.0)
+    if weight is not None and (
+        weight.dtype is not torch.float32 or not weight.is_cpu or weight.shape != (n_embd,)
+    ):
+        return None
+    if weight is not None:
+        weight = weight.contiguous()
     desc = _HeadDesc(
-        n_vocab, n_embd, rank, k,
+        n_vocab, n_embd, rank, k, int(norm is not None), eps, 0 if weight is None else weight.data_ptr(),
         proj._raw_ptr, proj._raw_stride, _address(proj_mm),
         screen._raw_ptr, screen._raw_stride, _address(screen_mm),
         output._raw_ptr, output._raw_stride, _address(rows),
     )  # fmt: skip
-    return HeadChain(desc, weights, kc)
+    return HeadChain(desc, (*weights, weight), kc)

@@ -257,7 +257,7 @@ def _open(path: str) -> Library:
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i32)),
-        head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 9 + (_i64, _i32, _i32)),
+        head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 10 + (_i64, _i32, _i32)),
         head_t1_scratch_bytes=_symbol(lib, "pi_head_t1_scratch_bytes", (_i64,) * 3, _i64),
     )
 
