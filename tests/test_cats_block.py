@@ -123,6 +123,7 @@ def test_cats_file_tokens_same_bits_every_path(cats_files, dtype, act, n_threads
     e = Engine(cats_files[dtype], EngineOptions(n_ctx=64, n_threads=n_threads, act_precision=act))
     assert e.config.sparse_method == "cats"
     assert all(isinstance(layer.fused_ffn, FusedThresholdFFN) for layer in e.model.layers)
+    assert e.model.stack_for(e.kv, 0) is not None  # decode chains the layers in one call (ops.decode_stack)
     ids = prose_ids(e, 12)
     fused = torch.stack([e.eval([t]) for t in ids])  # one token at a time: the fused blocks
     stats = e.sparse_stats

@@ -69,6 +69,25 @@ def test_fused_blocks_equal_op_by_op(mixed_files, name, act):
 
 
 @needs_kernels
+@pytest.mark.parametrize("name", ["F32", "Q4_0", "Q4_K_M"])
+def test_decode_stack_equals_blocks_one_by_one(mixed_files, name, act):
+    """Every layer of a decode token in one kernel call (ops.decode_stack) gives the bits of the fused blocks
+    called one by one from Python (1 and 2 threads); a layer whose fused blocks change is not chained stale."""
+    for threads in (1, 2):
+        engine = Engine(mixed_files[name], EngineOptions(n_ctx=32, n_threads=threads, act_precision=act))
+        model = engine.model
+        assert isinstance(model.stack_for(engine.kv, 0), ops.DecodeStack)
+        stacked = decode_logits(engine)
+        model.stack_decode = False
+        assert model.stack_for(engine.kv, 0) is None
+        assert torch.equal(stacked, decode_logits(engine)), (name, act, threads)
+        model.stack_decode = True
+        model.layers[1].fused_ffn = None  # that layer's FFN op by op: no stack
+        assert model.stack_for(engine.kv, 0) is None
+        assert torch.equal(stacked, decode_logits(engine))
+
+
+@needs_kernels
 def test_fused_blocks_thread_count_independent(mixed_files, act):
     runs = [
         decode_logits(Engine(mixed_files["Q4_K_M"], EngineOptions(n_ctx=32, n_threads=t, act_precision=act)))
@@ -97,6 +116,7 @@ def test_sparse_layers_fuse_whole_blocks(tmp_path, name, act):
         path = out
     engine = Engine(path, EngineOptions(n_ctx=32, n_threads=2, act_precision=act))
     assert all(layer.fused_attn is not None and layer.fused_ffn is not None for layer in engine.model.layers)
+    assert isinstance(engine.model.stack_for(engine.kv, 0), ops.DecodeStack)  # the layers chained in one call
     stats = engine.sparse_stats
     assert stats is not None and stats.predictor_s is not None
     fused = decode_logits(engine)

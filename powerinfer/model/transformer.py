@@ -76,6 +76,10 @@ class Transformer:
         self.rope_factory = rope_factory  # (layer index, n_ctx) -> that layer's RoPE tables
         self.observers: list[FFNObserver] = []
         self.placed = False
+        # one token's layers in one kernel call (ops.decode_stack) where they chain; False: block by block
+        self.stack_decode = True
+        # the stacks made, per (KV store, sequence): the store, the fused blocks they chain, the stack
+        self._stacks: dict[tuple[int, int], tuple[KVStore, tuple[object, ...], ops.DecodeStack | None]] = {}
 
     @property
     def ffns(self) -> list[FFN]:
@@ -86,6 +90,7 @@ class Transformer:
         """Precompute position tables for a context of n_ctx tokens; `placed`: some weights live on a device
         other than the CPU (the forward then moves activations between devices)."""
         self.placed = placed
+        self._stacks.clear()
         ropes: dict[object, Rope | None] = {}
         identities: dict[int, torch.Tensor] = {}
         for bid, layer in enumerate(self.layers):
@@ -153,6 +158,11 @@ class Transformer:
         has them (one kernel call per block, x updated in place), op by op otherwise."""
         seg = batch.segments[0]
         seq, pos = seg.seq, seg.pos
+        stack = self.stack_for(kv, seq)
+        if stack is not None:
+            workspace = self.layers[0].attn.workspace
+            stack(x, pos, workspace.get("attn_block"), workspace.get("ffn_block"))
+            return x
         for bid, layer in enumerate(self.layers):
             attn = layer.fused_attn
             if attn is None and layer.fused_ffn is None:
@@ -175,6 +185,49 @@ class Transformer:
             f = layer.ffn(h, x, batch)
             x = x + f
         return x
+
+    def stack_for(self, kv: KVStore, seq: int) -> ops.DecodeStack | None:
+        """Sequence seq's layers as one kernel call (ops.decode_stack), made on first use and again when a layer's
+        fused blocks change: where every layer has a fused attention block and a fused dense, sparse or CATS FFN
+        block (recall tracking off), no pre-attention hook, one workspace and one kernel context; else None (the
+        blocks are called one by one)."""
+        if not self.stack_decode:
+            return None
+        blocks = tuple(b for layer in self.layers for b in (layer.fused_attn, layer.fused_ffn))
+        key = (id(kv), seq)
+        entry = self._stacks.get(key)
+        if entry is None or entry[0] is not kv or entry[1] != blocks:
+            entry = (kv, blocks, self._make_stack(kv, seq))
+            self._stacks[key] = entry
+        stack = entry[2]
+        if stack is None:
+            return None
+        for ffn in blocks[1::2]:  # perplexity's recall tracking runs the sparse FFNs op by op
+            if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None:
+                return None
+        return stack
+
+    def _make_stack(self, kv: KVStore, seq: int) -> ops.DecodeStack | None:
+        if not self.layers:
+            return None
+        workspace = self.layers[0].attn.workspace
+        parts = []
+        for bid, layer in enumerate(self.layers):
+            attn, ffn = layer.fused_attn, layer.fused_ffn
+            if (
+                attn is None
+                or ffn is None
+                or layer.pre_attn is not None
+                or layer.attn.workspace is not workspace
+            ):
+                return None
+            block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
+            pairs = layer.attn.rope_pairs
+            if pairs is None or not isinstance(block, ops.FFNBlock | ops.SparseFFNBlock | ops.CATSFFNBlock):
+                return None
+            k, v = kv.layer_view(bid).slot(seq)
+            parts.append((attn, k, v, pairs, block))
+        return ops.decode_stack(parts, self.layers[0].fused_attn.kc)  # type: ignore[union-attr]
 
     def _layer(self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:
         """One layer op by op: the residual stream after it (on the layer's device when placed)."""

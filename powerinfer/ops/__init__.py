@@ -27,10 +27,12 @@ from powerinfer.ops.head import HeadChain, head_chain
 from powerinfer.ops.layer import (
     AttnBlock,
     CATSFFNBlock,
+    DecodeStack,
     FFNBlock,
     SparseFFNBlock,
     attn_block,
     cats_ffn_block,
+    decode_stack,
     ffn_block,
     rms_norm,
     sparse_ffn_block,
@@ -56,6 +58,8 @@ from powerinfer.ops.weights import DeviceWeight, QWeight, weight_rows
 __all__ = [
     "ACTIVATIONS",
     "AttnBlock",
+    "DecodeStack",
+    "decode_stack",
     "HeadChain",
     "head_chain",
     "CATSFFNBlock",

@@ -15,6 +15,9 @@ behind `rms_norm`, in one call.
 up and down rows, residual add, the layer's counters): `cats_ffn` behind `rms_norm`, in one call, dense for a
 sequence's first token.
 
+`decode_stack` chains the fused blocks of every layer of one sequence (attention with that sequence's cache rows,
+then a dense, sparse or CATS FFN block) into one kernel call a token, with the bits of the blocks called one by one.
+
 `rms_norm` is RMSNorm over the last dimension (the mean of squares accumulated in double).
 """
 
@@ -39,10 +42,12 @@ if TYPE_CHECKING:
 __all__ = [
     "AttnBlock",
     "CATSFFNBlock",
+    "DecodeStack",
     "FFNBlock",
     "SparseFFNBlock",
     "attn_block",
     "cats_ffn_block",
+    "decode_stack",
     "ffn_block",
     "rms_norm",
     "sparse_ffn_block",
@@ -428,3 +433,79 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if status:
         check_status(status, "rms_norm")
     return out.view(x.shape)
+
+
+class _StackLayer(ctypes.Structure):  # pi_stack_layer
+    _fields_ = [
+        ("attn", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("n_ctx", _i64), ("rope", _ptr), ("n_positions", _i64),
+        ("ffn_kind", _i32), ("reserved", _i32), ("ffn", _ptr),
+    ]  # fmt: skip
+
+
+# the FFN blocks pi_decode_stack chains (its STACK_FFN_* codes)
+_STACK_FFN_KINDS: dict[type, int] = {FFNBlock: 0, SparseFFNBlock: 1, CATSFFNBlock: 2}
+
+
+class DecodeStack:
+    """Every layer of one sequence for one token in one kernel call: per layer the attention block (this
+    sequence's cache rows) then the FFN block, x updated in place; decode_stack builds it."""
+
+    def __init__(
+        self, layers: ctypes.Array[_StackLayer], keep: tuple[object, ...], kc: KernelContext
+    ) -> None:
+        lib = library.load()
+        assert lib is not None
+        self.layers, self._keep, self.kc = (
+            layers,
+            keep,
+            kc,
+        )  # keep: the blocks and tensors the array points into
+        self.n_layers = len(layers)
+        self._call = lib.decode_stack
+
+    def __call__(
+        self, x: torch.Tensor, pos: int, attn_scratch: torch.Tensor, ffn_scratch: torch.Tensor
+    ) -> None:
+        """x (1, n_embd) float32 contiguous CPU at position pos, updated in place; the scratch buffers of the blocks
+        (their largest scratch_bytes)."""
+        kc = self.kc
+        status = self._call(
+            self.layers, self.n_layers, x.data_ptr(), pos, attn_scratch.data_ptr(), attn_scratch.numel(),
+            ffn_scratch.data_ptr(), ffn_scratch.numel(), kc.act_precision == "q8", kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "decode_stack")
+
+
+def decode_stack(
+    layers: list[tuple[AttnBlock, torch.Tensor, torch.Tensor, torch.Tensor, _FFNBlockBase]], kc: KernelContext
+) -> DecodeStack | None:
+    """The stack of these layers, each (attention block, its k and v cache rows (n_ctx, H_kv, D) float32 contiguous
+    for the sequence, its RoPE pairs table (n_positions, D / 2, 2), FFN block), all of context kc; None where the
+    kernels cannot chain them (an FFN block of another kind, a block of another context, a cache or table that does
+    not fit its block)."""
+    lib = library.load()
+    if lib is None or not layers:
+        return None
+    array = (_StackLayer * len(layers))()
+    for i, (attn, k, v, pairs, ffn) in enumerate(layers):
+        kind = _STACK_FFN_KINDS.get(type(ffn))
+        if kind is None or attn.kc is not kc or ffn.kc is not kc or ffn.n_embd != attn.n_embd:
+            return None
+        if (
+            k.dtype is not torch.float32
+            or v.dtype is not torch.float32
+            or not (
+                k.is_cpu and v.is_cpu and k.is_contiguous() and v.is_contiguous() and pairs.is_contiguous()
+            )
+            or v.shape != k.shape
+            or k.numel() != k.shape[0] * attn.row
+            or pairs.dtype is not torch.float32
+            or pairs.numel() != pairs.shape[0] * attn.head_dim
+        ):
+            return None
+        array[i] = _StackLayer(
+            ctypes.addressof(attn.desc), k.data_ptr(), v.data_ptr(), k.shape[0], pairs.data_ptr(), pairs.shape[0],
+            kind, 0, ctypes.addressof(ffn.desc),
+        )  # fmt: skip
+    return DecodeStack(array, tuple(layers), kc)

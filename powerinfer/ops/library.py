@@ -185,6 +185,7 @@ class Library:
     gated: Any  # h = act(g) * up, the fused kernels' gating
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
+    decode_stack: Any  # every layer's fused blocks for one token (kernels/cpu/layer.c)
     head_t1: Any  # the sparse output head's chain for one token (kernels/cpu/head.c)
     head_t1_scratch_bytes: Any
 
@@ -257,6 +258,9 @@ def _open(path: str) -> Library:
         gated=_symbol(lib, "pi_gated", (_ptr, _ptr, _i64, _i32, _i32, _ptr)),
         top_k=_symbol(lib, "pi_top_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr)),
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i32)),
+        decode_stack=_symbol(
+            lib, "pi_decode_stack", (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32)
+        ),
         head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 10 + (_i64, _i32, _i32)),
         head_t1_scratch_bytes=_symbol(lib, "pi_head_t1_scratch_bytes", (_i64,) * 3, _i64),
     )
