@@ -172,3 +172,31 @@ def test_a_fresh_step_looks_at_the_load_first(keep_torch_threads) -> None:
     assert kc.threads_now == 1
     gov.end()
     assert th.runnable_others() is None or th.runnable_others() >= 0
+
+
+@pytest.mark.skipif(th.runnable_others() is None, reason="needs Linux /proc")
+def test_own_spinning_threads_are_not_other_tasks() -> None:
+    """A thread of this process that is running (here one in a long torch product, which releases the GIL; as the
+    kernels' OpenMP threads spin for a few ms after each region) is counted among this process's running threads,
+    which runnable_others leaves out of the machine's running count: an engine stepped right after another one
+    of the same process saw its spinning threads as a busy process and ran at one thread."""
+    import threading
+
+    stop = threading.Event()
+    a = torch.randn(600, 600)
+
+    def spin() -> None:
+        while not stop.is_set():
+            a @ a
+
+    worker = threading.Thread(target=spin)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    worker.start()
+    try:
+        seen = max(th.own_running_threads() for _ in range(200))
+    finally:
+        stop.set()
+        worker.join()
+        torch.set_num_threads(previous)
+    assert seen >= 2  # the caller and the worker

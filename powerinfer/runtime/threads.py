@@ -49,13 +49,35 @@ FRESH_S = 0.5  # a step starting this long after the last one ended looks at the
 
 
 def runnable_others() -> int | None:
-    """Tasks runnable now besides the calling thread (Linux: /proc/loadavg's running count); None elsewhere."""
+    """Tasks of other processes runnable now (Linux: /proc/loadavg's running count less this process's running
+    threads); None elsewhere. This process's own threads are left out: for a few ms after a region the kernels'
+    OpenMP threads spin, runnable, and a step starting then (an engine stepped right after another engine of the
+    same process, as the benchmarks alternate them) counted them as another process and ran at one thread."""
     try:
         with open("/proc/loadavg", encoding="ascii") as f:
             running = int(f.read().split()[3].split("/")[0])
     except (OSError, ValueError, IndexError):
         return None
-    return max(0, running - 1)
+    return max(0, running - own_running_threads())
+
+
+def own_running_threads() -> int:
+    """This process's threads in state R (the calling thread included; at least 1): /proc/self/task/*/stat."""
+    n = 0
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return 1
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                stat = f.read()
+        except OSError:  # the thread ended
+            continue
+        end = stat.rfind(")")
+        if end >= 0 and stat[end + 2 : end + 3] == "R":
+            n += 1
+    return max(1, n)
 
 
 def usable_cores() -> int:
