@@ -188,12 +188,14 @@ class Transformer:
 
     def stack_for(self, kv: KVStore, seq: int) -> ops.DecodeStack | None:
         """Sequence seq's layers as one kernel call (ops.decode_stack), made on first use and again when a layer's
-        fused blocks change: where every layer has a fused attention block and a fused dense, sparse or CATS FFN
-        block (recall tracking off), no pre-attention hook, one workspace and one kernel context; else None (the
-        blocks are called one by one)."""
+        fused blocks or hook change: where every layer has a fused attention block and a fused dense, sparse or
+        CATS FFN block (recall tracking off), no pre-attention hook, one workspace and one kernel context; else
+        None (the blocks are called one by one)."""
         if not self.stack_decode:
             return None
-        blocks = tuple(b for layer in self.layers for b in (layer.fused_attn, layer.fused_ffn))
+        blocks = tuple(
+            b for layer in self.layers for b in (layer.fused_attn, layer.fused_ffn, layer.pre_attn)
+        )
         key = (id(kv), seq)
         entry = self._stacks.get(key)
         if entry is None or entry[0] is not kv or entry[1] != blocks:
@@ -202,7 +204,7 @@ class Transformer:
         stack = entry[2]
         if stack is None:
             return None
-        for ffn in blocks[1::2]:  # perplexity's recall tracking runs the sparse FFNs op by op
+        for ffn in blocks[1::3]:  # perplexity's recall tracking runs the sparse FFNs op by op
             if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None:
                 return None
         return stack
