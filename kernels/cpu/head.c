@@ -18,7 +18,7 @@ typedef int32_t (*head_rows_fn)(const uint8_t *w, int64_t w_stride, int64_t N, i
                                 int64_t M, const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
                                 int32_t n_threads, int32_t isa);
 
-/* The head's weights and kernels (ops.head_block builds it from the QWeights; the memory stays the caller's). */
+/* The head's weights and kernels (ops.head_chain builds it from the QWeights; the memory stays the caller's). */
 typedef struct {
     int64_t n_vocab, n_embd, rank, k; /* W (n_vocab, n_embd), P (rank, n_embd), A (n_vocab, rank); about k candidates */
     int32_t norm;                     /* 1: u = RMSNorm(x) with norm_weight (NULL: none) and eps; 0: x is u */
@@ -40,13 +40,13 @@ int32_t pi_rms_norm(const float *x, int64_t T, int64_t D, int64_t x_stride, cons
 int32_t pi_top_about_k(const float *s, int64_t n, int64_t k, int64_t *idx, int64_t *m, float *next, float *scratch,
                        int32_t isa);
 
-/* scratch of pi_head_t1 (after its 64-byte aligned start): z (rank floats), the candidates' exact logits and ids (up to 4k each), top_about_k's n_vocab
- * floats; each part 64-byte aligned */
+/* scratch of pi_head_t1 (after its 64-byte aligned start): z (rank floats), the candidates' exact logits (up to 4k)
+ * and top_about_k's n_vocab floats; each part 64-byte aligned */
 static inline int64_t head_part(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 static int64_t head_need(int64_t n_vocab, int64_t rank, int64_t k) {
     if (n_vocab <= 0 || rank <= 0 || k <= 0 || n_vocab > INT32_MAX || rank > INT32_MAX || k > INT32_MAX) return -1;
-    return head_part(rank * 4) + head_part(4 * k * 4) + head_part(4 * k * 8) + head_part(n_vocab * 4);
+    return head_part(rank * 4) + head_part(4 * k * 4) + head_part(n_vocab * 4);
 }
 
 PI_EXPORT int64_t pi_head_t1_scratch_bytes(int64_t n_vocab, int64_t rank, int64_t k) {
@@ -54,15 +54,16 @@ PI_EXPORT int64_t pi_head_t1_scratch_bytes(int64_t n_vocab, int64_t rank, int64_
     return need < 0 ? -1 : need + PI_SCRATCH_ALIGN;
 }
 
-/* pi_head_t1(desc, x, u, logits, ids_out, m, left, err, best, scratch, scratch_bytes, n_threads, isa): x (n_embd) the
- * hidden state, u (n_embd) receives the final-normed one (x itself where desc->norm is 0); logits (n_vocab) receives s with the candidates' exact values; ids_out (4k int64, or
- * NULL) the candidates' ids in increasing order, *m of them; *left the largest screen value left out, *err
- * max |e - s| over the candidates and *best max e (NaN when any value they take is NaN, as torch's max). */
-PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *x, float *u, float *logits, int64_t *ids_out,
+/* pi_head_t1(desc, x, u, logits, ids, m, left, err, best, scratch, scratch_bytes, n_threads, isa): x (n_embd) the
+ * hidden state, u (n_embd) receives the final-normed one (x itself where desc->norm is 0); logits (n_vocab)
+ * receives s with the candidates' exact values; ids (room for 4k int64) the candidates' ids in increasing order,
+ * *m of them; *left the largest screen value left out, *err max |e - s| over the candidates and *best max e (NaN
+ * when any value they take is NaN, as torch's max). */
+PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *x, float *u, float *logits, int64_t *ids,
                              int64_t *m, float *left, float *err, float *best, void *scratch, int64_t scratch_bytes,
                              int32_t n_threads, int32_t isa) {
-    if (d == NULL || x == NULL || u == NULL || logits == NULL || m == NULL || left == NULL || err == NULL || best == NULL ||
-        scratch == NULL || d->proj_matmul == NULL || d->screen_matmul == NULL || d->output_rows == NULL)
+    if (d == NULL || x == NULL || u == NULL || logits == NULL || ids == NULL || m == NULL || left == NULL ||
+        err == NULL || best == NULL || scratch == NULL || d->proj_matmul == NULL || d->screen_matmul == NULL || d->output_rows == NULL)
         return PI_ERR_SHAPE;
     const int64_t need = head_need(d->n_vocab, d->rank, d->k);
     if (need < 0 || d->n_embd <= 0 || d->k >= d->n_vocab) return PI_ERR_SHAPE;
@@ -71,16 +72,14 @@ PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *x, float *u, float
     if (status != PI_OK) return status;
     float *z = (float *)p;
     float *exact = (float *)(p + head_part(d->rank * 4));
-    int64_t *ids = (int64_t *)(p + head_part(d->rank * 4) + head_part(4 * d->k * 4));
-    float *sel_scratch = (float *)(p + head_part(d->rank * 4) + head_part(4 * d->k * 4) + head_part(4 * d->k * 8));
+    float *sel_scratch = (float *)(p + head_part(d->rank * 4) + head_part(4 * d->k * 4));
     if (d->norm) {
         status = pi_rms_norm(x, 1, d->n_embd, d->n_embd, d->norm_weight, d->eps, u, d->n_embd);
         if (status != PI_OK) return status;
     } else {
         memmove(u, x, (size_t)d->n_embd * sizeof(float));
     }
-    status = d->proj_matmul(d->proj, d->proj_stride, d->rank, d->n_embd, u, d->n_embd, 1, z, d->rank,
-                                    n_threads, isa);
+    status = d->proj_matmul(d->proj, d->proj_stride, d->rank, d->n_embd, u, d->n_embd, 1, z, d->rank, n_threads, isa);
     if (status != PI_OK) return status;
     status = d->screen_matmul(d->screen, d->screen_stride, d->n_vocab, d->rank, z, d->rank, 1, logits, d->n_vocab,
                               n_threads, isa);
@@ -101,8 +100,6 @@ PI_EXPORT int32_t pi_head_t1(const head_desc *d, const float *x, float *u, float
         b_max = e > b_max ? e : b_max;
         logits[ids[c]] = e;
     }
-    if (ids_out != NULL)
-        for (int64_t c = 0; c < n_cand; c++) ids_out[c] = ids[c];
     *m = n_cand;
     *err = nan_err ? NAN : e_max;
     *best = nan_best ? NAN : b_max;

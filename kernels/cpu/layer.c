@@ -449,8 +449,8 @@ typedef struct {
 /* pi_decode_stack(layers, n_layers, x, pos, attn_scratch, attn_bytes, ffn_scratch, ffn_bytes, q8, threads, isa):
  * one token at position pos through n_layers layers in order, x (n_embd) updated in place, each block exactly as
  * its own call (pi_attn_block then the FFN block, the CATS one dense at position 0), so the bits are those of the
- * blocks called one by one. One call a token instead of two per layer from Python: on SmolLM2 (30 layers) the
- * per-layer calls cost ~0.3 ms of a ~8 ms token. Stops at the first block that fails, with its status. */
+ * blocks called one by one. One call a token instead of two per layer from Python: on SmolLM2 (30 layers) that
+ * saved ~0.8 ms of a 9-11 ms token (1 thread, interleaved per token; docs/sparsity.md). Stops at the first block that fails, with its status. */
 PI_EXPORT int32_t pi_decode_stack(const pi_stack_layer *layers, int64_t n_layers, float *x, int64_t pos,
                                   void *attn_scratch, int64_t attn_bytes, void *ffn_scratch, int64_t ffn_bytes,
                                   int32_t q8, int32_t n_threads, int32_t isa) {

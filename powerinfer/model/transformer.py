@@ -223,12 +223,14 @@ class Transformer:
                 or layer.attn.workspace is not workspace
             ):
                 return None
-            block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
             pairs = layer.attn.rope_pairs
-            if pairs is None or not isinstance(block, ops.FFNBlock | ops.SparseFFNBlock | ops.CATSFFNBlock):
+            if pairs is None:
                 return None
+            block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
             k, v = kv.layer_view(bid).slot(seq)
-            parts.append((attn, k, v, pairs, block))
+            parts.append(
+                (attn, k, v, pairs, block)
+            )  # ops.decode_stack refuses the FFN blocks it cannot chain
         return ops.decode_stack(parts, self.layers[0].fused_attn.kc)  # type: ignore[union-attr]
 
     def _layer(self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 `head_chain` describes the screen's projection P, the screen A and the head W once, as a C struct of weight
 pointers and the matmul kernels ops.linear / ops.rows_matmul would call for them in the context's precision; each
-call then computes u = RMSNorm(x) (where asked), z = P u, s = A z, about k candidates of s (ops.top_about_k), their exact logits written over s,
-and the numbers the head's safety check needs, with the bits of those ops called one by one. It returns None where
+call then computes u = RMSNorm(x) (where asked), z = P u, s = A z, about k candidates of s (ops.top_about_k),
+their exact logits written over s, and the numbers the head's safety check needs, with the bits of those ops called one by one. It returns None where
 the kernels do not apply (no kernels, a weight on a device or of a type without a kernel), and the caller runs the
 ops one by one.
 """
@@ -70,8 +70,8 @@ class HeadChain:
         logits = torch.empty(1, self.n_vocab, dtype=torch.float32)
         kc, scratch = self.kc, self._scratch
         status = self._call(
-            self._desc_ref, x.data_ptr(), self._u.data_ptr(), logits.data_ptr(), self._ids.data_ptr(), *self._refs, scratch.data_ptr(),
-            scratch.numel(), kc.threads_now, kc.level,
+            self._desc_ref, x.data_ptr(), self._u.data_ptr(), logits.data_ptr(), self._ids.data_ptr(), *self._refs,
+            scratch.data_ptr(), scratch.numel(), kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
             check_status(status, "head_t1")

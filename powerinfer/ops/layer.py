@@ -455,11 +455,8 @@ class DecodeStack:
     ) -> None:
         lib = library.load()
         assert lib is not None
-        self.layers, self._keep, self.kc = (
-            layers,
-            keep,
-            kc,
-        )  # keep: the blocks and tensors the array points into
+        self.layers, self.kc = layers, kc
+        self._keep = keep  # the blocks and tensors the array points into
         self.n_layers = len(layers)
         self._call = lib.decode_stack
 
