@@ -1,7 +1,7 @@
 """A token's logits do not depend on how it reached the engine (a property, checked with hypothesis).
 
-For a dense Q4_0 file, a PowerInfer (PWRI, predictor) Q4_0 file and a CATS file (sparsified at S = 0.5, then
-quantized Q4_0 by our quantize), all in the q8 precision the CLI runs: a target sequence is evaluated in random
+For a dense Q4_0 file, a PowerInfer (PWRI, predictor) Q4_0 file, a CATS file and a TEAL file (each sparsified at
+S = 0.5, then quantized Q4_0 by our quantize), all in the q8 precision the CLI runs: a target sequence is evaluated in random
 chunks, each chunk in a step shared with up to 7 other sequences (some prefilling a chunk of their own prompt,
 some decoding one token), optionally after a detour (junk tokens evaluated after a prefix, then rewound with
 `keep`, so the prefix's cache is reused), by an engine of 1, 2 or 3 threads. Every target token's logits must be
@@ -10,6 +10,7 @@ the same bits as in one fresh single-sequence prompt on a 1-thread engine.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -61,7 +62,10 @@ def models(tmp_path_factory) -> dict[str, Path]:
     assert file_type is not None
     cats = root / "cats.powerinfer.gguf"
     quantize_model(QuantizeOptions(cats_f32, cats, file_type))
-    return {"dense": dense, "pwri": pwri, "cats": cats}
+    opts = dataclasses.replace(opts, output=root / "teal-f32.powerinfer.gguf", method="teal")
+    teal = root / "teal.powerinfer.gguf"
+    quantize_model(QuantizeOptions(run_sparsify(opts).output, teal, file_type))
+    return {"dense": dense, "pwri": pwri, "cats": cats, "teal": teal}
 
 
 class Engines:
@@ -150,7 +154,7 @@ def run_scenario(e: Engine, vocab: int, s: dict) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.mark.parametrize("model", ["dense", "pwri", "cats"])
+@pytest.mark.parametrize("model", ["dense", "pwri", "cats", "teal"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(s=scenario)
 def test_logits_do_not_depend_on_how_a_token_arrives(engines, model, s):

@@ -341,7 +341,6 @@ def assert_refused(tmp_path: Path, r, *needles: str) -> None:
         (["--sparsity", "nan"], "[0, 1)"),
         (["--sparsity", "0.97"], "cannot be reached"),
         (["--sparsity", "0.5", "--up-ratio", "1.5"], "--up-ratio must be in [0, 1]"),
-        (["--sparsity", "0.5", "--method", "teal"], "--method teal is not implemented yet; use cats"),
         (["--sparsity", "0.5", "--method", "predictor"], "--method predictor is not implemented yet"),
         (["--sparsity", "0.5", "--max-tokens", "100"], "100 tokens"),
     ],

@@ -278,7 +278,7 @@ void axpy_t1_units(axpy_units_fn units, int kind, const axpy_ctx *c, int64_t u0,
         for (; m < c->M && n < AXPY_CHUNK; m++) {
             const float hv = c->h[m];
             const int64_t row = row_of(c->idx, m);
-            if (hv == 0.0f || row < c->row_lo || row >= c->row_hi) continue;
+            if (hv == 0.0f || fabsf(hv) <= c->h_min || row < c->row_lo || row >= c->row_hi) continue;
             rows[n] = c->w + row * c->w_stride;
             hs[n++] = hv;
         }
@@ -298,7 +298,8 @@ void axpy_chains_prepare(const axpy_ctx *c, float *scratch) {
         for (int64_t t = 0; t < c->T; t++)
             for (int64_t m = 0; m < c->M; m++) {
                 const int64_t row = row_of(c->idx, m);
-                hp[(p * c->T + t) * c->M + m] = row >= lo && row < hi ? c->h[t * c->h_stride + m] : 0.0f;
+                const float hv = c->h[t * c->h_stride + m];
+                hp[(p * c->T + t) * c->M + m] = row >= lo && row < hi && !(fabsf(hv) <= c->h_min) ? hv : 0.0f;
             }
     }
 }
@@ -349,8 +350,9 @@ void axpy_chains(axpy_units_fn units, int kind, const axpy_ctx *c, float *scratc
 
 static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,
                          const int64_t *idx, int64_t M, const float *h, int64_t h_stride, int64_t T, float *y,
-                         int64_t y_stride, int32_t q8_act, int32_t n_threads, int32_t isa) {
+                         int64_t y_stride, int32_t q8_act, float h_min, int32_t n_threads, int32_t isa) {
     if (N < 0 || M < 0 || D < 0 || T < 0) return PI_ERR_SHAPE;
+    if (!(h_min >= 0.0f)) return PI_ERR_SHAPE; /* a negative or NaN threshold would skip nothing or everything */
     if (kind_is_block(kind) && D % QK != 0) return PI_ERR_SHAPE;
     if (kind_is_kq(kind) && D % QK_K != 0) return PI_ERR_SHAPE; /* K-quant rows hold whole super-blocks */
     /* bytes of one row of D elements: D / 32 units of unit_bytes (a quant block, or 32 floats of 2 or 4 bytes), or
@@ -366,11 +368,11 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
     if (y == NULL || (M > 0 && (w == NULL || h == NULL))) return PI_ERR_SHAPE;
     const axpy_ctx c = {.w = w, .w_stride = w_stride, .idx = idx, .M = M, .D = D, .unit_bytes = unit_bytes, .h = h,
                         .h_stride = h_stride, .T = T, .y = y, .y_stride = y_stride,
-                        .coef_bf16 = q8_act != 0 && type_coef_bf16(kind), .n_rows = N};
+                        .coef_bf16 = q8_act != 0 && type_coef_bf16(kind), .n_rows = N, .h_min = h_min};
     int64_t work_rows = M;
     if (T == 1) {
         work_rows = 0;
-        for (int64_t m = 0; m < M; m++) work_rows += h[m] != 0.0f;
+        for (int64_t m = 0; m < M; m++) work_rows += h[m] != 0.0f && !(fabsf(h[m]) <= h_min);
     }
     const axpy_units_fn units = axpy_units_for(isa);
     const int64_t n_units = (D + axpy_unit_of(kind) - 1) / axpy_unit_of(kind);
@@ -386,14 +388,15 @@ static int32_t rows_axpy(int kind, size_t unit_bytes, const uint8_t *w, int64_t 
 }
 
 /* pi_rows_axpy_<type>(w_t, w_stride bytes, N rows, D cols, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act,
- * threads, isa): y[t * y_stride + e] = sum_{m < M, h[t, m] != 0} h[t * h_stride + m] * W_t[idx[m], e]; q8_act != 0
+ * h_min, threads, isa): y[t * y_stride + e] = sum_{m < M, |h[t, m]| > h_min} h[t * h_stride + m] * W_t[idx[m], e]
+ * (h_min >= 0; 0 skips the rows with h = 0 only, NaN is kept); q8_act != 0
  * takes the rows of a coef_bf16 type (quants.h) with bfloat16 coefficients (sparse.h, axpy_coef_bf16), the other types as with 0. */
 #define DEFINE_ROWS_AXPY(type, kind)                                                                  \
     PI_EXPORT int32_t pi_rows_axpy_##type(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D,               \
                                           const int64_t *idx, int64_t M, const float *h, int64_t h_stride,        \
-                                          int64_t T, float *y, int64_t y_stride, int32_t q8_act, int32_t n_threads,   \
-                                          int32_t isa) {                                                          \
-        return rows_axpy(kind, axpy_unit_bytes(kind), w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, n_threads, \
+                                          int64_t T, float *y, int64_t y_stride, int32_t q8_act, float h_min,         \
+                                          int32_t n_threads, int32_t isa) {                                       \
+        return rows_axpy(kind, axpy_unit_bytes(kind), w, w_stride, N, D, idx, M, h, h_stride, T, y, y_stride, q8_act, h_min, n_threads, \
                          isa);                                                                                    \
     }
 

@@ -80,6 +80,8 @@ typedef struct {
     int64_t row_lo, row_hi; /* the chain's rows (axpy_chains): axpy_t1_units and axpy_range_scalar take only the
                              * listed rows with an id in [row_lo, row_hi); T > 1 gets them through h */
     int coef_bf16;  /* rows of a coef_bf16 type (quants.h) in the q8 precision: bfloat16 coefficients */
+    float h_min;    /* rows with |h| <= h_min are skipped as h = 0 is (0: only h = 0; NaN is never skipped): TEAL's
+                     * input threshold on a transposed matrix (ops.InputSparseWeight) */
 } axpy_ctx;
 
 /* Rows of a coef_bf16 type (quants.h: the 4-bit type with offset 8) in the "q8" precision: y += c * (q - 8) per

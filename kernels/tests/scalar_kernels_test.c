@@ -43,7 +43,7 @@ typedef int32_t (*rows_matmul_fn)(const uint8_t *w, int64_t w_stride, int64_t N,
                                   int32_t n_threads, int32_t isa);
 typedef int32_t (*rows_axpy_fn)(const uint8_t *w, int64_t w_stride, int64_t N, int64_t D, const int64_t *idx,
                                 int64_t M, const float *h, int64_t h_stride, int64_t T, float *y, int64_t y_stride,
-                                int32_t q8_act, int32_t n_threads, int32_t isa);
+                                int32_t q8_act, float h_min, int32_t n_threads, int32_t isa);
 
 int32_t pi_kernels_isa_best(void);
 int32_t pi_quantize_rows(int32_t ggml_type, const float *src, int64_t n_rows, int64_t n_cols, uint8_t *dst,
@@ -61,7 +61,7 @@ int32_t pi_quantize_q8_k(const float *x, int64_t K, int64_t T, int8_t *qs, float
                                   int64_t, int64_t, float *, int64_t, int32_t, int32_t);
 #define DECLARE_AXPY(name)                                                                                          \
     int32_t pi_rows_axpy_##name(const uint8_t *, int64_t, int64_t, int64_t, const int64_t *, int64_t, const float *, \
-                                int64_t, int64_t, float *, int64_t, int32_t, int32_t, int32_t);
+                                int64_t, int64_t, float *, int64_t, int32_t, float, int32_t, int32_t);
 #define DECLARE_ALL(name) DECLARE_MATMUL(name) DECLARE_GET_ROWS(name)
 DECLARE_ALL(f32)
 DECLARE_ALL(f16)
@@ -482,7 +482,7 @@ static void check_axpy(const type_info *t, const uint8_t *w, const float *wf, in
             }
         for (int64_t tt = 1; tt <= T; tt += T - 1) { /* T = 1 (skips zero coefficients) and T = 3 */
             for (int threads = 1; threads <= 2; threads++) {
-                if (t->axpy(w, row_bytes, N, D, idx, M, h, M, tt, y, D, q8, threads, ISA) != 0)
+                if (t->axpy(w, row_bytes, N, D, idx, M, h, M, tt, y, D, q8, 0.0f, threads, ISA) != 0)
                     fail(t->name, "rows_axpy failed");
                 char what[96];
                 snprintf(what, sizeof what, "axpy_%s%s_T%lld_threads%d", t->name, q8 ? "_bf16coef" : "", (long long)tt,

@@ -12,6 +12,7 @@ from powerinfer.app.interactive import InteractiveOptions, run_session
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import generate
+from powerinfer.runtime.report import sparse_mode
 from powerinfer.runtime.timings import format_timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
@@ -58,7 +59,7 @@ def run_main(opts: MainOptions) -> int:
     err = err_console
     err.print(f"main: seed  = {sampler.seed}")
     err.print(
-        f"llm_load_print_meta: arch = {c.arch}, mode = {'sparse (PWRI)' if c.sparse else 'dense'}"
+        f"llm_load_print_meta: arch = {c.arch}, mode = {sparse_mode(c) if c.sparse else 'dense'}"
         f"{' + sparse head' if engine.head_stats is not None else ''}, "
         f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
         f"file = {engine.weight_bytes / 2**20:.2f} MiB"

@@ -34,6 +34,7 @@ from powerinfer.eval import (
 )
 from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.report import sparse_mode
 from powerinfer.runtime.timings import format_timings
 from powerinfer.textfile import check_output_file, read_text_file
 
@@ -222,7 +223,7 @@ def run_perplexity(run: PerplexityRun) -> PerplexityResult:
     c = engine.config
     err.print(
         f"llm_load_print_meta: arch = {c.arch}, "
-        f"mode = {'sparse (PWRI)' if engine.sparse_stats else 'dense'}, "
+        f"mode = {sparse_mode(engine.config) if engine.sparse_stats else 'dense'}, "
         f"n_layer = {c.n_layer}, n_embd = {c.n_embd}, n_ff = {c.n_ff}, n_vocab = {c.n_vocab}, "
         f"file = {engine.weight_bytes / 2**20:.2f} MiB",
         markup=False,

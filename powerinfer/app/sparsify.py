@@ -13,8 +13,23 @@ from powerinfer.app.console import err_console, progress_bar
 from powerinfer.sparsify import SparsifyOptions, SparsifyResult, run_sparsify
 
 
+def teal_table(result: SparsifyResult) -> Table:
+    """Per layer (TEAL): sparsity, and for each input the share of calibration inputs above its threshold."""
+    assert result.input_kept is not None
+    table = Table(
+        title=f"TEAL sparsity {result.target} (uniform) over {result.n_tokens} tokens: the share of each input kept"
+    )
+    for name in ("layer", "sparsity", "q/k/v", "o", "gate/up", "down"):
+        table.add_column(name, justify="right")
+    for layer, (s, kept) in enumerate(zip(result.layer_sparsity, result.input_kept, strict=True)):
+        table.add_row(str(layer), f"{s:.3f}", *(f"{k:.1%}" for k in kept))
+    return table
+
+
 def sparsity_table(result: SparsifyResult) -> Table:
     """Per layer: calibrated sparsity, threshold, active share on the calibration text, estimated error."""
+    if result.input_kept is not None:
+        return teal_table(result)
     table = Table(
         title=f"CATS sparsity {result.target} ({result.allocation}, "
         f"{'one stage' if result.up_ratio >= 1 else f'two stages, up ratio {result.up_ratio:g}'}) over "
@@ -37,7 +52,7 @@ STAGES = {
     "calibrate": ("calibrating", "tokens"),
     "allocate": ("error curves", "layers"),
     "threshold": ("thresholds", "layers"),
-    "write": ("writing ffn_down_t", "layers"),
+    "write": ("writing transposed matrices", "matrices"),
 }
 
 

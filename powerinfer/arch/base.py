@@ -112,13 +112,16 @@ def sparse_threshold(metadata: dict[str, Any]) -> float:
     return threshold
 
 
-SPARSE_METHODS = ("predictor", "cats")
+SPARSE_METHODS = ("predictor", "cats", "teal")
 
 
-def sparse_method(metadata: dict[str, Any], sparse: bool, n_layer: int) -> tuple[str, tuple[float, ...]]:
+def sparse_method(
+    metadata: dict[str, Any], sparse: bool, n_layer: int, teal: bool = False
+) -> tuple[str, tuple[float, ...]]:
     """How a sparse file selects neurons, and the per-layer thresholds of "cats" (`powerinfer sparsify`).
 
-    PowerInfer's own files have no method key: "predictor". A "cats" file needs one finite threshold per layer."""
+    PowerInfer's own files have no method key: "predictor". A "cats" file needs one finite threshold per layer; a
+    "teal" file keeps its thresholds beside its transposed matrices (TensorNames.TEAL_MATRICES)."""
     if not sparse:
         return "predictor", ()
     method = metadata.get(Keys.SPARSITY_METHOD, "predictor")
@@ -127,6 +130,8 @@ def sparse_method(metadata: dict[str, Any], sparse: bool, n_layer: int) -> tuple
             f"metadata key '{Keys.SPARSITY_METHOD}' should be one of {', '.join(SPARSE_METHODS)}, "
             f"got {printable(method)}"
         )
+    if method == "teal" and not teal:
+        raise ConfigError("TEAL files (sparsify --method teal) are built for Llama-layout models only")
     if method != "cats":
         return method, ()
     values = metadata.get(Keys.SPARSITY_THRESHOLDS)
@@ -269,7 +274,7 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
         out_name = TensorNames.FFN_OUT_THRESHOLD.format(bid=bid)
         out = src.vector(out_name, c.n_ff).to("cpu") if src.has(out_name) else None
         return ThresholdFFN(c.ffn, bid, thresholds, gate, up, down_t, hot, src.stats, kc, src.workspace, out)
-    if src.sparsity.selector != "none":
+    if src.sparsity.selector not in ("none", "teal"):  # teal: the source gives input-sparse matrices
         raise ConfigError(f"unknown sparsity selector '{src.sparsity.selector}'")
     gate, up = gate_up(src, bid, shape, host=False) if gated else (None, src.matrix(up_name, shape))
     down_used = down_name if src.has(down_name) else down_t_name
@@ -358,7 +363,7 @@ def decoder_config(cls: type[C], metadata: dict[str, Any], sparse: bool, variant
         sliding_window=window or None,  # 0: no window
     )
     n_layer = m.require(Keys.BLOCK_COUNT, minimum=1)
-    method, thresholds = sparse_method(metadata, sparse, n_layer)
+    method, thresholds = sparse_method(metadata, sparse, n_layer, teal=True)
     # PowerInfer's own sparse files are ReLU models; sparsify records the activation it calibrated
     relu = (sparse and method == "predictor") or variant.relu_up
     return cls(
@@ -425,6 +430,15 @@ def decoder_tensor_table(config: ModelConfig) -> TensorTable:
             TensorNames.PRED_FC2: (c.n_ff, f"rank.{bid}"),
         }
         shapes |= {t.format(bid=bid): shape for t, shape in layer.items()}
+        if c.sparse and c.sparse_method == "teal":  # every TEAL matrix transposed, with its input threshold
+            for template in TensorNames.TEAL_MATRICES:
+                name = template.format(bid=bid)
+                n_rows, n_cols = shapes[name]
+                required.discard(name)
+                t_name, thr_name = TensorNames.transposed(name), TensorNames.input_threshold(name)
+                shapes |= {t_name: (n_cols, n_rows), thr_name: (1,)}
+                required |= {t_name, thr_name}
+            continue
         if c.sparse:
             needs = (TensorNames.FFN_DOWN_T, TensorNames.PRED_FC1, TensorNames.PRED_FC2)
             required |= {t.format(bid=bid) for t in needs[: 3 if c.sparse_method == "predictor" else 1]}

@@ -46,7 +46,12 @@ def sparsify(
         ),
     ] = ...,  # type: ignore[assignment]
     method: Annotated[
-        Method, typer.Option("--method", help="Neuron selection: cats (teal and predictor: not built yet).")
+        Method,
+        typer.Option(
+            "--method",
+            help="cats (FFN neurons by gate thresholds) or teal (every matrix's inputs by magnitude; "
+            "Llama-layout models, uniform allocation); predictor: not built yet.",
+        ),
     ] = Method.cats,
     allocation: Annotated[
         Allocation,

@@ -154,6 +154,17 @@ class TensorNames:
     FFN_DOWN_T = "blk.{bid}.ffn_down_t.weight"
     FFN_ACT_THRESHOLD = "blk.{bid}.ffn_act_threshold"  # F32 (n_ff,): per-neuron |act(gate)| thresholds (cats)
     FFN_OUT_THRESHOLD = "blk.{bid}.ffn_out_threshold"  # F32 (n_ff,): per-neuron |act(gate) * up| thresholds
+    # TEAL files (`sparsify --method teal`) hold each of these matrices W (N, K) transposed as `blk.N.X_t.weight`
+    # (K, N), with `blk.N.X.input_threshold` (F32 (1,)): its inputs with |x| at or below it are skipped
+    TEAL_MATRICES = (
+        "blk.{bid}.attn_q.weight",
+        "blk.{bid}.attn_k.weight",
+        "blk.{bid}.attn_v.weight",
+        "blk.{bid}.attn_output.weight",
+        "blk.{bid}.ffn_gate.weight",
+        "blk.{bid}.ffn_up.weight",
+        "blk.{bid}.ffn_down.weight",
+    )
     # mixture of experts: router (n_expert, n_embd), experts stacked (n_expert, n_ff_exp, n_embd) and down
     # (n_expert, n_embd, n_ff_exp); Qwen2-MoE's shared expert and its gate (n_embd,)
     FFN_GATE_INP = "blk.{bid}.ffn_gate_inp.weight"
@@ -172,6 +183,16 @@ class TensorNames:
     POS_EMBD = "position_embd.weight"
     ATTN_NORM_2 = "blk.{bid}.attn_norm_2.weight"  # Falcon's ln_attn (attn_norm is its ln_mlp)
     ATTN_QKV = "blk.{bid}.attn_qkv.weight"
+
+    @staticmethod
+    def transposed(name: str) -> str:
+        """The name of a matrix's transpose: blk.0.ffn_down.weight -> blk.0.ffn_down_t.weight."""
+        return name.removesuffix(".weight") + "_t.weight"
+
+    @staticmethod
+    def input_threshold(name: str) -> str:
+        """The name of a TEAL matrix's input threshold: blk.0.attn_q.weight -> blk.0.attn_q.input_threshold."""
+        return name.removesuffix(".weight") + ".input_threshold"
 
 
 def bias_of(weight_name: str) -> str:

@@ -18,7 +18,7 @@ from powerinfer.model.batch import StepBatch
 from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
 from powerinfer.model.workspace import Workspace
 
-Weight = ops.QWeight | ops.DeviceWeight
+Weight = ops.QWeight | ops.DeviceWeight | ops.InputSparseWeight
 
 # A batched decode step on the CPU runs each sequence's token as a lone decode token runs: the decode-attention
 # kernel once per sequence (or, where it does not apply, the one-token path), never a padded SDPA call over the

@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Sparsity:
-    """How FFNs are built: "none" (dense), "predictor" (PowerInfer's per-layer MLP predictors) or "cats"
-    (per-layer thresholds on |act(gate)|, the config's sparse_thresholds)."""
+    """How FFNs are built: "none" (dense), "predictor" (PowerInfer's per-layer MLP predictors), "cats"
+    (per-layer thresholds on |act(gate)|, the config's sparse_thresholds) or "teal" (dense blocks whose matrices
+    skip small inputs: the source gives them as ops.InputSparseWeight)."""
 
     selector: str = "none"
     threshold: float = 0.0
@@ -36,8 +37,11 @@ class WeightSource(Protocol):
 
     def has(self, name: str) -> bool: ...
 
-    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight | ops.DeviceWeight:
-        """A 2-D weight where the plan put it (checked against `shape` when given)."""
+    def matrix(
+        self, name: str, shape: tuple[int, int] | None = None
+    ) -> ops.QWeight | ops.DeviceWeight | ops.InputSparseWeight:
+        """A 2-D weight where the plan put it (checked against `shape` when given); in TEAL files, the matrices
+        kept transposed with an input threshold (ops.InputSparseWeight)."""
         ...
 
     def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:

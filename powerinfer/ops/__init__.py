@@ -53,7 +53,7 @@ from powerinfer.ops.sparse import (
     rows_matmul,
     rows_matmul_ref,
 )
-from powerinfer.ops.weights import DeviceWeight, QWeight, weight_rows
+from powerinfer.ops.weights import DeviceWeight, InputSparseWeight, QWeight, weight_rows
 
 __all__ = [
     "ACTIVATIONS",
@@ -78,6 +78,7 @@ __all__ = [
     "ATTN_KERNEL_MAX_POS",
     "ISA_NAMES",
     "DeviceWeight",
+    "InputSparseWeight",
     "KernelContext",
     "QWeight",
     "act",

@@ -119,12 +119,19 @@ def rows_matmul(
 
 
 def rows_axpy(
-    h: torch.Tensor, w_t: QWeight, idx: torch.Tensor | None, kc: KernelContext | None = None
+    h: torch.Tensor,
+    w_t: QWeight,
+    idx: torch.Tensor | None,
+    kc: KernelContext | None = None,
+    h_min: float = 0.0,
 ) -> torch.Tensor:
-    """Sum of selected rows of W_t weighted by h: (T, M) -> (T, D) ((M,) -> (D,)); rows with h == 0 contribute
-    nothing. idx None means all N rows (the dense down projection of a transposed ffn_down)."""
+    """Sum of selected rows of W_t weighted by h: (T, M) -> (T, D) ((M,) -> (D,)); rows with |h| <= h_min
+    (h_min >= 0; 0: the rows with h == 0) contribute nothing and are not read, NaN is kept. idx None means all N
+    rows (the dense down projection of a transposed ffn_down; with h_min > 0, TEAL's input-sparse product)."""
     if kc is None:
         kc = default_context()
+    if not h_min >= 0.0:
+        raise ValueError(f"rows_axpy: h_min must be >= 0, got {h_min}")
     kernel = kc.kernels.rows_axpy.get(w_t.ggml_type)
     n_rows, n_out = w_t.shape
     if idx is not None:
@@ -133,7 +140,8 @@ def rows_axpy(
     if h.shape[-1] != n_sel:
         raise ValueError(f"rows_axpy: h has {h.shape[-1]} activations for {n_sel} rows")
     if kernel is None or not h.is_cpu or h.dim() > 2:
-        return rows_axpy_ref(h.to(torch.float32), w_t, idx)
+        h = h.to(torch.float32)
+        return rows_axpy_ref(h if h_min == 0.0 else h.masked_fill(h.abs() <= h_min, 0.0), w_t, idx)
     if h.dtype is not torch.float32 or not h.is_contiguous():
         h = h.to(torch.float32).contiguous()
     if n_sel == 0:  # an empty idx may have no data pointer (NULL would mean "all rows")
@@ -141,7 +149,8 @@ def rows_axpy(
     n_tokens, y = output(h, n_out)
     status = kernel(
         w_t._raw_ptr, w_t._raw_stride, n_rows, n_out, None if idx is None else idx.data_ptr(), n_sel,
-        h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, int(kc.act_precision == "q8"), kc.threads_now, kc.level,
+        h.data_ptr(), n_sel, n_tokens, y.data_ptr(), n_out, int(kc.act_precision == "q8"), h_min, kc.threads_now,
+        kc.level,
     )  # fmt: skip
     if status:
         check_status(status, "rows_axpy")

@@ -24,7 +24,7 @@ from powerinfer.ops.qweight import QWeight
 from powerinfer.ops.sparse import rows_axpy
 from powerinfer.quant import POOL_TYPES, row_bytes
 
-__all__ = ["DeviceWeight", "QWeight", "weight_rows"]
+__all__ = ["DeviceWeight", "InputSparseWeight", "QWeight", "weight_rows"]
 
 
 _BACKENDS = ("kernels", "triton")
@@ -136,6 +136,56 @@ class DeviceWeight:
             return rows_axpy(h.to("cpu"), host, None, kc)
         h = h.to(self.raw.device, non_blocking=True)
         return self._triton.axpy(h, self.raw, self.ggml_type, self.shape[1])
+
+
+@dataclass(frozen=True, eq=False)
+class InputSparseWeight:
+    """A matrix W (N, K) kept transposed, w_t = W.T (K, N) in its file's ggml blocks, whose product skips the
+    inputs with |x_k| <= threshold (TEAL, Liu et al. 2024): y = sum over |x_k| > threshold of x_k * w_t[k], so a
+    skipped input is a row of w_t not read. Each token's inputs are selected alone and summed in the fixed chains
+    of ops.rows_axpy, so a token's output does not depend on the other tokens of its batch.
+
+    The ops hand it to its own `linear`, as they do a device weight (`on_device`); the fused blocks, which read
+    W's rows, leave it out, and the layer runs op by op. It computes on the CPU.
+    """
+
+    on_device: ClassVar[bool] = True  # the ops hand it to its own linear / axpy
+    w_t: QWeight
+    threshold: float
+
+    def __post_init__(self) -> None:
+        t = float(self.threshold)
+        if not 0.0 <= t < float("inf"):
+            raise ValueError(f"an input threshold must be finite and >= 0, got {t}")
+        object.__setattr__(self, "threshold", t)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w_t.shape[1], self.w_t.shape[0]
+
+    @property
+    def ggml_type(self) -> GGMLType:
+        return self.w_t.ggml_type
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def n_bytes(self) -> int:
+        return self.w_t.raw.nbytes
+
+    def linear(self, x: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
+        """y = x_masked @ W.T: x (..., K) -> (..., N) float32, the inputs at or below the threshold skipped."""
+        n_cols = self.w_t.shape[0]
+        if x.shape[-1] != n_cols:
+            raise ValueError(f"linear: x has {x.shape[-1]} features, weight {self.shape} expects {n_cols}")
+        x2 = x.reshape(-1, n_cols).to("cpu")
+        return rows_axpy(x2, self.w_t, None, kc, self.threshold).view(*x.shape[:-1], self.w_t.shape[1])
+
+    def axpy(self, h: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
+        """y = h @ W: h (..., N) -> (..., K) float32, every row (no input skipped)."""
+        return linear(h.to("cpu"), self.w_t, kc)
 
 
 def weight_rows(w: QWeight | DeviceWeight, start: int, stop: int) -> QWeight | DeviceWeight:

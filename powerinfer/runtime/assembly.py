@@ -20,7 +20,7 @@ import torch
 
 from powerinfer import ops
 from powerinfer.arch import build_model, load_config
-from powerinfer.errors import InputError, PlacementError
+from powerinfer.errors import ConfigError, InputError, PlacementError
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.moe import MoEFFN
@@ -355,6 +355,11 @@ def device_plan(
         device = pool_device(request)
         if device is None:
             return DevicePlan()
+        if c.sparse_method == "teal":
+            raise ConfigError(
+                "TEAL files (sparsify --method teal) run on the CPU: --vram-budget and --pool-device are not "
+                "built for them yet"
+            )
         return plan_pool(gguf, c, request, device, n_ctx, layers)
     moe = getattr(c, "moe", None)
     if moe is not None:

@@ -12,7 +12,7 @@ import torch
 
 from powerinfer import ops, quant
 from powerinfer.errors import FormatError
-from powerinfer.gguf.constants import GGMLType, TensorNames
+from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
 from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import HotPart, SparseStats
@@ -42,6 +42,9 @@ class Loader:
         self.device_weights: list[ops.DeviceWeight] = []
         self.device_vectors: list[torch.Tensor] = []
         self.store: ExpertStore | None = None  # the experts under --memory-limit (runtime.assembly sets it)
+        # TEAL files: matrices asked for by name come from their transposes, as ops.InputSparseWeight (threshold
+        # 0, every input, when the file runs dense: --dense-ffn)
+        self.teal = gguf.is_sparse and gguf.metadata.get(Keys.SPARSITY_METHOD) == "teal"
 
     @property
     def device_bytes(self) -> int:
@@ -66,7 +69,21 @@ class Loader:
         return info
 
     def has(self, name: str) -> bool:
-        return name in self.gguf.tensors
+        tensors = self.gguf.tensors
+        return name in tensors or (self.teal and TensorNames.transposed(name) in tensors)
+
+    def _input_sparse(self, name: str, shape: tuple[int, int] | None) -> ops.InputSparseWeight:
+        """A TEAL matrix: its transpose (K, N) and its input threshold."""
+        w_t = self.host_matrix(TensorNames.transposed(name), None if shape is None else (shape[1], shape[0]))
+        threshold = 0.0
+        if self.sparsity.selector == "teal":
+            thr_name = TensorNames.input_threshold(name)
+            threshold = float(self.vector(thr_name, 1)[0])
+            if not 0.0 <= threshold < float("inf"):
+                raise FormatError(
+                    f"tensor '{printable(thr_name)}' holds {threshold}: expected a finite value >= 0"
+                )
+        return ops.InputSparseWeight(w_t, threshold)
 
     def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
         info = self._info(name)
@@ -87,7 +104,11 @@ class Loader:
         n, rows, cols = shape
         return ops.QWeight.from_numpy(info.data, info.ggml_type, (n * rows, cols))
 
-    def matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight | ops.DeviceWeight:
+    def matrix(
+        self, name: str, shape: tuple[int, int] | None = None
+    ) -> ops.QWeight | ops.DeviceWeight | ops.InputSparseWeight:
+        if self.teal and name not in self.gguf.tensors and TensorNames.transposed(name) in self.gguf.tensors:
+            return self._input_sparse(name, shape)
         w = self.host_matrix(name, shape)
         if self.device is None or not self.plan.on_device(name):
             return w

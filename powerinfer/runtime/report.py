@@ -17,6 +17,7 @@ from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.model.head import SCREEN, SCREEN_PROJ, SparseHead
 
 if TYPE_CHECKING:
+    from powerinfer.model.config import ModelConfig
     from powerinfer.runtime.assembly import AssembledModel
 
 # the matrices of one mixture-of-experts layer, all experts stacked; a token reads k of n_expert of each
@@ -52,6 +53,27 @@ def head_read_bytes(m: AssembledModel) -> int:
     return int(head.read_bytes() + (st.fallbacks * whole + extra) / max(1, st.tokens))
 
 
+def sparse_mode(config: ModelConfig) -> str:
+    """The mode line's name for a sparse file."""
+    return "sparse (PWRI, TEAL)" if config.sparse_method == "teal" else "sparse (PWRI)"
+
+
+def teal_skipped_bytes(m: AssembledModel) -> float:
+    """Bytes of a TEAL file's transposed matrices a token skips, estimated at each layer's calibrated sparsity
+    (the share of inputs below the thresholds on the calibration text; the kernels do not count rows)."""
+    shares = m.gguf.metadata.get(Keys.SPARSITY_LAYER_SPARSITY)
+    if not isinstance(shares, np.ndarray) or shares.shape != (m.config.n_layer,):
+        return 0.0
+    tensors = m.gguf.tensors
+    skipped = 0.0
+    for bid, share in enumerate(shares.tolist()):
+        for template in TensorNames.TEAL_MATRICES:
+            info = tensors.get(TensorNames.transposed(template.format(bid=bid)))
+            if info is not None:
+                skipped += info.n_bytes * min(max(float(share), 0.0), 1.0)
+    return skipped
+
+
 def read_bytes_per_token(m: AssembledModel) -> float:
     """Weight bytes one decoded token reads: the file's tensors, less the FFN rows sparsity skips (by the
     measured shares), the head as head_read_bytes (the file's screen tensors only when in use)."""
@@ -67,6 +89,8 @@ def read_bytes_per_token(m: AssembledModel) -> float:
     if moe is not None:  # a token reads the rows of its k experts of n_expert only
         experts = sum(_layer_bytes(m, template) for template in EXPERT_MATRICES)
         per_token -= experts * (1.0 - moe.n_expert_used / moe.n_expert)
+    if c.sparse and c.sparse_method == "teal" and m.sparse_stats is not None:
+        per_token -= teal_skipped_bytes(m)
     s = m.sparse_stats
     if s is None or int(s.tokens.sum()) == 0:
         return per_token
@@ -113,12 +137,15 @@ def sparse_report(m: AssembledModel) -> list[str]:
                 f"{file_mib:.1f} MiB)"
             )
             return head_lines + cats_expert_report(m) + expert_report(m)
-        if not head_lines:
+        teal = m.config.sparse and m.config.sparse_method == "teal" and s is not None
+        if not head_lines and not teal:
             return []
+        target = m.gguf.metadata.get(Keys.SPARSITY_TARGET)
+        how = f", TEAL input thresholds at the calibrated sparsity {target:.2f}" if teal else ""
         return [
             *head_lines,
             f"sparse: ~{read_bytes_per_token(m) / 2**20:.1f} MiB of "
-            f"weights read per token (the file: {file_mib:.1f} MiB)",
+            f"weights read per token (the file: {file_mib:.1f} MiB){how}",
         ]
     c = m.config
     active = (s.active / (np.maximum(s.tokens, 1) * c.n_ff)).tolist()  # per layer

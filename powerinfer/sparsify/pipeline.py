@@ -13,6 +13,7 @@ import torch
 
 from powerinfer.errors import ConfigError, InputError
 from powerinfer.gguf import GGMLType, read_gguf
+from powerinfer.gguf.constants import TensorNames
 from powerinfer.model.blocks import Head
 from powerinfer.model.head import SCREEN_TOKENS, HeadScreen, build_head_screen, screen_pays
 from powerinfer.model.moe import MoEFFN
@@ -42,11 +43,13 @@ from powerinfer.sparsify.calibrate import (
     up_scales,
 )
 from powerinfer.sparsify.moe import MIN_EXPERT_TOKENS, expert_layer_threshold, moe_ffn
+from powerinfer.sparsify.teal import INPUTS, calibrate_teal, teal_blocks, teal_thresholds
 from powerinfer.sparsify.write import (
     SPARSITY_KEYS,
     write_activation_folder,
     write_moe_gguf,
     write_sparse_gguf,
+    write_teal_gguf,
 )
 
 METHODS = ("cats", "teal", "predictor")
@@ -99,13 +102,16 @@ class SparsifyResult:
     # MoE files: per layer, the experts routed fewer than MIN_EXPERT_TOKENS calibration tokens (the layer's
     # fallback thresholds); None for dense files
     fallback_experts: list[int] | None = None
+    method: str = "cats"
+    # TEAL: per layer, the share of the calibration inputs above each input's threshold (columns: teal.INPUTS)
+    input_kept: np.ndarray | None = None
 
     def summary(self) -> dict[str, object]:
         """The JSON line the command prints."""
         return {
             "output": str(self.output),
             "activation": None if self.activation is None else str(self.activation),
-            "method": "cats",
+            "method": self.method,
             "allocation": self.allocation,
             "target": self.target,
             "n_tokens": self.n_tokens,
@@ -123,6 +129,16 @@ class SparsifyResult:
             "head_screen_rank": self.head_screen_rank,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             **({} if self.fallback_experts is None else {"fallback_experts": self.fallback_experts}),
+            **(
+                {}
+                if self.input_kept is None
+                else {
+                    "input_kept": {
+                        name: [round(float(k), 6) for k in self.input_kept[:, i]]
+                        for i, name in enumerate(INPUTS)
+                    }
+                }
+            ),
         }
 
 
@@ -136,8 +152,10 @@ def check_options(opts: SparsifyOptions) -> None:
     """InputError for a method not built, a target outside [0, MAX_LAYER_SPARSITY], a bad allocation or count."""
     if opts.method not in METHODS:
         raise InputError(f"unknown --method {printable(opts.method)} (expected one of {', '.join(METHODS)})")
-    if opts.method != "cats":
-        raise InputError(f"--method {opts.method} is not implemented yet; use cats")
+    if opts.method == "predictor":
+        raise InputError("--method predictor is not implemented yet; use cats or teal")
+    if opts.method == "teal" and opts.allocation != "uniform":
+        raise InputError("--allocation greedy is not built for --method teal yet: use uniform")
     if opts.allocation not in ALLOCATIONS:
         raise InputError(
             f"unknown --allocation {printable(opts.allocation)} (expected one of {', '.join(ALLOCATIONS)})"
@@ -267,12 +285,16 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             f"needs a gated FFN ({c.arch})"
         )
     moe = isinstance(engine.model.layers[0].ffn, MoEFFN)
+    if opts.method == "teal":
+        teal_blocks(engine)  # refuse a model TEAL is not built for before the calibration
     if moe:
         for bid in range(c.n_layer):
             moe_ffn(engine, bid)  # refuse ReGLU experts before the calibration
         if opts.allocation != "uniform":
             raise InputError("--allocation greedy is not built for MoE files: use uniform")
     windows = calibration_windows(engine, text, opts.max_tokens)
+    if opts.method == "teal":
+        return sparsify_teal(opts, engine, windows, t0, progress)
     calib = calibrate(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
     if moe:
@@ -415,4 +437,72 @@ def sparsify_moe(
         n_ff=engine.config.experts.n_ff_exp,  # type: ignore[attr-defined]
         fallback_experts=[int((lt.tokens < MIN_EXPERT_TOKENS).sum()) for lt in layers],
         seconds={"load_calibrate": t1 - t0, "threshold": t2 - t1, "write": t3 - t2},
+    )
+
+
+def sparsify_teal(
+    opts: SparsifyOptions,
+    engine: Engine,
+    windows: list[list[int]],
+    t0: float,
+    progress: StageProgress | None = None,
+) -> SparsifyResult:
+    """TEAL (sparsify.teal): a threshold on the input of every matrix, uniform over layers and matrices; the
+    matrices written transposed (write.write_teal_gguf) with the output head's screen where it pays. No
+    activation/ folder: TEAL files place nothing on a device."""
+
+    def report(stage: str) -> Progress | None:
+        return None if progress is None else (lambda done, total: progress(stage, done, total))
+
+    c = engine.config
+    calib = calibrate_teal(engine, windows, report("calibrate"))
+    t1 = time.perf_counter()
+    sparsity = allocate_uniform(opts.sparsity, c.n_layer)
+    thresholds, kept = teal_thresholds(calib, sparsity)
+    if progress is not None:
+        progress("threshold", c.n_layer, c.n_layer)
+    n_tokens = calib.n_tokens
+    n_kept = int(calib.values[0]["attn"].shape[0])
+    del calib
+    screen = head_screen(engine, windows) if opts.sparse_head else None
+    t2 = time.perf_counter()
+    out = Path(opts.output)
+    types = write_teal_gguf(
+        engine.gguf,
+        out,
+        activation=c.activation,
+        target=opts.sparsity,
+        thresholds=thresholds,
+        layer_sparsity=sparsity,
+        n_threads=opts.n_threads or 1,
+        progress=report("write"),
+        extra=[] if screen is None else screen.tensors(c.n_vocab, c.n_embd),
+        down_type=None if opts.down_type is None else GGMLType[opts.down_type],
+    )
+    t3 = time.perf_counter()
+    per_layer = np.array(
+        [
+            [thresholds[TensorNames.TEAL_MATRICES[m].format(bid=bid)] for m in (0, 3, 4, 6)]
+            for bid in range(c.n_layer)
+        ]
+    )
+    return SparsifyResult(
+        output=out,
+        activation=None,
+        target=opts.sparsity,
+        allocation="uniform",
+        thresholds=per_layer[:, 0],
+        layer_sparsity=sparsity,
+        active_share=kept.mean(axis=1),
+        up_share=kept[:, 2],
+        up_ratio=1.0,
+        est_error=None,
+        n_tokens=n_tokens,
+        n_kept=n_kept,
+        n_ff=c.n_ff,
+        down_types={k: v.name for k, v in types.items()},
+        head_screen_rank=0 if screen is None else screen.rank,
+        seconds={"load_calibrate": t1 - t0, "threshold": t2 - t1, "write": t3 - t2},
+        method="teal",
+        input_kept=kept,
     )

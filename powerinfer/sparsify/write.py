@@ -168,6 +168,62 @@ def write_sparse_gguf(
     return types
 
 
+def write_teal_gguf(
+    model: GGUFFile,
+    path: Path,
+    *,
+    activation: str,
+    target: float,
+    thresholds: dict[str, float],
+    layer_sparsity: np.ndarray,
+    n_threads: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+    extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]] | None = None,
+    down_type: GGMLType | None = None,
+) -> dict[str, GGMLType]:
+    """Write the TEAL copy of `model` to `path` (temp file, renamed into place): a PWRI GGUF in which each matrix
+    named in `thresholds` (TensorNames.TEAL_MATRICES) is its transpose `X_t.weight`, typed as ffn_down_t is
+    (transposed_type), followed by its input threshold `X.input_threshold` (F32 (1,)); every other tensor as
+    stored. Returns the type each transpose was written in; progress(done, total) counts the matrices."""
+    writer = GGUFWriter(path, sparse=True, alignment=model.alignment)
+    skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
+    if model.alignment != GGUF_DEFAULT_ALIGNMENT:
+        skip.add(Keys.ALIGNMENT)
+    model.copy_metadata(writer, frozenset(skip))
+    writer.add(ACTIVATION_KEY, activation, ValueType.STRING)
+    writer.add(SPARSITY_METHOD_KEY, "teal", ValueType.STRING)
+    writer.add(SPARSITY_TARGET_KEY, float(target), ValueType.FLOAT32)
+    writer.add(SPARSITY_LAYER_KEY, np.asarray(layer_sparsity, dtype=np.float32), ValueType.ARRAY)
+    missing = [name for name in thresholds if name not in model.tensors]
+    if missing:
+        raise FormatError(f"{printable(model.path)} has no tensor {printable(missing[0])}")
+    types: dict[str, GGMLType] = {}
+    pool = ThreadPoolExecutor(max(1, n_threads))
+    try:
+        for t in model.tensors.values():
+            if t.name not in thresholds:
+                writer.add_tensor(t.name, t.data, t.ggml_type, t.shape)
+                continue
+            if len(t.shape) != 2:
+                raise FormatError(f"{printable(t.name)} should be a matrix, has shape {t.shape}")
+            n_rows, n_cols = t.shape
+            name = TensorNames.transposed(t.name)
+            if name in model.tensors:
+                raise FormatError(f"{printable(model.path)} holds both {t.name} and {name}")
+            dst = transposed_type(t.ggml_type, n_rows, down_type)
+            writer.add_tensor(name, transpose_tensor(t, dst, pool), dst, (n_cols, n_rows))
+            thr = np.array([thresholds[t.name]], dtype=np.float32)
+            writer.add_tensor(TensorNames.input_threshold(t.name), thr, GGMLType.F32, (1,))
+            types[name] = dst
+            if progress is not None:
+                progress(len(types), len(thresholds))
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    _add_extra(writer, model, extra or [])
+    _write(writer, path)
+    return types
+
+
 def _add_extra(
     writer: GGUFWriter, model: GGUFFile, extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]]
 ) -> None:
