@@ -210,3 +210,24 @@ def test_refusals(teal, tmp_path: Path):
     assert not (tmp_path / "x.powerinfer.gguf").exists()
     r = runner.invoke(app, ["main", "-m", str(result.output), "-p", "hi", "-n", "2", "--pool-device", "cpu"])
     assert_one_error_line(r, "TEAL files")
+
+
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_grouped_products_have_the_parts_bits(precision: str, threads: int):
+    """ops.InputSparseWeight.concat (q/k/v, gate/up as one product): every output element has the bits of its
+    part computed alone, for one token and a batch; parts of different thresholds or types are not grouped."""
+    rng = np.random.default_rng(2)
+    parts = []
+    for n in (64, 32, 32):  # (N, K = 96) matrices, kept as (96, N) transposes
+        w = rng.normal(size=(96, n)).astype(np.float32)
+        parts.append(
+            ops.InputSparseWeight(QWeight.from_numpy(quantize(w, GGMLType.Q4_0), GGMLType.Q4_0, (96, n)), 0.4)
+        )
+    group = ops.InputSparseWeight.concat(parts)
+    assert group is not None and group.shape == (128, 96)
+    kc = KernelContext(n_threads=threads, act_precision=precision)
+    for x in (torch.from_numpy(rng.normal(size=(96,)).astype(np.float32)), torch.randn(4, 96)):
+        got = ops.linear(x, group, kc)
+        assert torch.equal(got, torch.cat([ops.linear(x, p, kc) for p in parts], dim=-1))
+    assert ops.InputSparseWeight.concat([parts[0], ops.InputSparseWeight(parts[1].w_t, 0.5)]) is None

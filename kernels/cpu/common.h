@@ -93,6 +93,7 @@ static inline float bf16_to_fp32(uint16_t h) {
 }
 
 static inline int64_t min_i64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max_i64(int64_t a, int64_t b) { return a > b ? a : b; }
 
 /* Argument check of a strided operand of n_rows rows of row_len units (bytes of a weight row, floats of an
  * activation row): rows must not overlap, so every row the kernel reads lies inside the n_rows * stride the

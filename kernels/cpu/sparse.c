@@ -338,13 +338,17 @@ void axpy_chains(axpy_units_fn units, int kind, const axpy_ctx *c, float *scratc
     if (all > 1) {
 #pragma omp barrier
     }
-    /* y = ((chain 0 + chain 1) + ...), this thread's elements of every token */
+    /* y = ((chain 0 + chain 1) + ...), this thread's elements of every token (a token's run of them at a time, so
+     * the loop vectorizes; each element is the same sum) */
     const int64_t e0 = n * me / all, e1 = n * (me + 1) / all;
-    for (int64_t i = e0; i < e1; i++) {
-        const int64_t t = i / c->D, e = i % c->D;
-        float v = c->y[t * c->y_stride + e];
-        for (int p = 1; p < AXPY_CHAINS; p++) v += scratch[(int64_t)(p - 1) * n + i];
-        c->y[t * c->y_stride + e] = v;
+    for (int64_t t = e0 / max_i64(c->D, 1); t < c->T && t * c->D < e1; t++) {
+        const int64_t lo = max_i64(e0, t * c->D), hi = min_i64(e1, (t + 1) * c->D);
+        float *yt = c->y + t * c->y_stride - t * c->D;
+        for (int64_t i = lo; i < hi; i++) {
+            float v = yt[i];
+            for (int p = 1; p < AXPY_CHAINS; p++) v += scratch[(int64_t)(p - 1) * n + i];
+            yt[i] = v;
+        }
     }
 }
 

@@ -281,8 +281,12 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     dense_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if with_bias:
         dense_biases = (src.vector(bias_of(up_name), c.n_ff), src.vector(bias_of(down_used), c.n_embd))
+    group = None
+    if gated and src.has(TensorNames.FFN_GATE.format(bid=bid)):
+        group = src.input_group([TensorNames.FFN_GATE.format(bid=bid), up_name], [shape, shape])
     if down_used == down_name:
-        return DenseFFN(c.ffn, up, gate, src.matrix(down_name, (c.n_embd, c.n_ff)), None, kc, dense_biases)
+        down = src.matrix(down_name, (c.n_embd, c.n_ff))
+        return DenseFFN(c.ffn, up, gate, down, None, kc, dense_biases, gate_up=group)
     return DenseFFN(c.ffn, up, gate, None, src.matrix(down_t_name, shape), kc, dense_biases)
 
 
@@ -476,17 +480,18 @@ def decoder_attention(
         nq, nk = (a.n_embd_q, a.n_embd_kv) if a.qk_norm_whole else (a.head_dim, a.head_dim)
         q_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_Q_NORM), nq))
         k_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_K_NORM), nk))
+    qkv = [name(t) for t in (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V)]
+    shapes = [(a.n_embd_q, c.n_embd), (a.n_embd_kv, c.n_embd), (a.n_embd_kv, c.n_embd)]
     return Attention(
         a,
-        src.matrix(name(TensorNames.ATTN_Q), (a.n_embd_q, c.n_embd)),
-        src.matrix(name(TensorNames.ATTN_K), (a.n_embd_kv, c.n_embd)),
-        src.matrix(name(TensorNames.ATTN_V), (a.n_embd_kv, c.n_embd)),
+        *(src.matrix(n, shape) for n, shape in zip(qkv, shapes, strict=True)),
         src.matrix(name(TensorNames.ATTN_OUT), (c.n_embd, a.n_embd_q)),
         src.kc,
         biases=biases,
         q_norm=q_norm,
         k_norm=k_norm,
         workspace=src.workspace,
+        qkv_group=src.input_group(qkv, shapes),
     )
 
 

@@ -121,9 +121,12 @@ class Attention:
         q_norm: Norm | None = None,
         k_norm: Norm | None = None,
         workspace: Workspace | None = None,
+        qkv_group: Weight | None = None,
     ) -> None:
         self.spec = spec
         self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
+        # q, k and v by one product, outputs side by side (TEAL files: WeightSource.input_group); None: three
+        self.qkv_group = qkv_group
         self.bq, self.bk, self.bv, self.bo = biases
         self.q_norm, self.k_norm = q_norm, k_norm
         # the spec says which parts exist: a block given other parts than it declares is a build error
@@ -223,8 +226,9 @@ class Attention:
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (T, H * D), k and v (T, H_kv * D) of x (T, n_embd)."""
         kc = self.kc
-        if self.wqkv is not None:
-            qkv = ops.linear(x, self.wqkv, kc)
+        fused = self.wqkv if self.wqkv is not None else self.qkv_group
+        if fused is not None:
+            qkv = ops.linear(x, fused, kc)
             s = self.spec
             q, k, v = qkv.split((s.n_embd_q, s.n_embd_kv, s.n_embd_kv), dim=-1)
         else:
@@ -363,9 +367,12 @@ class DenseFFN:
         down_t: Weight | None,
         kc: ops.KernelContext,
         biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),  # up, down
+        gate_up: Weight | None = None,
     ) -> None:
         self.spec = spec
         self.up, self.gate, self.down, self.down_t = up, gate, down, down_t
+        # gate and up by one product, gate's outputs first (TEAL files: WeightSource.input_group); None: two
+        self.gate_up = gate_up if gate is not None else None
         self.b_up, self.b_down = biases
         self.kc = kc
 
@@ -384,6 +391,11 @@ class DenseFFN:
     def hidden(self, x_norm: torch.Tensor) -> torch.Tensor:
         """The neurons' activations h (T, n_ff)."""
         kc, spec = self.kc, self.spec
+        if self.gate_up is not None:
+            g, u = ops.linear(x_norm, self.gate_up, kc).split(self.up.shape[0], dim=-1)
+            if self.b_up is not None:
+                u = u + self.b_up
+            return ops.gated(g, u, spec.act, spec.relu_up)
         u = ops.linear(x_norm, self.up, kc)
         if self.b_up is not None:
             u = u + self.b_up

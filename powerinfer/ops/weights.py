@@ -175,6 +175,21 @@ class InputSparseWeight:
     def n_bytes(self) -> int:
         return self.w_t.raw.nbytes
 
+    @classmethod
+    def concat(cls, parts: list[InputSparseWeight]) -> InputSparseWeight | None:
+        """One weight whose product is the products of `parts` side by side (q, k and v; gate and up): they must
+        read one input (one K), skip at one threshold and share a ggml type, else None. Each output element is
+        the same chain of the same terms as in its part alone (rows_axpy's chains split by input row), so the
+        bits are the parts' one by one; a skipped input skips one longer row. The rows are copied."""
+        first = parts[0]
+        n_in, kind = first.w_t.shape[0], first.ggml_type
+        if any(
+            p.threshold != first.threshold or p.ggml_type != kind or p.w_t.shape[0] != n_in for p in parts
+        ):
+            return None
+        raw = torch.cat([p.w_t.raw for p in parts], dim=1)
+        return cls(QWeight(raw, kind, (n_in, sum(p.w_t.shape[1] for p in parts))), first.threshold)
+
     def linear(self, x: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
         """y = x_masked @ W.T: x (..., K) -> (..., N) float32, the inputs at or below the threshold skipped."""
         n_cols = self.w_t.shape[0]
