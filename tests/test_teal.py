@@ -231,3 +231,24 @@ def test_grouped_products_have_the_parts_bits(precision: str, threads: int):
         got = ops.linear(x, group, kc)
         assert torch.equal(got, torch.cat([ops.linear(x, p, kc) for p in parts], dim=-1))
     assert ops.InputSparseWeight.concat([parts[0], ops.InputSparseWeight(parts[1].w_t, 0.5)]) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_fused_layer_has_the_op_by_op_bits(teal, tmp_path: Path, threads: int):
+    """A decoded token through pi_teal_layer (one call a layer) has the bits of the same layers op by op, in the
+    q8 precision the CLI runs, on the file quantized Q4_0."""
+    _, _, result, _ = teal
+    file_type = parse_file_type("q4_0")
+    assert file_type is not None
+    q4 = tmp_path / "teal-q4_0.powerinfer.gguf"
+    quantize_model(QuantizeOptions(result.output, q4, file_type))
+    tokens = [5, 9, 14, 3, 27, 8, 11]
+    rows = []
+    for fused in (True, False):
+        e = Engine(q4, EngineOptions(n_ctx=64, n_threads=threads, act_precision="q8"))
+        assert all(layer.fused_layer is not None for layer in e.model.layers)
+        if not fused:
+            for layer in e.model.layers:
+                layer.fused_layer = None
+        rows.append(torch.stack([e.eval([t]) for t in tokens]))
+    assert torch.equal(rows[0], rows[1])

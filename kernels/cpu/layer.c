@@ -428,6 +428,126 @@ PI_EXPORT int32_t pi_ffn_block(const pi_ffn_block_desc *b, float *x, void *scrat
     return PI_OK;
 }
 
+/* ---- a TEAL layer (sparsify --method teal) ----------------------------------------------------------------------- */
+
+/* A Llama-style layer whose matrices are kept transposed, one row per input, and skip the inputs at or below their
+ * thresholds (powerinfer.ops.InputSparseWeight): q, k and v side by side in one matrix (they read one input), gate
+ * and up in another. The ctypes mirror is powerinfer/ops/layer.py. */
+typedef struct {
+    int64_t n_embd, n_head, n_head_kv, head_dim, n_ff;
+    float attn_eps, ffn_eps, scale;
+    int32_t act, relu_up, rope_neox;
+    const float *attn_norm, *ffn_norm; /* n_embd each */
+    pi_mat qkv_t;                      /* (n_embd, n_q + 2 n_kv) */
+    pi_mat o_t;                        /* (n_q, n_embd) */
+    pi_mat gate_up_t;                  /* (n_embd, 2 n_ff): gate's outputs, then up's */
+    pi_mat down_t;                     /* (n_ff, n_embd) */
+    float t_qkv, t_o, t_gate_up, t_down;
+} pi_teal_layer_desc;
+
+static size_t teal_layer_scratch(int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t F, int64_t n_ctx) {
+    const int64_t n_q = H * D, n_qkv = n_q + 2 * Hkv * D;
+    int64_t d_max = n_qkv > E ? n_qkv : E;
+    if (2 * F > d_max) d_max = 2 * F;
+    int64_t m_max = E > n_q ? E : n_q;
+    if (F > m_max) m_max = F;
+    return align_up((size_t)E * 4) * 2 + align_up((size_t)n_qkv * 4) + align_up((size_t)n_q * 4) +
+           align_up((size_t)F * 8) + align_up((size_t)F * 4) + attn_scores_bytes(n_ctx, H) +
+           align_up(axpy_chains_scratch(1, d_max, m_max));
+}
+
+/* Bytes of scratch pi_teal_layer needs for positions below n_ctx, the alignment slack included; -1 for bad sizes. */
+PI_EXPORT int64_t pi_teal_layer_scratch_bytes(int64_t n_embd, int64_t n_head, int64_t n_head_kv, int64_t head_dim,
+                                              int64_t n_ff, int64_t n_ctx) {
+    if (n_embd <= 0 || n_head <= 0 || n_head_kv <= 0 || head_dim <= 0 || n_ff <= 0 || n_ctx <= 0) return -1;
+    return (int64_t)(teal_layer_scratch(n_embd, n_head, n_head_kv, head_dim, n_ff, n_ctx) + PI_SCRATCH_ALIGN);
+}
+
+/* a transposed matrix the one-token axpy can read: rows of whole units (blocks of 32, super-blocks of 256) */
+static int teal_mat_ok(const pi_mat *m, int64_t n_rows, int64_t n_cols) {
+    if (!mat_ok(m, n_rows, n_cols)) return 0;
+    if (kind_is_kq(m->kind)) return n_cols % QK_K == 0;
+    return !kind_is_block(m->kind) || n_cols % QK == 0;
+}
+
+/* This thread's part of y = sum over |h[k]| > t of h[k] * m[k] (m transposed, one row per input), as
+ * pi_rows_axpy_<type> computes it for one token (the same chains whatever the team size); ends at a barrier when
+ * the team has more than one thread. */
+static void teal_axpy(axpy_units_fn units, const pi_mat *m, const float *h, float t, int q8, float *y, float *chains,
+                      int64_t me, int64_t all) {
+    const axpy_ctx c = {.w = m->w, .w_stride = m->stride, .idx = NULL, .M = m->n_rows, .D = m->n_cols,
+                        .unit_bytes = axpy_unit_bytes(m->kind), .h = h, .h_stride = m->n_rows, .T = 1, .y = y,
+                        .y_stride = m->n_cols, .coef_bf16 = q8 != 0 && type_coef_bf16(m->kind),
+                        .n_rows = m->n_rows, .h_min = t};
+    axpy_chains(units, m->kind, &c, chains, me, all);
+    if (all > 1) {
+#pragma omp barrier
+    }
+}
+
+/* pi_teal_layer(desc, x, kc, vc, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += the
+ * layer's attention output, then += its FFN output, for the token at pos; kc, vc and rope as pi_attn_block.
+ * Each step as its op: rms_norm, rows_axpy with the threshold (q, k, v at once), attention as pi_attn_decode,
+ * rows_axpy (o), the residual add, rms_norm, rows_axpy (gate and up at once), pi_gated, rows_axpy (down), the
+ * residual add: the bits of the layer run op by op, in one call and one parallel region. */
+PI_EXPORT int32_t pi_teal_layer(const pi_teal_layer_desc *b, float *x, float *kc, float *vc, int64_t n_ctx,
+                                int64_t pos, const float *rope, void *scratch, int64_t scratch_bytes, int32_t q8,
+                                int32_t n_threads, int32_t isa) {
+    if (b == NULL || x == NULL || kc == NULL || vc == NULL || rope == NULL || b->attn_norm == NULL ||
+        b->ffn_norm == NULL)
+        return PI_ERR_SHAPE;
+    const int64_t E = b->n_embd, H = b->n_head, Hkv = b->n_head_kv, D = b->head_dim, F = b->n_ff;
+    if (E <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0 || F <= 0 || pos < 0 || pos >= n_ctx ||
+        b->act < ACT_RELU || b->act > ACT_LAST)
+        return PI_ERR_SHAPE;
+    const float thr[4] = {b->t_qkv, b->t_o, b->t_gate_up, b->t_down};
+    for (int i = 0; i < 4; i++)
+        if (!(thr[i] >= 0.0f)) return PI_ERR_SHAPE;
+    const int64_t n_q = H * D, n_kv = Hkv * D;
+    if (!teal_mat_ok(&b->qkv_t, E, n_q + 2 * n_kv) || !teal_mat_ok(&b->o_t, n_q, E) ||
+        !teal_mat_ok(&b->gate_up_t, E, 2 * F) || !teal_mat_ok(&b->down_t, F, E))
+        return PI_ERR_SHAPE;
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, teal_layer_scratch(E, H, Hkv, D, F, n_ctx), &buf);
+    if (status != PI_OK) return status;
+    float *xn = (float *)buf;
+    float *y = (float *)(buf + align_up((size_t)E * 4));
+    float *qkv = (float *)((uint8_t *)y + align_up((size_t)E * 4));
+    float *att = (float *)((uint8_t *)qkv + align_up((size_t)(n_q + 2 * n_kv) * 4));
+    float *gu = (float *)((uint8_t *)att + align_up((size_t)n_q * 4));
+    float *h = (float *)((uint8_t *)gu + align_up((size_t)F * 8));
+    float *scores = (float *)((uint8_t *)h + align_up((size_t)F * 4));
+    float *chains = (float *)((uint8_t *)scores + attn_scores_bytes(n_ctx, H));
+
+    const int32_t level = pi_isa_clamp(isa);
+    const axpy_units_fn units = axpy_units_for(level);
+    const int32_t nt = threads_for_work(n_threads, (n_q + 2 * n_kv) * E + E * n_q + 3 * E * F);
+    const int act = b->act, relu_up = b->relu_up != 0;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+        const int64_t e0 = E * me / all, e1 = E * (me + 1) / all;
+#pragma omp single
+        rms_norm_row(x, b->attn_norm, E, b->attn_eps, xn);
+        teal_axpy(units, &b->qkv_t, xn, b->t_qkv, q8, qkv, chains, me, all);
+        attn_decode_part(level, qkv, qkv + n_q, qkv + n_q + n_kv, rope, kc, vc, pos, H, Hkv, D, b->scale, scores,
+                         att, me, all, b->rope_neox != 0);
+#pragma omp barrier
+        teal_axpy(units, &b->o_t, att, b->t_o, q8, y, chains, me, all);
+        for (int64_t n = e0; n < e1; n++) x[n] += y[n];
+#pragma omp barrier
+#pragma omp single
+        rms_norm_row(x, b->ffn_norm, E, b->ffn_eps, xn);
+        teal_axpy(units, &b->gate_up_t, xn, b->t_gate_up, q8, gu, chains, me, all);
+        for (int64_t f = F * me / all; f < F * (me + 1) / all; f++)
+            h[f] = ffn_act(act, gu[f]) * (relu_up ? relu_f(gu[F + f]) : gu[F + f]);
+#pragma omp barrier
+        teal_axpy(units, &b->down_t, h, b->t_down, q8, y, chains, me, all);
+        for (int64_t n = e0; n < e1; n++) x[n] += y[n];
+    }
+    return PI_OK;
+}
+
 /* ---- a decode step's layer stack ------------------------------------------------------------------------------- */
 
 enum { STACK_FFN_DENSE = 0, STACK_FFN_SPARSE = 1, STACK_FFN_CATS = 2 };

@@ -343,6 +343,48 @@ class Attention:
         return out.reshape(B, s.n_embd_q)
 
 
+def fuse_teal_layer(
+    attn_norm: Norm, attn: Attention, ffn_norm: Norm, ffn: object, n_ctx: int
+) -> ops.TealLayer | None:
+    """A TEAL layer (every matrix input-sparse, q/k/v and gate/up grouped: WeightSource.input_group) behind RMSNorms
+    as one fused op for one token at positions below n_ctx (after attn.setup); None where the layer has other parts
+    (biases, QK-norm, a RoPE the kernels lack) or the kernels cannot run it."""
+    isw = ops.InputSparseWeight
+    s = attn.spec
+    if (
+        not attn._one_kernel
+        or attn.q_norm is not None
+        or attn_norm.spec.kind != "rms"
+        or ffn_norm.spec.kind != "rms"
+        or not isinstance(ffn, DenseFFN)
+        or ffn.b_up is not None
+        or ffn.b_down is not None
+        or not isinstance(attn.qkv_group, isw)
+        or not isinstance(attn.wo, isw)
+        or not isinstance(ffn.gate_up, isw)
+        or not isinstance(ffn.down, isw)
+    ):
+        return None
+    layer = ops.teal_layer(
+        (attn_norm.weight, attn_norm.spec.eps),
+        (ffn_norm.weight, ffn_norm.spec.eps),
+        attn.qkv_group,
+        attn.wo,
+        ffn.gate_up,
+        ffn.down,
+        s.n_head,
+        s.n_head_kv,
+        s.head_dim,
+        ffn.spec.act,
+        ffn.spec.relu_up,
+        attn.kc,
+        attn._neox,
+    )
+    if layer is not None:
+        attn.workspace.reserve("teal_layer", layer.scratch_bytes(n_ctx))
+    return layer
+
+
 class FFN(Protocol):
     """A layer's FFN: x_norm (T, D) the normed input, x_residual the residual it is added to, batch the step's
     tokens and positions (None outside a model step)."""

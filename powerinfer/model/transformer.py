@@ -24,6 +24,7 @@ from powerinfer.model.blocks import (
     KVLayer,
     Norm,
     Rope,
+    fuse_teal_layer,
     identity_pairs,
 )
 from powerinfer.model.moe import FusedMoEFFN, MoEFFN
@@ -56,6 +57,8 @@ class Layer:
     # the blocks as single fused ops for one token on the CPU (setup decides; None: op by op)
     fused_attn: ops.AttnBlock | None = None
     fused_ffn: ops.FFNBlock | FusedSparseFFN | FusedThresholdFFN | FusedMoEFFN | None = None
+    # a TEAL layer (input-sparse matrices) as one fused op for one token (blocks.fuse_teal_layer)
+    fused_layer: ops.TealLayer | None = None
 
 
 class Transformer:
@@ -109,7 +112,7 @@ class Transformer:
                     identities[half] = identity_pairs(n_ctx, half)
                 no_rope = identities[half]
             attn.setup(rope, n_ctx, no_rope)
-            layer.fused_attn = layer.fused_ffn = None
+            layer.fused_attn = layer.fused_ffn = layer.fused_layer = None
             if (
                 placed
                 or layer.parallel
@@ -119,6 +122,10 @@ class Transformer:
             ):
                 continue
             layer.fused_attn = layer.attn.fuse(layer.attn_norm, n_ctx)
+            if layer.fused_attn is None:
+                layer.fused_layer = fuse_teal_layer(
+                    layer.attn_norm, layer.attn, layer.ffn_norm, layer.ffn, n_ctx
+                )
             # a MoE FFN block fuses behind either attention path (its kernel gives the op-by-op bits)
             if isinstance(layer.ffn, MoEFFN) or (
                 layer.fused_attn is not None and isinstance(layer.ffn, DenseFFN | SparseFFN | ThresholdFFN)
@@ -165,6 +172,14 @@ class Transformer:
             return x
         for bid, layer in enumerate(self.layers):
             attn = layer.fused_attn
+            if layer.fused_layer is not None:
+                if layer.pre_attn is not None:
+                    layer.pre_attn(x)
+                pairs = layer.attn.rope_pairs
+                assert pairs is not None
+                slot = kv.layer_view(bid).slot(seq)
+                layer.fused_layer(x, *slot, pos, pairs, layer.attn.workspace.get("teal_layer"))
+                continue
             if attn is None and layer.fused_ffn is None:
                 x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
                 continue

@@ -30,12 +30,14 @@ from powerinfer.ops.layer import (
     DecodeStack,
     FFNBlock,
     SparseFFNBlock,
+    TealLayer,
     attn_block,
     cats_ffn_block,
     decode_stack,
     ffn_block,
     rms_norm,
     sparse_ffn_block,
+    teal_layer,
 )
 from powerinfer.ops.library import ISA_NAMES, isa_best, kernels_available
 from powerinfer.ops.sparse import (
@@ -64,11 +66,13 @@ __all__ = [
     "head_chain",
     "CATSFFNBlock",
     "FFNBlock",
+    "TealLayer",
     "attn_block",
     "cats_ffn_block",
     "ffn_block",
     "SparseFFNBlock",
     "sparse_ffn_block",
+    "teal_layer",
     "rms_norm",
     "cats_ffn",
     "cats_ffn_ref",

@@ -68,6 +68,7 @@ class _Resolved:
     ffn_block: Any
     sparse_ffn_block: Any
     cats_ffn_block: Any
+    teal_layer: Any
     rms_norm: Any
     moe_experts: Any  # one token's selected experts of a MoE FFN
     moe_route: Any  # router logits -> top-k experts
@@ -78,7 +79,7 @@ class _Resolved:
 
 _NONE = _Resolved(
     _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None, None, None,
-    None, None, None,
+    None, None, None, None,
 )  # fmt: skip
 
 
@@ -102,6 +103,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         ffn_block=lib.ffn_block,
         sparse_ffn_block=lib.sparse_ffn_block,
         cats_ffn_block=lib.cats_ffn_block,
+        teal_layer=lib.teal_layer,
         rms_norm=lib.rms_norm,
         moe_experts=lib.moe_experts,
         moe_route=lib.moe_route,

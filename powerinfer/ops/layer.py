@@ -15,6 +15,9 @@ behind `rms_norm`, in one call.
 up and down rows, residual add, the layer's counters): `cats_ffn` behind `rms_norm`, in one call, dense for a
 sequence's first token.
 
+`teal_layer` runs a whole layer of a TEAL file (sparsify --method teal) the same way: RMSNorm, q/k/v as one
+input-sparse product, attention, o, residual add, RMSNorm, gate/up as one product, gating, down, residual add.
+
 `decode_stack` chains the fused blocks of every layer of one sequence (attention with that sequence's cache rows,
 then a dense, sparse or CATS FFN block) into one kernel call a token, with the bits of the blocks called one by one.
 
@@ -37,7 +40,7 @@ from powerinfer.ops.library import check_status
 from powerinfer.quant import K_QUANT_TYPES
 
 if TYPE_CHECKING:
-    from powerinfer.ops.weights import DeviceWeight, QWeight
+    from powerinfer.ops.weights import DeviceWeight, InputSparseWeight, QWeight
 
 __all__ = [
     "AttnBlock",
@@ -45,12 +48,14 @@ __all__ = [
     "DecodeStack",
     "FFNBlock",
     "SparseFFNBlock",
+    "TealLayer",
     "attn_block",
     "cats_ffn_block",
     "decode_stack",
     "ffn_block",
     "rms_norm",
     "sparse_ffn_block",
+    "teal_layer",
 ]
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
@@ -95,6 +100,15 @@ class _CATSFFNDesc(ctypes.Structure):  # pi_cats_ffn_block_desc
         ("n_embd", _i64), ("n_ff", _i64), ("eps", _f32), ("act", _i32), ("relu_up", _i32), ("reserved", _i32),
         ("norm", _ptr), ("thresholds", _ptr), ("out_thresholds", _ptr), ("gate", _Mat), ("up", _Mat),
         ("down_t", _Mat), ("tokens", _ptr), ("active", _ptr), ("up_read", _ptr),
+    ]  # fmt: skip
+
+
+class _TealDesc(ctypes.Structure):  # pi_teal_layer_desc
+    _fields_ = [
+        ("n_embd", _i64), ("n_head", _i64), ("n_head_kv", _i64), ("head_dim", _i64), ("n_ff", _i64),
+        ("attn_eps", _f32), ("ffn_eps", _f32), ("scale", _f32), ("act", _i32), ("relu_up", _i32), ("rope_neox", _i32),
+        ("attn_norm", _ptr), ("ffn_norm", _ptr), ("qkv_t", _Mat), ("o_t", _Mat), ("gate_up_t", _Mat),
+        ("down_t", _Mat), ("t_qkv", _f32), ("t_o", _f32), ("t_gate_up", _f32), ("t_down", _f32),
     ]  # fmt: skip
 
 
@@ -157,15 +171,33 @@ class AttnBlock:
         ):
             raise ValueError("attn_block: x, the caches or the RoPE table do not match the block")
         kc = self.kc
-        status = kc.kernels.attn_block(
+        status = self._kernel()(  # type: ignore[operator]
             self._desc_ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_ctx, pos,
             rope_pairs.data_ptr() + pos * self.head_dim * 4, scratch.data_ptr(), scratch.numel(),
             kc.act_precision == "q8", kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
-            check_status(
-                status, "attn_block", scratch.numel(), self.scratch_bytes(n_ctx), "AttnBlock.scratch_bytes"
+            name = type(self).__name__
+            check_status(status, name, scratch.numel(), self.scratch_bytes(n_ctx), f"{name}.scratch_bytes")
+
+    def _kernel(self) -> object:
+        return self.kc.kernels.attn_block
+
+
+class TealLayer(AttnBlock):
+    """A TEAL layer for one token (pi_teal_layer): x += attention, then x += FFN, every matrix an input-sparse
+    transposed product; the bits of the layer op by op. Called as AttnBlock is."""
+
+    def scratch_bytes(self, n_ctx: int) -> int:
+        d = self.desc
+        return int(
+            library.load().teal_layer_scratch_bytes(
+                d.n_embd, d.n_head, d.n_head_kv, d.head_dim, d.n_ff, n_ctx
             )
+        )
+
+    def _kernel(self) -> object:
+        return self.kc.kernels.teal_layer
 
 
 class _FFNBlockBase:
@@ -243,6 +275,46 @@ def attn_block(
         None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(), qk_eps, int(neox),
     )  # fmt: skip
     return AttnBlock(desc, (weight, wq, wk, wv, wo, qn, kn), kc)
+
+
+def teal_layer(
+    attn_norm: tuple[torch.Tensor, float],
+    ffn_norm: tuple[torch.Tensor, float],
+    qkv: InputSparseWeight,
+    wo: InputSparseWeight,
+    gate_up: InputSparseWeight,
+    down: InputSparseWeight,
+    n_head: int,
+    n_head_kv: int,
+    head_dim: int,
+    act: str,
+    relu_up: bool,
+    kc: KernelContext | None = None,
+    neox: bool = False,
+) -> TealLayer | None:
+    """A TEAL layer as one kernel call a token: RMSNorms (weight, eps) before attention and the FFN, q/k/v and gate/up
+    as grouped input-sparse products (ops.InputSparseWeight.concat), o and down input-sparse, full RoPE (adjacent
+    pairs, or NEOX), scale 1 / sqrt(head_dim), no biases or QK-norm. None where the kernels cannot run it."""
+    kc = kc or default_context()
+    if kc.kernels.teal_layer is None:
+        return None
+    mats = [_mat(w.w_t, kc) for w in (qkv, wo, gate_up, down)]
+    n_embd, n_ff = wo.shape[0], down.shape[1]
+    norms = [_norm_weight(attn_norm[0], n_embd), _norm_weight(ffn_norm[0], n_embd)]
+    n_q, n_kv = n_head * head_dim, n_head_kv * head_dim
+    if any(m is None for m in mats) or any(n is None for n in norms) or head_dim % 2:
+        return None
+    shapes = [(m.n_rows, m.n_cols) for m in mats if m is not None]
+    if shapes != [(n_embd, n_q + 2 * n_kv), (n_q, n_embd), (n_embd, 2 * n_ff), (n_ff, n_embd)]:
+        return None
+    an, fn = norms
+    assert an is not None and fn is not None
+    desc = _TealDesc(
+        n_embd, n_head, n_head_kv, head_dim, n_ff, attn_norm[1], ffn_norm[1], head_dim**-0.5, activation_code(act),
+        int(relu_up), int(neox), an.data_ptr(), fn.data_ptr(), *mats, qkv.threshold, wo.threshold,
+        gate_up.threshold, down.threshold,
+    )  # fmt: skip
+    return TealLayer(desc, (an, fn, qkv, wo, gate_up, down), kc)
 
 
 def ffn_block(

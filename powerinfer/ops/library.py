@@ -114,7 +114,8 @@ _ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32
 _ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # quantize_rows (ggml_type, src, n_rows, n_cols, dst, n_threads): float rows -> blocks (kernels/cpu/quantize_k.c)
 _QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
-# attn_block (desc, x, k_cache, v_cache, n_ctx, pos, rope, scratch, scratch_bytes, q8, n_threads, isa)
+# attn_block and teal_layer (desc, x, k_cache, v_cache, n_ctx, pos, rope, scratch, scratch_bytes, q8, n_threads,
+#                             isa)
 _ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # ffn_block and sparse_ffn_block (desc, x, scratch, scratch_bytes, q8, n_threads, isa)
 _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
@@ -185,6 +186,10 @@ class Library:
     )
     cats_ffn_block: Any  # CATS FFN block of one token (norm, residual add, the layer's counters)
     attn_block_scratch_bytes: Any
+    teal_layer: (
+        Any  # a TEAL layer of one token (transposed input-sparse matrices, attention, both residual adds)
+    )
+    teal_layer_scratch_bytes: Any
     ffn_block_scratch_bytes: Any
     cats_ffn_block_scratch_bytes: Any
     sparse_ffn_block_scratch_bytes: Any
@@ -260,6 +265,8 @@ def _open(path: str) -> Library:
         sparse_ffn_block=_symbol(lib, "pi_sparse_ffn_block", _FFN_BLOCK_ARGTYPES),
         cats_ffn_block=_symbol(lib, "pi_cats_ffn_block", _CATS_FFN_BLOCK_ARGTYPES),
         attn_block_scratch_bytes=_symbol(lib, "pi_attn_block_scratch_bytes", (_i64,) * 5, _i64),
+        teal_layer=_symbol(lib, "pi_teal_layer", _ATTN_BLOCK_ARGTYPES),
+        teal_layer_scratch_bytes=_symbol(lib, "pi_teal_layer_scratch_bytes", (_i64,) * 6, _i64),
         cats_ffn_block_scratch_bytes=_symbol(lib, "pi_cats_ffn_block_scratch_bytes", (_i64, _i64), _i64),
         ffn_block_scratch_bytes=_symbol(lib, "pi_ffn_block_scratch_bytes", (_i64, _i64), _i64),
         sparse_ffn_block_scratch_bytes=_symbol(lib, "pi_sparse_ffn_block_scratch_bytes", (_i64,) * 3, _i64),
