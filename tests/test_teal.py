@@ -252,3 +252,41 @@ def test_fused_layer_has_the_op_by_op_bits(teal, tmp_path: Path, threads: int):
                 layer.fused_layer = None
         rows.append(torch.stack([e.eval([t]) for t in tokens]))
     assert torch.equal(rows[0], rows[1])
+
+
+def with_tensor(src: Path, dst: Path, name: str, data: np.ndarray | None) -> Path:
+    """A copy of a PWRI file with tensor `name` replaced by F32 `data` (None: left out)."""
+    from powerinfer.gguf import GGUFWriter
+
+    model = read_gguf(src)
+    w = GGUFWriter(dst, sparse=True)
+    model.copy_metadata(w)
+    for t in model.tensors.values():
+        if t.name != name:
+            w.add_tensor(t.name, t.data, t.ggml_type, t.shape)
+        elif data is not None:
+            w.add_tensor(t.name, data, GGMLType.F32, data.shape)
+    w.write()
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("name", "data", "needle"),
+    [
+        ("blk.1.attn_o.input_threshold", None, ""),  # not a tensor of the file: a plain copy loads
+        ("blk.0.ffn_down.input_threshold", np.array([np.nan], np.float32), "expected a finite value >= 0"),
+        ("blk.0.attn_q.input_threshold", np.array([-1.0], np.float32), "expected a finite value >= 0"),
+        ("blk.1.ffn_up.input_threshold", None, "blk.1.ffn_up.input_threshold"),
+        ("blk.0.attn_k_t.weight", None, "blk.0.attn_k_t.weight"),
+        ("blk.0.attn_v_t.weight", np.zeros((64, 31), np.float32), "blk.0.attn_v_t.weight"),
+    ],
+)
+def test_bad_teal_files(teal, tmp_path: Path, name: str, data, needle: str):
+    """A TEAL file with a bad or missing threshold or transposed matrix: one error line, exit code 1."""
+    _, _, result, _ = teal
+    bad = with_tensor(result.output, tmp_path / "bad.powerinfer.gguf", name, data)
+    r = runner.invoke(app, ["main", "-m", str(bad), "-p", "hi", "-n", "2", "-t", "1"])
+    if not needle:
+        assert r.exit_code == 0, r.output
+        return
+    assert_one_error_line(r, needle)
