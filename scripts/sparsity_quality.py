@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """What sparsity costs: perplexity and KL divergence against the dense model for a grid of S, per allocation.
 
-Calibrates with `powerinfer sparsify` (CATS) on one text and evaluates on a different one: windows of --ctx
+Calibrates with `powerinfer sparsify` (CATS, or TEAL with the variant `teal`) on one text and evaluates on a different one: windows of --ctx
 tokens, scoring the second half of each (as llama.cpp's perplexity does). Writes a markdown table to stdout and,
 with matplotlib installed, a PNG plot (--plot).
 
 Usage: python scripts/sparsity_quality.py [-m MODEL.gguf] [--calib TEXT] [--eval TEXT] [--grid 0.25,0.4,...]
-                                          [--variants uniform:1,greedy:0.5] [--chunks 4] [--ctx 512] [--plot quality.png] [-t 2]
+                                          [--variants uniform:1,greedy:0.5,teal] [--chunks 4] [--ctx 512] [--plot quality.png] [-t 2]
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="uniform:1,greedy:1,uniform:0.5,greedy:0.5",
-        help="allocation:up-ratio pairs (up-ratio 1 = one stage, CATS as published; below 1 = two stages)",
+        help="CATS allocation:up-ratio pairs (up-ratio 1 = one stage, CATS as published; below 1 = two stages), "
+        "or teal (TEAL, uniform)",
     )
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=512)
@@ -73,15 +74,19 @@ def main() -> None:
     rows: dict[str, list[tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            allocation, ratio = variant.split(":")
+            method, (allocation, ratio) = "cats", (variant.split(":") + ["1"])[:2]
             name = (
-                f"{allocation} (one stage)" if float(ratio) >= 1 else f"{allocation} (two stages, up {ratio})"
+                f"CATS {allocation} (one stage)"
+                if float(ratio) >= 1
+                else f"CATS {allocation} (two stages, up {ratio})"
             )
+            if variant == "teal":
+                method, allocation, ratio, name = "teal", "uniform", "1", "TEAL (uniform)"
             for s in grid:
                 folder = Path(tmp) / f"{allocation}-{ratio}-{s}"
                 folder.mkdir()
                 opts = SparsifyOptions(
-                    model, args.calib, folder / "m.powerinfer.gguf", s, allocation=allocation,
+                    model, args.calib, folder / "m.powerinfer.gguf", s, method=method, allocation=allocation,
                     up_ratio=float(ratio), n_threads=args.threads,
                 )  # fmt: skip
                 out = run_sparsify(opts).output
@@ -108,9 +113,12 @@ def main() -> None:
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
         for name, r in rows.items():
-            ax1.plot(grid, [100 * (x[1] / base_ppl - 1) for x in r], marker="o", label=f"CATS {name}")
-            ax2.plot(grid, [x[2] for x in r], marker="o", label=f"CATS {name}")
-        ax1.set(xlabel="S (share of FFN neurons skipped)", ylabel="perplexity vs dense (%)")
+            ax1.plot(grid, [100 * (x[1] / base_ppl - 1) for x in r], marker="o", label=name)
+            ax2.plot(grid, [x[2] for x in r], marker="o", label=name)
+        ax1.set(
+            xlabel="S (share of FFN neurons, or TEAL's matrix inputs, skipped)",
+            ylabel="perplexity vs dense (%)",
+        )
         ax2.set(xlabel="S", ylabel="KL divergence vs dense (nats/token)")
         for ax in (ax1, ax2):
             ax.grid(alpha=0.3)

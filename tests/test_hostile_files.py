@@ -588,10 +588,21 @@ def test_kernels_refuse_inconsistent_arguments():
 
     h, out = torch.zeros(T, N), torch.zeros(T, K)
     axpy = lib.rows_axpy[GGMLType.F32]
-    assert axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K, 0, 1, 0) == 0
-    assert axpy(wp, K * 4 - 1, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K, 0, 1, 0) == shape_error
-    assert axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N - 1, T, out.data_ptr(), K, 0, 1, 0) == shape_error
-    assert axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K - 32, 0, 1, 0) == shape_error
+    assert axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K, 0, 0.0, 1, 0) == 0
+    assert (
+        axpy(wp, K * 4 - 1, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K, 0, 0.0, 1, 0) == shape_error
+    )
+    assert (
+        axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N - 1, T, out.data_ptr(), K, 0, 0.0, 1, 0) == shape_error
+    )
+    assert (
+        axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K - 32, 0, 0.0, 1, 0) == shape_error
+    )
+    # TEAL's input threshold must be >= 0 (NaN or negative would skip nothing or everything)
+    for h_min in (-1.0, float("nan")):
+        assert (
+            axpy(wp, K * 4, N, K, ip, N, h.data_ptr(), N, T, out.data_ptr(), K, 0, h_min, 1, 0) == shape_error
+        )
 
     ids, rows = torch.tensor([0, 7], dtype=torch.int64), torch.zeros(2, K)
     get_rows = lib.get_rows[GGMLType.F32]

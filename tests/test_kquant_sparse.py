@@ -87,7 +87,7 @@ def test_partial_super_blocks_are_refused_by_the_kernels(ggml_type):
     w, x, y, ids = big.ctypes.data, floats.ctypes.data, out.ctypes.data, idx.ctypes.data
     for T in (1, 3):
         assert lib.rows_matmul_f[ggml_type](w, stride, n_rows, bad, ids, 2, x, bad, T, y, 2, 1, 1) == 1
-        assert lib.rows_axpy[ggml_type](w, stride, n_rows, bad, ids, 2, x, 2, T, y, bad, 0, 1, 1) == 1
+        assert lib.rows_axpy[ggml_type](w, stride, n_rows, bad, ids, 2, x, 2, T, y, bad, 0, 0.0, 1, 1) == 1
     kind = library.FFN_KINDS[ggml_type]
     scratch = np.zeros(1 << 16, dtype=np.uint8)
     s = scratch.ctypes.data
