@@ -3,6 +3,7 @@ threshold, the quantized file end to end, refusals."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -199,17 +200,50 @@ def test_quantized_file_runs(teal, tmp_path: Path):
 
 
 def test_refusals(teal, tmp_path: Path):
-    """One error line each: greedy allocation (not built), a TEAL file on a pool device, a bad threshold."""
-    _, f32, result, text = teal
+    """One error line: a TEAL file on a pool device."""
+    _, _, result, _ = teal
+    r = runner.invoke(app, ["main", "-m", str(result.output), "-p", "hi", "-n", "2", "--pool-device", "cpu"])
+    assert_one_error_line(r, "TEAL files")
+
+
+def test_greedy_allocation(teal, tmp_path: Path):
+    """--allocation greedy: per input, from its measured error curve, weighted by the bytes it reads; the bytes
+    skipped are S of the layers' matrix bytes (the file's layer shares, weighted, average S); the inputs' shares
+    differ; each input's share of kept calibration values is 1 - its own sparsity."""
+    _, f32, _, text = teal
+    out = tmp_path / "g.powerinfer.gguf"
     r = runner.invoke(
         app,
         ["sparsify", "-m", str(f32), "-f", str(text), "--sparsity", "0.5", "--method", "teal", "--allocation", "greedy",
-         "-o", str(tmp_path / "x.powerinfer.gguf")],
+         "-c", "128", "--max-tokens", "1024", "-t", "1", "-o", str(out)],
     )  # fmt: skip
-    assert_one_error_line(r, "--allocation greedy is not built for --method teal")
-    assert not (tmp_path / "x.powerinfer.gguf").exists()
-    r = runner.invoke(app, ["main", "-m", str(result.output), "-p", "hi", "-n", "2", "--pool-device", "cpu"])
-    assert_one_error_line(r, "TEAL files")
+    assert r.exit_code == 0, r.output
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["method"] == "teal" and summary["allocation"] == "greedy"
+    kept = np.array([summary["input_kept"][name] for name in ("attn", "attn_out", "ffn", "ffn_hidden")]).T
+    # elements read per input in this model (n_embd 64, n_q 64, n_kv 32, n_ff 256): q/k/v, o, gate/up, down
+    weights = np.array([64 * 128, 64 * 64, 2 * 256 * 64, 256 * 64], dtype=np.float64)
+    skipped = ((1 - kept) * weights).sum() / (weights.sum() * kept.shape[0])
+    assert abs(skipped - 0.5) < 0.01, skipped
+    assert kept.max() - kept.min() > 0.05  # not uniform
+    layer = np.asarray(read_gguf(out).metadata["powerinfer.sparsity.layer_sparsity"])
+    assert abs(float(layer.mean()) - 0.5) < 1e-3
+
+
+def test_allocate_greedy_weighted():
+    """The weighted greedy: cheap units first per unit of weight, the weighted mean exactly the target; without
+    weights, the plain mean."""
+    from powerinfer.sparsify import allocate_greedy
+
+    grid = np.array([0.0, 0.5, 0.95])
+    curves = np.array([[0.0, 1.0, 4.0], [0.0, 1.0, 4.0], [0.0, 0.1, 0.4]])
+    weights = np.array([1.0, 3.0, 1.0])
+    s = allocate_greedy(curves, grid, 0.3, weights)
+    assert abs(float((s * weights).sum() / weights.sum()) - 0.3) < 1e-9
+    assert s[2] > s[1] > s[0] == 0.0  # the cheap unit first; per unit of weight, unit 1 costs a third of unit 0
+    assert abs(float(allocate_greedy(curves, grid, 0.3).mean()) - 0.3) < 1e-9
+    with pytest.raises(ValueError):
+        allocate_greedy(curves, grid, 0.3, np.array([1.0, 0.0, 1.0]))
 
 
 @pytest.mark.parametrize("precision", ["f32", "q8"])

@@ -17,7 +17,8 @@ def teal_table(result: SparsifyResult) -> Table:
     """Per layer (TEAL): sparsity, and for each input the share of calibration inputs above its threshold."""
     assert result.input_kept is not None
     table = Table(
-        title=f"TEAL sparsity {result.target} (uniform) over {result.n_tokens} tokens: the share of each input kept"
+        title=f"TEAL sparsity {result.target} ({result.allocation}) over {result.n_tokens} tokens: the share of each "
+        "input kept"
     )
     for name in ("layer", "sparsity", "q/k/v", "o", "gate/up", "down"):
         table.add_column(name, justify="right")

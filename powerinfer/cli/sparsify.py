@@ -58,7 +58,7 @@ def sparsify(
         typer.Option(
             "--allocation",
             help="Per-layer sparsity: uniform (every layer at the target) or greedy (on per-layer output-error "
-            "curves, mean = target; helps one-stage files from S = 0.4 up).",
+            "curves, mean = target; helps one-stage files from S = 0.4 up; teal: per input, byte-weighted).",
         ),
     ] = Allocation.uniform,
     up_ratio: Annotated[

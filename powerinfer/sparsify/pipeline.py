@@ -43,7 +43,8 @@ from powerinfer.sparsify.calibrate import (
     up_scales,
 )
 from powerinfer.sparsify.moe import MIN_EXPERT_TOKENS, expert_layer_threshold, moe_ffn
-from powerinfer.sparsify.teal import INPUTS, calibrate_teal, teal_blocks, teal_thresholds
+from powerinfer.sparsify.teal import INPUTS, calibrate_teal, teal_blocks, teal_thresholds, unit_weights
+from powerinfer.sparsify.teal import error_curves as teal_error_curves
 from powerinfer.sparsify.write import (
     SPARSITY_KEYS,
     write_activation_folder,
@@ -154,8 +155,6 @@ def check_options(opts: SparsifyOptions) -> None:
         raise InputError(f"unknown --method {printable(opts.method)} (expected one of {', '.join(METHODS)})")
     if opts.method == "predictor":
         raise InputError("--method predictor is not implemented yet; use cats or teal")
-    if opts.method == "teal" and opts.allocation != "uniform":
-        raise InputError("--allocation greedy is not built for --method teal yet: use uniform")
     if opts.allocation not in ALLOCATIONS:
         raise InputError(
             f"unknown --allocation {printable(opts.allocation)} (expected one of {', '.join(ALLOCATIONS)})"
@@ -447,7 +446,7 @@ def sparsify_teal(
     t0: float,
     progress: StageProgress | None = None,
 ) -> SparsifyResult:
-    """TEAL (sparsify.teal): a threshold on the input of every matrix, uniform over layers and matrices; the
+    """TEAL (sparsify.teal): a threshold on the input of every matrix, uniform or greedy per input; the
     matrices written transposed (write.write_teal_gguf) with the output head's screen where it pays. No
     activation/ folder: TEAL files place nothing on a device."""
 
@@ -457,8 +456,17 @@ def sparsify_teal(
     c = engine.config
     calib = calibrate_teal(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
-    sparsity = allocate_uniform(opts.sparsity, c.n_layer)
-    thresholds, kept = teal_thresholds(calib, sparsity)
+    est_error = None
+    if opts.allocation == "greedy":  # per input, weighted by the bytes it reads (sparsify.teal)
+        weights = unit_weights(calib)
+        curves = teal_error_curves(calib, GRID, engine.kc, report("allocate"))
+        flat = allocate_greedy(curves.reshape(-1, len(GRID)), GRID, opts.sparsity, weights.reshape(-1))
+        units = flat.reshape(c.n_layer, len(INPUTS))
+        sparsity = (units * weights).sum(axis=1) / weights.sum(axis=1)
+        est_error = interpolate(curves.reshape(-1, len(GRID)), GRID, flat).reshape(units.shape).sum(axis=1)
+    else:
+        units = sparsity = allocate_uniform(opts.sparsity, c.n_layer)
+    thresholds, kept = teal_thresholds(calib, units)
     if progress is not None:
         progress("threshold", c.n_layer, c.n_layer)
     n_tokens = calib.n_tokens
@@ -490,13 +498,13 @@ def sparsify_teal(
         output=out,
         activation=None,
         target=opts.sparsity,
-        allocation="uniform",
+        allocation=opts.allocation,
         thresholds=per_layer[:, 0],
         layer_sparsity=sparsity,
         active_share=kept.mean(axis=1),
         up_share=kept[:, 2],
         up_ratio=1.0,
-        est_error=None,
+        est_error=est_error,
         n_tokens=n_tokens,
         n_kept=n_kept,
         n_ff=c.n_ff,

@@ -6,8 +6,10 @@ engine computes y = sum over |x_k| > t_W of x_k * W_t[k] (ops.InputSparseWeight)
 attention norm's output), gate and up another (the FFN norm's); o reads the attention output, down the neurons'
 activations act(gate u) * up u.
 
-t_W is the S-quantile of |x| for its input over the calibration tokens (uniform allocation: every matrix skips the
-share S of its inputs there), read from a dense run in which each of the four inputs of every layer is tapped.
+t_W is the s-quantile of |x| for its input over the calibration tokens, read from a dense run in which each of the
+four inputs of every layer is tapped. s is S for every input (uniform allocation), or, as TEAL allocates (greedy),
+built up in small steps, each to the input whose relative output error (over the matrices reading it) grows least
+per byte it saves, until the bytes skipped are the share S of the layers' matrix bytes.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from powerinfer.runtime.engine import Engine
 from powerinfer.sparsify.calibrate import FLOAT16_MAX, quantile, spread
 
 SAMPLE_TOKENS = 512  # tokens whose inputs are kept per tapped input (evenly spaced over the calibration run)
+ERROR_TOKENS = 64  # of which the error curves of the greedy allocation are measured on
 # the four inputs of a layer, and the matrices that read each (TensorNames.TEAL_MATRICES order: q k v o gate up down)
 INPUTS = ("attn", "attn_out", "ffn", "ffn_hidden")
 READERS = {"attn": (0, 1, 2), "attn_out": (3,), "ffn": (4, 5), "ffn_hidden": (6,)}
@@ -35,7 +38,7 @@ Progress = Callable[[int, int], None]
 
 
 class InputTap:
-    """A weight that keeps magnitudes of the inputs it is given, then computes as the weight it wraps (the ops
+    """A weight that keeps the inputs it is given (float16), then computes as the weight it wraps (the ops
     hand it to its own linear, as they do a device weight). Tokens arrive in run order; `keep` marks the ones
     kept."""
 
@@ -68,10 +71,11 @@ class InputTap:
 
 @dataclass
 class TealCalibration:
-    """Per layer and input (INPUTS), the kept tokens' |x| (n_kept, width) float16."""
+    """Per layer and input (INPUTS), the kept tokens' x (n_kept, width) float16, and the matrices that read it."""
 
     values: list[dict[str, torch.Tensor]]
     n_tokens: int
+    readers: list[dict[str, list[ops.QWeight]]]
 
 
 def teal_blocks(engine: Engine) -> list[tuple[Attention, DenseFFN]]:
@@ -124,18 +128,71 @@ def calibrate_teal(
         model.setup(engine.n_ctx, model.placed)
     if any(tap.seen != n_tokens for t in taps for tap in t.values()):
         raise ConfigError("the model's layers did not compute every calibration token through their matrices")
-    return TealCalibration([{name: tap.values for name, tap in t.items()} for t in taps], n_tokens)
+    readers = [
+        {
+            "attn": [attn.wq, attn.wk, attn.wv],
+            "attn_out": [attn.wo],
+            "ffn": [ffn.gate, ffn.up],
+            "ffn_hidden": [ffn.down],
+        }
+        for attn, ffn in blocks
+    ]
+    return TealCalibration(
+        [{name: tap.values for name, tap in t.items()} for t in taps],
+        n_tokens,
+        readers,  # type: ignore[arg-type]
+    )
+
+
+def unit_weights(calib: TealCalibration) -> np.ndarray:
+    """(n_layer, 4) the elements of the matrices reading each input: what skipping a share of it saves."""
+    return np.array(
+        [[sum(w.shape[0] * w.shape[1] for w in layer[name]) for name in INPUTS] for layer in calib.readers],
+        dtype=np.float64,
+    )
+
+
+def error_curves(
+    calib: TealCalibration, grid: np.ndarray, kc: ops.KernelContext, progress: Progress | None = None
+) -> np.ndarray:
+    """(n_layer, 4, G) each input's relative output error at the sparsities `grid`: over ERROR_TOKENS of its kept
+    tokens, sum_W ||W (x - x_masked)||^2 / sum_W ||W x||^2 over the matrices W that read it, x_masked the input with
+    the entries at or below the grid's threshold zeroed (TEAL's per-block error, the allocation's cost)."""
+    n_layer = len(calib.values)
+    curves = np.zeros((n_layer, len(INPUTS), len(grid)))
+    for bid in range(n_layer):
+        for i, name in enumerate(INPUTS):
+            x = calib.values[bid][name].float()
+            ordered = (
+                x.abs().reshape(-1).sort().values
+            )  # quantile(|x|, s) = ordered[round(s n) - 1] (0 at s n < 1)
+            rows = x[torch.from_numpy(spread(x.shape[0], ERROR_TOKENS))]
+            matrices = calib.readers[bid][name]
+            whole = sum(float(ops.linear(rows, w, kc).square().sum()) for w in matrices)
+            for g, share in enumerate(grid):
+                k = min(int(round(float(share) * ordered.numel())), ordered.numel())
+                t = float(ordered[k - 1]) if k > 0 else 0.0
+                dropped = rows.masked_fill(rows.abs() > t, 0.0)
+                lost = sum(float(ops.linear(dropped, w, kc).square().sum()) for w in matrices)
+                curves[bid, i, g] = lost / max(whole, 1e-30)
+        if progress is not None:
+            progress(bid + 1, n_layer)
+    return curves
 
 
 def teal_thresholds(calib: TealCalibration, sparsity: np.ndarray) -> tuple[dict[str, float], np.ndarray]:
-    """Each TEAL matrix's input threshold at its layer's sparsity s_l (tensor name -> t), and per layer and input
-    the share of the kept calibration inputs above it ((n_layer, 4), the rows the matrices read)."""
+    """Each TEAL matrix's input threshold at its input's sparsity (sparsity (n_layer, 4), or (n_layer,) for every
+    input of a layer at its s_l): tensor name -> t; and per layer and input the share of the kept calibration inputs
+    above it ((n_layer, 4), the rows the matrices read)."""
+    shares = np.asarray(sparsity, dtype=np.float64)
+    if shares.ndim == 1:
+        shares = np.repeat(shares[:, None], len(INPUTS), axis=1)
     thresholds: dict[str, float] = {}
     kept = np.zeros((len(calib.values), len(INPUTS)))
     for bid, inputs in enumerate(calib.values):
         for i, name in enumerate(INPUTS):
-            values = inputs[name].float()
-            t = quantile(values, float(sparsity[bid]))
+            values = inputs[name].float().abs()
+            t = quantile(values, float(shares[bid, i]))
             kept[bid, i] = float((values > t).float().mean())
             for m in READERS[name]:
                 thresholds[TensorNames.TEAL_MATRICES[m].format(bid=bid)] = t
@@ -154,7 +211,9 @@ __all__ = [
     "InputTap",
     "TealCalibration",
     "calibrate_teal",
+    "error_curves",
     "teal_blocks",
     "teal_thresholds",
     "threshold_tensors",
+    "unit_weights",
 ]
