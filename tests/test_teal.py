@@ -240,7 +240,8 @@ def test_allocate_greedy_weighted():
     weights = np.array([1.0, 3.0, 1.0])
     s = allocate_greedy(curves, grid, 0.3, weights)
     assert abs(float((s * weights).sum() / weights.sum()) - 0.3) < 1e-9
-    assert s[2] > s[1] > s[0] == 0.0  # the cheap unit first; per unit of weight, unit 1 costs a third of unit 0
+    # the cheap unit first; per unit of weight, unit 1 costs a third of unit 0
+    assert s[2] > s[1] > s[0] == 0.0
     assert abs(float(allocate_greedy(curves, grid, 0.3).mean()) - 0.3) < 1e-9
     with pytest.raises(ValueError):
         allocate_greedy(curves, grid, 0.3, np.array([1.0, 0.0, 1.0]))
