@@ -44,7 +44,7 @@ def main() -> None:
         "--variants",
         default="uniform:1,greedy:1,uniform:0.5,greedy:0.5",
         help="CATS allocation:up-ratio pairs (up-ratio 1 = one stage, CATS as published; below 1 = two stages), "
-        "or teal (TEAL, uniform)",
+        "or teal / teal:greedy (TEAL, uniform or greedy)",
     )
     ap.add_argument("--chunks", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=512)
@@ -80,8 +80,9 @@ def main() -> None:
                 if float(ratio) >= 1
                 else f"CATS {allocation} (two stages, up {ratio})"
             )
-            if variant == "teal":
-                method, allocation, ratio, name = "teal", "uniform", "1", "TEAL (uniform)"
+            if variant.startswith("teal"):  # teal (uniform) or teal:greedy
+                allocation = variant.split(":")[1] if ":" in variant else "uniform"
+                method, ratio, name = "teal", "1", f"TEAL ({allocation})"
             for s in grid:
                 folder = Path(tmp) / f"{allocation}-{ratio}-{s}"
                 folder.mkdir()
