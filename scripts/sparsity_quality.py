@@ -74,17 +74,15 @@ def main() -> None:
     rows: dict[str, list[tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for variant in args.variants.split(","):
-            method, (allocation, ratio) = "cats", (variant.split(":") + ["1"])[:2]
-            name = (
-                f"CATS {allocation} (one stage)"
-                if float(ratio) >= 1
-                else f"CATS {allocation} (two stages, up {ratio})"
-            )
             if variant.startswith("teal"):  # teal (uniform) or teal:greedy
                 allocation = variant.split(":")[1] if ":" in variant else "uniform"
                 method, ratio, name = "teal", "1", f"TEAL ({allocation})"
+            else:
+                method, (allocation, ratio) = "cats", (variant.split(":") + ["1"])[:2]
+                stages = "one stage" if float(ratio) >= 1 else f"two stages, up {ratio}"
+                name = f"CATS {allocation} ({stages})"
             for s in grid:
-                folder = Path(tmp) / f"{allocation}-{ratio}-{s}"
+                folder = Path(tmp) / f"{method}-{allocation}-{ratio}-{s}"
                 folder.mkdir()
                 opts = SparsifyOptions(
                     model, args.calib, folder / "m.powerinfer.gguf", s, method=method, allocation=allocation,

@@ -58,7 +58,7 @@ def sparsify(
         typer.Option(
             "--allocation",
             help="Per-layer sparsity: uniform (every layer at the target) or greedy (on per-layer output-error "
-            "curves, mean = target; helps one-stage files from S = 0.4 up; teal: per input, byte-weighted).",
+            "curves, mean = target; helps one-stage files from S = 0.4 up; teal: within each layer, per input).",
         ),
     ] = Allocation.uniform,
     up_ratio: Annotated[

@@ -457,13 +457,16 @@ def sparsify_teal(
     calib = calibrate_teal(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
     est_error = None
-    if opts.allocation == "greedy":  # per input, weighted by the bytes it reads (sparsify.teal)
+    if (
+        opts.allocation == "greedy"
+    ):  # TEAL's block-wise greedy: each layer at S, shared among its inputs by bytes
         weights = unit_weights(calib)
         curves = teal_error_curves(calib, GRID, engine.kc, report("allocate"))
-        flat = allocate_greedy(curves.reshape(-1, len(GRID)), GRID, opts.sparsity, weights.reshape(-1))
-        units = flat.reshape(c.n_layer, len(INPUTS))
+        units = np.stack(
+            [allocate_greedy(curves[b], GRID, opts.sparsity, weights[b]) for b in range(c.n_layer)]
+        )
         sparsity = (units * weights).sum(axis=1) / weights.sum(axis=1)
-        est_error = interpolate(curves.reshape(-1, len(GRID)), GRID, flat).reshape(units.shape).sum(axis=1)
+        est_error = np.array([interpolate(curves[b], GRID, units[b]).sum() for b in range(c.n_layer)])
     else:
         units = sparsity = allocate_uniform(opts.sparsity, c.n_layer)
     thresholds, kept = teal_thresholds(calib, units)
