@@ -210,6 +210,14 @@ def norm_with_bias(config: ModelConfig, src: WeightSource, template: str, bid: i
     return Norm(config.norm, src.vector(name, config.n_embd), src.vector(bias_of(name), config.n_embd))
 
 
+def input_group(weights: list[Any]) -> ops.InputSparseWeight | None:
+    """Matrices that read one input (q/k/v; gate/up) as one product, their outputs side by side, where they are
+    input-sparse (a TEAL file's) with one threshold and type (ops.InputSparseWeight.concat); else None."""
+    if not all(isinstance(w, ops.InputSparseWeight) for w in weights):
+        return None
+    return ops.InputSparseWeight.concat(weights)
+
+
 def gate_up(src: WeightSource, bid: int, shape: tuple[int, int], host: bool) -> tuple[Any, Any]:
     """A layer's gate and up matrices, each (n_ff, n_embd): ffn_gate and ffn_up, or, in files without ffn_gate
     (Phi-3), the two halves of ffn_up (2 n_ff, n_embd), gate first; `host`: both from the memory-mapped file."""
@@ -281,11 +289,9 @@ def gated_ffn(config: ModelConfig, bid: int, src: WeightSource) -> FFN:
     dense_biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
     if with_bias:
         dense_biases = (src.vector(bias_of(up_name), c.n_ff), src.vector(bias_of(down_used), c.n_embd))
-    group = None
-    if gated and src.has(TensorNames.FFN_GATE.format(bid=bid)):
-        group = src.input_group([TensorNames.FFN_GATE.format(bid=bid), up_name], [shape, shape])
     if down_used == down_name:
         down = src.matrix(down_name, (c.n_embd, c.n_ff))
+        group = None if gate is None else input_group([gate, up])
         return DenseFFN(c.ffn, up, gate, down, None, kc, dense_biases, gate_up=group)
     return DenseFFN(c.ffn, up, gate, None, src.matrix(down_t_name, shape), kc, dense_biases)
 
@@ -480,18 +486,21 @@ def decoder_attention(
         nq, nk = (a.n_embd_q, a.n_embd_kv) if a.qk_norm_whole else (a.head_dim, a.head_dim)
         q_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_Q_NORM), nq))
         k_norm = Norm(a.qk_norm, src.vector(name(TensorNames.ATTN_K_NORM), nk))
-    qkv = [name(t) for t in (TensorNames.ATTN_Q, TensorNames.ATTN_K, TensorNames.ATTN_V)]
-    shapes = [(a.n_embd_q, c.n_embd), (a.n_embd_kv, c.n_embd), (a.n_embd_kv, c.n_embd)]
+    wq = src.matrix(name(TensorNames.ATTN_Q), (a.n_embd_q, c.n_embd))
+    wk = src.matrix(name(TensorNames.ATTN_K), (a.n_embd_kv, c.n_embd))
+    wv = src.matrix(name(TensorNames.ATTN_V), (a.n_embd_kv, c.n_embd))
     return Attention(
         a,
-        *(src.matrix(n, shape) for n, shape in zip(qkv, shapes, strict=True)),
+        wq,
+        wk,
+        wv,
         src.matrix(name(TensorNames.ATTN_OUT), (c.n_embd, a.n_embd_q)),
         src.kc,
         biases=biases,
         q_norm=q_norm,
         k_norm=k_norm,
         workspace=src.workspace,
-        qkv_group=src.input_group(qkv, shapes),
+        qkv_group=input_group([wq, wk, wv]),
     )
 
 

@@ -125,7 +125,7 @@ class Attention:
     ) -> None:
         self.spec = spec
         self.wq, self.wk, self.wv, self.wo, self.wqkv = wq, wk, wv, wo, wqkv
-        # q, k and v by one product, outputs side by side (TEAL files: WeightSource.input_group); None: three
+        # q, k and v by one product, outputs side by side (TEAL files: arch.base.input_group); None: three
         self.qkv_group = qkv_group
         self.bq, self.bk, self.bv, self.bo = biases
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -346,7 +346,7 @@ class Attention:
 def fuse_teal_layer(
     attn_norm: Norm, attn: Attention, ffn_norm: Norm, ffn: object, n_ctx: int
 ) -> ops.TealLayer | None:
-    """A TEAL layer (every matrix input-sparse, q/k/v and gate/up grouped: WeightSource.input_group) behind RMSNorms
+    """A TEAL layer (every matrix input-sparse, q/k/v and gate/up grouped: arch.base.input_group) behind RMSNorms
     as one fused op for one token at positions below n_ctx (after attn.setup); None where the layer has other parts
     (biases, QK-norm, a RoPE the kernels lack) or the kernels cannot run it."""
     isw = ops.InputSparseWeight
@@ -413,7 +413,7 @@ class DenseFFN:
     ) -> None:
         self.spec = spec
         self.up, self.gate, self.down, self.down_t = up, gate, down, down_t
-        # gate and up by one product, gate's outputs first (TEAL files: WeightSource.input_group); None: two
+        # gate and up by one product, gate's outputs first (TEAL files: arch.base.input_group); None: two
         self.gate_up = gate_up if gate is not None else None
         self.b_up, self.b_down = biases
         self.kc = kc

@@ -44,11 +44,6 @@ class WeightSource(Protocol):
         kept transposed with an input threshold (ops.InputSparseWeight)."""
         ...
 
-    def input_group(self, names: list[str], shapes: list[tuple[int, int]]) -> ops.InputSparseWeight | None:
-        """Matrices that read one input (q/k/v; gate/up) as one product with their outputs side by side, where
-        the source keeps them so (TEAL files: ops.InputSparseWeight.concat); None elsewhere."""
-        ...
-
     def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
         """A 2-D weight in the memory-mapped file (the CPU part of a split FFN, the embedding)."""
         ...

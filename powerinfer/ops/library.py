@@ -68,23 +68,7 @@ _GET_ROWS_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32
 # rows_matmul (w, w_stride_bytes, N, K, idx, M, x, x_stride, T, y, y_stride, n_threads, isa)
 _SPARSE_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32)
 # rows_axpy (w_t, w_stride_bytes, N, D, idx or NULL, M, h, h_stride, T, y, y_stride, q8_act, h_min, n_threads, isa)
-_AXPY_ARGTYPES = (
-    _ptr,
-    _i64,
-    _i64,
-    _i64,
-    _ptr,
-    _i64,
-    _ptr,
-    _i64,
-    _i64,
-    _ptr,
-    _i64,
-    _i32,
-    ctypes.c_float,
-    _i32,
-    _i32,
-)
+_AXPY_ARGTYPES = (_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, ctypes.c_float, _i32, _i32)  # fmt: skip
 # ffn_rows (u, K, D, N, gate, gate_stride, gate_kind, up, .., down_t, .., idx, M, act, relu_up, q8_act, y,
 #           scratch, scratch_bytes, n_threads, isa)
 _FFN_ROWS_ARGTYPES = (

@@ -85,16 +85,6 @@ class Loader:
                 )
         return ops.InputSparseWeight(w_t, threshold)
 
-    def input_group(self, names: list[str], shapes: list[tuple[int, int]]) -> ops.InputSparseWeight | None:
-        """The matrices `names` (each of its shape) as one input-sparse product, where they are TEAL matrices of
-        one input threshold and type (ops.InputSparseWeight.concat); else None."""
-        if not self.teal or not all(self.has(n) and n not in self.gguf.tensors for n in names):
-            return None
-        parts = [self.matrix(n, s) for n, s in zip(names, shapes, strict=True)]
-        if not all(isinstance(p, ops.InputSparseWeight) for p in parts):
-            return None
-        return ops.InputSparseWeight.concat(parts)  # type: ignore[arg-type]
-
     def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
         info = self._info(name)
         if len(info.shape) != 2:

@@ -143,6 +143,11 @@ class SparsifyResult:
         }
 
 
+def stage_progress(progress: StageProgress | None, stage: str) -> Progress | None:
+    """A stage's (done, total) callback reporting to progress(stage, done, total)."""
+    return None if progress is None else (lambda done, total: progress(stage, done, total))
+
+
 def default_output(model: Path) -> Path:
     """IN.gguf -> IN.sparse.powerinfer.gguf beside it."""
     name = model.name[: -len(".gguf")] if model.name.endswith(".gguf") else model.name
@@ -265,7 +270,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
     calibration; nothing is written unless all of it succeeds."""
 
     def report(stage: str) -> Progress | None:
-        return None if progress is None else (lambda done, total: progress(stage, done, total))
+        return stage_progress(progress, stage)
 
     check_options(opts)
     text = read_corpus(opts.corpus)
@@ -451,15 +456,14 @@ def sparsify_teal(
     activation/ folder: TEAL files place nothing on a device."""
 
     def report(stage: str) -> Progress | None:
-        return None if progress is None else (lambda done, total: progress(stage, done, total))
+        return stage_progress(progress, stage)
 
     c = engine.config
     calib = calibrate_teal(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
     est_error = None
-    if (
-        opts.allocation == "greedy"
-    ):  # TEAL's block-wise greedy: each layer at S, shared among its inputs by bytes
+    # TEAL's block-wise greedy: each layer at S, shared among its inputs by their error per byte
+    if opts.allocation == "greedy":
         weights = unit_weights(calib)
         curves = teal_error_curves(calib, GRID, engine.kc, report("allocate"))
         units = np.stack(
@@ -491,18 +495,14 @@ def sparsify_teal(
         down_type=None if opts.down_type is None else GGMLType[opts.down_type],
     )
     t3 = time.perf_counter()
-    per_layer = np.array(
-        [
-            [thresholds[TensorNames.TEAL_MATRICES[m].format(bid=bid)] for m in (0, 3, 4, 6)]
-            for bid in range(c.n_layer)
-        ]
-    )
+    # the summary's per-layer threshold: q/k/v's (the layer's first input)
+    q_thresholds = np.array([thresholds[TensorNames.ATTN_Q.format(bid=bid)] for bid in range(c.n_layer)])
     return SparsifyResult(
         output=out,
         activation=None,
         target=opts.sparsity,
         allocation=opts.allocation,
-        thresholds=per_layer[:, 0],
+        thresholds=q_thresholds,
         layer_sparsity=sparsity,
         active_share=kept.mean(axis=1),
         up_share=kept[:, 2],
