@@ -112,19 +112,21 @@ def test_float_row_pairs_equal_single_rows(ggml_type, n_rows, n_cols, isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0], ids=lambda t: t.name)
 @pytest.mark.parametrize(
-    ("n_rows", "n_cols", "n_tokens"), [(27, 416, 4), (27, 512, 13), (8, 32, 12), (61, 768, 6)]
+    ("n_rows", "n_cols", "n_tokens"),
+    [(27, 416, 4), (27, 512, 13), (8, 32, 12), (61, 768, 6), (43, 256, 1), (19, 160, 1)],
 )
 def test_quant_panels_equal_single_rows(ggml_type, n_rows, n_cols, n_tokens, isa):
-    """From 4 (Q4_0) or 12 (Q8_0) tokens the rows go by panels of 8 (rows in vector lanes; Q8_0 when the rows
-    have a multiple of 8 blocks), the last N % 8 rows and Q4_0's last nb % 8 blocks included: the
+    """From 4 (Q4_0, Q4_1) or 12 (Q8_0) tokens the rows go by panels of 8 (rows in vector lanes; Q8_0 when the
+    rows have a multiple of 8 blocks), and for one token over rows of at most 8 blocks (Q4_0, Q4_1: a sparse
+    head's screen), the last N % 8 rows and the 4-bit types' last nb % 8 blocks included: the
     bits of one token at a time, dense and through a sparse row list,
-    with rows of all-15 nibbles (Q4_0) or of +-127 (Q8_0) against activations of -127, the largest
+    with rows of all-15 nibbles (Q4_0, Q4_1) or of +-127 (Q8_0) against activations of -127, the largest
     int16 pair sums the AVX2 panels add up."""
     rng = np.random.default_rng(3)
     data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
-    data[1] = 0.875  # nibble 15 everywhere but the first of each block (-1: d = 1/8, nibble 0)
+    data[1] = 0.875  # nibble 15 everywhere but the first of each block (-1: d = 1/8, nibble 0; Q4_1: m = -1)
     data[1, ::32] = -1.0
     w = ops.QWeight.from_numpy(quantize(data, ggml_type), ggml_type, (n_rows, n_cols))
     x = make_x(n_tokens, n_cols)

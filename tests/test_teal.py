@@ -199,6 +199,17 @@ def test_quantized_file_runs(teal, tmp_path: Path):
     assert "TEAL input thresholds" in r.output
 
 
+def test_kl_divergence_is_against_the_dense_model(teal):
+    """`perplexity --kl-divergence` on a TEAL file compares with every input read (the whole dense model, not
+    only its FFN) and says so."""
+    _, _, result, text = teal
+    args = ["perplexity", "-m", str(result.output), "-f", str(text), "-c", "64", "--chunks", "2", "-t", "1"]
+    r = runner.invoke(app, [*args, "--kl-divergence"])
+    assert r.exit_code == 0, r.output
+    assert "this model vs the dense model," in r.output
+    assert "dense FFN" not in r.output
+
+
 def test_refusals(teal, tmp_path: Path):
     """One error line: a TEAL file on a pool device."""
     _, _, result, _ = teal

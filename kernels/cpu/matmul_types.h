@@ -2,11 +2,13 @@
  * id (matmul.h, type_kernels). Included once, by matmul.c, after the SIMD variants it names. A new type with dense
  * kernels is a row here (the K-quants' int8 kernels and IQ4's are matmul_q8k.c's table, matmul_q8k_types.h).
  *
- * Panels of 8 rows (tile8) where a type has them: Q4_0 from TILE8_MIN_T_Q4_0 tokens, and for one token over short
- * rows (a sparse head's screen: 8 blocks), where one row's few blocks leave the tile's per-row work (horizontal
+ * Panels of 8 rows (tile8) where a type has them: Q4_0 and Q4_1 from TILE8_MIN_T_Q4_0 tokens, and for one token over
+ * short rows (a sparse head's screen: 8 blocks), where one row's few blocks leave the tile's per-row work (horizontal
  * sums, the call) dominant; panels measured 1.7x faster on the 49152 x 256 screen of SmolLM2's head (0.94 -> 0.55
  * ms, 1 thread). Q8_0 from TILE8_MIN_T_Q8_0 tokens, on rows of a multiple of 8 blocks (see tile8_q8_0). Measured on
- * the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0 ones (+40% at 64) from about 12.
+ * the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0 ones (+40% at 64) from about 12. Q4_1's row
+ * tile is Q4_0's (tile_q4x_n, one token from the pair-ordered activations) so that its panels have its bits: SmolLM2
+ * Q4_1 prompts 1.4-1.7x faster (pp512), decode unchanged within this VM's noise (docs/benchmarks.md).
  */
 #ifndef POWERINFER_KERNELS_MATMUL_TYPES_H
 #define POWERINFER_KERNELS_MATMUL_TYPES_H
@@ -29,7 +31,8 @@
             [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
             [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1),                                                           \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+                                             .tile8_short_rows = 1),                                               \
             [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0),                                                           \
             [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1),                                                           \
             [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0, \
@@ -47,6 +50,7 @@
 #define tile4_f16_scalar NULL
 #define tile4_bf16_scalar NULL
 #define tile8_q4_0_scalar NULL
+#define tile8_q4_1_scalar NULL
 #define tile8_q8_0_scalar NULL
 static const matmul_table matmul_tables[] = {
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
@@ -65,6 +69,7 @@ static const matmul_table matmul_tables[] = {
 #undef tile4_f16_scalar
 #undef tile4_bf16_scalar
 #undef tile8_q4_0_scalar
+#undef tile8_q4_1_scalar
 #undef tile8_q8_0_scalar
 
 #endif

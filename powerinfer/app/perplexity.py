@@ -162,9 +162,16 @@ def comparison(
                 f"(PWRI) file with its dense FFN; {printable(str(run.model))} is a dense GGUF"
             )
         reference = Engine(run.model, replace(run.engine, dense_ffn=True, sparse_head=False))
-        return reference, None, None, "the dense FFN"
+        return reference, None, None, dense_name(engine)
     record = BaseLogits(run.ppl.n_ctx, run.ppl.stride, []) if run.kl_base is not None else None
-    return None, None, record, "the dense FFN"
+    return None, None, record, dense_name(engine)
+
+
+def dense_name(engine: Engine) -> str:
+    """What the dense reference of a sparse engine computes in full: a TEAL file's every matrix (every input
+    channel), else the FFN; the whole output head where the engine screens it."""
+    name = "the dense model" if engine.config.sparse_method == "teal" else "the dense FFN"
+    return name + (" and the whole head" if engine.head_stats is not None else "")
 
 
 def score_with_progress(
