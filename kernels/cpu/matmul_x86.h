@@ -93,21 +93,13 @@ TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) 
     return _mm256_or_si256(FN(unpack_q4)(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* One block step for ntok tokens; KIND the type id (PI_TYPE_Q4_0, Q4_1, Q8_0, Q5_0, Q5_1); ACC/BIAS are the parity
- * accumulators. Q5_1 is Q4_1 with the fifth bit (the same bias term), Q5_0 is Q4_0 with 16 for 8. */
+/* One block step for ntok tokens; KIND the type id (PI_TYPE_Q8_0, Q5_0, Q5_1: the 4-bit types have tile_q4x_n);
+ * ACC/BIAS are the parity accumulators. Q5_1 adds its m term (m_w d_x sum(x)) in BIAS, Q5_0 subtracts 16 sum(x). */
 #define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
     do {                                                                                                     \
         __m256i w, wabs = _mm256_setzero_si256();                                                            \
         __m128 dm; /* {d_w, m_w, 0, 0} */                                                                    \
-        if ((KIND) == PI_TYPE_Q4_0) {                                                                                   \
-            w = FN(unpack_q4)(b0[i].qs);                                                                     \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b0[i].d));                                                   \
-        } else if ((KIND) == PI_TYPE_Q4_1) {                                                                            \
-            uint32_t dm_bits;                                                                                \
-            memcpy(&dm_bits, &b1[i].d, sizeof dm_bits);                                                      \
-            w = FN(unpack_q4)(b1[i].qs);                                                                     \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
-        } else if ((KIND) == PI_TYPE_Q8_0) {                                                                            \
+        if ((KIND) == PI_TYPE_Q8_0) {                                                                                   \
             w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
             wabs = _mm256_sign_epi8(w, w);                                                                   \
             dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b8[i].d));                                                   \
@@ -125,37 +117,31 @@ TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) 
             /* {d_w * d_x, m_w * d_x * sum(q_x)} */                                                          \
             const __m128 scale = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(xds[t] + 2 * (i))))); \
             __m256i p;                                                                                       \
-            if ((KIND) == PI_TYPE_Q4_0) /* (q - 8) . x = q . x - 8 sum(x): subtract sum(x) from each of the 8 lanes */ \
-                p = FN(dot_u8s8)(_mm256_set1_epi32(-xi[t][i]), w, xv);                                       \
-            else if ((KIND) == PI_TYPE_Q5_0) /* (q - 16) . x: 2 sum(x) from each of the 8 lanes */                      \
+            if ((KIND) == PI_TYPE_Q5_0) /* (q - 16) . x = q . x - 16 sum(x): 2 sum(x) from each of the 8 lanes */      \
                 p = FN(dot_u8s8)(_mm256_set1_epi32(-2 * xi[t][i]), w, xv);                                   \
             else if ((KIND) == PI_TYPE_Q8_0)                                                                            \
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
             else                                                                                             \
                 p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
             ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), ACC[t]);           \
-            if ((KIND) == PI_TYPE_Q4_1 || (KIND) == PI_TYPE_Q5_1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                            \
+            if ((KIND) == PI_TYPE_Q5_1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                                                   \
         }                                                                                                    \
     } while (0)
 
 TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok,
                                     float *out) {
-    const block_q4_0 *b0 = (const block_q4_0 *)row;
-    const block_q4_1 *b1 = (const block_q4_1 *)row;
     const block_q8_0 *b8 = (const block_q8_0 *)row;
     const block_q5_0 *b50 = (const block_q5_0 *)row;
     const block_q5_1 *b51 = (const block_q5_1 *)row;
     const int64_t nb = a->nb;
-    const int64_t bsz = kind == PI_TYPE_Q4_0   ? (int64_t)sizeof(block_q4_0)
-                        : kind == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)
-                        : kind == PI_TYPE_Q8_0 ? (int64_t)sizeof(block_q8_0)
+    const int64_t bsz = kind == PI_TYPE_Q8_0   ? (int64_t)sizeof(block_q8_0)
                         : kind == PI_TYPE_Q5_0 ? (int64_t)sizeof(block_q5_0)
                                     : (int64_t)sizeof(block_q5_1);
     const int8_t *xq[TILE_T];
     const float *xds[TILE_T];
     const int32_t *xi[TILE_T];
     __m256 acc0[TILE_T], acc1[TILE_T];
-    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q4_1 / Q5_1 m terms */
+    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q5_1 m terms */
     for (int t = 0; t < ntok; t++) {
         xq[t] = a->qs + (t0 + t) * a->K;
         xds[t] = a->ds + (t0 + t) * nb * 2;
@@ -164,65 +150,6 @@ TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const ac
         bias0[t] = bias1[t] = _mm_setzero_ps();
     }
     int64_t i = 0;
-#if SIMD_AVX512
-    if (kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q4_1) { /* Q8_0 and Q5 take the 256-bit steps below */
-        /* Q4 on 512-bit vectors: blocks i (even, low half) and i + 1 (odd, high half) in one vector. Lane by lane
-         * this is the 256-bit QUANT_STEP pair (same int32 dots, same float products, same FMA into the same
-         * accumulator lane): acc0/acc1 are the low/high halves of acc, bias0/bias1 lanes 0-1/2-3 of bias. */
-        const __m512i idx_q = _mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3);
-        const __m512i shift = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
-        const __m512i lo4 = _mm512_set1_epi8(0x0F);
-        const __m512i idx_s = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        const __m512i idx_i = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-        __m512 acc[TILE_T];
-        __m128 bias[TILE_T];
-        for (int t = 0; t < ntok; t++) {
-            acc[t] = _mm512_setzero_ps();
-            bias[t] = _mm_setzero_ps();
-        }
-        for (; i + 1 < nb; i += 2) {
-            prefetch_act(a, row + i * bsz, 2 * bsz);
-            __m256i raw;
-            uint64_t dm_bits; /* Q4_0 {d_i, 0, d_i+1, 0}, Q4_1 {d_i, m_i, d_i+1, m_i+1} as halves */
-            if (kind == PI_TYPE_Q4_0) {
-                raw = _mm256_loadu2_m128i((const __m128i *)b0[i + 1].qs, (const __m128i *)b0[i].qs);
-                dm_bits = (uint64_t)b0[i].d | ((uint64_t)b0[i + 1].d << 32);
-            } else {
-                uint32_t d0, d1;
-                memcpy(&d0, &b1[i].d, sizeof d0);
-                memcpy(&d1, &b1[i + 1].d, sizeof d1);
-                raw = _mm256_loadu2_m128i((const __m128i *)b1[i + 1].qs, (const __m128i *)b1[i].qs);
-                dm_bits = (uint64_t)d0 | ((uint64_t)d1 << 32);
-            }
-            /* {lo nibbles i, hi nibbles i, lo nibbles i+1, hi nibbles i+1}: 64 weights 0..15 in element order */
-            const __m512i w = _mm512_and_si512(
-                _mm512_srlv_epi64(_mm512_permutexvar_epi64(idx_q, _mm512_castsi256_si512(raw)), shift), lo4);
-            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi64_si128((long long)dm_bits));
-            for (int t = 0; t < ntok; t++) {
-                const __m512i xv = _mm512_loadu_si512((const void *)(xq[t] + i * QK));
-                /* {d_w d_x, m_w d_x sum(q_x)} of block i, then of block i + 1 */
-                const __m128 sc = _mm_mul_ps(dm, _mm_loadu_ps(xds[t] + 2 * i));
-                __m512i p;
-                if (kind == PI_TYPE_Q4_0) {
-                    const __m512i is = _mm512_permutexvar_epi32(
-                        idx_i, _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)(xi[t] + i))));
-                    p = _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), is), w, xv);
-                } else {
-                    p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
-                }
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                                         _mm512_permutexvar_ps(idx_s, _mm512_castps128_ps512(sc)), acc[t]);
-                if (kind == PI_TYPE_Q4_1) bias[t] = _mm_add_ps(bias[t], sc);
-            }
-        }
-        for (int t = 0; t < ntok; t++) {
-            acc0[t] = _mm512_castps512_ps256(acc[t]);
-            acc1[t] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[t]), 1));
-            bias0[t] = bias[t];
-            bias1[t] = _mm_movehl_ps(bias[t], bias[t]);
-        }
-    }
-#endif
     for (; i + 1 < nb; i += 2) {
         prefetch_act(a, row + i * bsz, 2 * bsz);
         QUANT_STEP(kind, i, acc0, bias0);
