@@ -144,6 +144,54 @@ def test_quant_panels_equal_single_rows(ggml_type, n_rows, n_cols, n_tokens, isa
 
 
 @needs_kernels
+@pytest.mark.parametrize(("n_rows", "n_cols"), [(64, 256), (48, 96), (8, 544), (4096, 256)])
+def test_rows_repacked_by_8_have_the_bits_of_the_matvec(n_rows, n_cols, isa):
+    """The sparse head's screen repacked by 8 rows (pi_repack_rows8 / pi_matvec_rows8: one token, q8): the
+    bits of the type's int8 matmul at T = 1 over the same rows (panels of 8 rows up to 8 blocks, tiles beyond; a block
+    count that is odd, 3, and past 8, 17), at 1 and 2 threads, with a row of all-15 nibbles against -127
+    activations; a row count that is not a multiple of 8 is refused."""
+    from powerinfer.ops import library
+    from powerinfer.ops.head import repacked_screen
+
+    lib = library.load()
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
+    data[1] = 0.875
+    data[1, ::32] = -1.0
+    w = ops.QWeight.from_numpy(quantize(data, GGMLType.Q4_0), GGMLType.Q4_0, (n_rows, n_cols))
+    x = make_x(1, n_cols)
+    x[0, : n_cols // 2] = -1.0
+    for threads in (1, 2):
+        kc = ops.KernelContext(n_threads=threads, act_precision="q8", isa=isa)
+        packed = repacked_screen(w, kc)
+        assert packed is not None
+        y = torch.empty(n_rows, dtype=torch.float32)
+        status = lib.matvec_rows8(
+            int(GGMLType.Q4_0),
+            packed.data_ptr(),
+            n_rows,
+            n_cols,
+            x.data_ptr(),
+            y.data_ptr(),
+            threads,
+            ops.ISA_NAMES.index(isa),
+        )
+        assert status == 0
+        assert torch.equal(y, ops.linear(x, w, kc)[0])
+    assert repacked_screen(w, kc.replace(act_precision="f32")) is None
+    odd = ops.QWeight.from_numpy(quantize(data[:-1], GGMLType.Q4_0), GGMLType.Q4_0, (n_rows - 1, n_cols))
+    assert repacked_screen(odd, kc) is None
+    assert lib.repack_rows8(
+        int(GGMLType.Q4_0), odd._raw_ptr, odd._raw_stride, n_rows - 1, n_cols, packed.data_ptr()
+    )
+    q8 = ops.QWeight.from_numpy(quantize(data, GGMLType.Q8_0), GGMLType.Q8_0, (n_rows, n_cols))
+    assert repacked_screen(q8, kc) is None  # not a rows8 type: the kernels refuse it too
+    assert lib.repack_rows8(
+        int(GGMLType.Q8_0), q8._raw_ptr, q8._raw_stride, n_rows, n_cols, packed.data_ptr()
+    )
+
+
+@needs_kernels
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES, ids=lambda t: t.name)
 def test_linear_independent_of_threads_and_batch(ggml_type, isa, act):
     w = make_weight(ggml_type, 300, 576)

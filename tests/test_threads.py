@@ -174,6 +174,22 @@ def test_a_fresh_step_looks_at_the_load_first(keep_torch_threads) -> None:
     assert th.runnable_others() is None or th.runnable_others() >= 0
 
 
+def test_a_task_runnable_for_an_instant_is_not_a_busy_process(keep_torch_threads) -> None:
+    """The fresh step's look takes the fewest other runnable tasks of LOAD_SAMPLES samples: one seen in the first
+    sample only (a kernel thread waking) leaves every thread; one seen in every sample takes a core."""
+    kc = KernelContext(n_threads=2)
+    seen = iter([1, 0, 1])
+    gov = ThreadGovernor(kc, load=lambda: next(seen), cores=lambda: 2)
+    gov.begin()
+    assert kc.threads_now == 2
+    gov.end()
+    gov._last_end -= th.FRESH_S
+    gov.load = lambda: 1
+    gov.begin()
+    assert kc.threads_now == 1
+    gov.end()
+
+
 @pytest.mark.skipif(th.runnable_others() is None, reason="needs Linux /proc")
 def test_own_spinning_threads_are_not_other_tasks() -> None:
     """A thread of this process that is running (here one in a long torch product, which releases the GIL; as the

@@ -71,6 +71,29 @@ static void tile_quant_scalar(int kind, const uint8_t *row, const act_q8 *a, int
     }
 }
 
+/* the offset of the rows8 type's 4-bit values (block_coef4: q - 8) */
+#define ROWS8_OFFSET 8
+
+/* Eight repacked block_coef4 rows (pi_repack_rows8) x one token: each row tile_quant_scalar's arithmetic */
+static void r8_coef4_scalar(const uint8_t *g, const act_q8 *a, float *y) {
+    for (int r = 0; r < 8; r++) {
+        float acc = 0.0f;
+        for (int64_t i = 0; i < a->nb; i++) {
+            const uint8_t *blk = g + i * R8_BLOCK_BYTES;
+            int32_t dot = 0;
+            for (int k = 0; k < 4; k++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t byte = blk[32 * k + 4 * r + j];
+                    dot += (byte & 0x0F) * a->qs[i * QK + 4 * k + j] + (byte >> 4) * a->qs[i * QK + 16 + 4 * k + j];
+                }
+            uint16_t dh;
+            memcpy(&dh, blk + 128 + 2 * r, sizeof dh);
+            acc += (float)(dot - ROWS8_OFFSET * a->isum[i]) * (fp16_to_fp32(dh) * a->ds[2 * i]);
+        }
+        y[r] = acc;
+    }
+}
+
 #define DEFINE_TILE_QUANT_SCALAR(type, kind)                                                                   \
     static void tile_##type##_scalar(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         tile_quant_scalar(kind, row, a, t0, ntok, out);                                                      \
@@ -461,3 +484,51 @@ PI_BLOCK32_TYPES(MATMUL_BLOCK32)
 PI_KQUANT_TYPES(MATMUL_KQUANT)
 #undef MATMUL_KQUANT
 
+
+/* ---- rows repacked by 8 for one token (the sparse head's screen) ---------------------------------------------- */
+
+/* the type rows8 serves: block_coef4's (the 4-bit type with offset 8; TYPE_TRAITS coef_bf16) */
+static int rows8_type(int32_t type) { return type_coef_bf16(type) && TYPE_TRAITS[type].int8_offset == ROWS8_OFFSET; }
+
+/* pi_repack_rows8(type, w, w_stride bytes, N rows, K cols, out): rows of the rows8 type (block_coef4), N a multiple of
+ * 8, K of 32; out holds N / 8 * K / 32 * R8_BLOCK_BYTES bytes (matmul.h: the layout) */
+PI_EXPORT int32_t pi_repack_rows8(int32_t type, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                                  uint8_t *out) {
+    if (!rows8_type(type) || N < 0 || K < 0 || N % 8 != 0 || K % QK != 0 ||
+        !stride_ok(N, w_stride, type_row_bytes(type, K)))
+        return PI_ERR_SHAPE;
+    if (N > 0 && K > 0 && (w == NULL || out == NULL)) return PI_ERR_SHAPE;
+    const int64_t nb = K / QK;
+    for (int64_t g = 0; g < N / 8; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *o = out + (g * nb + b) * R8_BLOCK_BYTES;
+            for (int r = 0; r < 8; r++) {
+                const block_coef4 *blk = (const block_coef4 *)(w + (8 * g + r) * w_stride) + b;
+                for (int k = 0; k < 4; k++) memcpy(o + 32 * k + 4 * r, blk->qs + 4 * k, 4);
+                memcpy(o + 128 + 2 * r, &blk->d, 2);
+            }
+        }
+    return PI_OK;
+}
+
+/* pi_matvec_rows8(type, packed, N, K, x, y, threads, isa): y[n] = row n . x for one token in the q8 precision, from
+ * the rows repacked by pi_repack_rows8: the bits of pi_matmul_<type> at T = 1 over the same rows at that SIMD level. */
+PI_EXPORT int32_t pi_matvec_rows8(int32_t type, const uint8_t *packed, int64_t N, int64_t K, const float *x, float *y,
+                                  int32_t n_threads, int32_t isa) {
+    if (!rows8_type(type) || N < 0 || K < 0 || N % 8 != 0 || K % QK != 0) return PI_ERR_SHAPE;
+    if (N == 0) return PI_OK;
+    if (packed == NULL || x == NULL || y == NULL) return PI_ERR_SHAPE;
+    const matmul_table *table = matmul_table_for(isa);
+    const int64_t nb = K / QK;
+    _Alignas(64) uint8_t buf[MATMUL_STACK_ACT_BYTES];
+    uint8_t *scratch = act_q8_bytes(K) <= sizeof buf ? buf : malloc(act_q8_bytes(K));
+    if (scratch == NULL) return PI_ERR_ALLOC;
+    act_q8 a;
+    act_q8_prepare(table, x, K, scratch, &a);
+    const int64_t groups = N / 8, group_bytes = nb * R8_BLOCK_BYTES;
+    const int32_t nt = threads_for_work(n_threads, N * K);
+#pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
+    for (int64_t g = 0; g < groups; g++) table->r8(packed + g * group_bytes, &a, y + 8 * g);
+    if (scratch != buf) free(scratch);
+    return PI_OK;
+}

@@ -25,6 +25,7 @@
 #define MATMUL_TABLE(isa)                                                                                          \
     {                                                                                                              \
         .quantize_act = quantize_act_##isa,                                                                        \
+        .r8 = R8(isa),                                                                                             \
         .types = {                                                                                                 \
             [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
             [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
@@ -46,6 +47,8 @@
     }
 #define TILE4(isa, type) tile4_##type##_##isa
 #define TILE8(isa, type) tile8_##type##_##isa
+#define R8(isa) r8_q4_0_##isa
+#define r8_q4_0_scalar r8_coef4_scalar
 #define tile4_f32_scalar NULL
 #define tile4_f16_scalar NULL
 #define tile4_bf16_scalar NULL
@@ -65,6 +68,8 @@ static const matmul_table matmul_tables[] = {
 #undef MATMUL_TABLE
 #undef TILE4
 #undef TILE8
+#undef R8
+#undef r8_q4_0_scalar
 #undef tile4_f32_scalar
 #undef tile4_f16_scalar
 #undef tile4_bf16_scalar

@@ -572,6 +572,51 @@ DEFINE_TILE8(q4_1, PI_TYPE_Q4_1)
 DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
 #undef DEFINE_TILE8
 
+/* ---- one token over Q4_0 rows repacked by 8 (matmul.c, pi_repack_rows8) ---------------------------------------- */
+
+/* Eight rows x one token from their repacked blocks (R8_BLOCK_BYTES each: 4 vectors, lane r of vector k the bytes
+ * 4k..4k+3 of row r's nibbles, then the 8 rows' d): the panels' arithmetic (tile8_quant at T = 1: the same exact
+ * integer per block, the same float product and FMA into accumulator b % 8, the same final sum), without the
+ * per-call transpose: the bits of every other one-token path over the same rows. */
+TARGET static void FN(r8_q4_0)(const uint8_t *g, const act_q8 *a, float *y) {
+    const int64_t nb = a->nb;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = g + b * R8_BLOCK_BYTES;
+        const int8_t *xb = a->qs + b * QK;
+        __builtin_prefetch(blk + MATVEC_STREAM_AHEAD, 0, 3);
+        __builtin_prefetch(blk + MATVEC_STREAM_AHEAD + 64, 0, 3);
+        __builtin_prefetch(blk + MATVEC_STREAM_AHEAD + 128, 0, 3);
+#if SIMD_AVX512
+        __m256i q = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * k));
+            q = _mm256_dpbusd_epi32(q, _mm256_and_si256(v, m4), _mm256_set1_epi32(*(const int32_t *)(xb + 4 * k)));
+            q = _mm256_dpbusd_epi32(q, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                    _mm256_set1_epi32(*(const int32_t *)(xb + 16 + 4 * k)));
+        }
+#else
+        __m256i s16 = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 32 * k));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(v, m4),
+                                                             _mm256_set1_epi32(*(const int32_t *)(xb + 4 * k))));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                                                             _mm256_set1_epi32(*(const int32_t *)(xb + 16 + 4 * k))));
+        }
+        __m256i q = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
+        q = _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(a->isum[b]), 3));
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 128)));
+        acc[b % 8] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, _mm256_set1_ps(a->ds[2 * b])), acc[b % 8]);
+    }
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6])),
+                                     _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7])));
+    _mm256_storeu_ps(y, sum);
+}
+
 DEFINE_TILE_QUANT(q5_0, PI_TYPE_Q5_0)
 DEFINE_TILE_QUANT(q5_1, PI_TYPE_Q5_1)
 DEFINE_TILE_QUANT_BODY(q4_1, tile_q4x_n, PI_TYPE_Q4_1)

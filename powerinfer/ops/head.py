@@ -19,10 +19,12 @@ from powerinfer.ops import library
 from powerinfer.ops.context import KernelContext
 from powerinfer.ops.library import check_status
 from powerinfer.ops.weights import QWeight
+from powerinfer.quant import types as quant_types
 
 __all__ = ["HeadChain", "HeadResult", "head_chain"]
 
 _i64, _i32, _f32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_float, ctypes.c_void_p
+_R8_BLOCK_BYTES = 144  # kernels/cpu/matmul.h: 8 rows' block of 32, repacked
 
 
 class _HeadDesc(ctypes.Structure):  # head_desc
@@ -32,6 +34,7 @@ class _HeadDesc(ctypes.Structure):  # head_desc
         ("proj", _ptr), ("proj_stride", _i64), ("proj_matmul", _ptr),
         ("screen", _ptr), ("screen_stride", _i64), ("screen_matmul", _ptr),
         ("output", _ptr), ("output_stride", _i64), ("output_rows", _ptr),
+        ("screen_type", _i32), ("screen_r8", _ptr),
     ]  # fmt: skip
 
 
@@ -117,10 +120,31 @@ def head_chain(
         return None
     if weight is not None:
         weight = weight.contiguous()
+    packed = repacked_screen(screen, kc)
     desc = _HeadDesc(
         n_vocab, n_embd, rank, k, int(norm is not None), eps, 0 if weight is None else weight.data_ptr(),
         proj._raw_ptr, proj._raw_stride, _address(proj_mm),
         screen._raw_ptr, screen._raw_stride, _address(screen_mm),
         output._raw_ptr, output._raw_stride, _address(rows),
+        int(screen.ggml_type), 0 if packed is None else packed.data_ptr(),
     )  # fmt: skip
-    return HeadChain(desc, (*weights, weight), kc)
+    return HeadChain(desc, (*weights, weight, packed), kc)
+
+
+def repacked_screen(screen: QWeight, kc: KernelContext) -> torch.Tensor | None:
+    """The screen's rows repacked by 8 for the q8 precision's one-token product (pi_matvec_rows8: the bits of the
+    type's int8 matmul, without its per-call transpose of short rows), or None where it does not apply (a type
+    without rows8 in the registry, f32 activations, a row count that is not a multiple of 8)."""
+    n, k = screen.shape
+    row = quant_types.info(screen.ggml_type)
+    if row is None or not row.rows8 or kc.act_precision != "q8" or n % 8 or k % 32 or n == 0:
+        return None
+    lib = library.load()
+    assert lib is not None
+    packed = torch.empty(n // 8 * (k // 32) * _R8_BLOCK_BYTES, dtype=torch.uint8)
+    status = lib.repack_rows8(
+        int(screen.ggml_type), screen._raw_ptr, screen._raw_stride, n, k, packed.data_ptr()
+    )
+    if status != 0:
+        check_status(status, "repack_rows8")
+    return packed

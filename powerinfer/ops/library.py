@@ -193,6 +193,8 @@ class Library:
     decode_stack: Any  # every layer's fused blocks for one token (kernels/cpu/layer.c)
     head_t1: Any  # the sparse output head's chain for one token (kernels/cpu/head.c)
     head_t1_scratch_bytes: Any
+    repack_rows8: Any  # a matrix's rows repacked by 8 (kernels/cpu/matmul.c; the registry's rows8 types)
+    matvec_rows8: Any  # one token over them, the q8 precision
 
 
 def _symbol(lib: ctypes.CDLL, name: str, argtypes: tuple[Any, ...], restype: Any = _i32) -> Any:
@@ -270,6 +272,8 @@ def _open(path: str) -> Library:
         ),
         head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 10 + (_i64, _i32, _i32)),
         head_t1_scratch_bytes=_symbol(lib, "pi_head_t1_scratch_bytes", (_i64,) * 3, _i64),
+        repack_rows8=_symbol(lib, "pi_repack_rows8", (_i32, _ptr, _i64, _i64, _i64, _ptr)),
+        matvec_rows8=_symbol(lib, "pi_matvec_rows8", (_i32, _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32)),
     )
 
 

@@ -53,6 +53,8 @@ class TypeInfo:
     decodable: the gguf package decodes its blocks (any weight of it can be computed on a float copy).
     fallback: the type a 256-element type falls back to when a row is not a multiple of 256 (llama.cpp's rule).
     ftype: llama_ftype number llama.cpp guesses for a file whose commonest tensor type this is.
+    rows8: one token's int8 product also runs on its rows repacked by 8 (pi_repack_rows8 / pi_matvec_rows8: the
+        4-bit type with offset 8 whose blocks are the C kernels' block_coef4), as the sparse head's screen does.
     """
 
     ggml: GGMLType
@@ -63,6 +65,7 @@ class TypeInfo:
     decodable: bool = True
     fallback: GGMLType | None = None
     ftype: int | None = None
+    rows8: bool = False
 
 
 def _t(name: str, **kw) -> TypeInfo:
@@ -73,7 +76,7 @@ _ROWS = (
     _t("F32", c_name="f32", producer="gguf", dense="plain", sparse_rows=True, ftype=0),
     _t("F16", c_name="f16", producer="gguf", dense="plain", sparse_rows=True, ftype=1),
     _t("BF16", c_name="bf16", producer="gguf", dense="plain", sparse_rows=True, ftype=32),
-    _t("Q4_0", c_name="q4_0", producer="gguf", dense="block32", sparse_rows=True, ftype=2),
+    _t("Q4_0", c_name="q4_0", producer="gguf", dense="block32", sparse_rows=True, ftype=2, rows8=True),
     _t("Q4_1", c_name="q4_1", producer="gguf", dense="block32", sparse_rows=True, ftype=3),
     _t("Q5_0", c_name="q5_0", producer="gguf", dense="block32", sparse_rows=True, ftype=8),
     _t("Q5_1", c_name="q5_1", producer="gguf", dense="block32", sparse_rows=True, ftype=9),

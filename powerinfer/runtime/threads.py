@@ -17,8 +17,9 @@ CUDA pool, pipeline stages receiving from other ranks) do not use it.
 A window is judged only after steps ran, so a prompt (one step) and the first decode steps would be unprotected
 (measured on the 2-core VM with two busy loops beside it: the first 5-token prompt of a fresh engine 0.09-1.3 s at
 -t 2 against 35-79 ms at -t 1). So a step that starts fresh (the first one, or FRESH_S after the last ended) looks
-at the load first: with k other runnable tasks (Linux /proc/loadavg) on c usable cores it starts at
-max(1, c - k) threads (at most n_threads); a quiet machine starts at n_threads again.
+at the load first: with k other runnable tasks (Linux /proc/loadavg; the fewest of LOAD_SAMPLES samples a
+millisecond apart) on c usable cores it starts at max(1, c - k) threads (at most n_threads); a quiet machine starts
+at n_threads again.
 
 torch's own thread pool (its ops inside a step: prompt attention, norms) is process-global, so an engine never
 sets it for good: `torch_threads` sets it to the engine's current count for the length of one step (or of a
@@ -46,6 +47,11 @@ LOW_SHARE = 0.8  # CPU time / wall time of the stepping thread below this: the c
 PROBE_S = 2.0  # first wait before trying all threads again
 PROBE_MAX_S = 32.0
 FRESH_S = 0.5  # a step starting this long after the last one ended looks at the load first
+# that look takes the fewest other runnable tasks of a few samples this far apart: a kernel thread or a short task
+# runnable at one instant is not a busy process (on the quiet 2-core VM single samples saw "1 other" often enough to
+# run benchmark steps at -t 2 on one thread; a busy process is runnable in every sample)
+LOAD_SAMPLES = 3
+LOAD_SAMPLE_GAP_S = 0.001
 
 
 def runnable_others() -> int | None:
@@ -128,6 +134,12 @@ class ThreadGovernor:
     def check_load(self, now: float) -> None:
         """Before a fresh step: as many threads as the cores the other runnable tasks leave (at least one)."""
         others = self.load()
+        for _ in range(LOAD_SAMPLES - 1):
+            if not others:  # None (no /proc) or 0: nothing to confirm
+                break
+            time.sleep(LOAD_SAMPLE_GAP_S)
+            again = self.load()
+            others = None if again is None else min(others, again)
         if others is None:
             return
         n = max(1, min(self.n_max, self.cores() - others))
