@@ -220,21 +220,19 @@ TARGET_INLINE __m256 FN(tail_pairs)(const float *ds, int n, const int odd) {
     return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
 }
 
-/* One token's Q4_0 group of 8 blocks from the pair-ordered activations (act_pair_order): blocks 2j and 2j + 1 share
- * one vector of raw nibbles, so one mask and one shift unpack two blocks; each block's q . x comes out as an int32
- * ({b0 b2 b4 b6 | b1 b3 b5 b7}, permuted to block order): the integers of q4_group, then its float steps, so the
- * row's result is the same bits as without the pair order.
+/* The exact integers q . x of 8 consecutive 4-bit blocks (block i's 16 nibble bytes at qs + i * bsz) against the
+ * pair-ordered activations (act_pair_order), in block order: blocks 2j and 2j + 1 share one vector of raw nibbles,
+ * so one mask and one shift unpack two blocks.
  * - AVX2: maddubs into int16 (exact: a pair is at most 2 * 15 * 127, the two hadd levels sum 16 products, at most
- *   30480), int16 hadd levels, madd to int32; the 8 scales inserted one by one.
+ *   30480), int16 hadd levels, madd to int32.
  * - AVX-512 (VNNI): two dpbusd per pair into int32 ({block 2j: 4 partial sums | block 2j + 1: 4}), two levels of
- *   hadd_epi32 (the shuffle form: vphadd has no EVEX encoding); the 8 scales (halves 0, 9, ..., 63 of the group's
- *   first 128 bytes) from one two-register word permute. */
-TARGET_INLINE __m256 FN(q4_0_pairs_group)(const block_q4_0 *b, const int8_t *xp, const int32_t *isum, const float *ds,
-                                          __m256 acc) {
+ *   hadd_epi32 (the shuffle form: vphadd has no EVEX encoding). */
+TARGET_INLINE __m256i FN(q4_pairs_dots)(const uint8_t *qs, const int64_t bsz, const int8_t *xp) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i s[4];
     for (int j = 0; j < 4; j++) {
-        const __m256i raw = _mm256_loadu2_m128i((const __m128i *)b[2 * j + 1].qs, (const __m128i *)b[2 * j].qs);
+        const __m256i raw =
+            _mm256_loadu2_m128i((const __m128i *)(qs + (2 * j + 1) * bsz), (const __m128i *)(qs + 2 * j * bsz));
         const __m256i wl = _mm256_and_si256(raw, m4), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
         const __m256i xl = _mm256_loadu_si256((const __m256i *)(xp + 2 * j * QK));
         const __m256i xh = _mm256_loadu_si256((const __m256i *)(xp + 2 * j * QK + QK));
@@ -246,17 +244,29 @@ TARGET_INLINE __m256 FN(q4_0_pairs_group)(const block_q4_0 *b, const int8_t *xp,
     }
 #if SIMD_AVX512
     const __m256i sums = FN(hadd_epi32)(FN(hadd_epi32)(s[0], s[1]), FN(hadd_epi32)(s[2], s[3]));
+#else
+    const __m256i sums = _mm256_madd_epi16(
+        _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])), _mm256_set1_epi16(1));
+#endif
+    return _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* One token's Q4_0 group of 8 blocks from the pair-ordered activations: each block's q . x (q4_pairs_dots), the
+ * integers of q4_group, then its float steps, so the row's result is the same bits as without the pair order. The 8
+ * scales: AVX2 inserts them one by one, AVX-512 picks them (halves 0, 9, ..., 63 of the group's first 128 bytes) by
+ * one two-register word permute. */
+TARGET_INLINE __m256 FN(q4_0_pairs_group)(const block_q4_0 *b, const int8_t *xp, const int32_t *isum, const float *ds,
+                                          __m256 acc) {
+    const __m256i dots = FN(q4_pairs_dots)(b->qs, (int64_t)sizeof(block_q4_0), xp);
+#if SIMD_AVX512
     const __m512i scale_idx = _mm512_setr_epi32(0x00090000, 0x001B0012, 0x002D0024, 0x003F0036, 0, 0, 0, 0, 0, 0, 0,
                                                 0, 0, 0, 0, 0);
     const __m128i dh = _mm512_castsi512_si128(_mm512_permutex2var_epi16(
         _mm512_loadu_si512((const void *)b), scale_idx, _mm512_loadu_si512((const void *)((const uint8_t *)b + 64))));
 #else
-    const __m256i sums = _mm256_madd_epi16(
-        _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])), _mm256_set1_epi16(1));
     const __m128i dh = _mm_setr_epi16((short)b[0].d, (short)b[1].d, (short)b[2].d, (short)b[3].d, (short)b[4].d,
                                       (short)b[5].d, (short)b[6].d, (short)b[7].d);
 #endif
-    const __m256i dots = _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     const __m256i q = _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)isum), 3));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_cvtph_ps(dh), FN(act_pairs)(ds, 0)), acc);
 }
@@ -266,26 +276,7 @@ TARGET_INLINE __m256 FN(q4_0_pairs_group)(const block_q4_0 *b, const int8_t *xp,
  * keeps the bits of the tiles and of the panels (tile8_quant). AVX-512 picks the 8 blocks' {d, m} words (20-byte blocks)
  * from the group's first 128 bytes by one two-register permute, the last block's apart (a gather measured slower). */
 TARGET_INLINE __m256 FN(q4_1_pairs_group)(const block_q4_1 *b, const int8_t *xp, const float *ds, __m256 acc) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256i s[4];
-    for (int j = 0; j < 4; j++) {
-        const __m256i raw = _mm256_loadu2_m128i((const __m128i *)b[2 * j + 1].qs, (const __m128i *)b[2 * j].qs);
-        const __m256i wl = _mm256_and_si256(raw, m4), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xp + 2 * j * QK));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xp + 2 * j * QK + QK));
-#if SIMD_AVX512
-        s[j] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wl, xl), wh, xh);
-#else
-        s[j] = _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
-#endif
-    }
-#if SIMD_AVX512
-    const __m256i sums = FN(hadd_epi32)(FN(hadd_epi32)(s[0], s[1]), FN(hadd_epi32)(s[2], s[3]));
-#else
-    const __m256i sums = _mm256_madd_epi16(
-        _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])), _mm256_set1_epi16(1));
-#endif
-    const __m256i dots = _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i dots = FN(q4_pairs_dots)(b->qs, (int64_t)sizeof(block_q4_1), xp);
     /* {d, m} of block k: the 32-bit word at byte 20 k (dword 5 k); d its low half, m its high half */
 #if SIMD_AVX512
     const __m512i words = _mm512_permutex2var_epi32(
