@@ -5,7 +5,12 @@ Each model is loaded once per thread count; the timed runs alternate between the
 then run r + 1), and the table reports medians, the ratio to the first model, and the weight bytes each reads
 per token (Engine.read_bytes_per_token after the runs: the measured active shares and the head's reads).
 
+The prompt is real text (--prompt, the README's "Once upon a time" by default), so the decoded tokens are the model's
+own text, as a user's are: the sparse head's screen falls back to the whole head on far more tokens of a synthetic
+id sequence (--prompt "" takes --n-prompt such ids, as llama-bench does).
+
 Usage: python scripts/bench_sparse_default.py [-m DENSE] [-m SPARSE ...] [-t 1,2] [--runs 5] [--n-gen 32]
+                                              [--prompt TEXT] [--n-prompt 16]
   Without -m: the wheel's SmolLM2 Q4_1 file, the same file with --sparse-head, and the default sparse model.
   A model given as PATH+head runs PATH with the sparse head on (a screen calibrated at load and cached).
 """
@@ -45,7 +50,8 @@ def main() -> None:
     ap.add_argument("-m", "--model", action="append", default=[])
     ap.add_argument("-t", "--threads", default="1,2")
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--n-prompt", type=int, default=16)
+    ap.add_argument("--prompt", default="Once upon a time")
+    ap.add_argument("--n-prompt", type=int, default=16, help='synthetic prompt ids, with --prompt ""')
     ap.add_argument("--n-gen", type=int, default=32)
     args = ap.parse_args()
     models = args.model
@@ -60,8 +66,13 @@ def main() -> None:
     print("| model | -t | decode tok/s (median) | runs | vs first | MiB read / token |")
     print("|---|---:|---:|---|---:|---:|")
     for threads in (int(t) for t in args.threads.split(",")):
-        engines = [load(m, threads, args.n_prompt + args.n_gen + 8) for m in models]
-        prompt = prompt_tokens(engines[0][1].config.n_vocab, args.n_prompt)
+        engines = [load(m, threads, max(args.n_prompt, 64) + args.n_gen + 8) for m in models]
+        first = engines[0][1]
+        prompt = (
+            first.tokenizer.encode(args.prompt)
+            if args.prompt
+            else prompt_tokens(first.config.n_vocab, args.n_prompt)
+        )
         for _, engine in engines:
             one_run(engine, prompt, 8)  # warm caches and thread pools
         runs: list[list[float]] = [[] for _ in engines]
