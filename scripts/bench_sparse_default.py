@@ -24,6 +24,8 @@ from pathlib import Path
 
 from powerinfer.runtime.engine import Engine, EngineOptions
 
+PROMPT_MAX = 256  # tokens of a --prompt text kept (the engines' context is sized for it)
+
 
 def prompt_tokens(n_vocab: int, n: int) -> list[int]:
     return [(1000 + 7919 * i) % (n_vocab - 1000) + 1000 for i in range(n)]
@@ -66,10 +68,10 @@ def main() -> None:
     print("| model | -t | decode tok/s (median) | runs | vs first | MiB read / token |")
     print("|---|---:|---:|---|---:|---:|")
     for threads in (int(t) for t in args.threads.split(",")):
-        engines = [load(m, threads, max(args.n_prompt, 64) + args.n_gen + 8) for m in models]
+        engines = [load(m, threads, max(args.n_prompt, PROMPT_MAX) + args.n_gen + 8) for m in models]
         first = engines[0][1]
         prompt = (
-            first.tokenizer.encode(args.prompt)
+            first.tokenizer.encode(args.prompt)[:PROMPT_MAX]
             if args.prompt
             else prompt_tokens(first.config.n_vocab, args.n_prompt)
         )

@@ -91,14 +91,14 @@ typedef struct {
     int32_t tile8_min_t, tile8_short_rows, tile8_nb_multiple;
 } type_kernels;
 
-/* The traits table of one SIMD level: the activation quantiser and the kernels of every type, indexed by type id
- * (enum pi_type; a type without kernels here has an all-NULL entry). */
 /* Rows of block_coef4 (quants.h) repacked by 8 (pi_repack_rows8): per group of 8 rows and block, 4 vectors of 32
  * bytes (lane r of vector k: bytes 4k..4k+3 of row r's nibbles), then the 8 rows' d as halves */
 #define R8_BLOCK_BYTES 144
 /* one token over one group of 8 repacked rows (nb blocks each) into y[0..8) */
 typedef void (*r8_fn)(const uint8_t *group, const act_q8 *a, float *y);
 
+/* The traits table of one SIMD level: the activation quantiser and the kernels of every type, indexed by type id
+ * (enum pi_type; a type without kernels here has an all-NULL entry). */
 typedef struct {
     quantize_act_fn quantize_act;
     r8_fn r8; /* the q8 precision's one-token rows of the rows8 type (block_coef4), repacked by 8 */

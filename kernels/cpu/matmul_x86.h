@@ -274,7 +274,7 @@ TARGET_INLINE __m256 FN(q4_0_pairs_group)(const block_q4_0 *b, const int8_t *xp,
 /* The same for Q4_1: q4_group's integers (q . x per block, no offset) and float steps (one FMA with d_w d_x, then
  * m_w (d_x sum(x)) added), from the pair-ordered activations, so one token's Q4_1 row costs what a Q4_0 row does and
  * keeps the bits of the tiles and of the panels (tile8_quant). AVX-512 picks the 8 blocks' {d, m} words (20-byte blocks)
- * from the group's first 128 bytes by one two-register permute, the last block's apart (a gather measured slower). */
+ * from the group's first 128 bytes by one two-register permute, the last block's apart (a gather was slower in decode). */
 TARGET_INLINE __m256 FN(q4_1_pairs_group)(const block_q4_1 *b, const int8_t *xp, const float *ds, __m256 acc) {
     const __m256i dots = FN(q4_pairs_dots)(b->qs, (int64_t)sizeof(block_q4_1), xp);
     /* {d, m} of block k: the 32-bit word at byte 20 k (dword 5 k); d its low half, m its high half */
