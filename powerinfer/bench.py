@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     import torch
 
     from powerinfer.runtime.engine import Engine, EngineOptions
+    from powerinfer.runtime.report import PoolSummary
 
 SIZE_SCALES = ((1e12, "T"), (1e9, "B"), (1e6, "M"))
 # predictor tensors of PowerInfer files: counted in params and size, left out of the size class so that a
@@ -186,10 +187,11 @@ class BenchResult:
 
     test: BenchTest
     model: ModelInfo
-    backend: str  # "CPU", or "CUDA" when a pool or layers run on a CUDA device
+    backend: str  # "CPU", "CUDA", "CUDA+CPU" or "CPU (stand-in pool)" (runtime.report.PoolSummary)
     gpu_info: str
     test_time: str  # ISO 8601, UTC, when the test started
     samples_ns: tuple[int, ...]
+    pool: PoolSummary | None = None  # the pool's bytes and the FFN work's share there (timed runs)
 
     @property
     def samples_ts(self) -> list[float]:
@@ -260,6 +262,7 @@ def run_bench(
     precision are set per engine.
     """
     from powerinfer.runtime.engine import Engine
+    from powerinfer.runtime.report import ffn_work, pool_summary
 
     tests = bench_plan(params)
     n_ctx = max((*params.n_prompt, *params.n_gen, 1))
@@ -289,12 +292,13 @@ def run_bench(
         # warm-up as llama-bench: the whole prompt, or one generated token
         warm = dataclasses.replace(test, n_gen=min(test.n_gen, 1))
         _time_test(engine, warm, tokens)
+        since = ffn_work(engine.assembled)
         samples = tuple(_time_test(engine, test, tokens) for _ in range(params.repetitions))
+        pool = pool_summary(engine.assembled, since)
         device = engine.pool_device
-        on_cuda = device is not None and device.type == "cuda"
         gpu = ""
-        if on_cuda:
+        if device is not None and device.type == "cuda":
             import torch
 
             gpu = torch.cuda.get_device_name(device)
-        yield BenchResult(test, info, "CUDA" if on_cuda else "CPU", gpu, test_time, samples)
+        yield BenchResult(test, info, pool.backend, gpu, test_time, samples, pool)

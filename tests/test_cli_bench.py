@@ -28,6 +28,7 @@ from powerinfer.cli.bench import parse_values
 from powerinfer.cli.options import threads
 from powerinfer.errors import InputError
 from powerinfer.gguf import read_gguf
+from powerinfer.runtime.engine import Engine, EngineOptions
 
 runner = CliRunner()
 BUNDLED = REPO / "models" / "pydoc-relu-llama-8m.powerinfer.gguf"
@@ -48,6 +49,11 @@ RECORD_FIELDS = {
     "act_precision",
     "n_gpu_layers",
     "vram_budget_gib",
+    "device_bytes",
+    "device_allocated_bytes",
+    "plan_bytes",
+    "plan_budget_bytes",
+    "ffn_device_share",
     "n_prompt",
     "n_gen",
     "test_time",
@@ -301,3 +307,101 @@ def test_bad_model_files(tmp_path: Path):
     assert_one_error_line(bench("-m", str(tmp_path / "missing.gguf"), "-p", "4", "-n", "4"), "no such file")
     assert_one_error_line(bench("-m", str(BUNDLED), "-m", str(text), "-p", "4", "-n", "4"), "bad magic")
     assert_one_error_line(bench("-m", str(tmp_path), "-p", "4", "-n", "4"), "not a regular file")
+
+
+# ------------------------------------------------------------------------------------------------ the pool
+
+
+def records_of(*args: str) -> list[dict]:
+    result = bench(*args, "-o", "jsonl")
+    assert result.exit_code == 0, result.stderr
+    return [json.loads(ln) for ln in result.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("budget", ["0.01", "1"])
+def test_stand_in_pool_columns_and_records(budget: str):
+    """--pool-device cpu: the backend says so, the bytes are the loader's, the FFN share is measured."""
+    args = ("-m", str(BUNDLED), "-p", "8", "-n", "4", "-t", "1", "-r", "1")
+    pool = ("--pool-device", "cpu", "--vram-budget", budget)
+    result = bench(*args, *pool)
+    assert result.exit_code == 0, result.stderr
+    rows = table_rows(result.stdout)
+    assert rows[0][5:10] == ["act", "dev MiB", "alloc MiB", "plan MiB", "ffn dev"]
+    assert [row[3] for row in rows[2:]] == ["CPU (stand-in pool)"] * 2
+    assert len({len(ln) for ln in result.stdout.splitlines() if ln.startswith("|")}) == 1  # aligned
+    records = records_of(*args, *pool)
+    engine = Engine(
+        BUNDLED,
+        EngineOptions(n_ctx=8, n_threads=1, pool_device="cpu", vram_budget_gib=float(budget)),
+    )
+    device_bytes = engine.loader.device_bytes
+    planned = engine.placement
+    assert device_bytes > 0 and planned is not None
+    for r, row in zip(records, rows[2:], strict=True):
+        assert r["backends"] == "CPU (stand-in pool)" and r["device_allocated_bytes"] is None
+        assert r["device_bytes"] == device_bytes and r["plan_budget_bytes"] == int(float(budget) * 2**30)
+        weights = planned.total_bytes - planned.bytes_by_category["reserve"] - planned.bytes_by_category["kv"]
+        assert r["plan_bytes"] == weights
+        assert 0.0 <= r["ffn_device_share"] <= 1.0
+        assert row[6] == f"{device_bytes / 2**20:.1f}" and row[7] == "-"
+        assert row[9] == f"{r['ffn_device_share']:.1%}"
+    if budget == "1":  # every neuron in the pool: all the FFN work there
+        assert [r["ffn_device_share"] for r in records] == [1.0, 1.0]
+    else:  # some neurons: the hot ones do more than their share of the work
+        n_pooled = sum(len(ids) for ids in planned.gpu_neurons)
+        c = engine.config
+        assert 0 < n_pooled < c.n_layer * c.n_ff
+        assert all(0.0 < r["ffn_device_share"] < 1.0 for r in records)
+
+
+def test_stand_in_pool_budget_zero_is_the_cpu():
+    records = records_of(
+        "-m",
+        str(BUNDLED),
+        "-p",
+        "0",
+        "-n",
+        "2",
+        "-t",
+        "1",
+        "-r",
+        "1",
+        "--pool-device",
+        "cpu",
+        "--vram-budget",
+        "0",
+    )
+    (r,) = records
+    assert r["backends"] == "CPU" and r["device_bytes"] == 0 and r["ffn_device_share"] == 0.0
+
+
+@pytest.mark.parametrize(("ngl", "backend", "share"), [("0", "CPU", 0.0), ("1", "CPU (stand-in pool)", 0.5)])
+def test_ngl_on_the_stand_in(dense: Path, ngl: str, backend: str, share: float):
+    """-ngl on a dense file: the FFN share is the share of FFN weight bytes on the device (1 of 2 layers)."""
+    args = ("-m", str(dense), "-p", "0", "-n", "2", "-t", "1", "-r", "1", "--pool-device", "cpu", "-ngl", ngl)
+    (r,) = records_of(*args)
+    gguf = read_gguf(dense)
+    last = sum(t.n_bytes for name, t in gguf.tensors.items() if name.startswith("blk.1."))
+    assert r["backends"] == backend and r["ffn_device_share"] == pytest.approx(share)
+    assert r["plan_bytes"] == (last if ngl == "1" else 0) and r["plan_budget_bytes"] is None
+    engine = Engine(dense, EngineOptions(n_ctx=2, n_threads=1, pool_device="cpu", n_gpu_layers=int(ngl)))
+    assert r["device_bytes"] == engine.loader.device_bytes
+
+
+def test_pool_columns_only_when_a_pool_is_asked(fake_run, dense: Path):
+    plain = table_rows(bench("-m", str(dense), "-p", "4", "-n", "0", "-t", "1", "-r", "1").stdout)
+    assert "dev MiB" not in plain[0]
+    result = bench("-m", str(dense), "-p", "4", "-n", "0", "-t", "1", "-r", "1", "--vram-budget", "0.5")
+    rows = table_rows(result.stdout)
+    assert rows[0][3:] == [
+        "backend",
+        "threads",
+        "act",
+        "dev MiB",
+        "alloc MiB",
+        "plan MiB",
+        "ffn dev",
+        "test",
+        "t/s",
+    ]
+    assert rows[2][6:10] == ["-", "-", "-", "-"]  # the fake run reports no pool

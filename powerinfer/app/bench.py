@@ -11,14 +11,23 @@ from typing import Any, TextIO
 import powerinfer
 from powerinfer.bench import BenchParams, BenchResult, cpu_info, run_bench
 from powerinfer.runtime.engine import EngineOptions
+from powerinfer.runtime.report import STAND_IN
 
 DEFAULT_N_BATCH = 512
 
 
+def uses_pool(options: EngineOptions) -> bool:
+    """Whether the run asked for a pool device (a VRAM budget, -ngl or --pool-device)."""
+    return options.pool_device is not None or options.vram_budget_gib is not None or options.n_gpu_layers > 0
+
+
 def bench_record(r: BenchResult, options: EngineOptions, cpu: str) -> dict[str, Any]:
     """One test as llama-bench's json names its fields, plus ours: act_precision, sparse, powerinfer_version,
-    vram_budget_gib (-1: all free memory)."""
+    vram_budget_gib (-1: all free memory), and the pool's (runtime.report.PoolSummary): device_bytes,
+    device_allocated_bytes (CUDA only, else null), plan_bytes, plan_budget_bytes (null for -ngl),
+    ffn_device_share (0 to 1)."""
     t = r.test
+    pool = r.pool
     return {
         "powerinfer_version": powerinfer.__version__,
         "cpu_info": cpu,
@@ -34,6 +43,11 @@ def bench_record(r: BenchResult, options: EngineOptions, cpu: str) -> dict[str, 
         "act_precision": t.act_precision,
         "n_gpu_layers": options.n_gpu_layers,
         "vram_budget_gib": -1 if options.vram_budget_gib is None else options.vram_budget_gib,
+        "device_bytes": 0 if pool is None else pool.device_bytes,
+        "device_allocated_bytes": None if pool is None else pool.allocated_bytes,
+        "plan_bytes": 0 if pool is None else pool.plan_bytes,
+        "plan_budget_bytes": None if pool is None else pool.budget_bytes,
+        "ffn_device_share": 0.0 if pool is None else pool.ffn_device_share,
         "n_prompt": t.n_prompt,
         "n_gen": t.n_gen,
         "test_time": r.test_time,
@@ -73,20 +87,33 @@ class Printer:
         pass
 
 
+def mib_text(n_bytes: int | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / 2**20:.1f}"
+
+
 class MarkdownPrinter(Printer):
-    """llama-bench's table; n_batch and ngl columns appear only when they differ from the defaults."""
+    """llama-bench's table; n_batch and ngl columns appear only when they differ from the defaults, and the pool
+    columns only when the run asks for a pool device: MiB the loader put on it (dev MiB), torch's allocated
+    MiB there (alloc MiB, CUDA only), the weight MiB the plan put there (plan MiB) and the share of FFN work
+    done there (ffn dev)."""
 
     def __init__(self, out: TextIO, params: BenchParams, options: EngineOptions) -> None:
         super().__init__(out, params, options)
         longest = max(len(m.description) for m in params.models)
+        pool = uses_pool(options)
+        # the longest backend name this run can print: rows are written as they come
+        backend = len(STAND_IN) if options.pool_device == "cpu" else len("CUDA+CPU") if pool else 7
         # (header, width; negative = left-aligned text)
-        self.columns = [("model", -max(30, longest)), ("size", 10), ("params", 10), ("backend", -7)]
+        self.columns = [("model", -max(30, longest)), ("size", 10), ("params", 10), ("backend", -backend)]
         self.columns.append(("threads", 7))
         if params.n_batch != (DEFAULT_N_BATCH,):
             self.columns.append(("n_batch", 7))
         if options.n_gpu_layers:
             self.columns.append(("ngl", 3))
-        self.columns += [("act", -3), ("test", 13), ("t/s", 20)]
+        self.columns.append(("act", -3))
+        if pool:
+            self.columns += [("dev MiB", 8), ("alloc MiB", 9), ("plan MiB", 8), ("ffn dev", 7)]
+        self.columns += [("test", 13), ("t/s", 20)]
 
     def _line(self, cells: list[str]) -> None:
         parts = [
@@ -111,6 +138,10 @@ class MarkdownPrinter(Printer):
             "n_batch": str(t.n_batch),
             "ngl": str(self.options.n_gpu_layers),
             "act": t.act_precision,
+            "dev MiB": mib_text(None if r.pool is None else r.pool.device_bytes),
+            "alloc MiB": mib_text(None if r.pool is None else r.pool.allocated_bytes),
+            "plan MiB": mib_text(None if r.pool is None else r.pool.plan_bytes),
+            "ffn dev": "-" if r.pool is None else f"{r.pool.ffn_device_share:.1%}",
             "test": t.name,
             "t/s": f"{r.avg_ts:.2f} ± {r.stddev_ts:.2f}",
         }

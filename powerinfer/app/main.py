@@ -12,7 +12,7 @@ from powerinfer.app.interactive import InteractiveOptions, run_session
 from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import generate
-from powerinfer.runtime.report import sparse_mode
+from powerinfer.runtime.report import pool_summary, sparse_mode
 from powerinfer.runtime.timings import format_timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
@@ -32,7 +32,8 @@ class MainOptions:
 
 
 def print_timings(engine: Engine) -> None:
-    """The timings block, the decode bandwidth and the sparse report, on stderr."""
+    """The timings block, the decode bandwidth, the pool's line (with a pool device) and the sparse report, on
+    stderr."""
     err = err_console
     tm = engine.timings
     for line in format_timings(tm):
@@ -45,6 +46,8 @@ def print_timings(engine: Engine) -> None:
             f"llama_print_timings:   decode bandwidth = {gbs:10.2f} GB/s (weight bytes read per token x tokens/s)",
             markup=False,
         )
+    if engine.pool_device is not None:
+        err.print(pool_summary(engine.assembled).line(), markup=False)
     for line in engine.sparse_report():
         err.print(line, markup=False)
 

@@ -8,6 +8,7 @@ per layer, not by matching names.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,6 +23,19 @@ if TYPE_CHECKING:
 
 # the matrices of one mixture-of-experts layer, all experts stacked; a token reads k of n_expert of each
 EXPERT_MATRICES = (TensorNames.FFN_GATE_EXPS, TensorNames.FFN_UP_EXPS, TensorNames.FFN_DOWN_EXPS)
+# every FFN matrix of a layer: their bytes on the pool device are a dense plan's share of the FFN work
+FFN_MATRICES = (
+    TensorNames.FFN_GATE,
+    TensorNames.FFN_UP,
+    TensorNames.FFN_DOWN,
+    TensorNames.FFN_DOWN_T,
+    *EXPERT_MATRICES,
+    TensorNames.FFN_GATE_SHEXP,
+    TensorNames.FFN_UP_SHEXP,
+    TensorNames.FFN_DOWN_SHEXP,
+)
+# the backend of a run whose pool is the CPU standing in for a GPU (--pool-device cpu)
+STAND_IN = "CPU (stand-in pool)"
 
 
 def weight_bytes(m: AssembledModel) -> int:
@@ -251,3 +265,117 @@ def store_report(m: AssembledModel) -> list[str]:
         f"moe: {st.bytes_read / tokens / 2**20:.2f} MiB read from the file per token, cache hit rate "
         f"{st.hit_rate:.1%} (calls not pinned), {ahead}",
     ]
+
+
+# ------------------------------------------------------------------------------------------------ pool summary
+
+
+@dataclass(frozen=True)
+class PoolSummary:
+    """Where a run's work went: the bench row's backend and pool columns, and `main`'s pool line.
+
+    backend: "CPU" (nothing on a device), "CUDA" (every layer, the head and all FFN rows on it), "CUDA+CPU"
+    (both compute), or STAND_IN for the CPU pool. device_bytes: what the loader put on the pool device;
+    allocated_bytes: torch.cuda.memory_allocated there (KV cache and scratch included), None off CUDA.
+    plan_bytes: the weight bytes the plan put there; budget_bytes: the VRAM budget it was made under (None
+    for -ngl). ffn_device_share: the share of FFN work the device did (0 to 1).
+    """
+
+    backend: str
+    device: str | None
+    device_bytes: int
+    allocated_bytes: int | None
+    plan_bytes: int
+    budget_bytes: int | None
+    ffn_device_share: float
+
+    def line(self) -> str:
+        """`main`'s one line: backend, bytes on the device against the plan, the FFN work's share there."""
+        if self.device is None:
+            return "pool: CPU, no pool device"
+        allocated = (
+            "" if self.allocated_bytes is None else f" ({self.allocated_bytes / 2**20:.1f} MiB allocated)"
+        )
+        budget = "" if self.budget_bytes is None else f" under a {self.budget_bytes / 2**30:.3g} GiB budget"
+        return (
+            f"pool: {self.backend}, {self.device_bytes / 2**20:.1f} MiB on {self.device}{allocated}, "
+            f"{self.plan_bytes / 2**20:.1f} MiB planned{budget}, FFN work {self.ffn_device_share:.1%} on the device"
+        )
+
+
+def ffn_work(m: AssembledModel) -> tuple[int, int]:
+    """FFN work counted so far, (on the pool device, in all): a sparse file's active (token, neuron) pairs, a
+    MoE file's expert calls; (0, 0) where nothing is counted (dense files)."""
+    s = m.sparse_stats
+    if s is not None and int(s.active.sum()):
+        return int(s.active_gpu.sum()), int(s.active.sum())
+    calls, pool = expert_calls(m)
+    return pool, calls
+
+
+def ffn_bytes_share(m: AssembledModel) -> float:
+    """The share of the FFN weights the plan put on the pool device: a sparse plan's pooled neurons, else the
+    bytes of whole FFN tensors (-ngl) and pooled experts."""
+    plan = m.plan
+    if plan.device is None:
+        return 0.0
+    c = m.config
+    if plan.neurons:
+        pooled = sum(len(ids) for ids in plan.neurons if ids is not None)
+        return min(1.0, pooled / max(1, c.n_layer * c.n_ff))
+    tensors = m.gguf.tensors
+    names = {t.format(bid=bid) for t in FFN_MATRICES for bid in range(c.n_layer)} & tensors.keys()
+    total = sum(tensors[name].n_bytes for name in names)
+    if total == 0:
+        return 0.0
+    on_device = sum(tensors[name].n_bytes for name in names & plan.tensors)
+    if plan.experts is not None:
+        on_device += plan.experts.bytes
+    return min(1.0, on_device / total)
+
+
+def plan_bytes(m: AssembledModel) -> tuple[int, int | None]:
+    """(weight bytes the plan puts on the pool device, the VRAM budget it was made under or None)."""
+    p = m.placement
+    if p is not None:  # the sparse planner's: its total less the compute reserve and the KV cache
+        used = p.bytes_by_category
+        return p.total_bytes - used.get("reserve", 0) - used.get("kv", 0), p.budget_bytes
+    tensors = m.gguf.tensors
+    planned = sum(tensors[name].n_bytes for name in m.plan.tensors if name in tensors)
+    planned += sum(h.n_bytes for h in m.loader.hot)  # an explicit GPU index: its rows
+    if m.plan.experts is not None:
+        planned += m.plan.experts.bytes
+    gib = m.options.vram_budget_gib
+    return planned, None if gib is None or m.plan.device is None else int(gib * 2**30)
+
+
+def pool_summary(m: AssembledModel, since: tuple[int, int] = (0, 0)) -> PoolSummary:
+    """Where the work of a run went. since: ffn_work(m) at the run's start (the counted FFN work is taken from
+    then on; where none was counted, the share of FFN weight bytes on the device stands for it)."""
+    device = m.pool_device
+    static_share = ffn_bytes_share(m)
+    done, total = (now - then for now, then in zip(ffn_work(m), since, strict=True))
+    share = done / total if total > 0 else static_share
+    device_bytes = m.loader.device_bytes
+    planned, budget = plan_bytes(m)
+    if device is None or device_bytes == 0:
+        backend = "CPU"
+    elif device.type == "cpu":
+        backend = STAND_IN
+    else:
+        name = "CUDA" if device.type == "cuda" else device.type.upper()
+        every_layer = set(range(m.config.n_layer)) <= m.plan.kv_layers
+        head = m.plan.head or TensorNames.OUTPUT in m.plan.tensors
+        backend = name if every_layer and head and static_share >= 1.0 else f"{name}+CPU"
+    allocated = None
+    if device is not None and device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(device)
+    return PoolSummary(
+        backend,
+        None if device is None else str(device),
+        device_bytes,
+        allocated,
+        planned,
+        budget,
+        share,
+    )
