@@ -356,8 +356,7 @@ def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens, two):
     hot_ids_t = torch.from_numpy(hot_ids)
     y_hot, counts = hot.launch_threshold(
         x, t[hot_ids_t], None if t_out is None else t_out[hot_ids_t], dense_rows, "silu", False
-    )
-    hot.wait()
+    ).result()
     y_cpu, n_cpu, up_cpu = ops.cats_ffn(
         x,
         gate,

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops
+from powerinfer.device import Pending
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.blocks import DenseFFN, Norm, Weight
@@ -104,11 +105,10 @@ class ExpertPart(Protocol):
 
     def launch(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
-        """The weighted sum per token (T, n_embd) on the CPU of the (token, expert) pairs mask (T, k) selects."""
+    ) -> Pending[torch.Tensor]:
+        """The weighted sum per token (T, n_embd) on the CPU of the (token, expert) pairs mask (T, k) selects,
+        when ready."""
         ...
-
-    def wait(self) -> None: ...
 
 
 class ExpertSource(Protocol):
@@ -247,8 +247,7 @@ class Experts:
         self.pool_calls += n_pool
         y = self.pool.launch(x, ids, weights, pooled | partial)
         out = self.pairs(x, ids, weights, ~pooled)  # the CPU's pairs while the pool computes
-        self.pool.wait()
-        return out.add_(y)
+        return out.add_(y.result())
 
     def pairs(
         self,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from powerinfer import ops
+from powerinfer.device import Pending
 from powerinfer.errors import ConfigError
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.specs import FFNSpec
@@ -157,8 +158,8 @@ class HotPart(Protocol):
     ids: torch.Tensor  # (k,) neuron ids, ascending
     device: torch.device  # where the rows live
 
-    def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
-        """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
+    def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> Pending[torch.Tensor]:
+        """Queue the hot part for u (T, D) with its active mask (T, k); y (T, D) on the CPU when ready."""
         ...
 
     def launch_threshold(
@@ -169,14 +170,12 @@ class HotPart(Protocol):
         dense_rows: torch.Tensor | None,
         act: str,
         relu_up: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
         """Queue the hot part with CATS's selection (|act(gate)| > thresholds (k,) and, with out_thresholds (k,),
         |act(gate) * up| > out_thresholds, both on the pool device; every neuron for the tokens dense_rows (T,)
-        marks), decided on the pool device; returns y (T, D) and the counts (2,) of active (token, neuron) pairs
-        and of pairs passing the gate stage, both on the CPU."""
+        marks), decided on the pool device; when ready, y (T, D) and the counts (2,) of active (token, neuron)
+        pairs and of pairs passing the gate stage, both on the CPU."""
         ...
-
-    def wait(self) -> None: ...
 
 
 class SparseFFN:
@@ -292,8 +291,7 @@ class SparseFFN:
         n_hot = int(hot_active.sum())
         s.active[self.bid] += n_cpu + n_hot
         s.active_gpu[self.bid] += n_hot
-        self.hot.wait()
-        return y + y_hot
+        return y + y_hot.result()
 
     def _pre_act(self, u: torch.Tensor) -> torch.Tensor:
         """What decides whether a neuron fires: gate . u (gated) or up . u + b_up (ungated), (T, n_ff)."""
@@ -438,8 +436,7 @@ class ThresholdFFN:
             s.active[self.bid] += n_cpu
             s.up_read[self.bid] += up_cpu
             return y
-        self.hot.wait()
-        y_hot, counts = hot_out
+        y_hot, counts = hot_out.result()
         n_hot, up_hot = (int(v) for v in counts.tolist())
         s.active[self.bid] += n_cpu + n_hot
         s.active_gpu[self.bid] += n_hot

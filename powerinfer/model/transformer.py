@@ -32,6 +32,13 @@ from powerinfer.model.sparse import FusedSparseFFN, FusedThresholdFFN, SparseFFN
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
 FFNObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
+# layers start..stop-1 of one token's step, as one kernel call (the stack) or, None, one by one
+Span = tuple[int, int, "ops.DecodeStack | None"]
+
+
+def _host(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream on the CPU, contiguous (the fused blocks update it in place)."""
+    return x if x.is_cpu and x.is_contiguous() else x.to("cpu").contiguous()
 
 
 class KVStore(Protocol):
@@ -81,8 +88,8 @@ class Transformer:
         self.placed = False
         # one token's layers in one kernel call (ops.decode_stack) where they chain; False: block by block
         self.stack_decode = True
-        # the stacks made, per (KV store, sequence): the store, the fused blocks they chain, the stack
-        self._stacks: dict[tuple[int, int], tuple[KVStore, tuple[object, ...], ops.DecodeStack | None]] = {}
+        # the spans made, per (KV store, sequence): the store, the fused blocks they chain, the spans
+        self._spans: dict[tuple[int, int], tuple[KVStore, tuple[object, ...], list[Span]]] = {}
 
     @property
     def ffns(self) -> list[FFN]:
@@ -91,9 +98,11 @@ class Transformer:
 
     def setup(self, n_ctx: int, placed: bool = False) -> None:
         """Precompute position tables for a context of n_ctx tokens; `placed`: some weights live on a device
-        other than the CPU (the forward then moves activations between devices)."""
+        other than the CPU (the forward then moves activations between devices). A layer computed on the CPU keeps
+        its fused blocks whatever the other layers do: only its own weights' places decide (the fuse methods refuse
+        device weights and pool parts)."""
         self.placed = placed
-        self._stacks.clear()
+        self._spans.clear()
         ropes: dict[object, Rope | None] = {}
         identities: dict[int, torch.Tensor] = {}
         for bid, layer in enumerate(self.layers):
@@ -114,7 +123,7 @@ class Transformer:
             attn.setup(rope, n_ctx, no_rope)
             layer.fused_attn = layer.fused_ffn = layer.fused_layer = None
             if (
-                placed
+                layer.device.type != "cpu"
                 or layer.parallel
                 or layer.ffn_norm is None
                 or layer.post_attn_norm is not None
@@ -143,7 +152,7 @@ class Transformer:
 
     def forward_layers(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """The residual stream x (N, D) after every layer (a pipeline stage runs only these)."""
-        if batch.kind == "run" and batch.segments[0].n == 1 and not self.placed and not self.observers:
+        if batch.kind == "run" and batch.segments[0].n == 1 and not self.observers:
             return self._forward_one(x.contiguous(), batch, kv)
         for bid, layer in enumerate(self.layers):
             x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
@@ -161,92 +170,126 @@ class Transformer:
         return head(x.to(self.head_device)).to("cpu")
 
     def _forward_one(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
-        """The residual stream of one token of one sequence (all on the CPU): each layer's fused blocks where it
-        has them (one kernel call per block, x updated in place), op by op otherwise."""
+        """The residual stream of one token of one sequence, span by span (spans_for): a chain of CPU layers in one
+        kernel call (x updated in place), other layers each by its fused blocks where it has them, else op by op
+        on its device (the residual stays there across consecutive device layers)."""
         seg = batch.segments[0]
         seq, pos = seg.seq, seg.pos
-        stack = self.stack_for(kv, seq)
-        if stack is not None:
-            workspace = self.layers[0].attn.workspace
-            stack(x, pos, workspace.get("attn_block"), workspace.get("ffn_block"))
-            return x
-        for bid, layer in enumerate(self.layers):
-            attn = layer.fused_attn
-            if layer.fused_layer is not None:
-                if layer.pre_attn is not None:
-                    layer.pre_attn(x)
-                pairs = layer.attn.rope_pairs
-                assert pairs is not None
-                slot = kv.layer_view(bid).slot(seq)
-                layer.fused_layer(x, *slot, pos, pairs, layer.attn.workspace.get("teal_layer"))
+        workspace = self.layers[0].attn.workspace if self.layers else None
+        for start, stop, stack in self.spans_for(kv, seq):
+            if stack is not None:
+                assert workspace is not None
+                x = _host(x)
+                stack(x, pos, workspace.get("attn_block"), workspace.get("ffn_block"))
                 continue
-            if attn is None and layer.fused_ffn is None:
-                x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
-                continue
-            workspace = layer.attn.workspace
-            if layer.pre_attn is not None:
-                layer.pre_attn(x)
-            if attn is not None:
-                pairs = layer.attn.rope_pairs
-                assert pairs is not None
-                attn(x, *kv.layer_view(bid).slot(seq), pos, pairs, workspace.get("attn_block"))
-            else:  # op by op (setup fused the FFN only where the layer is plain: no post-norms, not parallel)
-                x = x + layer.attn(layer.attn_norm(x), batch, kv.layer_view(bid))
-            if layer.fused_ffn is not None:
-                layer.fused_ffn(x, workspace.get("ffn_block"), pos == 0)  # position 0: CATS runs it dense
-                continue
-            assert layer.ffn_norm is not None
-            h = layer.ffn_norm(x)
-            f = layer.ffn(h, x, batch)
-            x = x + f
+            for bid in range(start, stop):
+                x = self._one(bid, self.layers[bid], x, batch, kv, seq, pos)
         return x
 
+    def _one(
+        self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVStore, seq: int, pos: int
+    ) -> torch.Tensor:
+        """Layer bid for one token: its fused blocks where it has them (x on the CPU, updated in place), else op by
+        op on the layer's device."""
+        attn = layer.fused_attn
+        if layer.fused_layer is not None:
+            x = _host(x)
+            if layer.pre_attn is not None:
+                layer.pre_attn(x)
+            pairs = layer.attn.rope_pairs
+            assert pairs is not None
+            slot = kv.layer_view(bid).slot(seq)
+            layer.fused_layer(x, *slot, pos, pairs, layer.attn.workspace.get("teal_layer"))
+            return x
+        if attn is None and layer.fused_ffn is None:
+            return self._layer(bid, layer, x, batch, kv.layer_view(bid))
+        x = _host(x)
+        workspace = layer.attn.workspace
+        if layer.pre_attn is not None:
+            layer.pre_attn(x)
+        if attn is not None:
+            pairs = layer.attn.rope_pairs
+            assert pairs is not None
+            attn(x, *kv.layer_view(bid).slot(seq), pos, pairs, workspace.get("attn_block"))
+        else:  # op by op (setup fused the FFN only where the layer is plain: no post-norms, not parallel)
+            a = layer.attn(layer.attn_norm(x), batch, kv.layer_view(bid))
+            x = x + (a.to(x.device) if self.placed else a)
+        if layer.fused_ffn is not None:
+            layer.fused_ffn(x, workspace.get("ffn_block"), pos == 0)  # position 0: CATS runs it dense
+            return x
+        assert layer.ffn_norm is not None
+        f = layer.ffn(layer.ffn_norm(x), x, batch)
+        return x + (f.to(x.device) if self.placed else f)
+
     def stack_for(self, kv: KVStore, seq: int) -> ops.DecodeStack | None:
-        """Sequence seq's layers as one kernel call (ops.decode_stack), made on first use and again when a layer's
-        fused blocks or hook change: where every layer has a fused attention block and a fused dense, sparse or
-        CATS FFN block (recall tracking off), no pre-attention hook, one workspace and one kernel context; else
-        None (the blocks are called one by one)."""
-        if not self.stack_decode:
-            return None
+        """Sequence seq's layers as one kernel call when one stack chains them all (spans_for), else None."""
+        spans = self.spans_for(kv, seq)
+        if len(spans) == 1 and spans[0][2] is not None and spans[0][:2] == (0, len(self.layers)):
+            return spans[0][2]
+        return None
+
+    def spans_for(self, kv: KVStore, seq: int) -> list[Span]:
+        """Sequence seq's layers as spans (start, stop, stack): each longest run of layers that chain (a fused
+        attention block and a fused dense, sparse or CATS FFN block, no pre-attention hook, one workspace and one
+        kernel context) as one kernel call (ops.decode_stack), every other layer a span of its own with no stack.
+        Made on first use and again when a layer's fused blocks or hook change; no stacks while recall is tracked
+        (perplexity runs the sparse FFNs op by op) or with stack_decode False."""
         blocks = tuple(
             b for layer in self.layers for b in (layer.fused_attn, layer.fused_ffn, layer.pre_attn)
         )
         key = (id(kv), seq)
-        entry = self._stacks.get(key)
+        entry = self._spans.get(key)
         if entry is None or entry[0] is not kv or entry[1] != blocks:
-            entry = (kv, blocks, self._make_stack(kv, seq))
-            self._stacks[key] = entry
-        stack = entry[2]
-        if stack is None:
-            return None
-        for ffn in blocks[1::3]:  # perplexity's recall tracking runs the sparse FFNs op by op
-            if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None:
-                return None
-        return stack
+            entry = (kv, blocks, self._make_spans(kv, seq))
+            self._spans[key] = entry
+        spans = entry[2]
+        if not self.stack_decode or any(
+            isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None
+            for ffn in blocks[1::3]
+        ):
+            return [(bid, bid + 1, None) for bid in range(len(self.layers))]
+        return spans
 
-    def _make_stack(self, kv: KVStore, seq: int) -> ops.DecodeStack | None:
-        if not self.layers:
-            return None
-        workspace = self.layers[0].attn.workspace
-        parts = []
+    def _make_spans(self, kv: KVStore, seq: int) -> list[Span]:
+        spans: list[Span] = []
+        run: list[int] = []
+
+        def close() -> None:
+            if not run:
+                return
+            parts = []
+            for bid in run:
+                layer = self.layers[bid]
+                attn, ffn = layer.fused_attn, layer.fused_ffn
+                assert attn is not None and ffn is not None and layer.attn.rope_pairs is not None
+                block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
+                k, v = kv.layer_view(bid).slot(seq)
+                parts.append(
+                    (attn, k, v, layer.attn.rope_pairs, block)
+                )  # decode_stack refuses what it can't chain
+            stack = ops.decode_stack(parts, parts[0][0].kc)  # type: ignore[arg-type]
+            if stack is None:
+                spans.extend((bid, bid + 1, None) for bid in run)
+            else:
+                spans.append((run[0], run[-1] + 1, stack))
+            run.clear()
+
+        workspace = self.layers[0].attn.workspace if self.layers else None
         for bid, layer in enumerate(self.layers):
-            attn, ffn = layer.fused_attn, layer.fused_ffn
-            if (
-                attn is None
-                or ffn is None
-                or layer.pre_attn is not None
-                or layer.attn.workspace is not workspace
-            ):
-                return None
-            pairs = layer.attn.rope_pairs
-            if pairs is None:
-                return None
-            block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
-            k, v = kv.layer_view(bid).slot(seq)
-            parts.append(
-                (attn, k, v, pairs, block)
-            )  # ops.decode_stack refuses the FFN blocks it cannot chain
-        return ops.decode_stack(parts, self.layers[0].fused_attn.kc)  # type: ignore[union-attr]
+            chains = (
+                layer.fused_attn is not None
+                and layer.fused_ffn is not None
+                and layer.pre_attn is None
+                and layer.attn.workspace is workspace
+                and layer.attn.rope_pairs is not None
+            )
+            if chains:
+                run.append(bid)
+                continue
+            close()
+            spans.append((bid, bid + 1, None))
+        close()
+        return spans
 
     def _layer(self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:
         """One layer op by op: the residual stream after it (on the layer's device when placed)."""

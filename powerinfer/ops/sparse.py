@@ -132,6 +132,12 @@ def rows_axpy(
         kc = default_context()
     if not h_min >= 0.0:
         raise ValueError(f"rows_axpy: h_min must be >= 0, got {h_min}")
+    if (
+        w_t.on_device
+    ):  # a device weight (the -ngl layers of a PWRI file run dense): its own axpy over every row
+        if idx is not None or h_min != 0.0:
+            raise ValueError("rows_axpy: a device weight takes every row (idx None, h_min 0)")
+        return w_t.axpy(h, kc)  # type: ignore[attr-defined]
     kernel = kc.kernels.rows_axpy.get(w_t.ggml_type)
     n_rows, n_out = w_t.shape
     if idx is not None:

@@ -360,7 +360,7 @@ def device_plan(
                 "TEAL files (sparsify --method teal) run on the CPU: --vram-budget and --pool-device are not "
                 "built for them yet"
             )
-        return plan_pool(gguf, c, request, device, n_ctx, layers)
+        return plan_pool(gguf, c, request, device, n_ctx, layers, o.n_seq)
     moe = getattr(c, "moe", None)
     if moe is not None:
         return moe_device_plan(o, gguf, c, moe.n_expert, n_ctx)
@@ -397,4 +397,4 @@ def moe_device_plan(
     if o.n_gpu_layers < 0:
         raise PlacementError(f"-ngl must be >= 0 (got {o.n_gpu_layers})")
     limit = budget_bytes(PoolRequest(str(device), o.vram_budget_gib), device) if budget else None
-    return plan_moe_pool(gguf, c, n_expert, device, n_ctx, o.n_gpu_layers, limit, request)
+    return plan_moe_pool(gguf, c, n_expert, device, n_ctx, o.n_gpu_layers, limit, request, o.n_seq)

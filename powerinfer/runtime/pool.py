@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops, quant
+from powerinfer.device import Pending
 from powerinfer.errors import ConfigError, PlacementError, PowerInferError
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.gguf.reader import GGUFFile
@@ -88,8 +89,10 @@ def plan_pool(
     device: torch.device,
     n_ctx: int,
     layers: range | None = None,
+    n_seq: int = 1,
 ) -> DevicePlan:
-    """The device plan of a sparse model: an explicit GPU index, else the cached or a new plan.
+    """The device plan of a sparse model: an explicit GPU index, else the cached or a new plan; the KV cache
+    budgeted is that of n_seq sequences (the engine allocates one per sequence).
 
     layers: the file's layers a pipeline stage holds (config and gguf then describe them as layers 0..k-1);
     the stage plans them alone, under its own budget, and does not share the cached GPU index."""
@@ -116,7 +119,7 @@ def plan_pool(
     cached = None
     if layers is None:
         cached = load_cached_gpu_index(cache, n_layer=c.n_layer, n_ff=c.n_ff, reset=request.reset_gpu_index)
-    kv_bytes = kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
+    kv_bytes = n_seq * kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
     placement = plan(
         footprint_from_gguf(gguf, c.n_layer, c.n_ff),
         budget_bytes=budget_bytes(request, device),
@@ -173,16 +176,16 @@ class HotRows:
         bias = 0 if self.b_up is None else self.b_up.numel() * 4
         return gate + self.up.n_bytes + self.down_t.n_bytes + bias
 
-    def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
-        """Queue the hot part for u (T, D) with its active mask (T, k); returns y (T, D) on the CPU."""
+    def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> Pending[torch.Tensor]:
+        """Queue the hot part for u (T, D) with its active mask (T, k); y (T, D) on the CPU when ready."""
         if self.stream is None:
-            return self._compute(u, active, act, relu_up)
+            return Pending(self._compute(u, active, act, relu_up))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             y = self._compute(
                 u.to(self.device, non_blocking=True), active.to(self.device, non_blocking=True), act, relu_up
             )
-            return y.to("cpu", non_blocking=True)
+            return Pending.queued(y.to("cpu", non_blocking=True), self.stream)
 
     def launch_threshold(
         self,
@@ -192,20 +195,22 @@ class HotRows:
         dense_rows: torch.Tensor | None,
         act: str,
         relu_up: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> Pending[tuple[torch.Tensor, torch.Tensor]]:
         """Queue the hot part with CATS's selection: neurons with |act(gate . u)| > thresholds (k,) (on this
         device) and, with out_thresholds (k,), |act(gate . u) * up . u| > out_thresholds; every neuron for the
-        tokens dense_rows (T,) marks; decided here. Returns y (T, D) and the counts (2,) int64 of active (token,
-        neuron) pairs and of pairs passing the gate stage (whose up rows a sparse kernel reads), on the CPU."""
+        tokens dense_rows (T,) marks; decided here. When ready: y (T, D) and the counts (2,) int64 of active
+        (token, neuron) pairs and of pairs passing the gate stage (whose up rows a sparse kernel reads), on the
+        CPU."""
         if self.stream is None:
-            return self._compute_threshold(u, thresholds, out_thresholds, dense_rows, act, relu_up)
+            return Pending(self._compute_threshold(u, thresholds, out_thresholds, dense_rows, act, relu_up))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if dense_rows is not None:
                 dense_rows = dense_rows.to(self.device, non_blocking=True)
             u = u.to(self.device, non_blocking=True)
             y, n = self._compute_threshold(u, thresholds, out_thresholds, dense_rows, act, relu_up)
-            return y.to("cpu", non_blocking=True), n.to("cpu", non_blocking=True)
+            out = (y.to("cpu", non_blocking=True), n.to("cpu", non_blocking=True))
+            return Pending.queued(out, self.stream)
 
     def _compute_threshold(
         self,
@@ -238,10 +243,6 @@ class HotRows:
         else:
             h = ops.gated(ops.linear(u, self.gate, self.kc), up, act, relu_up).mul_(active)
         return self.down_t.axpy(h, self.kc)  # (T, D) float32
-
-    def wait(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
 
 
 class PoolExperts:
@@ -335,9 +336,9 @@ class PoolExperts:
 
     def launch(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
-    ) -> torch.Tensor:
+    ) -> Pending[torch.Tensor]:
         """sum over the pairs (t, j) with mask[t, j] of weights[t, j] * expert_{ids[t, j]}(x[t]), for x (T, n_embd)
-        float32 on the CPU and ids, weights, mask (T, k): (T, n_embd) float32 on the CPU."""
+        float32 on the CPU and ids, weights, mask (T, k): (T, n_embd) float32 on the CPU when ready."""
         T, k = ids.shape
         slots = mask.reshape(-1).nonzero().reshape(-1)
         experts = ids.reshape(-1)[slots]
@@ -347,7 +348,7 @@ class PoolExperts:
         tokens = slots // k
         xs, w = x[tokens], weights.reshape(-1)[slots]
         if self.stream is None:
-            return self._compute(xs, tokens, w, used, sizes, T)
+            return Pending(self._compute(xs, tokens, w, used, sizes, T))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             d = self.device
@@ -355,7 +356,7 @@ class PoolExperts:
                 xs.to(d, non_blocking=True), tokens.to(d, non_blocking=True), w.to(d, non_blocking=True),
                 used, sizes, T,
             )  # fmt: skip
-            return y.to("cpu", non_blocking=True)
+            return Pending.queued(y.to("cpu", non_blocking=True), self.stream)
 
     def _compute(
         self,
@@ -383,10 +384,6 @@ class PoolExperts:
             out.index_add_(0, tokens, y * w[:, None])
         return out
 
-    def wait(self) -> None:
-        if self.stream is not None:
-            self.stream.synchronize()
-
 
 def dense_layer_bytes(gguf: GGUFFile, bid: int) -> int:
     """Pool bytes of layer bid's tensors but its stacked experts: matrices as DeviceWeight stores them, vectors
@@ -409,6 +406,7 @@ def plan_moe_pool(
     n_gpu_layers: int,
     budget: int | None,
     request: ExpertRequest,
+    n_seq: int = 1,
 ) -> DevicePlan:
     """The device plan of a MoE file: the last -ngl layers' dense parts (attention, norms, router, shared expert)
     and KV caches on the pool, and the experts placement.experts chooses. With a budget and no -ngl, as many of
@@ -422,7 +420,7 @@ def plan_moe_pool(
             gguf, c.n_layer, n_expert, request, dev, default_layers=base.layers, counts=counts
         )
     else:
-        kv = kv_cache_bytes(1, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
+        kv = n_seq * kv_cache_bytes(1, n_ctx, c.n_embd_gqa, bytes_per_element=KV_BYTES_PER_ELEMENT)
         need = [dense_layer_bytes(gguf, bid) + kv for bid in range(c.n_layer)]
         n, used = n_gpu_layers, 0
         if n <= 0:

@@ -1,0 +1,93 @@
+"""Every placement decodes, not only prefills, and gives the all-CPU logits: the CPU stand-in pool (the same step
+code a CUDA pool runs) under -ngl for PWRI files run dense, and under VRAM budgets for sparse ones; the layers left
+on the CPU keep their fused blocks and chain into decode stacks whatever the other layers do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_llama_state, write_llama_gguf, write_relu_sparse_model
+
+from powerinfer import ops
+from powerinfer.gguf import GGMLType
+from powerinfer.runtime.engine import Engine, EngineOptions
+
+TOKENS = [1, 17, 42, 99, 3, 250, 7, 64]
+N_LAYER = 2  # write_relu_sparse_model's
+
+
+def _opts(**kw) -> EngineOptions:
+    return EngineOptions(act_precision="f32", n_ctx=64, n_threads=2, **kw)
+
+
+def _prefill_decode(engine: Engine) -> torch.Tensor:
+    """Logits of a prompt's tokens then of four decoded tokens, (len(TOKENS) + 4, n_vocab)."""
+    rows = [engine.logits_all(TOKENS[:4])]
+    for t in TOKENS[4:]:
+        rows.append(engine.eval([t])[None])
+    return torch.cat(rows)
+
+
+@pytest.fixture(scope="module")
+def sparse_file(tmp_path_factory):
+    d = tmp_path_factory.mktemp("placed")
+    return write_relu_sparse_model(
+        d / "relu.powerinfer.gguf", n_ff=256, seed=3, ffn_dtype=GGMLType.Q4_0, stats=True
+    )
+
+
+@pytest.mark.parametrize("n_gpu_layers", [1, N_LAYER, N_LAYER + 1])
+def test_dense_ffn_of_a_pwri_file_under_ngl(sparse_file, n_gpu_layers):
+    """The dense-FFN engine (perplexity --kl-divergence's reference, profile) on a PWRI file with -ngl: the down
+    projection's transposed rows on the device go through the device weight's own product (was a crash)."""
+    ref = _prefill_decode(Engine(sparse_file, _opts(dense_ffn=True)))
+    engine = Engine(sparse_file, _opts(dense_ffn=True, pool_device="cpu", n_gpu_layers=n_gpu_layers))
+    assert isinstance(engine.model.layers[-1].ffn.down_t, ops.DeviceWeight)
+    got = _prefill_decode(engine)
+    # measured: identical (the stand-in runs the same C kernels on the copied blocks)
+    assert (got - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("budget", [0.0, 2e-4, 4e-4, 1.0])  # nothing; attention; 352 of 512 neurons; all
+def test_sparse_file_decodes_under_every_budget(sparse_file, budget):
+    """Nothing, some and every neuron (and the attention) in the stand-in pool: the CPU's logits, prompt and
+    decode; with nothing pooled the layers chain into one decode stack, as without a pool."""
+    ref = _prefill_decode(Engine(sparse_file, _opts()))
+    engine = Engine(sparse_file, _opts(pool_device="cpu", vram_budget_gib=budget))
+    pooled = engine.loader.device_bytes
+    assert (pooled == 0) == (budget == 0.0)
+    got = _prefill_decode(engine)
+    # measured: identical, but 3.1e-7 of the largest logit with some neurons pooled (hot and cold parts summed
+    # apart, then added)
+    assert (got - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
+    spans = engine.model.spans_for(engine.kv, 0)
+    if budget == 0.0:
+        assert isinstance(engine.model.stack_for(engine.kv, 0), ops.DecodeStack)
+    for start, stop, stack in spans:  # a layer with nothing on the device is in a stack
+        for bid in range(start, stop):
+            layer = engine.model.layers[bid]
+            on_cpu = engine.loader.plan.pool_neurons(bid) is None and bid not in engine.loader.plan.kv_layers
+            assert (stack is not None) == on_cpu, (budget, bid)
+            assert (layer.fused_attn is not None) == on_cpu
+
+
+def test_cpu_layers_keep_their_stack_beside_device_layers(tmp_path):
+    """-ngl 1 of a 2-layer dense file: layer 0 (on the CPU) still decodes through its fused blocks as a stack of
+    one, layer 1 op by op on the device; prompt and decode give the all-CPU logits."""
+    path = write_llama_gguf(
+        tmp_path / "dense.gguf", random_llama_state(n_ff=128, seed=5), n_head=4, n_head_kv=4
+    )
+    ref = _prefill_decode(Engine(path, _opts()))
+    engine = Engine(path, _opts(pool_device="cpu", n_gpu_layers=1))
+    got = _prefill_decode(engine)
+    assert (got - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()  # measured: identical
+    spans = engine.model.spans_for(engine.kv, 0)
+    assert [(a, b, s is not None) for a, b, s in spans] == [(0, 1, True), (1, 2, False)]
+
+
+def test_the_plan_budgets_the_kv_cache_of_every_sequence(sparse_file):
+    """The engine allocates a KV cache per sequence: the pool's plan budgets n_seq of them (was one)."""
+    one = Engine(sparse_file, _opts(pool_device="cpu", vram_budget_gib=1.0, reset_gpu_index=True))
+    three = Engine(sparse_file, _opts(pool_device="cpu", vram_budget_gib=1.0, n_seq=3, reset_gpu_index=True))
+    kv1, kv3 = (e.placement.bytes_by_category["kv"] for e in (one, three))
+    assert kv1 > 0 and kv3 == 3 * kv1
