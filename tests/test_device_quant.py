@@ -68,8 +68,11 @@ def test_device_weight_keeps_the_raw_blocks(ggml_type):
     assert dw.n_bytes == 5 * row_bytes(ggml_type, n_cols) == pool_bytes(ggml_type, (5, n_cols))
     x = torch.randn(3, n_cols)
     assert torch.equal(ops.linear(x, dw), sparse_ops.rows_matmul(x, w, ids))
-    h = torch.randn(3, 5)
-    assert torch.allclose(dw.axpy(h), sparse_ops.rows_axpy(h, w, ids), rtol=1e-6, atol=1e-6)
+    h = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
+    want = sparse_ops.rows_axpy(h, w, ids)
+    # the selected rows summed in another chain order: measured <= 1.5e-7 of the largest output over 50 seeds and
+    # every type (an absolute 1e-6 failed on Q6_K's outputs of ~40 for some draws)
+    assert (dw.axpy(h) - want).abs().max().item() <= 1e-6 * want.abs().max().item()
     whole = ops.DeviceWeight.from_qweight(w, "cpu")
     assert torch.equal(whole.raw, w.raw) and whole.raw.data_ptr() != w.raw.data_ptr()  # a copy
     assert torch.equal(ops.linear(x, whole), ops.linear(x, w))

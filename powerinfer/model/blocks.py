@@ -186,6 +186,17 @@ class Attention:
         self._neox = rope is not None and rope.spec.kind == "neox"
         self.workspace.reserve("attn", ops.attn_scratch_bytes(n_ctx, self.spec.n_head))
 
+    @property
+    def one_token_kernel(self) -> bool:
+        """One token's RoPE, KV write and attention are one op (after setup): a plain block with full RoPE or none
+        and no sliding window within the context (the fused CPU op and a device span both compute it)."""
+        return self._one_kernel
+
+    @property
+    def neox(self) -> bool:
+        """RoPE rotates the pairs (i, i + D/2) (else (2i, 2i + 1))."""
+        return self._neox
+
     def fuse(self, norm: Norm, n_ctx: int) -> ops.AttnBlock | None:
         """This block behind `norm` as one fused op for one token at positions below n_ctx (after setup); None
         where it has parts the fused op lacks or the kernels cannot run it."""

@@ -32,8 +32,26 @@ from powerinfer.model.sparse import FusedSparseFFN, FusedThresholdFFN, SparseFFN
 
 # observer of a layer's FFN input: (layer index, x_norm (T, D), x_residual (T, D)); profiling uses it
 FFNObserver = Callable[[int, torch.Tensor, torch.Tensor], None]
-# layers start..stop-1 of one token's step, as one kernel call (the stack) or, None, one by one
-Span = tuple[int, int, "ops.DecodeStack | None"]
+
+
+class DeviceSpan(Protocol):
+    """Device-resident layers for one token (powerinfer.device.span): the residual x (1, D) at position pos in,
+    the residual after the span's last layer out, on the device."""
+
+    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor: ...
+
+
+class SpanMaker(Protocol):
+    """Which layers run whole on the pool device for one token, and their span (powerinfer.device.span)."""
+
+    def accepts(self, layer: Layer) -> bool: ...
+
+    def make(self, layers: list[Layer], slots: list[tuple[torch.Tensor, torch.Tensor]]) -> DeviceSpan: ...
+
+
+# layers start..stop-1 of one token's step: CPU layers as one kernel call (a stack), device layers as one device
+# span, or (None) each layer by itself
+Span = tuple[int, int, "ops.DecodeStack | DeviceSpan | None"]
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +106,8 @@ class Transformer:
         self.placed = False
         # one token's layers in one kernel call (ops.decode_stack) where they chain; False: block by block
         self.stack_decode = True
+        # the device spans of a placed model's resident layers (the runtime sets it; None: op by op)
+        self.span_maker: SpanMaker | None = None
         # the spans made, per (KV store, sequence): the store, the fused blocks they chain, the spans
         self._spans: dict[tuple[int, int], tuple[KVStore, tuple[object, ...], list[Span]]] = {}
 
@@ -176,11 +196,14 @@ class Transformer:
         seg = batch.segments[0]
         seq, pos = seg.seq, seg.pos
         workspace = self.layers[0].attn.workspace if self.layers else None
-        for start, stop, stack in self.spans_for(kv, seq):
-            if stack is not None:
+        for start, stop, span in self.spans_for(kv, seq):
+            if isinstance(span, ops.DecodeStack):
                 assert workspace is not None
                 x = _host(x)
-                stack(x, pos, workspace.get("attn_block"), workspace.get("ffn_block"))
+                span(x, pos, workspace.get("attn_block"), workspace.get("ffn_block"))
+                continue
+            if span is not None:
+                x = span(x, pos)
                 continue
             for bid in range(start, stop):
                 x = self._one(bid, self.layers[bid], x, batch, kv, seq, pos)
@@ -224,16 +247,21 @@ class Transformer:
     def stack_for(self, kv: KVStore, seq: int) -> ops.DecodeStack | None:
         """Sequence seq's layers as one kernel call when one stack chains them all (spans_for), else None."""
         spans = self.spans_for(kv, seq)
-        if len(spans) == 1 and spans[0][2] is not None and spans[0][:2] == (0, len(self.layers)):
+        if (
+            len(spans) == 1
+            and isinstance(spans[0][2], ops.DecodeStack)
+            and spans[0][:2] == (0, len(self.layers))
+        ):
             return spans[0][2]
         return None
 
     def spans_for(self, kv: KVStore, seq: int) -> list[Span]:
-        """Sequence seq's layers as spans (start, stop, stack): each longest run of layers that chain (a fused
-        attention block and a fused dense, sparse or CATS FFN block, no pre-attention hook, one workspace and one
-        kernel context) as one kernel call (ops.decode_stack), every other layer a span of its own with no stack.
-        Made on first use and again when a layer's fused blocks or hook change; no stacks while recall is tracked
-        (perplexity runs the sparse FFNs op by op) or with stack_decode False."""
+        """Sequence seq's layers as spans (start, stop, stack or device span): each longest run of layers that
+        chain (a fused attention block and a fused dense, sparse or CATS FFN block, no pre-attention hook, one
+        workspace and one kernel context) as one kernel call (ops.decode_stack), each longest run of layers the
+        span maker accepts as one device span, every other layer a span of its own (None). Made on first use and
+        again when a layer's fused blocks or hook change; none of them while recall is tracked (perplexity runs
+        the sparse FFNs op by op) or with stack_decode False."""
         blocks = tuple(
             b for layer in self.layers for b in (layer.fused_attn, layer.fused_ffn, layer.pre_attn)
         )
@@ -253,6 +281,16 @@ class Transformer:
     def _make_spans(self, kv: KVStore, seq: int) -> list[Span]:
         spans: list[Span] = []
         run: list[int] = []
+        resident: list[int] = []
+        maker = self.span_maker
+
+        def close_resident() -> None:
+            if resident:
+                assert maker is not None
+                slots = [kv.layer_view(bid).slot(seq) for bid in resident]
+                span = maker.make([self.layers[bid] for bid in resident], slots)
+                spans.append((resident[0], resident[-1] + 1, span))
+                resident.clear()
 
         def close() -> None:
             if not run:
@@ -284,11 +322,17 @@ class Transformer:
                 and layer.attn.rope_pairs is not None
             )
             if chains:
+                close_resident()
                 run.append(bid)
                 continue
             close()
+            if maker is not None and maker.accepts(layer):
+                resident.append(bid)
+                continue
+            close_resident()
             spans.append((bid, bid + 1, None))
         close()
+        close_resident()
         return spans
 
     def _layer(self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVLayer) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from powerinfer import ops
 from powerinfer.arch import build_model, load_config
+from powerinfer.device.span import SpanMaker
 from powerinfer.errors import ConfigError, InputError, PlacementError
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.config import ModelConfig
@@ -206,6 +207,8 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
     with torch_threads(kc.n_threads):  # torch's ops while building (RoPE tables) at this engine's count
         model = build_model(gguf, c, loader)
         model.setup(n_ctx, placed=plan.device is not None)
+        if plan.device is not None:  # one token through the resident layers: device spans (graphs on CUDA)
+            model.span_maker = SpanMaker(torch.device(plan.device), n_ctx)
     if loader.store is not None:
         connect_predictors(model, loader.store, kc, predictor)
     return AssembledModel(

@@ -96,6 +96,7 @@ class Engine:
             c.head_dim,
             n_seq=o.n_seq,
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
+            zeroed=[self.plan.device is not None and bid in self.plan.kv_layers for bid in range(c.n_layer)],
         )
         self.head_stats: HeadStats | None = None
         self.pipeline: Pipeline | None = None

@@ -107,17 +107,23 @@ class KVCache:
         n_seq: int = 1,
         dtype: torch.dtype = torch.float32,
         devices: Sequence[torch.device] | None = None,
+        zeroed: Sequence[bool] | None = None,
     ) -> None:
+        """devices: each layer's (default the CPU); zeroed: the layers whose rows start at 0 (a device span's
+        attention reads every row, masking the unwritten ones: they must be finite)."""
         self.n_ctx = n_ctx
         self.n_seq = n_seq
         self.n_past = [0] * n_seq
         devices = devices or [torch.device("cpu")] * n_layer
+        zeroed = zeroed or [False] * len(devices)
         shape = (n_seq, n_ctx, n_head_kv, head_dim)
-        # empty, not zeros: pages are committed as positions fill; attention only reads written positions
-        self.layers = [
-            KVLayerView(torch.empty(shape, dtype=dtype, device=d), torch.empty(shape, dtype=dtype, device=d))
-            for d in devices
-        ]
+
+        def rows(device: torch.device, zero: bool) -> torch.Tensor:
+            # empty where attention reads written positions only: pages are committed as positions fill
+            make = torch.zeros if zero else torch.empty
+            return make(shape, dtype=dtype, device=device)
+
+        self.layers = [KVLayerView(rows(d, z), rows(d, z)) for d, z in zip(devices, zeroed, strict=True)]
 
     @property
     def n_bytes(self) -> int:
