@@ -111,3 +111,22 @@ def test_the_plan_budgets_the_kv_cache_of_every_sequence(sparse_file):
     three = Engine(sparse_file, _opts(pool_device="cpu", vram_budget_gib=1.0, n_seq=3, reset_gpu_index=True))
     kv1, kv3 = (e.placement.bytes_by_category["kv"] for e in (one, three))
     assert kv1 > 0 and kv3 == 3 * kv1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("n_gpu_layers", [1, N_LAYER + 1])
+def test_device_span_on_cuda_decodes_the_cpu_logits(tmp_path, n_gpu_layers):
+    """On CUDA the span is a captured graph replayed per token: prompt and decode give the CPU's logits, and a
+    second sequence after a reset replays the same graph over the rewritten cache."""
+    sd = random_llama_state(n_ff=128, seed=5, n_head_kv=2)
+    path = write_llama_gguf(tmp_path / "dense.gguf", sd, n_head=4, n_head_kv=2, dtype=GGMLType.Q8_0)
+    ref = _prefill_decode(Engine(path, _opts()))
+    engine = Engine(path, _opts(pool_device="cuda", n_gpu_layers=n_gpu_layers))
+    for _ in range(2):
+        engine.reset()
+        got = _prefill_decode(engine)
+        # f32 on both sides, summed in other orders: bounded as the -ngl prefill test on CUDA bounds it
+        assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
+    spans = engine.model.spans_for(engine.kv, 0)
+    assert spans[-1][2].graph is not None  # captured, not run op by op

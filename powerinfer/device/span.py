@@ -26,6 +26,7 @@ product with V): the engine allocates device-resident caches zeroed (runtime.kv_
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,8 @@ from powerinfer.model.blocks import DenseFFN
 
 if TYPE_CHECKING:
     from powerinfer.model.transformer import Layer
+
+log = logging.getLogger(__name__)
 
 
 def _on_device(w: object) -> bool:
@@ -122,7 +125,12 @@ class DeviceSpan:
         if not self.graphs:
             return self._run()
         if self.graph is None:
-            self._capture()
+            try:
+                self._capture()
+            except RuntimeError as e:  # a kernel the capture refuses: run eagerly from now on, said once
+                log.warning("device span not captured as a CUDA graph (%s); it runs op by op", e)
+                self.graphs = False
+                return self._run()
         assert self.graph is not None and self.out is not None
         self.graph.replay()
         return self.out
