@@ -312,6 +312,16 @@ def test_bad_model_files(tmp_path: Path):
 # ------------------------------------------------------------------------------------------------ the pool
 
 
+@pytest.fixture
+def bundled(tmp_path: Path) -> Path:
+    """The bundled model linked into tmp_path with its activation counts, so the GPU index the pool caches
+    beside the model is written there and not into models/."""
+    link = tmp_path / BUNDLED.name
+    link.symlink_to(BUNDLED)
+    (tmp_path / "activation").symlink_to(BUNDLED.parent / "activation")
+    return link
+
+
 def records_of(*args: str) -> list[dict]:
     result = bench(*args, "-o", "jsonl")
     assert result.exit_code == 0, result.stderr
@@ -319,9 +329,9 @@ def records_of(*args: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("budget", ["0.01", "1"])
-def test_stand_in_pool_columns_and_records(budget: str):
+def test_stand_in_pool_columns_and_records(bundled: Path, budget: str):
     """--pool-device cpu: the backend says so, the bytes are the loader's, the FFN share is measured."""
-    args = ("-m", str(BUNDLED), "-p", "8", "-n", "4", "-t", "1", "-r", "1")
+    args = ("-m", str(bundled), "-p", "8", "-n", "4", "-t", "1", "-r", "1")
     pool = ("--pool-device", "cpu", "--vram-budget", budget)
     result = bench(*args, *pool)
     assert result.exit_code == 0, result.stderr
@@ -331,7 +341,7 @@ def test_stand_in_pool_columns_and_records(budget: str):
     assert len({len(ln) for ln in result.stdout.splitlines() if ln.startswith("|")}) == 1  # aligned
     records = records_of(*args, *pool)
     engine = Engine(
-        BUNDLED,
+        bundled,
         EngineOptions(n_ctx=8, n_threads=1, pool_device="cpu", vram_budget_gib=float(budget)),
     )
     device_bytes = engine.loader.device_bytes
@@ -354,10 +364,10 @@ def test_stand_in_pool_columns_and_records(budget: str):
         assert all(0.0 < r["ffn_device_share"] < 1.0 for r in records)
 
 
-def test_stand_in_pool_budget_zero_is_the_cpu():
+def test_stand_in_pool_budget_zero_is_the_cpu(bundled: Path):
     records = records_of(
         "-m",
-        str(BUNDLED),
+        str(bundled),
         "-p",
         "0",
         "-n",

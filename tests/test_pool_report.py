@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from conftest import REPO
 from typer.testing import CliRunner
@@ -13,27 +14,31 @@ from powerinfer.runtime.report import STAND_IN, PoolSummary
 
 runner = CliRunner()
 BUNDLED = REPO / "models" / "pydoc-relu-llama-8m.powerinfer.gguf"
-MAIN = ("main", "-m", str(BUNDLED), "-p", "def f", "-n", "4", "--temp", "0", "-t", "1", "-c", "64")
+MAIN = ("main", "-p", "def f", "-n", "4", "--temp", "0", "-t", "1", "-c", "64")
 POOL_LINE = re.compile(
     r"pool: (?P<backend>[^,]+), (?P<mib>[\d.]+) MiB on cpu, (?P<plan>[\d.]+) MiB planned under a 1 GiB budget, "
     r"FFN work (?P<share>[\d.]+)% on the device"
 )
 
 
-def test_main_prints_the_pool_line_on_the_stand_in():
-    result = runner.invoke(app, [*MAIN, "--pool-device", "cpu", "--vram-budget", "1"])
+def test_main_prints_the_pool_line_on_the_stand_in(tmp_path: Path):
+    # the model linked into tmp_path with its activation counts: the pool's GPU index is cached beside it
+    model = tmp_path / BUNDLED.name
+    model.symlink_to(BUNDLED)
+    (tmp_path / "activation").symlink_to(BUNDLED.parent / "activation")
+    result = runner.invoke(app, [*MAIN, "-m", str(model), "--pool-device", "cpu", "--vram-budget", "1"])
     assert result.exit_code == 0, result.stderr
     (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith("pool: ")]
     m = POOL_LINE.fullmatch(line)
     assert m is not None, line
-    engine = Engine(BUNDLED, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=1.0))
+    engine = Engine(model, EngineOptions(n_ctx=64, n_threads=1, pool_device="cpu", vram_budget_gib=1.0))
     assert m["backend"] == STAND_IN
     assert m["mib"] == f"{engine.loader.device_bytes / 2**20:.1f}"
     assert float(m["share"]) == 100.0  # a 1 GiB budget holds every neuron of the 8M model
 
 
 def test_main_without_a_pool_prints_no_pool_line():
-    result = runner.invoke(app, list(MAIN))
+    result = runner.invoke(app, [*MAIN, "-m", str(BUNDLED)])
     assert result.exit_code == 0, result.stderr
     assert "llama_print_timings:        eval time" in result.stderr
     assert not [ln for ln in result.stderr.splitlines() if ln.startswith("pool: ")]
