@@ -28,7 +28,7 @@ STEPS=$OUT/steps.tsv
 rm -f "$OUT"/bench_*.jsonl "$OUT"/main_*.txt "$OUT"/cuda_tests.txt "$OUT"/bench_pool_kernels.txt "$OUT"/table.md
 
 say() { echo "=== [$(($(date +%s) - T0))s] $*"; }
-note() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"; say "$1: $4"; }
+note() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$4" >> "$STEPS"; say "$1: $4 (${3}s)"; }
 
 # step NAME LIMIT STDOUT CMD...: CMD under `timeout` (LIMIT seconds, less when the run's deadline is nearer; 10 s
 # are kept for the table), stdout to STDOUT, stderr to $OUT/NAME.log; records exit code and seconds
@@ -57,23 +57,29 @@ step() {
 }
 
 # ------------------------------------------------------------------------------------------ dependencies
+# the wheels go in when they were made for this Python (the tested set, whatever the machine has), or when a
+# package is missing
 SITE=
-if ! timeout 60 "$PY" -c "import gguf, sentencepiece, typer, rich, pytest, yaml, tqdm" 2> /dev/null; then
-  if ls wheelhouse/*.whl > /dev/null 2>&1; then
-    SITE=$WORK/site
-    WHEELS=()
-    for w in wheelhouse/*.whl; do
-      # the machine's own numpy, if it has one, stays (torch was built against it)
-      case $(basename "$w") in numpy-*) timeout 60 "$PY" -c "import numpy" 2> /dev/null && continue ;; esac
-      WHEELS+=("$w")
-    done
-    step install 120 "$OUT/install.log" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-      --disable-pip-version-check --target "$SITE" "${WHEELS[@]}"
+TAG=$(timeout 30 "$PY" -c 'import sys; print("cp%d%d" % sys.version_info[:2])')
+if ! ls wheelhouse/*.whl > /dev/null 2>&1; then
+  if timeout 60 "$PY" -c "import gguf, sentencepiece, typer, rich, pytest, yaml, tqdm" 2> /dev/null; then
+    note install - 0 "skipped: no wheelhouse/, the packages are there"
   else
     note install - 0 "missing packages and no wheelhouse/ (scripts/gpu_prepare.sh makes it)"
   fi
+elif ls wheelhouse/*-"$TAG"-*.whl > /dev/null 2>&1 \
+  || ! timeout 60 "$PY" -c "import gguf, sentencepiece, typer, rich, pytest, yaml, tqdm" 2> /dev/null; then
+  SITE=$WORK/site
+  WHEELS=()
+  for w in wheelhouse/*.whl; do
+    # the machine's own numpy, if it has one, stays (its torch was built with it)
+    case $(basename "$w") in numpy-*) timeout 60 "$PY" -c "import numpy" 2> /dev/null && continue ;; esac
+    WHEELS+=("$w")
+  done
+  step install 120 "$OUT/install.log" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --disable-pip-version-check --target "$SITE" "${WHEELS[@]}"
 else
-  note install - 0 "skipped: the packages are there"
+  note install - 0 "skipped: wheelhouse/ is for another Python, the packages are there"
 fi
 export PYTHONPATH=$ROOT${SITE:+:$SITE}${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
@@ -138,7 +144,7 @@ say "machine: $(tr '\n' ' ' < "$OUT/meta.env")"
 PYTEST_PID=
 if ((CUDA)); then
   mapfile -t CUDA_FILES < <(grep -l "mark\.cuda" tests/test_*.py)
-  step pytest_cuda 170 "$OUT/cuda_tests.txt" "$PY" -m pytest -v -p no:cacheprovider -m cuda "${CUDA_FILES[@]}" &
+  PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 step pytest_cuda 170 "$OUT/cuda_tests.txt" "$PY" -m pytest -v -p no:cacheprovider -m cuda "${CUDA_FILES[@]}" &
   PYTEST_PID=$!
 else
   note pytest_cuda - 0 "skipped: no CUDA"
