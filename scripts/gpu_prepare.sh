@@ -6,7 +6,7 @@
 #     check uses instead of building them (~70 s) when the sources still hash the same. They are loaded through
 #     ctypes, so the Python version they were built with does not matter.
 # Usage: scripts/gpu_prepare.sh [--transformers]
-#   --transformers   also transformers and its dependencies (~20 MiB more): the CUDA tests that compare with it
+#   --transformers   also transformers and its dependencies (~52 MiB in all): the CUDA tests that compare with it
 #                    are skipped without it.
 # Env: GPU_PYTHON_VERSION (default 3.12), PYTHON (default python).
 set -euo pipefail
