@@ -49,9 +49,11 @@ step() {
     timeout -k 5 "$limit" "$@" > "$stdout" 2> "$log"
   fi
   rc=$?
-  local took=$(($(date +%s) - t)) what="ok"
+  local took=$(($(date +%s) - t)) what="ok" last
+  last=$(tail -n 1 "$log")
+  [ -z "$last" ] && last=$(tail -n 1 "$stdout")  # pytest says why on stdout
   ((rc == 124 || rc == 137)) && what="timed out after ${limit}s"
-  ((rc != 0 && rc != 124 && rc != 137)) && what="failed (exit $rc): $(tail -n 1 "$log" | cut -c1-150)"
+  ((rc != 0 && rc != 124 && rc != 137)) && what="failed (exit $rc): ${last:0:150}"
   note "$name" "$rc" "$took" "$what"
   return $rc
 }
