@@ -56,12 +56,11 @@ def check_kernels(failures: list[str]) -> list[list]:
             x = torch.randn(T, n_cols, dtype=torch.float64)
             h = torch.randn(T, n_rows, dtype=torch.float64)
             h[:, ::3] = 0.0  # inactive neurons
-            results = [("matmul", None, triton_quant.matmul(x.float(), raw, ggml_type, n_cols), x @ dense.T)]
-            for n_split in (None, 1, 2) if T == 3 else (None,):
-                y = triton_quant.axpy(h.float(), raw, ggml_type, n_cols, n_split=n_split)
-                results.append(("axpy", n_split, y, h @ dense))
+            packed = triton_quant.pack(raw, ggml_type, n_cols)
+            results = [("matmul", None, triton_quant.matmul(x.float(), packed), x @ dense.T)]
+            results.append(("axpy", None, triton_quant.axpy(h.float(), packed), h @ dense))
             if T == 3:  # fp16 activations are read and widened in the kernel
-                y = triton_quant.matmul(x.half(), raw, ggml_type, n_cols)
+                y = triton_quant.matmul(x.half(), packed)
                 results.append(("matmul-f16x", None, y, x.half().double() @ dense.T))
             for op, n_split, y, ref in results:
                 err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
@@ -77,13 +76,15 @@ def check_engine(failures: list[str]) -> dict[str, float]:
 
     from powerinfer import ops
     from powerinfer.gguf import GGMLType, read_gguf
+    from powerinfer.ops import triton_quant
     from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes
     from powerinfer.runtime.engine import Engine, EngineOptions
     from powerinfer.runtime.pool import HotRows
 
     def to_triton(w):
         if isinstance(w, ops.DeviceWeight):
-            return ops.DeviceWeight(w.raw, w.ggml_type, w.shape, backend="triton")
+            packed = triton_quant.pack(w.raw, w.ggml_type, w.shape[1]).data
+            return ops.DeviceWeight(packed, w.ggml_type, w.shape, backend="triton")
         return w
 
     from test_device_quant import _k_quant_models

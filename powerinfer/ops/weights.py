@@ -48,7 +48,8 @@ class DeviceWeight:
     in the file's own block format: no dequantised copy is resident, blocks are decoded inside the kernels.
 
     raw: uint8 (N, row_bytes) on the device, the ggml blocks of the rows (n_bytes = what the planner
-    budgets, `quant.pool_bytes`). Types outside `quant.POOL_TYPES` are stored as F16 blocks.
+    budgets, `quant.pool_bytes`); for the "triton" backend the same bytes repacked row by row as its kernels
+    read them (triton_quant.pack; `from_qweight` does it). Types outside `quant.POOL_TYPES` are stored as F16.
     backend: "kernels" (CPU stand-in: the C kernels through a QWeight over raw) or "triton" (CUDA; the
     kernels of powerinfer.ops.triton_quant, which the Triton interpreter also runs on CPU tensors in tests).
     `linear` (y = x @ W.T) and `axpy` (y = h @ W) run on the weight's device and return float32 there; they
@@ -62,6 +63,7 @@ class DeviceWeight:
     backend: str = "kernels"
     _host: QWeight | None = field(default=None, init=False, repr=False)  # the C kernels' view of raw
     _triton: ModuleType | None = field(default=None, init=False, repr=False)  # triton_quant (triton backend)
+    _packed: object = field(default=None, init=False, repr=False)  # triton_quant.PackedWeight over raw
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ggml_type", GGMLType(self.ggml_type))
@@ -82,6 +84,7 @@ class DeviceWeight:
             if self.ggml_type not in kernels.SUPPORTED_TYPES:
                 raise ValueError(f"no Triton kernel for {self.ggml_type.name} weights")
             object.__setattr__(self, "_triton", kernels)
+            object.__setattr__(self, "_packed", kernels.PackedWeight(self.raw, self.ggml_type, self.shape[1]))
 
     @classmethod
     def from_qweight(
@@ -95,7 +98,8 @@ class DeviceWeight:
         """Copy the raw blocks of `rows` of w (int64 ids; None = all rows) to `device`.
 
         Rows are gathered from the memory-mapped bytes with one index op; types outside POOL_TYPES are
-        decoded to F16 blocks first (with `kc`'s kernels). backend None: "triton" on CUDA, "kernels" on the CPU.
+        decoded to F16 blocks first (with `kc`'s kernels); for the "triton" backend they are repacked.
+        backend None: "triton" on CUDA, "kernels" on the CPU.
         """
         device = torch.device(device)
         if backend is None:
@@ -111,6 +115,8 @@ class DeviceWeight:
             ggml_type = GGMLType.F16
             every = torch.arange(w.shape[0], dtype=torch.int64) if ids is None else ids
             raw = get_rows(w, every, kc).to(torch.float16).view(torch.uint8)  # (n_rows, 2 K)
+        if backend == "triton":  # repacked on the host: no second copy on the device, even for a moment
+            raw = triton_kernels().pack(raw, ggml_type, w.shape[1]).data
         return cls(raw.to(device), ggml_type, (n_rows, w.shape[1]), backend)
 
     @property
@@ -127,7 +133,7 @@ class DeviceWeight:
         if host is not None:
             return linear(x.to("cpu"), host, kc)
         x = x.to(self.raw.device, non_blocking=True)
-        return self._triton.matmul(x, self.raw, self.ggml_type, self.shape[1])
+        return self._triton.matmul(x, self._packed)
 
     def axpy(self, h: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
         """y = h @ W (W holds transposed rows, e.g. ffn_down_t): h (..., N) -> (..., K) float32 on the device."""
@@ -135,7 +141,7 @@ class DeviceWeight:
         if host is not None:
             return rows_axpy(h.to("cpu"), host, None, kc)
         h = h.to(self.raw.device, non_blocking=True)
-        return self._triton.axpy(h, self.raw, self.ggml_type, self.shape[1])
+        return self._triton.axpy(h, self._packed)
 
 
 @dataclass(frozen=True, eq=False)
