@@ -273,24 +273,6 @@ def _block_q(w_ptr, row, blk, KIND: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
-def _slot_quants(w_ptr, row, blk, KIND: tl.constexpr, WORDS: tl.constexpr):
-    """(R, B, 32) float32: the integer quants of blocks blk (1, B, 1) of the packed rows at byte offsets row
-    (R, 1, 1), in slot order (slot 8w + n: nibble n of word w; slot 4w + b: byte b), one element at a time."""
-    if KIND == 8:
-        W = _words(w_ptr + row + blk * 32, tl.arange(0, 8)[None, None, :], WORDS)  # (R, B, 8)
-        u = ((W[:, :, :, None] >> (8 * tl.arange(0, 4))[None, None, None, :]) & 255) ^ 128  # q + 128
-        q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-    else:
-        W = _words(w_ptr + row + blk * 16, tl.arange(0, 4)[None, None, :], WORDS)  # (R, B, 4)
-        u = (W[:, :, :, None] >> (4 * tl.arange(0, 8))[None, None, None, :]) & 15
-        if KIND == 2:
-            q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # q - 8
-        else:
-            q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return tl.reshape(q, (q.shape[0], q.shape[1], 32))
-
-
-@triton.jit
 def _quants(w_ptr, row, blk, j, HALF: tl.constexpr, K, KIND: tl.constexpr):
     """The integer quants q (int32) of elements 32 * blk + 16 * HALF + j of the packed rows at byte offsets row
     (row, blk and j broadcast to the result's shape), for the types decoded byte by byte (Q5_0, Q5_1, the
