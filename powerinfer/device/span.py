@@ -1,39 +1,46 @@
 """A span of device-resident layers for one token: the residual stream stays on the device from the first layer
-of the span to its last, and on CUDA the whole span is one captured graph replayed per token.
+of the span to its last, and on CUDA the span's device work is a few captured graphs replayed per token.
 
-A layer is resident when every weight it computes with lives on the pool device (`-ngl`, the dense parts a plan
-moves): norms, q/k/v, RoPE, attention over its KV cache on the device, output projection and a dense FFN. The span
-runs the layers' own blocks (their device weights' kernels: Triton on CUDA, the C kernels on the CPU stand-in)
-except for attention, which it computes for a position held in a device tensor:
+A layer is resident when its attention's matrices live on the pool device (`-ngl`, or the attention a sparse plan
+moves): its norms, q/k/v, RoPE, attention over its KV cache on the device and output projection run there. Its FFN
+is either dense on the device, or PowerInfer's hybrid: the predictor on the device picks the active neurons, the
+pool computes the hot ones (`HotRows.compute`) while the CPU's C kernels compute the cold ones, and the two partial
+outputs merge once per layer. The traffic between the two per hybrid layer is the FFN input and the mask to the
+host and the CPU's partial output back (pinned buffers on CUDA), never weights.
 
-- RoPE rotates by the row of a device copy of the layer's (cos, sin) table picked with that tensor (no host row
-  copied per layer and token);
-- the token's key and value are written into row `pos` of the cache with index_copy_;
-- attention reads the whole cache (n_ctx rows) with the rows after `pos` masked out, so every shape is fixed.
+Attention is computed for a position held in a device tensor: RoPE rotates by the row of a device copy of the
+layer's (cos, sin) table picked with that tensor, the token's key and value are written into row `pos` of the cache
+with index_copy_, and attention reads the whole cache (n_ctx rows) with the rows after `pos` masked out, so every
+shape is fixed. The KV rows past a sequence's length must hold finite values (masked scores are dropped, but
+0 * NaN is NaN in the product with V): the engine allocates device-resident caches zeroed.
 
-Fixed shapes and a position on the device are what CUDA graphs need: the first call of a CUDA span runs it once
-eagerly on a side stream (Triton compiles its kernels; the token's K/V rows are written, and the replay writes the
-same values again), then captures it with torch.cuda.CUDAGraph over static input, position and output buffers, and
-every call replays the graph after one host-to-device copy of the residual (through a pinned buffer) and one fill
-of the position. torch.cuda.CUDAGraph rather than torch.compile(mode="reduce-overhead"): the span calls Triton
-kernels and C-kernel stand-ins that compile would have to trace or break around, and a graph needs nothing but
-static buffers, which the span has anyway. Python work per token is then one replay per span, whatever its layers.
-The CPU stand-in runs the same `_run` eagerly (no capture), so CI tests the span's arithmetic.
-
-The KV rows past a sequence's length must hold finite values (masked scores are dropped, but 0 * NaN is NaN in the
-product with V): the engine allocates device-resident caches zeroed (runtime.kv_cache.KVCache `zeroed`).
+The span's work is cut into pieces at each hybrid layer with cold neurons: piece j runs from the merge of the
+previous hybrid layer's outputs to this hybrid layer's predictor and the copies of its FFN input and mask to the
+host; the hot part of that layer is a piece of its own. Per token: replay piece j, record an event, replay the hot
+piece (the device computes the hot neurons), wait for the event, compute the cold neurons on the CPU into the
+pinned buffer the next piece copies in. Fixed shapes and a device-side position are what CUDA graphs need: on CUDA
+each piece is captured once (after one eager run on a side stream, which compiles the Triton kernels; the token's
+K/V rows it writes are written again, with the same values, by the replay) with torch.cuda.CUDAGraph, rather than
+torch.compile(mode="reduce-overhead"): the pieces call Triton kernels and C-kernel stand-ins that compile would have
+to trace or break around, and a graph needs nothing but static buffers, which the span has anyway. Python work per
+token is then a few calls per hybrid layer and one replay per stretch of device-only layers. The CPU stand-in runs
+the same pieces eagerly (no capture, the copies are plain), so CI tests the span's arithmetic and order.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
 from powerinfer import ops
-from powerinfer.model.blocks import DenseFFN
+from powerinfer.model.blocks import DenseFFN, Norm
+from powerinfer.model.sparse import PredictorSelector, SparseFFN
 
 if TYPE_CHECKING:
     from powerinfer.model.transformer import Layer
@@ -42,7 +49,39 @@ log = logging.getLogger(__name__)
 
 
 def _on_device(w: object) -> bool:
-    return w is not None and isinstance(w, ops.DeviceWeight)
+    return isinstance(w, ops.DeviceWeight)
+
+
+def _norm_on(norm: Norm, device: torch.device) -> Norm:
+    """The norm with its weight (and bias) on `device` (a sparse plan leaves the norms on the CPU)."""
+    if norm.weight.device == device and (norm.bias is None or norm.bias.device == device):
+        return norm
+    moved = copy.copy(norm)  # not Norm(...): an "rms_1p" weight already holds its + 1
+    moved.weight = norm.weight.to(device)
+    moved.bias = None if norm.bias is None else norm.bias.to(device)
+    return moved
+
+
+def _dense_on_device(ffn: object) -> bool:
+    return (
+        isinstance(ffn, DenseFFN)
+        and _on_device(ffn.up)
+        and (ffn.gate is None or _on_device(ffn.gate))
+        and _on_device(ffn.down if ffn.down is not None else ffn.down_t)
+        and ffn.gate_up is None
+    )
+
+
+def _hybrid(ffn: object) -> bool:
+    """A predictor-selected sparse FFN whose predictor is on the device (its hot rows, if any, in the pool)."""
+    return (
+        isinstance(ffn, SparseFFN)
+        and isinstance(ffn.selector, PredictorSelector)
+        and _on_device(ffn.selector.fc1)
+        and _on_device(ffn.selector.fc2)
+        and ffn.gate is not None
+        and not ffn.spec.bias
+    )
 
 
 class SpanMaker:
@@ -55,19 +94,16 @@ class SpanMaker:
         self._tables: dict[int, torch.Tensor] = {}  # id of a host (cos, sin) table -> its copy on the device
 
     def accepts(self, layer: Layer) -> bool:
-        """Whether the layer runs whole on the device in the span's form: a plain attention (no biases, full RoPE
-        or none, no sliding window within the context) and a dense FFN, every matrix a device weight, a sequential
-        block (no parallel attention/FFN, no post-norms, no pre-attention hook)."""
-        attn, ffn = layer.attn, layer.ffn
+        """Whether the layer runs in a span: a plain attention (no biases, full RoPE or none, no sliding window
+        within the context) with every matrix a device weight, a dense FFN on the device or a hybrid sparse FFN
+        (predictor on the device), in a sequential block (no parallel attention/FFN, no post-norms, no
+        pre-attention hook)."""
+        attn = layer.attn
         return (
             attn.one_token_kernel
             and attn.rope_pairs is not None
             and all(_on_device(w) for w in (attn.wq, attn.wk, attn.wv, attn.wo))
-            and isinstance(ffn, DenseFFN)
-            and _on_device(ffn.up)
-            and (ffn.gate is None or _on_device(ffn.gate))
-            and _on_device(ffn.down if ffn.down is not None else ffn.down_t)
-            and ffn.gate_up is None
+            and (_dense_on_device(layer.ffn) or _hybrid(layer.ffn))
             and not layer.parallel
             and layer.ffn_norm is not None
             and layer.post_attn_norm is None
@@ -88,10 +124,53 @@ class SpanMaker:
         return DeviceSpan(layers, slots, tables, self.device, self.graphs)
 
 
+@dataclass(eq=False)
+class _Resident:
+    """One layer as the span runs it: the layer, its norms on the device, KV rows, RoPE table and hybrid link."""
+
+    layer: Layer
+    attn_norm: Norm
+    ffn_norm: Norm
+    k: torch.Tensor
+    v: torch.Tensor
+    table: torch.Tensor
+    link: _Link | None  # a hybrid FFN's (None: a dense FFN on the device)
+
+
+class _Link:
+    """A hybrid FFN's buffers between the device and the CPU: the FFN input and the active mask copied to the host,
+    the CPU's partial output copied back (pinned on CUDA), the hot neurons' ids on the device."""
+
+    def __init__(self, ffn: SparseFFN, device: torch.device) -> None:
+        pinned = device.type == "cuda"
+        self.ffn = ffn
+        n_embd, n_ff = ffn.up.shape[1], ffn.n_ff
+        hot = ffn.hot
+        self.hot_ids = None if hot is None else hot.ids.to(device)
+        self.hot_ids_host = None if hot is None else hot.ids
+        self.has_cold = bool(ffn.cpu_rows.any())
+        self.u = torch.zeros(1, n_embd, dtype=torch.float32, pin_memory=pinned)
+        self.mask = torch.zeros(1, n_ff, dtype=torch.bool, pin_memory=pinned)
+        self.y = torch.zeros(1, n_embd, dtype=torch.float32, pin_memory=pinned)
+
+    def cold(self) -> None:
+        """The CPU's part, once the FFN input and mask are on the host: the active cold neurons into self.y, and
+        the layer's counters."""
+        ffn = self.ffn
+        mask = self.mask[0]
+        idx = (mask & ffn.cpu_rows).nonzero().view(-1)
+        self.y.copy_(ffn.rows(self.u, idx))
+        n_hot = 0 if self.hot_ids_host is None else int(mask[self.hot_ids_host].sum())
+        s, b = ffn.stats, ffn.bid
+        s.tokens[b] += 1
+        s.active[b] += idx.numel() + n_hot
+        s.active_gpu[b] += n_hot
+
+
 class DeviceSpan:
     """Layers run for one token of one sequence on one device: `span(x, pos)` takes the residual x (1, D) at
-    position pos (on any device) and returns it after the last layer, on the span's device (the buffer of the
-    span's output: read it before the next call)."""
+    position pos (on any device) and returns it after the last layer, on the span's device (a buffer of the
+    span's: read it before the next call)."""
 
     def __init__(
         self,
@@ -101,19 +180,117 @@ class DeviceSpan:
         device: torch.device,
         graphs: bool,
     ) -> None:
-        self.layers, self.slots, self.tables, self.device = layers, slots, tables, device
-        for k, v in slots:
+        self.device, self.graphs = device, graphs
+        self.residents: list[_Resident] = []
+        for layer, (k, v), table in zip(layers, slots, tables, strict=True):
             if k.device != device or v.device != device:
                 raise ValueError("a device span's KV rows must live on its device")
+            assert layer.ffn_norm is not None
+            link = _Link(layer.ffn, device) if isinstance(layer.ffn, SparseFFN) else None
+            self.residents.append(
+                _Resident(
+                    layer,
+                    _norm_on(layer.attn_norm, device),
+                    _norm_on(layer.ffn_norm, device),
+                    k,
+                    v,
+                    table,
+                    link,
+                )
+            )
         n_embd = layers[0].attn.wo.shape[0]
         n_ctx = slots[0][0].shape[0]
         self.x = torch.zeros(1, n_embd, dtype=torch.float32, device=device)  # static input
+        self.x_host = torch.zeros(1, n_embd, dtype=torch.float32, pin_memory=device.type == "cuda")
         self.pos = torch.zeros(1, dtype=torch.int64, device=device)  # static position
         self.rows = torch.arange(n_ctx, device=device)  # key positions, against pos for the mask
-        self.graphs = graphs
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        self.x_host = torch.zeros(1, n_embd, dtype=torch.float32, pin_memory=device.type == "cuda")
+        # the pieces: (device work, the hybrid link whose cold part follows it, or None after the last)
+        self.pieces = self._pieces()
+        self.graphs_made: list[tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = [None] * len(self.pieces)
+        self.done = (
+            torch.cuda.Event() if device.type == "cuda" else None
+        )  # a stretch's copies to the host landed
+
+    @property
+    def captured(self) -> bool:
+        """Every piece of the span is a captured CUDA graph."""
+        return all(g is not None for g in self.graphs_made)
+
+    def _pieces(self) -> list[tuple[Callable[[], torch.Tensor], _Link | None, bool]]:
+        """The span's device work in pieces: (run, link, hot) where run computes from the static buffers and
+        returns the piece's output; after a piece with a link the CPU computes that link's cold neurons; `hot`:
+        the piece is that link's hot part, queued while the CPU works."""
+        pieces: list[tuple[Callable[[], torch.Tensor], _Link | None, bool]] = []
+        start = 0
+        state: dict[str, torch.Tensor] = {}
+        for i, r in enumerate(self.residents):
+            link = r.link
+            if link is None or not link.has_cold:
+                continue
+            pieces.append((self._stretch(start, i, state, len(pieces)), link, False))
+            pieces.append((self._hot(r, state, len(pieces)), None, True))
+            start = i + 1
+        pieces.append((self._stretch(start, len(self.residents), state, len(pieces)), None, False))
+        return pieces
+
+    def _stretch(
+        self, start: int, split: int, state: dict[str, torch.Tensor], index: int
+    ) -> Callable[[], torch.Tensor]:
+        """Layers start..split-1 whole, then (split < len) layer split's attention, FFN input, predictor and the
+        copies to the host. The stretch begins by merging the previous split layer's parts (state)."""
+
+        def run() -> torch.Tensor:
+            if index == 0:
+                x = self.x
+            else:  # the previous split layer: its residual after attention + its hot part + the CPU's part
+                prev = self.residents[start - 1].link
+                assert prev is not None
+                x = state["hot"] + prev.y.to(self.device, non_blocking=True)
+            for r in self.residents[start:split]:
+                x = self._layer(r, x)
+            if split < len(self.residents):
+                r = self.residents[split]
+                x = x + self._attention(r, x)
+                u = r.ffn_norm(x)
+                link = r.link
+                assert link is not None
+                mask = link.ffn.selector.select(x)
+                link.u.copy_(u, non_blocking=True)
+                link.mask.copy_(mask, non_blocking=True)
+                state["x"], state["u"], state["active"] = x, u, mask
+            return x
+
+        return run
+
+    def _hot(self, r: _Resident, state: dict[str, torch.Tensor], index: int) -> Callable[[], torch.Tensor]:
+        """The split layer's hot neurons on the device, added to its residual (the CPU's part is added next)."""
+
+        def run() -> torch.Tensor:
+            link = r.link
+            assert link is not None
+            x = state["x"]
+            hot = link.ffn.hot
+            if hot is not None and link.hot_ids is not None:
+                active = state["active"].index_select(1, link.hot_ids)
+                x = x + hot.compute(state["u"], active, link.ffn.spec.act, link.ffn.spec.relu_up)
+            else:
+                x = x.clone()
+            state["hot"] = x
+            return x
+
+        return run
+
+    def _layer(self, r: _Resident, x: torch.Tensor) -> torch.Tensor:
+        """A whole layer on the device: attention, then a dense FFN or a hybrid one with every neuron pooled."""
+        x = x + self._attention(r, x)
+        u = r.ffn_norm(x)
+        link = r.link
+        if link is None:
+            return x + r.layer.ffn(u, x)
+        hot = link.ffn.hot
+        assert hot is not None and link.hot_ids is not None  # no cold neuron: the pool holds them all
+        active = link.ffn.selector.select(x).index_select(1, link.hot_ids)
+        return x + hot.compute(u, active, link.ffn.spec.act, link.ffn.spec.relu_up)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         if x.device == self.device:
@@ -122,69 +299,70 @@ class DeviceSpan:
             self.x_host.copy_(x)
             self.x.copy_(self.x_host, non_blocking=True)
         self.pos.fill_(pos)
-        if not self.graphs:
-            return self._run()
-        if self.graph is None:
-            try:
-                self._capture()
-            except RuntimeError as e:  # a kernel the capture refuses: run eagerly from now on, said once
-                log.warning("device span not captured as a CUDA graph (%s); it runs op by op", e)
-                self.graphs = False
-                return self._run()
-        assert self.graph is not None and self.out is not None
-        self.graph.replay()
-        return self.out
+        out, done = self.x, self.done
+        for index, (run, link, hot) in enumerate(self.pieces):
+            if hot:  # replayed right after its stretch, below
+                continue
+            out = self._replay(index, run)
+            if link is None:
+                continue
+            if done is not None:  # the FFN input and mask are on the host once the stretch is done
+                done.record(torch.cuda.current_stream(self.device))
+            out = self._replay(index + 1, self.pieces[index + 1][0])  # queued: the hot part meanwhile
+            if done is not None:
+                done.synchronize()
+            link.cold()
+        return out
 
-    def _capture(self) -> None:
+    def _replay(self, index: int, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if not self.graphs:
+            return run()
+        made = self.graphs_made[index]
+        if made is None:
+            try:
+                made = self._capture(run)
+            except RuntimeError as e:  # a kernel the capture refuses: run eagerly from now on, said once
+                log.warning("device span not captured as CUDA graphs (%s); it runs op by op", e)
+                self.graphs = False
+                return run()
+            self.graphs_made[index] = made
+        graph, out = made
+        graph.replay()
+        return out
+
+    def _capture(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         current = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._run()  # compiles the kernels; writes this token's K/V rows (the replay writes the same)
+            run()  # compiles the kernels; writes this token's K/V rows (the replay writes the same)
         current.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.out = self._run()
-        self.graph = graph
+            out = run()
+        return graph, out
 
-    def _run(self) -> torch.Tensor:
-        x = self.x
-        for layer, (k_cache, v_cache), table in zip(self.layers, self.slots, self.tables, strict=True):
-            attn = layer.attn
-            q, k, v = attn._project(layer.attn_norm(x))
-            q, k = attn._qk_normed(q, k)
-            a = self._attention(layer, q, k, v, k_cache, v_cache, table)
-            x = x + attn._out(a)
-            assert layer.ffn_norm is not None
-            x = x + layer.ffn(layer.ffn_norm(x), x)
-        return x
-
-    def _attention(
-        self,
-        layer: Layer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        table: torch.Tensor,
-    ) -> torch.Tensor:
-        """One token's attention at the position self.pos over the whole cache, later rows masked: (1, H * D)."""
-        s = layer.attn.spec
+    def _attention(self, r: _Resident, x: torch.Tensor) -> torch.Tensor:
+        """The layer's attention output (1, n_embd) for one token at the position self.pos over the whole cache,
+        later rows masked."""
+        attn = r.layer.attn
+        s = attn.spec
         H, H_kv, D = s.n_head, s.n_head_kv, s.head_dim
-        rot = table.index_select(0, self.pos)  # (1, D/2, 2)
+        q, k, v = attn._project(r.attn_norm(x))
+        q, k = attn._qk_normed(q, k)
+        rot = r.table.index_select(0, self.pos)  # (1, D/2, 2)
         cos, sin = rot[..., 0], rot[..., 1]
-        q = rotate(q.view(1, H, D), cos, sin, layer.attn.neox)
-        k = rotate(k.view(1, H_kv, D), cos, sin, layer.attn.neox)
-        k_cache.index_copy_(0, self.pos, k)
-        v_cache.index_copy_(0, self.pos, v.view(1, H_kv, D))
+        q = rotate(q.view(1, H, D), cos, sin, attn.neox)
+        k = rotate(k.view(1, H_kv, D), cos, sin, attn.neox)
+        r.k.index_copy_(0, self.pos, k)
+        r.v.index_copy_(0, self.pos, v.view(1, H_kv, D))
         scale = s.scale if s.scale is not None else 1.0 / math.sqrt(D)
         qg = q.view(H_kv, H // H_kv, D)  # query heads grouped by the KV head they read
-        scores = torch.matmul(qg, k_cache.permute(1, 2, 0)) * scale  # (H_kv, G, n_ctx)
+        scores = torch.matmul(qg, r.k.permute(1, 2, 0)) * scale  # (H_kv, G, n_ctx)
         scores = scores.masked_fill(self.rows > self.pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v_cache.transpose(0, 1))  # (H_kv, G, D)
-        return out.reshape(1, H * D)
+        out = torch.matmul(probs, r.v.transpose(0, 1))  # (H_kv, G, D)
+        return attn._out(out.reshape(1, H * D))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:

@@ -158,6 +158,10 @@ class HotPart(Protocol):
     ids: torch.Tensor  # (k,) neuron ids, ascending
     device: torch.device  # where the rows live
 
+    def compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
+        """y (T, D) on the pool device of u (T, D) and the active mask (T, k), both there, on the current stream."""
+        ...
+
     def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> Pending[torch.Tensor]:
         """Queue the hot part for u (T, D) with its active mask (T, k); y (T, D) on the CPU when ready."""
         ...

@@ -179,10 +179,10 @@ class HotRows:
     def launch(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> Pending[torch.Tensor]:
         """Queue the hot part for u (T, D) with its active mask (T, k); y (T, D) on the CPU when ready."""
         if self.stream is None:
-            return Pending(self._compute(u, active, act, relu_up))
+            return Pending(self.compute(u, active, act, relu_up))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            y = self._compute(
+            y = self.compute(
                 u.to(self.device, non_blocking=True), active.to(self.device, non_blocking=True), act, relu_up
             )
             return Pending.queued(y.to("cpu", non_blocking=True), self.stream)
@@ -236,7 +236,9 @@ class HotRows:
                 mask[dense_rows] = True
         return self.down_t.axpy(h.mul_(mask), self.kc), torch.stack([mask.sum(), passed.sum()])
 
-    def _compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
+    def compute(self, u: torch.Tensor, active: torch.Tensor, act: str, relu_up: bool) -> torch.Tensor:
+        """y (T, D) float32 on this device of u (T, D) and the active mask (T, k), both here: queued on the
+        current stream (a device span captures it in its graph)."""
         up = ops.linear(u, self.up, self.kc)  # (T, k) float32
         if self.gate is None:
             h = ops.act(act, up if self.b_up is None else up + self.b_up).mul_(active)
@@ -372,7 +374,7 @@ class PoolExperts:
             if j < 0:  # some neurons of this expert: their part (the CPU computes the rest)
                 hot = self.hot[e]
                 ys.append(
-                    hot._compute(xg, torch.ones(1, dtype=torch.float32, device=xg.device), self.act, False)
+                    hot.compute(xg, torch.ones(1, dtype=torch.float32, device=xg.device), self.act, False)
                 )
                 continue
             g, u = self.gates[j].linear(xg, kc), self.ups[j].linear(xg, kc)
