@@ -97,6 +97,8 @@ _FMA_TILE = (8, 16, 64)
 # axpy: blocks of 32 columns per program (about a word or 8 elements per thread), rows per skip check
 _AXPY_BLOCKS = {GGMLType.Q4_0: 32, GGMLType.Q4_1: 32, GGMLType.Q8_0: 16}
 _AXPY_OTHER_BLOCKS, _AXPY_ROWS = 16, 8
+# axpy: the words of a block of the types read as words (the others: 32 elements)
+_AXPY_PER = {GGMLType.Q4_0: 4, GGMLType.Q4_1: 4, GGMLType.Q8_0: 8}
 
 
 @dataclass(frozen=True, eq=False)
@@ -524,41 +526,30 @@ def _word_store(out, acc, blocks, c, n: tl.constexpr, mask, KIND: tl.constexpr):
 def _axpy_kernel(
     h_ptr, w_ptr, out_ptr, T, N, K, stride_h, stride_w, stride_part, rows_per_split,
     KIND: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCKS: tl.constexpr,
-    ROWS: tl.constexpr,
+    PER: tl.constexpr, ROWS: tl.constexpr,
 ):  # fmt: skip
     """out[s, t, k] = sum over rows n of split s of h[t, n] * W[n, k], row after row (elementwise fma, so a
     token's sums never depend on the tile); one program per (32 BLOCKS columns, split s, BLOCK_T tokens). Q4_0,
-    Q4_1 and Q8_0 rows are read as words, one accumulator per quant of a word (acc0..acc7); the other types as
-    elements, in acc0."""
+    Q4_1 and Q8_0 rows are read as words (PER words per block), one accumulator per quant of a word
+    (acc0..acc7); the other types as elements (PER = 32), in acc0."""
     pid_c = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_t = tl.program_id(2)
     toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     h_rows = h_ptr + toks.to(tl.int64) * stride_h  # (BT,)
     n_blocks = tl.cdiv(K, 32)
-    if KIND == 2 or KIND == 3 or KIND == 8:
-        if KIND == 8:
-            PER: tl.constexpr = 8  # words per block
-        else:
-            PER: tl.constexpr = 4
-        c = tl.arange(0, BLOCKS * PER)  # the program's words
-        blocks = pid_c * BLOCKS + c // PER
-        wblk = tl.minimum(blocks, n_blocks - 1)  # columns past K read the last block
-        at = wblk * (4 * PER) + 4 * (c % PER)  # byte of the word in the quant plane
-        width: tl.constexpr = BLOCKS * PER
-    else:
-        c = tl.arange(0, BLOCKS * 32)  # the program's elements
-        blocks = pid_c * BLOCKS + c // 32
-        wblk = tl.minimum(blocks, n_blocks - 1)
-        width: tl.constexpr = BLOCKS * 32
-    acc0 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc1 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc2 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc4 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc5 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc6 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
-    acc7 = tl.zeros((BLOCK_T, width), dtype=tl.float32)
+    c = tl.arange(0, BLOCKS * PER)  # the program's words (elements)
+    blocks = pid_c * BLOCKS + c // PER
+    wblk = tl.minimum(blocks, n_blocks - 1)  # columns past K read the last block
+    at = wblk * (4 * PER) + 4 * (c % PER)  # byte of the word in the quant plane
+    acc0 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc4 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc5 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc6 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
+    acc7 = tl.zeros((BLOCK_T, BLOCKS * PER), dtype=tl.float32)
     first = pid_s * rows_per_split
     end = tl.minimum(first + rows_per_split, N)
     for n0 in range(first, end, ROWS):
@@ -747,7 +738,7 @@ def axpy(h: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         _axpy_kernel[(col_tiles, n_split, triton.cdiv(Tt, bt))](
             ht, wt, part, Tt, N, K, ht.stride(0), stride_w, Tt * K, per_split,
             KIND=_KINDS[w.ggml_type], WORDS=words, EVEN_K=K % 32 == 0, BLOCK_T=bt, BLOCKS=blocks,
-            ROWS=_AXPY_ROWS, num_warps=4,
+            PER=_AXPY_PER.get(w.ggml_type, 32), ROWS=_AXPY_ROWS, num_warps=4,
         )  # fmt: skip
         if n_split > 1:
             _sum_splits(part, yt)
