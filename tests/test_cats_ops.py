@@ -335,7 +335,7 @@ def test_cats_validation():
 def test_cats_split_between_pool_and_cpu(ggml_type, n_tokens, two):
     # the hot part (pool rows on the CPU stand-in, thresholds decided there) plus the CPU part over the other
     # neurons equals the whole layer computed on the CPU, with the same counts
-    from powerinfer.runtime.pool import HotRows
+    from powerinfer.device.pool import HotRows
 
     kc = ops.KernelContext()
     n_rows = 128

@@ -23,13 +23,13 @@ from conftest import (
 )
 
 from powerinfer import ops, quant
+from powerinfer.device.pool import HotRows
 from powerinfer.errors import PlacementError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.ops import sparse as sparse_ops
 from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes, planner
 from powerinfer.quant import pool_bytes, quantize, row_bytes
 from powerinfer.runtime.engine import Engine, EngineOptions
-from powerinfer.runtime.pool import HotRows
 
 TESTS = Path(__file__).resolve().parent
 N_FF = 128

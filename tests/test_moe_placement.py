@@ -1,4 +1,4 @@
-"""MoE placement on the CPU standing in for the pool device (powerinfer.placement.experts, runtime.pool.PoolExperts):
+"""MoE placement on the CPU standing in for the pool device (powerinfer.placement.experts, device.pool.PoolExperts):
 experts whole in the pool under -ngl and --vram-budget (hottest per byte from the profile), llama.cpp's static flags
 --cpu-moe, --n-cpu-moe and -ot; logits against everything on the CPU, pool bytes against the plan, the plan's
 expected share of expert calls against the share measured on a held-out text, and bad flag values through the CLI.
@@ -236,7 +236,7 @@ def test_bad_flag_values_one_error_line(files, args: tuple[str, ...], message: s
 TRITON_CHECK = """
 import sys, numpy as np, torch
 from powerinfer.runtime.engine import Engine, EngineOptions
-from powerinfer.runtime.pool import PoolExperts
+from powerinfer.device.pool import PoolExperts
 engine = Engine(sys.argv[1], EngineOptions(act_precision="f32", n_ctx=64, n_threads=1))
 experts = engine.model.layers[1].ffn.experts
 x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))

@@ -75,11 +75,11 @@ def check_engine(failures: list[str]) -> dict[str, float]:
     from conftest import write_relu_sparse_model
 
     from powerinfer import ops
+    from powerinfer.device.pool import HotRows
     from powerinfer.gguf import GGMLType, read_gguf
     from powerinfer.ops import triton_quant
     from powerinfer.placement import default_reserve_bytes, footprint_from_gguf, kv_cache_bytes
     from powerinfer.runtime.engine import Engine, EngineOptions
-    from powerinfer.runtime.pool import HotRows
 
     def to_triton(w):
         if isinstance(w, ops.DeviceWeight):

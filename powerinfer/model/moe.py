@@ -93,7 +93,7 @@ def route(
 
 
 class ExpertPart(Protocol):
-    """The experts of a layer held whole in the pool (runtime.pool.PoolExperts)."""
+    """The experts of a layer held whole in the pool (device.pool.PoolExperts)."""
 
     member: torch.Tensor  # (n_expert,) bool on the CPU: which experts it holds whole
     partial_member: (

@@ -153,7 +153,7 @@ class FusedThresholdFFN:
 
 
 class HotPart(Protocol):
-    """The pool part of one layer (runtime.pool.HotRows): some neurons' rows on the pool device."""
+    """The pool part of one layer (device.pool.HotRows): some neurons' rows on the pool device."""
 
     ids: torch.Tensor  # (k,) neuron ids, ascending
     device: torch.device  # where the rows live

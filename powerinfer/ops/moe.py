@@ -292,7 +292,7 @@ def moe_experts(
     active where |act(gate)| > thresholds[e, n] (h = 0 and its up row not read elsewhere), in the one-token and
     the grouped kernel alike. `table`: None (each expert's rows in the stack), or a C-contiguous int64 array
     (3, n_expert) of addresses where expert e's gate, up and down rows start (laid out as in the stack), 0 for an
-    expert not resident, which the owner (runtime.expert_store, runtime.pool) fills before each call and keeps
+    expert not resident, which the owner (runtime.expert_store, device.pool) fills before each call and keeps
     alive. None where the kernels cannot run it (a weight on a device or of a type without a kernel kind)."""
     kc = kc or default_context()
     if kc.kernels.moe_experts is None:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops, quant
+from powerinfer.device.pool import HotRows, PoolExperts
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile, TensorInfo
@@ -20,7 +21,6 @@ from powerinfer.model.workspace import Workspace
 from powerinfer.placement.device_plan import DevicePlan
 from powerinfer.printable import printable
 from powerinfer.runtime.expert_store import ExpertStore, StoredExperts
-from powerinfer.runtime.pool import HotRows, PoolExperts
 
 
 class Loader:
