@@ -49,12 +49,19 @@ def test_dense_ffn_of_a_pwri_file_under_ngl(sparse_file, n_gpu_layers):
     assert (got - ref).abs().max().item() <= 2e-6 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("budget", [0.0, 2e-4, 4e-4, 1.0])  # nothing; attention; 352 of 512 neurons; all
-def test_sparse_file_decodes_under_every_budget(sparse_file, budget):
+# nothing; a predictor only (the KV cache does not fit: the attention stays); attention, KV and 352 of 512 neurons;
+# everything; attention and KV with no neuron (--disable-gpu-index: hybrid layers whose FFN is all on the CPU)
+@pytest.mark.parametrize(
+    "budget, no_index", [(0.0, False), (2e-4, False), (4e-4, False), (1.0, False), (1.0, True)]
+)
+def test_sparse_file_decodes_under_every_budget(sparse_file, budget, no_index):
     """Nothing, some and every neuron (and the attention) in the stand-in pool: the CPU's logits, prompt and
     decode; with nothing pooled the layers chain into one decode stack, as without a pool."""
     ref = _prefill_decode(Engine(sparse_file, _opts()))
-    engine = Engine(sparse_file, _opts(pool_device="cpu", vram_budget_gib=budget))
+    engine = Engine(
+        sparse_file,
+        _opts(pool_device="cpu", vram_budget_gib=budget, disable_gpu_index=no_index, reset_gpu_index=True),
+    )
     pooled = engine.loader.device_bytes
     assert (pooled == 0) == (budget == 0.0)
     got = _prefill_decode(engine)
@@ -68,7 +75,12 @@ def test_sparse_file_decodes_under_every_budget(sparse_file, budget):
     for start, stop, span in spans:
         for bid in range(start, stop):
             layer = engine.model.layers[bid]
-            if plan.pool_neurons(bid) is None and bid not in plan.kv_layers:  # nothing on the device
+            on_device = (
+                plan.pool_neurons(bid) is not None
+                or bid in plan.kv_layers
+                or isinstance(layer.ffn.selector.fc1, ops.DeviceWeight)
+            )
+            if not on_device:
                 assert isinstance(span, ops.DecodeStack) and layer.fused_attn is not None, (budget, bid)
                 continue
             # attention on the device with its predictor: the layer is resident (hybrid FFN), else op by op
@@ -138,3 +150,12 @@ def test_device_span_on_cuda_decodes_the_cpu_logits(tmp_path, n_gpu_layers):
         assert (got - ref).abs().max().item() <= 1e-4 * ref.abs().max().item()
     spans = engine.model.spans_for(engine.kv, 0)
     assert spans[-1][2].graph is not None  # captured, not run op by op
+
+
+def test_attention_stays_on_the_cpu_when_its_kv_cache_was_not_budgeted(sparse_file):
+    """A plan whose KV cache does not fit keeps every layer's attention on the CPU: attention on the device reads
+    its cache there, which the budget would not hold (the loader used to move both)."""
+    engine = Engine(sparse_file, _opts(pool_device="cpu", vram_budget_gib=2e-4, reset_gpu_index=True))
+    assert not engine.placement.kv_on_gpu and not engine.plan.kv_layers
+    assert not any(isinstance(layer.attn.wq, ops.DeviceWeight) for layer in engine.model.layers)
+    assert engine.loader.device_bytes <= engine.placement.budget_bytes

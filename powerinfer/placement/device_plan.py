@@ -108,15 +108,16 @@ def sparse_plan(
 ) -> DevicePlan:
     """The sparse planner's result as a device plan.
 
-    A layer's attention moves only when all four of its matrices were planned there (its KV cache and its
-    bias / QK-norm vectors with it), a predictor only as fc1 and fc2 together.
+    A layer's attention moves only when all four of its matrices were planned there and the plan budgeted the KV
+    cache (its KV cache and its bias / QK-norm vectors go with it: attention on the device reads its cache there),
+    a predictor only as fc1 and fc2 together.
     """
     planned = set(placement.gpu_tensors)
     tensors: set[str] = set()
     kv_layers = set()
     for bid in range(n_layer):
         attn = {t.format(bid=bid) for t in _ATTN}
-        if attn <= planned:
+        if attn <= planned and placement.kv_on_gpu:
             tensors |= attn | {t.format(bid=bid) for t in _ATTN_VECTORS}
             kv_layers.add(bid)
         pred = {t.format(bid=bid) for t in _PRED}
