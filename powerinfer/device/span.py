@@ -8,11 +8,13 @@ pool computes the hot ones (`HotRows.compute`) while the CPU's C kernels compute
 outputs merge once per layer. The traffic between the two per hybrid layer is the FFN input and the mask to the
 host and the CPU's partial output back (pinned buffers on CUDA), never weights.
 
-Attention is computed for a position held in a device tensor: RoPE rotates by the row of a device copy of the
-layer's (cos, sin) table picked with that tensor, the token's key and value are written into row `pos` of the cache
-with index_copy_, and attention reads the whole cache (n_ctx rows) with the rows after `pos` masked out, so every
-shape is fixed. The KV rows past a sequence's length must hold finite values (masked scores are dropped, but
-0 * NaN is NaN in the product with V): the engine allocates device-resident caches zeroed.
+On CUDA attention is computed for a position held in a device tensor (`masked_attention`): RoPE rotates by the
+row of a device copy of the layer's (cos, sin) table picked with that tensor, the token's key and value are written
+into row `pos` of the cache with index_copy_, and attention reads the whole cache (n_ctx rows) with the rows after
+`pos` masked out, so every shape is fixed. The KV rows past a sequence's length must hold finite values (masked
+scores are dropped, but 0 * NaN is NaN in the product with V): the engine allocates device-resident caches zeroed.
+The CPU standing in computes attention with the CPU's one-token kernel instead (the kernel its prompts use, so a
+token's bits do not depend on how it arrived); tests check masked_attention against that kernel directly.
 
 The span's work is cut into pieces at each hybrid layer with cold neurons: piece j runs from the merge of the
 previous hybrid layer's outputs to this hybrid layer's predictor and the copies of its FFN input and mask to the
@@ -24,7 +26,7 @@ K/V rows it writes are written again, with the same values, by the replay) with 
 torch.compile(mode="reduce-overhead"): the pieces call Triton kernels and C-kernel stand-ins that compile would have
 to trace or break around, and a graph needs nothing but static buffers, which the span has anyway. Python work per
 token is then a few calls per hybrid layer and one replay per stretch of device-only layers. The CPU stand-in runs
-the same pieces eagerly (no capture, the copies are plain), so CI tests the span's arithmetic and order.
+the same pieces eagerly (no capture, the copies are plain), so CI tests the span's pieces, links and order.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from powerinfer.model.blocks import DenseFFN, Norm
 from powerinfer.model.sparse import PredictorSelector, SparseFFN
 
 if TYPE_CHECKING:
+    from powerinfer.model.specs import AttentionSpec
     from powerinfer.model.transformer import Layer
 
 log = logging.getLogger(__name__)
@@ -242,10 +245,11 @@ class DeviceSpan:
         def run() -> torch.Tensor:
             if index == 0:
                 x = self.x
-            else:  # the previous split layer: its residual after attention + its hot part + the CPU's part
+            else:  # the previous split layer: its residual after attention + (the CPU's part + its hot part), the
+                # sum SparseFFN makes for several tokens (the same bits whichever way a token came)
                 prev = self.residents[start - 1].link
                 assert prev is not None
-                x = state["hot"] + prev.y.to(self.device, non_blocking=True)
+                x = state["x"] + (prev.y.to(self.device, non_blocking=True) + state["hot"])
             for r in self.residents[start:split]:
                 x = self._layer(r, x)
             if split < len(self.residents):
@@ -263,20 +267,20 @@ class DeviceSpan:
         return run
 
     def _hot(self, r: _Resident, state: dict[str, torch.Tensor], index: int) -> Callable[[], torch.Tensor]:
-        """The split layer's hot neurons on the device, added to its residual (the CPU's part is added next)."""
+        """The split layer's hot neurons' output on the device (zeros without a hot part); the CPU's part and the
+        residual are added by the next stretch."""
 
         def run() -> torch.Tensor:
             link = r.link
             assert link is not None
-            x = state["x"]
             hot = link.ffn.hot
             if hot is not None and link.hot_ids is not None:
                 active = state["active"].index_select(1, link.hot_ids)
-                x = x + hot.compute(state["u"], active, link.ffn.spec.act, link.ffn.spec.relu_up)
+                y = hot.compute(state["u"], active, link.ffn.spec.act, link.ffn.spec.relu_up)
             else:
-                x = x.clone()
-            state["hot"] = x
-            return x
+                y = torch.zeros_like(state["x"])
+            state["hot"] = y
+            return y
 
         return run
 
@@ -343,26 +347,53 @@ class DeviceSpan:
         return graph, out
 
     def _attention(self, r: _Resident, x: torch.Tensor) -> torch.Tensor:
-        """The layer's attention output (1, n_embd) for one token at the position self.pos over the whole cache,
-        later rows masked."""
+        """The layer's attention output (1, n_embd) for one token at the position self.pos: on CUDA over the whole
+        cache with later rows masked (masked_attention, fixed shapes for the graph); on the CPU standing in, the
+        one-token kernel the CPU's layers and prompts use (ops.attend_one), so a token's bits do not depend on
+        whether it came in a prompt or a decode step."""
         attn = r.layer.attn
         s = attn.spec
-        H, H_kv, D = s.n_head, s.n_head_kv, s.head_dim
         q, k, v = attn._project(r.attn_norm(x))
         q, k = attn._qk_normed(q, k)
-        rot = r.table.index_select(0, self.pos)  # (1, D/2, 2)
-        cos, sin = rot[..., 0], rot[..., 1]
-        q = rotate(q.view(1, H, D), cos, sin, attn.neox)
-        k = rotate(k.view(1, H_kv, D), cos, sin, attn.neox)
-        r.k.index_copy_(0, self.pos, k)
-        r.v.index_copy_(0, self.pos, v.view(1, H_kv, D))
-        scale = s.scale if s.scale is not None else 1.0 / math.sqrt(D)
-        qg = q.view(H_kv, H // H_kv, D)  # query heads grouped by the KV head they read
-        scores = torch.matmul(qg, r.k.permute(1, 2, 0)) * scale  # (H_kv, G, n_ctx)
-        scores = scores.masked_fill(self.rows > self.pos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, r.v.transpose(0, 1))  # (H_kv, G, D)
-        return attn._out(out.reshape(1, H * D))
+        if self.device.type == "cpu":
+            pos = int(self.pos[0])
+            pairs = attn.rope_pairs
+            assert pairs is not None
+            out = ops.attend_one(q, k, v, pairs[pos], r.k, r.v, pos, attn.kc, neox=attn.neox)
+        else:
+            out = masked_attention(q, k, v, r.k, r.v, r.table, self.pos, self.rows, s, attn.neox)
+        return attn._out(out)
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    pos: torch.Tensor,
+    rows: torch.Tensor,
+    spec: AttentionSpec,
+    neox: bool,
+) -> torch.Tensor:
+    """One token's attention at the position in the device tensor pos (1,) over the whole cache (n_ctx, H_kv, D),
+    the rows after pos masked: q (1, H * D), k and v (1, H_kv * D) before RoPE; the rotated k and v written into
+    row pos; table (n_ctx, D/2, 2) the (cos, sin) pairs, rows (n_ctx,) the key positions. (1, H * D)."""
+    H, H_kv, D = spec.n_head, spec.n_head_kv, spec.head_dim
+    rot = table.index_select(0, pos)  # (1, D/2, 2)
+    cos, sin = rot[..., 0], rot[..., 1]
+    q = rotate(q.view(1, H, D), cos, sin, neox)
+    k = rotate(k.view(1, H_kv, D), cos, sin, neox)
+    k_cache.index_copy_(0, pos, k)
+    v_cache.index_copy_(0, pos, v.view(1, H_kv, D))
+    scale = spec.scale if spec.scale is not None else 1.0 / math.sqrt(D)
+    qg = q.view(H_kv, H // H_kv, D)  # query heads grouped by the KV head they read
+    scores = torch.matmul(qg, k_cache.permute(1, 2, 0)) * scale  # (H_kv, G, n_ctx)
+    scores = scores.masked_fill(rows > pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v_cache.transpose(0, 1))  # (H_kv, G, D)
+    return out.reshape(1, H * D)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
