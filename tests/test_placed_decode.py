@@ -59,7 +59,8 @@ def test_dense_ffn_of_a_pwri_file_under_ngl(sparse_file, n_gpu_layers):
 def test_sparse_file_decodes_under_every_budget(sparse_file, budget, no_index):
     """Nothing, some and every neuron (and the attention) in the stand-in pool: the CPU's logits, prompt and
     decode; with nothing pooled the layers chain into one decode stack, as without a pool."""
-    ref = _prefill_decode(Engine(sparse_file, _opts()))
+    cpu = Engine(sparse_file, _opts())
+    ref = _prefill_decode(cpu)
     engine = Engine(
         sparse_file,
         _opts(pool_device="cpu", vram_budget_gib=budget, disable_gpu_index=no_index, reset_gpu_index=True),
@@ -88,9 +89,13 @@ def test_sparse_file_decodes_under_every_budget(sparse_file, budget, no_index):
             # attention on the device with its predictor: the layer is resident (hybrid FFN), else op by op
             resident = bid in plan.kv_layers and isinstance(layer.ffn.selector.fc1, ops.DeviceWeight)
             assert isinstance(span, DeviceSpan) == resident, (budget, bid)
-    if budget == 4e-4:  # the pool served some of the decoded tokens' active neurons, the CPU the others
-        s = engine.sparse_stats
+    # every token counted once per layer, the same active neurons as on the CPU, the pool's share where it served
+    s, c = engine.sparse_stats, cpu.sparse_stats
+    assert (s.tokens == len(TOKENS)).all() and (s.active == c.active).all()
+    if budget == 4e-4:
         assert 0 < s.active_gpu.sum() < s.active.sum()
+    if budget == 1.0 and not no_index:  # every neuron pooled
+        assert (s.active_gpu == s.active).all()
 
 
 @pytest.mark.parametrize("n_gpu_layers", [1, N_LAYER, N_LAYER + 1])

@@ -164,10 +164,17 @@ class _Link:
         idx = (mask & ffn.cpu_rows).nonzero().view(-1)
         self.y.copy_(ffn.rows(self.u, idx))
         n_hot = 0 if self.hot_ids_host is None else int(mask[self.hot_ids_host].sum())
-        s, b = ffn.stats, ffn.bid
+        self._count(idx.numel(), n_hot)
+
+    def count_pooled(self) -> None:
+        """The counters of a layer with every neuron pooled, from its mask's copy on the host."""
+        self._count(0, int(self.mask.sum()))
+
+    def _count(self, n_cpu: int, n_pool: int) -> None:
+        s, b = self.ffn.stats, self.ffn.bid
         s.tokens[b] += 1
-        s.active[b] += idx.numel() + n_hot
-        s.active_gpu[b] += n_hot
+        s.active[b] += n_cpu + n_pool
+        s.active_gpu[b] += n_pool
 
 
 class DeviceSpan:
@@ -210,9 +217,9 @@ class DeviceSpan:
         # the pieces: (device work, the hybrid link whose cold part follows it, or None after the last)
         self.pieces = self._pieces()
         self.graphs_made: list[tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = [None] * len(self.pieces)
-        self.done = (
-            torch.cuda.Event() if device.type == "cuda" else None
-        )  # a stretch's copies to the host landed
+        # recorded after a piece whose copies to the host the CPU waits for
+        self.done = torch.cuda.Event() if device.type == "cuda" else None
+        self.pooled_links = [r.link for r in self.residents if r.link is not None and not r.link.has_cold]
 
     @property
     def captured(self) -> bool:
@@ -293,7 +300,9 @@ class DeviceSpan:
             return x + r.layer.ffn(u, x)
         hot = link.ffn.hot
         assert hot is not None and link.hot_ids is not None  # no cold neuron: the pool holds them all
-        active = link.ffn.selector.select(x).index_select(1, link.hot_ids)
+        mask = link.ffn.selector.select(x)
+        link.mask.copy_(mask, non_blocking=True)  # counted on the host once the span is done
+        active = mask.index_select(1, link.hot_ids)
         return x + hot.compute(u, active, link.ffn.spec.act, link.ffn.spec.relu_up)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -316,6 +325,12 @@ class DeviceSpan:
             if done is not None:
                 done.synchronize()
             link.cold()
+        if self.pooled_links:  # the layers with every neuron pooled: their masks' copies, counted
+            if done is not None:
+                done.record(torch.cuda.current_stream(self.device))
+                done.synchronize()
+            for link in self.pooled_links:
+                link.count_pooled()
         return out
 
     def _replay(self, index: int, run: Callable[[], torch.Tensor]) -> torch.Tensor:
