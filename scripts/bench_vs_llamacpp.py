@@ -47,7 +47,7 @@ from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SYNTH = "synthetic-tinyllama-1.1b"
+SYNTH = "synthetic-1.1b"  # make_synthetic_model.py names the tinyllama-1.1b shape so
 
 
 def prompt_tokens(n_vocab: int, n: int) -> list[int]:
@@ -69,7 +69,9 @@ def smollm2_q4_1() -> Path:
 
 def run(cmd: list[str]) -> None:
     print("  $ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"failed ({done.returncode}):\n{done.stderr[-4000:]}")
 
 
 def quantize(src: Path, out: Path, qtype: str, requantize: bool = False) -> None:
