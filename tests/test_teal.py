@@ -280,23 +280,43 @@ def test_grouped_products_have_the_parts_bits(precision: str, threads: int):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_fused_layer_has_the_op_by_op_bits(teal, tmp_path: Path, threads: int):
-    """A decoded token through pi_teal_layer (one call a layer) has the bits of the same layers op by op, in the
-    q8 precision the CLI runs, on the file quantized Q4_0."""
+    """A decoded token through the decode stack (every TEAL layer in one kernel call a token), through
+    pi_teal_layer one call a layer, and op by op: the same bits, in the q8 precision the CLI runs, on the file
+    quantized Q4_0. The bytes of the rows read, counted by the C kernel (stack, per layer) and by the op-by-op
+    products (torch's mask of the same test), are the same; fewer than the whole matrices (S = 0.5)."""
     _, _, result, _ = teal
     file_type = parse_file_type("q4_0")
     assert file_type is not None
     q4 = tmp_path / "teal-q4_0.powerinfer.gguf"
     quantize_model(QuantizeOptions(result.output, q4, file_type))
     tokens = [5, 9, 14, 3, 27, 8, 11]
-    rows = []
-    for fused in (True, False):
+    rows, counted = [], []
+    for mode in ("stack", "layer", "op"):
         e = Engine(q4, EngineOptions(n_ctx=64, n_threads=threads, act_precision="q8"))
-        assert all(layer.fused_layer is not None for layer in e.model.layers)
-        if not fused:
-            for layer in e.model.layers:
+        layers = e.model.layers
+        assert all(layer.fused_layer is not None for layer in layers)
+        spans = e.model.spans_for(e.kv, 0)
+        assert [(a, b, type(s).__name__) for a, b, s in spans] == [(0, len(layers), "DecodeStack")]
+        if mode != "stack":
+            e.model.stack_decode = False
+        if mode == "op":
+            for layer in layers:
                 layer.fused_layer = None
         rows.append(torch.stack([e.eval([t]) for t in tokens]))
-    assert torch.equal(rows[0], rows[1])
+        stats = e.sparse_stats
+        assert stats is not None and stats.input_tokens is not None and stats.input_bytes is not None
+        assert stats.input_tokens.tolist() == [len(tokens)] * len(layers)
+        counted.append(stats.input_bytes.copy())
+        whole = sum(
+            e.gguf.tensors[TensorNames.transposed(t.format(bid=bid))].n_bytes
+            for bid in range(len(layers))
+            for t in TensorNames.TEAL_MATRICES
+        )
+        per_token = float(stats.input_bytes.sum()) / len(tokens)
+        assert 0 < per_token < 0.8 * whole
+        assert e.read_bytes_per_token() == pytest.approx(e.weight_bytes - whole + per_token)
+    assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+    assert np.array_equal(counted[0], counted[1]) and np.array_equal(counted[0], counted[2])
 
 
 def with_tensor(src: Path, dst: Path, name: str, data: np.ndarray | None) -> Path:

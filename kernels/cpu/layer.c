@@ -443,6 +443,9 @@ typedef struct {
     pi_mat gate_up_t;                  /* (n_embd, 2 n_ff): gate's outputs, then up's */
     pi_mat down_t;                     /* (n_ff, n_embd) */
     float t_qkv, t_o, t_gate_up, t_down;
+    /* counters or NULL: tokens += 1 per call, bytes_read += the bytes of the rows each product read (its inputs
+     * above the threshold times the row stride), the counted share of the matrices a token reads */
+    int64_t *tokens, *bytes_read;
 } pi_teal_layer_desc;
 
 static size_t teal_layer_scratch(int64_t E, int64_t H, int64_t Hkv, int64_t D, int64_t F, int64_t n_ctx) {
@@ -470,11 +473,20 @@ static int teal_mat_ok(const pi_mat *m, int64_t n_rows, int64_t n_cols) {
     return !kind_is_block(m->kind) || n_cols % QK == 0;
 }
 
+/* The bytes of m's rows a product with inputs h reads: the rows whose input is not skipped (h != 0 and
+ * |h| > t, the axpy's own test) times the row stride. */
+static int64_t teal_read_bytes(const pi_mat *m, const float *h, float t) {
+    int64_t n = 0;
+    for (int64_t k = 0; k < m->n_rows; k++) n += h[k] != 0.0f && !(fabsf(h[k]) <= t);
+    return n * m->stride;
+}
+
 /* This thread's part of y = sum over |h[k]| > t of h[k] * m[k] (m transposed, one row per input), as
  * pi_rows_axpy_<type> computes it for one token (the same chains whatever the team size); ends at a barrier when
- * the team has more than one thread. */
+ * the team has more than one thread. Thread 0 adds the bytes read to *bytes when bytes is not NULL. */
 static void teal_axpy(axpy_units_fn units, const pi_mat *m, const float *h, float t, int q8, float *y, float *chains,
-                      int64_t me, int64_t all) {
+                      int64_t me, int64_t all, int64_t *bytes) {
+    if (bytes != NULL && me == 0) *bytes += teal_read_bytes(m, h, t);
     const axpy_ctx c = {.w = m->w, .w_stride = m->stride, .idx = NULL, .M = m->n_rows, .D = m->n_cols,
                         .unit_bytes = axpy_unit_bytes(m->kind), .h = h, .h_stride = m->n_rows, .T = 1, .y = y,
                         .y_stride = m->n_cols, .coef_bf16 = q8 != 0 && type_coef_bf16(m->kind),
@@ -529,32 +541,34 @@ PI_EXPORT int32_t pi_teal_layer(const pi_teal_layer_desc *b, float *x, float *kc
         const int64_t e0 = E * me / all, e1 = E * (me + 1) / all;
 #pragma omp single
         rms_norm_row(x, b->attn_norm, E, b->attn_eps, xn);
-        teal_axpy(units, &b->qkv_t, xn, b->t_qkv, q8, qkv, chains, me, all);
+        teal_axpy(units, &b->qkv_t, xn, b->t_qkv, q8, qkv, chains, me, all, b->bytes_read);
         attn_decode_part(level, qkv, qkv + n_q, qkv + n_q + n_kv, rope, kc, vc, pos, H, Hkv, D, b->scale, scores,
                          att, me, all, b->rope_neox != 0);
 #pragma omp barrier
-        teal_axpy(units, &b->o_t, att, b->t_o, q8, y, chains, me, all);
+        teal_axpy(units, &b->o_t, att, b->t_o, q8, y, chains, me, all, b->bytes_read);
         for (int64_t n = e0; n < e1; n++) x[n] += y[n];
 #pragma omp barrier
 #pragma omp single
         rms_norm_row(x, b->ffn_norm, E, b->ffn_eps, xn);
-        teal_axpy(units, &b->gate_up_t, xn, b->t_gate_up, q8, gu, chains, me, all);
+        teal_axpy(units, &b->gate_up_t, xn, b->t_gate_up, q8, gu, chains, me, all, b->bytes_read);
         for (int64_t f = F * me / all; f < F * (me + 1) / all; f++)
             h[f] = ffn_act(act, gu[f]) * (relu_up ? relu_f(gu[F + f]) : gu[F + f]);
 #pragma omp barrier
-        teal_axpy(units, &b->down_t, h, b->t_down, q8, y, chains, me, all);
+        teal_axpy(units, &b->down_t, h, b->t_down, q8, y, chains, me, all, b->bytes_read);
         for (int64_t n = e0; n < e1; n++) x[n] += y[n];
     }
+    if (b->tokens != NULL) *b->tokens += 1;
     return PI_OK;
 }
 
 /* ---- a decode step's layer stack ------------------------------------------------------------------------------- */
 
-enum { STACK_FFN_DENSE = 0, STACK_FFN_SPARSE = 1, STACK_FFN_CATS = 2 };
+enum { STACK_FFN_DENSE = 0, STACK_FFN_SPARSE = 1, STACK_FFN_CATS = 2, STACK_TEAL = 3 };
 
 /* One layer of one sequence: its attention block with that sequence's cache rows and the RoPE table, then its
- * FFN block of kind ffn_kind (STACK_FFN_*: pi_ffn_block, pi_sparse_ffn_block or pi_cats_ffn_block). The ctypes
- * mirror is powerinfer/ops/layer.py. */
+ * FFN block of kind ffn_kind (STACK_FFN_*: pi_ffn_block, pi_sparse_ffn_block or pi_cats_ffn_block); or, with
+ * ffn_kind STACK_TEAL, the whole layer as pi_teal_layer (ffn: its pi_teal_layer_desc, attn unused, the attention
+ * scratch its scratch). The ctypes mirror is powerinfer/ops/layer.py. */
 typedef struct {
     const pi_attn_block_desc *attn;
     float *k_cache, *v_cache; /* (n_ctx, n_head_kv, head_dim) each */
@@ -577,7 +591,15 @@ PI_EXPORT int32_t pi_decode_stack(const pi_stack_layer *layers, int64_t n_layers
     if (layers == NULL || n_layers < 0 || x == NULL || pos < 0) return PI_ERR_SHAPE;
     for (int64_t l = 0; l < n_layers; l++) {
         const pi_stack_layer *L = &layers[l];
-        if (L->attn == NULL || L->ffn == NULL || L->rope == NULL || pos >= L->n_positions) return PI_ERR_SHAPE;
+        if (L->ffn == NULL || L->rope == NULL || pos >= L->n_positions) return PI_ERR_SHAPE;
+        if (L->ffn_kind == STACK_TEAL) {
+            const pi_teal_layer_desc *t = (const pi_teal_layer_desc *)L->ffn;
+            const int32_t status = pi_teal_layer(t, x, L->k_cache, L->v_cache, L->n_ctx, pos, L->rope + pos * t->head_dim,
+                                                 attn_scratch, attn_bytes, q8, n_threads, isa);
+            if (status != PI_OK) return status;
+            continue;
+        }
+        if (L->attn == NULL) return PI_ERR_SHAPE;
         int32_t status = pi_attn_block(L->attn, x, L->k_cache, L->v_cache, L->n_ctx, pos,
                                        L->rope + pos * L->attn->head_dim, attn_scratch, attn_bytes, q8, n_threads, isa);
         if (status != PI_OK) return status;

@@ -393,6 +393,8 @@ def fuse_teal_layer(
     )
     if layer is not None:
         attn.workspace.reserve("teal_layer", layer.scratch_bytes(n_ctx))
+        # in a decode stack (ops.decode_stack) the layer runs on the attention blocks' scratch
+        attn.workspace.reserve("attn_block", layer.scratch_bytes(n_ctx))
     return layer
 
 

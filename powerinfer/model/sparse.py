@@ -56,11 +56,17 @@ class SparseStats:
     # and of those the ones the selector marked active
     true_active: np.ndarray | None = None
     true_hit: np.ndarray | None = None
+    # (n_layer,) int64 each: the tokens a TEAL file's layers computed and the bytes of the transposed rows their
+    # input-sparse products read (ops.InputMeter)
+    input_tokens: np.ndarray | None = None
+    input_bytes: np.ndarray | None = None
 
     @classmethod
     def zeros(cls, n_layer: int) -> SparseStats:
         stats = cls(*(np.zeros(n_layer, dtype=np.int64) for _ in range(4)))
         stats.predictor_s = np.zeros(n_layer, dtype=np.float64)
+        stats.input_tokens = np.zeros(n_layer, dtype=np.int64)
+        stats.input_bytes = np.zeros(n_layer, dtype=np.int64)
         return stats
 
     @property

@@ -257,13 +257,15 @@ class Transformer:
 
     def spans_for(self, kv: KVStore, seq: int) -> list[Span]:
         """Sequence seq's layers as spans (start, stop, stack or device span): each longest run of layers that
-        chain (a fused attention block and a fused dense, sparse or CATS FFN block, no pre-attention hook, one
-        workspace and one kernel context) as one kernel call (ops.decode_stack), each longest run of layers the
+        chain (a fused attention block and a fused dense, sparse or CATS FFN block, or a fused TEAL layer; no
+        pre-attention hook, one workspace and one kernel context) as one kernel call (ops.decode_stack), each longest run of layers the
         span maker accepts as one device span, every other layer a span of its own (None). Made on first use and
         again when a layer's fused blocks or hook change; none of them while recall is tracked (perplexity runs
         the sparse FFNs op by op) or with stack_decode False."""
         blocks = tuple(
-            b for layer in self.layers for b in (layer.fused_attn, layer.fused_ffn, layer.pre_attn)
+            b
+            for layer in self.layers
+            for b in (layer.fused_attn, layer.fused_ffn, layer.pre_attn, layer.fused_layer)
         )
         key = (id(kv), seq)
         entry = self._spans.get(key)
@@ -273,7 +275,7 @@ class Transformer:
         spans = entry[2]
         if not self.stack_decode or any(
             isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None
-            for ffn in blocks[1::3]
+            for ffn in blocks[1::4]
         ):
             return [(bid, bid + 1, None) for bid in range(len(self.layers))]
         return spans
@@ -298,13 +300,16 @@ class Transformer:
             parts = []
             for bid in run:
                 layer = self.layers[bid]
-                attn, ffn = layer.fused_attn, layer.fused_ffn
-                assert attn is not None and ffn is not None and layer.attn.rope_pairs is not None
-                block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
                 k, v = kv.layer_view(bid).slot(seq)
-                parts.append(
-                    (attn, k, v, layer.attn.rope_pairs, block)
-                )  # decode_stack refuses what it can't chain
+                pairs = layer.attn.rope_pairs
+                assert pairs is not None
+                if layer.fused_layer is not None:  # a TEAL layer: the whole layer as one block
+                    parts.append((layer.fused_layer, k, v, pairs, None))
+                    continue
+                attn, ffn = layer.fused_attn, layer.fused_ffn
+                assert attn is not None and ffn is not None
+                block = ffn.block if isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) else ffn
+                parts.append((attn, k, v, pairs, block))  # decode_stack refuses what it can't chain
             stack = ops.decode_stack(parts, parts[0][0].kc)  # type: ignore[arg-type]
             if stack is None:
                 spans.extend((bid, bid + 1, None) for bid in run)
@@ -315,8 +320,10 @@ class Transformer:
         workspace = self.layers[0].attn.workspace if self.layers else None
         for bid, layer in enumerate(self.layers):
             chains = (
-                layer.fused_attn is not None
-                and layer.fused_ffn is not None
+                (
+                    layer.fused_layer is not None
+                    or (layer.fused_attn is not None and layer.fused_ffn is not None)
+                )
                 and layer.pre_attn is None
                 and layer.attn.workspace is workspace
                 and layer.attn.rope_pairs is not None

@@ -55,7 +55,7 @@ from powerinfer.ops.sparse import (
     rows_matmul,
     rows_matmul_ref,
 )
-from powerinfer.ops.weights import DeviceWeight, InputSparseWeight, QWeight, weight_rows
+from powerinfer.ops.weights import DeviceWeight, InputMeter, InputSparseWeight, QWeight, weight_rows
 
 __all__ = [
     "ACTIVATIONS",
@@ -82,6 +82,7 @@ __all__ = [
     "ATTN_KERNEL_MAX_POS",
     "ISA_NAMES",
     "DeviceWeight",
+    "InputMeter",
     "InputSparseWeight",
     "KernelContext",
     "QWeight",

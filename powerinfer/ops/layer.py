@@ -109,6 +109,7 @@ class _TealDesc(ctypes.Structure):  # pi_teal_layer_desc
         ("attn_eps", _f32), ("ffn_eps", _f32), ("scale", _f32), ("act", _i32), ("relu_up", _i32), ("rope_neox", _i32),
         ("attn_norm", _ptr), ("ffn_norm", _ptr), ("qkv_t", _Mat), ("o_t", _Mat), ("gate_up_t", _Mat),
         ("down_t", _Mat), ("t_qkv", _f32), ("t_o", _f32), ("t_gate_up", _f32), ("t_down", _f32),
+        ("tokens", _ptr), ("bytes_read", _ptr),
     ]  # fmt: skip
 
 
@@ -309,12 +310,16 @@ def teal_layer(
         return None
     an, fn = norms
     assert an is not None and fn is not None
+    # the layer's counters (qkv's meter: the layer's tokens and the bytes of every product's rows), else none
+    meter = qkv.meter
+    tokens = None if meter is None else meter.tokens.ctypes.data
+    bytes_read = None if meter is None else meter.bytes_read.ctypes.data
     desc = _TealDesc(
         n_embd, n_head, n_head_kv, head_dim, n_ff, attn_norm[1], ffn_norm[1], head_dim**-0.5, activation_code(act),
         int(relu_up), int(neox), an.data_ptr(), fn.data_ptr(), *mats, qkv.threshold, wo.threshold,
-        gate_up.threshold, down.threshold,
+        gate_up.threshold, down.threshold, tokens, bytes_read,
     )  # fmt: skip
-    return TealLayer(desc, (an, fn, qkv, wo, gate_up, down), kc)
+    return TealLayer(desc, (an, fn, qkv, wo, gate_up, down, meter), kc)
 
 
 def ffn_block(
@@ -514,8 +519,9 @@ class _StackLayer(ctypes.Structure):  # pi_stack_layer
     ]  # fmt: skip
 
 
-# the FFN blocks pi_decode_stack chains (its STACK_FFN_* codes)
+# the FFN blocks pi_decode_stack chains (its STACK_FFN_* codes); a whole TEAL layer is its STACK_TEAL
 _STACK_FFN_KINDS: dict[type, int] = {FFNBlock: 0, SparseFFNBlock: 1, CATSFFNBlock: 2}
+_STACK_TEAL = 3
 
 
 class DecodeStack:
@@ -533,33 +539,43 @@ class DecodeStack:
         self._call = lib.decode_stack
 
     def __call__(
-        self, x: torch.Tensor, pos: int, attn_scratch: torch.Tensor, ffn_scratch: torch.Tensor
+        self, x: torch.Tensor, pos: int, attn_scratch: torch.Tensor, ffn_scratch: torch.Tensor | None
     ) -> None:
         """x (1, n_embd) float32 contiguous CPU at position pos, updated in place; the scratch buffers of the blocks
-        (their largest scratch_bytes)."""
+        (their largest scratch_bytes: the attention one also a TEAL layer's; None for FFN blocks where every layer
+        is a TEAL layer)."""
         kc = self.kc
+        ffn_ptr, ffn_bytes = (
+            (None, 0) if ffn_scratch is None else (ffn_scratch.data_ptr(), ffn_scratch.numel())
+        )
         status = self._call(
             self.layers, self.n_layers, x.data_ptr(), pos, attn_scratch.data_ptr(), attn_scratch.numel(),
-            ffn_scratch.data_ptr(), ffn_scratch.numel(), kc.act_precision == "q8", kc.threads_now, kc.level,
+            ffn_ptr, ffn_bytes, kc.act_precision == "q8", kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
             check_status(status, "decode_stack")
 
 
 def decode_stack(
-    layers: list[tuple[AttnBlock, torch.Tensor, torch.Tensor, torch.Tensor, _FFNBlockBase]], kc: KernelContext
+    layers: list[tuple[AttnBlock, torch.Tensor, torch.Tensor, torch.Tensor, _FFNBlockBase | None]],
+    kc: KernelContext,
 ) -> DecodeStack | None:
     """The stack of these layers, each (attention block, its k and v cache rows (n_ctx, H_kv, D) float32 contiguous
-    for the sequence, its RoPE pairs table (n_positions, D / 2, 2), FFN block), all of context kc; None where the
-    kernels cannot chain them (an FFN block of another kind, a block of another context, a cache or table that does
-    not fit its block)."""
+    for the sequence, its RoPE pairs table (n_positions, D / 2, 2), FFN block), or (TEAL layer, k, v, pairs, None):
+    the whole layer as TealLayer computes it; all of context kc. None where the kernels cannot chain them (an FFN
+    block of another kind, a block of another context, a cache or table that does not fit its block)."""
     lib = library.load()
     if lib is None or not layers:
         return None
     array = (_StackLayer * len(layers))()
     for i, (attn, k, v, pairs, ffn) in enumerate(layers):
-        kind = _STACK_FFN_KINDS.get(type(ffn))
-        if kind is None or attn.kc is not kc or ffn.kc is not kc or ffn.n_embd != attn.n_embd:
+        if isinstance(attn, TealLayer):
+            kind = _STACK_TEAL if ffn is None and attn.kc is kc else None
+        else:
+            kind = _STACK_FFN_KINDS.get(type(ffn))
+        if kind is None or attn.kc is not kc:
+            return None
+        if ffn is not None and (ffn.kc is not kc or ffn.n_embd != attn.n_embd):
             return None
         if (
             k.dtype is not torch.float32
@@ -573,8 +589,9 @@ def decode_stack(
             or pairs.numel() != pairs.shape[0] * attn.head_dim
         ):
             return None
+        block = attn if ffn is None else ffn
         array[i] = _StackLayer(
             ctypes.addressof(attn.desc), k.data_ptr(), v.data_ptr(), k.shape[0], pairs.data_ptr(), pairs.shape[0],
-            kind, 0, ctypes.addressof(ffn.desc),
+            kind, 0, ctypes.addressof(block.desc),
         )  # fmt: skip
     return DecodeStack(array, tuple(layers), kc)

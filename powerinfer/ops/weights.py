@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from powerinfer.errors import PlacementError
@@ -145,6 +146,16 @@ class DeviceWeight:
 
 
 @dataclass(frozen=True, eq=False)
+class InputMeter:
+    """One layer's counters of its input-sparse products (views of one element each into SparseStats's
+    `input_tokens` and `input_bytes`, int64): the tokens the layer computed (counted by the product that reads the
+    layer's input, `counts_tokens`) and the bytes of the transposed rows the products read."""
+
+    tokens: np.ndarray
+    bytes_read: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
 class InputSparseWeight:
     """A matrix W (N, K) kept transposed, w_t = W.T (K, N) in its file's ggml blocks, whose product skips the
     inputs with |x_k| <= threshold (TEAL, Liu et al. 2024): y = sum over |x_k| > threshold of x_k * w_t[k], so a
@@ -158,6 +169,8 @@ class InputSparseWeight:
     on_device: ClassVar[bool] = True  # the ops hand it to its own linear / axpy
     w_t: QWeight
     threshold: float
+    meter: InputMeter | None = None  # where `linear` counts the rows it reads (None: not counted)
+    counts_tokens: bool = False  # `linear` also counts its tokens as the layer's (the layer's first product)
 
     def __post_init__(self) -> None:
         t = float(self.threshold)
@@ -194,7 +207,8 @@ class InputSparseWeight:
         ):
             return None
         raw = torch.cat([p.w_t.raw for p in parts], dim=1)
-        return cls(QWeight(raw, kind, (n_in, sum(p.w_t.shape[1] for p in parts))), first.threshold)
+        w_t = QWeight(raw, kind, (n_in, sum(p.w_t.shape[1] for p in parts)))
+        return cls(w_t, first.threshold, first.meter, any(p.counts_tokens for p in parts))
 
     def linear(self, x: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:
         """y = x_masked @ W.T: x (..., K) -> (..., N) float32, the inputs at or below the threshold skipped."""
@@ -202,6 +216,12 @@ class InputSparseWeight:
         if x.shape[-1] != n_cols:
             raise ValueError(f"linear: x has {x.shape[-1]} features, weight {self.shape} expects {n_cols}")
         x2 = x.reshape(-1, n_cols).to("cpu")
+        meter = self.meter
+        if meter is not None:  # rows_axpy's own test of an input it reads: h != 0 and not |h| <= threshold
+            read = int(((x2 != 0) & ~(x2.abs() <= self.threshold)).sum())
+            meter.bytes_read[0] += read * self.w_t.raw.stride(0)
+            if self.counts_tokens:
+                meter.tokens[0] += x2.shape[0]
         return rows_axpy(x2, self.w_t, None, kc, self.threshold).view(*x.shape[:-1], self.w_t.shape[1])
 
     def axpy(self, h: torch.Tensor, kc: KernelContext | None = None) -> torch.Tensor:

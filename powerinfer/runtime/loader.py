@@ -83,7 +83,20 @@ class Loader:
                 raise FormatError(
                     f"tensor '{printable(thr_name)}' holds {threshold}: expected a finite value >= 0"
                 )
-        return ops.InputSparseWeight(w_t, threshold)
+        return ops.InputSparseWeight(w_t, threshold, *self._input_meter(name))
+
+    def _input_meter(self, name: str) -> tuple[ops.InputMeter | None, bool]:
+        """The counters of the layer a TEAL matrix belongs to (its bytes read, and its tokens when the matrix is
+        the layer's first, q), or None where nothing counts."""
+        stats = self.stats
+        if stats is None or stats.input_tokens is None or stats.input_bytes is None:
+            return None, False
+        for bid in range(stats.input_tokens.size):
+            first, *rest = (t.format(bid=bid) for t in TensorNames.TEAL_MATRICES)
+            if name == first or name in rest:
+                span = slice(bid, bid + 1)
+                return ops.InputMeter(stats.input_tokens[span], stats.input_bytes[span]), name == first
+        return None, False
 
     def host_matrix(self, name: str, shape: tuple[int, int] | None = None) -> ops.QWeight:
         info = self._info(name)

@@ -72,13 +72,30 @@ def sparse_mode(config: ModelConfig) -> str:
     return "sparse (PWRI, TEAL)" if config.sparse_method == "teal" else "sparse (PWRI)"
 
 
+def teal_counted(m: AssembledModel) -> bool:
+    """Whether every layer of a TEAL file has counted the rows its tokens read (ops.InputMeter)."""
+    s = m.sparse_stats
+    return s is not None and s.input_tokens is not None and bool((s.input_tokens > 0).all())
+
+
 def teal_skipped_bytes(m: AssembledModel) -> float:
-    """Bytes of a TEAL file's transposed matrices a token skips, estimated at each layer's calibrated sparsity
-    (the share of inputs below the thresholds on the calibration text; the kernels do not count rows)."""
+    """Bytes of a TEAL file's transposed matrices a token skips: counted (the rows the products read, per token of
+    each layer) once every layer has computed a token, else estimated at each layer's calibrated sparsity (the
+    share of inputs below the thresholds on the calibration text)."""
+    tensors = m.gguf.tensors
+    s = m.sparse_stats
+    if teal_counted(m):
+        assert s is not None and s.input_tokens is not None and s.input_bytes is not None
+        whole = sum(
+            info.n_bytes
+            for bid in range(m.config.n_layer)
+            for template in TensorNames.TEAL_MATRICES
+            if (info := tensors.get(TensorNames.transposed(template.format(bid=bid)))) is not None
+        )
+        return whole - float((s.input_bytes / s.input_tokens).sum())
     shares = m.gguf.metadata.get(Keys.SPARSITY_LAYER_SPARSITY)
     if not isinstance(shares, np.ndarray) or shares.shape != (m.config.n_layer,):
         return 0.0
-    tensors = m.gguf.tensors
     skipped = 0.0
     for bid, share in enumerate(shares.tolist()):
         for template in TensorNames.TEAL_MATRICES:
@@ -155,7 +172,10 @@ def sparse_report(m: AssembledModel) -> list[str]:
         if not head_lines and not teal:
             return []
         target = m.gguf.metadata.get(Keys.SPARSITY_TARGET)
-        how = f", TEAL input thresholds at the calibrated sparsity {target:.2f}" if teal else ""
+        how = ""
+        if teal:
+            count = "counted" if teal_counted(m) else "estimated"
+            how = f", {count}; TEAL input thresholds at the calibrated sparsity {target:.2f}"
         return [
             *head_lines,
             f"sparse: ~{read_bytes_per_token(m) / 2**20:.1f} MiB of "
