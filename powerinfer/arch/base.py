@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops
+from powerinfer.arch.rope_scaling import rope_spec
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
@@ -19,7 +20,7 @@ from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, N
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.sparse import PredictorSelector, SparseFFN, ThresholdFFN
-from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
+from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec
 from powerinfer.model.transformer import Layer, Transformer
 from powerinfer.printable import printable
 from powerinfer.quant import check_weight_type
@@ -310,23 +311,6 @@ def head_size(m: MetadataView, n_embd: int, n_head: int) -> int:
     if value_dim != head_dim:
         raise ConfigError(f"value length {value_dim} != key length {head_dim} (unsupported)")
     return int(head_dim)
-
-
-def rope_spec(m: MetadataView, kind: str, head_dim: int) -> RopeSpec:
-    """Full-head RoPE of `kind` with the file's frequency base and linear scaling."""
-    rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
-    if rope_dim != head_dim:
-        raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
-    scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
-    if scaling not in ("none", "linear"):
-        raise ConfigError(f"unsupported rope scaling type '{printable(scaling)}'")
-    rope_scale = m.optional(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0
-    if rope_scale <= 0:
-        raise ConfigError(f"rope scaling factor must be positive (got {rope_scale})")
-    rope_base = m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float)
-    if rope_base <= 0:
-        raise ConfigError(f"rope frequency base must be positive (got {rope_base})")
-    return RopeSpec(kind, head_dim, rope_base, rope_scale)
 
 
 @dataclass(frozen=True)
