@@ -124,8 +124,8 @@ def effective_metadata(gguf: GGUFFile, overrides: RopeOverrides | None = None) -
         scaling = overrides.scaling or out.get(Keys.ROPE_SCALING_TYPE.format(arch=arch), "linear")
         if overrides.freq_scale is not None and scaling == "none":
             raise InputError(
-                "--rope-scale / --rope-freq-scale need a scaling type: the model's is none (add --rope-scaling "
-                "linear or yarn)"
+                "--rope-scale / --rope-freq-scale do nothing with RoPE scaling type none (the model's or "
+                "--rope-scaling's): use --rope-scaling linear or yarn"
             )
         out |= {key.format(arch=arch): value for key, value in overrides.keys().items()}
     return out
