@@ -263,3 +263,99 @@ def test_scale_without_a_scaling_type_is_refused(tmp_path: Path):
         Engine(plain, EngineOptions(rope=RopeOverrides(scaling="none", freq_scale=0.5)))
     with pytest.raises(ConfigError, match="unsupported rope scaling type"):
         load_spec({"llama.rope.scaling.type": "longrope"})
+
+
+def span_engine(path: Path, device: str) -> Engine:
+    """Every layer and the head on the pool device (`device`; "cpu" stands in): one-token steps run as a
+    device span over the layers' device copies of the scaled (cos, sin) tables."""
+    options = EngineOptions(act_precision="f32", n_ctx=128, n_threads=2, pool_device=device, n_gpu_layers=3)
+    return Engine(path, options)
+
+
+@pytest.mark.parametrize("kind", ["yarn", "llama3"])
+def test_device_span_uses_the_scaled_tables(kind: str, tmp_path: Path):
+    """Prompt, then decode through the span (CPU standing in for the device). Measured: 6.6e-7 relative, as the
+    CPU's own path (the stand-in runs the same kernels)."""
+    model = hf_llama(kind)
+    path = converted(model, tmp_path / kind)
+    tokens = prompt()
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0]
+    engine = span_engine(path, "cpu")
+    n_prompt = N_TOKENS - 8
+    first = engine.logits_all(tokens[:n_prompt])
+    rest = torch.stack([engine.eval([t]) for t in tokens[n_prompt:]])
+    assert rel(torch.cat([first, rest]), ref) < 5e-6
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("kind", ["yarn", "llama3"])
+def test_cuda_span_uses_the_scaled_tables(kind: str, tmp_path: Path):
+    """The same on CUDA (masked_attention over the device table, captured graphs), f32 weights."""
+    model = hf_llama(kind)
+    path = converted(model, tmp_path / kind)
+    tokens = prompt()
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0]
+    engine = span_engine(path, "cuda")
+    n_prompt = N_TOKENS - 8
+    first = engine.logits_all(tokens[:n_prompt]).cpu()
+    rest = torch.stack([engine.eval([t]).cpu() for t in tokens[n_prompt:]])
+    assert rel(torch.cat([first, rest]), ref) < 1e-4
+
+
+def test_gemma3_local_layers_keep_their_rope():
+    """Gemma 3's sliding layers rotate with base 10000 and no scaling whatever the file and the command line say
+    (llama.cpp's freq_base_swa); its global layers take both."""
+    from powerinfer.arch.gemma3 import SWA_ROPE_BASE, Gemma3Config
+
+    keys = {
+        "general.architecture": "gemma3",
+        "gemma3.context_length": 128,
+        "gemma3.embedding_length": 64,
+        "gemma3.block_count": 6,
+        "gemma3.feed_forward_length": 128,
+        "gemma3.attention.head_count": 4,
+        "gemma3.attention.layer_norm_rms_epsilon": 1e-6,
+        "gemma3.attention.sliding_window": 8,
+        "gemma3.rope.scaling.type": "linear",
+        "gemma3.rope.scaling.factor": 8.0,
+        "tokenizer.ggml.tokens": TINY_TOKENS,
+    }
+    overrides = RopeOverrides(scaling="yarn", freq_base=2e6, yarn_orig_ctx=64)
+    c = Gemma3Config.from_gguf(
+        keys | {k.format(arch="gemma3"): v for k, v in overrides.keys().items()}, False
+    )
+    assert c.local_rope == RopeSpec("neox", 16, SWA_ROPE_BASE)
+    g = c.attention.rope
+    assert g is not None and (g.base, g.scale, g.ext_factor, g.n_ctx_orig) == (2e6, 8.0, 1.0, 64)
+
+
+def test_moe_checkpoint_with_yarn_matches_transformers(tmp_path: Path):
+    """A Qwen2-MoE checkpoint with YaRN (arch/moe.py builds its own per-layer RoPE from the same spec), converted
+    by the MoE converter. Measured: 7.1e-7 to 8.6e-7 relative over prompt, chunks of 7 and decode."""
+    transformers = pytest.importorskip("transformers")
+    from test_arch_moe import hf_model
+    from test_arch_qwen import write_qwen_tokenizer
+
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
+        tie_word_embeddings=False, intermediate_size=512, moe_intermediate_size=256,
+        shared_expert_intermediate_size=96, num_experts=8, norm_topk_prob=False,
+        rope_parameters={"rope_theta": 1e6} | SCALINGS["yarn"],
+    )  # fmt: skip
+    model = hf_model(config, 3)
+    model.save_pretrained(tmp_path)
+    write_qwen_tokenizer(tmp_path)
+    path = convert_hf_to_gguf(tmp_path, tmp_path / "model.gguf", outtype="f32")
+    assert read_gguf(path).metadata["qwen2moe.rope.scaling.type"] == "yarn"
+    tokens = torch.randint(3, 300, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0]
+    for n_batch in (512, 7):
+        engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=128, n_batch=n_batch, n_threads=2))
+        assert rel(engine.logits_all(tokens), ref) < 5e-6, n_batch
+    engine = Engine(path, EngineOptions(act_precision="f32", n_ctx=128, n_threads=1))
+    assert rel(torch.stack([engine.eval([t]) for t in tokens]), ref) < 5e-6
