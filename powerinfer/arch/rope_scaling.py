@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from powerinfer.arch.metadata import MetadataView
 from powerinfer.errors import ConfigError, FormatError, InputError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames
 from powerinfer.model.specs import RopeSpec
 from powerinfer.printable import printable
 
 if TYPE_CHECKING:
-    from powerinfer.arch.base import MetadataView
     from powerinfer.gguf.reader import GGUFFile
 
 SCALING_TYPES = ("none", "linear", "yarn")

@@ -19,8 +19,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch import build_model, load_config
-from powerinfer.arch.rope_scaling import RopeOverrides
+from powerinfer.arch import RopeOverrides, build_model, load_config
 from powerinfer.device.span import SpanMaker
 from powerinfer.errors import ConfigError, InputError, PlacementError
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
