@@ -24,6 +24,7 @@ from powerinfer.arch import (
     qwen3moe,
     smallthinker,
 )
+from powerinfer.arch.rope_scaling import RopeOverrides, effective_metadata
 from powerinfer.errors import FormatError
 from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile
@@ -71,10 +72,11 @@ def architecture(gguf: GGUFFile) -> Architecture:
     return ARCHITECTURES[arch]
 
 
-def load_config(gguf: GGUFFile) -> ModelConfig:
-    """The model config of a parsed GGUF file, checked against the file's tensors (types and shapes)."""
+def load_config(gguf: GGUFFile, rope: RopeOverrides | None = None) -> ModelConfig:
+    """The model config of a parsed GGUF file, checked against the file's tensors (types and shapes); `rope`:
+    the command line's RoPE overrides."""
     arch = architecture(gguf)
-    config = arch.config(gguf.metadata, gguf.is_sparse)
+    config = arch.config(effective_metadata(gguf, rope), gguf.is_sparse)
     arch.check(config, gguf)
     return config
 

@@ -12,6 +12,8 @@ import numpy as np
 import torch
 
 from powerinfer import ops
+from powerinfer.arch.metadata import MetadataView
+from powerinfer.arch.rope_scaling import rope_spec
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
@@ -19,60 +21,10 @@ from powerinfer.model.blocks import FFN, Attention, DenseFFN, Embedding, Head, N
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.sparse import PredictorSelector, SparseFFN, ThresholdFFN
-from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
+from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec
 from powerinfer.model.transformer import Layer, Transformer
 from powerinfer.printable import printable
 from powerinfer.quant import check_weight_type
-
-
-class MetadataView:
-    """Reads `{arch}`-templated keys from GGUF metadata with type checks and clear errors."""
-
-    def __init__(self, metadata: dict[str, Any], arch: str) -> None:
-        self.metadata = metadata
-        self.arch = arch
-
-    def _key(self, template: str) -> str:
-        return template.format(arch=self.arch)
-
-    def require(self, template: str, kind: type = int, minimum: float | None = None) -> Any:
-        key = self._key(template)
-        if key not in self.metadata:
-            raise ConfigError(f"missing required metadata key '{key}'")
-        return self._cast(key, self.metadata[key], kind, minimum)
-
-    def optional(self, template: str, default: Any, kind: type = int, minimum: float | None = None) -> Any:
-        key = self._key(template)
-        if key not in self.metadata:
-            return default
-        return self._cast(key, self.metadata[key], kind, minimum)
-
-    @staticmethod
-    def _cast(key: str, value: Any, kind: type, minimum: float | None = None, infinite: bool = False) -> Any:
-        """`value` as `kind` (str, int or float): integers must be stored as integers, floats as numbers, finite
-        unless `infinite`; ConfigError for any other type, NaN, a negative integer or a value below `minimum`."""
-        if kind is str:
-            if not isinstance(value, str):
-                raise ConfigError(f"metadata key '{key}' should be a string, got {type(value).__name__}")
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise ConfigError(f"metadata key '{key}' should be a number, got {type(value).__name__}")
-        if kind is int:
-            if not isinstance(value, (int, np.integer)):
-                raise ConfigError(f"metadata key '{key}' should be an integer, got {printable(value)}")
-            out: int | float = int(value)
-            if out < 0:
-                raise ConfigError(f"metadata key '{key}' must not be negative (got {out})")
-        else:
-            out = float(value)
-            if math.isnan(out):
-                raise ConfigError(f"metadata key '{key}' is NaN")
-            if math.isinf(out) and not infinite:
-                raise ConfigError(f"metadata key '{key}' must be finite (got {out})")
-        if minimum is not None and out < minimum:
-            raise ConfigError(f"metadata key '{key}' must be at least {minimum} (got {out})")
-        return out
-
 
 # Our converter records the FFN activation; GGUF itself has no key for it (spec 8.6).
 ACTIVATION_KEY = "powerinfer.ffn_activation"
@@ -310,23 +262,6 @@ def head_size(m: MetadataView, n_embd: int, n_head: int) -> int:
     if value_dim != head_dim:
         raise ConfigError(f"value length {value_dim} != key length {head_dim} (unsupported)")
     return int(head_dim)
-
-
-def rope_spec(m: MetadataView, kind: str, head_dim: int) -> RopeSpec:
-    """Full-head RoPE of `kind` with the file's frequency base and linear scaling."""
-    rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
-    if rope_dim != head_dim:
-        raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
-    scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
-    if scaling not in ("none", "linear"):
-        raise ConfigError(f"unsupported rope scaling type '{printable(scaling)}'")
-    rope_scale = m.optional(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0
-    if rope_scale <= 0:
-        raise ConfigError(f"rope scaling factor must be positive (got {rope_scale})")
-    rope_base = m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float)
-    if rope_base <= 0:
-        raise ConfigError(f"rope frequency base must be positive (got {rope_base})")
-    return RopeSpec(kind, head_dim, rope_base, rope_scale)
 
 
 @dataclass(frozen=True)

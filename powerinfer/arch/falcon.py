@@ -25,13 +25,14 @@ from powerinfer.arch.base import (
     sparse_method,
     sparse_threshold,
 )
+from powerinfer.arch.rope_scaling import rope_spec
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.constants import Keys, TensorNames, bias_of
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.blocks import Attention, Embedding, Head, Rope
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
-from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
+from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec
 from powerinfer.model.transformer import Layer, Transformer
 
 
@@ -45,12 +46,6 @@ class FalconConfig(ModelConfig):
         if n_embd % n_head:
             raise ConfigError(f"embedding length {n_embd} is not divisible by head count {n_head}")
         head_dim = n_embd // n_head
-        rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
-        if rope_dim != head_dim:
-            raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
-        rope_base = m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float)
-        if rope_base <= 0:
-            raise ConfigError(f"rope frequency base must be positive (got {rope_base})")
         n_head_kv = m.optional(Keys.HEAD_COUNT_KV, n_head, minimum=1)
         n_layer = m.require(Keys.BLOCK_COUNT, minimum=1)
         method, thresholds = sparse_method(metadata, sparse, n_layer)
@@ -66,7 +61,7 @@ class FalconConfig(ModelConfig):
             n_layer=n_layer,
             n_ff=m.require(Keys.FEED_FORWARD_LENGTH, minimum=1),
             attention=AttentionSpec(
-                n_head, n_head_kv, head_dim, RopeSpec("neox", head_dim, rope_base), fused_qkv=True
+                n_head, n_head_kv, head_dim, rope_spec(m, "neox", head_dim), fused_qkv=True
             ),
             ffn=FFNSpec(act="relu" if sparse else ffn_activation(metadata, "gelu"), gated=False),
             norm=NormSpec("layer", m.require(Keys.LAYERNORM_EPS, float, minimum=0.0)),

@@ -27,6 +27,7 @@ from powerinfer.arch.base import (
     sparse_method,
     sparse_threshold,
 )
+from powerinfer.arch.rope_scaling import rope_spec
 from powerinfer.errors import ConfigError
 from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile
@@ -35,7 +36,6 @@ from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
 from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
 from powerinfer.model.transformer import Layer, Transformer
-from powerinfer.printable import printable
 
 SWA_PATTERN = 6  # llama.cpp: layers il % 6 < 5 slide, the 6th is global
 SWA_ROPE_BASE = 10000.0
@@ -71,19 +71,9 @@ class Gemma3Config(ModelConfig):
             raise ConfigError(
                 f"value length {m.optional(Keys.VALUE_LENGTH, head_dim)} != key length {head_dim}"
             )
-        rope_dim = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
-        if rope_dim != head_dim:
-            raise ConfigError(f"rope dimension {rope_dim} != head size {head_dim} (partial RoPE unsupported)")
         if m.optional(Keys.FINAL_LOGIT_SOFTCAPPING, 0.0, float) != 0.0:
             key = Keys.FINAL_LOGIT_SOFTCAPPING.format(arch=arch)
             raise ConfigError(f"metadata key '{key}' is set: logit soft-capping is unsupported")
-        scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
-        if scaling not in ("none", "linear"):
-            raise ConfigError(f"unsupported rope scaling type '{printable(scaling)}'")
-        rope_scale = m.optional(Keys.ROPE_SCALING_FACTOR, 1.0, float) if scaling == "linear" else 1.0
-        rope_base = m.optional(Keys.ROPE_FREQ_BASE, 1_000_000.0, float)
-        if rope_scale <= 0 or rope_base <= 0:
-            raise ConfigError(f"rope base {rope_base} and scaling factor {rope_scale} must be positive")
         window = m.optional(Keys.SLIDING_WINDOW, 0) or None  # 0 or absent: every layer global
         default_scale = (n_embd // n_head if n_layer == N_LAYER_27B else head_dim) ** -0.5
         scale = m.optional(Keys.ATTENTION_SCALE, default_scale, float)
@@ -100,7 +90,7 @@ class Gemma3Config(ModelConfig):
                 n_head,
                 n_head_kv,
                 head_dim,
-                RopeSpec("neox", head_dim, rope_base, rope_scale),
+                rope_spec(m, "neox", head_dim, default_base=1_000_000.0),
                 qk_norm=NormSpec("rms", eps),
                 scale=scale,
             ),

@@ -25,13 +25,14 @@ from powerinfer.arch.base import (
     sparse_method,
     sparse_threshold,
 )
+from powerinfer.arch.rope_scaling import rope_spec
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import Keys, TensorNames
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.blocks import Attention, Embedding, Head, Norm, Rope
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.source import WeightSource
-from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec, RopeSpec
+from powerinfer.model.specs import AttentionSpec, FFNSpec, NormSpec
 from powerinfer.model.transformer import Layer, Transformer
 from powerinfer.printable import printable
 
@@ -52,13 +53,10 @@ class Phi3Config(ModelConfig):
         head_dim = n_embd // n_head
         n_rot = m.optional(Keys.ROPE_DIMENSION_COUNT, head_dim)
         scaling = m.optional(Keys.ROPE_SCALING_TYPE, "none", str)
-        if scaling != "none":
+        if scaling in ("su", "longrope"):
             raise ConfigError(
                 f"unsupported rope scaling type '{printable(scaling)}' (LongRoPE/su: not supported)"
             )
-        rope_base = m.optional(Keys.ROPE_FREQ_BASE, 10000.0, float)
-        if rope_base <= 0:
-            raise ConfigError(f"rope frequency base must be positive (got {rope_base})")
         n_layer = m.require(Keys.BLOCK_COUNT, minimum=1)
         method, thresholds = sparse_method(metadata, sparse, n_layer)
         return cls(
@@ -72,7 +70,7 @@ class Phi3Config(ModelConfig):
                 n_head,
                 m.optional(Keys.HEAD_COUNT_KV, n_head, minimum=1),
                 head_dim,
-                RopeSpec("neox", n_rot, rope_base),
+                rope_spec(m, "neox", head_dim, n_rot),
                 sliding_window=m.optional(Keys.SLIDING_WINDOW, 0) or None,
             ),
             ffn=FFNSpec(act=ffn_activation(metadata, "silu"), gated=True),

@@ -32,6 +32,7 @@ from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION as ENGINE_DEFAULT_
 from powerinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from powerinfer.arch.rope_scaling import RopeOverrides
     from powerinfer.runtime.engine import EngineOptions
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,78 @@ DistTimeoutOpt = Annotated[
 ]
 LogDisableOpt = Annotated[bool, typer.Option("--log-disable", help="Print no log lines, only results.")]
 
+# -- RoPE scaling (llama.cpp's names and meanings; unset: the model file's, see arch.rope_scaling) ---------------
+RopeScalingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rope-scaling",
+        help="RoPE frequency scaling: none, linear or yarn (default: the model's).",
+        metavar="{none,linear,yarn}",
+        show_default=False,
+    ),
+]
+RopeScaleOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--rope-scale",
+        help="RoPE context scaling factor: the context grows N times (= 1 / --rope-freq-scale).",
+        metavar="N",
+        show_default=False,
+    ),
+]
+RopeFreqBaseOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--rope-freq-base",
+        help="RoPE base frequency (default: the model's).",
+        metavar="N",
+        show_default=False,
+    ),
+]
+RopeFreqScaleOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--rope-freq-scale",
+        help="RoPE frequency scaling factor: the context grows 1/N times.",
+        metavar="N",
+        show_default=False,
+    ),
+]
+YarnOrigCtxOpt = Annotated[
+    int,
+    typer.Option(
+        "--yarn-orig-ctx", help="YaRN: the model's original context size (0 = the model's).", metavar="N"
+    ),
+]
+YarnExtFactorOpt = Annotated[
+    float,
+    typer.Option(
+        "--yarn-ext-factor",
+        help="YaRN: extrapolation mix factor (< 0: the model's; 1 for yarn, 0 else).",
+        metavar="N",
+    ),
+]
+YarnAttnFactorOpt = Annotated[
+    float,
+    typer.Option(
+        "--yarn-attn-factor",
+        help="YaRN: scale of the attention magnitude (< 0: the model's, 1).",
+        metavar="N",
+    ),
+]
+YarnBetaFastOpt = Annotated[
+    float,
+    typer.Option(
+        "--yarn-beta-fast", help="YaRN: low correction dimension (< 0: the model's, 32).", metavar="N"
+    ),
+]
+YarnBetaSlowOpt = Annotated[
+    float,
+    typer.Option(
+        "--yarn-beta-slow", help="YaRN: high correction dimension (< 0: the model's, 1).", metavar="N"
+    ),
+]
+
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k sampling (<= 0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")]
@@ -234,10 +307,41 @@ class EngineArgs:
     memory_limit: MemoryLimitOpt = None
     pipeline_split: PipelineSplitOpt = None
     dist_timeout: DistTimeoutOpt = 60.0
+    # RoPE scaling
+    rope_scaling: RopeScalingOpt = None
+    rope_scale: RopeScaleOpt = None
+    rope_freq_base: RopeFreqBaseOpt = None
+    rope_freq_scale: RopeFreqScaleOpt = None
+    yarn_orig_ctx: YarnOrigCtxOpt = 0
+    yarn_ext_factor: YarnExtFactorOpt = -1.0
+    yarn_attn_factor: YarnAttnFactorOpt = -1.0
+    yarn_beta_fast: YarnBetaFastOpt = -1.0
+    yarn_beta_slow: YarnBetaSlowOpt = -1.0
 
     def model_path(self) -> Path:
         """-m, or the default model (see `app.console.resolve_model`)."""
         return resolve_model(self.model)
+
+    def rope_overrides(self) -> RopeOverrides | None:
+        """The RoPE options as overrides of the model's keys, checked (InputError); None when none is given."""
+        from powerinfer.arch.rope_scaling import RopeOverrides
+
+        for option, value in (("--rope-scale", self.rope_scale), ("--rope-freq-scale", self.rope_freq_scale)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise InputError(f"{option} must be a positive number, got {value}")
+        if self.rope_scale is not None and self.rope_freq_scale is not None:
+            raise InputError("give --rope-scale or --rope-freq-scale, not both (one is 1 / the other)")
+        overrides = RopeOverrides(
+            scaling=self.rope_scaling,
+            freq_base=self.rope_freq_base,
+            freq_scale=self.rope_freq_scale if self.rope_scale is None else 1.0 / self.rope_scale,
+            yarn_orig_ctx=self.yarn_orig_ctx,
+            yarn_ext_factor=self.yarn_ext_factor,
+            yarn_attn_factor=self.yarn_attn_factor,
+            yarn_beta_fast=self.yarn_beta_fast,
+            yarn_beta_slow=self.yarn_beta_slow,
+        )
+        return overrides if overrides != RopeOverrides() else None
 
     def options(self, **fields: Any) -> EngineOptions:
         """EngineOptions from these options, checked (threads clamped, budget and device parsed, the pipeline
@@ -262,6 +366,7 @@ class EngineArgs:
             n_cpu_moe=n_cpu_moe(self.n_cpu_moe),
             override_tensor=tuple(self.override_tensor or ()),
             memory_limit_gib=self.memory_limit,
+            rope=self.rope_overrides(),
         )
         values.update(fields)
         if "pipeline" not in values:

@@ -27,6 +27,7 @@ from powerinfer.convert.common import (
 )
 from powerinfer.convert.families import CLASS_NAMES, FAMILIES, Family, extra_shape
 from powerinfer.convert.predictor import Predictors, load_predictors
+from powerinfer.convert.rope import RopeScaling
 from powerinfer.convert.vocab import load_vocab, read_json
 from powerinfer.errors import ConfigError, FormatError, InputError
 from powerinfer.gguf.constants import QUANT_SIZES, GGMLType, Keys, TensorNames, ValueType
@@ -73,7 +74,7 @@ class HFConfig:
     n_head_kv: int
     rms_eps: float
     rope_theta: float | None
-    rope_scale: float | None  # linear RoPE scaling factor
+    rope_scaling: RopeScaling  # linear, YaRN or Llama 3 scaling (convert.rope)
     activation: str
     family: Family = FAMILIES["llama"]
     head_dim: int = 0  # 0: n_embd / n_head
@@ -127,12 +128,6 @@ class HFConfig:
             if theta_cfg.get("rope_theta") is not None
             else None
         )
-        scaling_type = scaling.get("rope_type", scaling.get("type")) or "default"
-        rope_scale = None
-        if scaling_type == "linear":
-            rope_scale = config_number(scaling, path, "factor", float)
-        elif scaling_type != "default":
-            raise ConfigError(f"{printable(str(path))}: unsupported RoPE scaling '{printable(scaling_type)}'")
         activation = cfg.get("hidden_act", "silu")
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise ConfigError(
@@ -149,7 +144,7 @@ class HFConfig:
             n_head_kv=n_head_kv,
             rms_eps=need("rms_norm_eps", float),
             rope_theta=rope_theta,
-            rope_scale=rope_scale,
+            rope_scaling=RopeScaling.from_config(cfg, path),
             activation=activation,
             family=family,
             head_dim=head_dim if free else n_embd // n_head,
@@ -330,9 +325,8 @@ def _add_metadata(
         w.add(k(Keys.SLIDING_WINDOW), c.sliding_window, u32)
     if c.rope_theta is not None:
         w.add(k(Keys.ROPE_FREQ_BASE), c.rope_theta, ValueType.FLOAT32)
-    if c.rope_scale is not None:
-        w.add(k(Keys.ROPE_SCALING_TYPE), "linear", ValueType.STRING)
-        w.add(k(Keys.ROPE_SCALING_FACTOR), c.rope_scale, ValueType.FLOAT32)
+    for key, value, kind in c.rope_scaling.keys(c.arch):
+        w.add(key, value, kind)
     w.add(Keys.FILE_TYPE, file_type, u32)
     if predictors is not None and predictors.threshold is not None:
         w.add(Keys.SPARSE_THRESHOLD, predictors.threshold, ValueType.FLOAT32)
@@ -344,7 +338,11 @@ def _add_metadata(
 def _tensors(
     ckpt: Checkpoint, c: HFConfig, mapping: dict[str, str], sparse: bool, predictors: Predictors | None
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(GGUF name, row-major array) pairs, in checkpoint order, then the predictors layer by layer."""
+    """(GGUF name, row-major array) pairs: Llama 3's rope_freqs first (as llama.cpp's converter writes it), the
+    checkpoint's in its order, then the predictors layer by layer."""
+    factors = c.rope_scaling.freq_factors(c.head_dim)
+    if factors is not None:
+        yield TensorNames.ROPE_FREQS, factors
     for gguf_name, hf_name in mapping.items():
         data = ckpt.get(hf_name)
         if gguf_name.endswith(".attn_q.weight") and c.family.permute_qk:
@@ -426,6 +424,7 @@ def convert_checkpoint(
     _add_metadata(writer, c, hf_dir.resolve().name, file_type, predictors)
     vocab.add_to(writer)
     total = len(mapping) + (2 * c.n_layer if predictors is not None else 0)
+    total += c.rope_scaling.freq_factors(c.head_dim) is not None
     write_tensors(writer, _tensors(ckpt, c, mapping, sparse, predictors), total, matrix_type, on_tensor)
     return ConversionResult(
         outfile, sparse, outtype, len(writer.tensors), len(writer.kv), outfile.stat().st_size

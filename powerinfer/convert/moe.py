@@ -28,6 +28,7 @@ from powerinfer.convert.common import (
     config_number,
     write_tensors,
 )
+from powerinfer.convert.rope import RopeScaling
 from powerinfer.convert.vocab import load_vocab
 from powerinfer.errors import ConfigError, FormatError
 from powerinfer.gguf.constants import GGMLType, Keys, TensorNames, ValueType
@@ -137,10 +138,6 @@ class MoEShape:
 
 def _rope_theta(cfg: dict[str, Any], path: Path) -> float | None:
     params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    kind = (scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None) or "default"
-    if kind != "default":
-        raise ConfigError(f"{printable(str(path))}: unsupported RoPE scaling '{printable(kind)}'")
     theta = cfg.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
     return None if theta is None else config_number({"rope_theta": theta}, path, "rope_theta", float)
 
@@ -184,9 +181,14 @@ def _metadata(w: GGUFWriter, cfg: dict[str, Any], path: Path, family: Family) ->
         w.add(k(Keys.ROPE_DIMENSION_COUNT), head_dim, U32)
     w.add(k(Keys.HEAD_COUNT), n_head, U32)
     w.add(k(Keys.HEAD_COUNT_KV), n_head_kv, U32)
+    scaling = RopeScaling.from_config(cfg, path)
+    if scaling.kind == "llama3":
+        raise ConfigError(f"{printable(str(path))}: unsupported RoPE scaling 'llama3' for MoE checkpoints")
     theta = _rope_theta(cfg, path)
     if theta is not None:
         w.add(k(Keys.ROPE_FREQ_BASE), theta, F32)
+    for key, value, kind in scaling.keys(arch):
+        w.add(key, value, kind)
     w.add(k(Keys.LAYERNORM_RMS_EPS), need("rms_norm_eps", float), F32)
     if cfg.get("head_dim") is not None and family.arch != "llama":
         w.add(k(Keys.KEY_LENGTH), head_dim, U32)

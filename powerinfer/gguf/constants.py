@@ -84,6 +84,12 @@ class Keys:
     ROPE_FREQ_BASE = "{arch}.rope.freq_base"
     ROPE_SCALING_TYPE = "{arch}.rope.scaling.type"
     ROPE_SCALING_FACTOR = "{arch}.rope.scaling.factor"
+    ROPE_SCALING_ATTN_FACTOR = "{arch}.rope.scaling.attn_factor"
+    ROPE_SCALING_ORIG_CTX_LEN = "{arch}.rope.scaling.original_context_length"
+    ROPE_SCALING_YARN_EXT_FACTOR = "{arch}.rope.scaling.yarn_ext_factor"
+    ROPE_SCALING_YARN_ATTN_FACTOR = "{arch}.rope.scaling.yarn_attn_factor"
+    ROPE_SCALING_YARN_BETA_FAST = "{arch}.rope.scaling.yarn_beta_fast"
+    ROPE_SCALING_YARN_BETA_SLOW = "{arch}.rope.scaling.yarn_beta_slow"
     VOCAB_SIZE = "{arch}.vocab_size"
     # mixture of experts (llama.cpp's names; expert_gating_func: 1 softmax, 2 sigmoid)
     EXPERT_COUNT = "{arch}.expert_count"

@@ -7,6 +7,7 @@ output is on the device of its last weight; the transformer moves the residual w
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -67,11 +68,9 @@ class Rope:
 
     def __init__(self, spec: RopeSpec, n_ctx: int) -> None:
         self.spec = spec
-        half = spec.n_rot // 2
-        inv_freq = 1.0 / (spec.base ** (torch.arange(0, half, dtype=torch.float64) * 2 / spec.n_rot))
-        pos = torch.arange(n_ctx, dtype=torch.float64) / spec.scale
-        angles = torch.outer(pos, inv_freq)
-        table = torch.polar(torch.ones_like(angles), angles).to(torch.complex64)  # (n_ctx, n_rot/2)
+        angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64), rope_frequencies(spec))
+        magnitude = torch.full_like(angles, spec.magnitude)
+        table = torch.polar(magnitude, angles).to(torch.complex64)  # (n_ctx, n_rot/2)
         self.tables = {torch.device("cpu"): table}
         # the same rotations as (cos, sin) float pairs (n_ctx, n_rot/2, 2), for the decode-attention kernel
         self.pairs = torch.view_as_real(table).contiguous()
@@ -96,6 +95,34 @@ class Rope:
             x1, x2 = x[..., :half], x[..., half:n_rot]
             out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return out if n_rot == D else torch.cat((out, x[..., n_rot:]), dim=-1)
+
+
+def yarn_correction_dims(spec: RopeSpec) -> tuple[float, float]:
+    """The pair range YaRN ramps over (llama.cpp's ggml_rope_yarn_corr_dims): pair i of n_rot turns
+    n_ctx_orig / (2 pi base^(2i/n_rot)) times over the original context; the ramp runs from the pair turning
+    beta_fast times (floored) to the one turning beta_slow times (ceiled), within [0, n_rot - 1]."""
+
+    def dim(n_turns: float) -> float:
+        return spec.n_rot * math.log(spec.n_ctx_orig / (n_turns * 2 * math.pi)) / (2 * math.log(spec.base))
+
+    return max(0.0, math.floor(dim(spec.beta_fast))), min(spec.n_rot - 1.0, math.ceil(dim(spec.beta_slow)))
+
+
+def rope_frequencies(spec: RopeSpec) -> torch.Tensor:
+    """Angle per position of each rotated pair (n_rot/2,) float64, as llama.cpp's rope computes it: base^(-2i/n_rot)
+    divided by the pair's frequency factor (llama3), scaled by 1/scale, and with YaRN mixed with the unscaled
+    frequency by ext_factor times a ramp that is 1 for the fast pairs and 0 for the slow ones."""
+    half = spec.n_rot // 2
+    pair = torch.arange(half, dtype=torch.float64)
+    extrapolated = spec.base ** (-2.0 * pair / spec.n_rot)
+    if spec.freq_factors is not None:
+        extrapolated = extrapolated / torch.tensor(spec.freq_factors, dtype=torch.float64)
+    interpolated = extrapolated / spec.scale
+    if not spec.ext_factor:
+        return interpolated
+    low, high = yarn_correction_dims(spec)
+    ramp = (1.0 - ((pair - low) / max(0.001, high - low)).clamp(0.0, 1.0)) * spec.ext_factor
+    return interpolated * (1.0 - ramp) + extrapolated * ramp
 
 
 def identity_pairs(n_ctx: int, half: int) -> torch.Tensor:

@@ -33,13 +33,29 @@ class RopeSpec:
     kind: str = "adjacent"
     n_rot: int = 0
     base: float = 10000.0
-    scale: float = 1.0  # linear scaling: positions are divided by it
+    scale: float = 1.0  # linear scaling (1 / llama.cpp's freq_scale): positions are divided by it
+    # YaRN (llama.cpp's ggml rope): the share of each pair's unscaled frequency, ramped between the correction
+    # dimensions that beta_fast / beta_slow rotations over n_ctx_orig positions give (0: linear scaling only)
+    ext_factor: float = 0.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    n_ctx_orig: int = 0
+    magnitude: float = 1.0  # cos and sin are multiplied by it (YaRN's mscale times the attention factors)
+    freq_factors: tuple[float, ...] | None = None  # per-pair frequency divisors (rope_freqs.weight: llama3)
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_KINDS:
             raise ConfigError(f"unknown RoPE kind '{self.kind}' (known: {', '.join(ROPE_KINDS)})")
         if self.n_rot <= 0 or self.n_rot % 2:
             raise ConfigError(f"RoPE dimension count must be positive and even (got {self.n_rot})")
+        if not self.base > 0 or not self.scale > 0:
+            raise ConfigError(f"RoPE base {self.base} and scaling factor {self.scale} must be positive")
+        if self.ext_factor and self.n_ctx_orig <= 0:
+            raise ConfigError(f"YaRN needs the original context length (got {self.n_ctx_orig})")
+        if self.freq_factors is not None and len(self.freq_factors) != self.n_rot // 2:
+            raise ConfigError(
+                f"rope_freqs has {len(self.freq_factors)} frequency factors, RoPE rotates {self.n_rot // 2} pairs"
+            )
 
 
 @dataclass(frozen=True)

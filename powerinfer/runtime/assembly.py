@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from powerinfer import ops
-from powerinfer.arch import build_model, load_config
+from powerinfer.arch import RopeOverrides, build_model, load_config
 from powerinfer.device.span import SpanMaker
 from powerinfer.errors import ConfigError, InputError, PlacementError
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
@@ -98,6 +98,7 @@ class EngineOptions:
     # resident size when the model is assembled)
     memory_limit_gib: float | None = None
     memory_runtime_bytes: int | None = None
+    rope: RopeOverrides | None = None  # the command line's RoPE scaling options (arch.rope_scaling)
 
 
 def kernel_context(options: EngineOptions) -> ops.KernelContext:
@@ -177,7 +178,7 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
     if o.n_seq < 1:
         raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
     gguf = read_gguf(model_path)
-    c = load_config(gguf)
+    c = load_config(gguf, o.rope)
     stage: Stage | None = None
     if o.pipeline is not None:  # this rank's layers only: a view of the file with n_layer of them
         from powerinfer.runtime.pipeline import plan_stage, stage_view
