@@ -1,0 +1,241 @@
+"""Context shift (runtime.context_shift): the KV cache after a shift against a plain-torch reference that re-rotates
+the kept keys as llama.cpp does, and the logits the engine gives over it.
+
+The reference un-rotates each moved key from its old position p and rotates it to p - n_discard in float64
+(rotating a key at p by delta is rotating its raw value by the angle of p + delta). Recomputing the kept tokens at
+their new positions would be another thing: the later layers' keys and values of the kept tokens were computed
+attending to the tokens the shift drops, and the shift keeps them so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_script, random_llama_state, write_llama_gguf, write_relu_sparse_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from powerinfer.model.blocks import Rope
+from powerinfer.model.specs import RopeSpec
+from powerinfer.runtime.context_shift import held_tokens, resolve_keep, truncate_prompt
+from powerinfer.runtime.engine import Engine, EngineOptions
+from powerinfer.runtime.generate import Generator, GenParams
+from powerinfer.runtime.kv_cache import KVCache
+
+F64 = torch.float64
+
+
+def ref_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
+    """x (T, H, D) rotated for positions (T,) in float64, written from the RoPE definition."""
+    x = x.to(F64)
+    half = spec.n_rot // 2
+    inv_freq = spec.base ** (-torch.arange(half, dtype=F64) * 2 / spec.n_rot)
+    angles = (positions.to(F64) / spec.scale)[:, None] * inv_freq  # (T, half)
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    out = x.clone()
+    if spec.kind == "adjacent":
+        a, b = x[..., 0 : spec.n_rot : 2], x[..., 1 : spec.n_rot : 2]
+        out[..., 0 : spec.n_rot : 2], out[..., 1 : spec.n_rot : 2] = a * cos - b * sin, a * sin + b * cos
+    else:
+        a, b = x[..., :half], x[..., half : spec.n_rot]
+        out[..., :half], out[..., half : spec.n_rot] = a * cos - b * sin, a * sin + b * cos
+    return out
+
+
+def ref_shift(
+    keys: torch.Tensor, values: torch.Tensor, specs: list[RopeSpec | None], n_keep: int, n_discard: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A slot's keys and values (n_layer, n, H, D) after dropping n_discard positions after n_keep, the moved keys
+    rotated from p to p - n_discard through their raw (unrotated) values."""
+    n = keys.shape[1]
+    old = torch.arange(n_keep + n_discard, n)
+    out_k = []
+    for k, spec in zip(keys, specs, strict=True):
+        moved = k[n_keep + n_discard :].to(F64)
+        if spec is not None:
+            raw = ref_rope(moved, -old, spec)  # rotating by -p undoes the rotation for p
+            moved = ref_rope(raw, old - n_discard, spec)
+        out_k.append(torch.cat((k[:n_keep].to(F64), moved)))
+    out_v = torch.cat((values[:, :n_keep], values[:, n_keep + n_discard :]), dim=1)
+    return torch.stack(out_k).float(), out_v
+
+
+SPECS = {
+    "adjacent": RopeSpec("adjacent", 16),
+    "neox": RopeSpec("neox", 16, base=1e6),
+    "partial-neox": RopeSpec("neox", 8, base=500.0),
+    "partial-adjacent-scaled": RopeSpec("adjacent", 12, scale=4.0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECS))
+def test_kv_shift_matches_the_reference_rotation(kind: str):
+    """Keys written at their positions and shifted: the kept rows stay, the moved ones equal the raw keys rotated
+    for their new positions (and a layer without RoPE only moves its rows)."""
+    spec = SPECS[kind]
+    n_ctx, H, D, n, n_keep, n_discard = 64, 2, 16, 61, 5, 28
+    torch.manual_seed(0)
+    raw = torch.randn(2, n, H, D, dtype=F64)
+    values = torch.randn(2, n, H, D)
+    kv = KVCache(2, n_ctx, H, D)
+    rope = Rope(spec, n_ctx)
+    positions = torch.arange(n)
+    rotated = [ref_rope(raw[0], positions, spec).float(), raw[1].float()]  # layer 1 has no RoPE
+    kv.write_slot(0, torch.stack(rotated), values)
+    kv.shift(0, n_keep, n_discard, [rope.shift, None])
+    assert kv.n_past[0] == n - n_discard
+    keys, got_v = kv.read_slot(0, n - n_discard)
+    kept = torch.cat((torch.arange(n_keep), torch.arange(n_keep + n_discard, n)))
+    new_pos = torch.arange(n - n_discard)
+    want0 = ref_rope(raw[0][kept], new_pos, spec)
+    err = ((keys[0].to(F64) - want0).abs().max() / want0.abs().max()).item()
+    assert err < 5e-7, err  # measured 5.6e-8 (partial neox) .. 9.5e-8 (adjacent): one float32 rotation
+    assert torch.equal(keys[1], raw[1].float()[kept]) and torch.equal(got_v, values[:, kept])
+
+
+def tiny_llama(folder: Path) -> Path:
+    return write_llama_gguf(folder / "llama.gguf", random_llama_state(n_head_kv=2), n_head=4, n_head_kv=2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    """Files and engine options of each placement: dense (adjacent RoPE), sparse PWRI (ReLU, predictors), MoE
+    (neox RoPE; SmallThinker with its RoPE-less layers) and the dense file on the pool device's spans."""
+    root = tmp_path_factory.mktemp("shift")
+    llama = tiny_llama(root)
+    sparse = write_relu_sparse_model(root / "sparse.gguf", n_ff=256, seed=1)
+    moe = {p.name: p for p in load_script("make_synthetic_moe").generate(
+        root, ["qwen3moe", "smallthinker"], "tiny", ["q4_0"], seed=0
+    )}  # fmt: skip
+    qwen3moe = next(p for name, p in moe.items() if "qwen3moe" in name)
+    smallthinker = next(p for name, p in moe.items() if "smallthinker" in name)
+    return {
+        "dense": (llama, {}),
+        "sparse": (sparse, {}),
+        "qwen3moe": (qwen3moe, {}),
+        "smallthinker": (smallthinker, {}),
+        "pool-spans": (llama, dict(pool_device="cpu", n_gpu_layers=99)),
+    }
+
+
+def engine(path: Path, n_ctx: int, **fields) -> Engine:
+    return Engine(path, EngineOptions(act_precision="f32", n_ctx=n_ctx, n_threads=1, **fields))
+
+
+def layer_specs(e: Engine) -> list[RopeSpec | None]:
+    return [None if layer.attn.rope is None else layer.attn.rope.spec for layer in e.model.layers]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("name", ["dense", "sparse", "qwen3moe", "smallthinker", "pool-spans"])
+def test_logits_after_a_shift_match_the_reference_cache(models, name: str):
+    """Fill a context, shift it, decode: the logits equal those decoded over the reference's shifted cache."""
+    path, fields = models[name]
+    n_ctx = 48
+    tokens = [(7 * i + 3) % 200 + 3 for i in range(n_ctx - 1)]
+    e = engine(path, n_ctx, **fields)
+    e.prefill(0, tokens[:-1])
+    e.decode([0], tokens[-1:])  # a device span made before the shift keeps its views of the cache
+    n_keep, n_discard = 4, (len(tokens) - 4) // 2
+    e.shift(0, n_keep, n_discard)
+    assert e.kv.n_past[0] == len(tokens) - n_discard
+    got = e.decode([0], [42])[0]
+
+    ref = engine(path, n_ctx, **fields)
+    ref.prefill(0, tokens)
+    keys, values = ref.kv.read_slot(0, len(tokens))
+    specs = layer_specs(ref)
+    if name == "smallthinker":
+        assert None in specs and any(s is not None for s in specs)  # layers with and without RoPE
+    k2, v2 = ref_shift(keys, values, specs, n_keep, n_discard)
+    ref.kv.write_slot(0, k2, v2)
+    want = ref.decode([0], [42])[0]
+    # measured: dense 2.5e-7, sparse 2.7e-7, qwen3moe 1.7e-7, smallthinker 1.7e-7, pool-spans 2.5e-7
+    assert rel(got, want) < 1e-6
+    # the rows moved without re-rotating their keys: measured 0.028 (smallthinker) .. 1.08 (sparse)
+    ref.kv.write_slot(0, torch.cat((keys[:, :n_keep], keys[:, n_keep + n_discard :]), dim=1), v2)
+    assert rel(ref.decode([0], [42])[0], want) > 1e-2
+
+
+class Recorder:
+    """A greedy sampler that keeps every logits row it is given."""
+
+    def __init__(self) -> None:
+        self.rows: list[torch.Tensor] = []
+        self.seed = 0
+
+    def __call__(self, logits: torch.Tensor, history: list[int]) -> int:
+        self.rows.append(logits.clone())
+        return int(torch.argmax(logits))
+
+
+@pytest.fixture(scope="module")
+def pair(models) -> tuple[Engine, Engine]:
+    path = models["dense"][0]
+    return engine(path, 24), engine(path, 24)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n_prompt=st.integers(1, 20), keep=st.integers(-1, 25), n_predict=st.integers(1, 70))
+def test_generator_shifts_as_the_reference(pair, n_prompt: int, keep: int, n_predict: int):
+    """Random prompt lengths and --keep values: the loop's logits at every step equal a reference loop that shifts
+    its cache with ref_shift at llama.cpp's points (n_past + 1 >= n_ctx, n_discard = (n_past - n_keep) / 2), and
+    the slot ends up holding `held_tokens`."""
+    e, ref = pair
+    n_ctx = e.n_ctx
+    prompt = [1] + [(5 * i + 11) % 250 + 3 for i in range(n_prompt - 1)]
+    n_keep = resolve_keep(keep, len(prompt), add_bos=True)
+    assert n_keep == (len(prompt) if keep < 0 or keep > len(prompt) else min(keep + 1, len(prompt)))
+    gen = Generator(e, keep=True)
+    recorder = Recorder()
+    params = GenParams(n_predict=n_predict, ignore_eos=True, context_shift=True, n_keep=n_keep)
+    events = gen.start(0, prompt, params, recorder)  # type: ignore[arg-type]
+    while gen.live:
+        events += gen.step()
+    seq = events[-1].seq
+    assert seq is not None and seq.end == "length" and seq.n_gen == n_predict
+
+    # the reference: the same tokens, its own shifts
+    specs = layer_specs(ref)
+    ref.free(0)
+    logits = ref.prefill(0, prompt)
+    held = list(prompt)
+    shifts = []
+    eog = sorted(e.tokenizer.eog_ids)
+    live = torch.ones(logits.shape[0], dtype=torch.bool)
+    live[eog] = False
+    for i, token in enumerate(seq.history[len(prompt) :]):
+        want = logits.clone()
+        want[eog] = float("-inf")  # ignore_eos bans them
+        assert rel(recorder.rows[i][live], want[live]) < 2e-6, (i, shifts)  # measured <= 5.4e-7
+        assert token == int(torch.argmax(want))
+        if i == n_predict - 1:
+            break
+        n_past = ref.kv.n_past[0]
+        if n_past + 1 >= n_ctx:
+            n_discard = (n_past - n_keep) // 2
+            keys, values = ref.kv.read_slot(0, n_past)
+            ref.kv.write_slot(0, *ref_shift(keys, values, specs, n_keep, n_discard))
+            held = held[:n_keep] + held[n_keep + n_discard :]
+            shifts.append((n_keep, n_discard))
+        logits = ref.decode([0], [token])[0]
+        held.append(token)
+    assert seq.shifts == shifts
+    held.append(seq.history[-1])
+    assert held_tokens(seq) == held
+    assert e.kv.n_past[0] == len(held) - 1  # the last token was sampled, not evaluated
+
+
+def test_truncate_prompt_keeps_n_keep_and_the_end():
+    """llama-server's cut: n_keep tokens, then the end, whole blocks of (n_ctx - n_keep) / 2 dropped between."""
+    prompt = list(range(100))
+    assert truncate_prompt(prompt, 128, 4) == prompt
+    cut = truncate_prompt(prompt, 40, 4)  # block 18: (100 - 4 - 18) // 18 = 4 blocks, 72 tokens dropped
+    assert cut == list(range(4)) + list(range(76, 100)) and len(cut) < 40
+    cut = truncate_prompt(list(range(40)), 40, 0)  # a prompt of exactly n_ctx is cut too
+    assert cut == list(range(20, 40))
