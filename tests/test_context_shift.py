@@ -13,18 +13,30 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import load_script, random_llama_state, write_llama_gguf, write_relu_sparse_model
+from conftest import (
+    assert_one_error_line,
+    load_script,
+    random_llama_state,
+    write_llama_gguf,
+    write_relu_sparse_model,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from server_helpers import live_server, request
+from typer.testing import CliRunner
 
+from powerinfer.cli import app
 from powerinfer.model.blocks import Rope
 from powerinfer.model.specs import RopeSpec
 from powerinfer.runtime.context_shift import held_tokens, resolve_keep, truncate_prompt
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.runtime.kv_cache import KVCache
+from powerinfer.sampling import Sampler, SamplingParams
+from powerinfer.server import ServerOptions
 
 F64 = torch.float64
+runner = CliRunner()
 
 
 def ref_rope(x: torch.Tensor, positions: torch.Tensor, spec: RopeSpec) -> torch.Tensor:
@@ -239,3 +251,95 @@ def test_truncate_prompt_keeps_n_keep_and_the_end():
     assert cut == list(range(4)) + list(range(76, 100)) and len(cut) < 40
     cut = truncate_prompt(list(range(40)), 40, 0)  # a prompt of exactly n_ctx is cut too
     assert cut == list(range(20, 40))
+
+
+# ---------------------------------------------------------------------- main and the server
+GREEDY = SamplingParams(temp=0.0)
+
+
+def reference_text(path: Path, n_ctx: int, prompt: list[int], n: int, n_keep: int) -> tuple[list[int], str]:
+    """Greedy tokens and text of the library's loop with context shift (the path `main` takes)."""
+    e = engine(path, n_ctx)
+    ids = list(e.generate(prompt, Sampler(GREEDY), n_predict=n, ignore_eos=True, n_keep=n_keep))
+    return ids, e.tokenizer.decode(ids, strip_leading_space=False)
+
+
+def test_main_shifts_and_writes_every_token(models):
+    """-c 32 -n 100: a hundred tokens, as the library's loop with --keep 2 (+ BOS) gives them; the prompt
+    tokens it keeps are in the `generate:` line."""
+    path = models["dense"][0]
+    args = ["main", "-m", str(path), "-c", "32", "-n", "100", "--temp", "0", "--ignore-eos", "-t", "1"]
+    result = runner.invoke(app, [*args, "--keep", "2", "-p", "a b c", "--no-display-prompt"])
+    assert result.exit_code == 0, result.stderr
+    prompt = engine(path, 32).tokenizer.encode("a b c", add_bos=None, parse_special=True)
+    assert prompt[0] == 1  # the tiny vocabulary adds BOS: --keep 2 keeps 3 tokens
+    ids, text = reference_text(path, 32, prompt, 100, 3)
+    assert len(ids) == 100 and result.stdout == text + "\n"
+    assert "n_keep = 3," in result.stderr
+    # --no-context-shift: the run stops at the full context with llama.cpp's line
+    stopped = runner.invoke(app, [*args, "--no-context-shift", "-p", "a b c", "--no-display-prompt"])
+    assert (
+        stopped.exit_code == 0 and "context full and context shift is disabled => stopping" in stopped.stderr
+    )
+    assert stopped.stdout == engine(path, 32).tokenizer.decode(ids[: 32 - len(prompt) + 1]) + "\n"
+
+
+@pytest.mark.parametrize(("flags", "needle"), [(["--keep", "32"], "--keep 32"), (["--keep", "-3"], "--keep")])
+def test_bad_keep_is_one_error_line(models, flags: list[str], needle: str):
+    path = models["dense"][0]
+    result = runner.invoke(app, ["main", "-m", str(path), "-c", "32", "-n", "4", "-p", "a", *flags])
+    assert_one_error_line(result, needle)
+
+
+@pytest.fixture(scope="module")
+def shifting_server(models):
+    path = models["dense"][0]
+    opts = ServerOptions(
+        model=path,
+        engine=EngineOptions(act_precision="f32", n_ctx=32, n_seq=2, n_threads=1),
+        alias="tiny",
+        context_shift=True,
+    )
+    with live_server(opts) as srv:
+        yield srv
+
+
+def test_server_truncates_and_shifts(models, shifting_server):
+    """A prompt longer than the slot: cut as llama-server cuts it (n_keep tokens, then the end), the generation
+    shifts its context and says `truncated`; the text is the library loop's over the cut prompt. The OpenAI
+    client gets the same text; a request that fits and never shifts is not truncated; the slot's cache after a
+    shift serves the next request's common prefix correctly."""
+    path = models["dense"][0]
+    prompt = [1] + [(3 * i + 7) % 250 + 3 for i in range(59)]  # 60 tokens, context 32
+    cut = truncate_prompt(prompt, 32, 4)
+    assert len(cut) < 32 and cut[:4] == prompt[:4] and cut[4:] == prompt[-(len(cut) - 4) :]
+    ids, text = reference_text(path, 32, cut, 60, 4)
+    body = {"prompt": prompt, "n_predict": 60, "temperature": 0, "ignore_eos": True, "n_keep": 3}
+    status, out, _ = request(shifting_server, "POST", "/completion", body)
+    assert status == 200, out
+    assert out["truncated"] is True and out["content"] == text and out["tokens_predicted"] == 60
+    assert out["tokens_evaluated"] == len(cut) and out["generation_settings"]["n_keep"] == 4
+    # the same request again: the slot's cache holds the shifted tokens; what it reuses must still be right
+    status, again, _ = request(shifting_server, "POST", "/completion", body)
+    assert status == 200 and again["content"] == text and again["timings"]["cache_n"] >= 4
+
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=shifting_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    got = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        max_tokens=60,
+        temperature=0,
+        extra_body={"n_keep": 3, "ignore_eos": True},
+    )
+    assert got.choices[0].text == text and got.usage.prompt_tokens == len(cut)
+
+    short = [1, 5, 6, 7]
+    _, text = reference_text(path, 32, short, 8, 1)
+    status, out, _ = request(
+        shifting_server, "POST", "/completion", {"prompt": short, "n_predict": 8, "temperature": 0}
+    )
+    assert status == 200 and out["truncated"] is False and out["content"] == text
+    # n_keep -1 keeps the whole prompt: a prompt over the context then cannot be cut
+    status, out, _ = request(shifting_server, "POST", "/completion", {**body, "n_keep": -1})
+    assert status == 400 and "n_keep" in out["error"]["message"]
