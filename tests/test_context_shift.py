@@ -343,3 +343,15 @@ def test_server_truncates_and_shifts(models, shifting_server):
     # n_keep -1 keeps the whole prompt: a prompt over the context then cannot be cut
     status, out, _ = request(shifting_server, "POST", "/completion", {**body, "n_keep": -1})
     assert status == 400 and "n_keep" in out["error"]["message"]
+
+
+def test_pipeline_stages_shift_as_one_process(models, tmp_path: Path):
+    """Two pipeline ranks: the shift reaches the second stage's cache (a header passed along the ring), and the
+    logits after it equal one process's."""
+    from test_pipeline import run_program, single
+
+    spec = {"model": str(models["dense"][0]), "n_ctx": 128, "n_predict": 6, "shift": [3, 40]}
+    want = single(spec)
+    got = run_program(tmp_path, 2, spec)
+    # a second stage that kept its rows would attend over 40 stale ones: far off
+    torch.testing.assert_close(got["shifted"], want["shifted"], rtol=0, atol=1e-5)
