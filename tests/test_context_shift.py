@@ -32,6 +32,7 @@ from powerinfer.runtime.context_shift import held_tokens, resolve_keep, truncate
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import Generator, GenParams
 from powerinfer.runtime.kv_cache import KVCache
+from powerinfer.runtime.session import Session, load_session
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.server import ServerOptions
 
@@ -355,3 +356,52 @@ def test_pipeline_stages_shift_as_one_process(models, tmp_path: Path):
     got = run_program(tmp_path, 2, spec)
     # a second stage that kept its rows would attend over 40 stale ones: far off
     torch.testing.assert_close(got["shifted"], want["shifted"], rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- interactive main and session files
+def test_session_makes_room_over_the_shifted_cache(models):
+    """Input that would overflow the context: the cache drops the same positions as the tokens (keys re-rotated
+    as the reference does), only the new tokens are evaluated, and their logits are the reference cache's."""
+    path = models["dense"][0]
+    held = [1] + [(9 * i + 4) % 250 + 3 for i in range(25)]  # 26 tokens in a context of 32
+    new = [17, 18, 19, 20, 21]
+    e = engine(path, 32)
+    session = Session(e)
+    session.sync(held)
+    tokens = session.make_room(held + new, 2)
+    n_discard = (len(held + new) - 2) // 2
+    assert tokens == held[:2] + (held + new)[2 + n_discard :]
+    assert session.cached == held[:2] + held[2 + n_discard :] and e.kv.n_past[0] == len(session.cached)
+    got, n_evaluated = session.sync(tokens)
+    assert n_evaluated == len(new)
+
+    ref = engine(path, 32)
+    ref.prefill(0, held)
+    keys, values = ref.kv.read_slot(0, len(held))
+    ref.kv.write_slot(0, *ref_shift(keys, values, layer_specs(ref), 2, n_discard))
+    want = ref.prefill(0, new, ref.kv.n_past[0])
+    assert rel(got, want) < 1e-6  # measured 1.6e-7
+
+
+def test_interactive_main_shifts_and_saves_the_held_tokens(models, tmp_path: Path):
+    """-i with replies that overflow the context: every turn goes on (no "context is full"), and
+    --prompt-cache-all saves the tokens the cache holds, which a later run loads and reuses."""
+    path = models["dense"][0]
+    cache = tmp_path / "session.bin"
+    args = ["main", "-m", str(path), "-c", "32", "-n", "20", "--temp", "0", "--ignore-eos", "-t", "1"]
+    args += ["--act-precision", "f32", "--keep", "-1", "-p", "a b", "--prompt-cache", str(cache)]
+    result = runner.invoke(app, [*args, "-i", "--prompt-cache-all"], input="c d\ne f\n")
+    assert result.exit_code == 0, result.stderr
+    assert "error" not in result.stderr
+    e = engine(path, 32)
+    prompt = e.tokenizer.encode("a b", add_bos=None)
+    tokens = load_session(cache, e)
+    assert 0 < len(tokens) < 32 and tokens[: len(prompt)] == prompt
+    # with the whole run it held (3 turns of 20 tokens) the context shifted; the file holds what the cache held
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.stderr
+    assert f"loaded a session with prompt size of {len(tokens)} tokens" in again.stderr
+    assert "using full prompt from session file" in again.stderr
+    # without the shift the second turn does not fit
+    stopped = runner.invoke(app, [*args[:-2], "-i", "--no-context-shift"], input="c d\ne f\n")
+    assert_one_error_line(stopped, "context is full")
