@@ -86,6 +86,7 @@ def run_main(opts: MainOptions) -> int:
     check_keep(opts.n_keep, engine.n_ctx)
     add_bos = bool(prompt_ids) and tok.add_bos and prompt_ids[0] == tok.bos_id
     n_keep = resolve_keep(opts.n_keep, len(prompt_ids), add_bos)
+    shift = n_keep if opts.context_shift and opts.n_predict != -2 else None  # -2: until the context fills
     p = opts.sampling
     err.print(
         f"sampling: repeat_last_n = {p.repeat_last_n}, repeat_penalty = {p.repeat_penalty:.3f}, "
@@ -108,7 +109,7 @@ def run_main(opts: MainOptions) -> int:
             opts.n_predict,
             opts.ignore_eos,
             opts.display_prompt,
-            n_keep if opts.context_shift else None,
+            shift,
         )
         print_timings(engine)
         return code
@@ -117,7 +118,6 @@ def run_main(opts: MainOptions) -> int:
         out.write(opts.prompt)
         out.flush()
     decoder = StreamDecoder(tok)
-    shift = n_keep if opts.context_shift else None
     for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos, shift):
         piece = decoder.feed(token)
         if piece:
