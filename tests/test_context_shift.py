@@ -17,6 +17,7 @@ from conftest import (
     assert_one_error_line,
     load_script,
     random_llama_state,
+    smollm2_path,
     write_llama_gguf,
     write_relu_sparse_model,
 )
@@ -145,10 +146,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
 
 
-@pytest.mark.parametrize("name", ["dense", "sparse", "qwen3moe", "smallthinker", "pool-spans"])
+@pytest.mark.parametrize("name", ["dense", "sparse", "qwen3moe", "smallthinker", "pool-spans", "smollm2"])
 def test_logits_after_a_shift_match_the_reference_cache(models, name: str):
     """Fill a context, shift it, decode: the logits equal those decoded over the reference's shifted cache."""
-    path, fields = models[name]
+    if name == "smollm2":
+        path, fields = smollm2_path(), {}
+    else:
+        path, fields = models[name]
     n_ctx = 48
     tokens = [(7 * i + 3) % 200 + 3 for i in range(n_ctx - 1)]
     e = engine(path, n_ctx, **fields)
@@ -168,9 +172,9 @@ def test_logits_after_a_shift_match_the_reference_cache(models, name: str):
     k2, v2 = ref_shift(keys, values, specs, n_keep, n_discard)
     ref.kv.write_slot(0, k2, v2)
     want = ref.decode([0], [42])[0]
-    # measured: dense 2.5e-7, sparse 2.7e-7, qwen3moe 1.7e-7, smallthinker 1.7e-7, pool-spans 2.5e-7
-    assert rel(got, want) < 1e-6
-    # the rows moved without re-rotating their keys: measured 0.028 (smallthinker) .. 1.08 (sparse)
+    # measured: dense 2.5e-7, sparse 2.7e-7, qwen3moe 1.7e-7, smallthinker 1.7e-7, pool-spans 2.5e-7, smollm2 5.1e-7
+    assert rel(got, want) < 2e-6
+    # the rows moved without re-rotating their keys: measured 0.028 (smallthinker) .. 1.08 (sparse), smollm2 0.16
     ref.kv.write_slot(0, torch.cat((keys[:, :n_keep], keys[:, n_keep + n_discard :]), dim=1), v2)
     assert rel(ref.decode([0], [42])[0], want) > 1e-2
 
