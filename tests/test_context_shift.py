@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import (
     assert_one_error_line,
+    fixture_dir,
     load_script,
     random_llama_state,
     smollm2_path,
@@ -27,6 +28,7 @@ from server_helpers import live_server, request
 from typer.testing import CliRunner
 
 from powerinfer.cli import app
+from powerinfer.errors import InputError
 from powerinfer.model.blocks import Rope
 from powerinfer.model.specs import RopeSpec
 from powerinfer.runtime.context_shift import held_tokens, resolve_keep, truncate_prompt
@@ -409,3 +411,46 @@ def test_interactive_main_shifts_and_saves_the_held_tokens(models, tmp_path: Pat
     # without the shift the second turn does not fit
     stopped = runner.invoke(app, [*args[:-2], "-i", "--no-context-shift"], input="c d\ne f\n")
     assert_one_error_line(stopped, "context is full")
+
+
+def test_conversation_goes_on_past_the_context(models):
+    """-cnv renders the whole conversation each turn: once it no longer fits it is cut like a shift and the turns
+    go on; without the shift the fourth turn is one error line."""
+    path = models["dense"][0]
+    args = ["main", "-m", str(path), "-c", "96", "-n", "20", "--temp", "0", "--ignore-eos", "-t", "1"]
+    args += ["--act-precision", "f32", "-cnv", "-sys", "be nice"]
+    turns = "hello there\nand more\nand again\nfour\nfive\n"
+    result = runner.invoke(app, args, input=turns)
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("> ") == 6  # five answers, then the prompt that meets the end of input
+    assert_one_error_line(runner.invoke(app, [*args, "--no-context-shift"], input=turns), "context is full")
+
+
+def test_learned_positions_stop_with_one_warning(tmp_path: Path):
+    """OPT adds learned absolute positions to the residual: its cached rows cannot move. A full context stops the
+    generation with one warning line instead of shifting (and an explicit shift is refused)."""
+    path = fixture_dir("tiny-relu-opt") / "tiny.powerinfer.gguf"
+    e = engine(path, 16)
+    with pytest.raises(InputError, match="learned absolute positions"):
+        e.prefill(0, [5, 6, 7, 8])
+        e.shift(0, 1, 2)
+    args = [
+        "main",
+        "-m",
+        str(path),
+        "-c",
+        "16",
+        "-n",
+        "40",
+        "--temp",
+        "0",
+        "--ignore-eos",
+        "-t",
+        "1",
+        "-p",
+        "a",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.stderr
+    lines = [ln for ln in result.stderr.splitlines() if "cannot shift" in ln]
+    assert len(lines) == 1 and "=> stopping" in lines[0], result.stderr

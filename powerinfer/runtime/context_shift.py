@@ -93,7 +93,7 @@ def make_room(engine: ShiftEngine, seq: Sequence) -> bool:
         engine.shift(seq.slot, n_keep, n_discard)
     except InputError as e:
         log.warning("context full and %s => stopping", e)
-        return n_past < n_ctx
+        return False
     log.debug("context shifted: n_past = %d, n_keep = %d, n_discard = %d", n_past, n_keep, n_discard)
     seq.shifts.append((n_keep, n_discard))
     return True
