@@ -46,6 +46,14 @@ def compute(engine: Engine, spec: dict) -> dict[str, torch.Tensor]:
         ids.append(int(last.argmax()))
         last = engine.decode([0], [ids[-1]])[0]
     out = {"logits": logits, "ppl": torch.exp(nll), "ids": torch.tensor(ids)}
+    if "shift" in spec:  # (n_keep, n_discard) of a context shift of slot 0, then three greedy steps
+        engine.shift(0, *spec["shift"])
+        shifted = []
+        for _ in range(3):
+            ids.append(int(last.argmax()))
+            last = engine.decode([0], [ids[-1]])[0]
+            shifted.append(last)
+        out["shifted"] = torch.stack(shifted)
     n_seq = engine.kv.n_seq
     if n_seq > 1:  # slot 0 goes on; slots 1.. hold shorter prompts, the last one a fork of slot 0
         top2 = last.topk(2).indices.tolist()

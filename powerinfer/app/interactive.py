@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from powerinfer.app.console import err_console
 from powerinfer.app.signals import interrupt_handled
 from powerinfer.errors import FormatError, InputError
+from powerinfer.runtime.context_shift import held_tokens
 from powerinfer.runtime.generate import Event, Generator, GenParams
 from powerinfer.runtime.session import Session, common_prefix, load_session, save_session
 
@@ -188,7 +189,9 @@ class InteractiveRun:
         ignore_eos: bool,
         out: TextIO,
         stdin: TextIO,
+        n_keep: int | None = None,
     ) -> None:
+        """n_keep: shift a full context keeping that many tokens (runtime.context_shift); None: stop there."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.sampler = sampler
@@ -199,7 +202,15 @@ class InteractiveRun:
         self.gen = Generator(engine, keep=True)
         self.fmt = chat_formatter(engine, io.chat_template) if io.conversation else None
         stops = io.reverse_prompts + io.chat_stop + (self.fmt.stop if self.fmt is not None else ())
-        self.params = GenParams(sampling=sampling, n_predict=n_predict, ignore_eos=ignore_eos, stop=stops)
+        self.n_keep = n_keep
+        self.params = GenParams(
+            sampling=sampling,
+            n_predict=n_predict,
+            ignore_eos=ignore_eos,
+            stop=stops,
+            context_shift=n_keep is not None,
+            n_keep=n_keep or 0,
+        )
         self.cache = (
             PromptCache(io.prompt_cache, io.prompt_cache_all, io.prompt_cache_ro)
             if io.prompt_cache is not None
@@ -213,10 +224,15 @@ class InteractiveRun:
 
     def evaluate(self, tokens: list[int], logits: bool = True) -> Any:
         """Bring the cache to `tokens`; their last logits (None without `logits` when the cache held them)."""
+        tokens = self.fit(tokens)
         logits, _ = self.session.sync(tokens, logits)
         if self.cache is not None:
             self.cache.first_evaluation(self.engine, tokens)
         return logits
+
+    def fit(self, tokens: list[int]) -> list[int]:
+        """`tokens` as the cache will hold them: shifted to leave room when context shift is on."""
+        return tokens if self.n_keep is None else self.session.make_room(tokens, self.n_keep)
 
     def _show(self, ev: Event) -> None:
         self.write(ev.text)
@@ -233,6 +249,7 @@ class InteractiveRun:
         final: Event | None = None
         end = "length"
         try:
+            context = self.fit(context)
             logits = self.evaluate(context)
             events = self.gen.start(0, context, self.params, self.sampler, logits)
             seq = events[0].seq
@@ -255,7 +272,7 @@ class InteractiveRun:
             seq = final.seq
             self._show(final)
             end = end if end == "interrupted" else final.end or end
-        history = seq.history if seq is not None else context
+        history = held_tokens(seq) if seq is not None else context
         self.session.settle(history)
         return list(history), seq.text if seq is not None else "", end
 
@@ -358,6 +375,7 @@ def run_session(
     n_predict: int,
     ignore_eos: bool,
     display_prompt: bool,
+    n_keep: int | None = None,
 ) -> int:
     """Run interactive `main` on stdin and stdout; the exit code."""
     stdin = sys.stdin
@@ -365,5 +383,5 @@ def run_session(
         stdin, "reconfigure"
     ):  # bytes typed or piped that are not UTF-8 become U+FFFD, not a traceback
         stdin.reconfigure(errors="replace")
-    run = InteractiveRun(engine, sampler, io, sampling, n_predict, ignore_eos, sys.stdout, stdin)
+    run = InteractiveRun(engine, sampler, io, sampling, n_predict, ignore_eos, sys.stdout, stdin, n_keep)
     return run.run(prompt, prompt_ids, display_prompt)

@@ -10,6 +10,7 @@ from pathlib import Path
 from powerinfer.app.console import err_console
 from powerinfer.app.interactive import InteractiveOptions, run_session
 from powerinfer.errors import InputError
+from powerinfer.runtime.context_shift import check_keep, resolve_keep
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import generate
 from powerinfer.runtime.report import pool_summary, sparse_mode
@@ -29,6 +30,8 @@ class MainOptions:
     engine: EngineOptions
     sampling: SamplingParams
     interactive: InteractiveOptions = InteractiveOptions()
+    n_keep: int = 0  # --keep (runtime.context_shift.resolve_keep)
+    context_shift: bool = True
 
 
 def print_timings(engine: Engine) -> None:
@@ -80,6 +83,10 @@ def run_main(opts: MainOptions) -> int:
         err.print(f"main: number of tokens in prompt = {len(prompt_ids)}")
         for t in prompt_ids:
             err.print(f"{t:6d} -> '{tok.token_bytes(t).decode('utf-8', errors='replace')}'", markup=False)
+    check_keep(opts.n_keep, engine.n_ctx)
+    add_bos = bool(prompt_ids) and tok.add_bos and prompt_ids[0] == tok.bos_id
+    n_keep = resolve_keep(opts.n_keep, len(prompt_ids), add_bos)
+    shift = n_keep if opts.context_shift and opts.n_predict != -2 else None  # -2: until the context fills
     p = opts.sampling
     err.print(
         f"sampling: repeat_last_n = {p.repeat_last_n}, repeat_penalty = {p.repeat_penalty:.3f}, "
@@ -89,7 +96,7 @@ def run_main(opts: MainOptions) -> int:
     )
     err.print(
         f"generate: n_ctx = {engine.n_ctx}, n_batch = {engine.options.n_batch}, "
-        f"n_predict = {opts.n_predict}, n_threads = {engine.kc.n_threads}"
+        f"n_predict = {opts.n_predict}, n_keep = {n_keep}, n_threads = {engine.kc.n_threads}"
     )
     if opts.interactive.needs_session:
         code = run_session(
@@ -102,6 +109,7 @@ def run_main(opts: MainOptions) -> int:
             opts.n_predict,
             opts.ignore_eos,
             opts.display_prompt,
+            shift,
         )
         print_timings(engine)
         return code
@@ -110,7 +118,7 @@ def run_main(opts: MainOptions) -> int:
         out.write(opts.prompt)
         out.flush()
     decoder = StreamDecoder(tok)
-    for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos):
+    for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos, shift):
         piece = decoder.feed(token)
         if piece:
             out.write(piece)

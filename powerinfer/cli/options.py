@@ -414,6 +414,35 @@ class SamplingArgs:
         return SamplingParams(**{**dataclasses.asdict(self), "seed": seed(self.seed)})
 
 
+# ---------------------------------------------------------------- context shift (runtime.context_shift)
+@dataclass(frozen=True)
+class ContextShiftArgs:
+    """What main and server do when a sequence fills its context (llama.cpp's --keep, --context-shift)."""
+
+    PANEL: ClassVar[str] = "Context shift"
+    keep: Annotated[
+        int,
+        typer.Option(
+            "--keep",
+            help="Tokens of the prompt kept when the context shifts, counted after the BOS (-1: the whole "
+            "prompt); the server's default n_keep.",
+        ),
+    ] = 0
+    context_shift: Annotated[
+        bool,
+        typer.Option(
+            "--context-shift/--no-context-shift",
+            help="A full context keeps --keep tokens, drops half of the rest and goes on (off: stop there).",
+        ),
+    ] = True
+
+    def checked(self) -> ContextShiftArgs:
+        """These options, --keep checked (the context size is checked once the model is loaded)."""
+        if self.keep < -1:
+            raise InputError(f"--keep must be -1 (the whole prompt) or >= 0, got {self.keep}")
+        return self
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 

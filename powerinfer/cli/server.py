@@ -11,8 +11,9 @@ import typer
 
 from powerinfer.app.pipeline import serve_if_worker
 from powerinfer.cli.common import run_guarded, setup_logging
-from powerinfer.cli.options import EngineArgs, LogDisableOpt, SamplingArgs, takes
+from powerinfer.cli.options import ContextShiftArgs, EngineArgs, LogDisableOpt, SamplingArgs, takes
 from powerinfer.errors import InputError
+from powerinfer.runtime.context_shift import check_keep
 
 if TYPE_CHECKING:
     from powerinfer.server import ServerOptions
@@ -102,7 +103,9 @@ class ServerArgs:
         ),
     ] = False
 
-    def options(self, engine: EngineArgs, sampling: SamplingArgs) -> ServerOptions:
+    def options(
+        self, engine: EngineArgs, sampling: SamplingArgs, shift: ContextShiftArgs | None = None
+    ) -> ServerOptions:
         """ServerOptions, every limit checked first (one InputError line each), then the model resolved."""
         from powerinfer.server import ServerOptions
 
@@ -116,6 +119,9 @@ class ServerArgs:
             raise InputError("--read-timeout and --write-timeout must be positive numbers of seconds")
         if self.max_connections < 1 or self.n_predict_max < -1:
             raise InputError("--max-connections must be >= 1 and --n-predict-max >= -1")
+        shift = (shift or ContextShiftArgs(context_shift=False)).checked()
+        if engine.ctx_size > 0:
+            check_keep(shift.keep, engine.ctx_size)
         template = None
         if self.chat_template is not None:
             try:
@@ -140,12 +146,18 @@ class ServerArgs:
             write_timeout_s=self.write_timeout,
             max_connections=self.max_connections,
             embedding=self.embedding,
+            context_shift=shift.context_shift,
+            n_keep=shift.keep,
         )
 
 
-@takes(ServerArgs, EngineArgs, SamplingArgs)
+@takes(ServerArgs, EngineArgs, SamplingArgs, ContextShiftArgs, context_shift=False)
 def server(
-    http: ServerArgs, engine: EngineArgs, sampling: SamplingArgs, log_disable: LogDisableOpt = False
+    http: ServerArgs,
+    engine: EngineArgs,
+    sampling: SamplingArgs,
+    shift: ContextShiftArgs,
+    log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
     setup_logging(log_disable)
@@ -153,7 +165,7 @@ def server(
     def body() -> None:
         from powerinfer.server import Server
 
-        opts = http.options(engine, sampling)
+        opts = http.options(engine, sampling, shift)
         if not serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
             Server(opts).run()
 

@@ -82,8 +82,17 @@ class Rope:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor | slice) -> torch.Tensor:
         """Rotate x (T, H, D) for its positions."""
+        return self._rotate(x, self.table(x.device)[positions])
+
+    def shift(self, x: torch.Tensor, delta: int) -> torch.Tensor:
+        """Rotate x (T, H, D), already rotated for positions p, to positions p + delta (|delta| < n_ctx): a
+        context shift re-rotates cached keys so, as llama.cpp does, without recomputing them."""
+        rot = self.table(x.device)[abs(delta)][None]  # (1, n_rot/2)
+        return self._rotate(x, rot.conj().resolve_conj() if delta < 0 else rot)
+
+    def _rotate(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """x (T, H, D) rotated by rot (T or 1, n_rot/2) complex."""
         T, H, D = x.shape
-        rot = self.table(x.device)[positions]  # (T, n_rot/2)
         n_rot = self.spec.n_rot
         if self.spec.kind == "adjacent":
             part = x if n_rot == D else x[..., :n_rot]

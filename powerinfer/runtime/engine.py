@@ -46,6 +46,7 @@ from powerinfer.runtime.assembly import (
     kernel_context,
     weights_in_memory,
 )
+from powerinfer.runtime.context_shift import shift_cache
 from powerinfer.runtime.forward import Forward, LocalForward, PipelineForward
 from powerinfer.runtime.generate import generate
 from powerinfer.runtime.kv_cache import KVCache
@@ -261,6 +262,18 @@ class Engine:
         self.kv.copy_slot(src, dst, self.kv.n_past[src])
         self.forward.fork(src, dst, self.kv.n_past[src])
 
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        """Context shift of sequence `seq`: drop positions n_keep..n_keep+n_discard-1 from every layer's KV cache
+        (here and on the other pipeline stages), re-rotating the later keys (runtime.context_shift); the
+        sequence's length shrinks by n_discard."""
+        if not 0 <= seq < self.kv.n_seq:
+            raise InputError(f"sequence {seq} out of range (0..{self.kv.n_seq - 1})")
+        n_past = self.kv.n_past[seq]
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n_past:
+            raise InputError(f"cannot drop {n_discard} positions after {n_keep} of a sequence of {n_past}")
+        shift_cache(self.model, self.kv, seq, n_keep, n_discard)
+        self.forward.shift(seq, n_keep, n_discard)
+
     def keep(self, seq: int, n: int) -> None:
         """Shorten sequence `seq` to its first n positions, which must still hold the tokens they were
         evaluated with (free only resets the length, so a freed slot's rows stay until overwritten); the next
@@ -288,10 +301,15 @@ class Engine:
         return torch.cat(out)
 
     def generate(
-        self, prompt: list[int], sampler: Sampler, n_predict: int = -1, ignore_eos: bool = False
+        self,
+        prompt: list[int],
+        sampler: Sampler,
+        n_predict: int = -1,
+        ignore_eos: bool = False,
+        n_keep: int | None = None,
     ) -> Iterator[int]:
-        """runtime.generate.generate on this engine."""
-        return generate(self, prompt, sampler, n_predict, ignore_eos)
+        """runtime.generate.generate on this engine (n_keep: shift a full context, keeping that many tokens)."""
+        return generate(self, prompt, sampler, n_predict, ignore_eos, n_keep)
 
     # ------------------------------------------------------------------ reports (runtime.report)
     def head_read_bytes(self) -> int:

@@ -37,6 +37,9 @@ class Forward(Protocol):
     def fork(self, src: int, dst: int, n: int) -> None:
         """Copy the first n positions of KV slot src to dst wherever else the model's layers live."""
 
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        """Shift KV slot seq's context (runtime.context_shift) wherever else the model's layers live."""
+
 
 @dataclass
 class LocalForward:
@@ -64,6 +67,9 @@ class LocalForward:
     def fork(self, src: int, dst: int, n: int) -> None:
         return None  # every layer's KV cache is the engine's own
 
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        return None
+
 
 @dataclass
 class PipelineForward:
@@ -87,3 +93,6 @@ class PipelineForward:
 
     def fork(self, src: int, dst: int, n: int) -> None:
         self.pipeline.fork(src, dst, n)
+
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        self.pipeline.shift(seq, n_keep, n_discard)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from powerinfer.errors import InputError
+from powerinfer.runtime.context_shift import make_room
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
 
@@ -47,6 +48,8 @@ class GenerationEngine(Protocol):
 
     def free(self, seq: int) -> None: ...
 
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None: ...
+
 
 @dataclass(frozen=True)
 class GenParams:
@@ -57,6 +60,9 @@ class GenParams:
     ignore_eos: bool = False
     stop: tuple[str, ...] = ()
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias); -inf bans the token
+    # a full context: shift it (keep the first n_keep tokens, drop half of the rest) instead of ending with "length"
+    context_shift: bool = False
+    n_keep: int = 0  # tokens counted from the start, BOS included (runtime.context_shift.resolve_keep)
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class Sequence:
     end: str | None = None
     prompt_ms: float = 0.0
     t_first: float = 0.0
+    shifts: list[tuple[int, int]] = field(default_factory=list)  # context shifts: (n_keep, n_discard) each
 
 
 def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
@@ -233,9 +240,7 @@ class Generator:
                 at, word = min(hits)
                 seq.text = seq.text[:at]
                 return self._finish(seq, "stop", word, token)
-        if (p.n_predict >= 0 and seq.n_gen >= p.n_predict) or self.engine.kv.n_past[
-            seq.slot
-        ] >= self.engine.n_ctx:
+        if (p.n_predict >= 0 and seq.n_gen >= p.n_predict) or not make_room(self.engine, seq):
             return self._finish(seq, "length", token=token)
         end = len(seq.text) - _stop_holdback(seq.text, p.stop)
         text = seq.text[seq.sent : end] if end > seq.sent else ""
@@ -269,14 +274,17 @@ def generate(
     sampler: Sampler,
     n_predict: int = -1,
     ignore_eos: bool = False,
+    n_keep: int | None = None,
 ) -> Iterator[int]:
-    """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context."""
+    """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context;
+    with n_keep (runtime.context_shift.resolve_keep) a full context shifts instead."""
     if len(prompt) > engine.n_ctx - 4:
         raise InputError(
             f"prompt is too long ({len(prompt)} tokens, max {engine.n_ctx - 4} for -c {engine.n_ctx})"
         )
     gen = Generator(engine)
-    params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos)
+    shift = n_keep is not None
+    params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos, context_shift=shift, n_keep=n_keep or 0)
     events = gen.start(0, prompt, params, sampler)
     while True:
         for ev in events:

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import os
 import resource
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+# re-rotates keys (T, H_kv, D) already rotated for positions p to positions p + delta (model.blocks.Rope.shift)
+Rotation = Callable[[torch.Tensor, int], torch.Tensor]
 
 KV_BYTES_PER_ELEMENT = 4  # float32 keys and values
 
@@ -79,6 +82,15 @@ class KVLayerView:
         self.v[seq, pos:end] = v
         return self.k[seq, :end], self.v[seq, :end]
 
+    def read_rows(self, seq: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions start..end-1 of sequence seq as float32 copies (end - start, H_kv, D)."""
+        return self.k[seq, start:end].float().clone(), self.v[seq, start:end].float().clone()
+
+    def write_rows(self, seq: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store float keys and values (T, H_kv, D) at positions pos..pos+T-1 of sequence seq."""
+        self.k[seq, pos : pos + k.shape[0]] = k
+        self.v[seq, pos : pos + v.shape[0]] = v
+
     def update_batch(
         self, seqs: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,6 +150,18 @@ class KVCache:
             view.k[dst, :n] = view.k[src, :n]
             view.v[dst, :n] = view.v[src, :n]
         self.n_past[dst] = n
+
+    def shift(self, seq: int, n_keep: int, n_discard: int, ropes: Sequence[Rotation | None]) -> None:
+        """Drop positions n_keep..n_keep+n_discard-1 of sequence seq: the later rows move down by n_discard and
+        their keys are re-rotated by -n_discard (ropes[layer](k, delta); None: a layer without RoPE), in place
+        (a device span's views stay valid); the sequence's length shrinks by n_discard."""
+        n_past = self.n_past[seq]
+        if n_keep < 0 or n_discard <= 0 or n_keep + n_discard > n_past:
+            raise ValueError(f"cannot drop {n_discard} positions after {n_keep} of a sequence of {n_past}")
+        for view, rotate in zip(self.layers, ropes, strict=True):
+            k, v = view.read_rows(seq, n_keep + n_discard, n_past)
+            view.write_rows(seq, n_keep, k if rotate is None else rotate(k, -n_discard), v)
+        self.n_past[seq] = n_past - n_discard
 
     def read_slot(self, seq: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first n positions of sequence seq: keys and values (n_layer, n, H_kv, D) on the CPU."""

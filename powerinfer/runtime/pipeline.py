@@ -15,7 +15,8 @@ plan (under that rank's own --vram-budget) cover its layers only, and no other l
 Messages, per step and micro-batch: a header int64 (4,) = (op, n tokens, a, b), then for a step the int64
 (2, n) sequence ids and positions, then the float32 (n, n_embd) activation. Several sequences in one step
 (batched, server slots) are cut into micro-batches by sequence, so that while rank r works on one, rank r-1
-works on the next.
+works on the next. A fork (copy a KV slot) or a context shift (runtime.context_shift) is a header alone, passed
+along the ring.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from powerinfer.gguf.constants import TensorNames
 from powerinfer.gguf.reader import GGUFFile
 from powerinfer.model.batch import StepBatch
 from powerinfer.model.config import ModelConfig
+from powerinfer.runtime.context_shift import shift_cache
 
 if TYPE_CHECKING:
     from powerinfer.model.transformer import KVStore, Transformer
@@ -54,7 +56,7 @@ class StageEngine(Protocol):
 
 log = logging.getLogger(__name__)
 
-OP_STOP, OP_STEP, OP_FORK = 0, 1, 2
+OP_STOP, OP_STEP, OP_FORK, OP_SHIFT = 0, 1, 2, 3
 HEADER = 4
 # a worker waits for rank 0's next request without a deadline (a server may idle for hours); a dead peer
 # still ends the wait at once, as its connection closes
@@ -411,6 +413,13 @@ class Pipeline:
             [self._send(self._header(OP_FORK, n, src, dst), self.next, "forking")], self.next, "forking"
         )
 
+    def shift(self, seq: int, n_keep: int, n_discard: int) -> None:
+        """Shift a KV slot's context on every other stage (runtime.context_shift)."""
+        if self.broken:
+            raise DistributedError("the pipeline failed earlier; restart every rank")
+        header = self._header(OP_SHIFT, seq, n_keep, n_discard)
+        self._wait([self._send(header, self.next, "shifting")], self.next, "shifting")
+
     def close(self) -> None:
         """Rank 0: tell every stage to stop (once; nothing after a failure)."""
         if self.closed or self.broken:
@@ -444,6 +453,11 @@ class Pipeline:
                     kv.copy_slot(a, b, n)  # type: ignore[attr-defined]
                     if not last:
                         pending.append(self._send(header.clone(), self.next, "forking"))
+                    continue
+                if op == OP_SHIFT:  # (op, sequence, n_keep, n_discard)
+                    shift_cache(model, kv, n, a, b)  # type: ignore[arg-type]
+                    if not last:
+                        pending.append(self._send(header.clone(), self.next, "shifting"))
                     continue
                 if op != OP_STEP or n <= 0:
                     raise DistributedError(f"pipeline rank {self.prev}: unknown message {op} ({n} tokens)")

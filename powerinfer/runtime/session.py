@@ -80,6 +80,26 @@ class Session:
         e.timings.n_prompt += len(tokens) - keep
         return logits, len(tokens) - keep
 
+    def make_room(self, tokens: list[int], n_keep: int) -> list[int]:
+        """`tokens` made to fit the context before they are evaluated, as llama.cpp's main shifts it: while they
+        leave no free position, keep the first n_keep, drop half of the rest; the cache drops the same positions
+        (engine.shift, keys re-rotated) where it holds them, so that only the new tokens are evaluated."""
+        e = self.engine
+        while len(tokens) + 1 >= e.n_ctx:
+            n_discard = (len(tokens) - n_keep) // 2
+            if n_discard <= 0:
+                break  # sync refuses them with one line
+            n_past = min(common_prefix(self.cached, tokens), e.kv.n_past[0])
+            if n_past >= n_keep + n_discard:
+                e.kv.n_past[0] = n_past
+                e.shift(0, n_keep, n_discard)
+                self.cached = self.cached[:n_keep] + self.cached[n_keep + n_discard : n_past]
+            else:
+                self.cached = self.cached[: min(n_past, n_keep)]
+                e.kv.n_past[0] = len(self.cached)
+            tokens = tokens[:n_keep] + tokens[n_keep + n_discard :]
+        return tokens
+
     def settle(self, history: list[int]) -> None:
         """After a generation: the cache holds the evaluated head of `history` (prompt + generated tokens)."""
         self.cached = history[: self.engine.kv.n_past[0]]

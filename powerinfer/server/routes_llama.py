@@ -68,6 +68,7 @@ def _settings(st: ServerState, body: CompletionRequest, params: GenParams, seed:
         "frequency_penalty": s.frequency_penalty,
         "stop": list(params.stop),
         "n_predict": params.n_predict,
+        "n_keep": params.n_keep,
         "ignore_eos": params.ignore_eos,
         "stream": body.stream,
         "logit_bias": [list(b) for b in params.logit_bias],
@@ -86,7 +87,7 @@ def _final(
         "tokens_evaluated": done.n_prompt,
         "generation_settings": _settings(st, body, params, done.seed),
         "prompt": body.prompt if isinstance(body.prompt, str) else "",
-        "truncated": False,
+        "truncated": done.truncated,
         "stopped_eos": done.reason == "eos",
         "stopped_word": done.reason == "stop",
         "stopped_limit": done.reason in ("length", "timeout"),
@@ -102,7 +103,7 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
     last event holding the final object (content "", timings). `n_predict` < -2 is an error; a value past the
     free context is clamped (generation stops when the context is full, `stopped_limit`)."""
     st = _state(request)
-    prompt = st.check_prompt(_prompt_tokens(st, body.prompt))
+    prompt = st.check_prompt(_prompt_tokens(st, body.prompt), shifts=True)
     bias = []
     for tid, b in body.logit_bias:
         if not 0 <= tid < st.tokenizer.n_vocab:
@@ -120,7 +121,9 @@ async def completion(body: CompletionRequest, request: Request) -> Any:
         tuple(s for s in body.stop if s),
         tuple(bias),
     )
+    prompt, params, truncated = st.fit_context(prompt, params, body.n_keep)
     options = await st.slot_request(body, n_top=body.n_probs if body.n_probs > 0 else None, http=request)
+    options.truncated = truncated
     req, queue = st.start(prompt, params, options)
     if not body.stream:
         done = await st.collect(request, req, queue)

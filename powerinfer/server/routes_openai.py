@@ -177,13 +177,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
             }
         else:
             messages.insert(0, {"role": "system", "content": tools.system_prompt(offered)})
-    prompt = st.check_prompt(st.formatter.tokens(messages, None if inline else offered or None))
+    prompt = st.check_prompt(st.formatter.tokens(messages, None if inline else offered or None), shifts=True)
     params = _params(
         st,
         body,
         body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
         st.formatter.stop,
     )
+    prompt, params, truncated = st.fit_context(prompt, params, body.n_keep)
     if body.top_logprobs and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     options = await st.slot_request(
@@ -193,6 +194,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
         tools.call_schema(offered) if mode == "required" else None,
         http=request,
     )
+    options.truncated = truncated
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
     def answer(done: Done) -> tuple[dict[str, Any], str]:
@@ -267,11 +269,13 @@ async def completions(body: OpenAICompletionRequest, request: Request) -> Any:
     else:
         tokens = [int(x) for x in p]
         text = st.tokenizer.decode(t for t in tokens if 0 <= t < st.tokenizer.n_vocab)
-    prompt = st.check_prompt(tokens)
+    prompt = st.check_prompt(tokens, shifts=True)
     params = _params(st, body, body.max_tokens, ())
+    prompt, params, truncated = st.fit_context(prompt, params, body.n_keep)
     cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     echo = text if body.echo else ""
     options = await st.slot_request(body, body.response_format, body.logprobs, http=request)
+    options.truncated = truncated
     offset = {"text": len(echo)}  # text_offset of the next token
 
     def chunk(piece: str | None, finish: str | None, probs: tuple[TokenProb, ...]) -> dict[str, Any]:

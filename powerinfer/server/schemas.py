@@ -37,10 +37,16 @@ class _Constrained(_Sampling):
     )
     grammar: str | None = Field(None, description="GBNF grammar (llama.cpp's format) the output must follow")
     json_schema: dict[str, Any] | None = Field(None, description="JSON schema the output must follow")
+    n_keep: int | None = Field(
+        None,
+        ge=-1,
+        description="with --context-shift: prompt tokens kept when the context shifts or the prompt is cut "
+        "(-1: all; default --keep)",
+    )
 
 
 class CompletionRequest(_Constrained):
-    """llama.cpp `POST /completion`. Unknown llama.cpp fields (tfs_z, typical_p, mirostat*, n_keep,
+    """llama.cpp `POST /completion`. Unknown llama.cpp fields (tfs_z, typical_p, mirostat*,
     penalize_nl, slot_id, image_data ...) are accepted and ignored."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)

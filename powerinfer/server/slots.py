@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from powerinfer.runtime.context_shift import held_tokens
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.generate import Event, Generator, GenParams, Sequence
 
@@ -49,6 +50,7 @@ class SlotRequest:
     embed: bool = False  # no generation: the prompt's pooled hidden state (an Embedded event)
     probs: list[TokenProb] = field(default_factory=list)
     n_evaluated: int = 0  # prompt tokens actually evaluated (the rest came from the cache)
+    truncated: bool = False  # the prompt was cut to fit the slot (--context-shift)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -126,7 +128,7 @@ class SlotGenerator(Generator):
 
     def _finish(self, seq: Sequence, reason: str, stopping_word: str = "", token: int | None = None) -> Event:
         # what the slot's KV cache holds: the prompt and every generated token evaluated so far
-        self.cached[seq.slot] = seq.history[: self.engine.kv.n_past[seq.slot]]
+        self.cached[seq.slot] = held_tokens(seq)[: self.engine.kv.n_past[seq.slot]]
         self.requests.pop(seq.slot, None)
         return super()._finish(seq, reason, stopping_word, token)
 

@@ -16,6 +16,8 @@ from typing import Any
 from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
+from powerinfer.errors import InputError
+from powerinfer.runtime.context_shift import resolve_keep, truncate_prompt
 from powerinfer.runtime.engine import EngineOptions
 from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
@@ -57,6 +59,10 @@ class ServerOptions:
     write_timeout_s: float = 60.0  # a response may stall this long because the client does not read
     max_connections: int = 512  # open connections; past it the oldest one still sending a request is closed
     embedding: bool = False  # serve /v1/embeddings and /embedding
+    context_shift: bool = (
+        False  # --context-shift: truncate long prompts, shift full contexts (llama-server's)
+    )
+    n_keep: int = 0  # --keep: the n_keep of requests that give none
 
 
 # API field names of the sampling parameters (the SamplingParams field in the value)
@@ -224,8 +230,9 @@ class ServerState:
         """Prompt text to tokens as `powerinfer main` does (BOS per the vocabulary, special tokens parsed)."""
         return self.tokenizer.encode(text, add_bos=None, parse_special=True)
 
-    def check_prompt(self, tokens: list[int]) -> list[int]:
-        """An empty prompt becomes BOS; ids must be in the vocabulary; the prompt must leave room."""
+    def check_prompt(self, tokens: list[int], shifts: bool = False) -> list[int]:
+        """An empty prompt becomes BOS; ids must be in the vocabulary; the prompt must leave room (unless it
+        `shifts`, a generation's prompt under --context-shift: `fit_context` cuts it)."""
         if not tokens:
             if self.tokenizer.bos_id is None:
                 raise ApiError(400, "empty prompt", param="prompt")
@@ -237,7 +244,7 @@ class ServerState:
                 400, f"token id {bad[0]} is out of range for a vocabulary of {n_vocab}", param="prompt"
             )
         limit = self.n_ctx - 4
-        if len(tokens) > limit:
+        if len(tokens) > limit and not (shifts and self.options.context_shift):
             raise ApiError(
                 400,
                 f"the prompt has {len(tokens)} tokens, more than the {limit} this server accepts "
@@ -246,6 +253,25 @@ class ServerState:
                 code="context_length_exceeded",
             )
         return tokens
+
+    def fit_context(
+        self, prompt: list[int], params: GenParams, n_keep: int | None
+    ) -> tuple[list[int], GenParams, bool]:
+        """Under --context-shift (llama-server's): the request's n_keep (default --keep; -1: the whole prompt;
+        counted after the BOS the vocabulary adds), the prompt cut as llama-server cuts one that does not fit the
+        slot (runtime.context_shift.truncate_prompt), and a generation of a given length allowed to shift its
+        context (an unlimited one stops at a full context, as llama-server's does). Returns the prompt, the
+        parameters and whether the prompt was cut."""
+        if not self.options.context_shift:
+            return prompt, params, False
+        add_bos = self.tokenizer.add_bos and prompt[0] == self.tokenizer.bos_id
+        keep = resolve_keep(self.options.n_keep if n_keep is None else n_keep, len(prompt), add_bos)
+        try:
+            cut = truncate_prompt(prompt, self.n_ctx, keep)
+        except InputError as e:
+            raise ApiError(400, str(e), param="n_keep", code="context_length_exceeded") from None
+        params = dataclasses.replace(params, context_shift=params.n_predict >= 0, n_keep=min(keep, len(cut)))
+        return cut, params, len(cut) < len(prompt)
 
     # ------------------------------------------------------------------ running a generation
     def start(

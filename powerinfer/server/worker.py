@@ -71,6 +71,7 @@ class Done:
     n_evaluated: int = 0  # prompt tokens evaluated; the others came from the slot's cache
     probs: tuple[TokenProb, ...] = ()  # every generated token's (when requested)
     n_probs_sent: int = 0  # how many of `probs` went out with the chunks
+    truncated: bool = False  # the prompt was cut or the context shifted (--context-shift)
 
 
 @dataclass(frozen=True)
@@ -393,6 +394,7 @@ class Worker:
                 req.options.n_evaluated,
                 tuple(req.options.probs),
                 req.n_probs_sent,
+                req.options.truncated or bool(seq.shifts),
             )
         )
 
