@@ -65,9 +65,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     opts = dataclasses.replace(opts, output=root / "teal-f32.powerinfer.gguf", method="teal")
     teal = root / "teal.powerinfer.gguf"
     quantize_model(QuantizeOptions(run_sparsify(opts).output, teal, file_type))
-    # heads of 64 (whole q8_0 / q4_0 blocks) for the typed KV caches
-    sd64 = random_llama_state(n_embd=128, n_head=4, n_head_kv=2, n_ff=128, seed=12)
-    dense64 = write_llama_gguf(root / "dense64.gguf", sd64, n_head=4, n_head_kv=2, dtype=GGMLType.Q4_0)
+    # heads of 64 (whole q8_0 / q4_0 blocks, stored rotated) for the typed KV caches
+    sd64 = random_llama_state(n_embd=128, n_head=2, n_head_kv=1, n_ff=128, seed=12)
+    dense64 = write_llama_gguf(root / "dense64.gguf", sd64, n_head=2, n_head_kv=1, dtype=GGMLType.Q4_0)
     return {"dense": dense, "pwri": pwri, "cats": cats, "teal": teal, "dense64": dense64}
 
 

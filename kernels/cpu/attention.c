@@ -75,11 +75,11 @@ static void rope_rotate_neox(float *x, const float *rope, int64_t D) {
 /* ---- the cache's row types -------------------------------------------------------------------------------------
  * f32 and f16 / bf16 (one element per unit), q8_0 (per 32 elements: f16 d, 32 int8 q; x = q d) and q4_0 (per 32:
  * f16 d, 16 bytes of nibbles, element j < 16 the low nibble of byte j, j >= 16 the high nibble of byte j - 16;
- * x = (nibble - 8) d), each head D / 32 whole blocks. Rows are encoded as ggml's reference quantisers do
+ * x = (nibble - 8) d), each head D / 32 whole blocks, rotated as kv_rows says (attention.h). Rows are encoded as ggml's reference quantisers do
  * (quantize_row_q8_0_ref, quantize_row_q4_0_ref; round to nearest even for f16 / bf16), so a row's bytes depend on
  * its floats alone: the same bits whichever call wrote it. */
 
-int kv_rows_make(kv_rows *c, void *data, int32_t type, int64_t Hkv, int64_t D) {
+int kv_rows_make(kv_rows *c, void *data, int32_t type, int64_t Hkv, int64_t D, int values) {
     int64_t head_bytes;
     switch (type) {
         case PI_TYPE_F32: head_bytes = 4 * D; break;
@@ -90,9 +90,33 @@ int kv_rows_make(kv_rows *c, void *data, int32_t type, int64_t Hkv, int64_t D) {
         default: return 0;
     }
     if (data == NULL || (type != PI_TYPE_F32 && D > PI_KV_MAX_D)) return 0;
-    if ((type == PI_TYPE_Q8_0 || type == PI_TYPE_Q4_0) && D % QK != 0) return 0;
-    *c = (kv_rows){.data = (uint8_t *)data, .head_bytes = head_bytes, .row_bytes = Hkv * head_bytes, .type = type};
+    const int blocks = type == PI_TYPE_Q8_0 || type == PI_TYPE_Q4_0;
+    if (blocks && D % QK != 0) return 0;
+    int32_t rot = 0;
+    if (blocks && D % 64 == 0) {
+        rot = 64;
+        while (!values && D % (2 * rot) == 0) rot *= 2;
+    }
+    *c = (kv_rows){.data = (uint8_t *)data, .head_bytes = head_bytes, .row_bytes = Hkv * head_bytes, .type = type,
+                   .rot = rot};
     return 1;
+}
+
+/* x (D) times the orthonormal Walsh-Hadamard matrix of size n (a power of two dividing D) in blocks of n: the
+ * butterflies of the fast transform, then the scale 1 / sqrt(n) */
+static void hadamard_rotate(float *x, int64_t D, int32_t n) {
+    const float scale = 1.0f / sqrtf((float)n);
+    for (int64_t b = 0; b < D; b += n) {
+        float *y = x + b;
+        for (int32_t h = 1; h < n; h *= 2)
+            for (int32_t i = 0; i < n; i += 2 * h)
+                for (int32_t j = i; j < i + h; j++) {
+                    const float u = y[j], w = y[j + h];
+                    y[j] = u + w;
+                    y[j + h] = u - w;
+                }
+        for (int32_t j = 0; j < n; j++) y[j] *= scale;
+    }
 }
 
 /* x (D floats) encoded into row pos, head kvh */
@@ -146,11 +170,26 @@ void attn_decode_heads(int32_t level, float *q, float *k, const float *v, const 
     const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
     const int64_t G = H / Hkv, L = pos + 1;
     for (int64_t kvh = kvh0; kvh < kvh1; kvh++) {
-        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) rope_rotate(q + h * D, rope, D);
+        for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) {
+            rope_rotate(q + h * D, rope, D);
+            if (kc->rot) hadamard_rotate(q + h * D, D, kc->rot);
+        }
         rope_rotate(k + kvh * D, rope, D);
+        if (kc->rot) hadamard_rotate(k + kvh * D, D, kc->rot);
         kv_store(kc, pos, kvh, k + kvh * D, D);
-        kv_store(vc, pos, kvh, v + kvh * D, D);
-        if (attend) attend_kv_head(q, kc, vc, kvh, G, L, D, scale, scores + kvh * G * L, out);
+        if (vc->rot) {
+            float rotated[PI_KV_MAX_D];
+            memcpy(rotated, v + kvh * D, (size_t)D * sizeof(float));
+            hadamard_rotate(rotated, D, vc->rot);
+            kv_store(vc, pos, kvh, rotated, D);
+        } else {
+            kv_store(vc, pos, kvh, v + kvh * D, D);
+        }
+        if (attend) {
+            attend_kv_head(q, kc, vc, kvh, G, L, D, scale, scores + kvh * G * L, out);
+            if (vc->rot)
+                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) hadamard_rotate(out + h * D, D, vc->rot);
+        }
     }
 }
 
@@ -168,6 +207,10 @@ void attn_decode_part(int32_t level, float *q, float *k, const float *v, const f
         attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 0, neox);
 #pragma omp barrier
         team(q, kc, vc, Hkv, G, L, D, scale, scores, scores + H * L, out, me, all);
+        if (vc->rot) { /* every lane of a head is written: each head rotated back by one thread */
+#pragma omp barrier
+            for (int64_t h = H * me / all; h < H * (me + 1) / all; h++) hadamard_rotate(out + h * D, D, vc->rot);
+        }
     } else {
         attn_decode_heads(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, scale, scores, out, kvh0, kvh1, 1, neox);
     }
@@ -179,7 +222,7 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
     if (pos < 0 || pos >= n_ctx || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0) return PI_ERR_SHAPE;
     if (q == NULL || k == NULL || v == NULL || rope == NULL || out == NULL) return PI_ERR_SHAPE;
     kv_rows krows, vrows;
-    if (!kv_rows_make(&krows, kc, type_k, Hkv, D) || !kv_rows_make(&vrows, vc, type_v, Hkv, D)) return PI_ERR_SHAPE;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
     const int64_t L = pos + 1;
     uint8_t *buf;
     const int32_t status = scratch_take(scratch, scratch_bytes, attn_scores_bytes(L, H), &buf);
@@ -210,7 +253,7 @@ PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const floa
         return PI_ERR_SHAPE;
     if (q == NULL || k == NULL || v == NULL || rope == NULL || out == NULL) return PI_ERR_SHAPE;
     kv_rows krows, vrows;
-    if (!kv_rows_make(&krows, kc, type_k, Hkv, D) || !kv_rows_make(&vrows, vc, type_v, Hkv, D)) return PI_ERR_SHAPE;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
     const int32_t level = pi_isa_clamp(isa);
     const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
     const int64_t G = H / Hkv, row = Hkv * D, L_max = pos + T;
@@ -230,6 +273,9 @@ PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const floa
         for (int64_t i = 0; i < T * Hkv; i++) {
             const int64_t t = i / Hkv, kvh = i % Hkv;
             attend_kv_head(q + t * H * D, &krows, &vrows, kvh, G, pos + t + 1, D, scale, s, out + t * H * D);
+            if (vrows.rot)
+                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
+                    hadamard_rotate(out + t * H * D + h * D, D, vrows.rot);
         }
     }
     free(scores);

@@ -337,7 +337,7 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, void *kc,
     if (E <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0 || pos < 0 || pos >= n_ctx)
         return PI_ERR_SHAPE;
     kv_rows krows, vrows;
-    if (!kv_rows_make(&krows, kc, type_k, Hkv, D) || !kv_rows_make(&vrows, vc, type_v, Hkv, D)) return PI_ERR_SHAPE;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
     const int64_t n_q = H * D, n_kv = Hkv * D;
     if (!mat_ok(&b->wq, n_q, E) || !mat_ok(&b->wk, n_kv, E) || !mat_ok(&b->wv, n_kv, E) || !mat_ok(&b->wo, E, n_q))
         return PI_ERR_SHAPE;
@@ -504,7 +504,7 @@ PI_EXPORT int32_t pi_teal_layer(const pi_teal_layer_desc *b, float *x, void *kc,
         b->act < ACT_RELU || b->act > ACT_LAST)
         return PI_ERR_SHAPE;
     kv_rows krows, vrows;
-    if (!kv_rows_make(&krows, kc, type_k, Hkv, D) || !kv_rows_make(&vrows, vc, type_v, Hkv, D)) return PI_ERR_SHAPE;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
     const float thr[4] = {b->t_qkv, b->t_o, b->t_gate_up, b->t_down};
     for (int i = 0; i < 4; i++)
         if (!(thr[i] >= 0.0f)) return PI_ERR_SHAPE;

@@ -12,7 +12,7 @@ import torch
 
 from powerinfer.ops import library
 from powerinfer.ops.context import KernelContext, default_context
-from powerinfer.ops.kv_types import kv_decode, kv_dims, kv_encode, kv_type_of
+from powerinfer.ops.kv_types import kv_decode, kv_dims, kv_encode, kv_rotation, kv_type_of
 from powerinfer.ops.library import check_status
 
 __all__ = [
@@ -235,7 +235,9 @@ def attend_one(
         v_cache[pos : pos + 1] = v.view(1, n_head_kv, head_dim)
         return decode_attention(q, k_cache[: pos + 1], v_cache[: pos + 1])
     assert type_k is not None and type_v is not None
-    # a typed cache: the row encoded as the kernel encodes it, the rows in use decoded
-    k_cache[pos : pos + 1] = kv_encode(k, type_k)
-    v_cache[pos : pos + 1] = kv_encode(v.view(1, n_head_kv, head_dim), type_v)
-    return decode_attention(q, kv_decode(k_cache[: pos + 1]), kv_decode(v_cache[: pos + 1]))
+    # a typed cache: the row encoded as the kernel encodes it (rotated: ops.kv_types), the rows in use decoded
+    rot_k, rot_v = kv_rotation(type_k, head_dim, False), kv_rotation(type_v, head_dim, True)
+    k_cache[pos : pos + 1] = kv_encode(k, type_k, rot_k)
+    v_cache[pos : pos + 1] = kv_encode(v.view(1, n_head_kv, head_dim), type_v, rot_v)
+    keys, values = kv_decode(k_cache[: pos + 1], rot_k), kv_decode(v_cache[: pos + 1], rot_v)
+    return decode_attention(q, keys, values)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from powerinfer.ops.kv_types import KVType, kv_decode, kv_encode, kv_type
+from powerinfer.ops.kv_types import KVType, kv_decode, kv_dims, kv_encode, kv_rotation, kv_type
 
 DEFAULT_KV_TYPE = "f32"  # -ctk / -ctv default (docs/generation.md: why not llama.cpp's f16)
 
@@ -90,6 +90,8 @@ class KVLayerView:
             v,
         )  # (n_seq, n_ctx, H_kv, D), or (n_seq, n_ctx, H_kv, D / 32, block bytes): ops.kv_types
         self.type_k, self.type_v = type_k, type_v
+        head_dim = kv_dims(k[0])[2]
+        self.rot_k, self.rot_v = kv_rotation(type_k, head_dim, False), kv_rotation(type_v, head_dim, True)
         self.positions = torch.arange(k.shape[1], device=k.device)
         # each sequence's views, made once: a decode step asks for one per layer (indexing costs ~10 us)
         self._slots = [(k[i], v[i]) for i in range(k.shape[0])]
@@ -101,16 +103,16 @@ class KVLayerView:
         self, seqs: int | torch.Tensor, positions: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write float keys and values (..., H_kv, D) at [seqs, positions], encoded in the cache's types."""
-        self.k[seqs, positions] = kv_encode(k, self.type_k) if self.type_k.dtype is not torch.float32 else k
-        self.v[seqs, positions] = kv_encode(v, self.type_v) if self.type_v.dtype is not torch.float32 else v
+        self.k[seqs, positions] = k if self.type_k.dtype is torch.float32 else kv_encode(k, self.type_k, self.rot_k)
+        self.v[seqs, positions] = v if self.type_v.dtype is torch.float32 else kv_encode(v, self.type_v, self.rot_v)
 
     def rows(self, seqs: int | torch.Tensor, positions: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at [seqs, positions] as float32 (..., H_kv, D): views of an f32 cache, else decoded
         (only the rows asked for)."""
         k, v = self.k[seqs, positions], self.v[seqs, positions]
         return (
-            k if self.type_k.dtype is torch.float32 else kv_decode(k),
-            v if self.type_v.dtype is torch.float32 else kv_decode(v),
+            k if self.type_k.dtype is torch.float32 else kv_decode(k, self.rot_k),
+            v if self.type_v.dtype is torch.float32 else kv_decode(v, self.rot_v),
         )
 
     def update(
