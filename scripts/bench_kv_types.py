@@ -70,7 +70,18 @@ def smollm2_path() -> Path:
 
 
 def our_ppl(model: Path, t: str, chunks: int, threads: int) -> float:
-    cmd = [sys.executable, "-m", "powerinfer", "perplexity", "-m", str(model), "-f", str(TEXT), "-c", str(N_CTX)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "powerinfer",
+        "perplexity",
+        "-m",
+        str(model),
+        "-f",
+        str(TEXT),
+        "-c",
+        str(N_CTX),
+    ]
     cmd += ["-ctk", t, "-ctv", t, "--chunks", str(chunks), "-t", str(threads), "--fixed-threads"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     match = re.search(r"Final estimate: PPL = ([0-9.]+)", out)
@@ -84,7 +95,9 @@ def llama_ppl(python: str, model: Path, t: str, chunks: int, threads: int) -> fl
     return float(json.loads(out.strip().splitlines()[-1])["ppl"])
 
 
-def decode_ms(model: Path, types: list[str], n_past: int, n_gen: int, reps: int, threads: int) -> dict[str, float]:
+def decode_ms(
+    model: Path, types: list[str], n_past: int, n_gen: int, reps: int, threads: int
+) -> dict[str, float]:
     """Median ms per decoded token after n_past tokens of context, per type (repetitions alternate the types)."""
     from powerinfer.runtime.engine import Engine, EngineOptions
 

@@ -108,7 +108,9 @@ def test_kernel_stores_block_heads_rotated(name, D, isa):
     assert rot_v == 64 and rot_k == {64: 64, 128: 128, 192: 64}[D]
     k_cache, v_cache = typed_cache(name, 8, 2, D, 1), typed_cache(name, 8, 2, D, 2)
     x = torch.randn(2, 2 * D, generator=torch.Generator().manual_seed(7)) * 2
-    ops.attn_decode(torch.randn(1, 4 * D), x[:1], x[1:], identity_rope(D), k_cache, v_cache, 3, ops.KernelContext(isa=isa))
+    ops.attn_decode(
+        torch.randn(1, 4 * D), x[:1], x[1:], identity_rope(D), k_cache, v_cache, 3, ops.KernelContext(isa=isa)
+    )
     bound = {"q8_0": 0.014, "q4_0": 0.25}[name] * x.abs().max()
     for rows, rot, want in ((k_cache, rot_k, x[0]), (v_cache, rot_v, x[1])):
         got = kv_decode(rows[3], rot).reshape(-1)
@@ -141,7 +143,9 @@ def test_decode_attention_on_typed_cache(name, H, H_kv, D, isa):
         keys, values = kv_decode(k_cache[: pos + 1], rot_k), kv_decode(v_cache[: pos + 1], rot_v)
         want = ops.decode_attention(q.view(1, H, D), keys, values)
         torch.testing.assert_close(outs[0], want, rtol=6e-6, atol=6e-6)
-        if rot_k or rot_v:  # the kernel rotates q and the output instead of the rows: equal in exact arithmetic
+        if (
+            rot_k or rot_v
+        ):  # the kernel rotates q and the output instead of the rows: equal in exact arithmetic
             continue
         # the f32 kernel on a decoded copy, the new row written as the decoded one: the same bits
         kf, vf = kv_decode(k_cache).contiguous(), kv_decode(v_cache).contiguous()

@@ -103,8 +103,12 @@ class KVLayerView:
         self, seqs: int | torch.Tensor, positions: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
         """Write float keys and values (..., H_kv, D) at [seqs, positions], encoded in the cache's types."""
-        self.k[seqs, positions] = k if self.type_k.dtype is torch.float32 else kv_encode(k, self.type_k, self.rot_k)
-        self.v[seqs, positions] = v if self.type_v.dtype is torch.float32 else kv_encode(v, self.type_v, self.rot_v)
+        self.k[seqs, positions] = (
+            k if self.type_k.dtype is torch.float32 else kv_encode(k, self.type_k, self.rot_k)
+        )
+        self.v[seqs, positions] = (
+            v if self.type_v.dtype is torch.float32 else kv_encode(v, self.type_v, self.rot_v)
+        )
 
     def rows(self, seqs: int | torch.Tensor, positions: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at [seqs, positions] as float32 (..., H_kv, D): views of an f32 cache, else decoded
