@@ -12,7 +12,7 @@ floats alone, whichever path wrote it.
 
 The block types store heads rotated, as llama.cpp does (its attention rotation): each head of D % 64 == 0 elements
 times the orthonormal Walsh-Hadamard matrix in blocks of `kv_rotation` elements, which spreads an outlier over its
-block before the rounding (SmolLM2, -c 256: q4_0 perplexity +14% unrotated, +2% rotated). The kernels rotate the
+block before the rounding (SmolLM2, -c 256: q4_0 perplexity +14% unrotated, +2.2% rotated; docs/generation.md). The kernels rotate the
 queries alike and the attention output back; the tensor paths here rotate a row before encoding it and after
 decoding it (`kv_encode` / `kv_decode` with `rot`), the same attention in exact arithmetic.
 """
