@@ -65,16 +65,20 @@ def models(tmp_path_factory) -> dict[str, Path]:
     opts = dataclasses.replace(opts, output=root / "teal-f32.powerinfer.gguf", method="teal")
     teal = root / "teal.powerinfer.gguf"
     quantize_model(QuantizeOptions(run_sparsify(opts).output, teal, file_type))
-    return {"dense": dense, "pwri": pwri, "cats": cats, "teal": teal}
+    # heads of 64 (whole q8_0 / q4_0 blocks, stored rotated) for the typed KV caches
+    sd64 = random_llama_state(n_embd=128, n_head=2, n_head_kv=1, n_ff=128, seed=12)
+    dense64 = write_llama_gguf(root / "dense64.gguf", sd64, n_head=2, n_head_kv=1, dtype=GGMLType.Q4_0)
+    return {"dense": dense, "pwri": pwri, "cats": cats, "teal": teal, "dense64": dense64}
 
 
 class Engines:
     """One scenario engine per thread count and the reference, per model (built once: loading dominates)."""
 
-    def __init__(self, path: Path) -> None:
-        self.reference = Engine(path, EngineOptions(n_ctx=N_CTX, n_threads=1, act_precision="q8"))
+    def __init__(self, path: Path, cache_type: str = "f32") -> None:
+        kv = {"cache_type_k": cache_type, "cache_type_v": cache_type}
+        self.reference = Engine(path, EngineOptions(n_ctx=N_CTX, n_threads=1, act_precision="q8", **kv))
         self.by_threads = {
-            t: Engine(path, EngineOptions(n_ctx=N_CTX, n_threads=t, n_seq=N_SEQ, act_precision="q8"))
+            t: Engine(path, EngineOptions(n_ctx=N_CTX, n_threads=t, n_seq=N_SEQ, act_precision="q8", **kv))
             for t in (1, 2, 3)
         }
         self.vocab = self.reference.config.n_vocab
@@ -82,7 +86,12 @@ class Engines:
 
 @pytest.fixture(scope="module")
 def engines(models) -> dict[str, Engines]:
-    return {name: Engines(path) for name, path in models.items()}
+    return {name: Engines(path) for name, path in models.items() if name != "dense64"}
+
+
+@pytest.fixture(scope="module")
+def typed_engines(models) -> dict[str, Engines]:
+    return {t: Engines(models["dense64"], t) for t in ("f16", "bf16", "q8_0", "q4_0")}
 
 
 def reference_logits(e: Engine, tokens: list[int]) -> torch.Tensor:
@@ -163,4 +172,19 @@ def test_logits_do_not_depend_on_how_a_token_arrives(engines, model, s):
     want = reference_logits(eng.reference, target)
     got = run_scenario(eng.by_threads[s["threads"]], eng.vocab, s)
     first = len(target) - got.shape[0]  # a reused prefix has no rows of its own
+    assert torch.equal(got, want[first:]), (got - want[first:]).abs().max()
+
+
+# the KV cache types (-ctk / -ctv): a row's bytes depend on its floats alone (kernels/cpu/attention.c), so the
+# property holds for each type as for f32
+@pytest.mark.parametrize("cache_type", ["f16", "bf16", "q8_0", "q4_0"])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(s=scenario)
+def test_logits_do_not_depend_on_how_a_token_arrives_typed_cache(typed_engines, cache_type, s):
+    eng = typed_engines[cache_type]
+    assert eng.reference.kv.type_k.name == cache_type
+    target = [t % eng.vocab for t in s["target"]]
+    want = reference_logits(eng.reference, target)
+    got = run_scenario(eng.by_threads[s["threads"]], eng.vocab, s)
+    first = len(target) - got.shape[0]
     assert torch.equal(got, want[first:]), (got - want[first:]).abs().max()

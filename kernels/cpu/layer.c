@@ -323,18 +323,21 @@ PI_EXPORT int32_t pi_cats_ffn_block(const pi_cats_ffn_block_desc *b, float *x, i
 
 /* ---- the attention block ---------------------------------------------------------------------------------------- */
 
-/* pi_attn_block(desc, x, kc, vc, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += the
- * block's output for the token at pos; kc, vc: this sequence's cache of the layer, (n_ctx, n_head_kv, head_dim)
- * float32, row pos written; rope: head_dim / 2 (cos, sin) pairs of position pos (q and k normed per head first
+/* pi_attn_block(desc, x, kc, vc, type_k, type_v, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x
+ * (n_embd) += the block's output for the token at pos; kc, vc: this sequence's cache of the layer, n_ctx rows of
+ * n_head_kv heads of head_dim elements of type_k / type_v (as pi_attn_decode), row pos written; rope: head_dim / 2 (cos, sin) pairs of position pos (q and k normed per head first
  * when the desc has q_norm and k_norm); scratch: at least
  * pi_attn_block_scratch_bytes(..., n_ctx) bytes. */
-PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc, float *vc, int64_t n_ctx,
+PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, void *kc, void *vc, int32_t type_k,
+                                int32_t type_v, int64_t n_ctx,
                                 int64_t pos, const float *rope, void *scratch, int64_t scratch_bytes, int32_t q8,
                                 int32_t n_threads, int32_t isa) {
-    if (b == NULL || x == NULL || kc == NULL || vc == NULL || rope == NULL || b->norm == NULL) return PI_ERR_SHAPE;
+    if (b == NULL || x == NULL || rope == NULL || b->norm == NULL) return PI_ERR_SHAPE;
     const int64_t E = b->n_embd, H = b->n_head, Hkv = b->n_head_kv, D = b->head_dim;
     if (E <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0 || pos < 0 || pos >= n_ctx)
         return PI_ERR_SHAPE;
+    kv_rows krows, vrows;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
     const int64_t n_q = H * D, n_kv = Hkv * D;
     if (!mat_ok(&b->wq, n_q, E) || !mat_ok(&b->wk, n_kv, E) || !mat_ok(&b->wv, n_kv, E) || !mat_ok(&b->wo, E, n_q))
         return PI_ERR_SHAPE;
@@ -373,7 +376,7 @@ PI_EXPORT int32_t pi_attn_block(const pi_attn_block_desc *b, float *x, float *kc
             }
 #pragma omp barrier
         }
-        attn_decode_part(level, q, k, v, rope, kc, vc, pos, H, Hkv, D, b->scale, scores, att, me, all,
+        attn_decode_part(level, q, k, v, rope, &krows, &vrows, pos, H, Hkv, D, b->scale, scores, att, me, all,
                          b->rope_neox != 0);
 #pragma omp barrier
 #pragma omp single
@@ -497,21 +500,23 @@ static void teal_axpy(axpy_units_fn units, const pi_mat *m, const float *h, floa
     }
 }
 
-/* pi_teal_layer(desc, x, kc, vc, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += the
- * layer's attention output, then += its FFN output, for the token at pos; kc, vc and rope as pi_attn_block.
+/* pi_teal_layer(desc, x, kc, vc, type_k, type_v, n_ctx, pos, rope, scratch, scratch_bytes, q8, threads, isa): x (n_embd) += the
+ * layer's attention output, then += its FFN output, for the token at pos; kc, vc, their types and rope as
+ * pi_attn_block.
  * Each step as its op: rms_norm, rows_axpy with the threshold (q, k, v at once), attention as pi_attn_decode,
  * rows_axpy (o), the residual add, rms_norm, rows_axpy (gate and up at once), pi_gated, rows_axpy (down), the
  * residual add: the bits of the layer run op by op, in one call and one parallel region. */
-PI_EXPORT int32_t pi_teal_layer(const pi_teal_layer_desc *b, float *x, float *kc, float *vc, int64_t n_ctx,
+PI_EXPORT int32_t pi_teal_layer(const pi_teal_layer_desc *b, float *x, void *kc, void *vc, int32_t type_k,
+                                int32_t type_v, int64_t n_ctx,
                                 int64_t pos, const float *rope, void *scratch, int64_t scratch_bytes, int32_t q8,
                                 int32_t n_threads, int32_t isa) {
-    if (b == NULL || x == NULL || kc == NULL || vc == NULL || rope == NULL || b->attn_norm == NULL ||
-        b->ffn_norm == NULL)
-        return PI_ERR_SHAPE;
+    if (b == NULL || x == NULL || rope == NULL || b->attn_norm == NULL || b->ffn_norm == NULL) return PI_ERR_SHAPE;
     const int64_t E = b->n_embd, H = b->n_head, Hkv = b->n_head_kv, D = b->head_dim, F = b->n_ff;
     if (E <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0 || F <= 0 || pos < 0 || pos >= n_ctx ||
         b->act < ACT_RELU || b->act > ACT_LAST)
         return PI_ERR_SHAPE;
+    kv_rows krows, vrows;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
     const float thr[4] = {b->t_qkv, b->t_o, b->t_gate_up, b->t_down};
     for (int i = 0; i < 4; i++)
         if (!(thr[i] >= 0.0f)) return PI_ERR_SHAPE;
@@ -542,7 +547,7 @@ PI_EXPORT int32_t pi_teal_layer(const pi_teal_layer_desc *b, float *x, float *kc
 #pragma omp single
         rms_norm_row(x, b->attn_norm, E, b->attn_eps, xn);
         teal_axpy(units, &b->qkv_t, xn, b->t_qkv, q8, qkv, chains, me, all, b->bytes_read);
-        attn_decode_part(level, qkv, qkv + n_q, qkv + n_q + n_kv, rope, kc, vc, pos, H, Hkv, D, b->scale, scores,
+        attn_decode_part(level, qkv, qkv + n_q, qkv + n_q + n_kv, rope, &krows, &vrows, pos, H, Hkv, D, b->scale, scores,
                          att, me, all, b->rope_neox != 0);
 #pragma omp barrier
         teal_axpy(units, &b->o_t, att, b->t_o, q8, y, chains, me, all, b->bytes_read);
@@ -571,7 +576,8 @@ enum { STACK_FFN_DENSE = 0, STACK_FFN_SPARSE = 1, STACK_FFN_CATS = 2, STACK_TEAL
  * scratch its scratch). The ctypes mirror is powerinfer/ops/layer.py. */
 typedef struct {
     const pi_attn_block_desc *attn;
-    float *k_cache, *v_cache; /* (n_ctx, n_head_kv, head_dim) each */
+    void *k_cache, *v_cache; /* n_ctx rows of n_head_kv heads of head_dim elements each */
+    int32_t type_k, type_v;  /* their types, as pi_attn_block's */
     int64_t n_ctx;
     const float *rope; /* (n_positions, head_dim / 2, 2) (cos, sin) pairs */
     int64_t n_positions;
@@ -594,13 +600,14 @@ PI_EXPORT int32_t pi_decode_stack(const pi_stack_layer *layers, int64_t n_layers
         if (L->ffn == NULL || L->rope == NULL || pos >= L->n_positions) return PI_ERR_SHAPE;
         if (L->ffn_kind == STACK_TEAL) {
             const pi_teal_layer_desc *t = (const pi_teal_layer_desc *)L->ffn;
-            const int32_t status = pi_teal_layer(t, x, L->k_cache, L->v_cache, L->n_ctx, pos, L->rope + pos * t->head_dim,
-                                                 attn_scratch, attn_bytes, q8, n_threads, isa);
+            const int32_t status = pi_teal_layer(t, x, L->k_cache, L->v_cache, L->type_k, L->type_v, L->n_ctx, pos,
+                                                 L->rope + pos * t->head_dim, attn_scratch, attn_bytes, q8, n_threads,
+                                                 isa);
             if (status != PI_OK) return status;
             continue;
         }
         if (L->attn == NULL) return PI_ERR_SHAPE;
-        int32_t status = pi_attn_block(L->attn, x, L->k_cache, L->v_cache, L->n_ctx, pos,
+        int32_t status = pi_attn_block(L->attn, x, L->k_cache, L->v_cache, L->type_k, L->type_v, L->n_ctx, pos,
                                        L->rope + pos * L->attn->head_dim, attn_scratch, attn_bytes, q8, n_threads, isa);
         if (status != PI_OK) return status;
         switch (L->ffn_kind) {

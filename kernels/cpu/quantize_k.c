@@ -52,27 +52,6 @@ static inline int round_int(float v) {
 
 static inline int clamp_int(int v, int lo, int hi) { return v < lo ? lo : (v > hi ? hi : v); }
 
-/* float -> IEEE half, round to nearest even; |f| >= 65520 -> inf, nan -> 0x7E00 (sign kept) */
-static uint16_t fp32_to_fp16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
-    const uint32_t mag = bits & 0x7FFFFFFFu;
-    if (mag > 0x7F800000u) return (uint16_t)(sign | 0x7E00u);
-    if (mag >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u);
-    if (mag < 0x38800000u) {
-        /* below 2^-14, a subnormal half: |f| + 0.5 lands in [0.5, 1), whose ulp is 2^-24, the half's subnormal
-         * step, so the add rounds |f| to a multiple of it (ties to even); 1024 steps is the smallest normal */
-        const float sum = fabsf(f) + 0.5f;
-        uint32_t sum_bits;
-        memcpy(&sum_bits, &sum, sizeof sum_bits);
-        return (uint16_t)(sign | (sum_bits - 0x3F000000u));
-    }
-    /* normal: drop 13 mantissa bits rounding to even (a carry into the exponent is the right result), rebias */
-    const uint32_t rounded = mag + 0x0FFFu + ((mag >> 13) & 1u);
-    return (uint16_t)(sign | ((rounded - 0x38000000u) >> 13));
-}
-
 /* ------------------------------------------------------------------------------------------------------------ */
 /* group fits                                                                                                   */
 

@@ -235,6 +235,33 @@ YarnBetaSlowOpt = Annotated[
     ),
 ]
 
+# ---- KV cache types (-ctk / -ctv, llama.cpp's names; ops.kv_types) --------------------------------------------------
+# plain strings checked in EngineArgs.options, so a bad value is one error line (exit 1) like every other option
+KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # ops.kv_types.KV_TYPES (no torch import here)
+DEFAULT_CACHE_TYPE = (
+    "f32"  # runtime.kv_cache.DEFAULT_KV_TYPE; docs/generation.md says why not llama.cpp's f16
+)
+CacheTypeKOpt = Annotated[
+    str,
+    typer.Option(
+        "-ctk",
+        "--cache-type-k",
+        help=f"KV cache type of the keys: {', '.join(KV_TYPE_NAMES)} (q8_0 / q4_0: ggml's blocks of 32).",
+    ),
+]
+CacheTypeVOpt = Annotated[
+    str,
+    typer.Option("-ctv", "--cache-type-v", help=f"KV cache type of the values: {', '.join(KV_TYPE_NAMES)}."),
+]
+
+
+def cache_type(flag: str, name: str) -> str:
+    """A -ctk / -ctv value, checked (case as llama.cpp takes it: lower)."""
+    if name not in KV_TYPE_NAMES:
+        raise InputError(f"{flag} {name!r} is not a KV cache type: choose one of {', '.join(KV_TYPE_NAMES)}")
+    return name
+
+
 TempOpt = Annotated[float, typer.Option("--temp", help="Temperature (0 = greedy).")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Top-k sampling (<= 0: off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Top-p (nucleus) sampling.")]
@@ -305,6 +332,8 @@ class EngineArgs:
     n_cpu_moe: NCpuMoeOpt = 0
     override_tensor: OverrideTensorOpt = None
     memory_limit: MemoryLimitOpt = None
+    cache_type_k: CacheTypeKOpt = DEFAULT_CACHE_TYPE
+    cache_type_v: CacheTypeVOpt = DEFAULT_CACHE_TYPE
     pipeline_split: PipelineSplitOpt = None
     dist_timeout: DistTimeoutOpt = 60.0
     # RoPE scaling
@@ -367,6 +396,8 @@ class EngineArgs:
             override_tensor=tuple(self.override_tensor or ()),
             memory_limit_gib=self.memory_limit,
             rope=self.rope_overrides(),
+            cache_type_k=cache_type("--cache-type-k", self.cache_type_k),
+            cache_type_v=cache_type("--cache-type-v", self.cache_type_v),
         )
         values.update(fields)
         if "pipeline" not in values:

@@ -12,6 +12,7 @@ import torch
 
 from powerinfer.ops import library
 from powerinfer.ops.context import KernelContext, default_context
+from powerinfer.ops.kv_types import kv_decode, kv_dims, kv_encode, kv_rotation, kv_type_of
 from powerinfer.ops.library import check_status
 
 __all__ = [
@@ -58,8 +59,9 @@ def attn_decode(
     """Attention of one token at position `pos` in one kernel call; None where the kernel does not apply.
 
     q (1, H * D), k and v (1, H_kv * D): the token's projections (float32, CPU); rope (D / 2, 2): cos and sin of
-    each pair's rotation at pos; k_cache, v_cache (n_ctx, H_kv, D): the sequence's cache of the layer (float32,
-    contiguous, CPU), into which the rotated k and v are written at row pos. Returns (1, H * D): per head,
+    each pair's rotation at pos; k_cache, v_cache: the sequence's cache of the layer (n_ctx, H_kv, D) of any
+    cache type (ops.kv_types; contiguous, CPU), into which the rotated k and v are written at row pos, encoded in
+    that type; the kernel reads the typed rows directly. Returns (1, H * D): per head,
     softmax(q . K[0..pos] / sqrt(D)) . V[0..pos] with the query heads grouped over the KV heads (GQA).
     scratch: a contiguous CPU tensor of at least `attn_scratch_bytes(n_ctx, H)` bytes, reused across calls
     (None: one is allocated for this call). neox: RoPE pairs elements i and i + D / 2 of a head (else 2i and
@@ -68,13 +70,14 @@ def attn_decode(
     if kc is None:
         kc = default_context()
     kernel = kc.kernels.attn_decode
-    n_ctx, n_head_kv, head_dim = k_cache.shape
+    type_k, type_v = kv_type_of(k_cache), kv_type_of(v_cache)
+    if type_k is None or type_v is None:
+        return None
+    n_ctx, n_head_kv, head_dim = kv_dims(k_cache)
     if (
         kernel is None
         or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu)
-        or k_cache.dtype is not torch.float32
-        or v_cache.dtype is not torch.float32
-        or v_cache.shape != k_cache.shape
+        or kv_dims(v_cache) != (n_ctx, n_head_kv, head_dim)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous() and rope.is_contiguous())
         or not 0 <= pos < n_ctx
     ):
@@ -98,7 +101,7 @@ def attn_decode(
     out = torch.empty(1, n_head * head_dim, dtype=torch.float32)
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        n_ctx, pos, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), scratch.data_ptr(),
+        type_k.ggml_type, type_v.ggml_type, n_ctx, pos, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), scratch.data_ptr(),
         scratch_bytes, int(neox), kc.threads_now, kc.level,
     )  # fmt: skip
     if status:
@@ -123,20 +126,21 @@ def attn_prefill(
     batches); None where the kernel does not apply.
 
     q (T, H * D), k and v (T, H_kv * D): the projections; rope (T, D / 2, 2): each token's (cos, sin) pairs;
-    k_cache, v_cache (n_ctx, H_kv, D) float32 contiguous CPU, rows pos..pos+T-1 written; neox as `attn_decode`.
+    k_cache, v_cache as `attn_decode` (any cache type), rows pos..pos+T-1 written; neox as `attn_decode`.
     Returns (T, H * D).
     """
     if kc is None:
         kc = default_context()
     kernel = kc.kernels.attn_prefill
-    n_ctx, n_head_kv, head_dim = k_cache.shape
+    type_k, type_v = kv_type_of(k_cache), kv_type_of(v_cache)
+    if type_k is None or type_v is None:
+        return None
+    n_ctx, n_head_kv, head_dim = kv_dims(k_cache)
     T = q.shape[0]
     if (
         kernel is None
         or not (q.is_cpu and k_cache.is_cpu and v_cache.is_cpu and rope.is_cpu)
-        or k_cache.dtype is not torch.float32
-        or v_cache.dtype is not torch.float32
-        or v_cache.shape != k_cache.shape
+        or kv_dims(v_cache) != (n_ctx, n_head_kv, head_dim)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         or not (0 <= pos and T >= 1 and pos + T <= n_ctx)
     ):
@@ -159,7 +163,7 @@ def attn_prefill(
     out = torch.empty(T, n_head * head_dim, dtype=torch.float32)
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        n_ctx, pos, T, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), int(neox), kc.threads_now,
+        type_k.ggml_type, type_v.ggml_type, n_ctx, pos, T, n_head, n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), int(neox), kc.threads_now,
         kc.level,
     )  # fmt: skip
     if status:
@@ -211,7 +215,8 @@ def attend_one(
     device (neox: RoPE on the pairs (i, i + D/2)).
 
     q (1, H * D), k and v (1, H_kv * D): the token's projections; rope_pair (D / 2, 2): cos and sin of its
-    rotation (the rows of the complex RoPE table as float pairs); k_cache, v_cache (n_ctx, H_kv, D). The kernel
+    rotation (the rows of the complex RoPE table as float pairs); k_cache, v_cache (n_ctx, H_kv, D) of any cache
+    type (ops.kv_types). The kernel
     (`attn_decode`) when q is on the CPU and pos < ATTN_KERNEL_MAX_POS and it applies; else RoPE, the cache
     write and `decode_attention` as tensor ops.
     """
@@ -219,11 +224,20 @@ def attend_one(
         out = attn_decode(q, k, v, rope_pair, k_cache, v_cache, pos, kc, scratch=scratch, neox=neox)
         if out is not None:
             return out
-    _, n_head_kv, head_dim = k_cache.shape
+    _, n_head_kv, head_dim = kv_dims(k_cache)
     n_head = q.shape[-1] // head_dim
     rot = torch.view_as_complex(rope_pair).to(q.device)[None]  # (1, D/2)
     q = apply_rope(q.view(1, n_head, head_dim), rot, neox)
     k = apply_rope(k.view(1, n_head_kv, head_dim), rot, neox)
-    k_cache[pos : pos + 1] = k
-    v_cache[pos : pos + 1] = v.view(1, n_head_kv, head_dim)
-    return decode_attention(q, k_cache[: pos + 1], v_cache[: pos + 1])
+    type_k, type_v = kv_type_of(k_cache), kv_type_of(v_cache)
+    if type_k is not None and type_k.dtype is torch.float32 and v_cache.dtype is torch.float32:
+        k_cache[pos : pos + 1] = k
+        v_cache[pos : pos + 1] = v.view(1, n_head_kv, head_dim)
+        return decode_attention(q, k_cache[: pos + 1], v_cache[: pos + 1])
+    assert type_k is not None and type_v is not None
+    # a typed cache: the row encoded as the kernel encodes it (rotated: ops.kv_types), the rows in use decoded
+    rot_k, rot_v = kv_rotation(type_k, head_dim, False), kv_rotation(type_v, head_dim, True)
+    k_cache[pos : pos + 1] = kv_encode(k, type_k, rot_k)
+    v_cache[pos : pos + 1] = kv_encode(v.view(1, n_head_kv, head_dim), type_v, rot_v)
+    keys, values = kv_decode(k_cache[: pos + 1], rot_k), kv_decode(v_cache[: pos + 1], rot_v)
+    return decode_attention(q, keys, values)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from powerinfer.ops import library
 from powerinfer.ops.activation import activation_code
 from powerinfer.ops.context import KernelContext, default_context
+from powerinfer.ops.kv_types import kv_dims, kv_type_of
 from powerinfer.ops.library import check_status
 from powerinfer.quant import K_QUANT_TYPES
 
@@ -130,6 +131,12 @@ def _norm_weight(weight: torch.Tensor, n: int) -> torch.Tensor | None:
     return weight.to(torch.float32).contiguous()
 
 
+def _cache_fits(k: torch.Tensor, v: torch.Tensor, row: int) -> bool:
+    """k and v: one sequence's cache rows of a block whose rows hold `row` = H_kv * D elements."""
+    n_ctx, n_head_kv, head_dim = kv_dims(k)
+    return kv_dims(v) == (n_ctx, n_head_kv, head_dim) and n_head_kv * head_dim == row
+
+
 class AttnBlock:
     """A layer's attention block for one token: x += wo . attention(rope(wq n), rope(wk n), wv n), n = norm(x)."""
 
@@ -156,16 +163,17 @@ class AttnBlock:
         rope_pairs: torch.Tensor,
         scratch: torch.Tensor,
     ) -> None:
-        """x (1, n_embd) float32 contiguous CPU, updated in place; k_cache, v_cache (n_ctx, H_kv, D) float32 contiguous,
-        row pos written; rope_pairs (n_positions, D / 2, 2) the (cos, sin) table; scratch of scratch_bytes(n_ctx)."""
+        """x (1, n_embd) float32 contiguous CPU, updated in place; k_cache, v_cache (n_ctx, H_kv, D) contiguous, of
+        any cache type (ops.kv_types), row pos written; rope_pairs (n_positions, D / 2, 2) the (cos, sin) table;
+        scratch of scratch_bytes(n_ctx)."""
+        type_k, type_v = kv_type_of(k_cache), kv_type_of(v_cache)
         n_ctx = k_cache.shape[0]
         if (
             x.numel() != self.n_embd
             or x.dtype is not torch.float32
-            or k_cache.dtype is not torch.float32
-            or v_cache.dtype is not torch.float32
-            or k_cache.numel() != n_ctx * self.row
-            or v_cache.shape != k_cache.shape
+            or type_k is None
+            or type_v is None
+            or not _cache_fits(k_cache, v_cache, self.row)
             or not (x.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
             or not 0 <= pos < rope_pairs.shape[0]
             or rope_pairs[0].numel() != self.head_dim
@@ -173,8 +181,8 @@ class AttnBlock:
             raise ValueError("attn_block: x, the caches or the RoPE table do not match the block")
         kc = self.kc
         status = self._kernel()(  # type: ignore[operator]
-            self._desc_ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), n_ctx, pos,
-            rope_pairs.data_ptr() + pos * self.head_dim * 4, scratch.data_ptr(), scratch.numel(),
+            self._desc_ref, x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), type_k.ggml_type,
+            type_v.ggml_type, n_ctx, pos, rope_pairs.data_ptr() + pos * self.head_dim * 4, scratch.data_ptr(), scratch.numel(),
             kc.act_precision == "q8", kc.threads_now, kc.level,
         )  # fmt: skip
         if status:
@@ -514,8 +522,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 class _StackLayer(ctypes.Structure):  # pi_stack_layer
     _fields_ = [
-        ("attn", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("n_ctx", _i64), ("rope", _ptr), ("n_positions", _i64),
-        ("ffn_kind", _i32), ("reserved", _i32), ("ffn", _ptr),
+        ("attn", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("type_k", _i32), ("type_v", _i32), ("n_ctx", _i64),
+        ("rope", _ptr), ("n_positions", _i64), ("ffn_kind", _i32), ("reserved", _i32), ("ffn", _ptr),
     ]  # fmt: skip
 
 
@@ -560,10 +568,10 @@ def decode_stack(
     layers: list[tuple[AttnBlock, torch.Tensor, torch.Tensor, torch.Tensor, _FFNBlockBase | None]],
     kc: KernelContext,
 ) -> DecodeStack | None:
-    """The stack of these layers, each (attention block, its k and v cache rows (n_ctx, H_kv, D) float32 contiguous
-    for the sequence, its RoPE pairs table (n_positions, D / 2, 2), FFN block), or (TEAL layer, k, v, pairs, None):
-    the whole layer as TealLayer computes it; all of context kc. None where the kernels cannot chain them (an FFN
-    block of another kind, a block of another context, a cache or table that does not fit its block)."""
+    """The stack of these layers, each (attention block, its k and v cache rows (n_ctx, H_kv, D) of any cache type,
+    contiguous, for the sequence, its RoPE pairs table (n_positions, D / 2, 2), FFN block), or (TEAL layer, k, v,
+    pairs, None): the whole layer as TealLayer computes it; all of context kc. None where the kernels cannot chain
+    them (an FFN block of another kind, a block of another context, a cache or table that does not fit its block)."""
     lib = library.load()
     if lib is None or not layers:
         return None
@@ -577,21 +585,21 @@ def decode_stack(
             return None
         if ffn is not None and (ffn.kc is not kc or ffn.n_embd != attn.n_embd):
             return None
+        type_k, type_v = kv_type_of(k), kv_type_of(v)
         if (
-            k.dtype is not torch.float32
-            or v.dtype is not torch.float32
+            type_k is None
+            or type_v is None
             or not (
                 k.is_cpu and v.is_cpu and k.is_contiguous() and v.is_contiguous() and pairs.is_contiguous()
             )
-            or v.shape != k.shape
-            or k.numel() != k.shape[0] * attn.row
+            or not _cache_fits(k, v, attn.row)
             or pairs.dtype is not torch.float32
             or pairs.numel() != pairs.shape[0] * attn.head_dim
         ):
             return None
         block = attn if ffn is None else ffn
         array[i] = _StackLayer(
-            ctypes.addressof(attn.desc), k.data_ptr(), v.data_ptr(), k.shape[0], pairs.data_ptr(), pairs.shape[0],
-            kind, 0, ctypes.addressof(block.desc),
+            ctypes.addressof(attn.desc), k.data_ptr(), v.data_ptr(), type_k.ggml_type, type_v.ggml_type, k.shape[0],
+            pairs.data_ptr(), pairs.shape[0], kind, 0, ctypes.addressof(block.desc),
         )  # fmt: skip
     return DecodeStack(array, tuple(layers), kc)

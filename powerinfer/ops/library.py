@@ -91,16 +91,19 @@ _CATS_FFN_ARGTYPES = (
     + (_ptr, _i64, _i32) * 3
     + (_ptr, _i64, _ptr, _ptr, _i32, _i32, _i32, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i32, _i32)
 )
-# attn_prefill (q, k, v, rope, k_cache, v_cache, n_ctx, pos, T, H, H_kv, D, scale, out, neox, n_threads, isa)
-_ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32, _i32, _i32)
-# attn_decode (q, k, v, rope, k_cache, v_cache, n_ctx, pos, H, H_kv, D, scale, out, scratch, scratch_bytes,
-#              neox, n_threads, isa)
-_ATTN_DECODE_ARGTYPES = (_ptr,) * 6 + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# attn_prefill (q, k, v, rope, k_cache, v_cache, type_k, type_v, n_ctx, pos, T, H, H_kv, D, scale, out, neox,
+#               n_threads, isa)
+_ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i32, _i32) + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32, _i32, _i32)
+# attn_decode (q, k, v, rope, k_cache, v_cache, type_k, type_v, n_ctx, pos, H, H_kv, D, scale, out, scratch,
+#              scratch_bytes, neox, n_threads, isa)
+_ATTN_DECODE_ARGTYPES = (
+    (_ptr,) * 6 + (_i32, _i32) + (_i64,) * 5 + (ctypes.c_float, _ptr, _ptr, _i64, _i32, _i32, _i32)
+)
 # quantize_rows (ggml_type, src, n_rows, n_cols, dst, n_threads): float rows -> blocks (kernels/cpu/quantize_k.c)
 _QUANTIZE_ROWS_ARGTYPES = (_i32, _ptr, _i64, _i64, _ptr, _i32)
-# attn_block and teal_layer (desc, x, k_cache, v_cache, n_ctx, pos, rope, scratch, scratch_bytes, q8, n_threads,
-#                             isa)
-_ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i64, _i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
+# attn_block and teal_layer (desc, x, k_cache, v_cache, type_k, type_v, n_ctx, pos, rope, scratch, scratch_bytes, q8,
+#                             n_threads, isa)
+_ATTN_BLOCK_ARGTYPES = (_ptr,) * 4 + (_i32, _i32, _i64, _i64, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # ffn_block and sparse_ffn_block (desc, x, scratch, scratch_bytes, q8, n_threads, isa)
 _FFN_BLOCK_ARGTYPES = (_ptr, _ptr, _ptr, _i64, _i32, _i32, _i32)
 # cats_ffn_block (desc, x, dense, scratch, scratch_bytes, q8, n_threads, isa)

@@ -28,6 +28,7 @@ from powerinfer.model.moe import MoEFFN
 from powerinfer.model.source import Sparsity
 from powerinfer.model.sparse import SparseStats
 from powerinfer.model.transformer import Transformer
+from powerinfer.ops.kv_types import KV_TYPES
 from powerinfer.placement import Placement
 from powerinfer.placement.device_plan import DevicePlan, layers_plan
 from powerinfer.placement.experts import (
@@ -41,7 +42,12 @@ from powerinfer.placement.experts import (
 from powerinfer.placement.memory import plan_memory, runtime_bytes
 from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION
 from powerinfer.runtime.expert_store import ExpertStore, LayerFiles, NextRouter, TrainedRouter, resident_bytes
-from powerinfer.runtime.kv_cache import KV_BYTES_PER_ELEMENT, available_memory_bytes, kv_cache_bytes
+from powerinfer.runtime.kv_cache import (
+    DEFAULT_KV_TYPE,
+    available_memory_bytes,
+    kv_bytes_terms,
+    kv_cache_bytes,
+)
 from powerinfer.runtime.loader import Loader
 from powerinfer.runtime.pool import PoolRequest, budget_bytes, plan_moe_pool, plan_pool, pool_device
 from powerinfer.runtime.threads import torch_threads
@@ -99,6 +105,9 @@ class EngineOptions:
     memory_limit_gib: float | None = None
     memory_runtime_bytes: int | None = None
     rope: RopeOverrides | None = None  # the command line's RoPE scaling options (arch.rope_scaling)
+    # KV cache types (-ctk / -ctv): ops.kv_types.KV_TYPES names
+    cache_type_k: str = DEFAULT_KV_TYPE
+    cache_type_v: str = DEFAULT_KV_TYPE
 
 
 def kernel_context(options: EngineOptions) -> ops.KernelContext:
@@ -177,6 +186,9 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
         raise InputError(f"batch size must be positive (got {o.n_batch})")
     if o.n_seq < 1:
         raise InputError(f"the number of sequences must be >= 1 (got {o.n_seq})")
+    for flag, name in (("--cache-type-k", o.cache_type_k), ("--cache-type-v", o.cache_type_v)):
+        if name not in KV_TYPES:
+            raise InputError(f"{flag} {name!r} is not a KV cache type: choose one of {', '.join(KV_TYPES)}")
     gguf = read_gguf(model_path)
     c = load_config(gguf, o.rope)
     stage: Stage | None = None
@@ -196,7 +208,8 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
     plan = device_plan(o, gguf, c, n_ctx, sparse, stage.layers if stage is not None else None)
     sparsity = Sparsity(c.sparse_method, c.sparse_threshold) if sparse else Sparsity()
     loader = Loader(gguf, plan, kc, sparsity, sparse_stats)
-    check_context_memory(c, loader, n_ctx, o.n_seq)
+    check_cache_types(o, c, plan)
+    check_context_memory(c, loader, n_ctx, o.n_seq, o.cache_type_k, o.cache_type_v)
     predictor = None
     if o.memory_limit_gib is not None:
         moe = getattr(c, "moe", None)
@@ -248,7 +261,7 @@ def expert_store(
         raise InputError("--memory-limit reads the dense weights from the file mapping (not with --no-mmap)")
     limit = int(o.memory_limit_gib * 2**30)
     base = (o.memory_runtime_bytes if o.memory_runtime_bytes is not None else resident_bytes()) + extra
-    kv = kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, o.n_seq)
+    kv = kv_cache_bytes(c.n_layer, n_ctx, c.n_embd_gqa, o.n_seq, o.cache_type_k, o.cache_type_v)
     layers, expert_sizes, expert_total = [], [], 0
     for bid in range(c.n_layer):
         infos = [gguf.tensors[t.format(bid=bid)] for t in EXPERT_TENSORS]
@@ -319,16 +332,38 @@ def context_size(n_ctx: int, n_ctx_train: int) -> int:
     return n
 
 
-def check_context_memory(c: ModelConfig, loader: Loader, n_ctx: int, n_seq: int) -> None:
+def check_cache_types(o: EngineOptions, c: ModelConfig, plan: DevicePlan) -> None:
+    """Refuse -ctk / -ctv types the model's heads or the placement cannot take: the block types store each head
+    as whole blocks of 32, and the pool device's attention (device spans, padded decode) reads f32 caches only."""
+    for flag, name in (("--cache-type-k", o.cache_type_k), ("--cache-type-v", o.cache_type_v)):
+        why = KV_TYPES[name].fits(c.head_dim)
+        if why is not None:
+            raise InputError(f"{flag} {name}: {why}; use f32, f16 or bf16")
+    typed = [n for n in (o.cache_type_k, o.cache_type_v) if n != "f32"]
+    if typed and plan.device is not None and plan.kv_layers:
+        raise InputError(
+            f"--cache-type-k/--cache-type-v {typed[0]}: the KV cache of {len(plan.kv_layers)} layers is on the "
+            f"pool device ({plan.device}), whose attention reads f32 caches only; use f32 there"
+        )
+
+
+def check_context_memory(
+    c: ModelConfig,
+    loader: Loader,
+    n_ctx: int,
+    n_seq: int,
+    type_k: str = DEFAULT_KV_TYPE,
+    type_v: str = DEFAULT_KV_TYPE,
+) -> None:
     """Refuse a context whose host buffers (KV cache, RoPE tables, attention scores) need more memory than
     this process can get, before any of them is allocated: the context comes from -c or, with -c 0, from
     the file's context_length."""
     n_layer = sum(1 for bid in range(c.n_layer) if loader.kv_device(bid).type == "cpu")
-    kv = kv_cache_bytes(n_layer, n_ctx, c.n_embd_gqa, n_seq)
+    kv = kv_cache_bytes(n_layer, n_ctx, c.n_embd_gqa, n_seq, type_k, type_v)
     tables = n_ctx * (c.head_dim // 2 * ROPE_BYTES_PER_PAIR + c.n_head * 4)
     available = available_memory_bytes()
     if available is not None and kv + tables > available:
-        kv_terms = f"{n_layer} layers x {n_ctx} x {c.n_embd_gqa} x 2 x {KV_BYTES_PER_ELEMENT} bytes"
+        kv_terms = f"{n_layer} layers x {n_ctx} x {c.n_embd_gqa} x {kv_bytes_terms(type_k, type_v)} bytes"
         raise InputError(
             f"context of {n_ctx} tokens needs {_gib(kv + tables)} of host memory (KV cache {kv_terms} "
             f"x {n_seq} sequences = {_gib(kv)}), only {_gib(available)} is available; "

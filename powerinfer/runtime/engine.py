@@ -49,7 +49,7 @@ from powerinfer.runtime.assembly import (
 from powerinfer.runtime.context_shift import shift_cache
 from powerinfer.runtime.forward import Forward, LocalForward, PipelineForward
 from powerinfer.runtime.generate import generate
-from powerinfer.runtime.kv_cache import KVCache
+from powerinfer.runtime.kv_cache import KVCache, kv_report
 from powerinfer.runtime.threads import ThreadGovernor
 from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
@@ -96,9 +96,12 @@ class Engine:
             c.n_head_kv,
             c.head_dim,
             n_seq=o.n_seq,
+            type_k=o.cache_type_k,
+            type_v=o.cache_type_v,
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
             zeroed=[self.plan.device is not None and bid in self.plan.kv_layers for bid in range(c.n_layer)],
         )
+        log.info("%s", kv_report(self.kv, c.n_layer, c.n_embd_gqa))
         self.head_stats: HeadStats | None = None
         self.pipeline: Pipeline | None = None
         self.governor: ThreadGovernor | None = None
