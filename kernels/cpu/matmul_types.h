@@ -34,10 +34,9 @@
                                              .tile8_short_rows = 1),                                               \
             [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0),                                                           \
-            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1),                                                           \
-            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0, \
-                                             .tile8_nb_multiple = 8),                                              \
+            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, .tile8 = TILE8(isa, q5_0), .tile8_min_t = TILE8_MIN_T_Q4_0), \
+            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, .tile8 = TILE8(isa, q5_1), .tile8_min_t = TILE8_MIN_T_Q4_0), \
+            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0), \
             [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
             [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
             [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
@@ -54,6 +53,8 @@
 #define tile4_bf16_scalar NULL
 #define tile8_q4_0_scalar NULL
 #define tile8_q4_1_scalar NULL
+#define tile8_q5_0_scalar NULL
+#define tile8_q5_1_scalar NULL
 #define tile8_q8_0_scalar NULL
 static const matmul_table matmul_tables[] = {
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
@@ -75,6 +76,8 @@ static const matmul_table matmul_tables[] = {
 #undef tile4_bf16_scalar
 #undef tile8_q4_0_scalar
 #undef tile8_q4_1_scalar
+#undef tile8_q5_0_scalar
+#undef tile8_q5_1_scalar
 #undef tile8_q8_0_scalar
 
 #endif

@@ -93,77 +93,6 @@ TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) 
     return _mm256_or_si256(FN(unpack_q4)(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* One block step for ntok tokens; KIND the type id (PI_TYPE_Q8_0, Q5_0, Q5_1: the 4-bit types have tile_q4x_n);
- * ACC/BIAS are the parity accumulators. Q5_1 adds its m term (m_w d_x sum(x)) in BIAS, Q5_0 subtracts 16 sum(x). */
-#define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
-    do {                                                                                                     \
-        __m256i w, wabs = _mm256_setzero_si256();                                                            \
-        __m128 dm; /* {d_w, m_w, 0, 0} */                                                                    \
-        if ((KIND) == PI_TYPE_Q8_0) {                                                                                   \
-            w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
-            wabs = _mm256_sign_epi8(w, w);                                                                   \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b8[i].d));                                                   \
-        } else if ((KIND) == PI_TYPE_Q5_0) {                                                                            \
-            w = FN(unpack_q5)(b50[i].qh, b50[i].qs);                                                         \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b50[i].d));                                                  \
-        } else {                                                                                             \
-            uint32_t dm_bits;                                                                                \
-            memcpy(&dm_bits, &b51[i].d, sizeof dm_bits);                                                     \
-            w = FN(unpack_q5)(b51[i].qh, b51[i].qs);                                                         \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
-        }                                                                                                    \
-        for (int t = 0; t < ntok; t++) {                                                                     \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[t] + (i) * QK));                      \
-            /* {d_w * d_x, m_w * d_x * sum(q_x)} */                                                          \
-            const __m128 scale = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(xds[t] + 2 * (i))))); \
-            __m256i p;                                                                                       \
-            if ((KIND) == PI_TYPE_Q5_0) /* (q - 16) . x = q . x - 16 sum(x): 2 sum(x) from each of the 8 lanes */      \
-                p = FN(dot_u8s8)(_mm256_set1_epi32(-2 * xi[t][i]), w, xv);                                   \
-            else if ((KIND) == PI_TYPE_Q8_0)                                                                            \
-                p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
-            else                                                                                             \
-                p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
-            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), ACC[t]);           \
-            if ((KIND) == PI_TYPE_Q5_1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                                                   \
-        }                                                                                                    \
-    } while (0)
-
-TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok,
-                                    float *out) {
-    const block_q8_0 *b8 = (const block_q8_0 *)row;
-    const block_q5_0 *b50 = (const block_q5_0 *)row;
-    const block_q5_1 *b51 = (const block_q5_1 *)row;
-    const int64_t nb = a->nb;
-    const int64_t bsz = kind == PI_TYPE_Q8_0   ? (int64_t)sizeof(block_q8_0)
-                        : kind == PI_TYPE_Q5_0 ? (int64_t)sizeof(block_q5_0)
-                                    : (int64_t)sizeof(block_q5_1);
-    const int8_t *xq[TILE_T];
-    const float *xds[TILE_T];
-    const int32_t *xi[TILE_T];
-    __m256 acc0[TILE_T], acc1[TILE_T];
-    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q5_1 m terms */
-    for (int t = 0; t < ntok; t++) {
-        xq[t] = a->qs + (t0 + t) * a->K;
-        xds[t] = a->ds + (t0 + t) * nb * 2;
-        xi[t] = a->isum + (t0 + t) * nb;
-        acc0[t] = acc1[t] = _mm256_setzero_ps();
-        bias0[t] = bias1[t] = _mm_setzero_ps();
-    }
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2) {
-        prefetch_act(a, row + i * bsz, 2 * bsz);
-        QUANT_STEP(kind, i, acc0, bias0);
-        QUANT_STEP(kind, i + 1, acc1, bias1);
-    }
-    if (i < nb) QUANT_STEP(kind, i, acc0, bias0);
-    for (int t = 0; t < ntok; t++) {
-        const __m128 bias = _mm_add_ps(bias0[t], bias1[t]);
-        out[t] = FN(hsum256)(_mm256_add_ps(acc0[t], acc1[t])) + _mm_cvtss_f32(_mm_movehdup_ps(bias));
-    }
-}
-
-#undef QUANT_STEP
-
 /* Lane j of the result: the sum of the 8 lanes of p_j (exact integers, so any order gives the same value). */
 TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
     const __m256i a = FN(hadd_epi32)(FN(hadd_epi32)(p[0], p[1]), FN(hadd_epi32)(p[2], p[3]));
@@ -171,12 +100,45 @@ TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Q4_0 / Q4_1 rows, 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x))
- * lands in lane j, is converted once and multiplied by d_w d_x (one float product) into lane j of the token's
- * accumulator, and Q4_1 adds m_w (d_x sum(x)) there (one product, one add); a last partial group fills lanes 0..
- * and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every ntok, thread count
- * and SIMD variant (dpbusd and maddubs + madd give the same integers), so a token's result does not depend on its
- * batch. The row's 8 blocks are unpacked once per step into `wu` and shared by the ntok tokens. */
+/* The group tiles' block-32 types (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 for the block size): bytes per block, whether it
+ * has a minimum m (after d), whether it is a 5-bit type (qh after d and m). KIND is a constant after inlining. */
+#define QX_BSZ(kind)                                                                                              \
+    ((kind) == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0)                                                         \
+     : (kind) == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)                                                       \
+     : (kind) == PI_TYPE_Q5_0 ? (int64_t)sizeof(block_q5_0)                                                       \
+     : (kind) == PI_TYPE_Q5_1 ? (int64_t)sizeof(block_q5_1)                                                       \
+                              : (int64_t)sizeof(block_q8_0))
+#define QX_HAS_MIN(kind) ((kind) == PI_TYPE_Q4_1 || (kind) == PI_TYPE_Q5_1)
+#define QX_IS_Q5(kind) ((kind) == PI_TYPE_Q5_0 || (kind) == PI_TYPE_Q5_1)
+
+/* The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block at blk as unsigned bytes (0..15, 0..31) in element order */
+TARGET_INLINE __m256i FN(unpack_qx)(const int kind, const uint8_t *blk) {
+    const int head = QX_HAS_MIN(kind) ? 4 : 2; /* d (and m) lead the block */
+    return QX_IS_Q5(kind) ? FN(unpack_q5)(blk + head, blk + head + 4) : FN(unpack_q4)(blk + head);
+}
+
+/* q . x per block less the stored offset times sum(x) (Q4_0: 8, Q5_0: 16; the types with a minimum have none) */
+TARGET_INLINE __m256i FN(qx_offset)(const int kind, __m256i q, __m256i isum) {
+    if (kind == PI_TYPE_Q4_0) return _mm256_sub_epi32(q, _mm256_slli_epi32(isum, 3));
+    if (kind == PI_TYPE_Q5_0) return _mm256_sub_epi32(q, _mm256_slli_epi32(isum, 4));
+    return q;
+}
+
+/* the halves at p + j * stride, j < 8 (8 blocks' d or m), as floats */
+TARGET_INLINE __m256 FN(halves8)(const uint8_t *p, int64_t stride) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; j++) memcpy(&h[j], p + j * stride, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
+                                          (short)h[5], (short)h[6], (short)h[7]));
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 rows, 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x),
+ * Q5_0: - 16 sum(x)) lands in lane j, is converted once and multiplied by d_w d_x (one float product) into lane j of
+ * the token's accumulator, and Q4_1 / Q5_1 add m_w (d_x sum(x)) there (one product, one add); a last partial group
+ * fills lanes 0.. and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every
+ * ntok, thread count and SIMD variant (dpbusd and maddubs + madd give the same integers: a Q5 pair is at most
+ * 2 x 31 x 127), so a token's result does not depend on its batch. The row's 8 blocks are unpacked once per step
+ * into `wu` and shared by the ntok tokens. */
 TARGET_INLINE __m256 FN(q4_group)(const int kind, const uint8_t *wu, const int8_t *xq, __m256i isum, __m256 scale,
                                   __m256 bias, __m256 acc) {
     __m256i p[8];
@@ -185,9 +147,9 @@ TARGET_INLINE __m256 FN(q4_group)(const int kind, const uint8_t *wu, const int8_
                         _mm256_loadu_si256((const __m256i *)(xq + (j) * QK)))
     Q4G_DOT(0); Q4G_DOT(1); Q4G_DOT(2); Q4G_DOT(3); Q4G_DOT(4); Q4G_DOT(5); Q4G_DOT(6); Q4G_DOT(7);
 #undef Q4G_DOT
-    const __m256i q = kind == PI_TYPE_Q4_0 ? _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3)) : FN(sum8_epi32)(p);
+    const __m256i q = FN(qx_offset)(kind, FN(sum8_epi32)(p), isum);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, acc);
-    return kind == PI_TYPE_Q4_0 ? acc : _mm256_add_ps(acc, bias);
+    return QX_HAS_MIN(kind) ? _mm256_add_ps(acc, bias) : acc;
 }
 
 /* the even (d_x) or odd (d_x sum(x)) entries of 8 blocks' {d, d sum} pairs, in block order */
@@ -302,7 +264,7 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
     const block_q4_0 *b0 = (const block_q4_0 *)row;
     const block_q4_1 *b1 = (const block_q4_1 *)row;
     const int64_t nb = a->nb, K = a->K;
-    const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
+    const int64_t bsz = QX_BSZ(kind);
     _Alignas(32) uint8_t wu[8 * QK];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
@@ -318,25 +280,16 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
             acc[0] = FN(q4_1_pairs_group)(b1 + g, a->qp + g * QK, a->ds + 2 * g, acc[0]);
         }
     for (; g + 8 <= nb; g += 8) {
-        prefetch_act(a, row + g * bsz, 8 * bsz);
-        __m128i dh, mh = _mm_setzero_si128();
-        if (kind == PI_TYPE_Q4_0) {
-            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b0[g + j].qs));
-            dh = _mm_setr_epi16((short)b0[g].d, (short)b0[g + 1].d, (short)b0[g + 2].d, (short)b0[g + 3].d,
-                                (short)b0[g + 4].d, (short)b0[g + 5].d, (short)b0[g + 6].d, (short)b0[g + 7].d);
-        } else {
-            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b1[g + j].qs));
-            dh = _mm_setr_epi16((short)b1[g].d, (short)b1[g + 1].d, (short)b1[g + 2].d, (short)b1[g + 3].d,
-                                (short)b1[g + 4].d, (short)b1[g + 5].d, (short)b1[g + 6].d, (short)b1[g + 7].d);
-            mh = _mm_setr_epi16((short)b1[g].m, (short)b1[g + 1].m, (short)b1[g + 2].m, (short)b1[g + 3].m,
-                                (short)b1[g + 4].m, (short)b1[g + 5].m, (short)b1[g + 6].m, (short)b1[g + 7].m);
-        }
-        const __m256 dw = _mm256_cvtph_ps(dh), mw = _mm256_cvtph_ps(mh);
+        const uint8_t *first = row + g * bsz;
+        prefetch_act(a, first, 8 * bsz);
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_qx)(kind, first + j * bsz));
+        const __m256 dw = FN(halves8)(first, bsz);
+        const __m256 mw = QX_HAS_MIN(kind) ? FN(halves8)(first + 2, bsz) : _mm256_setzero_ps();
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
             const float *ds = a->ds + (tt * nb + g) * 2;
             const __m256i isum = _mm256_loadu_si256((const __m256i *)(a->isum + tt * nb + g));
-            const __m256 bias = kind == PI_TYPE_Q4_1 ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
+            const __m256 bias = QX_HAS_MIN(kind) ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
             acc[t] = FN(q4_group)(kind, wu, a->qs + tt * K + g * QK, isum, _mm256_mul_ps(dw, FN(act_pairs)(ds, 0)),
                                   bias, acc[t]);
         }
@@ -346,9 +299,9 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
         const uint8_t *first = row + g * bsz;
         const __m256i lanes = FN(tail_lanes)(n);
         __m256i w[8];
-        for (int j = 0; j < n; j++) w[j] = FN(unpack_q4)(kind == PI_TYPE_Q4_0 ? b0[g + j].qs : b1[g + j].qs);
+        for (int j = 0; j < n; j++) w[j] = FN(unpack_qx)(kind, first + j * bsz);
         const __m256 dw = FN(tail_halves)(first, bsz, n, lanes);
-        const __m256 mw = kind == PI_TYPE_Q4_1 ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
+        const __m256 mw = QX_HAS_MIN(kind) ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
             const int8_t *xq = a->qs + tt * K + g * QK;
@@ -357,13 +310,9 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
             for (int j = 0; j < 8; j++)
                 p[j] = j < n ? FN(dot_u8s8)(_mm256_setzero_si256(), w[j], _mm256_loadu_si256((const __m256i *)(xq + j * QK)))
                              : _mm256_setzero_si256();
-            const __m256i sum = FN(sum8_epi32)(p);
-            const __m256i q =
-                kind == PI_TYPE_Q4_0
-                    ? _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_maskload_epi32(a->isum + tt * nb + g, lanes), 3))
-                    : sum;
+            const __m256i q = FN(qx_offset)(kind, FN(sum8_epi32)(p), _mm256_maskload_epi32(a->isum + tt * nb + g, lanes));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, FN(tail_pairs)(ds, n, 0)), acc[t]);
-            if (kind == PI_TYPE_Q4_1) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
+            if (QX_HAS_MIN(kind)) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
@@ -433,7 +382,7 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
     }
 }
 
-/* tile_<type>: the ntok-specialised bodies of `body` (tile_quant_n or tile_q4x_n) for weight kind `kind` */
+/* tile_<type>: the ntok-specialised bodies of `body` (tile_q4x_n) for weight kind `kind` */
 #define DEFINE_TILE_QUANT_BODY(type, body, kind)                                                            \
     TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         switch (ntok) {                                                                                   \
@@ -443,7 +392,6 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
             default: FN(body)(kind, row, a, t0, 4, out); break;                                           \
         }                                                                                                 \
     }
-#define DEFINE_TILE_QUANT(type, kind) DEFINE_TILE_QUANT_BODY(type, tile_quant_n, kind)
 DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
@@ -464,19 +412,16 @@ DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
 TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
                                    uint8_t *panel, float *y, int64_t y_stride) {
     const int64_t nb = a->nb, K = a->K;
-    const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0)
-                        : kind == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)
-                                    : (int64_t)sizeof(block_q8_0);
+    const int64_t bsz = QX_BSZ(kind);
     const int64_t stride = kind == PI_TYPE_Q8_0 ? PANEL_Q8_0 : PANEL_Q4X;
-    const int qs_off = kind == PI_TYPE_Q4_1 ? 4 : 2; /* d (and m) lead the block */
     for (int64_t b = 0; b < nb; b++) {
         __m256i r[8];
         uint16_t dh[8], mh[8];
         for (int i = 0; i < 8; i++) {
             const uint8_t *blk = rows[i] + b * bsz;
-            r[i] = kind == PI_TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + qs_off)) : FN(unpack_q4)(blk + qs_off);
+            r[i] = kind == PI_TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : FN(unpack_qx)(kind, blk);
             memcpy(&dh[i], blk, 2);
-            memcpy(&mh[i], kind == PI_TYPE_Q4_1 ? blk + 2 : blk, 2);
+            memcpy(&mh[i], QX_HAS_MIN(kind) ? blk + 2 : blk, 2);
         }
         __m256i *v = (__m256i *)(panel + b * stride);
         FN(transpose8_epi32)(r, v);
@@ -502,10 +447,18 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
 #define P8_Q8(q, v, j, xb) \
     q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + 8 + (j)), _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j))))
 #else
+/* int16 sums of 8 Q4 pairs (at most 8 x 2 x 15 x 128) or of 4 Q5 pairs (4 x 2 x 31 x 128) stay below 2^15 */
 #define P8_Q4(q, v, xb)                                                                                        \
     __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), P8_X(xb, 0));                                     \
-    for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
-    q = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    for (int j = 1; j < 4; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+    if (QX_IS_Q5(kind)) {                                                                                      \
+        __m256i h16 = _mm256_maddubs_epi16(_mm256_load_si256((v) + 4), P8_X(xb, 4));                           \
+        for (int j = 5; j < 8; j++) h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+        q = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), _mm256_madd_epi16(h16, _mm256_set1_epi16(1))); \
+    } else {                                                                                                   \
+        for (int j = 4; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+        q = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));                                                      \
+    }
 #define P8_Q8(q, v, j, xb)                                                                                     \
     q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((v) + 8 + (j)),          \
                                                                    _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j)))), \
@@ -523,11 +476,11 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
             dw = _mm256_load_ps((const float *)(v + 16));                                                      \
         } else {                                                                                               \
             P8_Q4(q, v, xb)                                                                                    \
-            q = kind == PI_TYPE_Q4_0 ? _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3)) : q;           \
+            q = FN(qx_offset)(kind, q, _mm256_set1_epi32(is[b]));                                              \
             dw = _mm256_load_ps((const float *)(v + 8));                                                       \
         }                                                                                                      \
         ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, _mm256_set1_ps(ds[2 * b])), ACC);        \
-        if (kind == PI_TYPE_Q4_1)                                                                                         \
+        if (QX_HAS_MIN(kind))                                                                                  \
             ACC = _mm256_add_ps(ACC, _mm256_mul_ps(_mm256_load_ps((const float *)(v + 9)), _mm256_set1_ps(ds[2 * b + 1]))); \
         b++;                                                                                                   \
     } while (0)
@@ -560,6 +513,8 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
     }
 DEFINE_TILE8(q4_0, PI_TYPE_Q4_0)
 DEFINE_TILE8(q4_1, PI_TYPE_Q4_1)
+DEFINE_TILE8(q5_0, PI_TYPE_Q5_0)
+DEFINE_TILE8(q5_1, PI_TYPE_Q5_1)
 DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
 #undef DEFINE_TILE8
 
@@ -608,24 +563,16 @@ TARGET static void FN(r8_q4_0)(const uint8_t *g, const act_q8 *a, float *y) {
     _mm256_storeu_ps(y, sum);
 }
 
-DEFINE_TILE_QUANT(q5_0, PI_TYPE_Q5_0)
-DEFINE_TILE_QUANT(q5_1, PI_TYPE_Q5_1)
+DEFINE_TILE_QUANT_BODY(q5_0, tile_q4x_n, PI_TYPE_Q5_0)
+DEFINE_TILE_QUANT_BODY(q5_1, tile_q4x_n, PI_TYPE_Q5_1)
 DEFINE_TILE_QUANT_BODY(q4_1, tile_q4x_n, PI_TYPE_Q4_1)
-DEFINE_TILE_QUANT(q8_0_b, PI_TYPE_Q8_0)
 
-/* Q8_0 rows: in 8-block groups (tile_q8_0_n: what the prompt panels repeat) when the row has a whole number of
- * groups, else block by block (QUANT_STEP): a ragged last group costs the one-token kernel ~1.6x on SmolLM2's
- * 18-block rows (its Q8_0 output matrix). Either way the choice depends on K only, so a token's result does not
- * depend on its batch. (Q4_1 stays block by block: grouping it changed SmolLM2's outputs, and its 576-wide rows
- * would not take panels anyway; tile_q4x_n and tile8_quant keep the Q4_1 form for when they do.) */
+/* Q8_0 rows in 8-block groups (tile_q8_0_n: what the prompt panels repeat), a last partial group in the low lanes:
+ * the form depends on nothing but the row, so a token's result does not depend on its batch. */
 TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    if (a->nb % 8 == 0)
-        FN(tile_q8_0_g)(row, a, t0, ntok, out);
-    else
-        FN(tile_q8_0_b)(row, a, t0, ntok, out);
+    FN(tile_q8_0_g)(row, a, t0, ntok, out);
 }
 
-#undef DEFINE_TILE_QUANT
 #undef DEFINE_TILE_QUANT_BODY
 
 /* ---- float weight x float activation tiles ------------------------------------------------------------- */
