@@ -30,13 +30,13 @@
             [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
             [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
             [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
-            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile16 = TILE16(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile16 = TILE16(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, .tile8 = TILE8(isa, q5_0), .tile8_min_t = TILE8_MIN_T_Q4_0), \
-            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, .tile8 = TILE8(isa, q5_1), .tile8_min_t = TILE8_MIN_T_Q4_0), \
-            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0), \
+            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, .tile8 = TILE8(isa, q5_0), .tile16 = TILE16(isa, q5_0), .tile8_min_t = TILE8_MIN_T_Q4_0), \
+            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, .tile8 = TILE8(isa, q5_1), .tile16 = TILE16(isa, q5_1), .tile8_min_t = TILE8_MIN_T_Q4_0), \
+            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile16 = TILE16(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0), \
             [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
             [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
             [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
@@ -46,6 +46,7 @@
     }
 #define TILE4(isa, type) tile4_##type##_##isa
 #define TILE8(isa, type) tile8_##type##_##isa
+#define TILE16(isa, type) tile16_##type##_##isa
 #define R8(isa) r8_q4_0_##isa
 #define r8_q4_0_scalar r8_coef4_scalar
 #define tile4_f32_scalar NULL
@@ -56,6 +57,16 @@
 #define tile8_q5_0_scalar NULL
 #define tile8_q5_1_scalar NULL
 #define tile8_q8_0_scalar NULL
+#define tile16_q4_0_scalar NULL
+#define tile16_q4_1_scalar NULL
+#define tile16_q5_0_scalar NULL
+#define tile16_q5_1_scalar NULL
+#define tile16_q8_0_scalar NULL
+#define tile16_q4_0_avx2 NULL
+#define tile16_q4_1_avx2 NULL
+#define tile16_q5_0_avx2 NULL
+#define tile16_q5_1_avx2 NULL
+#define tile16_q8_0_avx2 NULL
 static const matmul_table matmul_tables[] = {
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
 #if PI_X86
@@ -69,6 +80,7 @@ static const matmul_table matmul_tables[] = {
 #undef MATMUL_TABLE
 #undef TILE4
 #undef TILE8
+#undef TILE16
 #undef R8
 #undef r8_q4_0_scalar
 #undef tile4_f32_scalar
@@ -79,5 +91,15 @@ static const matmul_table matmul_tables[] = {
 #undef tile8_q5_0_scalar
 #undef tile8_q5_1_scalar
 #undef tile8_q8_0_scalar
+#undef tile16_q4_0_scalar
+#undef tile16_q4_1_scalar
+#undef tile16_q5_0_scalar
+#undef tile16_q5_1_scalar
+#undef tile16_q8_0_scalar
+#undef tile16_q4_0_avx2
+#undef tile16_q4_1_avx2
+#undef tile16_q5_0_avx2
+#undef tile16_q5_1_avx2
+#undef tile16_q8_0_avx2
 
 #endif

@@ -426,7 +426,12 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
         __m256i *v = (__m256i *)(panel + b * stride);
         FN(transpose8_epi32)(r, v);
         if (kind == PI_TYPE_Q8_0) {
+#if SIMD_AVX512
+            /* q + 128 as unsigned bytes: one dpbusd per step, the exact q . x = (q + 128) . x - 128 sum(x) */
+            for (int j = 0; j < 8; j++) _mm256_store_si256(v + j, _mm256_xor_si256(v[j], _mm256_set1_epi8((char)0x80)));
+#else
             for (int j = 0; j < 8; j++) _mm256_store_si256(v + 8 + j, _mm256_sign_epi8(v[j], v[j]));
+#endif
             _mm256_store_ps((float *)(v + 16), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
         } else {
             _mm256_store_ps((float *)(v + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
@@ -444,8 +449,9 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
 #define P8_Q4(q, v, xb)                                                                                        \
     q = _mm256_setzero_si256();                                                                                \
     for (int j = 0; j < 8; j++) q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + j), P8_X(xb, j));
-#define P8_Q8(q, v, j, xb) \
-    q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + 8 + (j)), _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j))))
+#define P8_Q8_ALL(q, v, xb, isb) \
+    P8_Q4(q, v, xb)              \
+    q = _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(isb), 7));
 #else
 /* int16 sums of 8 Q4 pairs (at most 8 x 2 x 15 x 128) or of 4 Q5 pairs (4 x 2 x 31 x 128) stay below 2^15 */
 #define P8_Q4(q, v, xb)                                                                                        \
@@ -463,6 +469,9 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
     q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((v) + 8 + (j)),          \
                                                                    _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j)))), \
                                               _mm256_set1_epi16(1)))
+#define P8_Q8_ALL(q, v, xb, isb)                       \
+    q = _mm256_setzero_si256();                        \
+    for (int j = 0; j < 8; j++) P8_Q8(q, v, j, xb);
 #endif
 #define P8_STEP(ACC)                                                                                           \
     do {                                                                                                       \
@@ -471,8 +480,7 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
         __m256 dw;                                                                                             \
         __m256i q;                                                                                             \
         if (kind == PI_TYPE_Q8_0) {                                                                                       \
-            q = _mm256_setzero_si256();                                                                        \
-            for (int j = 0; j < 8; j++) P8_Q8(q, v, j, xb);                                                    \
+            P8_Q8_ALL(q, v, xb, is[b])                                                                         \
             dw = _mm256_load_ps((const float *)(v + 16));                                                      \
         } else {                                                                                               \
             P8_Q4(q, v, xb)                                                                                    \
@@ -499,6 +507,7 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
 #undef P8_STEP
 #undef P8_Q4
 #undef P8_Q8
+#undef P8_Q8_ALL
 #undef P8_X
         const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc0, acc4), _mm256_add_ps(acc2, acc6)),
                                          _mm256_add_ps(_mm256_add_ps(acc1, acc5), _mm256_add_ps(acc3, acc7)));
@@ -517,6 +526,85 @@ DEFINE_TILE8(q5_0, PI_TYPE_Q5_0)
 DEFINE_TILE8(q5_1, PI_TYPE_Q5_1)
 DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
 #undef DEFINE_TILE8
+
+#if SIMD_AVX512
+/* Sixteen Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows x all tokens (AVX-512): tile8_quant's panels of rows 0-7 and 8-15 side
+ * by side in 512-bit vectors (rows 0-7 in the low half, 8-15 in the high half), so one load, one broadcast and one
+ * VNNI dot serve 16 rows. Each row keeps tile8_quant's exact integer per block (Q8_0 from q + 128 as there), its
+ * float product d_w d_x, FMA into accumulator b % 8, the minimum's add and the final sum order, in its lane: the
+ * bits of the row tile. Panel per block (PANEL16_BYTES_PER_BLOCK): 8 vectors of 4 weights x 16 rows, then the
+ * rows' d and m as floats. */
+TARGET_INLINE void FN(tile16_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
+                                    uint8_t *panel, float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K, bsz = QX_BSZ(kind);
+    const int shift = kind == PI_TYPE_Q4_0 ? 3 : kind == PI_TYPE_Q5_0 ? 4 : 7; /* the offset's 8, 16, 128 */
+    const int offset = kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q5_0 || kind == PI_TYPE_Q8_0;
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i *v = (__m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);
+        _Alignas(32) __m256i half[2][8];
+        _Alignas(32) uint16_t dh[16], mh[16];
+        for (int h = 0; h < 2; h++) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *blk = rows[8 * h + i] + b * bsz;
+                r[i] = kind == PI_TYPE_Q8_0
+                           ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80))
+                           : FN(unpack_qx)(kind, blk);
+                memcpy(&dh[8 * h + i], blk, 2);
+                memcpy(&mh[8 * h + i], QX_HAS_MIN(kind) ? blk + 2 : blk, 2);
+            }
+            FN(transpose8_epi32)(r, half[h]);
+        }
+        for (int j = 0; j < 8; j++)
+            _mm512_store_si512(v + j, _mm512_inserti64x4(_mm512_castsi256_si512(half[0][j]), half[1][j], 1));
+        _mm512_store_ps((float *)(v + 8), _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)dh)));
+        _mm512_store_ps((float *)(v + 9), _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mh)));
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const int8_t *xq = a->qs + t * K;
+        const float *ds = a->ds + t * nb * 2;
+        const int32_t *is = a->isum + t * nb;
+        __m512 acc[8];
+        for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
+#define P16_STEP(l)                                                                                            \
+    do {                                                                                                       \
+        const __m512i *v = (const __m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);                             \
+        const int32_t *xb = (const int32_t *)(xq + b * QK);                                                    \
+        __m512i q = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(v), _mm512_set1_epi32(xb[0])); \
+        for (int j = 1; j < 8; j++) q = _mm512_dpbusd_epi32(q, _mm512_load_si512(v + j), _mm512_set1_epi32(xb[j])); \
+        if (offset) q = _mm512_sub_epi32(q, _mm512_slli_epi32(_mm512_set1_epi32(is[b]), (unsigned)shift));     \
+        acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),                                                        \
+                                 _mm512_mul_ps(_mm512_load_ps((const float *)(v + 8)), _mm512_set1_ps(ds[2 * b])), acc[l]); \
+        if (QX_HAS_MIN(kind))                                                                                  \
+            acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_load_ps((const float *)(v + 9)),               \
+                                                         _mm512_set1_ps(ds[2 * b + 1])));                      \
+        b++;                                                                                                   \
+    } while (0)
+        int64_t b = 0;
+        for (; b + 8 <= nb;) {
+            P16_STEP(0); P16_STEP(1); P16_STEP(2); P16_STEP(3);
+            P16_STEP(4); P16_STEP(5); P16_STEP(6); P16_STEP(7);
+        }
+        for (int l = 0; b < nb; l++) P16_STEP(l);
+#undef P16_STEP
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
+                                         _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
+        _mm512_storeu_ps(y + t * y_stride, sum);
+    }
+}
+
+#define DEFINE_TILE16(type, kind)                                                                               \
+    TARGET static void FN(tile16_##type)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, \
+                                         float *y, int64_t y_stride) {                                           \
+        FN(tile16_quant)(kind, rows, a, T, panel, y, y_stride);                                                 \
+    }
+DEFINE_TILE16(q4_0, PI_TYPE_Q4_0)
+DEFINE_TILE16(q4_1, PI_TYPE_Q4_1)
+DEFINE_TILE16(q5_0, PI_TYPE_Q5_0)
+DEFINE_TILE16(q5_1, PI_TYPE_Q5_1)
+DEFINE_TILE16(q8_0, PI_TYPE_Q8_0)
+#undef DEFINE_TILE16
+#endif
 
 /* ---- one token over Q4_0 rows repacked by 8 (matmul.c, pi_repack_rows8) ---------------------------------------- */
 
