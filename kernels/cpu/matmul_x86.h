@@ -528,6 +528,58 @@ DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
 #undef DEFINE_TILE8
 
 #if SIMD_AVX512
+/* Tokens t0..t0 + ntok - 1 (ntok <= 4, a constant after inlining) over a filled panel of 16 rows: each panel vector
+ * loaded once serves the ntok tokens (their 4 activations broadcast, one VNNI dot each); per token and row the
+ * arithmetic of tile16_quant's comment. */
+TARGET_INLINE void FN(tile16_tokens)(const int kind, const uint8_t *panel, const act_q8 *a, int64_t t0, const int ntok,
+                                     float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    const int shift = kind == PI_TYPE_Q4_0 ? 3 : kind == PI_TYPE_Q5_0 ? 4 : 7; /* the offset's 8, 16, 128 */
+    const int offset = kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q5_0 || kind == PI_TYPE_Q8_0;
+    const int32_t *xq[4];
+    const float *ds[4];
+    const int32_t *is[4];
+    __m512 acc[4][8];
+    for (int t = 0; t < ntok; t++) {
+        xq[t] = (const int32_t *)(a->qs + (t0 + t) * K);
+        ds[t] = a->ds + (t0 + t) * nb * 2;
+        is[t] = a->isum + (t0 + t) * nb;
+        for (int l = 0; l < 8; l++) acc[t][l] = _mm512_setzero_ps();
+    }
+#define P16_STEP(l)                                                                                            \
+    do {                                                                                                       \
+        const __m512i *v = (const __m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);                             \
+        __m512i q[4];                                                                                          \
+        for (int t = 0; t < ntok; t++) q[t] = _mm512_setzero_si512();                                          \
+        for (int j = 0; j < 8; j++) {                                                                          \
+            const __m512i w = _mm512_load_si512(v + j);                                                        \
+            for (int t = 0; t < ntok; t++) q[t] = _mm512_dpbusd_epi32(q[t], w, _mm512_set1_epi32(xq[t][b * 8 + j])); \
+        }                                                                                                      \
+        const __m512 dw = _mm512_load_ps((const float *)(v + 8));                                              \
+        for (int t = 0; t < ntok; t++) {                                                                       \
+            if (offset) q[t] = _mm512_sub_epi32(q[t], _mm512_slli_epi32(_mm512_set1_epi32(is[t][b]), (unsigned)shift)); \
+            acc[t][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[t]), _mm512_mul_ps(dw, _mm512_set1_ps(ds[t][2 * b])), acc[t][l]); \
+            if (QX_HAS_MIN(kind))                                                                              \
+                acc[t][l] = _mm512_add_ps(acc[t][l], _mm512_mul_ps(_mm512_load_ps((const float *)(v + 9)),     \
+                                                                   _mm512_set1_ps(ds[t][2 * b + 1])));         \
+        }                                                                                                      \
+        b++;                                                                                                   \
+    } while (0)
+    int64_t b = 0;
+    for (; b + 8 <= nb;) {
+        P16_STEP(0); P16_STEP(1); P16_STEP(2); P16_STEP(3);
+        P16_STEP(4); P16_STEP(5); P16_STEP(6); P16_STEP(7);
+    }
+    for (int l = 0; b < nb; l++) P16_STEP(l);
+#undef P16_STEP
+    for (int t = 0; t < ntok; t++) {
+        const __m512 *c = acc[t];
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c[0], c[4]), _mm512_add_ps(c[2], c[6])),
+                                         _mm512_add_ps(_mm512_add_ps(c[1], c[5]), _mm512_add_ps(c[3], c[7])));
+        _mm512_storeu_ps(y + (t0 + t) * y_stride, sum);
+    }
+}
+
 /* Sixteen Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows x all tokens (AVX-512): tile8_quant's panels of rows 0-7 and 8-15 side
  * by side in 512-bit vectors (rows 0-7 in the low half, 8-15 in the high half), so one load, one broadcast and one
  * VNNI dot serve 16 rows. Each row keeps tile8_quant's exact integer per block (Q8_0 from q + 128 as there), its
@@ -536,9 +588,7 @@ DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
  * rows' d and m as floats. */
 TARGET_INLINE void FN(tile16_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
                                     uint8_t *panel, float *y, int64_t y_stride) {
-    const int64_t nb = a->nb, K = a->K, bsz = QX_BSZ(kind);
-    const int shift = kind == PI_TYPE_Q4_0 ? 3 : kind == PI_TYPE_Q5_0 ? 4 : 7; /* the offset's 8, 16, 128 */
-    const int offset = kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q5_0 || kind == PI_TYPE_Q8_0;
+    const int64_t nb = a->nb, bsz = QX_BSZ(kind);
     for (int64_t b = 0; b < nb; b++) {
         __m512i *v = (__m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);
         _Alignas(32) __m256i half[2][8];
@@ -560,36 +610,13 @@ TARGET_INLINE void FN(tile16_quant)(const int kind, const uint8_t *const *rows, 
         _mm512_store_ps((float *)(v + 8), _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)dh)));
         _mm512_store_ps((float *)(v + 9), _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mh)));
     }
-    for (int64_t t = 0; t < T; t++) {
-        const int8_t *xq = a->qs + t * K;
-        const float *ds = a->ds + t * nb * 2;
-        const int32_t *is = a->isum + t * nb;
-        __m512 acc[8];
-        for (int l = 0; l < 8; l++) acc[l] = _mm512_setzero_ps();
-#define P16_STEP(l)                                                                                            \
-    do {                                                                                                       \
-        const __m512i *v = (const __m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);                             \
-        const int32_t *xb = (const int32_t *)(xq + b * QK);                                                    \
-        __m512i q = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(v), _mm512_set1_epi32(xb[0])); \
-        for (int j = 1; j < 8; j++) q = _mm512_dpbusd_epi32(q, _mm512_load_si512(v + j), _mm512_set1_epi32(xb[j])); \
-        if (offset) q = _mm512_sub_epi32(q, _mm512_slli_epi32(_mm512_set1_epi32(is[b]), (unsigned)shift));     \
-        acc[l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q),                                                        \
-                                 _mm512_mul_ps(_mm512_load_ps((const float *)(v + 8)), _mm512_set1_ps(ds[2 * b])), acc[l]); \
-        if (QX_HAS_MIN(kind))                                                                                  \
-            acc[l] = _mm512_add_ps(acc[l], _mm512_mul_ps(_mm512_load_ps((const float *)(v + 9)),               \
-                                                         _mm512_set1_ps(ds[2 * b + 1])));                      \
-        b++;                                                                                                   \
-    } while (0)
-        int64_t b = 0;
-        for (; b + 8 <= nb;) {
-            P16_STEP(0); P16_STEP(1); P16_STEP(2); P16_STEP(3);
-            P16_STEP(4); P16_STEP(5); P16_STEP(6); P16_STEP(7);
-        }
-        for (int l = 0; b < nb; l++) P16_STEP(l);
-#undef P16_STEP
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[4]), _mm512_add_ps(acc[2], acc[6])),
-                                         _mm512_add_ps(_mm512_add_ps(acc[1], acc[5]), _mm512_add_ps(acc[3], acc[7])));
-        _mm512_storeu_ps(y + t * y_stride, sum);
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) FN(tile16_tokens)(kind, panel, a, t, 4, y, y_stride);
+    switch (T - t) {
+        case 3: FN(tile16_tokens)(kind, panel, a, t, 3, y, y_stride); break;
+        case 2: FN(tile16_tokens)(kind, panel, a, t, 2, y, y_stride); break;
+        case 1: FN(tile16_tokens)(kind, panel, a, t, 1, y, y_stride); break;
+        default: break;
     }
 }
 
