@@ -122,7 +122,7 @@ def test_float_row_pairs_equal_single_rows(ggml_type, n_rows, n_cols, isa):
     [(27, 416, 4), (27, 512, 13), (8, 32, 12), (61, 768, 6), (43, 256, 1), (19, 160, 1), (40, 576, 15)],
 )
 def test_quant_panels_equal_single_rows(ggml_type, n_rows, n_cols, n_tokens, isa):
-    """From 4 (Q4_0, Q4_1, Q5_0, Q5_1) or 12 (Q8_0) tokens the rows go by panels of 16 (AVX-512) and 8 rows (rows
+    """From 4 tokens the rows of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 go by panels of 16 (AVX-512) and 8 rows (rows
     in vector lanes, 4 tokens per panel load), and for one token over rows of at most 8 blocks (Q4_0, Q4_1: a
     sparse head's screen), the last N % 16 and N % 8 rows, token counts that are not multiples of 4 and the last
     nb % 8 blocks included: the bits of one token at a time, dense and through a sparse row list, with rows of
