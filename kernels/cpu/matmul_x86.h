@@ -2,14 +2,12 @@
  *   SIMD_SUFFIX avx2,   SIMD_TARGET "avx2,fma,f16c",                 SIMD_AVX512 0
  *   SIMD_SUFFIX avx512, SIMD_TARGET "...,avx512f,avx512bw,avx512vl,avx512vnni", SIMD_AVX512 1
  *
- * Quant types work on 256-bit vectors, one block of 32 per step, in both variants (AVX-512 takes Q4 blocks two
- * at a time in 512-bit vectors, lane by lane the same steps). They differ only in the u8 x s8 dot product: AVX2
- * uses maddubs+madd, AVX-512 uses VNNI dpbusd. The integer results are equal (no int16 saturation is reachable:
- * |u| <= 128, |s| <= 127) and the float accumulation is the same, so both variants give bit-identical output.
- * F32/F16 use 512-bit vectors in the AVX-512 variant.
- *
- * Each output is accumulated in two vector accumulators (even and odd blocks) and one fixed horizontal sum,
- * whatever the token tile size, so a token's result does not depend on T or on the thread count.
+ * The int8 tiles of the block-32 types work on 256-bit vectors in both variants, 8 blocks per step: each block's
+ * exact integer dot in one lane, one float product and FMA per lane, one fixed horizontal sum at the end (the
+ * AVX-512 variant also runs 16-row prompt panels in 512-bit vectors, lane by lane the same steps). They differ only in the u8 x s8 dot product: AVX2 uses maddubs+madd, AVX-512 uses
+ * VNNI dpbusd. The integer results are equal (no int16 saturation is reachable: |u| <= 128, |s| <= 127) and the
+ * float accumulation is the same, so both variants give bit-identical output, and a token's result depends neither
+ * on T nor on the thread count. F32/F16 use 512-bit vectors in the AVX-512 variant.
  */
 
 #define SIMD_CAT_(a, b) a##_##b
@@ -396,19 +394,20 @@ DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
 
-/* panel bytes per block: Q4_0 / Q4_1 8 vectors of 4 weights x 8 rows, then the rows' d and m as floats; Q8_0 the
- * 8 vectors of q, the 8 of |q|, then d */
+/* panel bytes per block: Q4_0 / Q4_1 / Q5_0 / Q5_1 8 vectors of 4 weights x 8 rows, then the rows' d and m as
+ * floats; Q8_0 the 8 vectors of q (AVX-512: q + 128 as unsigned), AVX2 the 8 of |q| after them, then d */
 #define PANEL_Q4X (10 * 32)
 #define PANEL_Q8_0 (17 * 32)
 
-/* Eight Q4_0 / Q4_1 / Q8_0 rows x all tokens. The rows' blocks are first transposed into `panel`:
+/* Eight Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows x all tokens. The rows' blocks are first transposed into `panel`:
  * vector j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of
  * that step (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no
  * horizontal sum per block. The arithmetic is the row tile's (tile_q4x_n, tile_q8_0_n), row by row: the same exact
- * integer per block (Q4: q . x, Q4_0 - 8 sum(x); Q8_0 |q| . sign(x, q)), the same float product d_w d_x and FMA
- * into accumulator b % 8 (the row tile's lane), Q4_1's m_w (d_x sum(x)) added there, and its hsum256 order at the
- * end ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the row tile's bits. AVX2 adds the 8 Q4 pair sums of a
- * block in int16 (each <= 2 x 15 x 128: below 2^15) and widens once; Q8_0 pairs reach 2 x 127 x 128 and widen each. */
+ * integer per block (q . x, Q4_0 - 8 sum(x), Q5_0 - 16 sum(x); Q8_0 |q| . sign(x, q), on AVX-512 (q + 128) . x -
+ * 128 sum(x)), the same float product d_w d_x and FMA into accumulator b % 8 (the row tile's lane), Q4_1's and
+ * Q5_1's m_w (d_x sum(x)) added there, and its hsum256 order at the end ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
+ * (a3 + a7)): the row tile's bits. AVX2 adds the 8 Q4 pair sums of a block in int16 (each <= 2 x 15 x 128: below
+ * 2^15) and widens once, the Q5 ones (<= 2 x 31 x 128) 4 at a time; Q8_0 pairs reach 2 x 127 x 128 and widen each. */
 TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
                                    uint8_t *panel, float *y, int64_t y_stride) {
     const int64_t nb = a->nb, K = a->K;
