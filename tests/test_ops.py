@@ -112,21 +112,28 @@ def test_float_row_pairs_equal_single_rows(ggml_type, n_rows, n_cols, isa):
 
 
 @needs_kernels
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q8_0], ids=lambda t: t.name)
+@pytest.mark.parametrize(
+    "ggml_type",
+    [GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0],
+    ids=lambda t: t.name,
+)
 @pytest.mark.parametrize(
     ("n_rows", "n_cols", "n_tokens"),
-    [(27, 416, 4), (27, 512, 13), (8, 32, 12), (61, 768, 6), (43, 256, 1), (19, 160, 1)],
+    [(27, 416, 4), (27, 512, 13), (8, 32, 12), (61, 768, 6), (43, 256, 1), (19, 160, 1), (40, 576, 15)],
 )
 def test_quant_panels_equal_single_rows(ggml_type, n_rows, n_cols, n_tokens, isa):
-    """From 4 (Q4_0, Q4_1) or 12 (Q8_0) tokens the rows go by panels of 8 (rows in vector lanes; Q8_0 when the
-    rows have a multiple of 8 blocks), and for one token over rows of at most 8 blocks (Q4_0, Q4_1: a sparse
-    head's screen), the last N % 8 rows and the 4-bit types' last nb % 8 blocks included: the
-    bits of one token at a time, dense and through a sparse row list,
-    with rows of all-15 nibbles (Q4_0, Q4_1) or of +-127 (Q8_0) against activations of -127, the largest
-    int16 pair sums the AVX2 panels add up."""
+    """From 4 tokens the rows of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 go by panels of 16 (AVX-512) and 8 rows (rows
+    in vector lanes, 4 tokens per panel load), and for one token over rows of at most 8 blocks (Q4_0, Q4_1: a
+    sparse head's screen), the last N % 16 and N % 8 rows, token counts that are not multiples of 4 and the last
+    nb % 8 blocks included: the bits of one token at a time, dense and through a sparse row list, with rows of
+    all-15 (Q4) or all-31 (Q5) values or of +-127 (Q8_0) against activations of -127, the largest int16 pair
+    sums the AVX2 panels add up."""
     rng = np.random.default_rng(3)
     data = rng.standard_normal((n_rows, n_cols)).astype(np.float32)
-    data[1] = 0.875  # nibble 15 everywhere but the first of each block (-1: d = 1/8, nibble 0; Q4_1: m = -1)
+    # the largest value everywhere but the first of each block (-1: the smallest; Q4_1, Q5_1: m = -1):
+    # Q4 d = 1/8 (nibble 15 from 0.875), Q5 d = 1/16 (31 from 0.9375)
+    q5 = ggml_type in (GGMLType.Q5_0, GGMLType.Q5_1)
+    data[1] = 0.9375 if q5 else 0.875
     data[1, ::32] = -1.0
     w = ops.QWeight.from_numpy(quantize(data, ggml_type), ggml_type, (n_rows, n_cols))
     x = make_x(n_tokens, n_cols)

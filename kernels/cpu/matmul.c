@@ -245,9 +245,10 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     if (rows == NULL && T == 1) a.ahead = MATVEC_STREAM_AHEAD; /* dense decode: the tiles prefetch as they go */
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
     /* the panels' rule is the type's entry (type_kernels: tile8_min_t, tile8_short_rows, tile8_nb_multiple) */
-    const tile8_quant_fn tile8 = tile8_for(table, tile, T, nb);
+    const tile8_quant_fn tile8 = tile8_for(table, tile, T, nb), tile16 = tile16_for(table, tile, T, nb);
+    const int64_t n16 = tile16 != NULL ? N / 16 * 16 : 0;
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
-    const size_t panel_bytes = (size_t)nb * PANEL_MAX_BYTES_PER_BLOCK;
+    const size_t panel_bytes = (size_t)nb * (n16 > 0 ? PANEL16_BYTES_PER_BLOCK : PANEL_MAX_BYTES_PER_BLOCK);
     uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
     if (n8 > 0 && panels == NULL) {
         if (scratch != on_stack) free(scratch);
@@ -263,7 +264,13 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         if (n8 > 0) {
             uint8_t *panel = panels + (size_t)omp_get_thread_num() * panel_bytes;
 #pragma omp for schedule(static) nowait
-            for (int64_t n0 = 0; n0 < n8; n0 += 8) {
+            for (int64_t n0 = 0; n0 < n16; n0 += 16) {
+                const uint8_t *r16[16];
+                for (int i = 0; i < 16; i++) r16[i] = w + row_of(rows, n0 + i) * w_stride;
+                tile16(r16, &a, T, panel, y + n0, y_stride);
+            }
+#pragma omp for schedule(static) nowait
+            for (int64_t n0 = n16; n0 < n8; n0 += 8) {
                 const uint8_t *r8[8];
                 for (int i = 0; i < 8; i++) r8[i] = w + row_of(rows, n0 + i) * w_stride;
                 tile8(r8, &a, T, panel, y + n0, y_stride);

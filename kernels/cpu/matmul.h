@@ -20,6 +20,7 @@
  * (type_kernels.tile8_short_rows; the tokens from which each type's panels pay are its entry's, matmul_types.h) */
 #define TILE8_SHORT_ROW_BLOCKS 8
 #define PANEL_MAX_BYTES_PER_BLOCK (17 * 32) /* a block of 8 rows in the panel of a tile8_quant_fn, at most */
+#define PANEL16_BYTES_PER_BLOCK (10 * 64) /* a block of 16 rows in the panel of a tile16 (AVX-512) */
 
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
@@ -86,6 +87,7 @@ typedef struct {
     rows_dot_fn dot;       /* float activations, one token, R rows at once: the arithmetic of `tile` */
     tile_float4_fn tile4;  /* float types, prompts: 4 rows x TILE_T2 tokens (NULL: one row at a time) */
     tile8_quant_fn tile8;  /* prompts by panels of 8 rows, the bits of tile_q8 (NULL: row by row) */
+    tile8_quant_fn tile16; /* the same by 16 rows (AVX-512), where tile8 runs from tile8_min_t tokens (NULL: none) */
     /* when tile8 runs: from tile8_min_t tokens, or for one token over rows of at most TILE8_SHORT_ROW_BLOCKS blocks
      * where tile8_short_rows; only on rows of a multiple of tile8_nb_multiple blocks (0: any) */
     int32_t tile8_min_t, tile8_short_rows, tile8_nb_multiple;
@@ -115,6 +117,17 @@ static inline tile8_quant_fn tile8_for(const matmul_table *table, tile_quant_fn 
         const int tokens_ok = T >= k->tile8_min_t || (k->tile8_short_rows && T == 1 && nb <= TILE8_SHORT_ROW_BLOCKS);
         const int rows_ok = k->tile8_nb_multiple <= 1 || nb % k->tile8_nb_multiple == 0;
         return tokens_ok && rows_ok ? k->tile8 : NULL;
+    }
+    return NULL;
+}
+
+/* The panels of 16 rows for `tile` at T tokens (where tile8_for gives panels of 8 from the type's tile8_min_t
+ * tokens), or NULL: panels of 8 only. */
+static inline tile8_quant_fn tile16_for(const matmul_table *table, tile_quant_fn tile, int64_t T, int64_t nb) {
+    if (tile8_for(table, tile, T, nb) == NULL) return NULL;
+    for (int i = 0; i < PI_TYPE_COUNT; i++) {
+        const type_kernels *k = &table->types[i];
+        if (k->tile_q8 == tile) return T >= k->tile8_min_t ? k->tile16 : NULL;
     }
     return NULL;
 }

@@ -473,6 +473,52 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
 }
 
 #if SIMD_AVX512
+/* Tokens t0..t0 + ntok - 1 (ntok <= 4, a constant after inlining) over a filled Q4_K panel of 16 rows
+ * (kq8_tile16_q4_k): each panel vector loaded once serves the ntok tokens; per token and row the integers and
+ * float steps of kq8_tile16_q4_k's comment, so the same bits. */
+TARGET_INLINE void FN(kq8_tile16_q4_k_tokens)(const uint8_t *panel, const act_q8k *a, int64_t t0, const int ntok,
+                                             float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    __m512 acc8[4][8];
+    for (int t = 0; t < ntok; t++)
+        for (int l = 0; l < 8; l++) acc8[t][l] = _mm512_setzero_ps();
+    for (int64_t sb = 0; sb < nb; sb++) {
+        const __m512i *v = (const __m512i *)(panel + sb * KQ8_PANEL16_Q4_K);
+        __m512i S[4], M[4];
+        for (int t = 0; t < ntok; t++) S[t] = M[t] = _mm512_setzero_si512();
+        for (int c = 0; c < 8; c++, v += 10) {
+            __m512i s32[4];
+            for (int t = 0; t < ntok; t++) s32[t] = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                const __m512i w = _mm512_load_si512(v + j);
+                for (int t = 0; t < ntok; t++)
+                    s32[t] = _mm512_dpbusd_epi32(
+                        s32[t], w, _mm512_set1_epi32(*(const int32_t *)(a->qs + (t0 + t) * K + sb * QK_K + 32 * c + 4 * j)));
+            }
+            const __m512i sc = _mm512_load_si512(v + 8), mn = _mm512_load_si512(v + 9);
+            for (int t = 0; t < ntok; t++) {
+                S[t] = _mm512_add_epi32(S[t], _mm512_mullo_epi32(s32[t], sc));
+                M[t] = _mm512_dpwssd_epi32(
+                    M[t], mn, _mm512_set1_epi32(*(const int32_t *)(a->bsums + ((t0 + t) * nb + sb) * 16 + 2 * c)));
+            }
+        }
+        const __m512 d = _mm512_load_ps((const float *)v), dmin = _mm512_load_ps((const float *)(v + 1));
+        for (int t = 0; t < ntok; t++) {
+            const __m512 dx = _mm512_set1_ps(a->d[(t0 + t) * nb + sb]);
+            __m512 acc = acc8[t][sb & 7];
+            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(d, dx), _mm512_cvtepi32_ps(S[t])));
+            acc = _mm512_sub_ps(acc, _mm512_mul_ps(_mm512_mul_ps(dmin, dx), _mm512_cvtepi32_ps(M[t])));
+            acc8[t][sb & 7] = acc;
+        }
+    }
+    for (int t = 0; t < ntok; t++) {
+        const __m512 *c = acc8[t];
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c[0], c[4]), _mm512_add_ps(c[2], c[6])),
+                                         _mm512_add_ps(_mm512_add_ps(c[1], c[5]), _mm512_add_ps(c[3], c[7])));
+        _mm512_storeu_ps(y + (t0 + t) * y_stride, sum);
+    }
+}
+
 /* Q4_K prompts, 16 rows at once (AVX-512): kq8_tile8_q4_k with two panels side by side in 512-bit vectors, rows 0-7
  * in the low half and 8-15 in the high half: one load, one broadcast and one VNNI dot serve 16 rows. Each row keeps
  * kq8_tile8_q4_k's integers (the chunk's exact sum times its scale; mins times the bsum pairs) and float steps in
@@ -480,7 +526,7 @@ TARGET static void FN(kq8_tile8_q4_k)(const uint8_t *const *rows, const act_q8k 
  * pairs), then d and dmin as floats. */
 TARGET static void FN(kq8_tile16_q4_k)(const uint8_t *const *rows, const act_q8k *a, int64_t T, uint8_t *panel,
                                        float *y, int64_t y_stride) {
-    const int64_t nb = a->nb, K = a->K;
+    const int64_t nb = a->nb;
     for (int64_t sb = 0; sb < nb; sb++) {
         __m512i *v = (__m512i *)(panel + sb * KQ8_PANEL16_Q4_K);
         _Alignas(16) uint8_t sm[16][16];
@@ -503,33 +549,13 @@ TARGET static void FN(kq8_tile16_q4_k)(const uint8_t *const *rows, const act_q8k
         _mm512_store_ps((float *)v, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)dh)));
         _mm512_store_ps((float *)(v + 1), _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)mh)));
     }
-    for (int64_t t = 0; t < T; t++) {
-        __m512 acc8[8];
-        for (int l = 0; l < 8; l++) acc8[l] = _mm512_setzero_ps();
-        for (int64_t sb = 0; sb < nb; sb++) {
-            __m512 acc = acc8[sb & 7];
-            const __m512i *v = (const __m512i *)(panel + sb * KQ8_PANEL16_Q4_K);
-            const int8_t *xq = a->qs + t * K + sb * QK_K;
-            const int16_t *bs = a->bsums + (t * nb + sb) * 16;
-            __m512i S = _mm512_setzero_si512(), M = _mm512_setzero_si512();
-            for (int c = 0; c < 8; c++, v += 10) {
-                const int8_t *xc = xq + 32 * c;
-                __m512i s32 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_load_si512(v),
-                                                  _mm512_set1_epi32(*(const int32_t *)xc));
-                for (int j = 1; j < 8; j++)
-                    s32 = _mm512_dpbusd_epi32(s32, _mm512_load_si512(v + j), _mm512_set1_epi32(*(const int32_t *)(xc + 4 * j)));
-                S = _mm512_add_epi32(S, _mm512_mullo_epi32(s32, _mm512_load_si512(v + 8)));
-                M = _mm512_dpwssd_epi32(M, _mm512_load_si512(v + 9), _mm512_set1_epi32(*(const int32_t *)(bs + 2 * c)));
-            }
-            const __m512 dx = _mm512_set1_ps(a->d[t * nb + sb]);
-            acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps((const float *)v), dx), _mm512_cvtepi32_ps(S)));
-            acc = _mm512_sub_ps(acc, _mm512_mul_ps(_mm512_mul_ps(_mm512_load_ps((const float *)(v + 1)), dx),
-                                                   _mm512_cvtepi32_ps(M)));
-            acc8[sb & 7] = acc;
-        }
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc8[0], acc8[4]), _mm512_add_ps(acc8[2], acc8[6])),
-                                         _mm512_add_ps(_mm512_add_ps(acc8[1], acc8[5]), _mm512_add_ps(acc8[3], acc8[7])));
-        _mm512_storeu_ps(y + t * y_stride, sum);
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) FN(kq8_tile16_q4_k_tokens)(panel, a, t, 4, y, y_stride);
+    switch (T - t) {
+        case 3: FN(kq8_tile16_q4_k_tokens)(panel, a, t, 3, y, y_stride); break;
+        case 2: FN(kq8_tile16_q4_k_tokens)(panel, a, t, 2, y, y_stride); break;
+        case 1: FN(kq8_tile16_q4_k_tokens)(panel, a, t, 1, y, y_stride); break;
+        default: break;
     }
 }
 #endif

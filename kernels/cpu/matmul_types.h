@@ -2,13 +2,16 @@
  * id (matmul.h, type_kernels). Included once, by matmul.c, after the SIMD variants it names. A new type with dense
  * kernels is a row here (the K-quants' int8 kernels and IQ4's are matmul_q8k.c's table, matmul_q8k_types.h).
  *
- * Panels of 8 rows (tile8) where a type has them: Q4_0 and Q4_1 from TILE8_MIN_T_Q4_0 tokens, and for one token over
- * short rows (a sparse head's screen: 8 blocks), where one row's few blocks leave the tile's per-row work (horizontal
- * sums, the call) dominant; panels measured 1.7x faster on the 49152 x 256 screen of SmolLM2's head (0.94 -> 0.55
- * ms, 1 thread). Q8_0 from TILE8_MIN_T_Q8_0 tokens, on rows of a multiple of 8 blocks (see tile8_q8_0). Measured on
- * the 1.1B shapes, 1 thread: Q4_0 panels are faster from 4 tokens, Q8_0 ones (+40% at 64) from about 12. Q4_1's row
- * tile is Q4_0's (tile_q4x_n, one token from the pair-ordered activations) so that its panels have its bits: SmolLM2
- * Q4_1 prompts 1.4-1.7x faster (pp512), decode unchanged within this VM's noise (docs/benchmarks.md).
+ * Panels of 8 rows (tile8) where a type has them, and of 16 (tile16, AVX-512: 4 tokens per panel load) where both
+ * run: the block-32 types Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 from TILE8_MIN_T_Q4_0 / TILE8_MIN_T_Q8_0 tokens, on rows
+ * of any block count (a last partial group of 8 blocks in the low lanes, as the row tiles do), and Q4_0 / Q4_1 for
+ * one token over short rows (a sparse head's screen: 8 blocks), where one row's few blocks leave the tile's per-row
+ * work (horizontal sums, the call) dominant; panels measured 1.7x faster on the 49152 x 256 screen of SmolLM2's head
+ * (0.94 -> 0.55 ms, 1 thread). The row tiles of all five share one form (tile_q4x_n, tile_q8_0_n: one exact integer
+ * per block, one FMA per lane), so the panels have their bits. Measured (scripts/bench_matmul.py, 1 thread, CPU
+ * time on the shared 2-core Xeon): SmolLM2 shapes at 64 tokens Q5_0 / Q8_0 22 / 27 -> 97 / 111 G multiply-adds/s,
+ * 1.1B shapes Q4_0 68 -> 117-135, Q8_0 52 -> 114; Q8_0 panels (q + 128, one VNNI dot a step) now pay from 4
+ * tokens (SmolLM2 shapes, 4 / 8 tokens: 22 / 26 -> 37 / 60).
  */
 #ifndef POWERINFER_KERNELS_MATMUL_TYPES_H
 #define POWERINFER_KERNELS_MATMUL_TYPES_H
@@ -16,7 +19,7 @@
 #include "matmul.h"
 
 #define TILE8_MIN_T_Q4_0 4
-#define TILE8_MIN_T_Q8_0 12
+#define TILE8_MIN_T_Q8_0 4
 
 #define FLOAT_KERNELS(isa, type) {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type)}
 #define BLOCK32_KERNELS(isa, type, ...)                                                                           \
@@ -30,14 +33,13 @@
             [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
             [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
             [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
-            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile16 = TILE16(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile16 = TILE16(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0),                                                           \
-            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1),                                                           \
-            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0, \
-                                             .tile8_nb_multiple = 8),                                              \
+            [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, .tile8 = TILE8(isa, q5_0), .tile16 = TILE16(isa, q5_0), .tile8_min_t = TILE8_MIN_T_Q4_0), \
+            [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, .tile8 = TILE8(isa, q5_1), .tile16 = TILE16(isa, q5_1), .tile8_min_t = TILE8_MIN_T_Q4_0), \
+            [PI_TYPE_Q8_0] = BLOCK32_KERNELS(isa, q8_0, .tile8 = TILE8(isa, q8_0), .tile16 = TILE16(isa, q8_0), .tile8_min_t = TILE8_MIN_T_Q8_0), \
             [PI_TYPE_Q2_K] = KQ_KERNELS(isa, q2_k),                                                                \
             [PI_TYPE_Q3_K] = KQ_KERNELS(isa, q3_k),                                                                \
             [PI_TYPE_Q4_K] = KQ_KERNELS(isa, q4_k),                                                                \
@@ -47,6 +49,7 @@
     }
 #define TILE4(isa, type) tile4_##type##_##isa
 #define TILE8(isa, type) tile8_##type##_##isa
+#define TILE16(isa, type) tile16_##type##_##isa
 #define R8(isa) r8_q4_0_##isa
 #define r8_q4_0_scalar r8_coef4_scalar
 #define tile4_f32_scalar NULL
@@ -54,7 +57,19 @@
 #define tile4_bf16_scalar NULL
 #define tile8_q4_0_scalar NULL
 #define tile8_q4_1_scalar NULL
+#define tile8_q5_0_scalar NULL
+#define tile8_q5_1_scalar NULL
 #define tile8_q8_0_scalar NULL
+#define tile16_q4_0_scalar NULL
+#define tile16_q4_1_scalar NULL
+#define tile16_q5_0_scalar NULL
+#define tile16_q5_1_scalar NULL
+#define tile16_q8_0_scalar NULL
+#define tile16_q4_0_avx2 NULL
+#define tile16_q4_1_avx2 NULL
+#define tile16_q5_0_avx2 NULL
+#define tile16_q5_1_avx2 NULL
+#define tile16_q8_0_avx2 NULL
 static const matmul_table matmul_tables[] = {
     [PI_ISA_SCALAR] = MATMUL_TABLE(scalar),
 #if PI_X86
@@ -68,6 +83,7 @@ static const matmul_table matmul_tables[] = {
 #undef MATMUL_TABLE
 #undef TILE4
 #undef TILE8
+#undef TILE16
 #undef R8
 #undef r8_q4_0_scalar
 #undef tile4_f32_scalar
@@ -75,6 +91,18 @@ static const matmul_table matmul_tables[] = {
 #undef tile4_bf16_scalar
 #undef tile8_q4_0_scalar
 #undef tile8_q4_1_scalar
+#undef tile8_q5_0_scalar
+#undef tile8_q5_1_scalar
 #undef tile8_q8_0_scalar
+#undef tile16_q4_0_scalar
+#undef tile16_q4_1_scalar
+#undef tile16_q5_0_scalar
+#undef tile16_q5_1_scalar
+#undef tile16_q8_0_scalar
+#undef tile16_q4_0_avx2
+#undef tile16_q4_1_avx2
+#undef tile16_q5_0_avx2
+#undef tile16_q5_1_avx2
+#undef tile16_q8_0_avx2
 
 #endif

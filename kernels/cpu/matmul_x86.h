@@ -2,14 +2,12 @@
  *   SIMD_SUFFIX avx2,   SIMD_TARGET "avx2,fma,f16c",                 SIMD_AVX512 0
  *   SIMD_SUFFIX avx512, SIMD_TARGET "...,avx512f,avx512bw,avx512vl,avx512vnni", SIMD_AVX512 1
  *
- * Quant types work on 256-bit vectors, one block of 32 per step, in both variants (AVX-512 takes Q4 blocks two
- * at a time in 512-bit vectors, lane by lane the same steps). They differ only in the u8 x s8 dot product: AVX2
- * uses maddubs+madd, AVX-512 uses VNNI dpbusd. The integer results are equal (no int16 saturation is reachable:
- * |u| <= 128, |s| <= 127) and the float accumulation is the same, so both variants give bit-identical output.
- * F32/F16 use 512-bit vectors in the AVX-512 variant.
- *
- * Each output is accumulated in two vector accumulators (even and odd blocks) and one fixed horizontal sum,
- * whatever the token tile size, so a token's result does not depend on T or on the thread count.
+ * The int8 tiles of the block-32 types work on 256-bit vectors in both variants, 8 blocks per step: each block's
+ * exact integer dot in one lane, one float product and FMA per lane, one fixed horizontal sum at the end (the
+ * AVX-512 variant also runs 16-row prompt panels in 512-bit vectors, lane by lane the same steps). They differ only in the u8 x s8 dot product: AVX2 uses maddubs+madd, AVX-512 uses
+ * VNNI dpbusd. The integer results are equal (no int16 saturation is reachable: |u| <= 128, |s| <= 127) and the
+ * float accumulation is the same, so both variants give bit-identical output, and a token's result depends neither
+ * on T nor on the thread count. F32/F16 use 512-bit vectors in the AVX-512 variant.
  */
 
 #define SIMD_CAT_(a, b) a##_##b
@@ -93,77 +91,6 @@ TARGET_INLINE __m256i FN(unpack_q5)(const uint8_t *qh_bytes, const uint8_t *qs) 
     return _mm256_or_si256(FN(unpack_q4)(qs), _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
 
-/* One block step for ntok tokens; KIND the type id (PI_TYPE_Q8_0, Q5_0, Q5_1: the 4-bit types have tile_q4x_n);
- * ACC/BIAS are the parity accumulators. Q5_1 adds its m term (m_w d_x sum(x)) in BIAS, Q5_0 subtracts 16 sum(x). */
-#define QUANT_STEP(KIND, i, ACC, BIAS)                                                                       \
-    do {                                                                                                     \
-        __m256i w, wabs = _mm256_setzero_si256();                                                            \
-        __m128 dm; /* {d_w, m_w, 0, 0} */                                                                    \
-        if ((KIND) == PI_TYPE_Q8_0) {                                                                                   \
-            w = _mm256_loadu_si256((const __m256i *)b8[i].qs);                                               \
-            wabs = _mm256_sign_epi8(w, w);                                                                   \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b8[i].d));                                                   \
-        } else if ((KIND) == PI_TYPE_Q5_0) {                                                                            \
-            w = FN(unpack_q5)(b50[i].qh, b50[i].qs);                                                         \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128(b50[i].d));                                                  \
-        } else {                                                                                             \
-            uint32_t dm_bits;                                                                                \
-            memcpy(&dm_bits, &b51[i].d, sizeof dm_bits);                                                     \
-            w = FN(unpack_q5)(b51[i].qh, b51[i].qs);                                                         \
-            dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));                                              \
-        }                                                                                                    \
-        for (int t = 0; t < ntok; t++) {                                                                     \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq[t] + (i) * QK));                      \
-            /* {d_w * d_x, m_w * d_x * sum(q_x)} */                                                          \
-            const __m128 scale = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(xds[t] + 2 * (i))))); \
-            __m256i p;                                                                                       \
-            if ((KIND) == PI_TYPE_Q5_0) /* (q - 16) . x = q . x - 16 sum(x): 2 sum(x) from each of the 8 lanes */      \
-                p = FN(dot_u8s8)(_mm256_set1_epi32(-2 * xi[t][i]), w, xv);                                   \
-            else if ((KIND) == PI_TYPE_Q8_0)                                                                            \
-                p = FN(dot_u8s8)(_mm256_setzero_si256(), wabs, _mm256_sign_epi8(xv, w));                     \
-            else                                                                                             \
-                p = FN(dot_u8s8)(_mm256_setzero_si256(), w, xv);                                             \
-            ACC[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcastss_ps(scale), ACC[t]);           \
-            if ((KIND) == PI_TYPE_Q5_1) BIAS[t] = _mm_add_ps(BIAS[t], scale);                                                   \
-        }                                                                                                    \
-    } while (0)
-
-TARGET_INLINE void FN(tile_quant_n)(const int kind, const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok,
-                                    float *out) {
-    const block_q8_0 *b8 = (const block_q8_0 *)row;
-    const block_q5_0 *b50 = (const block_q5_0 *)row;
-    const block_q5_1 *b51 = (const block_q5_1 *)row;
-    const int64_t nb = a->nb;
-    const int64_t bsz = kind == PI_TYPE_Q8_0   ? (int64_t)sizeof(block_q8_0)
-                        : kind == PI_TYPE_Q5_0 ? (int64_t)sizeof(block_q5_0)
-                                    : (int64_t)sizeof(block_q5_1);
-    const int8_t *xq[TILE_T];
-    const float *xds[TILE_T];
-    const int32_t *xi[TILE_T];
-    __m256 acc0[TILE_T], acc1[TILE_T];
-    __m128 bias0[TILE_T], bias1[TILE_T]; /* lane 1 accumulates the Q5_1 m terms */
-    for (int t = 0; t < ntok; t++) {
-        xq[t] = a->qs + (t0 + t) * a->K;
-        xds[t] = a->ds + (t0 + t) * nb * 2;
-        xi[t] = a->isum + (t0 + t) * nb;
-        acc0[t] = acc1[t] = _mm256_setzero_ps();
-        bias0[t] = bias1[t] = _mm_setzero_ps();
-    }
-    int64_t i = 0;
-    for (; i + 1 < nb; i += 2) {
-        prefetch_act(a, row + i * bsz, 2 * bsz);
-        QUANT_STEP(kind, i, acc0, bias0);
-        QUANT_STEP(kind, i + 1, acc1, bias1);
-    }
-    if (i < nb) QUANT_STEP(kind, i, acc0, bias0);
-    for (int t = 0; t < ntok; t++) {
-        const __m128 bias = _mm_add_ps(bias0[t], bias1[t]);
-        out[t] = FN(hsum256)(_mm256_add_ps(acc0[t], acc1[t])) + _mm_cvtss_f32(_mm_movehdup_ps(bias));
-    }
-}
-
-#undef QUANT_STEP
-
 /* Lane j of the result: the sum of the 8 lanes of p_j (exact integers, so any order gives the same value). */
 TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
     const __m256i a = FN(hadd_epi32)(FN(hadd_epi32)(p[0], p[1]), FN(hadd_epi32)(p[2], p[3]));
@@ -171,12 +98,45 @@ TARGET_INLINE __m256i FN(sum8_epi32)(const __m256i *p) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-/* Q4_0 / Q4_1 rows, 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x))
- * lands in lane j, is converted once and multiplied by d_w d_x (one float product) into lane j of the token's
- * accumulator, and Q4_1 adds m_w (d_x sum(x)) there (one product, one add); a last partial group fills lanes 0..
- * and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every ntok, thread count
- * and SIMD variant (dpbusd and maddubs + madd give the same integers), so a token's result does not depend on its
- * batch. The row's 8 blocks are unpacked once per step into `wu` and shared by the ntok tokens. */
+/* The group tiles' block-32 types (Q4_0, Q4_1, Q5_0, Q5_1; Q8_0 for the block size): bytes per block, whether it
+ * has a minimum m (after d), whether it is a 5-bit type (qh after d and m). KIND is a constant after inlining. */
+#define QX_BSZ(kind)                                                                                              \
+    ((kind) == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0)                                                         \
+     : (kind) == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)                                                       \
+     : (kind) == PI_TYPE_Q5_0 ? (int64_t)sizeof(block_q5_0)                                                       \
+     : (kind) == PI_TYPE_Q5_1 ? (int64_t)sizeof(block_q5_1)                                                       \
+                              : (int64_t)sizeof(block_q8_0))
+#define QX_HAS_MIN(kind) ((kind) == PI_TYPE_Q4_1 || (kind) == PI_TYPE_Q5_1)
+#define QX_IS_Q5(kind) ((kind) == PI_TYPE_Q5_0 || (kind) == PI_TYPE_Q5_1)
+
+/* The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block at blk as unsigned bytes (0..15, 0..31) in element order */
+TARGET_INLINE __m256i FN(unpack_qx)(const int kind, const uint8_t *blk) {
+    const int head = QX_HAS_MIN(kind) ? 4 : 2; /* d (and m) lead the block */
+    return QX_IS_Q5(kind) ? FN(unpack_q5)(blk + head, blk + head + 4) : FN(unpack_q4)(blk + head);
+}
+
+/* q . x per block less the stored offset times sum(x) (Q4_0: 8, Q5_0: 16; the types with a minimum have none) */
+TARGET_INLINE __m256i FN(qx_offset)(const int kind, __m256i q, __m256i isum) {
+    if (kind == PI_TYPE_Q4_0) return _mm256_sub_epi32(q, _mm256_slli_epi32(isum, 3));
+    if (kind == PI_TYPE_Q5_0) return _mm256_sub_epi32(q, _mm256_slli_epi32(isum, 4));
+    return q;
+}
+
+/* the halves at p + j * stride, j < 8 (8 blocks' d or m), as floats */
+TARGET_INLINE __m256 FN(halves8)(const uint8_t *p, int64_t stride) {
+    uint16_t h[8];
+    for (int j = 0; j < 8; j++) memcpy(&h[j], p + j * stride, 2);
+    return _mm256_cvtph_ps(_mm_setr_epi16((short)h[0], (short)h[1], (short)h[2], (short)h[3], (short)h[4],
+                                          (short)h[5], (short)h[6], (short)h[7]));
+}
+
+/* Q4_0 / Q4_1 / Q5_0 / Q5_1 rows, 8 blocks per step: block i + j's exact integer dot q . x (Q4_0: - 8 sum(x),
+ * Q5_0: - 16 sum(x)) lands in lane j, is converted once and multiplied by d_w d_x (one float product) into lane j of
+ * the token's accumulator, and Q4_1 / Q5_1 add m_w (d_x sum(x)) there (one product, one add); a last partial group
+ * fills lanes 0.. and leaves the others at 0 (an exact no-op); hsum256 sums the lanes. The same steps for every
+ * ntok, thread count and SIMD variant (dpbusd and maddubs + madd give the same integers: a Q5 pair is at most
+ * 2 x 31 x 127), so a token's result does not depend on its batch. The row's 8 blocks are unpacked once per step
+ * into `wu` and shared by the ntok tokens. */
 TARGET_INLINE __m256 FN(q4_group)(const int kind, const uint8_t *wu, const int8_t *xq, __m256i isum, __m256 scale,
                                   __m256 bias, __m256 acc) {
     __m256i p[8];
@@ -185,9 +145,9 @@ TARGET_INLINE __m256 FN(q4_group)(const int kind, const uint8_t *wu, const int8_
                         _mm256_loadu_si256((const __m256i *)(xq + (j) * QK)))
     Q4G_DOT(0); Q4G_DOT(1); Q4G_DOT(2); Q4G_DOT(3); Q4G_DOT(4); Q4G_DOT(5); Q4G_DOT(6); Q4G_DOT(7);
 #undef Q4G_DOT
-    const __m256i q = kind == PI_TYPE_Q4_0 ? _mm256_sub_epi32(FN(sum8_epi32)(p), _mm256_slli_epi32(isum, 3)) : FN(sum8_epi32)(p);
+    const __m256i q = FN(qx_offset)(kind, FN(sum8_epi32)(p), isum);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), scale, acc);
-    return kind == PI_TYPE_Q4_0 ? acc : _mm256_add_ps(acc, bias);
+    return QX_HAS_MIN(kind) ? _mm256_add_ps(acc, bias) : acc;
 }
 
 /* the even (d_x) or odd (d_x sum(x)) entries of 8 blocks' {d, d sum} pairs, in block order */
@@ -302,7 +262,7 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
     const block_q4_0 *b0 = (const block_q4_0 *)row;
     const block_q4_1 *b1 = (const block_q4_1 *)row;
     const int64_t nb = a->nb, K = a->K;
-    const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0) : (int64_t)sizeof(block_q4_1);
+    const int64_t bsz = QX_BSZ(kind);
     _Alignas(32) uint8_t wu[8 * QK];
     __m256 acc[TILE_T];
     for (int t = 0; t < ntok; t++) acc[t] = _mm256_setzero_ps();
@@ -318,25 +278,16 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
             acc[0] = FN(q4_1_pairs_group)(b1 + g, a->qp + g * QK, a->ds + 2 * g, acc[0]);
         }
     for (; g + 8 <= nb; g += 8) {
-        prefetch_act(a, row + g * bsz, 8 * bsz);
-        __m128i dh, mh = _mm_setzero_si128();
-        if (kind == PI_TYPE_Q4_0) {
-            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b0[g + j].qs));
-            dh = _mm_setr_epi16((short)b0[g].d, (short)b0[g + 1].d, (short)b0[g + 2].d, (short)b0[g + 3].d,
-                                (short)b0[g + 4].d, (short)b0[g + 5].d, (short)b0[g + 6].d, (short)b0[g + 7].d);
-        } else {
-            for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_q4)(b1[g + j].qs));
-            dh = _mm_setr_epi16((short)b1[g].d, (short)b1[g + 1].d, (short)b1[g + 2].d, (short)b1[g + 3].d,
-                                (short)b1[g + 4].d, (short)b1[g + 5].d, (short)b1[g + 6].d, (short)b1[g + 7].d);
-            mh = _mm_setr_epi16((short)b1[g].m, (short)b1[g + 1].m, (short)b1[g + 2].m, (short)b1[g + 3].m,
-                                (short)b1[g + 4].m, (short)b1[g + 5].m, (short)b1[g + 6].m, (short)b1[g + 7].m);
-        }
-        const __m256 dw = _mm256_cvtph_ps(dh), mw = _mm256_cvtph_ps(mh);
+        const uint8_t *first = row + g * bsz;
+        prefetch_act(a, first, 8 * bsz);
+        for (int j = 0; j < 8; j++) _mm256_store_si256((__m256i *)(wu + j * QK), FN(unpack_qx)(kind, first + j * bsz));
+        const __m256 dw = FN(halves8)(first, bsz);
+        const __m256 mw = QX_HAS_MIN(kind) ? FN(halves8)(first + 2, bsz) : _mm256_setzero_ps();
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
             const float *ds = a->ds + (tt * nb + g) * 2;
             const __m256i isum = _mm256_loadu_si256((const __m256i *)(a->isum + tt * nb + g));
-            const __m256 bias = kind == PI_TYPE_Q4_1 ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
+            const __m256 bias = QX_HAS_MIN(kind) ? _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)) : _mm256_setzero_ps();
             acc[t] = FN(q4_group)(kind, wu, a->qs + tt * K + g * QK, isum, _mm256_mul_ps(dw, FN(act_pairs)(ds, 0)),
                                   bias, acc[t]);
         }
@@ -346,9 +297,9 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
         const uint8_t *first = row + g * bsz;
         const __m256i lanes = FN(tail_lanes)(n);
         __m256i w[8];
-        for (int j = 0; j < n; j++) w[j] = FN(unpack_q4)(kind == PI_TYPE_Q4_0 ? b0[g + j].qs : b1[g + j].qs);
+        for (int j = 0; j < n; j++) w[j] = FN(unpack_qx)(kind, first + j * bsz);
         const __m256 dw = FN(tail_halves)(first, bsz, n, lanes);
-        const __m256 mw = kind == PI_TYPE_Q4_1 ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
+        const __m256 mw = QX_HAS_MIN(kind) ? FN(tail_halves)(first + 2, bsz, n, lanes) : _mm256_setzero_ps();
         for (int t = 0; t < ntok; t++) {
             const int64_t tt = t0 + t;
             const int8_t *xq = a->qs + tt * K + g * QK;
@@ -357,13 +308,9 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
             for (int j = 0; j < 8; j++)
                 p[j] = j < n ? FN(dot_u8s8)(_mm256_setzero_si256(), w[j], _mm256_loadu_si256((const __m256i *)(xq + j * QK)))
                              : _mm256_setzero_si256();
-            const __m256i sum = FN(sum8_epi32)(p);
-            const __m256i q =
-                kind == PI_TYPE_Q4_0
-                    ? _mm256_sub_epi32(sum, _mm256_slli_epi32(_mm256_maskload_epi32(a->isum + tt * nb + g, lanes), 3))
-                    : sum;
+            const __m256i q = FN(qx_offset)(kind, FN(sum8_epi32)(p), _mm256_maskload_epi32(a->isum + tt * nb + g, lanes));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, FN(tail_pairs)(ds, n, 0)), acc[t]);
-            if (kind == PI_TYPE_Q4_1) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
+            if (QX_HAS_MIN(kind)) acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(mw, FN(tail_pairs)(ds, n, 1)));
         }
     }
     for (int t = 0; t < ntok; t++) out[t] = FN(hsum256)(acc[t]);
@@ -433,7 +380,7 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
     }
 }
 
-/* tile_<type>: the ntok-specialised bodies of `body` (tile_quant_n or tile_q4x_n) for weight kind `kind` */
+/* tile_<type>: the ntok-specialised bodies of `body` (tile_q4x_n) for weight kind `kind` */
 #define DEFINE_TILE_QUANT_BODY(type, body, kind)                                                            \
     TARGET static void FN(tile_##type)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) { \
         switch (ntok) {                                                                                   \
@@ -443,45 +390,47 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
             default: FN(body)(kind, row, a, t0, 4, out); break;                                           \
         }                                                                                                 \
     }
-#define DEFINE_TILE_QUANT(type, kind) DEFINE_TILE_QUANT_BODY(type, tile_quant_n, kind)
 DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
 /* ---- prompts: Q4_0 panels of 8 rows, the rows in the vector lanes ------------------------------------------ */
 
 
-/* panel bytes per block: Q4_0 / Q4_1 8 vectors of 4 weights x 8 rows, then the rows' d and m as floats; Q8_0 the
- * 8 vectors of q, the 8 of |q|, then d */
+/* panel bytes per block: Q4_0 / Q4_1 / Q5_0 / Q5_1 8 vectors of 4 weights x 8 rows, then the rows' d and m as
+ * floats; Q8_0 the 8 vectors of q (AVX-512: q + 128 as unsigned), AVX2 the 8 of |q| after them, then d */
 #define PANEL_Q4X (10 * 32)
 #define PANEL_Q8_0 (17 * 32)
 
-/* Eight Q4_0 / Q4_1 / Q8_0 rows x all tokens. The rows' blocks are first transposed into `panel`:
+/* Eight Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows x all tokens. The rows' blocks are first transposed into `panel`:
  * vector j of block b holds weights 4j..4j+3 of each row, row r in 32-bit lane r, so a token's 4 activations of
  * that step (one broadcast) meet all 8 rows in one u8 x s8 dot, and the sums stay in the rows' lanes: no
  * horizontal sum per block. The arithmetic is the row tile's (tile_q4x_n, tile_q8_0_n), row by row: the same exact
- * integer per block (Q4: q . x, Q4_0 - 8 sum(x); Q8_0 |q| . sign(x, q)), the same float product d_w d_x and FMA
- * into accumulator b % 8 (the row tile's lane), Q4_1's m_w (d_x sum(x)) added there, and its hsum256 order at the
- * end ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the row tile's bits. AVX2 adds the 8 Q4 pair sums of a
- * block in int16 (each <= 2 x 15 x 128: below 2^15) and widens once; Q8_0 pairs reach 2 x 127 x 128 and widen each. */
+ * integer per block (q . x, Q4_0 - 8 sum(x), Q5_0 - 16 sum(x); Q8_0 |q| . sign(x, q), on AVX-512 (q + 128) . x -
+ * 128 sum(x)), the same float product d_w d_x and FMA into accumulator b % 8 (the row tile's lane), Q4_1's and
+ * Q5_1's m_w (d_x sum(x)) added there, and its hsum256 order at the end ((a0 + a4) + (a2 + a6)) + ((a1 + a5) +
+ * (a3 + a7)): the row tile's bits. AVX2 adds the 8 Q4 pair sums of a block in int16 (each <= 2 x 15 x 128: below
+ * 2^15) and widens once, the Q5 ones (<= 2 x 31 x 128) 4 at a time; Q8_0 pairs reach 2 x 127 x 128 and widen each. */
 TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
                                    uint8_t *panel, float *y, int64_t y_stride) {
     const int64_t nb = a->nb, K = a->K;
-    const int64_t bsz = kind == PI_TYPE_Q4_0 ? (int64_t)sizeof(block_q4_0)
-                        : kind == PI_TYPE_Q4_1 ? (int64_t)sizeof(block_q4_1)
-                                    : (int64_t)sizeof(block_q8_0);
+    const int64_t bsz = QX_BSZ(kind);
     const int64_t stride = kind == PI_TYPE_Q8_0 ? PANEL_Q8_0 : PANEL_Q4X;
-    const int qs_off = kind == PI_TYPE_Q4_1 ? 4 : 2; /* d (and m) lead the block */
     for (int64_t b = 0; b < nb; b++) {
         __m256i r[8];
         uint16_t dh[8], mh[8];
         for (int i = 0; i < 8; i++) {
             const uint8_t *blk = rows[i] + b * bsz;
-            r[i] = kind == PI_TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + qs_off)) : FN(unpack_q4)(blk + qs_off);
+            r[i] = kind == PI_TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : FN(unpack_qx)(kind, blk);
             memcpy(&dh[i], blk, 2);
-            memcpy(&mh[i], kind == PI_TYPE_Q4_1 ? blk + 2 : blk, 2);
+            memcpy(&mh[i], QX_HAS_MIN(kind) ? blk + 2 : blk, 2);
         }
         __m256i *v = (__m256i *)(panel + b * stride);
         FN(transpose8_epi32)(r, v);
         if (kind == PI_TYPE_Q8_0) {
+#if SIMD_AVX512
+            /* q + 128 as unsigned bytes: one dpbusd per step, the exact q . x = (q + 128) . x - 128 sum(x) */
+            for (int j = 0; j < 8; j++) _mm256_store_si256(v + j, _mm256_xor_si256(v[j], _mm256_set1_epi8((char)0x80)));
+#else
             for (int j = 0; j < 8; j++) _mm256_store_si256(v + 8 + j, _mm256_sign_epi8(v[j], v[j]));
+#endif
             _mm256_store_ps((float *)(v + 16), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
         } else {
             _mm256_store_ps((float *)(v + 8), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)dh)));
@@ -499,17 +448,29 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
 #define P8_Q4(q, v, xb)                                                                                        \
     q = _mm256_setzero_si256();                                                                                \
     for (int j = 0; j < 8; j++) q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + j), P8_X(xb, j));
-#define P8_Q8(q, v, j, xb) \
-    q = _mm256_dpbusd_epi32(q, _mm256_load_si256((v) + 8 + (j)), _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j))))
+#define P8_Q8_ALL(q, v, xb, isb) \
+    P8_Q4(q, v, xb)              \
+    q = _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(isb), 7));
 #else
+/* int16 sums of 8 Q4 pairs (at most 8 x 2 x 15 x 128) or of 4 Q5 pairs (4 x 2 x 31 x 128) stay below 2^15 */
 #define P8_Q4(q, v, xb)                                                                                        \
     __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(v), P8_X(xb, 0));                                     \
-    for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
-    q = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    for (int j = 1; j < 4; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+    if (QX_IS_Q5(kind)) {                                                                                      \
+        __m256i h16 = _mm256_maddubs_epi16(_mm256_load_si256((v) + 4), P8_X(xb, 4));                           \
+        for (int j = 5; j < 8; j++) h16 = _mm256_add_epi16(h16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+        q = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), _mm256_madd_epi16(h16, _mm256_set1_epi16(1))); \
+    } else {                                                                                                   \
+        for (int j = 4; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256((v) + j), P8_X(xb, j))); \
+        q = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));                                                      \
+    }
 #define P8_Q8(q, v, j, xb)                                                                                     \
     q = _mm256_add_epi32(q, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((v) + 8 + (j)),          \
                                                                    _mm256_sign_epi8(P8_X(xb, j), _mm256_load_si256((v) + (j)))), \
                                               _mm256_set1_epi16(1)))
+#define P8_Q8_ALL(q, v, xb, isb)                       \
+    q = _mm256_setzero_si256();                        \
+    for (int j = 0; j < 8; j++) P8_Q8(q, v, j, xb);
 #endif
 #define P8_STEP(ACC)                                                                                           \
     do {                                                                                                       \
@@ -518,16 +479,15 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
         __m256 dw;                                                                                             \
         __m256i q;                                                                                             \
         if (kind == PI_TYPE_Q8_0) {                                                                                       \
-            q = _mm256_setzero_si256();                                                                        \
-            for (int j = 0; j < 8; j++) P8_Q8(q, v, j, xb);                                                    \
+            P8_Q8_ALL(q, v, xb, is[b])                                                                         \
             dw = _mm256_load_ps((const float *)(v + 16));                                                      \
         } else {                                                                                               \
             P8_Q4(q, v, xb)                                                                                    \
-            q = kind == PI_TYPE_Q4_0 ? _mm256_sub_epi32(q, _mm256_slli_epi32(_mm256_set1_epi32(is[b]), 3)) : q;           \
+            q = FN(qx_offset)(kind, q, _mm256_set1_epi32(is[b]));                                              \
             dw = _mm256_load_ps((const float *)(v + 8));                                                       \
         }                                                                                                      \
         ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, _mm256_set1_ps(ds[2 * b])), ACC);        \
-        if (kind == PI_TYPE_Q4_1)                                                                                         \
+        if (QX_HAS_MIN(kind))                                                                                  \
             ACC = _mm256_add_ps(ACC, _mm256_mul_ps(_mm256_load_ps((const float *)(v + 9)), _mm256_set1_ps(ds[2 * b + 1]))); \
         b++;                                                                                                   \
     } while (0)
@@ -546,6 +506,7 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
 #undef P8_STEP
 #undef P8_Q4
 #undef P8_Q8
+#undef P8_Q8_ALL
 #undef P8_X
         const __m256 sum = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(acc0, acc4), _mm256_add_ps(acc2, acc6)),
                                          _mm256_add_ps(_mm256_add_ps(acc1, acc5), _mm256_add_ps(acc3, acc7)));
@@ -560,8 +521,116 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
     }
 DEFINE_TILE8(q4_0, PI_TYPE_Q4_0)
 DEFINE_TILE8(q4_1, PI_TYPE_Q4_1)
+DEFINE_TILE8(q5_0, PI_TYPE_Q5_0)
+DEFINE_TILE8(q5_1, PI_TYPE_Q5_1)
 DEFINE_TILE8(q8_0, PI_TYPE_Q8_0)
 #undef DEFINE_TILE8
+
+#if SIMD_AVX512
+/* Tokens t0..t0 + ntok - 1 (ntok <= 4, a constant after inlining) over a filled panel of 16 rows: each panel vector
+ * loaded once serves the ntok tokens (their 4 activations broadcast, one VNNI dot each); per token and row the
+ * arithmetic of tile16_quant's comment. */
+TARGET_INLINE void FN(tile16_tokens)(const int kind, const uint8_t *panel, const act_q8 *a, int64_t t0, const int ntok,
+                                     float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, K = a->K;
+    const int shift = kind == PI_TYPE_Q4_0 ? 3 : kind == PI_TYPE_Q5_0 ? 4 : 7; /* the offset's 8, 16, 128 */
+    const int offset = kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q5_0 || kind == PI_TYPE_Q8_0;
+    const int32_t *xq[4];
+    const float *ds[4];
+    const int32_t *is[4];
+    __m512 acc[4][8];
+    for (int t = 0; t < ntok; t++) {
+        xq[t] = (const int32_t *)(a->qs + (t0 + t) * K);
+        ds[t] = a->ds + (t0 + t) * nb * 2;
+        is[t] = a->isum + (t0 + t) * nb;
+        for (int l = 0; l < 8; l++) acc[t][l] = _mm512_setzero_ps();
+    }
+#define P16_STEP(l)                                                                                            \
+    do {                                                                                                       \
+        const __m512i *v = (const __m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);                             \
+        __m512i q[4];                                                                                          \
+        for (int t = 0; t < ntok; t++) q[t] = _mm512_setzero_si512();                                          \
+        for (int j = 0; j < 8; j++) {                                                                          \
+            const __m512i w = _mm512_load_si512(v + j);                                                        \
+            for (int t = 0; t < ntok; t++) q[t] = _mm512_dpbusd_epi32(q[t], w, _mm512_set1_epi32(xq[t][b * 8 + j])); \
+        }                                                                                                      \
+        const __m512 dw = _mm512_load_ps((const float *)(v + 8));                                              \
+        for (int t = 0; t < ntok; t++) {                                                                       \
+            if (offset) q[t] = _mm512_sub_epi32(q[t], _mm512_slli_epi32(_mm512_set1_epi32(is[t][b]), (unsigned)shift)); \
+            acc[t][l] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q[t]), _mm512_mul_ps(dw, _mm512_set1_ps(ds[t][2 * b])), acc[t][l]); \
+            if (QX_HAS_MIN(kind))                                                                              \
+                acc[t][l] = _mm512_add_ps(acc[t][l], _mm512_mul_ps(_mm512_load_ps((const float *)(v + 9)),     \
+                                                                   _mm512_set1_ps(ds[t][2 * b + 1])));         \
+        }                                                                                                      \
+        b++;                                                                                                   \
+    } while (0)
+    int64_t b = 0;
+    for (; b + 8 <= nb;) {
+        P16_STEP(0); P16_STEP(1); P16_STEP(2); P16_STEP(3);
+        P16_STEP(4); P16_STEP(5); P16_STEP(6); P16_STEP(7);
+    }
+    for (int l = 0; b < nb; l++) P16_STEP(l);
+#undef P16_STEP
+    for (int t = 0; t < ntok; t++) {
+        const __m512 *c = acc[t];
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(c[0], c[4]), _mm512_add_ps(c[2], c[6])),
+                                         _mm512_add_ps(_mm512_add_ps(c[1], c[5]), _mm512_add_ps(c[3], c[7])));
+        _mm512_storeu_ps(y + (t0 + t) * y_stride, sum);
+    }
+}
+
+/* Sixteen Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 rows x all tokens (AVX-512): tile8_quant's panels of rows 0-7 and 8-15 side
+ * by side in 512-bit vectors (rows 0-7 in the low half, 8-15 in the high half), so one load, one broadcast and one
+ * VNNI dot serve 16 rows. Each row keeps tile8_quant's exact integer per block (Q8_0 from q + 128 as there), its
+ * float product d_w d_x, FMA into accumulator b % 8, the minimum's add and the final sum order, in its lane: the
+ * bits of the row tile. Panel per block (PANEL16_BYTES_PER_BLOCK): 8 vectors of 4 weights x 16 rows, then the
+ * rows' d and m as floats. */
+TARGET_INLINE void FN(tile16_quant)(const int kind, const uint8_t *const *rows, const act_q8 *a, int64_t T,
+                                    uint8_t *panel, float *y, int64_t y_stride) {
+    const int64_t nb = a->nb, bsz = QX_BSZ(kind);
+    for (int64_t b = 0; b < nb; b++) {
+        __m512i *v = (__m512i *)(panel + b * PANEL16_BYTES_PER_BLOCK);
+        _Alignas(32) __m256i half[2][8];
+        _Alignas(32) uint16_t dh[16], mh[16];
+        for (int h = 0; h < 2; h++) {
+            __m256i r[8];
+            for (int i = 0; i < 8; i++) {
+                const uint8_t *blk = rows[8 * h + i] + b * bsz;
+                r[i] = kind == PI_TYPE_Q8_0
+                           ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80))
+                           : FN(unpack_qx)(kind, blk);
+                memcpy(&dh[8 * h + i], blk, 2);
+                memcpy(&mh[8 * h + i], QX_HAS_MIN(kind) ? blk + 2 : blk, 2);
+            }
+            FN(transpose8_epi32)(r, half[h]);
+        }
+        for (int j = 0; j < 8; j++)
+            _mm512_store_si512(v + j, _mm512_inserti64x4(_mm512_castsi256_si512(half[0][j]), half[1][j], 1));
+        _mm512_store_ps((float *)(v + 8), _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)dh)));
+        _mm512_store_ps((float *)(v + 9), _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)mh)));
+    }
+    int64_t t = 0;
+    for (; t + 4 <= T; t += 4) FN(tile16_tokens)(kind, panel, a, t, 4, y, y_stride);
+    switch (T - t) {
+        case 3: FN(tile16_tokens)(kind, panel, a, t, 3, y, y_stride); break;
+        case 2: FN(tile16_tokens)(kind, panel, a, t, 2, y, y_stride); break;
+        case 1: FN(tile16_tokens)(kind, panel, a, t, 1, y, y_stride); break;
+        default: break;
+    }
+}
+
+#define DEFINE_TILE16(type, kind)                                                                               \
+    TARGET static void FN(tile16_##type)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, \
+                                         float *y, int64_t y_stride) {                                           \
+        FN(tile16_quant)(kind, rows, a, T, panel, y, y_stride);                                                 \
+    }
+DEFINE_TILE16(q4_0, PI_TYPE_Q4_0)
+DEFINE_TILE16(q4_1, PI_TYPE_Q4_1)
+DEFINE_TILE16(q5_0, PI_TYPE_Q5_0)
+DEFINE_TILE16(q5_1, PI_TYPE_Q5_1)
+DEFINE_TILE16(q8_0, PI_TYPE_Q8_0)
+#undef DEFINE_TILE16
+#endif
 
 /* ---- one token over Q4_0 rows repacked by 8 (matmul.c, pi_repack_rows8) ---------------------------------------- */
 
@@ -608,24 +677,16 @@ TARGET static void FN(r8_q4_0)(const uint8_t *g, const act_q8 *a, float *y) {
     _mm256_storeu_ps(y, sum);
 }
 
-DEFINE_TILE_QUANT(q5_0, PI_TYPE_Q5_0)
-DEFINE_TILE_QUANT(q5_1, PI_TYPE_Q5_1)
+DEFINE_TILE_QUANT_BODY(q5_0, tile_q4x_n, PI_TYPE_Q5_0)
+DEFINE_TILE_QUANT_BODY(q5_1, tile_q4x_n, PI_TYPE_Q5_1)
 DEFINE_TILE_QUANT_BODY(q4_1, tile_q4x_n, PI_TYPE_Q4_1)
-DEFINE_TILE_QUANT(q8_0_b, PI_TYPE_Q8_0)
 
-/* Q8_0 rows: in 8-block groups (tile_q8_0_n: what the prompt panels repeat) when the row has a whole number of
- * groups, else block by block (QUANT_STEP): a ragged last group costs the one-token kernel ~1.6x on SmolLM2's
- * 18-block rows (its Q8_0 output matrix). Either way the choice depends on K only, so a token's result does not
- * depend on its batch. (Q4_1 stays block by block: grouping it changed SmolLM2's outputs, and its 576-wide rows
- * would not take panels anyway; tile_q4x_n and tile8_quant keep the Q4_1 form for when they do.) */
+/* Q8_0 rows in 8-block groups (tile_q8_0_n: what the prompt panels repeat), a last partial group in the low lanes:
+ * the form depends on nothing but the row, so a token's result does not depend on its batch. */
 TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0, int ntok, float *out) {
-    if (a->nb % 8 == 0)
-        FN(tile_q8_0_g)(row, a, t0, ntok, out);
-    else
-        FN(tile_q8_0_b)(row, a, t0, ntok, out);
+    FN(tile_q8_0_g)(row, a, t0, ntok, out);
 }
 
-#undef DEFINE_TILE_QUANT
 #undef DEFINE_TILE_QUANT_BODY
 
 /* ---- float weight x float activation tiles ------------------------------------------------------------- */
