@@ -13,6 +13,7 @@ from powerinfer.errors import InputError
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import generate
 from powerinfer.runtime.report import pool_summary, sparse_mode
+from powerinfer.runtime.speculative import SpecOptions, load_speculator
 from powerinfer.runtime.timings import format_timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
@@ -29,6 +30,7 @@ class MainOptions:
     engine: EngineOptions
     sampling: SamplingParams
     interactive: InteractiveOptions = InteractiveOptions()
+    speculative: SpecOptions | None = None
 
 
 def print_timings(engine: Engine) -> None:
@@ -69,6 +71,10 @@ def run_main(opts: MainOptions) -> int:
     )
     for line in engine.placement_report():
         err.print(line, markup=False)
+    spec = None
+    if opts.speculative is not None:
+        spec = load_speculator(opts.speculative, engine)
+        err.print(f"main: speculative decoding: {spec.describe()}", markup=False)
     chat = opts.interactive.conversation
     prompt_ids = [] if chat else tok.encode(opts.prompt, add_bos=None, parse_special=True)
     if not prompt_ids and not chat:
@@ -102,6 +108,7 @@ def run_main(opts: MainOptions) -> int:
             opts.n_predict,
             opts.ignore_eos,
             opts.display_prompt,
+            spec,
         )
         print_timings(engine)
         return code
@@ -110,7 +117,7 @@ def run_main(opts: MainOptions) -> int:
         out.write(opts.prompt)
         out.flush()
     decoder = StreamDecoder(tok)
-    for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos):
+    for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos, spec):
         piece = decoder.feed(token)
         if piece:
             out.write(piece)

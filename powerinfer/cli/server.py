@@ -11,7 +11,7 @@ import typer
 
 from powerinfer.app.pipeline import serve_if_worker
 from powerinfer.cli.common import run_guarded, setup_logging
-from powerinfer.cli.options import EngineArgs, LogDisableOpt, SamplingArgs, takes
+from powerinfer.cli.options import EngineArgs, LogDisableOpt, SamplingArgs, SpeculativeArgs, takes
 from powerinfer.errors import InputError
 
 if TYPE_CHECKING:
@@ -102,7 +102,9 @@ class ServerArgs:
         ),
     ] = False
 
-    def options(self, engine: EngineArgs, sampling: SamplingArgs) -> ServerOptions:
+    def options(
+        self, engine: EngineArgs, sampling: SamplingArgs, speculative: SpeculativeArgs | None = None
+    ) -> ServerOptions:
         """ServerOptions, every limit checked first (one InputError line each), then the model resolved."""
         from powerinfer.server import ServerOptions
 
@@ -140,12 +142,17 @@ class ServerArgs:
             write_timeout_s=self.write_timeout,
             max_connections=self.max_connections,
             embedding=self.embedding,
+            speculative=None if speculative is None else speculative.options(),
         )
 
 
-@takes(ServerArgs, EngineArgs, SamplingArgs)
+@takes(ServerArgs, EngineArgs, SamplingArgs, SpeculativeArgs)
 def server(
-    http: ServerArgs, engine: EngineArgs, sampling: SamplingArgs, log_disable: LogDisableOpt = False
+    http: ServerArgs,
+    engine: EngineArgs,
+    sampling: SamplingArgs,
+    speculative: SpeculativeArgs,
+    log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
     setup_logging(log_disable)
@@ -153,7 +160,7 @@ def server(
     def body() -> None:
         from powerinfer.server import Server
 
-        opts = http.options(engine, sampling)
+        opts = http.options(engine, sampling, speculative)
         if not serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
             Server(opts).run()
 

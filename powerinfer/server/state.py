@@ -17,6 +17,7 @@ from fastapi import Request, Response
 from fastapi.routing import APIRoute
 
 from powerinfer.runtime.engine import EngineOptions
+from powerinfer.runtime.speculative import SpecOptions
 from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
 from powerinfer.server.errors import ApiError
@@ -57,6 +58,7 @@ class ServerOptions:
     write_timeout_s: float = 60.0  # a response may stall this long because the client does not read
     max_connections: int = 512  # open connections; past it the oldest one still sending a request is closed
     embedding: bool = False  # serve /v1/embeddings and /embedding
+    speculative: SpecOptions | None = None  # draft model or n-gram lookup (runtime.speculative)
 
 
 # API field names of the sampling parameters (the SamplingParams field in the value)
@@ -338,7 +340,7 @@ def timings(done: Done) -> dict[str, float]:
     """llama.cpp's per-request timings object; prompt_n counts the prompt tokens evaluated, without those
     reused from the slot's cache (cache_n)."""
     pn, pm, gn, gm = done.n_evaluated, done.prompt_ms, done.n_predicted, done.predicted_ms
-    return {
+    out = {
         "cache_n": done.n_prompt - pn,
         "prompt_n": pn,
         "prompt_ms": pm,
@@ -349,3 +351,7 @@ def timings(done: Done) -> dict[str, float]:
         "predicted_per_token_ms": gm / gn if gn else 0.0,
         "predicted_per_second": 1e3 * gn / gm if gm > 0 else 0.0,
     }
+    if done.n_draft > 0:  # as llama-server: only when the request drafted
+        out["draft_n"] = done.n_draft
+        out["draft_n_accepted"] = done.n_draft_accepted
+    return out
