@@ -105,6 +105,7 @@ class ModelDrafter:
     def __init__(self, engine: Engine, p_min: float) -> None:
         self.engine = engine
         self.p_min = p_min
+        self.eog = sorted(engine.tokenizer.eog_ids)
         self.cached: list[list[int]] = [[] for _ in range(engine.kv.n_seq)]  # tokens each draft slot holds
 
     def draft(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
@@ -170,8 +171,14 @@ class ModelDrafter:
         on after it: its top probability is at least p_min (as llama.cpp's draft, over its 10 best tokens when
         greedy)."""
         history = s.history + d.tokens
+        logits = logits.float()
+        if s.bias is not None:  # what the target's sampling sees too (Generator._accept)
+            logits = logits + s.bias
+        if s.params.ignore_eos and self.eog:
+            logits = logits.clone()
+            logits[self.eog] = float("-inf")
         if s.sampler.temp <= 0:
-            logits = apply_penalties(logits.float(), history, s.params.sampling)
+            logits = apply_penalties(logits, history, s.sampler.params)
             values, ids = torch.topk(logits, min(DRAFT_TOP_K, logits.numel()))
             top = float(torch.softmax(values, dim=0)[0])
             return int(ids[0]), None, top >= self.p_min  # NaN: not sure either
