@@ -240,6 +240,7 @@ class Speculator:
     def __init__(self, drafter: Drafter, options: SpecOptions) -> None:
         self.drafter = drafter
         self.options = options
+        self.backoff: dict[int, _Backoff] = {}  # by slot
 
     def describe(self) -> str:
         """One line for the logs: how this speculator drafts."""
@@ -303,7 +304,14 @@ class Speculator:
         return events
 
     def _limit(self, gen: Generator, s: Sequence) -> int:
-        """Draft tokens worth verifying for `s`: within the context, and not past its token limit."""
+        """Draft tokens worth verifying for `s`: within the context, not past its token limit, none while it
+        backs off after rejected drafts."""
+        b = self.backoff.get(s.slot)
+        if b is None or b.seq is not s:
+            b = self.backoff[s.slot] = _Backoff(s)
+        if b.wait > 0:
+            b.wait -= 1
+            return 0
         n = min(self.options.n_max, gen.engine.n_ctx - gen.engine.kv.n_past[s.slot] - 1)
         if s.params.n_predict >= 0:
             n = min(n, s.params.n_predict - s.n_gen - 1)
@@ -317,6 +325,7 @@ class Speculator:
         k = len(d.tokens)
         s.n_draft += k
         gen.timings.n_draft += k
+        accepted = 0
         for j in range(k + 1):
             engine.keep(s.slot, start + 1 + j)  # the tokens row j was computed after
             choose = None
@@ -326,11 +335,36 @@ class Speculator:
             events.append(ev)
             if j == k or ev.token != d.tokens[j]:
                 break
+            accepted += 1
             s.n_draft_accepted += 1
             gen.timings.n_draft_accepted += 1
             if ev.end is not None:
                 break
+        b = self.backoff.get(s.slot)
+        if k and b is not None and b.seq is s:
+            b.update(accepted)
         return events
+
+
+MAX_BACKOFF = 16  # steps without drafts after repeated wholly rejected drafts, at most
+
+
+class _Backoff:
+    """A sequence's pause in drafting: a draft rejected at its first token costs a step over 1 + k tokens for
+    one token (on the CPU 2-3x a one-token step), so after n such drafts in a row the next 2**(n-1) steps (at
+    most MAX_BACKOFF) draft nothing; an accepted token ends the pause."""
+
+    def __init__(self, seq: Sequence) -> None:
+        self.seq = seq
+        self.misses = 0
+        self.wait = 0
+
+    def update(self, accepted: int) -> None:
+        if accepted:
+            self.misses = 0
+            return
+        self.misses += 1
+        self.wait = min(MAX_BACKOFF, 1 << (self.misses - 1))
 
 
 def _judge(s: Sequence, x: int, q: torch.Tensor | None) -> Chooser:
