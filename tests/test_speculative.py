@@ -339,3 +339,40 @@ def test_draft_slot_reuses_its_prefix(engines):
         assert _tokens(target, prompt, GREEDY, 10, True, spec) == _tokens(target, prompt, GREEDY, 10, True)
     assert drafter.cached[0][:3] == [50, 51, 52]  # type: ignore[attr-defined]
     assert list(itertools.islice(drafter.cached[0], 4))[3] == 99  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("drafter", [("same", 0.0), ("same_q4", 0.0), ("lookup", 0.0)])
+def test_a_full_context_ends_as_in_plain_decoding(engines, drafter):
+    """Drafts stop short of the context's end; the run ends at a full context with plain decoding's tokens."""
+    target, specs = engines
+    prompt = [(7 * i) % 50 + 3 for i in range(N_CTX - 30)]
+    want = _tokens(target, prompt, GREEDY, -1, ignore_eos=True)
+    assert len(prompt) + len(want) == N_CTX + 1  # the last token sampled, not evaluated
+    assert _tokens(target, prompt, GREEDY, -1, True, _with(specs[drafter], 16, 0)) == want
+
+
+def test_server_grammar_and_logprobs_with_drafts(files):
+    """The server's per-slot extras go through the same rows: a grammar-constrained greedy answer and the
+    log-probabilities of each token are those of a server without drafts."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("xgrammar")
+    from server_helpers import live_server, request
+
+    from powerinfer.server import ServerOptions
+
+    bodies = [
+        {"prompt": "x", "grammar": 'root ::= "ab" [0-9]+ "c"', "n_predict": 12, "temperature": 0},
+        {"prompt": "hello", "n_predict": 12, "temperature": 0, "n_probs": 3},
+    ]
+    answers = []
+    for spec in (None, SpecOptions(draft_model=files["same"], p_min=0.0)):
+        engine = EngineOptions(n_ctx=N_CTX, n_seq=2, n_threads=1, act_precision="q8")
+        with live_server(ServerOptions(model=files["target"], engine=engine, speculative=spec)) as srv:
+            answers.append([request(srv, "POST", "/completion", b)[1] for b in bodies])
+    plain, drafted = answers
+    for a, b in zip(plain, drafted, strict=True):
+        assert b["content"] == a["content"]
+        assert b.get("completion_probabilities") == a.get("completion_probabilities")
+        assert "draft_n" not in a["timings"]
+    assert plain[0]["content"].startswith("ab") and len(plain[1]["completion_probabilities"]) == 12
+    assert drafted[1]["timings"]["draft_n_accepted"] > 0

@@ -312,7 +312,8 @@ class Speculator:
         if b.wait > 0:
             b.wait -= 1
             return 0
-        n = min(self.options.n_max, gen.engine.n_ctx - gen.engine.kv.n_past[s.slot] - 1)
+        # the last row may fill the context, none before it (a context shift there would move rows still to come)
+        n = min(self.options.n_max, gen.engine.n_ctx - gen.engine.kv.n_past[s.slot] - 2)
         if s.params.n_predict >= 0:
             n = min(n, s.params.n_predict - s.n_gen - 1)
         return max(0, n)
