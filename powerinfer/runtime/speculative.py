@@ -107,6 +107,8 @@ class ModelDrafter:
         self.p_min = p_min
         self.eog = sorted(engine.tokenizer.eog_ids)
         self.cached: list[list[int]] = [[] for _ in range(engine.kv.n_seq)]  # tokens each draft slot holds
+        # per slot: the sequence last caught up and its history's length then (a prefix of its history now)
+        self.synced: list[tuple[Sequence | None, int]] = [(None, 0)] * engine.kv.n_seq
 
     def draft(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
         e = self.engine
@@ -136,6 +138,7 @@ class ModelDrafter:
         except BaseException:
             for s in seqs:  # what the draft's slots hold is not known any more
                 self.cached[s.slot] = []
+                self.synced[s.slot] = (None, 0)
                 e.free(s.slot)
             raise
         return drafts
@@ -148,18 +151,24 @@ class ModelDrafter:
         tokens: list[int] = []
         positions: list[int] = []
         for s in seqs:
-            history = s.history
-            keep = min(common_prefix(self.cached[s.slot], history), len(history) - 1, e.kv.n_past[s.slot])
+            history, cached = s.history, self.cached[s.slot]
+            seq, n_synced = self.synced[s.slot]
+            if seq is s and n_synced <= len(history):  # it only grew since: compare what came after
+                same = n_synced + common_prefix(cached[n_synced:], history[n_synced:])
+            else:  # another request in this slot: the prompt it shares
+                same = common_prefix(cached, history)
+            keep = min(same, len(history) - 1, e.kv.n_past[s.slot])
             e.keep(s.slot, keep)
-            self.cached[s.slot] = history[:keep]
             rest = history[keep:]
+            del cached[keep:]
+            cached.extend(rest)
+            self.synced[s.slot] = (s, len(history))
             if len(rest) > e.options.n_batch:  # a new prompt: in chunks, on its own
                 rows[s.slot] = e.prefill(s.slot, rest, keep)
             else:
                 ids += [s.slot] * len(rest)
                 tokens += rest
                 positions += range(keep, keep + len(rest))
-            self.cached[s.slot] = list(history)
         if ids:
             slots = list(dict.fromkeys(ids))
             for slot, row in zip(slots, e.step(ids, tokens, positions), strict=True):
@@ -170,7 +179,8 @@ class ModelDrafter:
         """The next draft token, the distribution it was drawn from (None: greedy) and whether the draft goes
         on after it: its top probability is at least p_min (as llama.cpp's draft, over its 10 best tokens when
         greedy)."""
-        history = s.history + d.tokens
+        n = s.sampler.params.repeat_last_n  # the penalties' window of the history, and the draft so far
+        history = (s.history if n < 0 else s.history[len(s.history) - n :] if n > 0 else []) + d.tokens
         logits = logits.float()
         if s.bias is not None:  # what the target's sampling sees too (Generator._accept)
             logits = logits + s.bias
