@@ -125,6 +125,10 @@ class ModelDrafter:
                 for i, row in zip(todo, rows, strict=True):
                     s, d = seqs[i], drafts[i]
                     token, q, sure = self._pick(s, d, row)
+                    if (
+                        not sure and not d.tokens
+                    ):  # a lone unsure token: checking it costs a step over 2 tokens
+                        continue
                     d.tokens.append(token)
                     d.q.append(q)
                     if sure and len(d.tokens) < limits[i]:
@@ -177,8 +181,8 @@ class ModelDrafter:
 
     def _pick(self, s: Sequence, d: Draft, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, bool]:
         """The next draft token, the distribution it was drawn from (None: greedy) and whether the draft goes
-        on after it: its top probability is at least p_min (as llama.cpp's draft, over its 10 best tokens when
-        greedy)."""
+        on after it: its top probability is at least p_min (over its 10 best tokens when greedy). As llama.cpp's
+        draft, the first unsure token still ends the draft, unless it would be the whole draft."""
         n = s.sampler.params.repeat_last_n  # the penalties' window of the history, and the draft so far
         history = (s.history if n < 0 else s.history[len(s.history) - n :] if n > 0 else []) + d.tokens
         logits = logits.float()
