@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import generate
 from powerinfer.runtime.speculative import SpecOptions, Speculator, load_speculator
@@ -38,25 +40,29 @@ PROMPTS = [
 CODE = """def merge_sort(items):
     if len(items) <= 1:
         return items
-    middle = len(items) // 2
-    left = merge_sort(items[:middle])
-    right = merge_sort(items[middle:])
-    merged = []
+    mid = len(items) // 2
+    left = merge_sort(items[:mid])
+    right = merge_sort(items[mid:])
+    return merge(left, right)
+
+
+def merge(left, right):
+    result = []
     i = j = 0
     while i < len(left) and j < len(right):
         if left[i] <= right[j]:
-            merged.append(left[i])
+            result.append(left[i])
             i += 1
         else:
-            merged.append(right[j])
+            result.append(right[j])
             j += 1
-    merged.extend(left[i:])
-    merged.extend(right[j:])
-    return merged
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
 """
 REPEAT_PROMPT = (
-    f"<|im_start|>user\nRepeat this code block exactly, with no other text:\n```python\n{CODE}```<|im_end|>\n"
-    "<|im_start|>assistant\n"
+    f"<|im_start|>user\nCopy the following code verbatim.\n\n```python\n{CODE}```<|im_end|>\n"
+    "<|im_start|>assistant\n```python\n"
 )
 
 
@@ -110,6 +116,9 @@ def main() -> None:
     ap.add_argument("--draft-p-min", type=float, default=SpecOptions().p_min)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "powerinfer-bench-spec")
     args = ap.parse_args()
+    # sampling runs outside the engine's steps, on torch's own pool (all cores): on shared cores each of its
+    # logits-sized ops then waits for a busy core (~10 ms); both modes sample with -t threads instead
+    torch.set_num_threads(args.threads)
     args.workdir.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
     draft_file = quantized(args.workdir, args.draft)
