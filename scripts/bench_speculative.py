@@ -91,12 +91,16 @@ def quantized(workdir: Path, name: str) -> Path:
     return out
 
 
-def run(engine: Engine, prompt: list[int], n: int, spec: Speculator | None) -> tuple[list[int], float]:
+def run(
+    engine: Engine, prompt: list[int], n: int, spec: Speculator | None, repeat_penalty: float = 1.0
+) -> tuple[list[int], float]:
     """Greedy tokens and the decode time (first token to last)."""
     engine.timings.__init__()
     tokens: list[int] = []
     t_first = 0.0
-    for t in generate(engine, prompt, Sampler(SamplingParams(temp=0.0)), n, True, spec):
+    for t in generate(
+        engine, prompt, Sampler(SamplingParams(temp=0.0, repeat_penalty=repeat_penalty)), n, True, spec
+    ):
         if not tokens:
             t_first = time.perf_counter()
         tokens.append(t)
@@ -114,6 +118,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help="how many of the draft prompts")
     ap.add_argument("--draft-max", type=int, default=SpecOptions().n_max)
     ap.add_argument("--draft-p-min", type=float, default=SpecOptions().p_min)
+    # llama.cpp's current default; 1.1 (ours, older llama.cpp's) keeps the model from copying the code block
+    ap.add_argument("--repeat-penalty", type=float, default=1.0)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "powerinfer-bench-spec")
     args = ap.parse_args()
     # sampling runs outside the engine's steps, on torch's own pool (all cores): on shared cores each of its
@@ -124,7 +130,8 @@ def main() -> None:
     draft_file = quantized(args.workdir, args.draft)
     opts = EngineOptions(n_ctx=1024, n_threads=args.threads, fixed_threads=True)
     print(
-        f"# -t {args.threads}, {args.n_predict} tokens, {args.reps} alternating runs, medians of decode tok/s"
+        f"# -t {args.threads}, {args.n_predict} tokens, {args.reps} alternating runs, medians of decode tok/s; "
+        f"greedy, repeat penalty {args.repeat_penalty}, draft {args.draft}, p_min {args.draft_p_min}"
     )
     print(
         f"{'target':6} {'mode':7} {'prompts':>7} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accepted':>14}"
@@ -147,8 +154,8 @@ def main() -> None:
                 ids = tok.encode(text, add_bos=None, parse_special=True)
                 per_plain, per_spec = [], []
                 for _ in range(args.reps):
-                    want, t_plain = run(engine, ids, args.n_predict, None)
-                    got, t_spec = run(engine, ids, args.n_predict, spec)
+                    want, t_plain = run(engine, ids, args.n_predict, None, args.repeat_penalty)
+                    got, t_spec = run(engine, ids, args.n_predict, spec, args.repeat_penalty)
                     drafted += engine.timings.n_draft
                     accepted += engine.timings.n_draft_accepted
                     if got != want:
