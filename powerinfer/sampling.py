@@ -152,12 +152,31 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, history: Sequence[int] = ()) -> int:
         """Pick the next token from logits (n_vocab,) given the tokens seen so far; a token id in
         [0, n_vocab), or SamplingError when every logit is -inf or NaN."""
-        p = self.params
+        logits, arg = self._prepare(logits, history)
+        if self.temp <= 0:
+            return arg
+        probs, ids = self._candidates(logits)
+        choice = torch.multinomial(probs, 1, generator=self.generator)
+        return int(ids[choice].item())
+
+    def distribution(
+        self, logits: torch.Tensor, history: Sequence[int] = ()
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distribution `__call__` draws from: probabilities (n,) over candidate token ids (n,); greedy
+        (temp <= 0) puts all of it on the chosen token. Draws nothing (speculative decoding weighs drafts with
+        it)."""
+        logits, arg = self._prepare(logits, history)
+        if self.temp <= 0:
+            return torch.ones(1), torch.tensor([arg])
+        return self._candidates(logits)
+
+    def _prepare(self, logits: torch.Tensor, history: Sequence[int]) -> tuple[torch.Tensor, int]:
+        """Penalised logits with NaN out and +inf ties kept, and the greedy choice."""
         inf = float("inf")
         if logits.numel() == 0:
             raise SamplingError("no token can be sampled: the logits are empty")
         logits = torch.nan_to_num(
-            apply_penalties(logits.float(), history, p), nan=-inf, posinf=inf, neginf=-inf
+            apply_penalties(logits.float(), history, self.params), nan=-inf, posinf=inf, neginf=-inf
         )
         best, arg = torch.max(logits, dim=0)  # NaN is never drawn
         top = best.item()
@@ -165,14 +184,15 @@ class Sampler:
             raise SamplingError("no token can be sampled: every logit is -inf or NaN")
         if top == inf:  # +inf outranks every finite logit: the +inf tokens tie, the rest are out
             logits = torch.where(torch.isposinf(logits), 0.0, -inf)
-        if self.temp <= 0:
-            return int(arg.item())
+        return logits, int(arg.item())
+
+    def _candidates(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """top-k -> top-p -> min-p -> temperature: probabilities over the candidate ids, best first."""
+        p = self.params
         n_finite = int(torch.isfinite(logits).sum().item())
         k = p.top_k if p.top_k > 0 else n_finite
         values, ids = torch.topk(logits, min(k, n_finite))  # banned (-inf) tokens are never candidates
         values, ids = top_p(values, ids, p.top_p)
         values, ids = min_p(values, ids, p.min_p)
         # shifted by the best logit before dividing: a tiny temperature gives 0 and -inf, never inf - inf
-        probs = torch.softmax((values - values[0]) / self.temp, dim=0)
-        choice = torch.multinomial(probs, 1, generator=self.generator)
-        return int(ids[choice].item())
+        return torch.softmax((values - values[0]) / self.temp, dim=0), ids

@@ -24,6 +24,7 @@ from powerinfer.runtime.session import Session, common_prefix, load_session, sav
 
 if TYPE_CHECKING:
     from powerinfer.runtime.engine import Engine
+    from powerinfer.runtime.speculative import Speculator
     from powerinfer.sampling import Sampler, SamplingParams
     from powerinfer.server.chat import ChatFormatter
 
@@ -376,12 +377,14 @@ def run_session(
     ignore_eos: bool,
     display_prompt: bool,
     n_keep: int | None = None,
+    spec: Speculator | None = None,
 ) -> int:
-    """Run interactive `main` on stdin and stdout; the exit code."""
+    """Run interactive `main` on stdin and stdout (with `spec`, speculative decoding); the exit code."""
     stdin = sys.stdin
     if hasattr(
         stdin, "reconfigure"
     ):  # bytes typed or piped that are not UTF-8 become U+FFFD, not a traceback
         stdin.reconfigure(errors="replace")
     run = InteractiveRun(engine, sampler, io, sampling, n_predict, ignore_eos, sys.stdout, stdin, n_keep)
+    run.gen.spec = spec
     return run.run(prompt, prompt_ids, display_prompt)

@@ -14,6 +14,7 @@ from powerinfer.runtime.context_shift import check_keep, resolve_keep
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.generate import generate
 from powerinfer.runtime.report import pool_summary, sparse_mode
+from powerinfer.runtime.speculative import SpecOptions, load_speculator
 from powerinfer.runtime.timings import format_timings
 from powerinfer.sampling import Sampler, SamplingParams
 from powerinfer.tokenizer import StreamDecoder
@@ -32,6 +33,7 @@ class MainOptions:
     interactive: InteractiveOptions = InteractiveOptions()
     n_keep: int = 0  # --keep (runtime.context_shift.resolve_keep)
     context_shift: bool = True
+    speculative: SpecOptions | None = None
 
 
 def print_timings(engine: Engine) -> None:
@@ -72,6 +74,10 @@ def run_main(opts: MainOptions) -> int:
     )
     for line in engine.placement_report():
         err.print(line, markup=False)
+    spec = None
+    if opts.speculative is not None:
+        spec = load_speculator(opts.speculative, engine)
+        err.print(f"main: speculative decoding: {spec.describe()}", markup=False)
     chat = opts.interactive.conversation
     prompt_ids = [] if chat else tok.encode(opts.prompt, add_bos=None, parse_special=True)
     if not prompt_ids and not chat:
@@ -110,6 +116,7 @@ def run_main(opts: MainOptions) -> int:
             opts.ignore_eos,
             opts.display_prompt,
             shift,
+            spec,
         )
         print_timings(engine)
         return code
@@ -118,7 +125,9 @@ def run_main(opts: MainOptions) -> int:
         out.write(opts.prompt)
         out.flush()
     decoder = StreamDecoder(tok)
-    for token in generate(engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos, shift):
+    for token in generate(
+        engine, prompt_ids, sampler, opts.n_predict, opts.ignore_eos, n_keep=shift, spec=spec
+    ):
         piece = decoder.feed(token)
         if piece:
             out.write(piece)

@@ -12,7 +12,14 @@ from powerinfer.app.interactive import InteractiveOptions
 from powerinfer.app.main import MainOptions, run_main
 from powerinfer.app.pipeline import serve_if_worker
 from powerinfer.cli.common import err_console, run_guarded, setup_logging, utf8_argument
-from powerinfer.cli.options import ContextShiftArgs, EngineArgs, LogDisableOpt, SamplingArgs, takes
+from powerinfer.cli.options import (
+    ContextShiftArgs,
+    EngineArgs,
+    LogDisableOpt,
+    SamplingArgs,
+    SpeculativeArgs,
+    takes,
+)
 from powerinfer.errors import InputError
 from powerinfer.textfile import MAX_PROMPT_BYTES, check_output_file, process_escapes, read_text_file
 
@@ -133,12 +140,13 @@ class InteractiveArgs:
         )
 
 
-@takes(EngineArgs, SamplingArgs, InteractiveArgs, ContextShiftArgs)
+@takes(EngineArgs, SamplingArgs, InteractiveArgs, ContextShiftArgs, SpeculativeArgs)
 def main(
     engine: EngineArgs,
     sampling: SamplingArgs,
     io: InteractiveArgs,
     shift: ContextShiftArgs,
+    speculative: SpeculativeArgs,
     prompt: Annotated[str, typer.Option("-p", "--prompt", help="Prompt text.")] = "",
     file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from a file.")] = None,
     n_predict: Annotated[
@@ -184,6 +192,7 @@ def main(
             interactive=io.options(escape),
             n_keep=shift.checked().keep,
             context_shift=shift.context_shift,
+            speculative=speculative.options(),
         )
         if serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
             return 0

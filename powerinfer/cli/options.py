@@ -28,7 +28,9 @@ import typer
 from powerinfer.app.console import resolve_model
 from powerinfer.errors import InputError
 from powerinfer.placement.requests import n_cpu_moe, resolve_device, resolve_vram_budget
+from powerinfer.printable import printable
 from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION as ENGINE_DEFAULT_ACT_PRECISION
+from powerinfer.runtime.speculative import SpecOptions
 from powerinfer.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -472,6 +474,82 @@ class ContextShiftArgs:
         if self.keep < -1:
             raise InputError(f"--keep must be -1 (the whole prompt) or >= 0, got {self.keep}")
         return self
+
+
+# ---------------------------------------------------------------- speculative decoding (main, server)
+# llama.cpp's -md/--model-draft, --draft-max/--draft-min/--draft-p-min and -cd; --lookup is its `lookup`
+# example (prompt lookup decoding) as a flag. Checked by runtime.speculative.SpecOptions.
+_S = SpecOptions()
+
+
+@dataclass(frozen=True)
+class SpeculativeArgs:
+    """The speculative decoding options of main and server."""
+
+    PANEL: ClassVar[str] = "Speculative decoding"
+    model_draft: Annotated[
+        Path | None,
+        typer.Option(
+            "-md",
+            "--model-draft",
+            help="Draft model (GGUF, the target's vocabulary): it proposes tokens, the model checks them in one "
+            "step; greedy output is unchanged, sampling keeps the model's distribution.",
+            show_default=False,
+        ),
+    ] = None
+    draft_max: Annotated[
+        int, typer.Option("--draft-max", "--draft", "--draft-n", help="Tokens drafted per step at most.")
+    ] = _S.n_max
+    draft_min: Annotated[
+        int, typer.Option("--draft-min", "--draft-n-min", help="Drafts shorter than this are not checked.")
+    ] = _S.n_min
+    draft_p_min: Annotated[
+        float,
+        typer.Option(
+            "--draft-p-min", help="The draft model stops after a token whose probability is below this."
+        ),
+    ] = _S.p_min
+    ctx_size_draft: Annotated[
+        int, typer.Option("-cd", "--ctx-size-draft", help="Draft model context (0: the model's -c).")
+    ] = _S.n_ctx_draft
+    lookup: Annotated[
+        bool,
+        typer.Option(
+            "--lookup",
+            help="Prompt lookup decoding (no draft model): draft what followed the last n-gram's latest "
+            "earlier occurrence in the prompt and the output.",
+        ),
+    ] = False
+    lookup_ngram_min: Annotated[
+        int, typer.Option("--lookup-ngram-min", help="--lookup: shortest n-gram matched.")
+    ] = _S.ngram_min
+    lookup_ngram_max: Annotated[
+        int, typer.Option("--lookup-ngram-max", help="--lookup: longest n-gram matched (tried first).")
+    ] = _S.ngram_max
+
+    def options(self) -> SpecOptions | None:
+        """SpecOptions (checked: one InputError line per mistake), None when neither -md nor --lookup."""
+        opts = SpecOptions(
+            draft_model=resolve_draft(self.model_draft),
+            lookup=self.lookup,
+            n_max=self.draft_max,
+            n_min=self.draft_min,
+            p_min=self.draft_p_min,
+            n_ctx_draft=self.ctx_size_draft,
+            ngram_min=self.lookup_ngram_min,
+            ngram_max=self.lookup_ngram_max,
+        )
+        return opts if opts.enabled else None
+
+
+def resolve_draft(path: Path | None) -> Path | None:
+    """-md FILE, which must be a readable file."""
+    if path is not None and not path.is_file():
+        raise InputError(f"-md/--model-draft: no such file: {printable(str(path))}")
+    return path
+
+
+# ---------------------------------------------------------------- end of speculative decoding
 
 
 F = TypeVar("F", bound=Callable[..., Any])

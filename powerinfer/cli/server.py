@@ -11,7 +11,14 @@ import typer
 
 from powerinfer.app.pipeline import serve_if_worker
 from powerinfer.cli.common import run_guarded, setup_logging
-from powerinfer.cli.options import ContextShiftArgs, EngineArgs, LogDisableOpt, SamplingArgs, takes
+from powerinfer.cli.options import (
+    ContextShiftArgs,
+    EngineArgs,
+    LogDisableOpt,
+    SamplingArgs,
+    SpeculativeArgs,
+    takes,
+)
 from powerinfer.errors import InputError
 from powerinfer.runtime.context_shift import check_keep
 
@@ -104,7 +111,11 @@ class ServerArgs:
     ] = False
 
     def options(
-        self, engine: EngineArgs, sampling: SamplingArgs, shift: ContextShiftArgs | None = None
+        self,
+        engine: EngineArgs,
+        sampling: SamplingArgs,
+        shift: ContextShiftArgs | None = None,
+        speculative: SpeculativeArgs | None = None,
     ) -> ServerOptions:
         """ServerOptions, every limit checked first (one InputError line each), then the model resolved."""
         from powerinfer.server import ServerOptions
@@ -148,15 +159,17 @@ class ServerArgs:
             embedding=self.embedding,
             context_shift=shift.context_shift,
             n_keep=shift.keep,
+            speculative=None if speculative is None else speculative.options(),
         )
 
 
-@takes(ServerArgs, EngineArgs, SamplingArgs, ContextShiftArgs, context_shift=False)
+@takes(ServerArgs, EngineArgs, SamplingArgs, ContextShiftArgs, SpeculativeArgs, context_shift=False)
 def server(
     http: ServerArgs,
     engine: EngineArgs,
     sampling: SamplingArgs,
     shift: ContextShiftArgs,
+    speculative: SpeculativeArgs,
     log_disable: LogDisableOpt = False,
 ) -> None:
     """Serve a model over HTTP (llama.cpp server endpoints plus the OpenAI API)."""
@@ -165,7 +178,7 @@ def server(
     def body() -> None:
         from powerinfer.server import Server
 
-        opts = http.options(engine, sampling, shift)
+        opts = http.options(engine, sampling, shift, speculative)
         if not serve_if_worker(opts.model, opts.engine):  # ranks > 0 of a pipeline serve rank 0, then exit
             Server(opts).run()
 

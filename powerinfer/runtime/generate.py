@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -28,6 +28,7 @@ from powerinfer.tokenizer import StreamDecoder
 if TYPE_CHECKING:
     from powerinfer.model.config import ModelConfig
     from powerinfer.runtime.kv_cache import KVCache
+    from powerinfer.runtime.speculative import Speculator
     from powerinfer.runtime.timings import Timings
     from powerinfer.tokenizer import Tokenizer
 
@@ -100,6 +101,11 @@ class Sequence:
     prompt_ms: float = 0.0
     t_first: float = 0.0
     shifts: list[tuple[int, int]] = field(default_factory=list)  # context shifts: (n_keep, n_discard) each
+    n_draft: int = 0  # speculative decoding: tokens drafted for this sequence, and those the target kept
+    n_draft_accepted: int = 0
+
+
+Chooser = Callable[[torch.Tensor, list[int]], int]  # (logits, history) -> token, in place of the sampler
 
 
 def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
@@ -116,11 +122,13 @@ def _stop_holdback(text: str, stops: tuple[str, ...]) -> int:
 class Generator:
     """Sequences of one engine, advanced together one token per step."""
 
-    def __init__(self, engine: GenerationEngine, keep: bool = False) -> None:
+    def __init__(self, engine: GenerationEngine, keep: bool = False, spec: Speculator | None = None) -> None:
         """With `keep`, an ended sequence leaves its slot's KV cache as it is (the interactive `main` goes on
-        from it next turn); `kv.n_past` then counts its evaluated tokens, the first of `Sequence.history`."""
+        from it next turn); `kv.n_past` then counts its evaluated tokens, the first of `Sequence.history`.
+        With `spec`, each step drafts tokens and verifies them (runtime.speculative)."""
         self.engine = engine
         self.keep = keep
+        self.spec = spec
         self.tokenizer = engine.tokenizer
         self.eog = engine.tokenizer.eog_ids
         self.timings = engine.timings
@@ -185,6 +193,8 @@ class Generator:
 
         Without `isolate` a failure propagates; with it, a sequence whose sampling fails ends with an "error"
         event (the others go on), and a failed engine step ends every sequence of the batch that way."""
+        if self.spec is not None:  # several tokens per sequence and step
+            return self.spec.step(self, isolate)
         seqs = [s for s in self.live.values() if s.pending is not None]
         if not seqs:
             return []
@@ -217,8 +227,9 @@ class Generator:
         self.live.pop(slot, None)
         self.engine.free(slot)
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> Event:
-        """Sample the next token of `seq` from its logits (n_vocab,); end it if a limit is hit."""
+    def _accept(self, seq: Sequence, logits: torch.Tensor, choose: Chooser | None = None) -> Event:
+        """Sample the next token of `seq` from its logits (n_vocab,) (or let `choose` pick it from the logits
+        as the sampler would see them); end it if a limit is hit."""
         p = seq.params
         t = time.perf_counter()
         if seq.bias is not None:
@@ -226,7 +237,7 @@ class Generator:
         if p.ignore_eos and self.eog:
             logits = logits.clone()
             logits[list(self.eog)] = float("-inf")
-        token = seq.sampler(logits, seq.history)
+        token = (choose or seq.sampler)(logits, seq.history)
         self.timings.sample_ms += (time.perf_counter() - t) * 1e3
         self.timings.n_sample += 1
         if token in self.eog and not p.ignore_eos:
@@ -275,14 +286,16 @@ def generate(
     n_predict: int = -1,
     ignore_eos: bool = False,
     n_keep: int | None = None,
+    spec: Speculator | None = None,
 ) -> Iterator[int]:
     """Prefill the prompt into sequence 0, then yield sampled tokens until EOS, n_predict or a full context;
-    with n_keep (runtime.context_shift.resolve_keep) a full context shifts instead."""
+    with n_keep (runtime.context_shift.resolve_keep) a full context shifts instead; with `spec`, tokens are
+    drafted and verified several at a time."""
     if len(prompt) > engine.n_ctx - 4:
         raise InputError(
             f"prompt is too long ({len(prompt)} tokens, max {engine.n_ctx - 4} for -c {engine.n_ctx})"
         )
-    gen = Generator(engine)
+    gen = Generator(engine, spec=spec)
     shift = n_keep is not None
     params = GenParams(n_predict=n_predict, ignore_eos=ignore_eos, context_shift=shift, n_keep=n_keep or 0)
     events = gen.start(0, prompt, params, sampler)

@@ -9,6 +9,7 @@ from typing import Any
 
 from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
+from powerinfer.runtime.speculative import load_speculator
 from powerinfer.server.app import ServerOptions, create_app
 from powerinfer.server.limits import bind_socket, fit_connections, protocol_class
 from powerinfer.server.state import ServerState
@@ -49,7 +50,16 @@ class Server:
                 for sock in self.sockets:
                     sock.close()
             raise
-        self.worker = Worker(self.engine, options.max_queue)
+        try:
+            spec = None if options.speculative is None else load_speculator(options.speculative, self.engine)
+        except BaseException:
+            if own:
+                for sock in self.sockets:
+                    sock.close()
+            raise
+        if spec is not None:
+            log.info("speculative decoding: %s", spec.describe())
+        self.worker = Worker(self.engine, options.max_queue, spec)
         self.app = create_app(self.worker, options)
         self.state: ServerState = self.app.app.state.server  # type: ignore[attr-defined]
         protocol = protocol_class(

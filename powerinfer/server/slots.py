@@ -17,7 +17,8 @@ import torch
 
 from powerinfer.runtime.context_shift import held_tokens
 from powerinfer.runtime.engine import Engine
-from powerinfer.runtime.generate import Event, Generator, GenParams, Sequence
+from powerinfer.runtime.generate import Chooser, Event, Generator, GenParams, Sequence
+from powerinfer.runtime.speculative import Speculator
 
 MAX_TOP_LOGPROBS = 20
 
@@ -64,8 +65,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 class SlotGenerator(Generator):
     """A Generator whose slots keep their KV cache between requests and that applies SlotRequest options."""
 
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine)
+    def __init__(self, engine: Engine, spec: Speculator | None = None) -> None:
+        super().__init__(engine, spec=spec)
         self.cached: list[list[int]] = [[] for _ in range(engine.kv.n_seq)]  # tokens held by each slot
         self.requests: dict[int, SlotRequest] = {}
 
@@ -102,10 +103,10 @@ class SlotGenerator(Generator):
                 ev.seq.prompt_ms = ms
         return events
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> Event:
+    def _accept(self, seq: Sequence, logits: torch.Tensor, choose: Chooser | None = None) -> Event:
         req = self.requests.get(seq.slot)
         if req is None or (req.constraint is None and not req.logprobs):
-            return super()._accept(seq, logits)
+            return super()._accept(seq, logits, choose)
         logprobs = torch.log_softmax(logits.float(), dim=-1) if req.logprobs else None
         if req.constraint is not None:
             logits = req.constraint.mask(logits)
@@ -114,7 +115,7 @@ class SlotGenerator(Generator):
                 allowed[list(self.eog)] = False
                 if not bool(allowed.any()):
                     return self._finish(seq, "eos")
-        ev = super()._accept(seq, logits)
+        ev = super()._accept(seq, logits, choose)
         if ev.token is not None:
             if req.constraint is not None and ev.end is None:
                 req.constraint.accept(ev.token)

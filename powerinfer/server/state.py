@@ -19,6 +19,7 @@ from fastapi.routing import APIRoute
 from powerinfer.errors import InputError
 from powerinfer.runtime.context_shift import resolve_keep, truncate_prompt
 from powerinfer.runtime.engine import EngineOptions
+from powerinfer.runtime.speculative import SpecOptions
 from powerinfer.sampling import SamplingParamError, SamplingParams
 from powerinfer.server.chat import ChatFormatter
 from powerinfer.server.errors import ApiError
@@ -63,6 +64,7 @@ class ServerOptions:
         False  # --context-shift: truncate long prompts, shift full contexts (llama-server's)
     )
     n_keep: int = 0  # --keep: the n_keep of requests that give none
+    speculative: SpecOptions | None = None  # draft model or n-gram lookup (runtime.speculative)
 
 
 # API field names of the sampling parameters (the SamplingParams field in the value)
@@ -364,7 +366,7 @@ def timings(done: Done) -> dict[str, float]:
     """llama.cpp's per-request timings object; prompt_n counts the prompt tokens evaluated, without those
     reused from the slot's cache (cache_n)."""
     pn, pm, gn, gm = done.n_evaluated, done.prompt_ms, done.n_predicted, done.predicted_ms
-    return {
+    out = {
         "cache_n": done.n_prompt - pn,
         "prompt_n": pn,
         "prompt_ms": pm,
@@ -375,3 +377,7 @@ def timings(done: Done) -> dict[str, float]:
         "predicted_per_token_ms": gm / gn if gn else 0.0,
         "predicted_per_second": 1e3 * gn / gm if gm > 0 else 0.0,
     }
+    if done.n_draft > 0:  # as llama-server: only when the request drafted
+        out["draft_n"] = done.n_draft
+        out["draft_n_accepted"] = done.n_draft_accepted
+    return out

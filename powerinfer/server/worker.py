@@ -28,6 +28,7 @@ from powerinfer.printable import printable
 from powerinfer.runtime.engine import Engine
 from powerinfer.runtime.generate import Event as GenEvent
 from powerinfer.runtime.generate import GenParams
+from powerinfer.runtime.speculative import Speculator
 from powerinfer.server.slots import SlotGenerator, SlotRequest, TokenProb
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ class Done:
     probs: tuple[TokenProb, ...] = ()  # every generated token's (when requested)
     n_probs_sent: int = 0  # how many of `probs` went out with the chunks
     truncated: bool = False  # the prompt was cut or the context shifted (--context-shift)
+    n_draft: int = 0  # speculative decoding: tokens drafted, and those accepted
+    n_draft_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,10 +159,10 @@ class _Slot:
 class Worker:
     """Continuous-batching generation over `engine.kv.n_seq` slots; the only thread that touches the model."""
 
-    def __init__(self, engine: Engine, max_queue: int = 32) -> None:
+    def __init__(self, engine: Engine, max_queue: int = 32, spec: Speculator | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.gen = SlotGenerator(engine)
+        self.gen = SlotGenerator(engine, spec)
         self.n_slots = engine.kv.n_seq
         md = engine.gguf.metadata
         # llama.cpp's pooling types: 1 mean, 2 first token (CLS), 3 last token; none (0) and absent: mean
@@ -395,6 +398,8 @@ class Worker:
                 tuple(req.options.probs),
                 req.n_probs_sent,
                 req.options.truncated or bool(seq.shifts),
+                seq.n_draft,
+                seq.n_draft_accepted,
             )
         )
 
