@@ -103,7 +103,7 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
     calib = hidden(engine, CALIBRATION_TEXT, 1024)
     proj, screen = build_head_screen(sparse.output, calib, rank=32).weights(*sparse.output.shape)
     head = Head(lambda x: x, sparse.output, engine.kc)  # type: ignore[arg-type]
-    weak = SparseHead(head, proj, screen, engine.kc, n_candidates=64)
+    weak = SparseHead(head, proj, screen, engine.kc, n_candidates=64, widen_mass=1.0)  # the margin alone
     x = x[:256].contiguous()
     full = ops.linear(x, weak.output, engine.kc)
     got = weak(x)

@@ -103,6 +103,14 @@ def sparsify(
             "where the head is large enough for it to pay.",
         ),
     ] = True,
+    quality: Annotated[
+        bool,
+        typer.Option(
+            "--quality/--no-quality",
+            help="Score the output against the input (perplexity, KL divergence) on a held-out slice of the "
+            "calibration text and on packaged prose, code documentation and dialogue; warn when they differ.",
+        ),
+    ] = True,
     threads_: ThreadsOpt = 0,
     log_disable: LogDisableOpt = False,
 ) -> None:
@@ -133,6 +141,7 @@ def sparsify(
             max_tokens=max_tokens,
             sparse_head=sparse_head,
             down_type=down_type,
+            quality=quality,
         )
         run_sparsify_report(opts)
 
