@@ -103,6 +103,15 @@ def sparsify(
             "where the head is large enough for it to pay.",
         ),
     ] = True,
+    mix: Annotated[
+        bool,
+        typer.Option(
+            "--mix/--no-mix",
+            help="Calibrate the thresholds on the text of -f (at most half of --max-tokens) and as many tokens of "
+            "the packaged prose, code documentation, dialogue and docstrings (--no-mix: -f alone). The head's "
+            "screen always uses both.",
+        ),
+    ] = False,
     quality: Annotated[
         bool,
         typer.Option(
@@ -142,6 +151,7 @@ def sparsify(
             sparse_head=sparse_head,
             down_type=down_type,
             quality=quality,
+            mix=mix,
         )
         run_sparsify_report(opts)
 

@@ -176,7 +176,9 @@ def check_stamp(gguf: GGUFFile) -> None:
         return
     verdict = stamps.check_gguf("sparse", gguf.metadata)
     if verdict.changed:
-        raise FormatError(f"{gguf.path}: a sparse file of another format ({verdict.found}): sparsify it again")
+        raise FormatError(
+            f"{gguf.path}: a sparse file of another format ({verdict.found}): sparsify it again"
+        )
     stamps.warn_user_file(f"the sparse file {gguf.path}", verdict)
 
 

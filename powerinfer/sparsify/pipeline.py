@@ -53,6 +53,7 @@ from powerinfer.sparsify.write import (
     write_sparse_gguf,
     write_teal_gguf,
 )
+from powerinfer.texts import calibration_mix
 
 METHODS = ("cats", "teal", "predictor")
 ALLOCATIONS = ("greedy", "uniform")
@@ -81,7 +82,11 @@ class SparsifyOptions:
     max_tokens: int = 4096  # calibration tokens used (0 = the whole file)
     down_type: str | None = None  # ffn_down_t's ggml type name (None: write.transposed_type's choice)
     sparse_head: bool = True  # also write the output head's screen (model.head), where it pays
-    quality: bool = True  # score the output against the input on held-out texts (sparsify.quality)
+    # also calibrate the thresholds on the packaged mix (calibration_windows), for thresholds that transfer
+    mix: bool = False
+    quality: bool = (
+        False  # score the output against the input on held-out texts (sparsify.quality; the CLI's default)
+    )
 
 
 @dataclass
@@ -205,18 +210,30 @@ def check_input(opts: SparsifyOptions) -> None:
         )
 
 
-def calibration_windows(engine: Engine, text: str, max_tokens: int) -> tuple[list[list[int]], list[int]]:
+def calibration_windows(
+    engine: Engine, text: str, max_tokens: int, mix: bool = False
+) -> tuple[list[list[int]], list[int]]:
     """The calibration text as windows of the engine's context, and the slice of it held out for scoring
-    (sparsify.quality.split_held_out); InputError below MIN_TOKENS tokens."""
+    (sparsify.quality.split_held_out); InputError below MIN_TOKENS tokens. With `mix`, the text gives at most half
+    of max_tokens and the packaged calibration mix (powerinfer.texts) as many tokens again, an equal share from
+    each of its kinds."""
     ids = tokenize_corpus(engine, text)
     n_all = len(ids)
-    ids, held_out = split_held_out(ids, max_tokens, engine.n_ctx, MIN_TOKENS)
+    budget = max_tokens // 2 if mix and max_tokens > 0 else max_tokens
+    ids, held_out = split_held_out(ids, budget, engine.n_ctx, MIN_TOKENS)
     if len(ids) < MIN_TOKENS:
         limit = f" (--max-tokens {max_tokens})" if len(ids) < n_all else ""
         raise InputError(
             f"calibration text too short: {len(ids)} tokens{limit}, sparsify needs at least {MIN_TOKENS}"
         )
-    return make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id), held_out
+    bos = engine.tokenizer.bos_id
+    windows = make_windows(ids, engine.n_ctx, bos)
+    if mix:
+        kinds = calibration_mix()
+        share = max(1, len(ids) // len(kinds))
+        for _, mix_text in kinds:
+            windows += make_windows(tokenize_corpus(engine, mix_text)[:share], engine.n_ctx, bos)
+    return windows, held_out
 
 
 def error_curves(
@@ -294,7 +311,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             moe_ffn(engine, bid)  # refuse ReGLU experts before the calibration
         if opts.allocation != "uniform":
             raise InputError("--allocation greedy is not built for MoE files: use uniform")
-    windows, held_out = calibration_windows(engine, text, opts.max_tokens)
+    windows, held_out = calibration_windows(engine, text, opts.max_tokens, opts.mix)
     if opts.method == "teal":
         return with_quality(opts, sparsify_teal(opts, engine, windows, text, t0, progress), held_out, engine)
     calib = calibrate(engine, windows, report("calibrate"))
