@@ -195,3 +195,31 @@ def test_session_stamp(tiny: Path, tmp_path: Path, monkeypatch, caplog):
     with pytest.raises(FormatError, match="another session format"):
         load_session(path, engine)
     assert torch.isfinite(engine.kv.read_slot(0, 4)[0]).all()
+
+
+def test_moe_profile_outputs_stamp(tmp_path: Path, monkeypatch, caplog):
+    """profile.json's expert counts and router_predictor.npz: other code -> used with a warning; another format ->
+    ignored with a warning (the loaders' way with a file that does not fit)."""
+    import json
+
+    from powerinfer.placement.experts import load_expert_counts, load_router_predictor
+    from powerinfer.profile.experts import write_expert_report
+    from powerinfer.profile.router_predictor import RouterPredictors, write_router_predictors
+
+    model = tmp_path / "m.gguf"
+    counts = [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    write_expert_report(tmp_path / "profile.json", {"expert_counts": counts})
+    assert json.loads((tmp_path / "profile.json").read_text())["stamp"] == stamps.header("profile")
+    w, b = np.ones((1, 3, 8), dtype=np.float32), np.zeros((1, 3), dtype=np.float32)
+    write_router_predictors(tmp_path, RouterPredictors(w, b, [0.5], [0.4], 10, 5))
+    with caplog.at_level(logging.WARNING):
+        assert np.array_equal(load_expert_counts(model, 2, 3), counts)  # type: ignore[arg-type]
+        assert load_router_predictor(model, 2, 3, 8) is not None
+    assert caplog.text == ""
+    monkeypatch.setitem(stamps.REVISIONS, "profile", (1, 999))
+    with caplog.at_level(logging.WARNING):
+        assert load_expert_counts(model, 2, 3) is not None
+        assert load_router_predictor(model, 2, 3, 8) is not None
+    assert caplog.text.count("made by another version") == 2
+    monkeypatch.setitem(stamps.REVISIONS, "profile", (2, 1))
+    assert load_expert_counts(model, 2, 3) is None and load_router_predictor(model, 2, 3, 8) is None

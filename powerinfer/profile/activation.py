@@ -196,6 +196,7 @@ def run_profile(
         "corpus": str(opts.corpus),
         "n_ctx": engine.n_ctx,
         **profile.summary(),
+        "stamp": stamps.header("profile"),
     }
     text_out = (json.dumps(summary, indent=1) + "\n").encode()
     write_file_atomically(report, lambda f: f.write(text_out))
