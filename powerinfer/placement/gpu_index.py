@@ -165,16 +165,18 @@ def read_gpu_index(
     return GPUIndex(int(capacity), masks, buckets)
 
 
-def write_gpu_index(path: str | os.PathLike[str], index: GPUIndex) -> None:
-    """Write `index` in PowerInfer's format (atomically: temp file, then rename). A FIFO, device or folder at
-    `path` is never replaced: FormatError (GGUFWriter.write), which the pool logs as an uncached index."""
+def write_gpu_index(path: str | os.PathLike[str], index: GPUIndex, stamp: bool = True) -> None:
+    """Write `index` in PowerInfer's format (atomically: temp file, then rename), with our version stamp unless
+    `stamp` is False (then byte for byte what PowerInfer writes). A FIFO, device or folder at `path` is never
+    replaced: FormatError (GGUFWriter.write), which the pool logs as an uncached index."""
     writer = GGUFWriter(path, sparse=True)
     writer.add(Keys.ARCHITECTURE, Keys.GPU_INDEX_ARCH, ValueType.STRING)
     writer.add(Keys.GPU_INDEX_BLOCK_COUNT, index.n_layer, ValueType.UINT32)
     writer.add(Keys.VRAM_CAPACITY, int(index.vram_capacity), ValueType.UINT64)
-    (fkey, fmt), (ckey, code) = stamps.gguf_items(KIND)
-    writer.add(fkey, fmt, ValueType.UINT32)
-    writer.add(ckey, code, ValueType.STRING)
+    if stamp:
+        (fkey, fmt), (ckey, code) = stamps.gguf_items(KIND)
+        writer.add(fkey, fmt, ValueType.UINT32)
+        writer.add(ckey, code, ValueType.STRING)
     for layer, (mask, bucket) in enumerate(zip(index.gpu_idx, index.gpu_bucket, strict=True)):
         writer.add_tensor(TensorNames.GPU_IDX.format(bid=layer), mask.astype(np.int32), GGMLType.I32)
         writer.add_tensor(TensorNames.GPU_BUCKET.format(bid=layer), bucket.astype(np.int32), GGMLType.I32)
