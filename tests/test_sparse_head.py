@@ -103,7 +103,7 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
     calib = hidden(engine, CALIBRATION_TEXT, 1024)
     proj, screen = build_head_screen(sparse.output, calib, rank=32).weights(*sparse.output.shape)
     head = Head(lambda x: x, sparse.output, engine.kc)  # type: ignore[arg-type]
-    weak = SparseHead(head, proj, screen, engine.kc, n_candidates=64)
+    weak = SparseHead(head, proj, screen, engine.kc, n_candidates=64, widen_mass=1.0)  # the margin alone
     x = x[:256].contiguous()
     full = ops.linear(x, weak.output, engine.kc)
     got = weak(x)
@@ -129,6 +129,26 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
     assert len(whole) == weak.stats.fallbacks >= 10 and weak.stats.widened == 0
 
 
+def test_spread_widens_to_more_exact_rows(smollm2):
+    """A token whose screen leaves more than widen_mass of its probability outside the candidates gets about
+    WIDEN_FACTOR times as many exact rows: every token at widen_mass -1, none at 1; the same bits one token at a time
+    (the chain) as in the batch."""
+    engine, sparse, x = smollm2
+    x = x[:24].contiguous()
+    full = ops.linear(x, sparse.output, engine.kc)
+    head = Head(lambda x: x, sparse.output, engine.kc)  # type: ignore[arg-type]
+    wide = SparseHead(head, sparse.proj, sparse.screen, engine.kc, widen_mass=-1.0)
+    plain = SparseHead(head, sparse.proj, sparse.screen, engine.kc, widen_mass=1.0)
+    got_wide, got_plain = wide(x), plain(x)
+    assert wide.stats.spread == 24 and plain.stats.spread == 0
+    # exact rows: within 1e-3 of the whole head's logits (the screen errs by ~0.1-1 elsewhere)
+    n_wide = ((got_wide - full).abs() < 1e-3).sum(1).float()
+    n_plain = ((got_plain - full).abs() < 1e-3).sum(1).float()
+    assert (n_wide > 1.6 * n_plain).all(), (n_wide, n_plain)
+    for t in range(0, 24, 5):
+        assert torch.equal(wide(x[t : t + 1])[0], got_wide[t]), t
+
+
 def test_engine_builds_and_reports_it(screen_cache: Path):
     """--sparse-head on a dense file calibrates a screen at load (kept in the cache folder); greedy decode
     equals the whole head's."""
@@ -145,8 +165,9 @@ def test_engine_builds_and_reports_it(screen_cache: Path):
         assert ta == tb
         a, b = engine.eval([ta]), dense.eval([tb])
     lines = engine.sparse_report()
-    assert lines[0].startswith("head: sparse (screen of rank 256, 1024 exact candidates)")
-    # bytes per token: the file's 92.1 MiB less the 28.7 MiB head plus ~7.5 MiB of screen and candidates
+    assert lines[0].startswith("head: sparse (screen of rank 256, 2048 exact candidates)")
+    # bytes per token: the file's 92.1 MiB less the 28.7 MiB head plus ~7.6 MiB of screen and candidates and the
+    # widened tokens' rows (measured 8.2 MiB over these 17 tokens)
     per_token = engine.read_bytes_per_token() / 2**20
     assert 68 < per_token < 74, per_token
 

@@ -22,18 +22,21 @@ def resolve_model(path: Path | None) -> Path:
     head (its copy with the head's screen made once, on first use, and cached), else the bundled 8 M model."""
     if path is not None:
         return path
-    from powerinfer.sparsify.default import default_mode_line, default_model, is_ready, make, smollm2_gguf
+    from powerinfer.sparsify.default import default_mode_line, default_model, make, not_ready, smollm2_gguf
 
     src = smollm2_gguf()
     if src is not None:
         d = default_model(src)
-        if is_ready(d):
+        reason = not_ready(d)
+        if reason is None:
             err_console.print(default_mode_line(), markup=False)
             return d.output
-        err_console.print(
-            f"first run: making the default SmolLM2 with its head's screen (once) in {d.output.parent}",
-            markup=False,
+        line = (
+            f"first run: making the default SmolLM2 with its head's screen (once) in {d.output.parent}"
+            if not reason
+            else f"{reason}: making it again"
         )
+        err_console.print(line, markup=False)
         try:
             make(d)
             err_console.print(default_mode_line(), markup=False)

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from powerinfer.app.console import err_console, progress_bar
 from powerinfer.sparsify import SparsifyOptions, SparsifyResult, run_sparsify
+from powerinfer.sparsify.quality import spread_warning
 
 
 def teal_table(result: SparsifyResult) -> Table:
@@ -49,6 +50,23 @@ def sparsity_table(result: SparsifyResult) -> Table:
     return table
 
 
+def quality_table(result: SparsifyResult) -> Table:
+    """Per scored text: perplexity of the output and of the dense input, the increase, the KL divergence."""
+    table = Table(title="Quality against the dense input (held-out text, q8 activations)")
+    for name in ("text", "tokens", "PPL", "dense PPL", "increase", "KLD"):
+        table.add_column(name, justify="right")
+    for q in result.quality:
+        table.add_row(
+            q.name,
+            str(q.n_tokens),
+            f"{q.ppl:.3f}",
+            f"{q.dense_ppl:.3f}",
+            f"{q.increase:+.2f}%",
+            f"{q.kld:.4f}",
+        )
+    return table
+
+
 STAGES = {
     "calibrate": ("calibrating", "tokens"),
     "allocate": ("error curves", "layers"),
@@ -78,6 +96,11 @@ def run_sparsify_report(opts: SparsifyOptions) -> None:
     """Sparsify with progress; the table and the files written on stderr, the summary on stdout."""
     result = sparsify_with_progress(opts)
     err_console.print(sparsity_table(result))
+    if result.quality:
+        err_console.print(quality_table(result))
+        warning = spread_warning(result.quality)
+        if warning is not None:
+            err_console.print(warning, markup=False)
     err_console.print(f"sparsify: wrote {result.output}", markup=False)
     if result.activation is not None:
         err_console.print(f"sparsify: wrote activation {result.activation}", markup=False)

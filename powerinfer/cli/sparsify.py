@@ -103,6 +103,23 @@ def sparsify(
             "where the head is large enough for it to pay.",
         ),
     ] = True,
+    mix: Annotated[
+        bool,
+        typer.Option(
+            "--mix/--no-mix",
+            help="Calibrate the thresholds on the text of -f (at most half of --max-tokens) and as many tokens of "
+            "the packaged prose, code documentation, dialogue and docstrings (--no-mix: -f alone). The head's "
+            "screen always uses both.",
+        ),
+    ] = False,
+    quality: Annotated[
+        bool,
+        typer.Option(
+            "--quality/--no-quality",
+            help="Score the output against the input (perplexity, KL divergence) on a held-out slice of the "
+            "calibration text and on packaged prose, code documentation and dialogue; warn when they differ.",
+        ),
+    ] = True,
     threads_: ThreadsOpt = 0,
     log_disable: LogDisableOpt = False,
 ) -> None:
@@ -133,6 +150,8 @@ def sparsify(
             max_tokens=max_tokens,
             sparse_head=sparse_head,
             down_type=down_type,
+            quality=quality,
+            mix=mix,
         )
         run_sparsify_report(opts)
 

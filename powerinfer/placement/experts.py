@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from powerinfer import quant
+from powerinfer import quant, stamps
 from powerinfer.errors import InputError, PlacementError
 from powerinfer.gguf.constants import TensorNames
 from powerinfer.gguf.reader import GGUFFile
@@ -177,6 +177,7 @@ def load_router_predictor(
     try:
         with np.load(path, allow_pickle=False) as z:
             w, b = np.asarray(z["w"], dtype=np.float32), np.asarray(z["b"], dtype=np.float32)
+            stamp = (int(z["format"]), str(z["code"])) if "code" in z.files else (None, None)
         fd = os.open(path, os.O_RDONLY)  # its pages leave the page cache (a memory limit counts them)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
@@ -184,6 +185,8 @@ def load_router_predictor(
             os.close(fd)
     except (OSError, ValueError, KeyError) as e:
         log.warning("%s: unreadable (%s); the next layer's router predicts instead", path, e)
+        return None
+    if not stamp_usable(path, stamps.check("profile", *stamp)):
         return None
     if (
         w.shape != (n_layer - 1, n_expert, n_embd)
@@ -203,6 +206,17 @@ def neuron_bytes(gguf: GGUFFile, bid: int, n_embd: int) -> int:
         info = gguf.tensors[t.format(bid=bid)]
         total += quant.pool_bytes(info.ggml_type, (1, int(info.shape[-1])))
     return total
+
+
+def stamp_usable(path: Path, verdict: stamps.Verdict) -> bool:
+    """A profile output's stamp (powerinfer.stamps): another format -> ignored with a warning; other code -> used
+    with a warning (no stamp: made before stamps, or by PowerInfer: used)."""
+    if verdict.changed:
+        log.warning("%s has another format (%s); ignored: profile again", path, verdict.found)
+        return False
+    if verdict.state == "stale":
+        stamps.warn_user_file(str(path), verdict)
+    return True
 
 
 def load_neuron_counts(model_path: Path, n_layer: int, n_expert: int, n_ff: int) -> np.ndarray | None:
@@ -233,6 +247,8 @@ def load_expert_counts(model_path: Path, n_layer: int, n_expert: int) -> np.ndar
         counts = np.asarray(data["expert_counts"], dtype=np.float64)
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("%s: no usable expert counts (%s); experts placed from the last layer down", path, e)
+        return None
+    if not stamp_usable(path, stamps.check_header("profile", data.get("stamp"))):
         return None
     if counts.shape != (n_layer, n_expert) or not np.isfinite(counts).all() or (counts < 0).any():
         log.warning(

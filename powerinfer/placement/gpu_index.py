@@ -2,7 +2,8 @@
 
 Layout, identical to PowerInfer's export_split.py: a PWRI v3 file with the KVs `general.architecture` =
 "generic.gpu_index", `generic.gpu_index.block_count` (u32) and `split.vram_capacity` (u64, the FFN byte
-budget the index was made for), then per layer l the I32 tensors `blk.l.gpu_idx` [n_ff] (1 = on GPU) at
+budget the index was made for), our version stamp (powerinfer.stamps, kind "gpu_index": an index of another
+format or code is regenerated, with one log line; PowerInfer's own files have none and are used), then per layer l the I32 tensors `blk.l.gpu_idx` [n_ff] (1 = on GPU) at
 position 2l and `blk.l.gpu_bucket` [k_l] (sorted GPU neuron ids) at position 2l+1.
 """
 
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer import stamps
 from powerinfer.errors import FormatError, PowerInferError
 from powerinfer.gguf import GGMLType, GGUFWriter, Keys, TensorNames, ValueType, read_gguf
 from powerinfer.printable import printable
@@ -23,6 +25,7 @@ from powerinfer.printable import printable
 log = logging.getLogger(__name__)
 
 GPU_INDEX_SUFFIX = ".generated.gpuidx"
+KIND = "gpu_index"
 
 
 @dataclass(frozen=True, eq=False)
@@ -162,13 +165,18 @@ def read_gpu_index(
     return GPUIndex(int(capacity), masks, buckets)
 
 
-def write_gpu_index(path: str | os.PathLike[str], index: GPUIndex) -> None:
-    """Write `index` in PowerInfer's format (atomically: temp file, then rename). A FIFO, device or folder at
-    `path` is never replaced: FormatError (GGUFWriter.write), which the pool logs as an uncached index."""
+def write_gpu_index(path: str | os.PathLike[str], index: GPUIndex, stamp: bool = True) -> None:
+    """Write `index` in PowerInfer's format (atomically: temp file, then rename), with our version stamp unless
+    `stamp` is False (then byte for byte what PowerInfer writes). A FIFO, device or folder at `path` is never
+    replaced: FormatError (GGUFWriter.write), which the pool logs as an uncached index."""
     writer = GGUFWriter(path, sparse=True)
     writer.add(Keys.ARCHITECTURE, Keys.GPU_INDEX_ARCH, ValueType.STRING)
     writer.add(Keys.GPU_INDEX_BLOCK_COUNT, index.n_layer, ValueType.UINT32)
     writer.add(Keys.VRAM_CAPACITY, int(index.vram_capacity), ValueType.UINT64)
+    if stamp:
+        (fkey, fmt), (ckey, code) = stamps.gguf_items(KIND)
+        writer.add(fkey, fmt, ValueType.UINT32)
+        writer.add(ckey, code, ValueType.STRING)
     for layer, (mask, bucket) in enumerate(zip(index.gpu_idx, index.gpu_bucket, strict=True)):
         writer.add_tensor(TensorNames.GPU_IDX.format(bid=layer), mask.astype(np.int32), GGMLType.I32)
         writer.add_tensor(TensorNames.GPU_BUCKET.format(bid=layer), bucket.astype(np.int32), GGMLType.I32)
@@ -189,10 +197,18 @@ def load_cached_gpu_index(
     if not Path(path).is_file():
         return None
     try:
-        return read_gpu_index(path, n_layer=n_layer, n_ff=n_ff)
+        index = read_gpu_index(path, n_layer=n_layer, n_ff=n_ff)
+        metadata = read_gguf(path).metadata
     except PowerInferError as e:
         log.warning("ignoring invalid GPU index cache: %s", e)
         return None
+    verdict = stamps.check_gguf(KIND, metadata)
+    if verdict.state in ("stale", "changed"):  # no stamp: PowerInfer's own file, used
+        log.warning(
+            "the GPU index cache %s was made by other code (%s); regenerating it", path, verdict.found
+        )
+        return None
+    return index
 
 
 def gpu_index_matches_budget(index: GPUIndex, vram_capacity: int) -> bool:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from powerinfer import stamps
 from powerinfer.errors import FormatError, PlacementError
 from powerinfer.printable import printable
 
@@ -29,6 +30,7 @@ def load_activation_stats(folder: str | os.PathLike[str], n_layer: int, n_ff: in
     root = Path(folder)
     if not root.is_dir():
         raise PlacementError(f"activation statistics folder {root} does not exist")
+    stamps.check_folder(root, "profile", "activation statistics folder")
     stats: list[np.ndarray] = []
     for layer in range(n_layer):
         path = activation_file(root, layer)

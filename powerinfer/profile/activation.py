@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from powerinfer import stamps
 from powerinfer.errors import InputError
 from powerinfer.gguf.writer import output_problem, write_file_atomically
 from powerinfer.placement.experts import NEURON_COUNTS_FILE
@@ -109,6 +110,7 @@ def write_activation_folder(folder: Path, profile: ActivationProfile) -> Path:
     def write(tmp: Path) -> None:
         for layer, counts in enumerate(profile.counts):
             torch.save(torch.tensor(counts.astype(np.float32)), activation_file(tmp, layer))
+        stamps.write_stamp_file(tmp, "profile")
 
     return write_folder_atomically(folder, write)
 
@@ -194,6 +196,7 @@ def run_profile(
         "corpus": str(opts.corpus),
         "n_ctx": engine.n_ctx,
         **profile.summary(),
+        "stamp": stamps.header("profile"),
     }
     text_out = (json.dumps(summary, indent=1) + "\n").encode()
     write_file_atomically(report, lambda f: f.write(text_out))

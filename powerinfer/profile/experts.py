@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from powerinfer import stamps
 from powerinfer.gguf.writer import write_file_atomically
 from powerinfer.model.moe import MoEFFN
 from powerinfer.profile.collect import Progress, run_windows
@@ -89,6 +90,6 @@ def write_neuron_counts(path: Path, counts: np.ndarray) -> Path:
 
 
 def write_expert_report(path: Path, summary: dict[str, object]) -> Path:
-    data = (json.dumps(summary, indent=1) + "\n").encode()
+    data = (json.dumps({**summary, "stamp": stamps.header("profile")}, indent=1) + "\n").encode()
     write_file_atomically(path, lambda f: f.write(data))
     return path

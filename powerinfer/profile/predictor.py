@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from powerinfer import stamps
 from powerinfer.errors import InputError
 from powerinfer.profile.collect import (
     LayerSamples,
@@ -253,6 +254,7 @@ def write_predictor_folder(folder: Path, predictors: PredictorSet) -> Path:
             half = [w.to(torch.float16).contiguous() for w in (w1, w2)]
             torch.save({"fc1.weight": half[0], "fc2.weight": half[1]}, tmp / f"model_{layer}.pt")
         (tmp / "config.json").write_text(json.dumps({"sparse_threshold": predictors.threshold}) + "\n")
+        stamps.write_stamp_file(tmp, "profile")
 
     return write_folder_atomically(folder, write)
 
@@ -260,6 +262,7 @@ def write_predictor_folder(folder: Path, predictors: PredictorSet) -> Path:
 def load_predictor_folder(folder: Path) -> PredictorSet:
     """Read a predictor folder (model_<N>.pt for N = 0.. and optional config.json)."""
     folder = Path(folder)
+    stamps.check_folder(folder, "profile", "predictor folder")
     fc1, fc2 = [], []
     layer = 0
     while (folder / f"model_{layer}.pt").is_file():

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from powerinfer import ops, quant
+from powerinfer import ops, quant, stamps
 from powerinfer.errors import InputError
 from powerinfer.gguf.writer import write_file_atomically
 from powerinfer.placement.experts import ROUTER_PREDICTOR_FILE
@@ -169,7 +169,14 @@ def ffns_norm_ratio(engine: Engine, bid: int) -> torch.Tensor:
 def write_router_predictors(folder: Path, p: RouterPredictors) -> Path:
     """router_predictor.npz (and router_predictor.json, the report) in `folder`, each written atomically."""
     buf = io.BytesIO()
-    np.savez(buf, w=p.w.astype(np.float32), b=p.b.astype(np.float32))
+    stamp = stamps.header("profile")
+    np.savez(
+        buf,
+        w=p.w.astype(np.float32),
+        b=p.b.astype(np.float32),
+        format=np.int64(stamp["format"]),  # type: ignore[call-overload]
+        code=np.array(stamp["code"]),
+    )
     data = buf.getvalue()
     path = folder / ROUTER_PREDICTOR_FILE
     write_file_atomically(path, lambda f: f.write(data))

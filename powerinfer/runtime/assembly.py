@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from powerinfer import ops
+from powerinfer import ops, stamps
 from powerinfer.arch import RopeOverrides, build_model, load_config
 from powerinfer.device.span import SpanMaker
-from powerinfer.errors import ConfigError, InputError, PlacementError
+from powerinfer.errors import ConfigError, FormatError, InputError, PlacementError
+from powerinfer.gguf.constants import Keys
 from powerinfer.gguf.reader import GGUFFile, in_memory, read_gguf, tensor_bytes_total
 from powerinfer.model.config import ModelConfig
 from powerinfer.model.moe import MoEFFN
@@ -178,6 +179,19 @@ class AssembledModel:
         return torch.device(self.plan.device) if self.plan.device is not None else None
 
 
+def check_stamp(gguf: GGUFFile) -> None:
+    """A file our sparsify made (it has Keys.SPARSITY_METHOD): FormatError where its version stamp says another
+    format, one warning where other code made it (powerinfer.stamps); other files are not ours to judge."""
+    if Keys.SPARSITY_METHOD not in gguf.metadata:
+        return
+    verdict = stamps.check_gguf("sparse", gguf.metadata)
+    if verdict.changed:
+        raise FormatError(
+            f"{gguf.path}: a sparse file of another format ({verdict.found}): sparsify it again"
+        )
+    stamps.warn_user_file(f"the sparse file {gguf.path}", verdict)
+
+
 def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None = None) -> AssembledModel:
     """Read, plan and build the model of `model_path` as `options` say (the KV cache and steps: Engine)."""
     o = options or EngineOptions()
@@ -190,6 +204,7 @@ def assemble(model_path: str | os.PathLike[str], options: EngineOptions | None =
         if name not in KV_TYPES:
             raise InputError(f"{flag} {name!r} is not a KV cache type: choose one of {', '.join(KV_TYPES)}")
     gguf = read_gguf(model_path)
+    check_stamp(gguf)
     c = load_config(gguf, o.rope)
     stage: Stage | None = None
     if o.pipeline is not None:  # this rank's layers only: a view of the file with n_layer of them

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +53,7 @@ from powerinfer.runtime.kv_cache import KVCache, kv_report
 from powerinfer.runtime.threads import ThreadGovernor
 from powerinfer.runtime.timings import Timings
 from powerinfer.sampling import Sampler
+from powerinfer.texts import calibration_mix
 
 if TYPE_CHECKING:
     from powerinfer.runtime.pipeline import Pipeline
@@ -61,7 +62,7 @@ __all__ = ["AssembledModel", "Engine", "EngineOptions", "assemble", "kernel_cont
 
 log = logging.getLogger(__name__)
 
-# the text a screen for --sparse-head is calibrated on when the file has none
+# the packaged docstrings text (one of the calibration mix's kinds, powerinfer.texts)
 CALIBRATION_TEXT = Path(__file__).resolve().parents[1] / "data" / "calibration.txt"
 
 
@@ -162,15 +163,11 @@ class Engine:
             head_cache.save(self.model_path, screen)
         return screen
 
-    def calibrated_screen(self, output: ops.QWeight) -> HeadScreen:
-        """A screen from this model's hidden states over the packaged calibration text."""
-        ids = self.tokenizer.encode(CALIBRATION_TEXT.read_text(encoding="utf-8"))
-        window = max(16, min(512, self.n_ctx))
-        hidden = [
-            self.hidden_states(0, ids[i : i + window]) for i in range(0, min(len(ids), SCREEN_TOKENS), window)
-        ]
-        self.free(0)
-        return build_head_screen(output, torch.cat(hidden))
+    def calibrated_screen(self, output: ops.QWeight, texts: Sequence[str] = ()) -> HeadScreen:
+        """A screen from this model's hidden states over `texts` and the packaged calibration mix (powerinfer.texts),
+        an equal share of SCREEN_TOKENS from each."""
+        mix = [text for _, text in calibration_mix()]
+        return build_head_screen(output, head_cache.screen_hidden(self, [*texts, *mix], SCREEN_TOKENS))
 
     # ------------------------------------------------------------------ forward
     @property

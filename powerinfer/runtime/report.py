@@ -145,8 +145,9 @@ def head_report(m: AssembledModel) -> list[str]:
     stats = head.stats
     return [
         f"head: sparse (screen of rank {head.proj.shape[0]}, {head.n_candidates} exact candidates), "
-        f"of {stats.tokens} tokens {stats.widened / stats.tokens:.1%} widened (mean "
-        f"{stats.extra_rows / max(1, stats.widened):.0f} rows more), {stats.fallbacks / stats.tokens:.1%} "
+        f"of {stats.tokens} tokens {stats.spread / stats.tokens:.1%} widened for their spread probability, "
+        f"{stats.widened / stats.tokens:.1%} for their margin (mean "
+        f"{stats.extra_rows / max(1, stats.widened + stats.spread):.0f} rows more), {stats.fallbacks / stats.tokens:.1%} "
         "computed whole; "
         f"~{head_read_bytes(m) / 2**20:.1f} MiB read per token (whole head: "
         f"{head.output.raw.numel() / 2**20:.1f} MiB)"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from powerinfer import stamps
 from powerinfer.errors import FormatError, InputError
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ def save_session(path: Path, engine: Engine, tokens: list[int]) -> None:
         "version": SESSION_VERSION,
         "model": ident.model,
         "mode": ident.mode,
+        "stamp": stamps.header("session"),
         "tokens": torch.tensor(tokens, dtype=torch.int64),
         "keys": keys,
         "values": values,
@@ -195,6 +197,10 @@ def load_session(path: Path, engine: Engine) -> list[int]:
         raise FormatError("not a powerinfer session file")
     if state.get("version") != SESSION_VERSION:
         raise FormatError(f"session format version {state.get('version')!r}, expected {SESSION_VERSION}")
+    verdict = stamps.check_header("session", state.get("stamp"))
+    if verdict.changed:
+        raise FormatError(f"it was saved in another session format ({verdict.found})")
+    stamps.warn_user_file(f"session file {path}", verdict)
     if state.get("model") != ident.model:
         raise FormatError("it was saved with another model file")
     if state.get("mode") != ident.mode:

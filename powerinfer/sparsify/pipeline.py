@@ -15,7 +15,7 @@ from powerinfer.errors import ConfigError, InputError
 from powerinfer.gguf import GGMLType, read_gguf
 from powerinfer.gguf.constants import TensorNames
 from powerinfer.model.blocks import Head
-from powerinfer.model.head import SCREEN_TOKENS, HeadScreen, build_head_screen, screen_pays
+from powerinfer.model.head import HeadScreen, screen_pays
 from powerinfer.model.moe import MoEFFN
 from powerinfer.ops.weights import QWeight
 from powerinfer.printable import printable
@@ -43,6 +43,7 @@ from powerinfer.sparsify.calibrate import (
     up_scales,
 )
 from powerinfer.sparsify.moe import MIN_EXPERT_TOKENS, expert_layer_threshold, moe_ffn
+from powerinfer.sparsify.quality import TextQuality, measure, split_held_out
 from powerinfer.sparsify.teal import INPUTS, calibrate_teal, teal_blocks, teal_thresholds, unit_weights
 from powerinfer.sparsify.teal import error_curves as teal_error_curves
 from powerinfer.sparsify.write import (
@@ -52,6 +53,7 @@ from powerinfer.sparsify.write import (
     write_sparse_gguf,
     write_teal_gguf,
 )
+from powerinfer.texts import calibration_mix
 
 METHODS = ("cats", "teal", "predictor")
 ALLOCATIONS = ("greedy", "uniform")
@@ -80,6 +82,11 @@ class SparsifyOptions:
     max_tokens: int = 4096  # calibration tokens used (0 = the whole file)
     down_type: str | None = None  # ffn_down_t's ggml type name (None: write.transposed_type's choice)
     sparse_head: bool = True  # also write the output head's screen (model.head), where it pays
+    # also calibrate the thresholds on the packaged mix (calibration_windows), for thresholds that transfer
+    mix: bool = False
+    quality: bool = (
+        False  # score the output against the input on held-out texts (sparsify.quality; the CLI's default)
+    )
 
 
 @dataclass
@@ -106,6 +113,7 @@ class SparsifyResult:
     method: str = "cats"
     # TEAL: per layer, the share of the calibration inputs above each input's threshold (columns: teal.INPUTS)
     input_kept: np.ndarray | None = None
+    quality: list[TextQuality] = field(default_factory=list)
 
     def summary(self) -> dict[str, object]:
         """The JSON line the command prints."""
@@ -130,6 +138,7 @@ class SparsifyResult:
             "head_screen_rank": self.head_screen_rank,
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
             **({} if self.fallback_experts is None else {"fallback_experts": self.fallback_experts}),
+            **({"quality": {q.name: q.summary() for q in self.quality}} if self.quality else {}),
             **(
                 {}
                 if self.input_kept is None
@@ -201,18 +210,30 @@ def check_input(opts: SparsifyOptions) -> None:
         )
 
 
-def calibration_windows(engine: Engine, text: str, max_tokens: int) -> list[list[int]]:
-    """The calibration text as windows of the engine's context; InputError below MIN_TOKENS tokens."""
+def calibration_windows(
+    engine: Engine, text: str, max_tokens: int, mix: bool = False
+) -> tuple[list[list[int]], list[int]]:
+    """The calibration text as windows of the engine's context, and the slice of it held out for scoring
+    (sparsify.quality.split_held_out); InputError below MIN_TOKENS tokens. With `mix`, the text gives at most half
+    of max_tokens and the packaged calibration mix (powerinfer.texts) as many tokens again, an equal share from
+    each of its kinds."""
     ids = tokenize_corpus(engine, text)
     n_all = len(ids)
-    if max_tokens > 0:
-        ids = ids[:max_tokens]
+    budget = max_tokens // 2 if mix and max_tokens > 0 else max_tokens
+    ids, held_out = split_held_out(ids, budget, engine.n_ctx, MIN_TOKENS)
     if len(ids) < MIN_TOKENS:
         limit = f" (--max-tokens {max_tokens})" if len(ids) < n_all else ""
         raise InputError(
             f"calibration text too short: {len(ids)} tokens{limit}, sparsify needs at least {MIN_TOKENS}"
         )
-    return make_windows(ids, engine.n_ctx, engine.tokenizer.bos_id)
+    bos = engine.tokenizer.bos_id
+    windows = make_windows(ids, engine.n_ctx, bos)
+    if mix:
+        kinds = calibration_mix()
+        share = max(1, len(ids) // len(kinds))
+        for _, mix_text in kinds:
+            windows += make_windows(tokenize_corpus(engine, mix_text)[:share], engine.n_ctx, bos)
+    return windows, held_out
 
 
 def error_curves(
@@ -247,20 +268,14 @@ def error_curves(
     return curves, scales, out_scales
 
 
-def head_screen(engine: Engine, windows: list[list[int]]) -> HeadScreen | None:
-    """The output head's screen from the calibration windows' final hidden states (up to SCREEN_TOKENS), or
-    None where the model's head is too small for one to pay."""
+def head_screen(engine: Engine, text: str) -> HeadScreen | None:
+    """The output head's screen from final hidden states over the calibration text and the packaged mix (an equal
+    share of SCREEN_TOKENS each: Engine.calibrated_screen), or None where the model's head is too small for one to
+    pay."""
     head = engine.model.head
     if not isinstance(head, Head) or not isinstance(head.output, QWeight) or not screen_pays(head.output):
         return None
-    hidden, n = [], 0
-    for window in windows:
-        if n >= SCREEN_TOKENS:
-            break
-        hidden.append(engine.hidden_states(0, window))
-        n += len(window)
-    engine.free(0)
-    return build_head_screen(head.output, torch.cat(hidden))
+    return engine.calibrated_screen(head.output, [text])
 
 
 def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -> SparsifyResult:
@@ -296,9 +311,9 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             moe_ffn(engine, bid)  # refuse ReGLU experts before the calibration
         if opts.allocation != "uniform":
             raise InputError("--allocation greedy is not built for MoE files: use uniform")
-    windows = calibration_windows(engine, text, opts.max_tokens)
+    windows, held_out = calibration_windows(engine, text, opts.max_tokens, opts.mix)
     if opts.method == "teal":
-        return sparsify_teal(opts, engine, windows, t0, progress)
+        return with_quality(opts, sparsify_teal(opts, engine, windows, text, t0, progress), held_out, engine)
     calib = calibrate(engine, windows, report("calibrate"))
     t1 = time.perf_counter()
     if moe:
@@ -331,7 +346,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             progress("threshold", bid + 1, c.n_layer)
     n_tokens, n_kept = calib.n_tokens, calib.n_kept
     del calib
-    screen = head_screen(engine, windows) if opts.sparse_head else None
+    screen = head_screen(engine, text) if opts.sparse_head else None
     t3 = time.perf_counter()
 
     thresholds = np.array([lt.threshold for lt in layers], dtype=np.float64)
@@ -364,7 +379,7 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
         out.unlink(missing_ok=True)
         raise
     t4 = time.perf_counter()
-    return SparsifyResult(
+    result = SparsifyResult(
         output=out,
         activation=folder,
         target=opts.sparsity,
@@ -387,6 +402,20 @@ def run_sparsify(opts: SparsifyOptions, progress: StageProgress | None = None) -
             "write": t4 - t3,
         },
     )
+    return with_quality(opts, result, held_out, engine)
+
+
+def with_quality(
+    opts: SparsifyOptions, result: SparsifyResult, held_out: list[int], engine: Engine
+) -> SparsifyResult:
+    """The result with the output's quality against the input (sparsify.quality) where opts.quality asks."""
+    if not opts.quality:
+        return result
+    n_ctx = engine.n_ctx
+    t = time.perf_counter()
+    result.quality = measure(result.output, Path(opts.model), held_out, n_ctx, opts.n_threads)
+    result.seconds["quality"] = time.perf_counter() - t
+    return result
 
 
 def sparsify_moe(
@@ -448,6 +477,7 @@ def sparsify_teal(
     opts: SparsifyOptions,
     engine: Engine,
     windows: list[list[int]],
+    text: str,
     t0: float,
     progress: StageProgress | None = None,
 ) -> SparsifyResult:
@@ -479,7 +509,7 @@ def sparsify_teal(
     n_tokens = calib.n_tokens
     n_kept = int(calib.values[0]["attn"].shape[0])
     del calib
-    screen = head_screen(engine, windows) if opts.sparse_head else None
+    screen = head_screen(engine, text) if opts.sparse_head else None
     t2 = time.perf_counter()
     out = Path(opts.output)
     types = write_teal_gguf(

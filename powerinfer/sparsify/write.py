@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from powerinfer import stamps
 from powerinfer.errors import FormatError
 from powerinfer.gguf import GGMLType, GGUFWriter
 from powerinfer.gguf.constants import GGUF_DEFAULT_ALIGNMENT, QUANT_SIZES, Keys, TensorNames, ValueType
@@ -118,10 +119,11 @@ def write_sparse_gguf(
     output head's screen). down_type: ffn_down_t's type (None: transposed_type's choice).
     """
     writer = GGUFWriter(path, sparse=True, alignment=model.alignment)
-    skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
+    skip = {ACTIVATION_KEY, *SPARSITY_KEYS, stamps.KEY_FORMAT, stamps.KEY_CODE}
     if model.alignment != GGUF_DEFAULT_ALIGNMENT:
         skip.add(Keys.ALIGNMENT)  # the writer adds it
     model.copy_metadata(writer, frozenset(skip))
+    add_stamp(writer, "sparse")
     writer.add(ACTIVATION_KEY, activation, ValueType.STRING)
     writer.add(SPARSITY_METHOD_KEY, "cats", ValueType.STRING)
     writer.add(SPARSITY_TARGET_KEY, float(target), ValueType.FLOAT32)
@@ -186,10 +188,11 @@ def write_teal_gguf(
     (transposed_type), followed by its input threshold `X.input_threshold` (F32 (1,)); every other tensor as
     stored. Returns the type each transpose was written in; progress(done, total) counts the matrices."""
     writer = GGUFWriter(path, sparse=True, alignment=model.alignment)
-    skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
+    skip = {ACTIVATION_KEY, *SPARSITY_KEYS, stamps.KEY_FORMAT, stamps.KEY_CODE}
     if model.alignment != GGUF_DEFAULT_ALIGNMENT:
         skip.add(Keys.ALIGNMENT)
     model.copy_metadata(writer, frozenset(skip))
+    add_stamp(writer, "sparse")
     writer.add(ACTIVATION_KEY, activation, ValueType.STRING)
     writer.add(SPARSITY_METHOD_KEY, "teal", ValueType.STRING)
     writer.add(SPARSITY_TARGET_KEY, float(target), ValueType.FLOAT32)
@@ -246,18 +249,32 @@ def write_activation_folder(folder: Path, counts: list[np.ndarray]) -> Path:
     def write(tmp: Path) -> None:
         for layer, c in enumerate(counts):
             torch.save(torch.tensor(np.asarray(c, dtype=np.float32)), activation_file(tmp, layer))
+        stamps.write_stamp_file(tmp, "profile")
 
     return write_folder_atomically(folder, write)
 
 
+def add_stamp(writer: GGUFWriter, kind: str) -> None:
+    """The version stamp of the code writing a `kind` file (powerinfer.stamps)."""
+    (fkey, fmt), (ckey, code) = stamps.gguf_items(kind)
+    writer.add(fkey, fmt, ValueType.UINT32)
+    writer.add(ckey, code, ValueType.STRING)
+
+
 def write_copy(
-    model: GGUFFile, path: Path, extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]]
+    model: GGUFFile,
+    path: Path,
+    extra: list[tuple[str, np.ndarray, GGMLType, tuple[int, int]]],
+    kind: str = "default_model",
 ) -> None:
     """`model`'s metadata and tensors as stored, then `extra` (name, raw, type, shape) tensors, to `path` (temp
-    file, renamed into place): a dense file with its head's screen."""
+    file, renamed into place): a dense file with its head's screen, stamped as a `kind` file."""
     writer = GGUFWriter(path, sparse=model.is_sparse, alignment=model.alignment)
-    skip = set() if model.alignment == GGUF_DEFAULT_ALIGNMENT else {Keys.ALIGNMENT}
+    skip = {stamps.KEY_FORMAT, stamps.KEY_CODE}
+    if model.alignment != GGUF_DEFAULT_ALIGNMENT:
+        skip.add(Keys.ALIGNMENT)
     model.copy_metadata(writer, frozenset(skip))
+    add_stamp(writer, kind)
     for t in model.tensors.values():
         writer.add_tensor(t.name, t.data, t.ggml_type, t.shape)
     _add_extra(writer, model, extra)
@@ -281,10 +298,11 @@ def write_moe_gguf(
     n_expert, n_ff) flattened layer-major: the engine's per-neuron thresholds on |act(gate u)| of every expert.
     """
     writer = GGUFWriter(path, sparse=False, alignment=model.alignment)
-    skip = {ACTIVATION_KEY, *SPARSITY_KEYS}
+    skip = {ACTIVATION_KEY, *SPARSITY_KEYS, stamps.KEY_FORMAT, stamps.KEY_CODE}
     if model.alignment != GGUF_DEFAULT_ALIGNMENT:
         skip.add(Keys.ALIGNMENT)
     model.copy_metadata(writer, frozenset(skip))
+    add_stamp(writer, "sparse")
     writer.add(SPARSITY_METHOD_KEY, "cats", ValueType.STRING)
     writer.add(SPARSITY_TARGET_KEY, float(target), ValueType.FLOAT32)
     writer.add(SPARSITY_THRESHOLDS_KEY, np.asarray(thresholds, dtype=np.float32), ValueType.ARRAY)
