@@ -308,7 +308,9 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
     if (N < 0 || T < 0 || K < 0) return PI_ERR_SHAPE;
     if (N == 0 || T == 0) return PI_OK;
     const int32_t nt = threads_for_work(n_threads, N * K * T);
-    /* dense rows are not prefetched here: pi_matmul_<type> sends single tokens to matvec_dot (prefetching) */
+    /* dense rows are prefetched MATVEC_AHEAD_BYTES ahead on the first token tile (a few tokens, such as a
+     * speculative step's, read each row once from DRAM: without it they read at about half the one-token rate) */
+    const int64_t ahead = rows == NULL ? matvec_rows_ahead(row_bytes) : 0;
 #pragma omp parallel for num_threads(nt) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += TILE_N) {
         const int64_t n1 = min_i64(n0 + TILE_N, N);
@@ -318,6 +320,8 @@ static inline int32_t matmul_float_tiled(int64_t row_bytes, tile_float_fn tile, 
                 float out[TILE_TQ > TILE_T ? TILE_TQ : TILE_T];
                 if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
                     prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+                } else if (ahead > 0 && t0 == 0 && n + ahead < N) {
+                    prefetch_bytes(w + (n + ahead) * w_stride, row_bytes);
                 }
                 tile(w + row_of(rows, n) * w_stride, K, x + t0 * x_stride, x_stride, ntok, out);
                 for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
@@ -341,11 +345,14 @@ int32_t matmul_float_rows(const matmul_table *table, int64_t row_bytes, tile_flo
  * chunks -10%, 4 KB and whole rows -15%; copying the chunks into a contiguous panel: no gain. */
 #define FLOAT_CHUNK_BYTES 2048
 #define FLOAT_BLOCK_ROWS 16
+/* fewer tokens take the row tiles (each row streamed once per TILE_T tokens, prefetched): a speculative step of a
+ * few tokens then costs about one token's weight reads, where the quads' chunked blocks read at about half the rate */
+#define FLOAT_QUADS_MIN_T 8
 static int32_t matmul_float_quads(tile_float4_fn tile4, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
                                   int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
                                   int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
     const int64_t elem = K > 0 ? row_bytes / K : 0; /* 2 or 4 bytes; 0 for rows of unknown size */
-    if (tile4 == NULL || T < 2 || elem <= 0 || N < 4)
+    if (tile4 == NULL || T < FLOAT_QUADS_MIN_T || elem <= 0 || N < 4)
         return matmul_float_tiled(row_bytes, tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride,
                                   n_threads);
     if (K < 0) return PI_ERR_SHAPE;
