@@ -99,7 +99,7 @@ def run(
     tokens: list[int] = []
     t_first = 0.0
     for t in generate(
-        engine, prompt, Sampler(SamplingParams(temp=0.0, repeat_penalty=repeat_penalty)), n, True, spec
+        engine, prompt, Sampler(SamplingParams(temp=0.0, repeat_penalty=repeat_penalty)), n, True, spec=spec
     ):
         if not tokens:
             t_first = time.perf_counter()

@@ -309,7 +309,7 @@ class Engine:
         n_keep: int | None = None,
     ) -> Iterator[int]:
         """runtime.generate.generate on this engine (n_keep: shift a full context, keeping that many tokens)."""
-        return generate(self, prompt, sampler, n_predict, ignore_eos, n_keep)
+        return generate(self, prompt, sampler, n_predict, ignore_eos, n_keep=n_keep)
 
     # ------------------------------------------------------------------ reports (runtime.report)
     def head_read_bytes(self) -> int:

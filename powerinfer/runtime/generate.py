@@ -285,6 +285,7 @@ def generate(
     sampler: Sampler,
     n_predict: int = -1,
     ignore_eos: bool = False,
+    *,
     n_keep: int | None = None,
     spec: Speculator | None = None,
 ) -> Iterator[int]:
