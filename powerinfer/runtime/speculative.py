@@ -28,6 +28,7 @@ import torch
 
 from powerinfer.errors import InputError
 from powerinfer.printable import printable
+from powerinfer.runtime.session import common_prefix
 from powerinfer.sampling import apply_penalties
 
 if TYPE_CHECKING:
@@ -87,15 +88,6 @@ class Drafter(Protocol):
     """Proposes drafts for sequences; `limits[i]`: at most that many tokens for seqs[i]."""
 
     def draft(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]: ...
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class ModelDrafter:
