@@ -651,7 +651,7 @@ def test_kernels_refuse_inconsistent_arguments():
 
     def attend(pos: int, q_ptr: int | None) -> int:
         return lib.attn_decode(
-            q_ptr, k.data_ptr(), k.data_ptr(), rope.data_ptr(), cache.data_ptr(), cache.data_ptr(), n_ctx, pos,
+            q_ptr, k.data_ptr(), k.data_ptr(), rope.data_ptr(), cache.data_ptr(), cache.data_ptr(), 0, 0, n_ctx, pos,
             H, H, D, 1.0, y1.data_ptr(), ascratch.data_ptr(), ascratch.numel(), 0, 1, 0,
         )  # fmt: skip
 

@@ -182,7 +182,8 @@ def test_file_keeps_the_input_tensors(files):
         assert np.array_equal(t.data, cats.tensors[name].data), name
     added = set(cats.metadata) - set(dense.metadata)
     assert Keys.SPARSITY_EXPERT_THRESHOLDS in added and all(
-        k.startswith("powerinfer.sparsity.") for k in added
+        k.startswith(("powerinfer.sparsity.", "powerinfer.stamp."))
+        for k in added  # and our version stamp
     )
     assert cats.metadata[Keys.SPARSITY_EXPERT_THRESHOLDS].shape == (2 * 8 * 32,)
 

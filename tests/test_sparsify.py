@@ -389,8 +389,8 @@ def test_bad_input(tiny, tmp_path: Path, monkeypatch):
 
     load = assembly_module.load_config
 
-    def ungated(gguf):
-        c = load(gguf)
+    def ungated(gguf, rope=None):
+        c = load(gguf, rope)
         return dataclasses.replace(c, ffn=dataclasses.replace(c.ffn, gated=False))
 
     monkeypatch.setattr(assembly_module, "load_config", ungated)

@@ -38,6 +38,11 @@ REGISTRIES = {
     # the per-ISA traits tables that register each type's kernels
     "kernels/cpu/matmul_types.h",
     "kernels/cpu/matmul_q8k_types.h",
+    # the KV cache's row formats (-ctk / -ctv: llama.cpp's names and blocks): their encoders and decoders
+    "powerinfer/ops/kv_types.py",
+    "kernels/cpu/attention.c",
+    "kernels/cpu/attention.h",
+    "kernels/cpu/attention_body.h",
 }
 # the bundled model's file name is a name, not a type fact: the one literal allowed outside the registries
 LITERALS_ALLOWED = {"powerinfer/sparsify/default.py": "SmolLM2-135M-Instruct.Q4_1.gguf"}

@@ -29,6 +29,7 @@ from powerinfer.app.console import resolve_model
 from powerinfer.errors import InputError
 from powerinfer.placement.requests import n_cpu_moe, resolve_device, resolve_vram_budget
 from powerinfer.printable import printable
+from powerinfer.quant.types import KV_CACHE_TYPES
 from powerinfer.runtime.defaults import DEFAULT_ACT_PRECISION as ENGINE_DEFAULT_ACT_PRECISION
 from powerinfer.runtime.speculative import SpecOptions
 from powerinfer.sampling import SamplingParams
@@ -239,7 +240,7 @@ YarnBetaSlowOpt = Annotated[
 
 # ---- KV cache types (-ctk / -ctv, llama.cpp's names; ops.kv_types) --------------------------------------------------
 # plain strings checked in EngineArgs.options, so a bad value is one error line (exit 1) like every other option
-KV_TYPE_NAMES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # ops.kv_types.KV_TYPES (no torch import here)
+KV_TYPE_NAMES = KV_CACHE_TYPES  # ops.kv_types.KV_TYPES (no torch import here)
 DEFAULT_CACHE_TYPE = (
     "f32"  # runtime.kv_cache.DEFAULT_KV_TYPE; docs/generation.md says why not llama.cpp's f16
 )
@@ -248,7 +249,7 @@ CacheTypeKOpt = Annotated[
     typer.Option(
         "-ctk",
         "--cache-type-k",
-        help=f"KV cache type of the keys: {', '.join(KV_TYPE_NAMES)} (q8_0 / q4_0: ggml's blocks of 32).",
+        help=f"KV cache type of the keys: {', '.join(KV_TYPE_NAMES)} (the last two: ggml's blocks of 32).",
     ),
 ]
 CacheTypeVOpt = Annotated[

@@ -34,7 +34,7 @@ from powerinfer.ops.weights import QWeight
 from powerinfer.quant import dequantize, quantize
 from powerinfer.quant.types import SPARSE_HEAD_PROJ_TYPE, SPARSE_HEAD_SCREEN_TYPE
 
-# candidates computed exactly per token; 2048 rows of SmolLM2's Q8_0 head are 1.2 MiB against the screen's 6.75
+# candidates computed exactly per token; 2048 rows of SmolLM2's 8-bit head are 1.2 MiB against the screen's 6.75
 # (1024 had KL divergence 0.013-0.018 against the whole head on held-out prose, code docs and dialogue, 2048 0.006-0.009)
 HEAD_CANDIDATES = 2048
 # a token whose estimated probability outside its candidates (screen values there) exceeds this gets WIDEN_FACTOR

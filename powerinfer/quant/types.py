@@ -220,3 +220,7 @@ def guess_ftype(tensor_types: Iterable[GGMLType]) -> int:
             top, top_n = t, counts[t]
     row = TYPES.get(top)
     return (row.ftype if row is not None and row.ftype is not None else 0) | FTYPE_GUESSED
+
+
+# the KV cache's row types (-ctk / -ctv values, llama.cpp's names; their layouts: ops.kv_types)
+KV_CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")

@@ -19,12 +19,28 @@ from powerinfer.errors import InputError
 
 if TYPE_CHECKING:
     from powerinfer.model.transformer import Transformer
-    from powerinfer.runtime.generate import Sequence
     from powerinfer.runtime.kv_cache import KVCache, Rotation
 
 log = logging.getLogger(__name__)
 
 STOP_DISABLED = "context full and context shift is disabled => stopping"  # llama.cpp main's words
+
+
+class ShiftParams(Protocol):
+    """What a context shift reads of a sequence's parameters (runtime.generate.GenParams)."""
+
+    context_shift: bool
+    n_keep: int
+
+
+class ShiftSequence(Protocol):
+    """What a context shift uses of a sequence (runtime.generate.Sequence; a protocol, so that this module does
+    not import the loop that imports it)."""
+
+    slot: int
+    params: ShiftParams
+    history: list[int]
+    shifts: list[tuple[int, int]]
 
 
 class ShiftEngine(Protocol):
@@ -73,7 +89,7 @@ def check_keep(n_keep: int, n_ctx: int) -> None:
         )
 
 
-def make_room(engine: ShiftEngine, seq: Sequence) -> bool:
+def make_room(engine: ShiftEngine, seq: ShiftSequence) -> bool:
     """The loop's hook after a token is sampled: whether `seq` may go on. A sequence whose next token has no free
     position (llama.cpp: n_past + 1 >= n_ctx) is shifted when its params allow it (GenParams.context_shift):
     n_keep tokens kept, n_discard = (n_past - n_keep) / 2 dropped, recorded in seq.shifts."""
@@ -99,7 +115,7 @@ def make_room(engine: ShiftEngine, seq: Sequence) -> bool:
     return True
 
 
-def held_tokens(seq: Sequence) -> list[int]:
+def held_tokens(seq: ShiftSequence) -> list[int]:
     """The tokens of seq.history (prompt and generated) that its slot still holds after its shifts (the last of
     them perhaps not evaluated yet)."""
     tokens = seq.history

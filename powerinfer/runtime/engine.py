@@ -102,7 +102,6 @@ class Engine:
             devices=[self.loader.kv_device(bid) for bid in range(c.n_layer)],
             zeroed=[self.plan.device is not None and bid in self.plan.kv_layers for bid in range(c.n_layer)],
         )
-        log.info("%s", kv_report(self.kv, c.n_layer, c.n_embd_gqa))
         self.head_stats: HeadStats | None = None
         self.pipeline: Pipeline | None = None
         self.governor: ThreadGovernor | None = None
@@ -110,6 +109,8 @@ class Engine:
             forward = self._default_forward()
         self.forward: Forward = forward
         self._setup_head(o.sparse_head)
+        # after every refusal of the setup: bad input is one error line, no load lines before it
+        log.info("%s", kv_report(self.kv, c.n_layer, c.n_embd_gqa))
         self.timings = Timings(load_ms=(time.perf_counter() - t0) * 1e3)
 
     def _default_forward(self) -> Forward:

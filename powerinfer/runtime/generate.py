@@ -28,7 +28,6 @@ from powerinfer.tokenizer import StreamDecoder
 if TYPE_CHECKING:
     from powerinfer.model.config import ModelConfig
     from powerinfer.runtime.kv_cache import KVCache
-    from powerinfer.runtime.speculative import Speculator
     from powerinfer.runtime.timings import Timings
     from powerinfer.tokenizer import Tokenizer
 
@@ -50,6 +49,13 @@ class GenerationEngine(Protocol):
     def free(self, seq: int) -> None: ...
 
     def shift(self, seq: int, n_keep: int, n_discard: int) -> None: ...
+
+
+class Speculator(Protocol):
+    """A step that drafts tokens and verifies them in one target step (runtime.speculative.Speculator; a protocol,
+    so that the loop does not import the module that builds on it)."""
+
+    def step(self, gen: Generator, isolate: bool) -> list[Event]: ...
 
 
 @dataclass(frozen=True)

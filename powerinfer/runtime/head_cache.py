@@ -16,7 +16,7 @@ import tempfile
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -25,14 +25,27 @@ from powerinfer import stamps
 from powerinfer.model.head import SCREEN_TOKENS, HeadScreen
 
 if TYPE_CHECKING:
-    from powerinfer.runtime.engine import Engine
+    from powerinfer.tokenizer import Tokenizer
+
+
+class HiddenSource(Protocol):
+    """What calibrating a screen uses of an engine (runtime.engine.Engine; a protocol, so that this module does
+    not import the engine that imports it)."""
+
+    n_ctx: int
+    tokenizer: Tokenizer
+
+    def hidden_states(self, seq: int, tokens: list[int]) -> torch.Tensor: ...
+
+    def free(self, seq: int) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
 KIND = "head_screen"  # its stamps.REVISIONS entry: bumped when the screen's construction changes
 
 
-def screen_hidden(engine: Engine, texts: Sequence[str], n_tokens: int = SCREEN_TOKENS) -> torch.Tensor:
+def screen_hidden(engine: HiddenSource, texts: Sequence[str], n_tokens: int = SCREEN_TOKENS) -> torch.Tensor:
     """Final-normed hidden states (N, n_embd) of about n_tokens calibration tokens, an equal share from each of
     `texts` (its first tokens, in windows of up to 512 tokens after BOS; a text shorter than its share gives what
     it has)."""

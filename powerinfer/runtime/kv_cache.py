@@ -1,5 +1,5 @@
 """Preallocated KV cache: per layer, (n_seq, n_ctx, n_head_kv, head_dim) keys and values on that layer's device,
-each stored in its cache type (-ctk / -ctv: f32, f16, bf16, q8_0, q4_0; ops.kv_types gives the layouts).
+each stored in its cache type (-ctk / -ctv: quant.types.KV_CACHE_TYPES; ops.kv_types gives the layouts).
 
 The cache also keeps each sequence's length (`n_past`): the one place positions live. Every write and read of rows
 outside the attention kernels goes through `KVLayerView.store` / `KVLayerView.rows` (encode / decode), so a new
@@ -31,7 +31,7 @@ def kv_cache_bytes(
     type_v: str = DEFAULT_KV_TYPE,
 ) -> int:
     """Bytes of the keys and values of n_layer layers, n_ctx positions and n_seq sequences (exact integers): per
-    element 4 (f32), 2 (f16, bf16), 34 / 32 (q8_0), 18 / 32 (q4_0)."""
+    element 4 (f32), 2 (f16, bf16), 34 / 32 and 18 / 32 (the 8-bit and 4-bit blocks)."""
     row = kv_type(type_k).row_bytes(n_embd_gqa) + kv_type(type_v).row_bytes(n_embd_gqa)
     return n_layer * n_ctx * row * n_seq
 
