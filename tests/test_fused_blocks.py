@@ -221,3 +221,33 @@ def test_logits_do_not_depend_on_the_batch_split(mixed_files, name, act):
             for lo, hi in zip(bounds, bounds[1:], strict=False):
                 last = engine.eval(prompt[lo:hi])[-1].clone()
             assert torch.equal(whole, last), (name, act, threads, cuts)
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "name", ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q2_K", "Q3_K_M", "Q4_K_M"]
+)
+def test_a_few_tokens_through_the_stack_equal_each_token_alone(mixed_files, name, act):
+    """A speculative step's few tokens of one sequence go through the decode stack in one call
+    (DecodeStack.tokens: the products over all of them, attention and norms per token): every token's logits are
+    the bits of the same tokens decoded one at a time, at 1 and 2 threads, for runs of 2, 5 and 17 tokens, after
+    a prompt, with the f32 cache and a q8_0 one."""
+    for threads, cache in ((1, "f32"), (2, "f32"), (2, "q8_0")):
+        engine = Engine(
+            mixed_files[name],
+            EngineOptions(
+                n_ctx=32, n_threads=threads, act_precision=act, cache_type_k=cache, cache_type_v=cache
+            ),
+        )
+        stack = engine.model.stack_for(engine.kv, 0)
+        assert stack is not None and stack.takes_tokens
+        for n in (2, 5, 17):
+            run = [(3 * i + n) % 29 + 2 for i in range(n)]
+            engine.reset()
+            engine.eval(PROMPT)
+            start = len(PROMPT)
+            together = engine.step([0] * n, run, list(range(start, start + n)), all_logits=True).clone()
+            engine.keep(0, start)
+            alone = torch.stack([engine.step([0], [t], [start + i])[0] for i, t in enumerate(run)])
+            assert torch.equal(together, alone), (name, act, threads, cache, n)
+            assert together.abs().max() > 0

@@ -628,3 +628,149 @@ PI_EXPORT int32_t pi_decode_stack(const pi_stack_layer *layers, int64_t n_layers
     }
     return PI_OK;
 }
+
+/* ---- a few tokens of one sequence through the stack (a speculative step's) ------------------------------------- */
+
+/* pi_matmul_<type> (matmul.c): the product each matrix of the stack has op by op, in the precision of the call */
+typedef int32_t (*stack_matmul_fn)(const uint8_t *w, int64_t w_stride, int64_t N, int64_t K, const float *x,
+                                   int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads,
+                                   int32_t isa);
+
+/* A dense layer's products for several tokens: the pi_matmul_<type> function of each matrix. The ctypes mirror is
+ * powerinfer/ops/layer.py. */
+typedef struct {
+    const void *q, *k, *v, *o, *gate, *up, *down;
+} pi_stack_matmuls;
+
+/* the sizes of one layer of the stack, for the scratch of T tokens */
+static size_t stack_tokens_scratch(const pi_stack_layer *L, int64_t T) {
+    const pi_attn_block_desc *a = L->attn;
+    const pi_ffn_block_desc *f = (const pi_ffn_block_desc *)L->ffn;
+    const int64_t E = a->n_embd, n_q = a->n_head * a->head_dim, n_kv = a->n_head_kv * a->head_dim, F = f->n_ff;
+    return 2 * align_up((size_t)(T * E) * 4) + 2 * align_up((size_t)(T * n_q) * 4) +
+           2 * align_up((size_t)(T * n_kv) * 4) + 2 * align_up((size_t)(T * F) * 4) +
+           attn_scores_bytes(L->n_ctx, a->n_head);
+}
+
+static int stack_tokens_layer_ok(const pi_stack_layer *L, const pi_stack_matmuls *m) {
+    if (L->ffn_kind != STACK_FFN_DENSE || L->attn == NULL || L->ffn == NULL || L->rope == NULL) return 0;
+    if (m->q == NULL || m->k == NULL || m->v == NULL || m->o == NULL || m->gate == NULL || m->up == NULL ||
+        m->down == NULL)
+        return 0;
+    const pi_attn_block_desc *a = L->attn;
+    const pi_ffn_block_desc *f = (const pi_ffn_block_desc *)L->ffn;
+    return a->n_embd > 0 && a->n_head > 0 && a->n_head_kv > 0 && a->n_head % a->n_head_kv == 0 && a->head_dim > 0 &&
+           a->head_dim % 2 == 0 && f->n_embd == a->n_embd && f->n_ff > 0 && f->norm != NULL && a->norm != NULL &&
+           f->act >= ACT_RELU && f->act <= ACT_LAST;
+}
+
+/* pi_decode_stack_tokens_scratch_bytes(layers, matmuls, n_layers, T): the scratch pi_decode_stack_tokens needs for T
+ * tokens; -1 where a layer is not a dense one it can run (an attention block and a dense FFN block, every product
+ * given). */
+PI_EXPORT int64_t pi_decode_stack_tokens_scratch_bytes(const pi_stack_layer *layers, const pi_stack_matmuls *matmuls,
+                                                       int64_t n_layers, int64_t T) {
+    if (layers == NULL || matmuls == NULL || n_layers <= 0 || T <= 0) return -1;
+    size_t most = 0;
+    for (int64_t l = 0; l < n_layers; l++) {
+        if (!stack_tokens_layer_ok(&layers[l], &matmuls[l])) return -1;
+        const size_t need = stack_tokens_scratch(&layers[l], T);
+        if (need > most) most = need;
+    }
+    return (int64_t)most;
+}
+
+/* one product of the stack over T tokens: y (T, m->n_rows) = x (T, m->n_cols) . W^T */
+static int32_t stack_product(const void *fn, const pi_mat *m, const float *x, int64_t T, float *y, int32_t n_threads,
+                             int32_t isa) {
+    return ((stack_matmul_fn)fn)(m->w, m->stride, m->n_rows, m->n_cols, x, m->n_cols, T, y, m->n_rows, n_threads, isa);
+}
+
+/* pi_decode_stack_tokens(layers, matmuls, n_layers, x, T, pos, scratch, scratch_bytes, threads, isa): T tokens of one
+ * sequence at positions pos.. pos + T - 1 through n_layers dense layers in order, x (T, n_embd) updated in place.
+ * Per layer: every token's norm as pi_attn_block's, the q, k and v products of all T tokens by the matrices'
+ * pi_matmul_<type> (matmuls[l]: the functions the ops call, so the precision of the call), then each token in turn
+ * through pi_attn_block's attention at its own position (its k and v rows written, then the rows up to its own
+ * read: the causal mask), the output product and the residual, the FFN block as pi_ffn_block computes each token
+ * with its products over all T tokens. A product over T tokens gives each token the bits of one token alone
+ * (the matmul kernels' rule) and the rest is per token, so a token gets the bits of pi_decode_stack. Only dense
+ * layers (pi_decode_stack_tokens_scratch_bytes says); checked before anything is written. */
+PI_EXPORT int32_t pi_decode_stack_tokens(const pi_stack_layer *layers, const pi_stack_matmuls *matmuls,
+                                         int64_t n_layers, float *x, int64_t T, int64_t pos, void *scratch,
+                                         int64_t scratch_bytes, int32_t n_threads, int32_t isa) {
+    if (x == NULL || pos < 0 || T <= 0) return PI_ERR_SHAPE;
+    const int64_t need = pi_decode_stack_tokens_scratch_bytes(layers, matmuls, n_layers, T);
+    if (need < 0) return PI_ERR_SHAPE;
+    for (int64_t l = 0; l < n_layers; l++) { /* every layer's shapes, caches and positions before any is run */
+        const pi_stack_layer *L = &layers[l];
+        const pi_attn_block_desc *a = L->attn;
+        const pi_ffn_block_desc *f = (const pi_ffn_block_desc *)L->ffn;
+        const int64_t E = a->n_embd, n_q = a->n_head * a->head_dim, n_kv = a->n_head_kv * a->head_dim;
+        if (pos + T > L->n_positions || pos + T > L->n_ctx || E != layers[0].attn->n_embd) return PI_ERR_SHAPE;
+        if (!mat_ok(&a->wq, n_q, E) || !mat_ok(&a->wk, n_kv, E) || !mat_ok(&a->wv, n_kv, E) ||
+            !mat_ok(&a->wo, E, n_q) || !mat_ok(&f->gate, f->n_ff, E) || !mat_ok(&f->up, f->n_ff, E) ||
+            !mat_ok(&f->down, E, f->n_ff))
+            return PI_ERR_SHAPE;
+        if ((a->q_norm != NULL) != (a->k_norm != NULL)) return PI_ERR_SHAPE;
+        kv_rows kr, vr;
+        if (!kv_rows_make(&kr, L->k_cache, L->type_k, a->n_head_kv, a->head_dim, 0) ||
+            !kv_rows_make(&vr, L->v_cache, L->type_v, a->n_head_kv, a->head_dim, 1))
+            return PI_ERR_SHAPE;
+    }
+    uint8_t *buf;
+    int32_t status = scratch_take(scratch, scratch_bytes, (size_t)need, &buf);
+    if (status != PI_OK) return status;
+    const int32_t level = pi_isa_clamp(isa);
+    for (int64_t l = 0; l < n_layers; l++) {
+        const pi_stack_layer *L = &layers[l];
+        const pi_stack_matmuls *mm = &matmuls[l];
+        const pi_attn_block_desc *a = L->attn;
+        const pi_ffn_block_desc *f = (const pi_ffn_block_desc *)L->ffn;
+        const int64_t E = a->n_embd, H = a->n_head, Hkv = a->n_head_kv, D = a->head_dim, F = f->n_ff;
+        const int64_t n_q = H * D, n_kv = Hkv * D;
+        float *xn = (float *)buf;
+        float *y = (float *)((uint8_t *)xn + align_up((size_t)(T * E) * 4));
+        float *q = (float *)((uint8_t *)y + align_up((size_t)(T * E) * 4));
+        float *att = (float *)((uint8_t *)q + align_up((size_t)(T * n_q) * 4));
+        float *k = (float *)((uint8_t *)att + align_up((size_t)(T * n_q) * 4));
+        float *v = (float *)((uint8_t *)k + align_up((size_t)(T * n_kv) * 4));
+        float *g = (float *)((uint8_t *)v + align_up((size_t)(T * n_kv) * 4));
+        float *u = (float *)((uint8_t *)g + align_up((size_t)(T * F) * 4));
+        float *scores = (float *)((uint8_t *)u + align_up((size_t)(T * F) * 4));
+        kv_rows krows, vrows;
+        kv_rows_make(&krows, L->k_cache, L->type_k, Hkv, D, 0);
+        kv_rows_make(&vrows, L->v_cache, L->type_v, Hkv, D, 1);
+
+        /* attention */
+        for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * E, a->norm, E, a->eps, xn + t * E);
+        if ((status = stack_product(mm->q, &a->wq, xn, T, q, n_threads, isa)) != PI_OK ||
+            (status = stack_product(mm->k, &a->wk, xn, T, k, n_threads, isa)) != PI_OK ||
+            (status = stack_product(mm->v, &a->wv, xn, T, v, n_threads, isa)) != PI_OK)
+            return status;
+        if (a->q_norm != NULL)
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t h = 0; h < H + Hkv; h++) {
+                    float *r = h < H ? q + t * n_q + h * D : k + t * n_kv + (h - H) * D;
+                    rms_norm_row(r, h < H ? a->q_norm : a->k_norm, D, a->qk_eps, r);
+                }
+        const int32_t nt = threads_for_work(n_threads, (n_q + 2 * n_kv) * E + E * n_q);
+        for (int64_t t = 0; t < T; t++) {
+#pragma omp parallel num_threads(nt) if (nt > 1)
+            attn_decode_part(level, q + t * n_q, k + t * n_kv, v + t * n_kv, L->rope + (pos + t) * D, &krows, &vrows,
+                             pos + t, H, Hkv, D, a->scale, scores, att + t * n_q, omp_get_thread_num(),
+                             omp_get_num_threads(), a->rope_neox != 0);
+        }
+        if ((status = stack_product(mm->o, &a->wo, att, T, y, n_threads, isa)) != PI_OK) return status;
+        for (int64_t i = 0; i < T * E; i++) x[i] += y[i];
+
+        /* FFN */
+        for (int64_t t = 0; t < T; t++) rms_norm_row(x + t * E, f->norm, E, f->eps, xn + t * E);
+        if ((status = stack_product(mm->gate, &f->gate, xn, T, g, n_threads, isa)) != PI_OK ||
+            (status = stack_product(mm->up, &f->up, xn, T, u, n_threads, isa)) != PI_OK)
+            return status;
+        const int act = f->act, relu_up = f->relu_up != 0;
+        for (int64_t i = 0; i < T * F; i++) g[i] = ffn_act(act, g[i]) * (relu_up ? relu_f(u[i]) : u[i]);
+        if ((status = stack_product(mm->down, &f->down, g, T, y, n_threads, isa)) != PI_OK) return status;
+        for (int64_t i = 0; i < T * E; i++) x[i] += y[i];
+    }
+    return PI_OK;
+}

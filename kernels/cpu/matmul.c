@@ -242,7 +242,9 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         table->quantize_act(x, nb, a.qs, a.ds, a.isum);
         act_pair_order(&a, (int8_t *)(scratch + qs_bytes + 3 * block_bytes));
     }
-    if (rows == NULL && T == 1) a.ahead = MATVEC_STREAM_AHEAD; /* dense decode: the tiles prefetch as they go */
+    /* dense rows: the tiles and the panels' transposes prefetch as they go (a few tokens, such as a speculative
+     * step's, then read each row from DRAM at the one-token rate; without it at about half of it) */
+    if (rows == NULL) a.ahead = MATVEC_STREAM_AHEAD;
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
     /* the panels' rule is the type's entry (type_kernels: tile8_min_t, tile8_short_rows, tile8_nb_multiple) */
     const tile8_quant_fn tile8 = tile8_for(table, tile, T, nb), tile16 = tile16_for(table, tile, T, nb);
@@ -348,10 +350,40 @@ int32_t matmul_float_rows(const matmul_table *table, int64_t row_bytes, tile_flo
 /* fewer tokens take the row tiles (each row streamed once per TILE_T tokens, prefetched): a speculative step of a
  * few tokens then costs about one token's weight reads, where the quads' chunked blocks read at about half the rate */
 #define FLOAT_QUADS_MIN_T 8
-static int32_t matmul_float_quads(tile_float4_fn tile4, int64_t row_bytes, tile_float_fn tile, const uint8_t *w,
-                                  int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
-                                  int64_t x_stride, int64_t T, float *y, int64_t y_stride, int32_t n_threads) {
+#ifndef FLOAT_STREAM_MAX_T
+#define FLOAT_STREAM_MAX_T 16
+#endif
+
+/* Dense float rows x 2..FLOAT_STREAM_MAX_T tokens: rows in contiguous ranges over threads (as the one-token dots), each
+ * row read once per TILE_TS tokens by `tiles`, prefetching as it reads on the first pass (the later passes find the
+ * row in L1): the same bits as the tiles. */
+static int32_t matmul_float_stream(tile_stream_fn tiles, const uint8_t *w, int64_t w_stride, int64_t N, int64_t K,
+                                   const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                                   int32_t n_threads) {
+    const int32_t nt = threads_for_work(n_threads, N * K * T);
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+        const int64_t n1 = N * (me + 1) / all;
+        for (int64_t n = N * me / all; n < n1; n++) {
+            for (int64_t t0 = 0; t0 < T; t0 += TILE_TS) {
+                const int ntok = (int)min_i64(TILE_TS, T - t0);
+                float out[TILE_TS];
+                tiles(w + n * w_stride, K, x + t0 * x_stride, x_stride, ntok, out, t0 == 0 ? MATVEC_STREAM_AHEAD : 0);
+                for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
+            }
+        }
+    }
+    return PI_OK;
+}
+
+static int32_t matmul_float_quads(tile_float4_fn tile4, tile_stream_fn tiles, int64_t row_bytes, tile_float_fn tile,
+                                  const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N, int64_t K,
+                                  const float *x, int64_t x_stride, int64_t T, float *y, int64_t y_stride,
+                                  int32_t n_threads) {
     const int64_t elem = K > 0 ? row_bytes / K : 0; /* 2 or 4 bytes; 0 for rows of unknown size */
+    if (tiles != NULL && rows == NULL && T >= 2 && T <= FLOAT_STREAM_MAX_T && N > 0 && K > 0)
+        return matmul_float_stream(tiles, w, w_stride, N, K, x, x_stride, T, y, y_stride, n_threads);
     if (tile4 == NULL || T < FLOAT_QUADS_MIN_T || elem <= 0 || N < 4)
         return matmul_float_tiled(row_bytes, tile, TILE_T, w, w_stride, rows, N, K, x, x_stride, T, y, y_stride,
                                   n_threads);
@@ -404,8 +436,8 @@ static int32_t matmul_float_quads(tile_float4_fn tile4, int64_t row_bytes, tile_
                                         const uint8_t *w, int64_t w_stride, const int64_t *rows, int64_t N,        \
                                         int64_t K, const float *x, int64_t x_stride, int64_t T, float *y,          \
                                         int64_t y_stride, int32_t n_threads) {                                     \
-        return matmul_float_quads(table->types[type].tile4, row_bytes, tile, w, w_stride, rows, N, K, x, x_stride, \
-                                  T, y, y_stride, n_threads);                                                      \
+        return matmul_float_quads(table->types[type].tile4, table->types[type].tiles, row_bytes, tile, w, w_stride, \
+                                  rows, N, K, x, x_stride, T, y, y_stride, n_threads);                             \
     }
 PI_FLOAT_TYPES(DEFINE_FLOAT_DRIVER)
 #undef DEFINE_FLOAT_DRIVER

@@ -13,6 +13,7 @@
 #include "quants.h"
 
 #define TILE_T 4  /* tokens per tile */
+#define TILE_TS 8 /* tokens per pass of the float kernels' few-token streaming tile (tile_stream_fn) */
 #define TILE_N 16 /* rows per parallel work item */
 #define TILE_TQ 8 /* tokens per tile of the exact-mode quant kernels */
 #define TILE_T2 6 /* tokens per tile of the four-row float kernels (prompts; AVX2 in two passes of 3) */
@@ -63,6 +64,10 @@ typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, i
 typedef void (*tile8_quant_fn)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
                                int64_t y_stride);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
+/* One dense row x ntok <= TILE_TS tokens in one pass, as tile_float_fn computes each (the same bits), prefetching
+ * `ahead` bytes past what it reads (0: none) */
+typedef void (*tile_stream_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out,
+                               int64_t ahead);
 /* Four rows x ntok <= TILE_T2 tokens into out[r * TILE_T2 + t], as the matching
  * tile_float_fn computes each (the same bits); each activation vector loaded feeds 4 rows, each weight vector
  * TILE_T2 tokens. Columns [k0, k1) only: k0 > 0 carries the accumulators on from `state` (TILE4_STATE_BYTES,
@@ -86,6 +91,7 @@ typedef struct {
     tile_float_fn tile;    /* float activations, ntok <= TILE_TQ: the float types, the exact kernel of the quant types */
     rows_dot_fn dot;       /* float activations, one token, R rows at once: the arithmetic of `tile` */
     tile_float4_fn tile4;  /* float types, prompts: 4 rows x TILE_T2 tokens (NULL: one row at a time) */
+    tile_stream_fn tiles;  /* float types, a few tokens over dense rows: one pass a row (NULL: the tiles) */
     tile8_quant_fn tile8;  /* prompts by panels of 8 rows, the bits of tile_q8 (NULL: row by row) */
     tile8_quant_fn tile16; /* the same by 16 rows (AVX-512), where tile8 runs from tile8_min_t tokens (NULL: none) */
     /* when tile8 runs: from tile8_min_t tokens, or for one token over rows of at most TILE8_SHORT_ROW_BLOCKS blocks

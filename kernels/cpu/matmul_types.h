@@ -21,7 +21,8 @@
 #define TILE8_MIN_T_Q4_0 4
 #define TILE8_MIN_T_Q8_0 4
 
-#define FLOAT_KERNELS(isa, type) {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type)}
+#define FLOAT_KERNELS(isa, type) \
+    {.tile = tile_##type##_##isa, .dot = dot_##type##_##isa, .tile4 = TILE4(isa, type), .tiles = TILES(isa, type)}
 #define BLOCK32_KERNELS(isa, type, ...)                                                                           \
     {.tile_q8 = tile_##type##_##isa, .tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa, __VA_ARGS__}
 #define KQ_KERNELS(isa, type) {.tile = tile_##type##_f_##isa, .dot = dot_##type##_f_##isa}
@@ -48,6 +49,10 @@
         },                                                                                                         \
     }
 #define TILE4(isa, type) tile4_##type##_##isa
+#define TILES(isa, type) tiles_##type##_##isa
+#define tiles_f32_scalar NULL
+#define tiles_f16_scalar NULL
+#define tiles_bf16_scalar NULL
 #define TILE8(isa, type) tile8_##type##_##isa
 #define TILE16(isa, type) tile16_##type##_##isa
 #define R8(isa) r8_q4_0_##isa

@@ -418,6 +418,7 @@ TARGET_INLINE void FN(tile8_quant)(const int kind, const uint8_t *const *rows, c
         uint16_t dh[8], mh[8];
         for (int i = 0; i < 8; i++) {
             const uint8_t *blk = rows[i] + b * bsz;
+            prefetch_act(a, blk, bsz);
             r[i] = kind == PI_TYPE_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2)) : FN(unpack_qx)(kind, blk);
             memcpy(&dh[i], blk, 2);
             memcpy(&mh[i], QX_HAS_MIN(kind) ? blk + 2 : blk, 2);
@@ -596,6 +597,7 @@ TARGET_INLINE void FN(tile16_quant)(const int kind, const uint8_t *const *rows, 
             __m256i r[8];
             for (int i = 0; i < 8; i++) {
                 const uint8_t *blk = rows[8 * h + i] + b * bsz;
+                prefetch_act(a, blk, bsz);
                 r[i] = kind == PI_TYPE_Q8_0
                            ? _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(blk + 2)), _mm256_set1_epi8((char)0x80))
                            : FN(unpack_qx)(kind, blk);
@@ -861,6 +863,63 @@ DEFINE_TILE_FLOAT(f16, PI_TYPE_F16)
 DEFINE_TILE_FLOAT(bf16, PI_TYPE_BF16)
 
 #undef DEFINE_TILE_FLOAT
+
+/* One dense row x ntok <= TILE_TS tokens in one pass, prefetching as it reads (`ahead` bytes past what it reads; 0:
+ * none): a few tokens (a speculative step's) read each row once from DRAM at the one-token rate. Per token exactly
+ * tile_float_n's two chains, scalar tail and final sum, so the same bits as the tiles and the one-token dots. */
+TARGET_INLINE void FN(tile_float_s)(const int fmt, const uint8_t *row, int64_t K, const float *x, int64_t x_stride,
+                                    const int ntok, float *out, const int64_t ahead) {
+    const int64_t elem = fmt == PI_TYPE_F32 ? 4 : 2;
+    const uint16_t *w16 = (const uint16_t *)row;
+    const float *w32 = (const float *)row;
+    VF acc0[TILE_TS], acc1[TILE_TS];
+    float tail[TILE_TS];
+    for (int t = 0; t < ntok; t++) {
+        acc0[t] = acc1[t] = VF_ZERO();
+        tail[t] = 0.0f;
+    }
+    int64_t k = 0;
+    for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
+        prefetch_stream(row + k * elem, ahead, 2 * VF_N * elem);
+        const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
+        const VF w1 = VF_LOAD_W(fmt, w16, w32, k + VF_N);
+        for (int t = 0; t < ntok; t++) {
+            acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
+            acc1[t] = VF_FMA(w1, VF_LOAD(x + t * x_stride + k + VF_N), acc1[t]);
+        }
+    }
+    if (k + VF_N <= K) {
+        const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
+        for (int t = 0; t < ntok; t++) acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
+        k += VF_N;
+    }
+    for (; k < K; k++) {
+        const float wk = W_SCALAR(fmt, w16, w32, k);
+        for (int t = 0; t < ntok; t++) tail[t] += wk * x[t * x_stride + k];
+    }
+    for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
+}
+
+#define DEFINE_TILE_STREAM(type, fmt)                                                                              \
+    TARGET static void FN(tiles_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
+                                        float *out, int64_t ahead) {                                               \
+        switch (ntok) {                                                                                            \
+            case 1: FN(tile_float_s)(fmt, row, K, x, x_stride, 1, out, ahead); break;                              \
+            case 2: FN(tile_float_s)(fmt, row, K, x, x_stride, 2, out, ahead); break;                              \
+            case 3: FN(tile_float_s)(fmt, row, K, x, x_stride, 3, out, ahead); break;                              \
+            case 4: FN(tile_float_s)(fmt, row, K, x, x_stride, 4, out, ahead); break;                              \
+            case 5: FN(tile_float_s)(fmt, row, K, x, x_stride, 5, out, ahead); break;                              \
+            case 6: FN(tile_float_s)(fmt, row, K, x, x_stride, 6, out, ahead); break;                              \
+            case 7: FN(tile_float_s)(fmt, row, K, x, x_stride, 7, out, ahead); break;                              \
+            default: FN(tile_float_s)(fmt, row, K, x, x_stride, TILE_TS, out, ahead); break;                       \
+        }                                                                                                          \
+    }
+
+DEFINE_TILE_STREAM(f32, PI_TYPE_F32)
+DEFINE_TILE_STREAM(f16, PI_TYPE_F16)
+DEFINE_TILE_STREAM(bf16, PI_TYPE_BF16)
+
+#undef DEFINE_TILE_STREAM
 
 /* ---- quantised weight x float activation tiles (exact mode) -------------------------------------------- */
 

@@ -54,6 +54,11 @@ class SpanMaker(Protocol):
 Span = tuple[int, int, "ops.DecodeStack | DeviceSpan | None"]
 
 
+# a run of at most this many tokens of one sequence (a speculative step's, a short chunk) goes through the sequence's
+# decode stack in one kernel call where every layer is dense (ops.DecodeStack.tokens), not op by op
+STACK_TOKENS_MAX = 32
+
+
 def _host(x: torch.Tensor) -> torch.Tensor:
     """The residual stream on the CPU, contiguous (the fused blocks update it in place)."""
     return x if x.is_cpu and x.is_contiguous() else x.to("cpu").contiguous()
@@ -172,8 +177,16 @@ class Transformer:
 
     def forward_layers(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """The residual stream x (N, D) after every layer (a pipeline stage runs only these)."""
-        if batch.kind == "run" and batch.segments[0].n == 1 and not self.observers:
-            return self._forward_one(x.contiguous(), batch, kv)
+        if batch.kind == "run" and not self.observers:
+            n = batch.segments[0].n
+            if n == 1:
+                return self._forward_one(x.contiguous(), batch, kv)
+            if n <= STACK_TOKENS_MAX:
+                stack = self.stack_for(kv, batch.segments[0].seq)
+                if stack is not None and stack.takes_tokens:
+                    x = _host(x).contiguous()
+                    stack.tokens(x, batch.segments[0].pos)
+                    return x
         for bid, layer in enumerate(self.layers):
             x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
         return x

@@ -41,6 +41,7 @@ from powerinfer.ops.library import check_status
 from powerinfer.quant import K_QUANT_TYPES
 
 if TYPE_CHECKING:
+    from powerinfer.gguf.constants import GGMLType
     from powerinfer.ops.weights import DeviceWeight, InputSparseWeight, QWeight
 
 __all__ = [
@@ -527,6 +528,10 @@ class _StackLayer(ctypes.Structure):  # pi_stack_layer
     ]  # fmt: skip
 
 
+class _StackMatmuls(ctypes.Structure):  # pi_stack_matmuls: a dense layer's pi_matmul_<type> functions
+    _fields_ = [(name, _ptr) for name in ("q", "k", "v", "o", "gate", "up", "down")]
+
+
 # the FFN blocks pi_decode_stack chains (its STACK_FFN_* codes); a whole TEAL layer is its STACK_TEAL
 _STACK_FFN_KINDS: dict[type, int] = {FFNBlock: 0, SparseFFNBlock: 1, CATSFFNBlock: 2}
 _STACK_TEAL = 3
@@ -537,7 +542,11 @@ class DecodeStack:
     sequence's cache rows) then the FFN block, x updated in place; decode_stack builds it."""
 
     def __init__(
-        self, layers: ctypes.Array[_StackLayer], keep: tuple[object, ...], kc: KernelContext
+        self,
+        layers: ctypes.Array[_StackLayer],
+        keep: tuple[object, ...],
+        kc: KernelContext,
+        matmuls: ctypes.Array[_StackMatmuls] | None = None,
     ) -> None:
         lib = library.load()
         assert lib is not None
@@ -545,6 +554,29 @@ class DecodeStack:
         self._keep = keep  # the blocks and tensors the array points into
         self.n_layers = len(layers)
         self._call = lib.decode_stack
+        self._matmuls = matmuls  # every layer dense: their products, for a few tokens at once (tokens())
+        self._tokens_call = lib.decode_stack_tokens
+        self._tokens_bytes = lib.decode_stack_tokens_scratch_bytes
+
+    @property
+    def takes_tokens(self) -> bool:
+        """Whether tokens() runs: every layer an attention block and a dense FFN block."""
+        return self._matmuls is not None
+
+    def tokens(self, x: torch.Tensor, pos: int) -> None:
+        """x (T, n_embd) float32 contiguous CPU, T tokens of this sequence at positions pos.., updated in place:
+        each token the bits of __call__ at its position (pi_decode_stack_tokens), the products over all T."""
+        assert self._matmuls is not None
+        kc = self.kc
+        n = x.shape[0]
+        need = int(self._tokens_bytes(self.layers, self._matmuls, self.n_layers, n))
+        scratch = torch.empty(max(need, 1), dtype=torch.uint8)
+        status = self._tokens_call(
+            self.layers, self._matmuls, self.n_layers, x.data_ptr(), n, pos, scratch.data_ptr(), scratch.numel(),
+            kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "decode_stack_tokens")
 
     def __call__(
         self, x: torch.Tensor, pos: int, attn_scratch: torch.Tensor, ffn_scratch: torch.Tensor | None
@@ -576,6 +608,8 @@ def decode_stack(
     if lib is None or not layers:
         return None
     array = (_StackLayer * len(layers))()
+    matmuls: ctypes.Array[_StackMatmuls] | None = (_StackMatmuls * len(layers))()
+    by_kind = {kind: t for t, kind in kc.kernels.ffn_kinds.items()}
     for i, (attn, k, v, pairs, ffn) in enumerate(layers):
         if isinstance(attn, TealLayer):
             kind = _STACK_TEAL if ffn is None and attn.kc is kc else None
@@ -598,8 +632,34 @@ def decode_stack(
         ):
             return None
         block = attn if ffn is None else ffn
+        if matmuls is not None:
+            matmuls = _dense_matmuls(matmuls, i, attn, ffn, by_kind, kc)
         array[i] = _StackLayer(
             ctypes.addressof(attn.desc), k.data_ptr(), v.data_ptr(), type_k.ggml_type, type_v.ggml_type, k.shape[0],
             pairs.data_ptr(), pairs.shape[0], kind, 0, ctypes.addressof(block.desc),
         )  # fmt: skip
-    return DecodeStack(array, tuple(layers), kc)
+    return DecodeStack(array, tuple(layers), kc, matmuls)
+
+
+def _dense_matmuls(
+    matmuls: ctypes.Array[_StackMatmuls],
+    i: int,
+    attn: AttnBlock,
+    ffn: _FFNBlockBase | None,
+    by_kind: dict[int, GGMLType],
+    kc: KernelContext,
+) -> ctypes.Array[_StackMatmuls] | None:
+    """matmuls with entry i set to the products of a dense layer (attention block, FFN block), or None where the
+    layer is another kind (then no stack of these layers takes several tokens)."""
+    if type(attn) is not AttnBlock or type(ffn) is not FFNBlock:
+        return None
+    a, f = attn.desc, ffn.desc
+    fns = []
+    for m in (a.wq, a.wk, a.wv, a.wo, f.gate, f.up, f.down):
+        gt = by_kind.get(m.kind)
+        fn = kc.kernels.matmul.get(gt) if gt is not None else None
+        if fn is None:
+            return None
+        fns.append(ctypes.cast(fn, _ptr).value)
+    matmuls[i] = _StackMatmuls(*fns)
+    return matmuls

@@ -194,6 +194,8 @@ class Library:
     top_k: Any  # the k largest of a vector, in index order (kernels/cpu/select.c)
     top_about_k: Any  # about k of the largest, by a sampled threshold
     decode_stack: Any  # every layer's fused blocks for one token (kernels/cpu/layer.c)
+    decode_stack_tokens: Any  # a few tokens of one sequence through dense layers
+    decode_stack_tokens_scratch_bytes: Any
     head_t1: Any  # the sparse output head's chain for one token (kernels/cpu/head.c)
     head_t1_scratch_bytes: Any
     repack_rows8: Any  # a matrix's rows repacked by 8 (kernels/cpu/matmul.c; the registry's rows8 types)
@@ -272,6 +274,12 @@ def _open(path: str) -> Library:
         top_about_k=_symbol(lib, "pi_top_about_k", (_ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i32)),
         decode_stack=_symbol(
             lib, "pi_decode_stack", (_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i32, _i32, _i32)
+        ),
+        decode_stack_tokens=_symbol(
+            lib, "pi_decode_stack_tokens", (_ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32, _i32)
+        ),
+        decode_stack_tokens_scratch_bytes=_symbol(
+            lib, "pi_decode_stack_tokens_scratch_bytes", (_ptr, _ptr, _i64, _i64), _i64
         ),
         head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 10 + (_i64, _i32, _i32)),
         head_t1_scratch_bytes=_symbol(lib, "pi_head_t1_scratch_bytes", (_i64,) * 3, _i64),

@@ -82,6 +82,7 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor | None] = field(default_factory=list)
+    confident: bool = True  # the first token was drafted with the drafter's confidence (p >= p_min; lookup: always)
 
 
 class Drafter(Protocol):
@@ -117,10 +118,10 @@ class ModelDrafter:
                 for i, row in zip(todo, rows, strict=True):
                     s, d = seqs[i], drafts[i]
                     token, q, sure = self._pick(s, d, row)
-                    if (
-                        not sure and not d.tokens
-                    ):  # a lone unsure token: checking it costs a step over 2 tokens
-                        continue
+                    if not d.tokens:
+                        d.confident = sure
+                    # an unsure token is still proposed (its logits are paid for; checking it costs the target
+                    # one more position of its step, a few percent of a step), and ends the draft
                     d.tokens.append(token)
                     d.q.append(q)
                     if sure and len(d.tokens) < limits[i]:
@@ -173,8 +174,9 @@ class ModelDrafter:
 
     def _pick(self, s: Sequence, d: Draft, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, bool]:
         """The next draft token, the distribution it was drawn from (None: greedy) and whether the draft goes
-        on after it: its top probability is at least p_min (over its 10 best tokens when greedy). As llama.cpp's
-        draft, the first unsure token still ends the draft, unless it would be the whole draft."""
+        on after it: its top probability is at least p_min (over its 10 best tokens when greedy). The first unsure
+        token ends the draft; it is proposed too, even as the whole draft (llama.cpp drops it: there a step over
+        one more token costs more than here, where a few tokens' step reads the weights once)."""
         n = s.sampler.params.repeat_last_n  # the penalties' window of the history, and the draft so far
         history = (s.history if n < 0 else s.history[len(s.history) - n :] if n > 0 else []) + d.tokens
         logits = logits.float()
@@ -348,8 +350,8 @@ class Speculator:
             if ev.end is not None:
                 break
         b = self.backoff.get(s.slot)
-        if k and b is not None and b.seq is s:
-            b.update(accepted)
+        if k and b is not None and b.seq is s and (accepted or d.confident):
+            b.update(accepted)  # an unsure first token rejected is no sign the drafts stopped agreeing
         return events
 
 
