@@ -82,7 +82,8 @@ class Draft:
 
     tokens: list[int] = field(default_factory=list)
     q: list[torch.Tensor | None] = field(default_factory=list)
-    confident: bool = True  # the first token was drafted with the drafter's confidence (p >= p_min; lookup: always)
+    # the first token was drafted with the drafter's confidence (p >= p_min; lookup: always)
+    confident: bool = True
 
 
 class Drafter(Protocol):
