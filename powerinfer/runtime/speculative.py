@@ -28,6 +28,7 @@ import torch
 
 from powerinfer.errors import InputError
 from powerinfer.printable import printable
+from powerinfer.runtime.context_shift import held_tokens
 from powerinfer.runtime.session import common_prefix
 from powerinfer.sampling import apply_penalties
 
@@ -101,14 +102,16 @@ class ModelDrafter:
         self.p_min = p_min
         self.eog = sorted(engine.tokenizer.eog_ids)
         self.cached: list[list[int]] = [[] for _ in range(engine.kv.n_seq)]  # tokens each draft slot holds
-        # per slot: the sequence last caught up and its history's length then (a prefix of its history now)
-        self.synced: list[tuple[Sequence | None, int]] = [(None, 0)] * engine.kv.n_seq
+        # per slot: the sequence last caught up, the length of its held tokens then and its shifts then (the
+        # tokens then are a prefix of those now while it has not shifted since)
+        self.synced: list[tuple[Sequence | None, int, int]] = [(None, 0, 0)] * engine.kv.n_seq
 
     def draft(self, seqs: list[Sequence], limits: list[int]) -> list[Draft]:
         e = self.engine
         drafts = [Draft() for _ in seqs]
-        # the last draft token is not evaluated: L + n - 1 positions of the draft's context
-        limits = [min(n, e.n_ctx - len(s.history) + 1) for s, n in zip(seqs, limits, strict=True)]
+        # the draft reads what the target's slot holds (after a context shift, the kept tokens and the rest); the
+        # last draft token is not evaluated: L + n - 1 positions of the draft's context
+        limits = [min(n, e.n_ctx - len(held_tokens(s)) + 1) for s, n in zip(seqs, limits, strict=True)]
         todo = [i for i, n in enumerate(limits) if n > 0]
         if not todo:
             return drafts
@@ -136,22 +139,26 @@ class ModelDrafter:
         except BaseException:
             for s in seqs:  # what the draft's slots hold is not known any more
                 self.cached[s.slot] = []
-                self.synced[s.slot] = (None, 0)
+                self.synced[s.slot] = (None, 0, 0)
                 e.free(s.slot)
             raise
         return drafts
 
     def _catch_up(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Evaluate what each history adds to its draft slot; the last token's logits of each."""
+        """Evaluate what each sequence's held tokens add to its draft slot; the last token's logits of each."""
         e = self.engine
         rows: dict[int, torch.Tensor] = {}
         ids: list[int] = []
         tokens: list[int] = []
         positions: list[int] = []
         for s in seqs:
-            history, cached = s.history, self.cached[s.slot]
-            seq, n_synced = self.synced[s.slot]
-            if seq is s and n_synced <= len(history):  # it only grew since: compare what came after
+            cached = self.cached[s.slot]
+            seq, n_synced, n_shifts = self.synced[s.slot]
+            if seq is s and n_shifts < len(s.shifts):  # the target shifted its context since: the same here
+                n_synced = self._shift(s.slot, s.shifts[n_shifts:])
+                n_shifts = len(s.shifts)
+            history = held_tokens(s)
+            if seq is s and n_shifts == len(s.shifts) and n_synced <= len(history):  # it only grew since
                 same = n_synced + common_prefix(cached[n_synced:], history[n_synced:])
             else:  # another request in this slot: the prompt it shares
                 same = common_prefix(cached, history)
@@ -160,7 +167,7 @@ class ModelDrafter:
             rest = history[keep:]
             del cached[keep:]
             cached.extend(rest)
-            self.synced[s.slot] = (s, len(history))
+            self.synced[s.slot] = (s, len(history), len(s.shifts))
             if len(rest) > e.options.n_batch:  # a new prompt: in chunks, on its own
                 rows[s.slot] = e.prefill(s.slot, rest, keep)
             else:
@@ -172,6 +179,23 @@ class ModelDrafter:
             for slot, row in zip(slots, e.step(ids, tokens, positions), strict=True):
                 rows[slot] = row
         return [rows[s.slot] for s in seqs]
+
+    def _shift(self, slot: int, shifts: list[tuple[int, int]]) -> int:
+        """The target's context shifts (n_keep, n_discard) applied to the draft slot as to the target's (its keys
+        re-rotated, nothing recomputed), so the draft reads the state the target reads: recomputing the kept tokens
+        without the dropped ones would not give it (the kept keys and values of later layers saw the dropped
+        tokens). Where the slot holds too little for a shift, it keeps its first n_keep tokens. Returns how many
+        tokens the slot holds that are the sequence's."""
+        e, cached = self.engine, self.cached[slot]
+        for n_keep, n_discard in shifts:
+            n_past = min(e.kv.n_past[slot], len(cached))
+            if n_keep + n_discard < n_past:
+                e.shift(slot, n_keep, n_discard)
+                del cached[n_keep : n_keep + n_discard]
+            else:
+                e.keep(slot, min(n_keep, n_past))
+                del cached[min(n_keep, n_past) :]
+        return min(e.kv.n_past[slot], len(cached))
 
     def _pick(self, s: Sequence, d: Draft, logits: torch.Tensor) -> tuple[int, torch.Tensor | None, bool]:
         """The next draft token, the distribution it was drawn from (None: greedy) and whether the draft goes
