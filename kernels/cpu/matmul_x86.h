@@ -726,18 +726,24 @@ TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0
 #define W_SCALAR(fmt, w16, w32, k) \
     ((fmt) == PI_TYPE_F16 ? _cvtsh_ss((w16)[k]) : (fmt) == PI_TYPE_BF16 ? bf16_to_fp32((w16)[k]) : (w32)[k])
 
-TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K, const float *x,
-                                    int64_t x_stride, const int ntok, float *out) {
+/* One row x ntok <= TILE_TS tokens in one pass: per token two chains (acc0 over the even vectors, acc1 over the odd
+ * ones), the scalar tail and one final sum, whatever ntok (the one-token dots repeat it: the same bits); `ahead`
+ * != 0 prefetches that many bytes past what it reads (tiles_<type>: a few tokens, such as a speculative step's,
+ * then read each dense row once from DRAM at the one-token rate). */
+TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K, const float *x, int64_t x_stride,
+                                    const int ntok, float *out, const int64_t ahead) {
+    const int64_t elem = fmt == PI_TYPE_F32 ? 4 : 2;
     const uint16_t *w16 = (const uint16_t *)row;
     const float *w32 = (const float *)row;
-    VF acc0[TILE_T], acc1[TILE_T];
-    float tail[TILE_T];
+    VF acc0[TILE_TS], acc1[TILE_TS];
+    float tail[TILE_TS];
     for (int t = 0; t < ntok; t++) {
         acc0[t] = acc1[t] = VF_ZERO();
         tail[t] = 0.0f;
     }
     int64_t k = 0;
     for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
+        prefetch_stream(row + k * elem, ahead, 2 * VF_N * elem);
         const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
         const VF w1 = VF_LOAD_W(fmt, w16, w32, k + VF_N);
         for (int t = 0; t < ntok; t++) {
@@ -851,10 +857,10 @@ DEFINE_TILE4_FLOAT(bf16, PI_TYPE_BF16)
     TARGET static void FN(tile_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride,      \
                                        int ntok, float *out) {                                               \
         switch (ntok) {                                                                                     \
-            case 1: FN(tile_float_n)(fmt, row, K, x, x_stride, 1, out); break;                           \
-            case 2: FN(tile_float_n)(fmt, row, K, x, x_stride, 2, out); break;                           \
-            case 3: FN(tile_float_n)(fmt, row, K, x, x_stride, 3, out); break;                           \
-            default: FN(tile_float_n)(fmt, row, K, x, x_stride, 4, out); break;                          \
+            case 1: FN(tile_float_n)(fmt, row, K, x, x_stride, 1, out, 0); break;                           \
+            case 2: FN(tile_float_n)(fmt, row, K, x, x_stride, 2, out, 0); break;                           \
+            case 3: FN(tile_float_n)(fmt, row, K, x, x_stride, 3, out, 0); break;                           \
+            default: FN(tile_float_n)(fmt, row, K, x, x_stride, 4, out, 0); break;                          \
         }                                                                                                   \
     }
 
@@ -864,54 +870,18 @@ DEFINE_TILE_FLOAT(bf16, PI_TYPE_BF16)
 
 #undef DEFINE_TILE_FLOAT
 
-/* One dense row x ntok <= TILE_TS tokens in one pass, prefetching as it reads (`ahead` bytes past what it reads; 0:
- * none): a few tokens (a speculative step's) read each row once from DRAM at the one-token rate. Per token exactly
- * tile_float_n's two chains, scalar tail and final sum, so the same bits as the tiles and the one-token dots. */
-TARGET_INLINE void FN(tile_float_s)(const int fmt, const uint8_t *row, int64_t K, const float *x, int64_t x_stride,
-                                    const int ntok, float *out, const int64_t ahead) {
-    const int64_t elem = fmt == PI_TYPE_F32 ? 4 : 2;
-    const uint16_t *w16 = (const uint16_t *)row;
-    const float *w32 = (const float *)row;
-    VF acc0[TILE_TS], acc1[TILE_TS];
-    float tail[TILE_TS];
-    for (int t = 0; t < ntok; t++) {
-        acc0[t] = acc1[t] = VF_ZERO();
-        tail[t] = 0.0f;
-    }
-    int64_t k = 0;
-    for (; k + 2 * VF_N <= K; k += 2 * VF_N) {
-        prefetch_stream(row + k * elem, ahead, 2 * VF_N * elem);
-        const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
-        const VF w1 = VF_LOAD_W(fmt, w16, w32, k + VF_N);
-        for (int t = 0; t < ntok; t++) {
-            acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
-            acc1[t] = VF_FMA(w1, VF_LOAD(x + t * x_stride + k + VF_N), acc1[t]);
-        }
-    }
-    if (k + VF_N <= K) {
-        const VF w0 = VF_LOAD_W(fmt, w16, w32, k);
-        for (int t = 0; t < ntok; t++) acc0[t] = VF_FMA(w0, VF_LOAD(x + t * x_stride + k), acc0[t]);
-        k += VF_N;
-    }
-    for (; k < K; k++) {
-        const float wk = W_SCALAR(fmt, w16, w32, k);
-        for (int t = 0; t < ntok; t++) tail[t] += wk * x[t * x_stride + k];
-    }
-    for (int t = 0; t < ntok; t++) out[t] = VF_HSUM(VF_ADD(acc0[t], acc1[t])) + tail[t];
-}
-
 #define DEFINE_TILE_STREAM(type, fmt)                                                                              \
     TARGET static void FN(tiles_##type)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, \
                                         float *out, int64_t ahead) {                                               \
         switch (ntok) {                                                                                            \
-            case 1: FN(tile_float_s)(fmt, row, K, x, x_stride, 1, out, ahead); break;                              \
-            case 2: FN(tile_float_s)(fmt, row, K, x, x_stride, 2, out, ahead); break;                              \
-            case 3: FN(tile_float_s)(fmt, row, K, x, x_stride, 3, out, ahead); break;                              \
-            case 4: FN(tile_float_s)(fmt, row, K, x, x_stride, 4, out, ahead); break;                              \
-            case 5: FN(tile_float_s)(fmt, row, K, x, x_stride, 5, out, ahead); break;                              \
-            case 6: FN(tile_float_s)(fmt, row, K, x, x_stride, 6, out, ahead); break;                              \
-            case 7: FN(tile_float_s)(fmt, row, K, x, x_stride, 7, out, ahead); break;                              \
-            default: FN(tile_float_s)(fmt, row, K, x, x_stride, TILE_TS, out, ahead); break;                       \
+            case 1: FN(tile_float_n)(fmt, row, K, x, x_stride, 1, out, ahead); break;                              \
+            case 2: FN(tile_float_n)(fmt, row, K, x, x_stride, 2, out, ahead); break;                              \
+            case 3: FN(tile_float_n)(fmt, row, K, x, x_stride, 3, out, ahead); break;                              \
+            case 4: FN(tile_float_n)(fmt, row, K, x, x_stride, 4, out, ahead); break;                              \
+            case 5: FN(tile_float_n)(fmt, row, K, x, x_stride, 5, out, ahead); break;                              \
+            case 6: FN(tile_float_n)(fmt, row, K, x, x_stride, 6, out, ahead); break;                              \
+            case 7: FN(tile_float_n)(fmt, row, K, x, x_stride, 7, out, ahead); break;                              \
+            default: FN(tile_float_n)(fmt, row, K, x, x_stride, TILE_TS, out, ahead); break;                       \
         }                                                                                                          \
     }
 
