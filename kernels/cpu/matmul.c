@@ -215,6 +215,8 @@ const matmul_table *matmul_table_for(int32_t isa) { return &matmul_tables[pi_isa
 /* Quantised activations up to this size live on the caller's stack (one token up to K = 32768): the decode
  * matvec allocates nothing. Larger batches (prefill) allocate them per call. */
 #define MATMUL_STACK_ACT_BYTES (48 * 1024)
+/* dense int8 products of at most this many tokens prefetch the rows as they read them (act_q8.ahead) */
+#define QUANT_STREAM_MAX_T 32
 
 int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_quant_fn tile, const uint8_t *w,
                           int64_t w_stride, const int64_t *rows, int64_t N, int64_t K, const float *x,
@@ -242,9 +244,10 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         table->quantize_act(x, nb, a.qs, a.ds, a.isum);
         act_pair_order(&a, (int8_t *)(scratch + qs_bytes + 3 * block_bytes));
     }
-    /* dense rows: the tiles and the panels' transposes prefetch as they go (a few tokens, such as a speculative
-     * step's, then read each row from DRAM at the one-token rate; without it at about half of it) */
-    if (rows == NULL) a.ahead = MATVEC_STREAM_AHEAD;
+    /* dense rows, up to a few tokens: the tiles and the panels' transposes prefetch as they go (a speculative step's
+     * tokens then read each row from DRAM at the one-token rate; without it at about half of it); more tokens
+     * compute long enough per row for the hardware prefetcher */
+    if (rows == NULL && T <= QUANT_STREAM_MAX_T) a.ahead = MATVEC_STREAM_AHEAD;
     /* several tokens: panels of 8 rows where the type has them (the same bits), the last N % 8 rows by tiles */
     /* the panels' rule is the type's entry (type_kernels: tile8_min_t, tile8_short_rows, tile8_nb_multiple) */
     const tile8_quant_fn tile8 = tile8_for(table, tile, T, nb), tile16 = tile16_for(table, tile, T, nb);
