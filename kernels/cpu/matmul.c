@@ -354,7 +354,7 @@ int32_t matmul_float_rows(const matmul_table *table, int64_t row_bytes, tile_flo
  * few tokens then costs about one token's weight reads, where the quads' chunked blocks read at about half the rate */
 #define FLOAT_QUADS_MIN_T 8
 #ifndef FLOAT_STREAM_MAX_T
-#define FLOAT_STREAM_MAX_T 16
+#define FLOAT_STREAM_MAX_T 20
 #endif
 
 /* Dense float rows x 2..FLOAT_STREAM_MAX_T tokens: rows in contiguous ranges over threads (as the one-token dots), each

@@ -726,7 +726,7 @@ TARGET static void FN(tile_q8_0)(const uint8_t *row, const act_q8 *a, int64_t t0
 #define W_SCALAR(fmt, w16, w32, k) \
     ((fmt) == PI_TYPE_F16 ? _cvtsh_ss((w16)[k]) : (fmt) == PI_TYPE_BF16 ? bf16_to_fp32((w16)[k]) : (w32)[k])
 
-/* One row x ntok <= TILE_TS tokens in one pass: per token two chains (acc0 over the even vectors, acc1 over the odd
+/* One row x ntok <= TILE_T tokens in one pass: per token two chains (acc0 over the even vectors, acc1 over the odd
  * ones), the scalar tail and one final sum, whatever ntok (the one-token dots repeat it: the same bits); `ahead`
  * != 0 prefetches that many bytes past what it reads (tiles_<type>: a few tokens, such as a speculative step's,
  * then read each dense row once from DRAM at the one-token rate). */
@@ -735,8 +735,8 @@ TARGET_INLINE void FN(tile_float_n)(const int fmt, const uint8_t *row, int64_t K
     const int64_t elem = fmt == PI_TYPE_F32 ? 4 : 2;
     const uint16_t *w16 = (const uint16_t *)row;
     const float *w32 = (const float *)row;
-    VF acc0[TILE_TS], acc1[TILE_TS];
-    float tail[TILE_TS];
+    VF acc0[TILE_T], acc1[TILE_T];
+    float tail[TILE_T];
     for (int t = 0; t < ntok; t++) {
         acc0[t] = acc1[t] = VF_ZERO();
         tail[t] = 0.0f;
@@ -876,11 +876,6 @@ DEFINE_TILE_FLOAT(bf16, PI_TYPE_BF16)
         switch (ntok) {                                                                                            \
             case 1: FN(tile_float_n)(fmt, row, K, x, x_stride, 1, out, ahead); break;                              \
             case 2: FN(tile_float_n)(fmt, row, K, x, x_stride, 2, out, ahead); break;                              \
-            case 3: FN(tile_float_n)(fmt, row, K, x, x_stride, 3, out, ahead); break;                              \
-            case 4: FN(tile_float_n)(fmt, row, K, x, x_stride, 4, out, ahead); break;                              \
-            case 5: FN(tile_float_n)(fmt, row, K, x, x_stride, 5, out, ahead); break;                              \
-            case 6: FN(tile_float_n)(fmt, row, K, x, x_stride, 6, out, ahead); break;                              \
-            case 7: FN(tile_float_n)(fmt, row, K, x, x_stride, 7, out, ahead); break;                              \
             default: FN(tile_float_n)(fmt, row, K, x, x_stride, TILE_TS, out, ahead); break;                       \
         }                                                                                                          \
     }
