@@ -39,10 +39,11 @@ from powerinfer.quant.types import SPARSE_HEAD_PROJ_TYPE, SPARSE_HEAD_SCREEN_TYP
 HEAD_CANDIDATES = 2048
 # a token whose estimated probability outside its exact rows (screen values there) exceeds WIDEN_MASS gets exact
 # values for the rows the screen ranks next, up to WIDEN_FACTORS[0] times the candidates, and while the mass left
-# outside still exceeds it, up to the next factor. On SmolLM2's held-out prose, code docs and dialogue (3175-3556
-# tokens each, docs/sparsity.md), against the whole head: one step at 0.02 (to 4096 rows) had KL divergence
-# 0.0056-0.0079, +1.38 MiB of rows a token; 0.01 with the second step (to 8192) 0.0035-0.0051, +1.9 MiB. The
-# perplexity cost comes from the ~1% of tokens whose target row stays outside (the screen underrated it by 2-5).
+# outside still exceeds it, up to the next factor. On SmolLM2's held-out prose, code docs, dialogue and Python docs
+# (3175-3810 tokens each, narrow + mix screen, docs/sparsity.md) against the whole head: one step at 0.02 (to 4096
+# rows) had KL divergence 0.0056-0.0079; these two steps at 0.01 0.0034-0.0052, widening 27% of tokens, +0.4 MiB a
+# token on average. The perplexity cost comes from the ~1% of tokens whose target row stays outside the exact rows
+# (rare targets the screen underrated by 2-5 nats): more exact rows leave fewer outside.
 WIDEN_MASS = 0.01
 WIDEN_FACTORS = (2, 4)
 
