@@ -131,7 +131,7 @@ def test_a_weak_screen_widens_and_falls_back(smollm2):
 
 def test_spread_widens_to_more_exact_rows(smollm2):
     """A token whose screen leaves more than widen_mass of its probability outside the candidates gets about
-    WIDEN_FACTOR times as many exact rows: every token at widen_mass -1, none at 1; the same bits one token at a time
+    WIDEN_FACTORS[-1] times as many exact rows: every token at widen_mass -1, none at 1; the same bits one token at a time
     (the chain) as in the batch."""
     engine, sparse, x = smollm2
     x = x[:24].contiguous()
@@ -144,7 +144,7 @@ def test_spread_widens_to_more_exact_rows(smollm2):
     # exact rows: within 1e-3 of the whole head's logits (the screen errs by ~0.1-1 elsewhere)
     n_wide = ((got_wide - full).abs() < 1e-3).sum(1).float()
     n_plain = ((got_plain - full).abs() < 1e-3).sum(1).float()
-    assert (n_wide > 1.6 * n_plain).all(), (n_wide, n_plain)
+    assert (n_wide > 3 * n_plain).all(), (n_wide, n_plain)  # two steps: ~4x
     for t in range(0, 24, 5):
         assert torch.equal(wide(x[t : t + 1])[0], got_wide[t]), t
 

@@ -37,11 +37,15 @@ from powerinfer.quant.types import SPARSE_HEAD_PROJ_TYPE, SPARSE_HEAD_SCREEN_TYP
 # candidates computed exactly per token; 2048 rows of SmolLM2's 8-bit head are 1.2 MiB against the screen's 6.75
 # (1024 had KL divergence 0.013-0.018 against the whole head on held-out prose, code docs and dialogue, 2048 0.006-0.009)
 HEAD_CANDIDATES = 2048
-# a token whose estimated probability outside its candidates (screen values there) exceeds this gets WIDEN_FACTOR
-# times the candidates (12-14% of held-out tokens on SmolLM2, +0.1 MiB a token on average; at 0.05, 2-3% of them,
-# KL divergence 0.0074-0.0090 against 0.0058-0.0070 at 0.02; docs/sparsity.md)
-WIDEN_MASS = 0.02
-WIDEN_FACTOR = 2
+# a token whose estimated probability outside its exact rows (screen values there) exceeds WIDEN_MASS gets exact
+# values for the rows the screen ranks next, up to WIDEN_FACTORS[0] times the candidates, and while the mass left
+# outside still exceeds it, up to the next factor. On SmolLM2's held-out prose, code docs, dialogue and Python docs
+# (3175-3810 tokens each, narrow + mix screen, docs/sparsity.md) against the whole head: one step at 0.02 (to 4096
+# rows) had KL divergence 0.0056-0.0079; these two steps at 0.01 0.0034-0.0052, widening 27% of tokens, +0.4 MiB a
+# token on average. The perplexity cost comes from the ~1% of tokens whose target row stays outside the exact rows
+# (rare targets the screen underrated by 2-5 nats): more exact rows leave fewer outside.
+WIDEN_MASS = 0.01
+WIDEN_FACTORS = (2, 4)
 
 
 @dataclass
@@ -53,6 +57,7 @@ class HeadStats:
     widened: int = 0  # rows near the best computed exactly too
     extra_rows: int = 0  # how many, over all widened tokens (both kinds of widening)
     spread: int = 0  # tokens whose mass outside the candidates widened them (WIDEN_MASS)
+    spread_steps: int = 0  # widening steps over those tokens (one per factor of WIDEN_FACTORS taken)
 
 
 class SparseHead:
@@ -78,7 +83,10 @@ class SparseHead:
         self.proj, self.screen = proj, screen
         self.n_candidates = max(1, min(n_candidates, n_vocab - 1))
         self.widen_mass = widen_mass
-        self.n_wide = min(n_vocab - 1, self.n_candidates * WIDEN_FACTOR)
+        # the exact rows of each widening step, increasing (WIDEN_FACTORS)
+        self.n_wides = sorted(
+            {min(n_vocab - 1, self.n_candidates * f) for f in WIDEN_FACTORS} - {self.n_candidates}
+        )
         # a token whose near rows exceed this computes the whole head instead
         self.max_extra = max(self.n_candidates, n_vocab // 8)
         self.stats = HeadStats()
@@ -132,20 +140,30 @@ class SparseHead:
         err: float,
         best: float,
     ) -> None:
-        """Row t of logits, its candidates' exact values written in: where the screen's values leave more than
-        widen_mass of the probability outside the candidates, the rows the screen ranks next get exact values
-        too (n_wide in all); then, where the margin is not safe, the rows left out whose screen value is within
-        the error of the best (the whole head instead where they are too many)."""
+        """Row t of logits, its candidates' exact values written in: while the screen's values leave more than
+        widen_mass of the probability outside the exact rows, the rows the screen ranks next get exact values too
+        (n_wides in turn); then, where the margin is not safe, the rows left out whose screen value is within the
+        error of the best (the whole head instead where they are too many)."""
         row = logits[t]
-        if self.n_wide > cand.numel() and self.widen_mass < 1.0:
-            outside = 1.0 - float(torch.exp(torch.logsumexp(row[cand], 0) - torch.logsumexp(row, 0)))
-            if outside > self.widen_mass:
-                wide, left_out = ops.top_about_k(row, self.n_wide)
-                row[wide] = ops.rows_matmul(u, self.output, wide, self.kc)[0]
-                best = max(best, float(row[wide].max()))
-                self.stats.spread += 1
-                self.stats.extra_rows += wide.numel() - cand.numel()
-                cand = wide
+        if self.widen_mass < 1.0:
+            exact: torch.Tensor | None = None
+            for n_wide in self.n_wides:
+                outside = 1.0 - float(torch.exp(torch.logsumexp(row[cand], 0) - torch.logsumexp(row, 0)))
+                if outside <= self.widen_mass:
+                    break
+                wide, left_out = ops.top_about_k(row, n_wide)
+                if exact is None:
+                    exact = torch.zeros(row.shape[0], dtype=torch.bool)
+                    exact[cand] = True
+                new = wide[~exact[wide]]  # only the rows not exact yet are read
+                if new.numel():
+                    row[new] = ops.rows_matmul(u, self.output, new, self.kc)[0]
+                    best = max(best, float(row[new].max()))
+                    exact[new] = True
+                    cand = torch.cat([cand, new])
+                self.stats.spread += int(n_wide == self.n_wides[0])
+                self.stats.spread_steps += 1
+                self.stats.extra_rows += new.numel()
         if best > left_out + err:
             return
         near = row > best - err
