@@ -127,6 +127,26 @@ static void moe_rows(const matmul_table *t, int32_t level, int kind, const uint8
     ffn_mat_matvec(&f, kind, a, x, K, n0, n1, y);
 }
 
+/* rows [n0, n1) of the gate matrix at gw into yg and of the up matrix at uw into yu, one input: moe_rows on each,
+ * the two read side by side where one kernel takes both (a one-token rows kernel of their common kind: the same
+ * bits; two streams of rows in flight instead of one, measured 3-4% less time a token for the experts, -t 1) */
+static void moe_rows_gate_up(const matmul_table *t, int32_t level, const pi_moe_mat *gm, const uint8_t *gw,
+                             const pi_moe_mat *um, const uint8_t *uw, int64_t K, int q8, const act_q8 *a,
+                             const act_q8k *ak, const float *x, int64_t n0, int64_t n1, float *yg, float *yu) {
+    if (n0 >= n1) return;
+    if (q8 && gm->kind == um->kind && !kind_is_kq(gm->kind)) {
+        const ffn_mat f = ffn_mat_of(t, gm->kind, q8, gw, gm->stride, K);
+        if (f.rows != NULL) {
+            act_q8 al = *a;
+            al.ahead = MATVEC_STREAM_AHEAD;
+            f.rows(gw + n0 * gm->stride, gm->stride, uw + n0 * um->stride, um->stride, n1 - n0, &al, yg + n0, yu + n0);
+            return;
+        }
+    }
+    moe_rows(t, level, gm->kind, gw, gm->stride, K, q8, a, ak, x, n0, n1, yg);
+    moe_rows(t, level, um->kind, uw, um->stride, K, q8, a, ak, x, n0, n1, yu);
+}
+
 static int moe_mat_ok(const pi_moe_mat *m, int64_t n_rows, int64_t n_cols) {
     if (m->n_rows != n_rows || m->n_cols != n_cols || n_rows <= 0 || n_cols <= 0) return 0;
     return check_weight(m->kind, m->n_rows, m->n_cols, m->w, m->stride) == PI_OK;
@@ -179,8 +199,15 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
             const int64_t lo = r0 > j * F ? r0 - j * F : 0, hi = r1 < (j + 1) * F ? r1 - j * F : F;
             const uint8_t *gw = moe_expert_w(d, 0, ids[j]), *uw = moe_expert_w(d, 1, ids[j]);
             float *gj = g + j * F, *uj = u + j * F;
+            if (!sparse) { /* every up row: read beside its gate row */
+                moe_rows_gate_up(t, level, gm, gw, um, uw, E, q8, &xa, &xak, xn, lo, hi, gj, uj);
+                for (int64_t n = lo; n < hi; n++) gj[n] = ffn_act(act, gj[n]) * uj[n];
+                n_active += hi - lo;
+                n_read += hi - lo;
+                continue;
+            }
             moe_rows(t, level, gm->kind, gw, gm->stride, E, q8, &xa, &xak, xn, lo, hi, gj);
-            if (sparse) {
+            {
                 /* the up rows of the active neurons (ReGLU: a positive gate; CATS: |act(gate)| above the threshold,
                  * gj then holding act(gate)), a chunk of them at a time: the int8-tile kinds prefetch each row
                  * MOE_ROWS_AHEAD rows of the list ahead (not the stream after it: the rows between are not read),
@@ -234,11 +261,6 @@ PI_EXPORT int32_t pi_moe_experts(const pi_moe_desc *d, const float *xn, const in
                         gj[n] = (thr != NULL ? gj[n] : relu_f(gj[n])) * uj[n];
                     }
                 }
-            } else {
-                moe_rows(t, level, um->kind, uw, um->stride, E, q8, &xa, &xak, xn, lo, hi, uj);
-                for (int64_t n = lo; n < hi; n++) gj[n] = ffn_act(act, gj[n]) * uj[n];
-                n_active += hi - lo;
-                n_read += hi - lo;
             }
         }
         if (d->counts != NULL) {
