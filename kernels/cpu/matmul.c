@@ -281,7 +281,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
         if (rows1 != NULL) {
             const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
             const int64_t r0 = n8 + (N - n8) * me / all, r1 = n8 + (N - n8) * (me + 1) / all;
-            if (r0 < r1) rows1(w + r0 * w_stride, w_stride, NULL, 0, r1 - r0, &a, y + r0, NULL);
+            if (r0 < r1) rows1(w + r0 * w_stride, w_stride, NULL, 0, r1 - r0, &a, NULL, y + r0, NULL);
         } else {
 #pragma omp for schedule(static)
             for (int64_t n0 = n8; n0 < N; n0 += TILE_N) {

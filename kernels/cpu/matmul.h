@@ -64,9 +64,10 @@ typedef void (*tile8_quant_fn)(const uint8_t *const *rows, const act_q8 *a, int6
                                int64_t y_stride);
 /* One token over n consecutive rows at w (stride bytes apart) into y[0..n): the bits of the type's tile_q8 at
  * ntok = 1 row by row (its prefetch too, a->ahead), the per-row work on the activations done once per call. w2 (or
- * NULL): a second matrix's n rows (stride2 apart) against the same input into y2, read side by side with w's. */
+ * NULL): a second matrix's n rows (stride2 apart, rows of the same length) against a2 (NULL: a) into y2, read side by
+ * side with w's. */
 typedef void (*rows_q8_fn)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
-                           const act_q8 *a, float *y, float *y2);
+                           const act_q8 *a, const act_q8 *a2, float *y, float *y2);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
 /* Four rows x ntok <= TILE_T2 tokens into out[r * TILE_T2 + t], as the matching
  * tile_float_fn computes each (the same bits); each activation vector loaded feeds 4 rows, each weight vector

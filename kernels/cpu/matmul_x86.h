@@ -443,52 +443,66 @@ TARGET_INLINE float FN(row_q4_0_x1)(const uint8_t *row, const __m512i *xl, const
     return FN(hsum256)(acc);
 }
 
+/* One input's activations as the rows kernel reads them: elements 0-15 (xl) and 16-31 (xh) of blocks 4i .. 4i + 3 in
+ * vector i, and per group of 8 blocks their d_x (dx) and 8 sum(x) (off) */
+typedef struct {
+    __m512i xl[ROWS_Q4_0_MAX_K / 128], xh[ROWS_Q4_0_MAX_K / 128];
+    __m256 dx[ROWS_Q4_0_MAX_K / 256];
+    __m256i off[ROWS_Q4_0_MAX_K / 256];
+} FN(rows_q4_0_input);
+
+TARGET_INLINE void FN(rows_q4_0_prepare)(const act_q8 *a, FN(rows_q4_0_input) *in) {
+    const int64_t ng = a->nb / 8;
+    for (int64_t i = 0; i < 2 * ng; i++) { /* blocks 4i .. 4i + 3: qs units [b0 0-15 | b0 16-31 | b1 0-15 | ...] */
+        const __m512i q0 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK));
+        const __m512i q1 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK + 64));
+        in->xl[i] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0));
+        in->xh[i] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    for (int64_t g = 0; g < ng; g++) {
+        in->dx[g] = FN(act_pairs)(a->ds + 2 * 8 * g, 0);
+        in->off[g] = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->isum + 8 * g)), 3);
+    }
+}
+
 TARGET_INLINE void FN(rows_q4_0_n)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
-                                   const __m512i *xl, const __m512i *xh, const __m256 *dx, const __m256i *off,
-                                   const act_q8 *a, float *y, float *y2, const int64_t ng) {
+                                   const FN(rows_q4_0_input) *in, const FN(rows_q4_0_input) *in2, const act_q8 *a,
+                                   float *y, float *y2, const int64_t ng) {
     if (w2 == NULL) {
-        for (int64_t r = 0; r < n; r++) y[r] = FN(row_q4_0_x1)(w + r * stride, xl, xh, dx, off, a, ng);
+        for (int64_t r = 0; r < n; r++) y[r] = FN(row_q4_0_x1)(w + r * stride, in->xl, in->xh, in->dx, in->off, a, ng);
         return;
     }
     for (int64_t r0 = 0; r0 < n; r0 += ROWS_Q4_0_PAIR_RUN) {
         const int64_t r1 = min_i64(r0 + ROWS_Q4_0_PAIR_RUN, n);
-        for (int64_t r = r0; r < r1; r++) y[r] = FN(row_q4_0_x1)(w + r * stride, xl, xh, dx, off, a, ng);
-        for (int64_t r = r0; r < r1; r++) y2[r] = FN(row_q4_0_x1)(w2 + r * stride2, xl, xh, dx, off, a, ng);
+        for (int64_t r = r0; r < r1; r++) y[r] = FN(row_q4_0_x1)(w + r * stride, in->xl, in->xh, in->dx, in->off, a, ng);
+        for (int64_t r = r0; r < r1; r++)
+            y2[r] = FN(row_q4_0_x1)(w2 + r * stride2, in2->xl, in2->xh, in2->dx, in2->off, a, ng);
     }
 }
 
 /* y[r] = row r . x for r < n, the rows stride bytes apart, one token in the q8 precision (a: act_q8_prepare's):
  * the bits of tile_q4_0 at ntok = 1 (a->ahead: its prefetch), without its per-row work on the activations: they are
- * rearranged once per call (elements 0-15 and 16-31 of blocks 4h .. 4h + 3 in one vector each), their scales and
- * 8 sum(x) per group of 8 blocks laid out once; w2 (or NULL): a second matrix's rows against the same input into
- * y2, read in turns with w's (two streams in flight). Rows of a multiple of 8 blocks up to ROWS_Q4_0_MAX_K; others
- * row by row through tile_q4_0. */
+ * rearranged once per call (rows_q4_0_input); w2 (or NULL): a second matrix's rows of the same length against a2
+ * (NULL: a) into y2, read in turns with w's (two streams in flight). Rows of a multiple of 8 blocks up to
+ * ROWS_Q4_0_MAX_K; others row by row through tile_q4_0. */
 TARGET static void FN(rows_q4_0)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
-                                 const act_q8 *a, float *y, float *y2) {
+                                 const act_q8 *a, const act_q8 *a2, float *y, float *y2) {
     const int64_t nb = a->nb, ng = nb / 8;
-    if (nb % 8 != 0 || a->K > ROWS_Q4_0_MAX_K) {
+    if (a2 == NULL) a2 = a;
+    if (nb % 8 != 0 || a->K > ROWS_Q4_0_MAX_K || a2->K != a->K) {
         for (int64_t r = 0; r < n; r++) FN(tile_q4_0)(w + r * stride, a, 0, 1, y + r);
-        for (int64_t r = 0; w2 != NULL && r < n; r++) FN(tile_q4_0)(w2 + r * stride2, a, 0, 1, y2 + r);
+        for (int64_t r = 0; w2 != NULL && r < n; r++) FN(tile_q4_0)(w2 + r * stride2, a2, 0, 1, y2 + r);
         return;
     }
-    __m512i xl[ROWS_Q4_0_MAX_K / 128], xh[ROWS_Q4_0_MAX_K / 128];
-    __m256 dx[ROWS_Q4_0_MAX_K / 256];
-    __m256i off[ROWS_Q4_0_MAX_K / 256];
-    for (int64_t i = 0; i < 2 * ng; i++) { /* blocks 4i .. 4i + 3: qs units [b0 0-15 | b0 16-31 | b1 0-15 | ...] */
-        const __m512i q0 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK));
-        const __m512i q1 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK + 64));
-        xl[i] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0));
-        xh[i] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-    for (int64_t g = 0; g < ng; g++) {
-        dx[g] = FN(act_pairs)(a->ds + 2 * 8 * g, 0);
-        off[g] = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->isum + 8 * g)), 3);
-    }
+    FN(rows_q4_0_input) in[2];
+    FN(rows_q4_0_prepare)(a, &in[0]);
+    if (w2 != NULL && a2 != a) FN(rows_q4_0_prepare)(a2, &in[1]);
+    const FN(rows_q4_0_input) *in2 = a2 != a ? &in[1] : &in[0];
     switch (ng) { /* the common row lengths with a constant group count */
-        case 2: FN(rows_q4_0_n)(w, stride, w2, stride2, n, xl, xh, dx, off, a, y, y2, 2); break;
-        case 4: FN(rows_q4_0_n)(w, stride, w2, stride2, n, xl, xh, dx, off, a, y, y2, 4); break;
-        case 8: FN(rows_q4_0_n)(w, stride, w2, stride2, n, xl, xh, dx, off, a, y, y2, 8); break;
-        default: FN(rows_q4_0_n)(w, stride, w2, stride2, n, xl, xh, dx, off, a, y, y2, ng); break;
+        case 2: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 2); break;
+        case 4: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 4); break;
+        case 8: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 8); break;
+        default: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, ng); break;
     }
 }
 #endif

@@ -187,7 +187,7 @@ static inline void ffn_mat_matvec(const ffn_mat *f, int kind, const act_q8 *a, c
         act_q8 al = *a;
         al.ahead = MATVEC_STREAM_AHEAD;
         if (f->rows != NULL)
-            f->rows(f->w + n0 * f->stride, f->stride, NULL, 0, n1 - n0, &al, y + n0, NULL);
+            f->rows(f->w + n0 * f->stride, f->stride, NULL, 0, n1 - n0, &al, NULL, y + n0, NULL);
         else
             for (int64_t n = n0; n < n1; n++) f->tq(f->w + n * f->stride, &al, 0, 1, y + n);
         return;
