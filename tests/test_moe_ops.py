@@ -82,6 +82,35 @@ def test_one_token_paths_equal_per_expert_matmuls(name: str, act: str, precision
         assert torch.equal(experts(x, ids, weights), want)
 
 
+@pytest.mark.parametrize("n_used", [4, 5])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_token_q4_0_rows_read_in_pairs_equal_per_expert_matmuls(n_used: int, threads: int):
+    """Q4_0 experts of the bench files' widths (n_embd 1024, n_ff 512): one token's gate and up rows read side by side
+    and two experts' down rows side by side (the rows kernel with a second matrix, an odd expert alone), at 1 and 2
+    threads: bit for bit the per-expert linear path."""
+    from powerinfer.model.moe import Experts, MoESpec, route
+
+    E, F, D = 8, 512, 1024
+    t = GGMLType.Q4_0
+    rng = np.random.default_rng(7)
+
+    def stack(rows: int, cols: int) -> ops.QWeight:
+        data = rng.normal(0.0, 0.1, (E * rows, cols)).astype(np.float32)
+        return ops.QWeight.from_numpy(np.asarray(quantize(data, t)), t, (E * rows, cols))
+
+    spec = MoESpec(n_expert=E, n_expert_used=n_used, n_ff_exp=F, act="silu", norm_weights=True)
+    kc = ops.default_context().replace(act_precision="q8", n_threads=threads)
+    experts = Experts(spec, stack(F, D), stack(F, D), stack(D, F), kc)
+    assert experts.kernel is not None
+    for seed in range(3):
+        x = torch.randn(1, D, generator=torch.Generator().manual_seed(seed))
+        ids, weights = route(torch.randn(1, E, generator=torch.Generator().manual_seed(20 + seed)), spec)
+        want = torch.zeros(1, D)
+        for j, e in enumerate(ids[0].tolist()):
+            want += experts.expert(e, x) * weights[0, j]
+        assert torch.equal(experts(x, ids, weights), want)
+
+
 @pytest.mark.parametrize("name", ["F16", "Q4_0", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("act", ["silu", "relu"])
 @pytest.mark.parametrize("precision", ["f32", "q8"])

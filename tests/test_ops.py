@@ -230,6 +230,30 @@ def test_linear_short_rows_decode_equals_batch(ggml_type, isa, act):
 
 
 @needs_kernels
+@needs_isa("avx512")
+def test_q4_0_one_token_rows_kernel_has_the_tile_bits():
+    """One token over Q4_0 rows of a multiple of 8 blocks runs the AVX-512 rows kernel (rows_q4_0: activations
+    rearranged once per call, 4 blocks per 512-bit vector; from 64 rows the two halves read in turns); its bits are
+    those of the tiles of a batch (panels of 16 and 8 rows, 4-token tiles) and of the AVX2 variant (the row tile, one
+    row per call), at 1 and 2 threads, group counts with and without a specialised body, odd and even row counts,
+    and rows of other block counts (the fallback)."""
+    avx2 = ops.KernelContext(act_precision="q8", isa="avx2")
+    for n_cols, n_rows in itertools.product([256, 512, 768, 1024, 2048, 4096, 288], [1, 37, 129, 512]):
+        w = make_weight(GGMLType.Q4_0, n_rows, n_cols, seed=n_cols + n_rows)
+        x = make_x(5, n_cols, seed=n_rows)
+        batch = ops.linear(x, w, avx2.replace(isa="avx512"))
+        for threads in (1, 2):
+            kc = avx2.replace(isa="avx512", n_threads=threads)
+            single = torch.stack([ops.linear(x[t], w, kc) for t in range(x.shape[0])])
+            assert torch.equal(single, batch), (n_cols, n_rows, threads)
+            assert torch.equal(single, ops.linear(x, w, avx2.replace(n_threads=threads))), (
+                n_cols,
+                n_rows,
+                threads,
+            )
+
+
+@needs_kernels
 @pytest.mark.parametrize(
     ("n_head", "n_head_kv", "head_dim"), [(9, 3, 64), (6, 3, 24), (15, 5, 32), (4, 1, 64)]
 )

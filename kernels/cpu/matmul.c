@@ -253,6 +253,8 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     const tile8_quant_fn tile8 = tile8_for(table, tile, T, nb), tile16 = tile16_for(table, tile, T, nb);
     const int64_t n16 = tile16 != NULL ? N / 16 * 16 : 0;
     const int64_t n8 = tile8 != NULL ? N / 8 * 8 : 0;
+    /* one token's dense rows after the panels: each thread's share in one call where the type has one (tile's bits) */
+    const rows_q8_fn rows1 = rows == NULL && T == 1 ? rows_q8_for(table, tile) : NULL;
     const size_t panel_bytes = (size_t)nb * (n16 > 0 ? PANEL16_BYTES_PER_BLOCK : PANEL_MAX_BYTES_PER_BLOCK);
     uint8_t *panels = n8 > 0 ? aligned_alloc(64, ((size_t)nt * panel_bytes + 63) & ~(size_t)63) : NULL;
     if (n8 > 0 && panels == NULL) {
@@ -281,23 +283,29 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
                 tile8(r8, &a, T, panel, y + n0, y_stride);
             }
         }
+        if (rows1 != NULL) {
+            const int64_t me = omp_get_thread_num(), all = omp_get_num_threads();
+            const int64_t r0 = n8 + (N - n8) * me / all, r1 = n8 + (N - n8) * (me + 1) / all;
+            if (r0 < r1) rows1(w + r0 * w_stride, w_stride, NULL, 0, r1 - r0, &a, NULL, y + r0, NULL);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t n0 = n8; n0 < N; n0 += TILE_N) {
-            const int64_t n1 = min_i64(n0 + TILE_N, N);
-            for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
-                const int ntok = (int)min_i64(TILE_T, T - t0);
-                for (int64_t n = n0; n < n1; n++) {
-                    float out[TILE_T];
-                    act_q8 an = a;
-                    if (rows != NULL && T == 1) {
-                        /* one token's listed rows: streamed by the row ROWS_STREAM_AHEAD down the list (matmul.h) */
-                        listed_ahead(&an, n + ROWS_STREAM_AHEAD < N ? rows[n + ROWS_STREAM_AHEAD] - rows[n] : 0,
-                                     ROWS_STREAM_AHEAD, w_stride);
-                    } else if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
-                        prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+            for (int64_t n0 = n8; n0 < N; n0 += TILE_N) {
+                const int64_t n1 = min_i64(n0 + TILE_N, N);
+                for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+                    const int ntok = (int)min_i64(TILE_T, T - t0);
+                    for (int64_t n = n0; n < n1; n++) {
+                        float out[TILE_T];
+                        act_q8 an = a;
+                        if (rows != NULL && T == 1) {
+                            /* one token's listed rows: streamed by the row ROWS_STREAM_AHEAD down the list (matmul.h) */
+                            listed_ahead(&an, n + ROWS_STREAM_AHEAD < N ? rows[n + ROWS_STREAM_AHEAD] - rows[n] : 0,
+                                         ROWS_STREAM_AHEAD, w_stride);
+                        } else if (rows != NULL && row_bytes > 0 && t0 == 0 && n + ROWS_PREFETCH_AHEAD < N) {
+                            prefetch_bytes(w + rows[n + ROWS_PREFETCH_AHEAD] * w_stride, row_bytes);
+                        }
+                        tile(w + row_of(rows, n) * w_stride, &an, t0, ntok, out);
+                        for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
                     }
-                    tile(w + row_of(rows, n) * w_stride, &an, t0, ntok, out);
-                    for (int j = 0; j < ntok; j++) y[(t0 + j) * y_stride + n] = out[j];
                 }
             }
         }

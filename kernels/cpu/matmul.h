@@ -67,6 +67,12 @@ typedef void (*tile_quant_fn)(const uint8_t *row, const act_q8 *a, int64_t t0, i
  * 32-byte aligned. */
 typedef void (*tile8_quant_fn)(const uint8_t *const *rows, const act_q8 *a, int64_t T, uint8_t *panel, float *y,
                                int64_t y_stride);
+/* One token over n consecutive rows at w (stride bytes apart) into y[0..n): the bits of the type's tile_q8 at
+ * ntok = 1 row by row (its prefetch too, a->ahead), the per-row work on the activations done once per call. w2 (or
+ * NULL): a second matrix's n rows (stride2 apart, rows of the same length) against a2 (NULL: a) into y2, read side by
+ * side with w's. */
+typedef void (*rows_q8_fn)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
+                           const act_q8 *a, const act_q8 *a2, float *y, float *y2);
 typedef void (*tile_float_fn)(const uint8_t *row, int64_t K, const float *x, int64_t x_stride, int ntok, float *out);
 /* One dense row x ntok <= TILE_TS tokens in one pass, as tile_float_fn computes each (the same bits), prefetching
  * `ahead` bytes past what it reads (0: none) */
@@ -92,6 +98,7 @@ typedef void (*rows_dot_fn)(const uint8_t *const *rows, int R, int64_t K, const 
 /* The kernels of one weight type at one SIMD level; NULL where the type has none. */
 typedef struct {
     tile_quant_fn tile_q8; /* int8 activations (act_q8): the "q8" precision of the block-32 types */
+    rows_q8_fn rows_q8;    /* one token over consecutive rows, tile_q8's bits (NULL: tile_q8 row by row) */
     tile_float_fn tile;    /* float activations, ntok <= TILE_TQ: the float types, the exact kernel of the quant types */
     rows_dot_fn dot;       /* float activations, one token, R rows at once: the arithmetic of `tile` */
     tile_float4_fn tile4;  /* float types, prompts: 4 rows x TILE_T2 tokens (NULL: one row at a time) */
@@ -139,6 +146,14 @@ static inline tile8_quant_fn tile16_for(const matmul_table *table, tile_quant_fn
         const type_kernels *k = &table->types[i];
         if (k->tile_q8 == tile) return T >= k->tile8_min_t ? k->tile16 : NULL;
     }
+    return NULL;
+}
+
+/* The one-token kernel over consecutive rows for the int8 tile `tile` (a tile_q8 of table's), or NULL: row by row. */
+static inline rows_q8_fn rows_q8_for(const matmul_table *table, tile_quant_fn tile) {
+    if (tile == NULL) return NULL;
+    for (int i = 0; i < PI_TYPE_COUNT; i++)
+        if (table->types[i].tile_q8 == tile) return table->types[i].rows_q8;
     return NULL;
 }
 

@@ -34,7 +34,7 @@
             [PI_TYPE_F32] = FLOAT_KERNELS(isa, f32),                                                               \
             [PI_TYPE_F16] = FLOAT_KERNELS(isa, f16),                                                               \
             [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
-            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .tile8 = TILE8(isa, q4_0), .tile16 = TILE16(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+            [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .rows_q8 = ROWS_Q8(isa, q4_0), .tile8 = TILE8(isa, q4_0), .tile16 = TILE16(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
             [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile16 = TILE16(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
@@ -56,6 +56,9 @@
 #define TILE8(isa, type) tile8_##type##_##isa
 #define TILE16(isa, type) tile16_##type##_##isa
 #define R8(isa) r8_q4_0_##isa
+#define ROWS_Q8(isa, type) rows_##type##_##isa
+#define rows_q4_0_scalar NULL
+#define rows_q4_0_avx2 NULL
 #define r8_q4_0_scalar r8_coef4_scalar
 #define tile4_f32_scalar NULL
 #define tile4_f16_scalar NULL
@@ -90,6 +93,9 @@ static const matmul_table matmul_tables[] = {
 #undef TILE8
 #undef TILE16
 #undef R8
+#undef ROWS_Q8
+#undef rows_q4_0_scalar
+#undef rows_q4_0_avx2
 #undef r8_q4_0_scalar
 #undef tile4_f32_scalar
 #undef tile4_f16_scalar

@@ -163,6 +163,7 @@ typedef struct {
     int64_t row_bytes;
     rows_dot_fn dot;   /* float activations */
     tile_quant_fn tq;  /* int8 activations ("q8" precision, kind_has_q8_tile kinds); NULL otherwise */
+    rows_q8_fn rows;   /* with tq: consecutive rows in one call, tq's bits (NULL: tq row by row) */
 } ffn_mat;
 
 /* bytes of a row of K elements of a kind (K a multiple of its block: check_weight) */
@@ -172,7 +173,7 @@ static inline ffn_mat ffn_mat_of(const matmul_table *t, int kind, int q8, const 
     /* the K-quants have float activations in both precisions here (their q8 matvec is kq8_rows, matmul_q8k.c) */
     const type_kernels *k = &t->types[kind];
     return (ffn_mat){.w = w, .stride = stride, .row_bytes = row_bytes_of(kind, K), .dot = k->dot,
-                     .tq = q8 ? k->tile_q8 : NULL};
+                     .tq = q8 ? k->tile_q8 : NULL, .rows = q8 ? k->rows_q8 : NULL};
 }
 
 /* y[n] = rows n of f . x for n in [n0, n1), consecutive rows of one token (a dense matrix read in order), with the
@@ -185,7 +186,10 @@ static inline void ffn_mat_matvec(const ffn_mat *f, int kind, const act_q8 *a, c
     if (f->tq != NULL) {
         act_q8 al = *a;
         al.ahead = MATVEC_STREAM_AHEAD;
-        for (int64_t n = n0; n < n1; n++) f->tq(f->w + n * f->stride, &al, 0, 1, y + n);
+        if (f->rows != NULL)
+            f->rows(f->w + n0 * f->stride, f->stride, NULL, 0, n1 - n0, &al, NULL, y + n0, NULL);
+        else
+            for (int64_t n = n0; n < n1; n++) f->tq(f->w + n * f->stride, &al, 0, 1, y + n);
         return;
     }
     const int stream = kind == PI_TYPE_F32 || kind == PI_TYPE_F16 || kind == PI_TYPE_BF16;
