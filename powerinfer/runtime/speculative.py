@@ -111,12 +111,13 @@ class ModelDrafter:
         drafts = [Draft() for _ in seqs]
         # the draft reads what the target's slot holds (after a context shift, the kept tokens and the rest); the
         # last draft token is not evaluated: L + n - 1 positions of the draft's context
-        limits = [min(n, e.n_ctx - len(held_tokens(s)) + 1) for s, n in zip(seqs, limits, strict=True)]
+        held = [held_tokens(s) for s in seqs]
+        limits = [min(n, e.n_ctx - len(h) + 1) for h, n in zip(held, limits, strict=True)]
         todo = [i for i, n in enumerate(limits) if n > 0]
         if not todo:
             return drafts
         try:
-            rows = self._catch_up([seqs[i] for i in todo])
+            rows = self._catch_up([seqs[i] for i in todo], [held[i] for i in todo])
             while todo:
                 going = []
                 for i, row in zip(todo, rows, strict=True):
@@ -144,20 +145,20 @@ class ModelDrafter:
             raise
         return drafts
 
-    def _catch_up(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Evaluate what each sequence's held tokens add to its draft slot; the last token's logits of each."""
+    def _catch_up(self, seqs: list[Sequence], held: list[list[int]]) -> list[torch.Tensor]:
+        """Evaluate what each sequence's held tokens (`held`: context_shift.held_tokens of each) add to its draft
+        slot; the last token's logits of each."""
         e = self.engine
         rows: dict[int, torch.Tensor] = {}
         ids: list[int] = []
         tokens: list[int] = []
         positions: list[int] = []
-        for s in seqs:
+        for s, history in zip(seqs, held, strict=True):
             cached = self.cached[s.slot]
             seq, n_synced, n_shifts = self.synced[s.slot]
             if seq is s and n_shifts < len(s.shifts):  # the target shifted its context since: the same here
                 n_synced = self._shift(s.slot, s.shifts[n_shifts:])
                 n_shifts = len(s.shifts)
-            history = held_tokens(s)
             if seq is s and n_shifts == len(s.shifts) and n_synced <= len(history):  # it only grew since
                 same = n_synced + common_prefix(cached[n_synced:], history[n_synced:])
             else:  # another request in this slot: the prompt it shares
