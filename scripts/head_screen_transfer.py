@@ -24,7 +24,7 @@ import torch
 
 from powerinfer import ops
 from powerinfer.model.blocks import Head
-from powerinfer.model.head import WIDEN_MASS, SparseHead, build_head_screen
+from powerinfer.model.head import HEAD_CANDIDATES, WIDEN_MASS, SparseHead, build_head_screen
 from powerinfer.runtime.engine import Engine, EngineOptions
 from powerinfer.runtime.head_cache import screen_hidden
 from powerinfer.sparsify.default import smollm2_gguf
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--screens", default="narrow,docstrings,mix,narrow+mix", help="which screens to score")
     ap.add_argument("--widen-mass", type=float, default=WIDEN_MASS)
+    ap.add_argument("--candidates", type=int, default=HEAD_CANDIDATES, help="rows computed exactly before widening")
     args = ap.parse_args()
     model = args.model or smollm2_gguf()
     narrow = args.narrow.read_text() if args.narrow else narrow_default()
@@ -76,7 +77,9 @@ def main() -> None:
     n_vocab, n_embd = head.output.shape
     plain = Head(lambda x: x, head.output, kc)  # type: ignore[arg-type]
     heads = {
-        name: SparseHead(plain, *s.weights(n_vocab, n_embd), kc, widen_mass=args.widen_mass)  # type: ignore[arg-type]
+        name: SparseHead(
+            plain, *s.weights(n_vocab, n_embd), kc, n_candidates=args.candidates, widen_mass=args.widen_mass
+        )  # type: ignore[arg-type]
         for name, s in screens.items()
     }
     evals = {k: held_out_text(k) for k in HELD_OUT_KINDS}

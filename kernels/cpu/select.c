@@ -110,39 +110,59 @@ static int64_t select_above_avx512(const float *s, int64_t n, uint32_t lo, int64
 }
 #endif
 
+/* pi_sampled_key(s, n, k, scratch, key): *key = the key of tau, the ceil(k / 16)-th largest of every 16th value of
+ * s[0..n) (pi_top_k on the sample); ceil(k / 16) <= n / 16. scratch: n floats. A set of about k large values is then
+ * every index at or above it (pi_select_at_least): two passes over s where pi_top_k makes four. */
+int32_t pi_sampled_key(const float *s, int64_t n, int64_t k, float *scratch, uint32_t *key) {
+    const int64_t n_sample = n / 16, k_sample = (k + 15) / 16;
+    if (k <= 0 || k_sample > n_sample) return PI_ERR_SHAPE;
+    float *sample = scratch;
+    for (int64_t i = 0; i < n_sample; i++) sample[i] = s[16 * i];
+    int64_t *sample_idx = (int64_t *)(scratch + n_sample + (n_sample & 1)); /* 8-byte aligned, within n floats */
+    float *rest = scratch + n_sample + (n_sample & 1) + 2 * k_sample;
+    float below;
+    const int32_t status = pi_top_k(sample, n_sample, k_sample, sample_idx, &below, rest);
+    if (status != PI_OK) return status;
+    uint32_t lo = key_of(sample[sample_idx[0]]); /* tau's key: the smallest of the sample's largest */
+    for (int64_t j = 1; j < k_sample; j++) {
+        const uint32_t kj = key_of(sample[sample_idx[j]]);
+        lo = kj < lo ? kj : lo;
+    }
+    *key = lo;
+    return PI_OK;
+}
+
+/* pi_select_at_least(s, n, lo, cap, idx, next, isa): every index of s[0..n) whose key is >= lo, in increasing order
+ * (the first `cap` of them to idx), and *next the largest value below (-inf when none); returns how many there are.
+ * isa (enum pi_isa): at PI_ISA_AVX512 the pass runs 16 keys at a time (select_above_avx512), with the same result. */
+int64_t pi_select_at_least(const float *s, int64_t n, uint32_t lo, int64_t cap, int64_t *idx, float *next,
+                           int32_t isa) {
+    uint32_t left = 0;
+    int any_left = 0;
+    const int64_t count = pi_isa_clamp(isa) >= PI_ISA_AVX512
+                              ? select_above_avx512(s, n, lo, cap, idx, &left, &any_left)
+                              : select_above(s, 0, n, lo, cap, 0, idx, &left, &any_left);
+    *next = any_left ? value_of(left) : -INFINITY;
+    return count;
+}
+
 /* pi_top_about_k(s, n, k, idx, m, next, scratch): about k of the largest values of s[0..n), for a caller that needs
- * a set of large values and the largest value left out, not exactly k of them: tau = the ceil(k / 16)-th largest
- * of every 16th value (pi_top_k on the sample), and the set is every index with s >= tau, in increasing order
- * (*m of them, 0 < *m <= n), *next the largest value below tau (-inf when none). Where the set would be over 4k,
- * or n < 32k, it is pi_top_k's exact k instead. Two passes over s instead of four: ~3x faster than pi_top_k on
- * 49152 values. idx holds up to max(4k, k) entries; scratch n floats. NaN is the smallest value. isa (enum pi_isa):
- * at PI_ISA_AVX512 the pass over s runs 16 keys at a time (select_above_avx512), with the same result. */
+ * a set of large values and the largest value left out, not exactly k of them: every index at or above the sampled
+ * threshold tau (pi_sampled_key), in increasing order (*m of them, 0 < *m <= n), *next the largest value below tau
+ * (-inf when none). Where the set would be over 4k, or n < 32k, it is pi_top_k's exact k instead. ~3x faster than
+ * pi_top_k on 49152 values. idx holds up to max(4k, k) entries; scratch n floats. NaN is the smallest value. isa
+ * (enum pi_isa): the SIMD level of the pass, with the same result. */
 PI_EXPORT int32_t pi_top_about_k(const float *s, int64_t n, int64_t k, int64_t *idx, int64_t *m, float *next,
                                  float *scratch, int32_t isa) {
     if (s == NULL || idx == NULL || m == NULL || next == NULL || scratch == NULL || n <= 0 || k <= 0 || k > n)
         return PI_ERR_SHAPE;
     if (n >= 32 * k) {
-        const int64_t n_sample = n / 16, k_sample = (k + 15) / 16;
-        float *sample = scratch;
-        for (int64_t i = 0; i < n_sample; i++) sample[i] = s[16 * i];
-        int64_t *sample_idx = (int64_t *)(scratch + n_sample + (n_sample & 1)); /* 8-byte aligned, within n floats */
-        float *rest = scratch + n_sample + (n_sample & 1) + 2 * k_sample;
-        float below;
-        const int32_t status = pi_top_k(sample, n_sample, k_sample, sample_idx, &below, rest);
+        uint32_t lo;
+        const int32_t status = pi_sampled_key(s, n, k, scratch, &lo);
         if (status != PI_OK) return status;
-        uint32_t lo = key_of(sample[sample_idx[0]]); /* tau's key: the smallest of the sample's largest */
-        for (int64_t j = 1; j < k_sample; j++) {
-            const uint32_t key = key_of(sample[sample_idx[j]]);
-            lo = key < lo ? key : lo;
-        }
-        uint32_t left = 0;
-        int any_left = 0;
-        const int64_t count = pi_isa_clamp(isa) >= PI_ISA_AVX512
-                                  ? select_above_avx512(s, n, lo, 4 * k, idx, &left, &any_left)
-                                  : select_above(s, 0, n, lo, 4 * k, 0, idx, &left, &any_left);
+        const int64_t count = pi_select_at_least(s, n, lo, 4 * k, idx, next, isa);
         if (count <= 4 * k) {
             *m = count;
-            *next = any_left ? value_of(left) : -INFINITY;
             return PI_OK;
         }
     }

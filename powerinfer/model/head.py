@@ -90,15 +90,16 @@ class SparseHead:
         # a token whose near rows exceed this computes the whole head instead
         self.max_extra = max(self.n_candidates, n_vocab // 8)
         self.stats = HeadStats()
-        # one token's chain in one kernel call (None where the kernels do not apply: the ops one by one)
+        # one token's chain in one kernel call (None where the kernels do not apply: the torch path)
         # the norm too where it is an RMSNorm of the kernels (Norm's kinds "rms" and "rms_1p")
         norm = self.norm
         self.chain_norms = isinstance(norm, Norm) and norm.spec.kind != "layer"
         rms = (norm.weight, norm.spec.eps) if self.chain_norms else None
-        self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc, rms)
+        wides = tuple(self.n_wides)
+        self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc, rms, widen_mass, wides)
         if self.chain is None and rms is not None:
             self.chain_norms = False
-            self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc)
+            self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc, None, widen_mass, wides)
 
     def read_bytes(self) -> int:
         """Weight bytes a safe token reads: projection, screen and the candidates' rows."""
@@ -106,76 +107,82 @@ class SparseHead:
         return int(self.proj.raw.numel() + self.screen.raw.numel() + self.n_candidates * row)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        kc, k = self.kc, self.n_candidates
-        if x.shape[0] == 1 and self.chain is not None:  # one token: the whole chain in one kernel call
-            if self.chain_norms:
+        kc, chain = self.kc, self.chain
+        self.stats.tokens += x.shape[0]
+        if x.shape[0] == 1 and chain is not None:  # one token: the whole chain in one kernel call
+            if not self.chain_norms:
+                x = self.norm(x)
+            if x.dtype is not torch.float32 or not x.is_contiguous():
                 x = x.to(torch.float32).contiguous()
-            else:
-                x = self.norm(x).contiguous()
-            r = self.chain(x)
-            self._settle(r.u, r.logits, 0, r.candidates, r.left_out, r.err, r.best)
-            self.stats.tokens += 1
+            r = chain(x)
+            self._settle(r, r.logits, 0)
             return r.logits
         u = self.norm(x).contiguous()
         z = ops.linear(u, self.proj, kc)
         logits = ops.linear(z.contiguous(), self.screen, kc)  # (T, V)
         for t in range(u.shape[0]):
-            row = logits[t]
-            cand, left_out = ops.top_about_k(row, k)
-            exact = ops.rows_matmul(u[t : t + 1], self.output, cand, kc)[0]
-            err = float((exact - row[cand]).abs().max())
-            best = float(exact.max())
-            row[cand] = exact
-            self._settle(u[t : t + 1], logits, t, cand, left_out, err, best)
-        self.stats.tokens += u.shape[0]
+            ut = u[t : t + 1]
+            if chain is not None:  # the chain after its screen: the bits of the token alone
+                self._settle(chain.pick(ut, logits[t : t + 1]), logits, t)
+            else:
+                self._settle(self._pick_torch(ut, logits[t]), logits, t)
         return logits
 
-    def _settle(
-        self,
-        u: torch.Tensor,
-        logits: torch.Tensor,
-        t: int,
-        cand: torch.Tensor,
-        left_out: float,
-        err: float,
-        best: float,
-    ) -> None:
-        """Row t of logits, its candidates' exact values written in: while the screen's values leave more than
-        widen_mass of the probability outside the exact rows, the rows the screen ranks next get exact values too
-        (n_wides in turn); then, where the margin is not safe, the rows left out whose screen value is within the
-        error of the best (the whole head instead where they are too many)."""
-        row = logits[t]
+    def _pick_torch(self, u: torch.Tensor, row: torch.Tensor) -> ops.HeadResult:
+        """The chain's pick where the kernels do not apply (ops.top_about_k's rows, the widening by torch's
+        logsumexp over the row with the exact values written in); the same rule, not the same bits."""
+        kc = self.kc
+        cand, left_out = ops.top_about_k(row, self.n_candidates)
+        exact = ops.rows_matmul(u, self.output, cand, kc)[0]
+        err = float((exact - row[cand]).abs().max())
+        best = float(exact.max())
+        row[cand] = exact
+        steps = new_rows = 0
         if self.widen_mass < 1.0:
-            exact: torch.Tensor | None = None
+            done: torch.Tensor | None = None
             for n_wide in self.n_wides:
                 outside = 1.0 - float(torch.exp(torch.logsumexp(row[cand], 0) - torch.logsumexp(row, 0)))
                 if outside <= self.widen_mass:
                     break
                 wide, left_out = ops.top_about_k(row, n_wide)
-                if exact is None:
-                    exact = torch.zeros(row.shape[0], dtype=torch.bool)
-                    exact[cand] = True
-                new = wide[~exact[wide]]  # only the rows not exact yet are read
+                if done is None:
+                    done = torch.zeros(row.shape[0], dtype=torch.bool)
+                    done[cand] = True
+                new = wide[~done[wide]]  # only the rows not exact yet are read
                 if new.numel():
-                    row[new] = ops.rows_matmul(u, self.output, new, self.kc)[0]
+                    row[new] = ops.rows_matmul(u, self.output, new, kc)[0]
                     best = max(best, float(row[new].max()))
-                    exact[new] = True
+                    done[new] = True
                     cand = torch.cat([cand, new])
-                self.stats.spread += int(n_wide == self.n_wides[0])
-                self.stats.spread_steps += 1
-                self.stats.extra_rows += new.numel()
-        if best > left_out + err:
+                steps += 1
+                new_rows += new.numel()
+        return ops.HeadResult(u, row[None], cand, cand.numel(), left_out, err, best, steps, new_rows, False)
+
+    def _settle(self, r: ops.HeadResult, logits: torch.Tensor, t: int) -> None:
+        """Row t of logits after the pick r (its exact rows written in): where the pick's set overflowed, the whole
+        head; where the margin is not safe, the rows left out whose screen value is within the error of the best
+        get exact values too (the whole head instead where they are too many)."""
+        stats, u = self.stats, r.u
+        if r.whole:
+            logits[t] = ops.linear(u, self.output, self.kc)[0]
+            stats.fallbacks += 1
             return
-        near = row > best - err
-        near[cand] = False
+        stats.spread += int(r.steps > 0)
+        stats.spread_steps += r.steps
+        stats.extra_rows += r.new_rows
+        if r.best > r.left_out + r.err:
+            return
+        row = logits[t]
+        near = row > r.best - r.err
+        near[r.candidates] = False
         extra = near.nonzero().view(-1)
         if extra.numel() > self.max_extra:
             logits[t] = ops.linear(u, self.output, self.kc)[0]
-            self.stats.fallbacks += 1
+            stats.fallbacks += 1
             return
         row[extra] = ops.rows_matmul(u, self.output, extra, self.kc)[0]
-        self.stats.widened += 1
-        self.stats.extra_rows += extra.numel()
+        stats.widened += 1
+        stats.extra_rows += extra.numel()
 
 
 # ---- the screen: a principal basis of calibration hidden states and the head seen in it.

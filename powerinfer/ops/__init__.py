@@ -23,7 +23,7 @@ from powerinfer.ops.attention import (
 )
 from powerinfer.ops.context import ACT_PRECISIONS, KernelContext, default_context
 from powerinfer.ops.dense import get_rows, linear, top_about_k, top_k
-from powerinfer.ops.head import HeadChain, head_chain
+from powerinfer.ops.head import HeadChain, HeadResult, head_chain
 from powerinfer.ops.layer import (
     AttnBlock,
     CATSFFNBlock,
@@ -63,6 +63,7 @@ __all__ = [
     "DecodeStack",
     "decode_stack",
     "HeadChain",
+    "HeadResult",
     "head_chain",
     "CATSFFNBlock",
     "FFNBlock",

@@ -197,7 +197,9 @@ class Library:
     decode_stack_tokens: Any  # a few tokens of one sequence through dense layers
     decode_stack_tokens_scratch_bytes: Any
     head_t1: Any  # the sparse output head's chain for one token (kernels/cpu/head.c)
-    head_t1_scratch_bytes: Any
+    head_pick: Any  # its rows for one token of a step whose screen was computed over all tokens
+    head_scratch_bytes: Any
+    head_ids_room: Any
     repack_rows8: Any  # a matrix's rows repacked by 8 (kernels/cpu/matmul.c; the registry's rows8 types)
     matvec_rows8: Any  # one token over them, the q8 precision
 
@@ -281,8 +283,10 @@ def _open(path: str) -> Library:
         decode_stack_tokens_scratch_bytes=_symbol(
             lib, "pi_decode_stack_tokens_scratch_bytes", (_ptr, _ptr, _i64, _i64), _i64
         ),
-        head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 10 + (_i64, _i32, _i32)),
-        head_t1_scratch_bytes=_symbol(lib, "pi_head_t1_scratch_bytes", (_i64,) * 3, _i64),
+        head_t1=_symbol(lib, "pi_head_t1", (_ptr,) * 7 + (_i64, _i32, _i32)),
+        head_pick=_symbol(lib, "pi_head_pick", (_ptr,) * 6 + (_i64, _i32, _i32)),
+        head_scratch_bytes=_symbol(lib, "pi_head_scratch_bytes", (_ptr,), _i64),
+        head_ids_room=_symbol(lib, "pi_head_ids_room", (_ptr,), _i64),
         repack_rows8=_symbol(lib, "pi_repack_rows8", (_i32, _ptr, _i64, _i64, _i64, _ptr)),
         matvec_rows8=_symbol(lib, "pi_matvec_rows8", (_i32, _ptr, _i64, _i64, _ptr, _ptr, _i32, _i32)),
     )
