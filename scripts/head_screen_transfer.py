@@ -54,7 +54,9 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--screens", default="narrow,docstrings,mix,narrow+mix", help="which screens to score")
     ap.add_argument("--widen-mass", type=float, default=WIDEN_MASS)
-    ap.add_argument("--candidates", type=int, default=HEAD_CANDIDATES, help="rows computed exactly before widening")
+    ap.add_argument(
+        "--candidates", type=int, default=HEAD_CANDIDATES, help="rows computed exactly before widening"
+    )
     args = ap.parse_args()
     model = args.model or smollm2_gguf()
     narrow = args.narrow.read_text() if args.narrow else narrow_default()

@@ -99,7 +99,9 @@ class SparseHead:
         self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc, rms, widen_mass, wides)
         if self.chain is None and rms is not None:
             self.chain_norms = False
-            self.chain = ops.head_chain(proj, screen, self.output, self.n_candidates, kc, None, widen_mass, wides)
+            self.chain = ops.head_chain(
+                proj, screen, self.output, self.n_candidates, kc, None, widen_mass, wides
+            )
 
     def read_bytes(self) -> int:
         """Weight bytes a safe token reads: projection, screen and the candidates' rows."""

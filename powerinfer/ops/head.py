@@ -52,7 +52,9 @@ class _HeadResult(ctypes.Structure):  # head_result
 class HeadResult(NamedTuple):
     u: torch.Tensor  # (1, n_embd): the final-normed hidden state; valid until the chain's next call
     logits: torch.Tensor  # (1, n_vocab): the screen's values with the exact rows' logits
-    ids: torch.Tensor  # the exact rows' ids in its first m entries, increasing; valid until the chain's next call
+    ids: (
+        torch.Tensor
+    )  # the exact rows' ids in its first m entries, increasing; valid until the chain's next call
     m: int
     left_out: float  # the largest screen value not among them
     err: float  # max |exact - screen| over the first (about k) candidates
@@ -121,7 +123,9 @@ class HeadChain:
 
     def _result(self, u: torch.Tensor, logits: torch.Tensor) -> HeadResult:
         r = self._r
-        return HeadResult(u, logits, self._ids, r.m, r.left, r.err, r.best, r.steps, r.new_rows, bool(r.whole))
+        return HeadResult(
+            u, logits, self._ids, r.m, r.left, r.err, r.best, r.steps, r.new_rows, bool(r.whole)
+        )
 
 
 def _address(fn: object) -> int:
@@ -160,7 +164,8 @@ def head_chain(
     if proj.shape != (rank, n_embd) or screen.shape != (n_vocab, rank) or not 0 < k < n_vocab:
         return None
     sizes = (k, *wides)
-    if len(wides) > MAX_WIDE or any(b <= a for a, b in zip(sizes, sizes[1:])) or -(-sizes[-1] // 16) > n_vocab // 16:
+    increasing = all(a < b for a, b in zip(sizes, sizes[1:], strict=False))
+    if len(wides) > MAX_WIDE or not increasing or -(-sizes[-1] // 16) > n_vocab // 16:
         return None
     weight, eps = norm if norm is not None else (None, 0.0)
     if weight is not None and (
