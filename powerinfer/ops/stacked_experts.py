@@ -12,6 +12,7 @@ Without the C kernels, a torch path over rows gathered per pair (get_rows), with
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ class StackedExperts:
         self.backend = self.gate.backend
         self.table: np.ndarray | None = None
         self._kernels: dict[int, MoEExperts | None] = {}  # the CPU's grouped kernel per k, made on first use
-        self._pairs = None  # powerinfer.ops.triton_experts (the triton backend)
+        self._pairs: ModuleType | None = None  # powerinfer.ops.triton_experts (the triton backend)
         if self.backend == "triton" and len(ids):
             triton_kernels()  # a PlacementError naming the cause without triton
             self._pairs = importlib.import_module("powerinfer.ops.triton_experts")
