@@ -181,7 +181,7 @@ def weight(t, n, k, seed):
 
 torch.manual_seed(0)
 start = time.time()
-out = {"errors": [], "zero": {}, "alone": {}}
+out = {"errors": [], "zero": {}, "alone": {}, "order": {}}
 for t in sorted(tq.SUPPORTED_TYPES, key=int):
     S = 3
     N, K = (40, 256) if t in K_QUANT_TYPES else (40, 96)  # two row blocks, the second partial
@@ -191,6 +191,7 @@ for t in sorted(tq.SUPPORTED_TYPES, key=int):
     x = torch.randn(3, K, dtype=torch.float64)
     slots = torch.tensor([2, -1, 0, 2, 1, -1])  # pairs of 3 tokens, k = 2
     y = pairs_matmul(x.float(), slots, w, N, 2)
+    out["order"][t.name] = bool(torch.equal(pairs_matmul(x.float(), slots, w, N, 2, slots.argsort()), y))
     for p, s in enumerate(slots.tolist()):
         if s >= 0:
             ref = dense[s] @ x[p // 2]
@@ -249,6 +250,7 @@ def test_triton_pair_kernel_every_type():
     assert not bad, bad
     assert all(report["zero"].values()), report["zero"]
     assert all(report["alone"].values()), report["alone"]
+    assert all(report["order"].values()), report["order"]  # the programs' order of the pairs changes no bit
     assert report["pool_rel"] <= 1e-6 and report["pool_alone"], report
 
 

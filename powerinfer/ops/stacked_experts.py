@@ -95,11 +95,11 @@ class StackedExperts:
         if self._pairs is None:
             return torch.zeros(T, self.n_embd, dtype=torch.float32, device=x.device)
         flat = slots.reshape(-1)  # (T k,) pair p = t k + j
-        g = self._pairs.pairs_matmul(x, flat, self.gate._packed, self.n_ff, k)  # (T k, n_ff)
-        u = self._pairs.pairs_matmul(x, flat, self.up._packed, self.n_ff, k)
-        y = self._pairs.pairs_matmul(
-            gated_ref(g, u, self.act, False), flat, self.down._packed, self.n_embd, 1
-        )
+        order = flat.argsort()  # the programs take an expert's pairs one after another (its rows in L2)
+        mm = self._pairs.pairs_matmul
+        g = mm(x, flat, self.gate._packed, self.n_ff, k, order)  # (T k, n_ff)
+        u = mm(x, flat, self.up._packed, self.n_ff, k, order)
+        y = mm(gated_ref(g, u, self.act, False), flat, self.down._packed, self.n_embd, 1, order)
         return self._weighted_sum(y, slots, weights)
 
     def _weighted_sum(self, y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

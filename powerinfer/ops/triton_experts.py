@@ -8,9 +8,9 @@ summed over the 32 columns once at the end. A pair's output depends on its own i
 pairs of a step, their number and the grid never change its bits. The launch has a fixed shape (pairs x row
 blocks): no host sync, no per-expert Python, whatever experts the router picked.
 
-A pair's expert rows are read once per pair, so a prompt step reads an expert once per token routed to it (an
-expert-grouped tiling that reads them once per step is not done yet); decode, one token of k pairs, reads each
-selected expert once.
+A pair's expert rows are read once per pair, so a prompt step reads an expert once per token routed to it from
+memory or, since the programs take the pairs sorted by slot, mostly from the L2 cache (an expert-grouped tiling
+that reads them once per step is not done yet); decode, one token of k pairs, reads each selected expert once.
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ _BLOCK_N = 32  # rows per program
 
 @triton.jit(do_not_specialize=["N", "x_div"])
 def _pairs_matmul_kernel(
-    x_ptr, slot_ptr, w_ptr, y_ptr, N, K, x_div, stride_x, stride_w,
+    x_ptr, slot_ptr, order_ptr, w_ptr, y_ptr, N, K, x_div, stride_x, stride_w,
     KIND: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """y[p, n] = W[slot[p] * N + n] . x[p // x_div] for rows n of the program's block; y[p] = 0 where slot[p] < 0."""
-    p = tl.program_id(0)
+    """y[p, n] = W[slot[p] * N + n] . x[p // x_div] for rows n of the program's block, p = order[program];
+    y[p] = 0 where slot[p] < 0."""
+    p = tl.load(order_ptr + tl.program_id(0))
     pid_n = tl.program_id(1)
     s = tl.load(slot_ptr + p)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,11 +65,18 @@ def _pairs_matmul_kernel(
 
 
 def pairs_matmul(
-    x: torch.Tensor, slots: torch.Tensor, w: PackedWeight, n_rows: int, x_div: int
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    w: PackedWeight,
+    n_rows: int,
+    x_div: int,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[p] = W_{slots[p]} @ x[p // x_div] for the pairs p: w the stack (n_slot * n_rows, K) of n_rows-row
     matrices slot after slot, x (M, K) float32, slots (P,) int64 (-1: y[p] = 0); (P, n_rows) float32 on w's
-    device."""
+    device. order (P,) int64, a permutation of the pairs (e.g. by slot): the programs take the pairs in that
+    order, so neighbouring programs read the same expert's rows while they are in the L2 cache; a pair's bits do
+    not depend on it."""
     K = w.K
     if x.dim() != 2 or x.shape[1] != K or slots.dim() != 1 or n_rows <= 0 or w.n_rows % n_rows:
         raise ValueError(
@@ -80,9 +88,13 @@ def pairs_matmul(
         return y
     x = x.float().contiguous()
     slots = slots.to(torch.int64).contiguous()
+    if order is None:
+        order = torch.arange(P, device=slots.device)
+    order = order.to(torch.int64).contiguous()
     wt, stride_w, words = w.weight_arg()
+    # the grid's first axis runs fastest: the pairs of one row block, in `order`, then the next block
     _pairs_matmul_kernel[(P, triton.cdiv(n_rows, _BLOCK_N))](
-        x, slots, wt, y, n_rows, K, x_div, x.stride(0), stride_w,
+        x, slots, order, wt, y, n_rows, K, x_div, x.stride(0), stride_w,
         KIND=_KINDS[w.ggml_type], WORDS=words, BLOCK_N=_BLOCK_N, num_warps=4,
     )  # fmt: skip
     return y
