@@ -214,6 +214,11 @@ ids, w = routed(6, 8, 2, seed=2)
 mask = ker.member[ids] | ker.partial_member[ids]
 a, b = tri.compute(x, ids, w, mask), ker.compute(x, ids, w, mask)
 out["pool_rel"] = float((a - b).abs().max() / b.abs().max())
+part = ker.partial_member[ids]  # the pairs of partial experts alone
+mp = mask & part
+ap, bp = tri.compute(x, ids, w, mp), ker.compute(x, ids, w, mp)
+out["partial_pairs"] = int(part.sum())
+out["partial_rel"] = float((ap - bp).abs().max() / bp.abs().max())
 out["pool_alone"] = all(
     torch.equal(tri.compute(x[t : t + 1], ids[t : t + 1], w[t : t + 1], mask[t : t + 1])[0], a[t]) for t in range(6)
 )
@@ -235,7 +240,7 @@ def test_triton_pair_kernel_every_type():
     """The CUDA pool's pair kernel in the Triton interpreter: every pool type, rows of a pair's slot times its
     token's input against float64, pairs outside the pool exactly 0, and each pair's row alone the same bits as
     in the batch. Then a layer's pooled experts (whole and partial, ReLU) through the Triton kernels against the
-    C kernels' stand-in (measured 1.1e-7 relative, bound 1e-6), each token's sum alone the same bits as in the
+    C kernels' stand-in (measured 1.1e-7 relative, the partial experts' pairs alone 1.1e-7; bound 1e-6), each token's sum alone the same bits as in the
     step."""
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
@@ -252,6 +257,7 @@ def test_triton_pair_kernel_every_type():
     assert all(report["alone"].values()), report["alone"]
     assert all(report["order"].values()), report["order"]  # the programs' order of the pairs changes no bit
     assert report["pool_rel"] <= 1e-6 and report["pool_alone"], report
+    assert report["partial_pairs"] > 0 and report["partial_rel"] <= 1e-6, report
 
 
 @pytest.mark.cuda

@@ -127,19 +127,16 @@ class HotRows:
 class PoolExperts:
     """The experts of one MoE layer in the pool: the experts held whole, stacked slot after slot in the file's
     block format on `device` (ops.StackedExperts, the bytes placement.experts planned), and the pooled neurons of
-    partial experts.
+    partial experts (ops.ExpertNeurons).
 
     `member` (n_expert,) bool on the CPU marks the whole ones; `launch` computes the (token, expert) pairs a mask
     selects and returns their weighted sum per token on the CPU, in a fixed number of op calls per layer whatever
-    the experts, their number or k (one grouped kernel for the whole experts, three products for the partial
-    ones), with no host sync; a CUDA pool queues them on its own stream.
+    the experts, their number or k, with no host sync; a CUDA pool queues them on its own stream.
 
     `partial` (expert id -> neuron ids): experts of which only some neurons are here (placement.experts, ReLU
     experts): their pooled neurons' gate and up rows as stored and their down columns in float32 (rows of a
-    transposed copy), all partial experts' rows in one HotRows; `partial_member` marks them. A step computes every
-    pooled neuron of them for every token, each token's neurons weighted by its router weight of the neuron's
-    expert (0 where the token did not pick it: on CUDA the down product skips those rows, gate and up read them
-    all). `cpu_table` is the (3, n_expert) table of row addresses the CPU's MoE kernel reads instead of the stacked
+    transposed copy), all partial experts' rows in one ops.ExpertNeurons; `partial_member` marks them.
+    `cpu_table` is the (3, n_expert) table of row addresses the CPU's MoE kernel reads instead of the stacked
     tensors: the stacked rows, except a copy of each partial expert's gate with its pooled neurons' rows zeroed
     (ReLU(0) = 0: the CPU computes the other neurons only)."""
 
@@ -157,21 +154,15 @@ class PoolExperts:
         partial: dict[int, np.ndarray] | None = None,
     ) -> None:
         self.device, self.kc, self.act, self.n_embd = device, kc, act, gate.shape[1]
-        self.n_expert = n_expert
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
         self.member = torch.zeros(n_expert, dtype=torch.bool)
         self.member[self.ids] = True
-        self.whole = (
-            ops.StackedExperts(gate, up, down, self.ids, n_expert, act, device, kc, backend)
-            if len(self.ids)
-            else None
-        )
+        self.whole: ops.StackedExperts | None = None
+        if len(self.ids):
+            self.whole = ops.StackedExperts(gate, up, down, self.ids, n_expert, act, device, kc, backend)
         self.partial_member = torch.zeros(n_expert, dtype=torch.bool)
         self.cpu_table: np.ndarray | None = None
-        self.hot: HotRows | None = None
-        self.hot_expert: torch.Tensor | None = (
-            None  # (n_hot,) int64 on the device: each pooled neuron's expert
-        )
+        self.hot: ops.ExpertNeurons | None = None
         if partial:
             self._setup_partial(gate, up, down, partial, n_expert, gate.shape[0] // n_expert, backend)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -207,18 +198,25 @@ class PoolExperts:
             table[0, e] = copy.ctypes.data
             self.partial_member[e] = True
         self.cpu_table = table
-        hot_rows = torch.from_numpy(np.concatenate(rows))  # (n_hot,) rows of the stacked gate and up
-
-        def hot_only(
-            w: ops.QWeight,
-        ) -> ops.QWeight:  # the pooled rows alone (a host copy for the pool to take)
-            return ops.QWeight(w.raw[hot_rows], w.ggml_type, (len(hot_rows), w.shape[1]))
-
+        pooled = torch.from_numpy(
+            np.concatenate(rows)
+        )  # (n_rows,) the pooled rows of the stacked gate and up
+        # host copies of those rows alone, for the pool to take
+        hot_gate = ops.QWeight(gate.raw[pooled], gate.ggml_type, (len(pooled), gate.shape[1]))
+        hot_up = ops.QWeight(up.raw[pooled], up.ggml_type, (len(pooled), up.shape[1]))
         down_t = np.concatenate(downs)
-        down_t_w = ops.QWeight.from_numpy(down_t, GGMLType.F32, down_t.shape)
-        every = np.arange(len(hot_rows), dtype=np.int64)
-        self.hot = HotRows(hot_only(gate), hot_only(up), down_t_w, every, self.device, self.kc, backend)
-        self.hot_expert = torch.from_numpy(np.concatenate(experts)).to(self.device)
+        hot_down_t = ops.QWeight.from_numpy(down_t, GGMLType.F32, down_t.shape)
+        self.hot = ops.ExpertNeurons(
+            hot_gate,
+            hot_up,
+            hot_down_t,
+            np.concatenate(experts),
+            n_expert,
+            self.act,
+            self.device,
+            self.kc,
+            backend,
+        )
 
     @property
     def n_bytes(self) -> int:
@@ -247,16 +245,12 @@ class PoolExperts:
     ) -> torch.Tensor:
         """`launch`'s sum (T, n_embd) float32 on this device of x, ids, weights and mask on this device, queued on
         the current stream."""
-        T = x.shape[0]
         out = None
         if self.whole is not None:
             out = self.whole(x, ids, weights, mask)
-        if self.hot is not None and self.hot_expert is not None:
-            # each token's router weight of each pooled neuron's expert (0: not picked); a token's k ids differ
-            picked = torch.zeros(T, self.n_expert, dtype=torch.float32, device=x.device)
-            picked.scatter_(1, ids, weights.float().masked_fill(~mask, 0.0))
-            y = self.hot.compute(x, picked[:, self.hot_expert], self.act, False)
+        if self.hot is not None:
+            y = self.hot(x, ids, weights, mask)
             out = y if out is None else out.add_(y)
         if out is None:
-            out = torch.zeros(T, self.n_embd, dtype=torch.float32, device=x.device)
+            out = torch.zeros(x.shape[0], self.n_embd, dtype=torch.float32, device=x.device)
         return out

@@ -56,7 +56,7 @@ from powerinfer.ops.sparse import (
     rows_matmul,
     rows_matmul_ref,
 )
-from powerinfer.ops.stacked_experts import StackedExperts
+from powerinfer.ops.stacked_experts import ExpertNeurons, StackedExperts
 from powerinfer.ops.weights import DeviceWeight, InputMeter, InputSparseWeight, QWeight, weight_rows
 
 __all__ = [
@@ -84,6 +84,7 @@ __all__ = [
     "ATTN_KERNEL_MAX_POS",
     "ISA_NAMES",
     "DeviceWeight",
+    "ExpertNeurons",
     "InputMeter",
     "InputSparseWeight",
     "KernelContext",

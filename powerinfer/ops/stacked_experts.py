@@ -1,6 +1,6 @@
 """Whole experts stacked on a compute device (`StackedExperts`): the pool's experts of a MoE layer, slot after slot,
 and their step over the (token, expert) pairs the router picked, in a fixed number of op calls whatever the
-experts, their number or k.
+experts, their number or k; `ExpertNeurons`, some neurons of some experts, likewise.
 
 Backends as DeviceWeight's: "triton" (CUDA, or the Triton interpreter on CPU tensors) runs
 powerinfer.ops.triton_experts' pair kernel for gate, up and down; "kernels" (the CPU standing in for the pool)
@@ -17,14 +17,14 @@ from types import ModuleType
 import numpy as np
 import torch
 
-from powerinfer.ops.activation import gated_ref
+from powerinfer.ops.activation import gated, gated_ref
 from powerinfer.ops.context import KernelContext
 from powerinfer.ops.dense import get_rows
 from powerinfer.ops.moe import MoEExperts, moe_experts
 from powerinfer.ops.qweight import QWeight
 from powerinfer.ops.weights import DeviceWeight, triton_kernels
 
-__all__ = ["StackedExperts"]
+__all__ = ["ExpertNeurons", "StackedExperts"]
 
 
 class StackedExperts:
@@ -132,3 +132,71 @@ class StackedExperts:
         u = torch.bmm(rows(self.up, F), xs[:, :, None])[..., 0]
         y = torch.bmm(rows(self.down, D), gated_ref(g, u, self.act, False)[:, :, None])[..., 0]  # (P, D)
         return self._weighted_sum(y, slots, weights)
+
+
+class ExpertNeurons:
+    """Some neurons of some experts on a compute device (ReLU experts partly in the pool): their gate and up rows
+    in the file's blocks and their down columns as float32 rows (`down_t`), the rows grouped by expert in id
+    order (`experts` (n_rows,) int64, ascending: each row's expert); `start` and `count` (n_expert,) int64 on the
+    device: expert e's rows (count 0: none here).
+
+    A step's pairs whose expert has rows here compute those neurons only, weighted by the pair's router weight:
+    on "triton" one program per (pair, row block) reads only the rows of the pair's expert
+    (ops.triton_experts.pairs_rows_matmul, then pairs_axpy for the down columns); on the CPU stand-in
+    ("kernels") every row here for every token, through the C kernels (linear, gated, axpy: the bits of a sparse
+    FFN's pool part), each token's rows weighted by its router weight of their expert (0 where not picked)."""
+
+    def __init__(
+        self,
+        gate: QWeight,
+        up: QWeight,
+        down_t: QWeight,
+        experts: np.ndarray,
+        n_expert: int,
+        act: str,
+        device: torch.device,
+        kc: KernelContext,
+        backend: str | None = None,
+    ) -> None:
+        experts = np.asarray(experts, dtype=np.int64)
+        if len(experts) != gate.shape[0] or np.any(np.diff(experts) < 0):
+            raise ValueError("ExpertNeurons: one expert id per row, in ascending order")
+        self.act, self.kc, self.n_expert, self.n_embd = act, kc, n_expert, down_t.shape[1]
+        self.gate = DeviceWeight.from_qweight(gate, device, None, backend, kc)
+        self.up = DeviceWeight.from_qweight(up, device, None, backend, kc)
+        self.down_t = DeviceWeight.from_qweight(down_t, device, None, backend, kc)
+        counts = np.bincount(experts, minlength=n_expert)
+        self.width = int(counts.max()) if len(experts) else 0  # most rows of one expert
+        self.start = torch.from_numpy(np.cumsum(counts) - counts).to(device)
+        self.count = torch.from_numpy(counts).to(device)
+        self.experts = torch.from_numpy(experts).to(device)
+        self.backend = self.gate.backend
+        self._pairs: ModuleType | None = None
+        if self.backend == "triton":
+            triton_kernels()
+            self._pairs = importlib.import_module("powerinfer.ops.triton_experts")
+
+    @property
+    def n_bytes(self) -> int:
+        return self.gate.n_bytes + self.up.n_bytes + self.down_t.n_bytes
+
+    def __call__(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """sum over the pairs (t, j) with mask[t, j] of weights[t, j] * (the neurons here of expert ids[t, j])(x[t]):
+        (T, n_embd) float32, all on this device; a token's k ids differ."""
+        T, k = ids.shape
+        if self._pairs is None:
+            picked = torch.zeros(T, self.n_expert, dtype=torch.float32, device=x.device)
+            picked.scatter_(1, ids, weights.float().masked_fill(~mask, 0.0))
+            g, u = self.gate.linear(x, self.kc), self.up.linear(x, self.kc)
+            return self.down_t.axpy(gated(g, u, self.act, False).mul_(picked[:, self.experts]), self.kc)
+        count = self.count[ids].masked_fill(~mask, 0).reshape(-1)  # (T k,) rows of each pair's expert here
+        start = self.start[ids].reshape(-1)
+        order = start.masked_fill(count == 0, -1).argsort()  # an expert's pairs one after another
+        mm = self._pairs.pairs_rows_matmul
+        g = mm(x, start, count, self.gate._packed, self.width, k, order)  # (T k, width), 0 past the count
+        u = mm(x, start, count, self.up._packed, self.width, k, order)
+        y = self._pairs.pairs_axpy(gated_ref(g, u, self.act, False), start, count, self.down_t._packed)
+        w = weights.float().masked_fill(count.view(T, k) == 0, 0.0)
+        return (y.view(T, k, self.n_embd) * w[:, :, None]).sum(dim=1)

@@ -19,28 +19,31 @@ import torch
 import triton
 import triton.language as tl
 
+from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops.triton_quant import _KINDS, PackedWeight, _as_f32, _block_q, _quants, _scales
 
-__all__ = ["pairs_matmul"]
+__all__ = ["pairs_axpy", "pairs_matmul", "pairs_rows_matmul"]
 
 _BLOCK_N = 32  # rows per program
+_AXPY_COLS = 128  # columns per program of pairs_axpy
 
 
 @triton.jit(do_not_specialize=["N", "x_div"])
 def _pairs_matmul_kernel(
-    x_ptr, slot_ptr, order_ptr, w_ptr, y_ptr, N, K, x_div, stride_x, stride_w,
+    x_ptr, base_ptr, count_ptr, order_ptr, w_ptr, y_ptr, N, K, x_div, stride_x, stride_w,
     KIND: tl.constexpr, WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """y[p, n] = W[slot[p] * N + n] . x[p // x_div] for rows n of the program's block, p = order[program];
-    y[p] = 0 where slot[p] < 0."""
+    """y[p, n] = W[base[p] + n] . x[p // x_div] for the rows n < count[p] of the program's block, 0 for
+    count[p] <= n < N; p = order[program]."""
     p = tl.load(order_ptr + tl.program_id(0))
     pid_n = tl.program_id(1)
-    s = tl.load(slot_ptr + p)
+    base = tl.load(base_ptr + p)
+    count = tl.load(count_ptr + p)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = (tl.maximum(s, 0) * N + tl.minimum(rows, N - 1)).to(tl.int64)
-    row = r[:, None] * stride_w  # (BN, 1): rows past N read row N - 1, their sums not stored
+    r = (base + tl.minimum(rows, tl.maximum(count, 1) - 1)).to(tl.int64)
+    row = r[:, None] * stride_w  # (BN, 1): rows past count read the last one, their sums not kept
     x_row = x_ptr + (p // x_div).to(tl.int64) * stride_x
-    n_blocks = tl.where(s >= 0, tl.cdiv(K, 32), 0)  # a pair outside the pool reads nothing
+    n_blocks = tl.where(pid_n * BLOCK_N < count, tl.cdiv(K, 32), 0)  # no row of the block: nothing read
     j = tl.arange(0, 32)
     acc = tl.zeros((BLOCK_N, 32), dtype=tl.float32)
     for blk in range(0, n_blocks):
@@ -60,8 +63,57 @@ def _pairs_matmul_kernel(
             v1 = tl.fma(_as_f32(_quants(w_ptr, row, blk, half, 1, K, KIND)), s1, m1)
             v = tl.where(j[None, :] < 16, v0, v1)
         acc = tl.fma(v, xv[None, :], acc)
-    y = tl.sum(acc, axis=1)
+    y = tl.where(rows < count, tl.sum(acc, axis=1), 0.0)
     tl.store(y_ptr + p.to(tl.int64) * N + rows, y, mask=rows < N)
+
+
+@triton.jit(do_not_specialize=["N", "D"])
+def _pairs_axpy_kernel(h_ptr, base_ptr, count_ptr, w_ptr, y_ptr, N, D, stride_w, BLOCK_D: tl.constexpr):
+    """y[p, cols] = sum over n < count[p] of h[p, n] * W[base[p] + n, cols], n in order (float32 rows W); one
+    program per (pair, BLOCK_D columns)."""
+    p = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    base = tl.load(base_ptr + p)
+    count = tl.load(count_ptr + p)
+    h_row = h_ptr + p.to(tl.int64) * N
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for n in range(0, count):
+        w = tl.load(w_ptr + (base + n).to(tl.int64) * stride_w + cols, mask=cols < D, other=0.0)
+        acc = tl.fma(tl.load(h_row + n), w, acc)
+    tl.store(y_ptr + p.to(tl.int64) * D + cols, acc, mask=cols < D)
+
+
+def pairs_rows_matmul(
+    x: torch.Tensor,
+    base: torch.Tensor,
+    count: torch.Tensor,
+    w: PackedWeight,
+    n_out: int,
+    x_div: int,
+    order: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y[p, n] = W[base[p] + n] . x[p // x_div] for n < count[p] (<= n_out), 0 after: x (M, K) float32, base and
+    count (P,) int64 on w's device; (P, n_out) float32. order (P,) int64, a permutation of the pairs (e.g. by
+    expert): the programs take the pairs in that order, so neighbouring programs read the same rows while they
+    are in the L2 cache; a pair's bits do not depend on it."""
+    K = w.K
+    P = base.shape[0]
+    if x.dim() != 2 or x.shape[1] != K or base.shape != count.shape or base.dim() != 1 or n_out <= 0:
+        raise ValueError(f"pairs_matmul: x {tuple(x.shape)}, {P} pairs, {w.n_rows} rows of {K}")
+    y = torch.empty(P, n_out, dtype=torch.float32, device=x.device)
+    if P == 0:
+        return y
+    x = x.float().contiguous()
+    if order is None:
+        order = torch.arange(P, device=base.device)
+    wt, stride_w, words = w.weight_arg()
+    # the grid's first axis runs fastest: the pairs of one row block, in `order`, then the next block
+    _pairs_matmul_kernel[(P, triton.cdiv(n_out, _BLOCK_N))](
+        x, base.to(torch.int64).contiguous(), count.to(torch.int64).contiguous(), order.to(torch.int64).contiguous(),
+        wt, y, n_out, K, x_div, x.stride(0), stride_w,
+        KIND=_KINDS[w.ggml_type], WORDS=words, BLOCK_N=_BLOCK_N, num_warps=4,
+    )  # fmt: skip
+    return y
 
 
 def pairs_matmul(
@@ -74,27 +126,27 @@ def pairs_matmul(
 ) -> torch.Tensor:
     """y[p] = W_{slots[p]} @ x[p // x_div] for the pairs p: w the stack (n_slot * n_rows, K) of n_rows-row
     matrices slot after slot, x (M, K) float32, slots (P,) int64 (-1: y[p] = 0); (P, n_rows) float32 on w's
-    device. order (P,) int64, a permutation of the pairs (e.g. by slot): the programs take the pairs in that
-    order, so neighbouring programs read the same expert's rows while they are in the L2 cache; a pair's bits do
-    not depend on it."""
-    K = w.K
-    if x.dim() != 2 or x.shape[1] != K or slots.dim() != 1 or n_rows <= 0 or w.n_rows % n_rows:
-        raise ValueError(
-            f"pairs_matmul: x {tuple(x.shape)}, slots {tuple(slots.shape)}, {w.n_rows} rows of {K}"
-        )
-    P = slots.shape[0]
-    y = torch.empty(P, n_rows, dtype=torch.float32, device=x.device)
+    device (`pairs_rows_matmul` over the slots' rows; order as there)."""
+    if slots.dim() != 1 or w.n_rows % n_rows:
+        raise ValueError(f"pairs_matmul: slots {tuple(slots.shape)}, {w.n_rows} rows in matrices of {n_rows}")
+    here = slots >= 0
+    base = slots.clamp(min=0) * n_rows
+    return pairs_rows_matmul(x, base, here.to(torch.int64) * n_rows, w, n_rows, x_div, order)
+
+
+def pairs_axpy(h: torch.Tensor, base: torch.Tensor, count: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """y[p] = sum over n < count[p] of h[p, n] * W[base[p] + n] for float32 rows W (N, D) (e.g. transposed down
+    columns): h (P, M) float32, base and count (P,) int64 on w's device; (P, D) float32."""
+    if w.ggml_type != GGMLType.F32:
+        raise ValueError(f"pairs_axpy: float32 rows only, got {w.ggml_type.name}")
+    D, P = w.K, h.shape[0]
+    y = torch.empty(P, D, dtype=torch.float32, device=h.device)
     if P == 0:
         return y
-    x = x.float().contiguous()
-    slots = slots.to(torch.int64).contiguous()
-    if order is None:
-        order = torch.arange(P, device=slots.device)
-    order = order.to(torch.int64).contiguous()
-    wt, stride_w, words = w.weight_arg()
-    # the grid's first axis runs fastest: the pairs of one row block, in `order`, then the next block
-    _pairs_matmul_kernel[(P, triton.cdiv(n_rows, _BLOCK_N))](
-        x, slots, order, wt, y, n_rows, K, x_div, x.stride(0), stride_w,
-        KIND=_KINDS[w.ggml_type], WORDS=words, BLOCK_N=_BLOCK_N, num_warps=4,
+    h = h.float().contiguous()
+    wt, stride_w, _ = w.weight_arg()
+    _pairs_axpy_kernel[(P, triton.cdiv(D, _AXPY_COLS))](
+        h, base.to(torch.int64).contiguous(), count.to(torch.int64).contiguous(), wt, y, h.shape[1], D, stride_w,
+        BLOCK_D=_AXPY_COLS, num_warps=4,
     )  # fmt: skip
     return y
