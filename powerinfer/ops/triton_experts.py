@@ -1,15 +1,17 @@
-"""Triton kernel of the CUDA pool's experts: the products of a step's (token, expert) pairs with the rows of
-each pair's expert, read from experts stacked slot by slot (`pairs_matmul`).
+"""Triton kernels of the CUDA pool's experts: the products of a step's (token, expert) pairs with the rows of each
+pair's expert, read from experts stacked slot by slot (`pairs_matmul`) or from row ranges per pair
+(`pairs_rows_matmul`: some neurons of some experts), and `pairs_axpy`, a pair's float32 rows weighted by its h.
 
-One program per (pair, block of rows): it reads the pair's slot (-1: the pair is not in the pool, or left out; its
-output row is 0 and no weight row is read), then the rows of that slot's matrix, block after block of 32
+One program per (pair, block of rows): it reads the pair's first row and row count (0: the pair is not in the
+pool, or left out; its output row is 0 and no weight row is read), then those rows, block after block of 32
 columns, decoded in registers by triton_quant's decoders, times the pair's input row; float32 fma per element,
-summed over the 32 columns once at the end. A pair's output depends on its own input and slot only: the other
-pairs of a step, their number and the grid never change its bits. The launch has a fixed shape (pairs x row
-blocks): no host sync, no per-expert Python, whatever experts the router picked.
+summed over the 32 columns once at the end. pairs_axpy: one program per (pair, 128 columns), rows added in order.
+A pair's output depends on its own input and rows only: the other pairs of a step, their number, the order the
+programs take them in and the grid never change its bits. Each launch has a fixed shape (pairs x row blocks): no
+host sync, no per-expert Python, whatever experts the router picked.
 
 A pair's expert rows are read once per pair, so a prompt step reads an expert once per token routed to it from
-memory or, since the programs take the pairs sorted by slot, mostly from the L2 cache (an expert-grouped tiling
+memory or, since the programs take the pairs sorted by expert, mostly from the L2 cache (an expert-grouped tiling
 that reads them once per step is not done yet); decode, one token of k pairs, reads each selected expert once.
 """
 
