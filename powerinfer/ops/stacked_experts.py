@@ -68,9 +68,8 @@ class StackedExperts:
             # kernels read a table (ops.moe_experts)
             table = np.zeros((3, n_expert), dtype=np.int64)
             for m, (w, n) in enumerate(((self.gate, n_ff), (self.up, n_ff), (self.down, n_embd))):
-                table[m, ids.numpy()] = w.raw.data_ptr() + np.arange(
-                    len(ids), dtype=np.int64
-                ) * n * w.raw.stride(0)
+                slots = np.arange(len(ids), dtype=np.int64)
+                table[m, ids.numpy()] = w.raw.data_ptr() + slots * n * w.raw.stride(0)
             self.table = table
 
     @property
@@ -100,13 +99,7 @@ class StackedExperts:
         g = mm(x, flat, self.gate._packed, self.n_ff, k, order)  # (T k, n_ff)
         u = mm(x, flat, self.up._packed, self.n_ff, k, order)
         y = mm(gated_ref(g, u, self.act, False), flat, self.down._packed, self.n_embd, 1, order)
-        return self._weighted_sum(y, slots, weights)
-
-    def _weighted_sum(self, y: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """sum_j w[t, j] y[t k + j] over the pairs here: y (T k, n_embd) -> (T, n_embd), each row alone."""
-        T, k = slots.shape
-        w = weights.float().masked_fill(slots < 0, 0.0)
-        return (y.view(T, k, self.n_embd) * w[:, :, None]).sum(dim=1)
+        return self._pairs.pairs_sum(y, weights.float().masked_fill(slots < 0, 0.0))
 
     def _kernel(self, k: int) -> MoEExperts | None:
         if k not in self._kernels:  # once per k (a model has one)
@@ -131,7 +124,8 @@ class StackedExperts:
         g = torch.bmm(rows(self.gate, F), xs[:, :, None])[..., 0]  # (P, F)
         u = torch.bmm(rows(self.up, F), xs[:, :, None])[..., 0]
         y = torch.bmm(rows(self.down, D), gated_ref(g, u, self.act, False)[:, :, None])[..., 0]  # (P, D)
-        return self._weighted_sum(y, slots, weights)
+        w = weights.float().masked_fill(slots < 0, 0.0)
+        return (y.view(T, k, D) * w[:, :, None]).sum(dim=1)
 
 
 class ExpertNeurons:
@@ -198,5 +192,4 @@ class ExpertNeurons:
         g = mm(x, start, count, self.gate._packed, self.width, k, order)  # (T k, width), 0 past the count
         u = mm(x, start, count, self.up._packed, self.width, k, order)
         y = self._pairs.pairs_axpy(gated_ref(g, u, self.act, False), start, count, self.down_t._packed)
-        w = weights.float().masked_fill(count.view(T, k) == 0, 0.0)
-        return (y.view(T, k, self.n_embd) * w[:, :, None]).sum(dim=1)
+        return self._pairs.pairs_sum(y, weights.float().masked_fill(count.view(T, k) == 0, 0.0))

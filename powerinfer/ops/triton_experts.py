@@ -24,10 +24,10 @@ import triton.language as tl
 from powerinfer.gguf.constants import GGMLType
 from powerinfer.ops.triton_quant import _KINDS, PackedWeight, _as_f32, _block_q, _quants, _scales
 
-__all__ = ["pairs_axpy", "pairs_matmul", "pairs_rows_matmul"]
+__all__ = ["pairs_axpy", "pairs_matmul", "pairs_rows_matmul", "pairs_sum"]
 
 _BLOCK_N = 32  # rows per program
-_AXPY_COLS = 128  # columns per program of pairs_axpy
+_AXPY_COLS = 128  # columns per program of pairs_axpy and pairs_sum
 
 
 @triton.jit(do_not_specialize=["N", "x_div"])
@@ -152,3 +152,31 @@ def pairs_axpy(h: torch.Tensor, base: torch.Tensor, count: torch.Tensor, w: Pack
         BLOCK_D=_AXPY_COLS, num_warps=4,
     )  # fmt: skip
     return y
+
+
+@triton.jit(do_not_specialize=["k", "D"])
+def _pairs_sum_kernel(y_ptr, w_ptr, out_ptr, k, D, BLOCK_D: tl.constexpr):
+    """out[t, cols] = ((0 + w[t, 0] y[t k]) + w[t, 1] y[t k + 1]) + ..., j in order; one program per (token,
+    BLOCK_D columns)."""
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(0, k):
+        p = t.to(tl.int64) * k + j
+        acc += tl.load(w_ptr + p) * tl.load(y_ptr + p * D + cols, mask=cols < D, other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * D + cols, acc, mask=cols < D)
+
+
+def pairs_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum over j of weights[t, j] * y[t k + j], the pairs of a token added in j order whatever T (a
+    torch reduction may pick another order by shape): y (T k, D) and weights (T, k) float32 on one device;
+    (T, D) float32."""
+    T, k = weights.shape
+    D = y.shape[1]
+    out = torch.empty(T, D, dtype=torch.float32, device=y.device)
+    if T == 0:
+        return out
+    _pairs_sum_kernel[(T, triton.cdiv(D, _AXPY_COLS))](
+        y.float().contiguous(), weights.float().contiguous(), out, k, D, BLOCK_D=_AXPY_COLS, num_warps=4
+    )
+    return out
