@@ -125,16 +125,17 @@ class HotRows:
 
 
 class PoolExperts:
-    """The experts of one MoE layer held whole in the pool: each pooled expert's gate, up and down rows, in the
-    file's block format on `device` (ops.DeviceWeight, the bytes placement.experts planned).
+    """The experts of one MoE layer in the pool: the experts held whole, stacked slot after slot in the file's
+    block format on `device` (ops.StackedExperts, the bytes placement.experts planned), and the pooled neurons of
+    partial experts (ops.ExpertNeurons).
 
-    `member` (n_expert,) bool on the CPU marks them; `launch` computes the (token, expert) pairs a mask selects,
-    grouped by expert (one gate, up and down call per distinct pooled expert of a step: at most k for one token),
-    and returns their weighted sum per token on the CPU. A CUDA pool queues them on its own stream.
+    `member` (n_expert,) bool on the CPU marks the whole ones; `launch` computes the (token, expert) pairs a mask
+    selects and returns their weighted sum per token on the CPU, in a fixed number of op calls per layer whatever
+    the experts, their number or k, with no host sync; a CUDA pool queues them on its own stream.
 
     `partial` (expert id -> neuron ids): experts of which only some neurons are here (placement.experts, ReLU
-    experts): their gate and up rows as stored and their down columns in float32 (rows of a transposed copy);
-    `partial_member` marks them, `launch` computes their pooled neurons for the pairs the mask selects, and
+    experts): their pooled neurons' gate and up rows as stored and their down columns in float32 (rows of a
+    transposed copy), all partial experts' rows in one ops.ExpertNeurons; `partial_member` marks them.
     `cpu_table` is the (3, n_expert) table of row addresses the CPU's MoE kernel reads instead of the stacked
     tensors: the stacked rows, except a copy of each partial expert's gate with its pooled neurons' rows zeroed
     (ReLU(0) = 0: the CPU computes the other neurons only)."""
@@ -152,26 +153,18 @@ class PoolExperts:
         backend: str | None = None,
         partial: dict[int, np.ndarray] | None = None,
     ) -> None:
-        n_ff, n_embd = gate.shape[0] // n_expert, gate.shape[1]
-        self.device, self.kc, self.act, self.n_embd = device, kc, act, n_embd
+        self.device, self.kc, self.act, self.n_embd = device, kc, act, gate.shape[1]
         self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
         self.member = torch.zeros(n_expert, dtype=torch.bool)
         self.member[self.ids] = True
-        self.local = torch.full((n_expert,), -1, dtype=torch.int64)  # expert id -> its slot here
-        self.local[self.ids] = torch.arange(len(self.ids))
-
-        def rows(w: ops.QWeight, n: int, e: int) -> ops.DeviceWeight:
-            return ops.DeviceWeight.from_qweight(w, device, torch.arange(e * n, (e + 1) * n), backend, kc)
-
-        experts = self.ids.tolist()  # build time grows with experts, a step does not
-        self.gates = [rows(gate, n_ff, e) for e in experts]
-        self.ups = [rows(up, n_ff, e) for e in experts]
-        self.downs = [rows(down, n_embd, e) for e in experts]
+        self.whole: ops.StackedExperts | None = None
+        if len(self.ids):
+            self.whole = ops.StackedExperts(gate, up, down, self.ids, n_expert, act, device, kc, backend)
         self.partial_member = torch.zeros(n_expert, dtype=torch.bool)
         self.cpu_table: np.ndarray | None = None
-        self.hot: dict[int, HotRows] = {}
+        self.hot: ops.ExpertNeurons | None = None
         if partial:
-            self._setup_partial(gate, up, down, partial, n_expert, n_ff, backend)
+            self._setup_partial(gate, up, down, partial, n_expert, gate.shape[0] // n_expert, backend)
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _setup_partial(
@@ -189,76 +182,75 @@ class PoolExperts:
         for m, (w, n) in enumerate(((gate, n_ff), (up, n_ff), (down, n_embd))):
             table[m] = w._raw_ptr + np.arange(n_expert, dtype=np.int64) * n * w._raw_stride
         self._gate_copies: list[np.ndarray] = []
-        for e, ids in sorted(partial.items()):
+        rows, downs, experts = [], [], []
+        for e, ids in sorted(partial.items()):  # build time grows with experts, a step does not
             g = ops.weight_rows(gate, e * n_ff, (e + 1) * n_ff)
-            u = ops.weight_rows(up, e * n_ff, (e + 1) * n_ff)
             d = ops.weight_rows(down, e * n_embd, (e + 1) * n_embd)
-            # the expert's down (n_embd, n_ff) as float32 rows of its neurons, exactly the stored values (the pool
-            # copies the pooled neurons' rows)
+            # the pooled neurons' down columns as float32 rows, exactly the stored values
             dense_down = quant.dequantize(d.raw.numpy(), d.ggml_type, (n_embd, n_ff)).reshape(n_embd, n_ff)
-            down_t = ops.QWeight.from_numpy(
-                np.ascontiguousarray(dense_down.T, dtype=np.float32), GGMLType.F32, (n_ff, n_embd)
-            )
-            self.hot[e] = HotRows(g, u, down_t, ids, self.device, self.kc, backend)
-            copy = np.ascontiguousarray(g.raw.numpy())  # (n_ff, row bytes): a copy (the rows are contiguous)
+            downs.append(np.ascontiguousarray(dense_down[:, ids].T, dtype=np.float32))  # (n_e, n_embd)
+            rows.append(e * n_ff + np.asarray(ids, dtype=np.int64))
+            experts.append(np.full(len(ids), e, dtype=np.int64))
+            copy = np.array(g.raw.numpy(), copy=True, order="C")  # (n_ff, row bytes), never the file's bytes
             copy[ids] = 0  # every ggml type decodes all-zero bytes to 0
             self._gate_copies.append(copy)
             assert copy.strides[0] == gate._raw_stride
             table[0, e] = copy.ctypes.data
             self.partial_member[e] = True
         self.cpu_table = table
+        pooled = torch.from_numpy(
+            np.concatenate(rows)
+        )  # (n_rows,) the pooled rows of the stacked gate and up
+        # host copies of those rows alone, for the pool to take
+        hot_gate = ops.QWeight(gate.raw[pooled], gate.ggml_type, (len(pooled), gate.shape[1]))
+        hot_up = ops.QWeight(up.raw[pooled], up.ggml_type, (len(pooled), up.shape[1]))
+        down_t = np.concatenate(downs)
+        hot_down_t = ops.QWeight.from_numpy(down_t, GGMLType.F32, down_t.shape)
+        self.hot = ops.ExpertNeurons(
+            hot_gate,
+            hot_up,
+            hot_down_t,
+            np.concatenate(experts),
+            n_expert,
+            self.act,
+            self.device,
+            self.kc,
+            backend,
+        )
 
     @property
     def n_bytes(self) -> int:
-        whole = sum(w.n_bytes for ws in (self.gates, self.ups, self.downs) for w in ws)
-        return whole + sum(h.n_bytes for h in self.hot.values())
+        whole = 0 if self.whole is None else self.whole.n_bytes
+        return whole + (0 if self.hot is None else self.hot.n_bytes)
 
     def launch(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
     ) -> Pending[torch.Tensor]:
-        """sum over the pairs (t, j) with mask[t, j] of weights[t, j] * expert_{ids[t, j]}(x[t]), for x (T, n_embd)
-        float32 on the CPU and ids, weights, mask (T, k): (T, n_embd) float32 on the CPU when ready."""
-        T, k = ids.shape
-        slots = mask.reshape(-1).nonzero().reshape(-1)
-        experts = ids.reshape(-1)[slots]
-        order = experts.argsort(stable=True)  # pairs grouped by expert, tokens in order within a group
-        slots, experts = slots[order], experts[order]
-        used, sizes = torch.unique_consecutive(experts, return_counts=True)
-        tokens = slots // k
-        xs, w = x[tokens], weights.reshape(-1)[slots]
+        """sum over the pairs (t, j) with mask[t, j] of weights[t, j] * expert_{ids[t, j]}(x[t]) (the pooled
+        neurons of a partial expert), for x (T, n_embd) float32 on the CPU and ids, weights, mask (T, k):
+        (T, n_embd) float32 on the CPU when ready."""
         if self.stream is None:
-            return Pending(self._compute(xs, tokens, w, used, sizes, T))
+            return Pending(self.compute(x, ids, weights, mask))
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             d = self.device
-            y = self._compute(
-                xs.to(d, non_blocking=True), tokens.to(d, non_blocking=True), w.to(d, non_blocking=True),
-                used, sizes, T,
+            y = self.compute(
+                x.to(d, non_blocking=True), ids.to(d, non_blocking=True), weights.to(d, non_blocking=True),
+                mask.to(d, non_blocking=True),
             )  # fmt: skip
             return Pending.queued(y.to("cpu", non_blocking=True), self.stream)
 
-    def _compute(
-        self,
-        xs: torch.Tensor,
-        tokens: torch.Tensor,
-        w: torch.Tensor,
-        used: torch.Tensor,
-        sizes: torch.Tensor,
-        T: int,
+    def compute(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        kc, ys = self.kc, []
-        for e, j, xg in zip(used.tolist(), self.local[used].tolist(), xs.split(sizes.tolist()), strict=True):
-            if j < 0:  # some neurons of this expert: their part (the CPU computes the rest)
-                hot = self.hot[e]
-                ys.append(
-                    hot.compute(xg, torch.ones(1, dtype=torch.float32, device=xg.device), self.act, False)
-                )
-                continue
-            g, u = self.gates[j].linear(xg, kc), self.ups[j].linear(xg, kc)
-            h = ops.gated(g, u, self.act, False) if g.is_cpu else ops.gated_ref(g, u, self.act, False)
-            ys.append(self.downs[j].linear(h, kc))
-        out = torch.zeros(T, self.n_embd, dtype=torch.float32, device=xs.device)
-        if ys:
-            y = torch.cat(ys).to(xs.device)
-            out.index_add_(0, tokens, y * w[:, None])
+        """`launch`'s sum (T, n_embd) float32 on this device of x, ids, weights and mask on this device, queued on
+        the current stream."""
+        out = None
+        if self.whole is not None:
+            out = self.whole(x, ids, weights, mask)
+        if self.hot is not None:
+            y = self.hot(x, ids, weights, mask)
+            out = y if out is None else out.add_(y)
+        if out is None:
+            out = torch.zeros(x.shape[0], self.n_embd, dtype=torch.float32, device=x.device)
         return out

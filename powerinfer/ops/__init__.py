@@ -8,7 +8,8 @@ functions), which is also the oracle in tests.
 
 Modules: library (loading, symbols), context (KernelContext), qweight (QWeight), weights (DeviceWeight),
 dense (linear, get_rows), layer (fused decode blocks, rms_norm), sparse (the sparse FFN ops), attention (decode attention),
-activation (FFN activations as data), reference (torch references), triton_quant (the CUDA pool's kernels, imported only for a CUDA pool).
+activation (FFN activations as data), reference (torch references), stacked_experts (a pool's whole experts),
+triton_quant and triton_experts (the CUDA pool's kernels, imported only for a CUDA pool).
 """
 
 from powerinfer.ops.activation import ACTIVATIONS, act, activation_code, gated, gated_ref
@@ -55,6 +56,7 @@ from powerinfer.ops.sparse import (
     rows_matmul,
     rows_matmul_ref,
 )
+from powerinfer.ops.stacked_experts import ExpertNeurons, StackedExperts
 from powerinfer.ops.weights import DeviceWeight, InputMeter, InputSparseWeight, QWeight, weight_rows
 
 __all__ = [
@@ -83,10 +85,12 @@ __all__ = [
     "ATTN_KERNEL_MAX_POS",
     "ISA_NAMES",
     "DeviceWeight",
+    "ExpertNeurons",
     "InputMeter",
     "InputSparseWeight",
     "KernelContext",
     "QWeight",
+    "StackedExperts",
     "act",
     "activation_code",
     "apply_rope",

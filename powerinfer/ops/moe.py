@@ -293,19 +293,24 @@ def moe_experts(
     the grouped kernel alike. `table`: None (each expert's rows in the stack), or a C-contiguous int64 array
     (3, n_expert) of addresses where expert e's gate, up and down rows start (laid out as in the stack), 0 for an
     expert not resident, which the owner (runtime.expert_store, device.pool) fills before each call and keeps
-    alive. None where the kernels cannot run it (a weight on a device or of a type without a kernel kind)."""
+    alive; with a table the stacks may hold the rows of another number of experts (the table's addresses point
+    into them: their type and row stride are the kernel's). None where the kernels cannot run it (a weight on a
+    device or of a type without a kernel kind)."""
     kc = kc or default_context()
     if kc.kernels.moe_experts is None:
         return None
     mats = [_mat(w, kc) for w in (gate, up, down)]
     if any(m is None for m in mats):
         return None
-    n_rows, n_embd = gate.shape
-    if n_expert <= 0 or n_rows % n_expert or not 0 < n_used <= n_expert:
+    n_embd, n_ff = gate.shape[1], down.shape[1]
+    # experts the stacks hold: n_expert, or with a table any number (a pool's experts in slot order)
+    held = gate.shape[0] // n_ff if n_ff > 0 else 0
+    if n_expert <= 0 or not 0 < n_used <= n_expert or held <= 0 or (table is None and held != n_expert):
         return None
-    n_ff = n_rows // n_expert
-    if up.shape != gate.shape or down.shape != (n_expert * n_embd, n_ff):
+    if gate.shape != (held * n_ff, n_embd) or up.shape != gate.shape or down.shape != (held * n_embd, n_ff):
         return None
+    mats[0].n_rows = mats[1].n_rows = n_expert * n_ff  # type: ignore[union-attr]
+    mats[2].n_rows = n_expert * n_embd  # type: ignore[union-attr]
     desc = _MoEDesc(n_embd, n_ff, n_expert, activation_code(act), int(sparse), *mats)
     desc.n_used = n_used  # the experts per token of the grouped kernel
     if table is not None:
