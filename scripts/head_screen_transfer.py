@@ -69,7 +69,8 @@ def main() -> None:
     sources = {"narrow": [narrow], "docstrings": [docstrings], "mix": mix, "narrow+mix": [narrow, *mix]}
     sources = {name: sources[name] for name in args.screens.split(",")}
     screens = {
-        name: build_head_screen(output, screen_hidden(calib, texts)) for name, texts in sources.items()
+        name: build_head_screen(output, screen_hidden(calib, texts), args.rank)
+        for name, texts in sources.items()
     }
     del calib
     engine = Engine(model, EngineOptions(n_ctx=args.ctx, sparse_head=False, n_threads=args.threads))

@@ -149,6 +149,24 @@ def test_spread_widens_to_more_exact_rows(smollm2):
         assert torch.equal(wide(x[t : t + 1])[0], got_wide[t]), t
 
 
+def test_a_screen_of_ties_computes_the_whole_head(smollm2):
+    """A screen whose values all tie (a zero screen) selects no sound set: the chain's sampled threshold takes every
+    row, more than the room for the candidates, so it falls back to the exact k, and the widening's set overflows
+    too; the token is computed whole. The whole head's bits on every token, in a batch and one at a time."""
+    engine, sparse, x = smollm2
+    x = x[:4].contiguous()
+    full = ops.linear(x, sparse.output, engine.kc)
+    zero = ops.QWeight(torch.zeros_like(sparse.screen.raw), sparse.screen.ggml_type, sparse.screen.shape)
+    head = Head(lambda x: x, sparse.output, engine.kc)  # type: ignore[arg-type]
+    flat = SparseHead(head, sparse.proj, zero, engine.kc, widen_mass=-1.0)
+    assert flat.chain is not None
+    assert torch.equal(flat(x), full)
+    assert flat.stats.fallbacks == 4
+    for t in range(4):
+        assert torch.equal(flat(x[t : t + 1])[0], full[t]), t
+    assert flat.stats.fallbacks == 8
+
+
 def test_engine_builds_and_reports_it(screen_cache: Path):
     """--sparse-head on a dense file calibrates a screen at load (kept in the cache folder); greedy decode
     equals the whole head's."""
