@@ -228,7 +228,7 @@ int32_t matmul_quant_rows(const matmul_table *table, int64_t row_bytes, tile_qua
     const size_t qs_bytes = ((size_t)(T * K) + 63) & ~(size_t)63;
     const size_t block_bytes = (size_t)(T * nb) * 4;
     _Alignas(64) uint8_t on_stack[MATMUL_STACK_ACT_BYTES];
-    const size_t pair_bytes = T == 1 ? ((size_t)K + 63) & ~(size_t)63 : 0; /* act_pair_order */
+    const size_t pair_bytes = T == 1 ? act_pair_bytes(K) : 0; /* act_pair_order */
     const size_t need = qs_bytes + 3 * block_bytes + pair_bytes;
     uint8_t *scratch = need <= sizeof on_stack ? on_stack : malloc(need);
     if (scratch == NULL) return PI_ERR_ALLOC;

@@ -27,6 +27,19 @@ _Static_assert(TILE_TS <= TILE_T, "the streaming tile runs the row tile's body")
 #define PANEL_MAX_BYTES_PER_BLOCK (17 * 32) /* a block of 8 rows in the panel of a tile8_quant_fn, at most */
 #define PANEL16_BYTES_PER_BLOCK (10 * 64) /* a block of 16 rows in the panel of a tile16 (AVX-512) */
 
+/* Token 0's last nb % 8 blocks as a whole group of 8 (act_pair_order, where nb % 8 != 0): their int8 activations
+ * (qs), the same in pair order (qp), their {d, d sum} pairs (ds) and sums (isum), zero past the last block. The
+ * one-token rows of Q4_0, Q4_1 and Q8_0 run a row's last partial group as a whole one against it, with the row's
+ * blocks copied into a zeroed group: the zero lanes are the exact no-ops the tile's tail leaves, so the bits are the
+ * tile's (a tail of 2 blocks, SmolLM2's 576-wide rows, cost as much as 10 blocks: 30 -> 46 us for a 1536 x 576 Q4_1
+ * matrix where 512 wide took 30). */
+typedef struct {
+    int8_t qs[8 * QK];
+    int8_t qp[8 * QK];
+    float ds[16];
+    int32_t isum[8];
+} act_tail;
+
 /* Activations quantised per call; arrays indexed [t * K + k], [(t * nb + block) * 2] and [t * nb + block]. */
 typedef struct {
     int8_t *qs;
@@ -37,6 +50,7 @@ typedef struct {
     /* token 0's qs in pair order (act_pair_order), or NULL: the one-token rows of a 4-bit type read two blocks' nibbles with
      * one vector when it is there (the same integers, so the same results, as without it) */
     const int8_t *qp;
+    const act_tail *tail; /* with qp: token 0's last partial group (act_tail), or NULL (none, or nb % 8 == 0) */
     /* != 0: the SIMD tiles of one token prefetch, as they read, the bytes this far from what they read, a few lines
      * per step: MATVEC_STREAM_AHEAD for a dense matrix read in order, the distance to a row further down the list
      * for scattered rows (ffn.c); 0: no prefetch in the tile */
@@ -47,18 +61,31 @@ typedef struct {
 
 /* Token 0's int8 activations of the whole 8-block groups in pair order for the one-token 4-bit rows: blocks a, a + 1
  * as [a 0..15 | a+1 0..15] then [a 16..31 | a+1 16..31] (the low and the high nibbles of the two blocks' weights
- * side by side in one vector). qp holds K bytes. */
-static inline void act_pair_order(act_q8 *a, int8_t *qp) {
-    const int64_t n = a->nb / 8 * 8;
-    for (int64_t b = 0; b + 1 < n; b += 2) {
-        const int8_t *x = a->qs + b * QK;
-        int8_t *o = qp + b * QK;
+ * side by side in one vector), and the last partial group as an act_tail. qp holds act_pair_bytes(K), 8-byte aligned. */
+static inline void pair_order_blocks(const int8_t *x, int64_t n, int8_t *o) {
+    for (int64_t b = 0; b + 1 < n; b += 2, x += 2 * QK, o += 2 * QK) {
         memcpy(o, x, 16);
         memcpy(o + 16, x + QK, 16);
         memcpy(o + 32, x + 16, 16);
         memcpy(o + 48, x + QK + 16, 16);
     }
+}
+static inline size_t act_pair_bytes(int64_t K) {
+    return (((size_t)K + 63) & ~(size_t)63) + ((sizeof(act_tail) + 63) & ~(size_t)63);
+}
+static inline void act_pair_order(act_q8 *a, int8_t *qp) {
+    const int64_t n = a->nb / 8 * 8, rest = a->nb - n;
+    pair_order_blocks(a->qs, n, qp);
     a->qp = qp;
+    a->tail = NULL;
+    if (rest == 0) return;
+    act_tail *t = (act_tail *)(qp + (((size_t)a->K + 63) & ~(size_t)63));
+    memset(t, 0, sizeof *t);
+    memcpy(t->qs, a->qs + n * QK, (size_t)rest * QK);
+    pair_order_blocks(t->qs, rest + (rest & 1), t->qp); /* an odd last block pairs with a zero one */
+    memcpy(t->ds, a->ds + 2 * n, (size_t)rest * 2 * sizeof(float));
+    memcpy(t->isum, a->isum + n, (size_t)rest * sizeof(int32_t));
+    a->tail = t;
 }
 
 typedef void (*quantize_act_fn)(const float *x, int64_t nb, int8_t *qs, float *ds, int32_t *isum);
@@ -159,7 +186,9 @@ static inline rows_q8_fn rows_q8_for(const matmul_table *table, tile_quant_fn ti
 
 /* Bytes of one input of K in the int8 precision as act_q8_prepare lays it out: K int8, the nb {d, d sum} pairs and
  * sums, then the K int8 in pair order */
-static inline size_t act_q8_bytes(int64_t K) { return 2 * align_up((size_t)K) + align_up((size_t)(K / QK) * 12); }
+static inline size_t act_q8_bytes(int64_t K) {
+    return align_up((size_t)K) + align_up((size_t)(K / QK) * 12) + act_pair_bytes(K);
+}
 
 /* x (K) quantised into int8 blocks at buf (act_q8_bytes(K)), with its pair order, as the one-token kernels read it */
 static inline void act_q8_prepare(const matmul_table *table, const float *x, int64_t K, uint8_t *buf, act_q8 *a) {

@@ -257,6 +257,51 @@ TARGET_INLINE __m256 FN(q4_1_pairs_group)(const block_q4_1 *b, const int8_t *xp,
     return _mm256_add_ps(acc, _mm256_mul_ps(mw, FN(act_pairs)(ds, 1)));
 }
 
+#if SIMD_AVX512
+/* One token's last n < 8 Q4_0 / Q4_1 blocks of a row (at p) as a whole group against the act_tail's zero-padded
+ * activations: masked loads (nothing read past the row, no fault) give zero nibbles and zero scales from block n,
+ * so every lane holds what the tile's tail computes (the exact dot, d_w d_x, m_w d_x sum(x); 0 past block n) and
+ * the float steps are q4_0_pairs_group's / q4_1_pairs_group's: the tile's bits. SmolLM2's 576-wide rows end in a
+ * tail of 2 blocks that cost as much as 10 blocks the tile's way. */
+TARGET_INLINE __m256 FN(q4x_tail_group)(const int kind, const uint8_t *p, const int n, const act_tail *tl, __m256 acc) {
+    const int64_t bsz = QX_BSZ(kind);
+    const int64_t bytes = n * bsz; /* < 8 * 20 */
+    const __mmask64 m0 = bytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << bytes) - 1);
+    const __mmask64 m1 = bytes >= 128 ? ~(__mmask64)0 : bytes <= 64 ? 0 : (((__mmask64)1 << (bytes - 64)) - 1);
+    const __m512i v0 = _mm512_maskz_loadu_epi8(m0, p), v1 = _mm512_maskz_loadu_epi8(m1, p + 64);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const int64_t qs_off = kind == PI_TYPE_Q4_0 ? 2 : 4; /* the nibbles after d (and m) */
+    __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int j = 0; 2 * j < n; j++) { /* the pairs holding a block: the others' integers are 0 */
+        const __m128i a0 = _mm_loadu_si128((const __m128i *)(p + 2 * j * bsz + qs_off));
+        const __m128i a1 = _mm_maskz_loadu_epi8(2 * j + 1 < n ? 0xFFFF : 0, p + (2 * j + 1) * bsz + qs_off);
+        const __m256i raw = _mm256_inserti128_si256(_mm256_castsi128_si256(a0), a1, 1);
+        const __m256i wl = _mm256_and_si256(raw, m4), wh = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(tl->qp + 2 * j * QK));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(tl->qp + 2 * j * QK + QK));
+        s[j] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), wl, xl), wh, xh);
+    }
+    const __m256i sums = FN(hadd_epi32)(FN(hadd_epi32)(s[0], s[1]), FN(hadd_epi32)(s[2], s[3]));
+    const __m256i dots = _mm256_permutevar8x32_epi32(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (kind == PI_TYPE_Q4_0) {
+        const __m512i scale_idx = _mm512_setr_epi32(0x00090000, 0x001B0012, 0x002D0024, 0x003F0036, 0, 0, 0, 0, 0, 0,
+                                                    0, 0, 0, 0, 0, 0);
+        const __m128i dh = _mm512_castsi512_si128(_mm512_permutex2var_epi16(v0, scale_idx, v1));
+        const __m256i q = _mm256_sub_epi32(dots, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)tl->isum), 3));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_cvtph_ps(dh), FN(act_pairs)(tl->ds, 0)),
+                               acc);
+    }
+    /* Q4_1: {d, m} of block k at dword 5 k; block 7 is past n here (zero) */
+    const __m512i words =
+        _mm512_permutex2var_epi32(v0, _mm512_setr_epi32(0, 5, 10, 15, 20, 25, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0), v1);
+    const __m256i dm = _mm256_mask_set1_epi32(_mm512_castsi512_si256(words), 0x80, 0);
+    const __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
+    const __m256 mw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, FN(act_pairs)(tl->ds, 0)), acc);
+    return _mm256_add_ps(acc, _mm256_mul_ps(mw, FN(act_pairs)(tl->ds, 1)));
+}
+#endif
+
 TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_q8 *a, int64_t t0, const int ntok,
                                   float *out) {
     const block_q4_0 *b0 = (const block_q4_0 *)row;
@@ -277,6 +322,12 @@ TARGET_INLINE void FN(tile_q4x_n)(const int kind, const uint8_t *row, const act_
             prefetch_act(a, row + g * bsz, 8 * bsz);
             acc[0] = FN(q4_1_pairs_group)(b1 + g, a->qp + g * QK, a->ds + 2 * g, acc[0]);
         }
+#if SIMD_AVX512
+    if ((kind == PI_TYPE_Q4_0 || kind == PI_TYPE_Q4_1) && ntok == 1 && t0 == 0 && a->tail != NULL && g < nb) {
+        acc[0] = FN(q4x_tail_group)(kind, row + g * bsz, (int)(nb - g), a->tail, acc[0]);
+        g = nb;
+    }
+#endif
     for (; g + 8 <= nb; g += 8) {
         const uint8_t *first = row + g * bsz;
         prefetch_act(a, first, 8 * bsz);
