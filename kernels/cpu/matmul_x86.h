@@ -399,6 +399,30 @@ TARGET_INLINE void FN(tile_q8_0_n)(const uint8_t *row, const act_q8 *a, int64_t 
             acc[t] = FN(q8_0_group)(w, a->qs + tt * K + g * QK, _mm256_mul_ps(dw, dx), acc[t]);
         }
     }
+#if SIMD_AVX512
+    if (g < nb && ntok == 1 && t0 == 0 && a->tail != NULL) {
+        /* one token's last n < 8 blocks against the act_tail: the dots of those blocks only, summed to the same
+         * exact integers in lanes 0..n-1 (0 after) and the same float steps as below: the same bits, ~half the work */
+        const int n = (int)(nb - g);
+        const act_tail *tl = a->tail;
+        for (int j = 0; j < 8; j++) w[j] = _mm256_setzero_si256();
+        for (int j = 0; j < n; j++) {
+            const __m256i wj = _mm256_loadu_si256((const __m256i *)b[g + j].qs);
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(tl->qs + j * QK));
+            w[j] = FN(dot_u8s8)(_mm256_setzero_si256(), _mm256_sign_epi8(wj, wj), _mm256_sign_epi8(xv, wj));
+        }
+        __m256i q;
+        if (n <= 4) {
+            const __m256i s4 = FN(hadd_epi32)(FN(hadd_epi32)(w[0], w[1]), FN(hadd_epi32)(w[2], w[3]));
+            q = _mm256_zextsi128_si256(_mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1)));
+        } else {
+            q = FN(sum8_epi32)(w);
+        }
+        const __m256 dw = FN(tail_halves)((const uint8_t *)(b + g), (int64_t)sizeof(block_q8_0), n, FN(tail_lanes)(n));
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(dw, FN(act_pairs)(tl->ds, 0)), acc[0]);
+        g = nb;
+    }
+#endif
     if (g < nb) { /* the last n < 8 blocks: zero dots and scales in the unused lanes (exact no-ops) */
         const int n = (int)(nb - g);
         const __m256i lanes = FN(tail_lanes)(n);
