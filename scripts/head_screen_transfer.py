@@ -54,7 +54,9 @@ def main() -> None:
     ap.add_argument("-t", "--threads", type=int, default=2)
     ap.add_argument("--screens", default="narrow,docstrings,mix,narrow+mix", help="which screens to score")
     ap.add_argument("--widen-mass", type=float, default=WIDEN_MASS)
-    ap.add_argument("--rank", type=int, default=None, help="the screen's rank (default: screen_rank of the width)")
+    ap.add_argument(
+        "--rank", type=int, default=None, help="the screen's rank (default: screen_rank of the width)"
+    )
     ap.add_argument(
         "--candidates", type=int, default=HEAD_CANDIDATES, help="rows computed exactly before widening"
     )
