@@ -3,16 +3,7 @@
  * is what the compiler makes of them for its target, with the helpers inlined (none is called per row or element).
  */
 
-#define SIMD_CAT_(a, b) a##_##b
-#define SIMD_CAT(a, b) SIMD_CAT_(a, b)
-#define FN(name) SIMD_CAT(name, SIMD_SUFFIX)
-#ifdef SIMD_TARGET
-#define TARGET __attribute__((target(SIMD_TARGET)))
-#define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
-#else
-#define TARGET
-#define TARGET_INLINE static inline __attribute__((always_inline))
-#endif
+#include "simd_fn.h"
 
 #include "exp_body.h"
 
@@ -401,8 +392,4 @@ TARGET static void FN(attend_team)(const float *q, const kv_rows *kc, const kv_r
 
 #undef ATT_PF
 #undef ATT_V_BLOCK
-#undef TARGET
-#undef TARGET_INLINE
-#undef FN
-#undef SIMD_CAT
-#undef SIMD_CAT_
+#include "simd_fn_end.h"

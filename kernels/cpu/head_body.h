@@ -2,16 +2,7 @@
  * x86-64 (SIMD_SUFFIX scalar), then AVX2 and AVX-512 through simd_variants.h. Plain C loops with `omp simd`; each
  * variant is what the compiler makes of them for its target. */
 
-#define SIMD_CAT_(a, b) a##_##b
-#define SIMD_CAT(a, b) SIMD_CAT_(a, b)
-#define FN(name) SIMD_CAT(name, SIMD_SUFFIX)
-#ifdef SIMD_TARGET
-#define TARGET __attribute__((target(SIMD_TARGET)))
-#define TARGET_INLINE static inline __attribute__((target(SIMD_TARGET), always_inline))
-#else
-#define TARGET
-#define TARGET_INLINE static inline __attribute__((always_inline))
-#endif
+#include "simd_fn.h"
 
 #include "exp_body.h"
 
@@ -34,8 +25,4 @@ TARGET static float FN(head_exp_sum)(const float *s, int64_t n, float shift) {
     return sum;
 }
 
-#undef TARGET
-#undef TARGET_INLINE
-#undef FN
-#undef SIMD_CAT
-#undef SIMD_CAT_
+#include "simd_fn_end.h"
