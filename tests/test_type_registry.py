@@ -25,6 +25,7 @@ REGISTRIES = {
     "powerinfer/quant/types.py",
     "powerinfer/quant/mix.py",
     "powerinfer/ops/triton_quant.py",
+    "powerinfer/ops/triton_experts.py",  # the pooled experts' Triton kernels read each type's blocks too
     # C format files: type ids, block layouts, scalar decoders and integer views, the type lists and TYPE_TRAITS
     "kernels/cpu/quants.h",
     "kernels/cpu/kquants.h",

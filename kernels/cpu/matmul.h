@@ -29,10 +29,10 @@ _Static_assert(TILE_TS <= TILE_T, "the streaming tile runs the row tile's body")
 
 /* Token 0's last nb % 8 blocks as a whole group of 8 (act_pair_order, where nb % 8 != 0): their int8 activations
  * (qs), the same in pair order (qp), their {d, d sum} pairs (ds) and sums (isum), zero past the last block. The
- * one-token rows of Q4_0, Q4_1 and Q8_0 run a row's last partial group as a whole one against it, with the row's
- * blocks copied into a zeroed group: the zero lanes are the exact no-ops the tile's tail leaves, so the bits are the
- * tile's (a tail of 2 blocks, SmolLM2's 576-wide rows, cost as much as 10 blocks: 30 -> 46 us for a 1536 x 576 Q4_1
- * matrix where 512 wide took 30). */
+ * one-token rows of the 4-bit and 8-bit block types (matmul_x86.h) run a row's last partial group as one more
+ * group against it, reading only the row's own blocks: the zero lanes are the exact no-ops the tile's tail leaves,
+ * so the bits are the tile's (a tail of 2 blocks, SmolLM2's 576-wide rows, cost more than a whole group;
+ * docs/kernels.md). */
 typedef struct {
     int8_t qs[8 * QK];
     int8_t qp[8 * QK];
