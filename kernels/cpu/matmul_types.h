@@ -36,7 +36,7 @@
             [PI_TYPE_BF16] = FLOAT_KERNELS(isa, bf16),                                                             \
             [PI_TYPE_Q4_0] = BLOCK32_KERNELS(isa, q4_0, .rows_q8 = ROWS_Q8(isa, q4_0), .tile8 = TILE8(isa, q4_0), .tile16 = TILE16(isa, q4_0), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
-            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .tile8 = TILE8(isa, q4_1), .tile16 = TILE16(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
+            [PI_TYPE_Q4_1] = BLOCK32_KERNELS(isa, q4_1, .rows_q8 = ROWS_Q8(isa, q4_1), .tile8 = TILE8(isa, q4_1), .tile16 = TILE16(isa, q4_1), .tile8_min_t = TILE8_MIN_T_Q4_0, \
                                              .tile8_short_rows = 1),                                               \
             [PI_TYPE_Q5_0] = BLOCK32_KERNELS(isa, q5_0, .tile8 = TILE8(isa, q5_0), .tile16 = TILE16(isa, q5_0), .tile8_min_t = TILE8_MIN_T_Q4_0), \
             [PI_TYPE_Q5_1] = BLOCK32_KERNELS(isa, q5_1, .tile8 = TILE8(isa, q5_1), .tile16 = TILE16(isa, q5_1), .tile8_min_t = TILE8_MIN_T_Q4_0), \
@@ -59,6 +59,8 @@
 #define ROWS_Q8(isa, type) rows_##type##_##isa
 #define rows_q4_0_scalar NULL
 #define rows_q4_0_avx2 NULL
+#define rows_q4_1_scalar NULL
+#define rows_q4_1_avx2 NULL
 #define r8_q4_0_scalar r8_coef4_scalar
 #define tile4_f32_scalar NULL
 #define tile4_f16_scalar NULL
@@ -96,6 +98,8 @@ static const matmul_table matmul_tables[] = {
 #undef ROWS_Q8
 #undef rows_q4_0_scalar
 #undef rows_q4_0_avx2
+#undef rows_q4_1_scalar
+#undef rows_q4_1_avx2
 #undef r8_q4_0_scalar
 #undef tile4_f32_scalar
 #undef tile4_f16_scalar

@@ -466,9 +466,10 @@ TARGET static void FN(tile_q8_0_g)(const uint8_t *row, const act_q8 *a, int64_t 
         }                                                                                                 \
     }
 DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
+DEFINE_TILE_QUANT_BODY(q4_1, tile_q4x_n, PI_TYPE_Q4_1)
 
 #if SIMD_AVX512
-/* ---- one token over consecutive Q4_0 rows (the decode's matrices and a MoE token's expert rows) -------------- */
+/* ---- one token over consecutive Q4_0 / Q4_1 rows (the decode's matrices and a MoE token's expert rows) ------- */
 
 /* two matrices (w2): rows of each read in turns of this many (measured, the MoE experts' gate and up rows of the
  * Qwen3-MoE-shaped bench file, -t 1, 170 MB a token: one matrix after the other 13.1-13.5 ms, turns of 8 rows
@@ -480,57 +481,76 @@ DEFINE_TILE_QUANT_BODY(q4_0, tile_q4x_n, PI_TYPE_Q4_0)
 #define ROWS_Q4_0_SPLIT_MIN 64
 #define ROWS_Q4_0_MAX_K 16384 /* the activations rearranged on the stack: longer rows go row by row (tile_q4_0) */
 
-/* One row of ng groups of 8 blocks against the rearranged activations: per group, blocks 0-3 and 4-7 of the row as
- * one 512-bit vector each (4 x 16 nibble bytes), two dpbusd per vector (low nibbles with elements 0-15 of each
- * block, high nibbles with 16-31), the 16 lanes' partial sums folded to one exact integer per block in block order,
- * then tile_q4x_n's float steps: q - 8 sum(x), one product d_w d_x and one FMA into lane j, hsum256 at the end.
- * The integers are exact and every float step is the row tile's, so the result is tile_q4_0's at ntok = 1. */
-TARGET_INLINE float FN(row_q4_0_x1)(const uint8_t *row, const __m512i *xl, const __m512i *xh, const __m256 *dx,
-                                    const __m256i *off, const act_q8 *a, const int64_t ng) {
+/* One input's activations as the rows kernel reads them: elements 0-15 (xl) and 16-31 (xh) of blocks 4i .. 4i + 3 in
+ * vector i, and per group of 8 blocks their d_x (dx) and the term of the block's offset: Q4_0's 8 sum(x) (off),
+ * Q4_1's d_x sum(x) (dsx); a row's last partial group reads the act_tail (tail) */
+typedef struct {
+    __m512i xl[ROWS_Q4_0_MAX_K / 128], xh[ROWS_Q4_0_MAX_K / 128];
+    __m256 dx[ROWS_Q4_0_MAX_K / 256];
+    __m256i off[ROWS_Q4_0_MAX_K / 256];
+    __m256 dsx[ROWS_Q4_0_MAX_K / 256];
+    const act_tail *tail;
+    int tail_n; /* the blocks of the last partial group (0: none) */
+} FN(rows_q4x_input);
+
+/* One row of ng groups of 8 blocks (and a last partial group of in->tail_n blocks) against the rearranged
+ * activations: per group, blocks 0-3 and 4-7 of the row as one 512-bit vector each (4 x 16 nibble bytes), two dpbusd
+ * per vector (low nibbles with elements 0-15 of each block, high nibbles with 16-31), the 16 lanes' partial sums
+ * folded to one exact integer per block in block order, then tile_q4x_n's float steps (Q4_0: q - 8 sum(x), one
+ * product d_w d_x and one FMA into lane j; Q4_1: one FMA with d_w d_x, then m_w d_x sum(x) added), the last partial
+ * group as the tile's (q4x_tail_group), hsum256 at the end. The integers are exact and every float step is the row
+ * tile's, so the result is tile_q4_0's / tile_q4_1's at ntok = 1. */
+TARGET_INLINE float FN(row_q4x_x1)(const int kind, const uint8_t *row, const FN(rows_q4x_input) *in, const act_q8 *a,
+                                   const int64_t ng) {
+    const int64_t bsz = QX_BSZ(kind), qs_off = kind == PI_TYPE_Q4_0 ? 2 : 4;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i scale_idx = _mm512_setr_epi32(0x00090000, 0x001B0012, 0x002D0024, 0x003F0036, 0, 0, 0, 0, 0, 0, 0,
-                                                0, 0, 0, 0, 0);
     const __m512i fold = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
     __m256 acc = _mm256_setzero_ps();
     for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *p = row + g * 8 * (int64_t)sizeof(block_q4_0);
-        prefetch_act(a, p, 8 * (int64_t)sizeof(block_q4_0));
+        const uint8_t *p = row + g * 8 * bsz;
+        prefetch_act(a, p, 8 * bsz);
         __m512i w[2];
         for (int h = 0; h < 2; h++) {
-            const uint8_t *q = p + h * 4 * (int64_t)sizeof(block_q4_0) + 2; /* block 4h's qs */
+            const uint8_t *q = p + h * 4 * bsz + qs_off; /* block 4h's qs */
             __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q));
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 18)), 1);
-            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 36)), 2);
-            w[h] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 54)), 3);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + bsz)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 2 * bsz)), 2);
+            w[h] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 3 * bsz)), 3);
         }
         __m512i s[2];
         for (int h = 0; h < 2; h++) {
             const __m512i lo = _mm512_and_si512(w[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(w[h], 4), m4);
-            s[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl[2 * g + h]), hi,
-                                       xh[2 * g + h]);
+            s[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, in->xl[2 * g + h]), hi,
+                                       in->xh[2 * g + h]);
         }
         /* 128-bit lane l of s[h]: block 4h + l's 4 partial sums -> [a_l, a_l, b_l, b_l] per lane -> block order */
         const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(s[0], s[1]), _mm512_unpackhi_epi64(s[0], s[1]));
         const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
         const __m256i dots = _mm512_castsi512_si256(_mm512_permutexvar_epi32(fold, u));
-        const __m128i dh = _mm512_castsi512_si128(
-            _mm512_permutex2var_epi16(_mm512_loadu_si512((const void *)p), scale_idx,
-                                      _mm512_loadu_si512((const void *)(p + 64))));
-        const __m256i q = _mm256_sub_epi32(dots, off[g]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_cvtph_ps(dh), dx[g]), acc);
+        const __m512i lo64 = _mm512_loadu_si512((const void *)p), hi64 = _mm512_loadu_si512((const void *)(p + 64));
+        if (kind == PI_TYPE_Q4_0) {
+            const __m512i scale_idx = _mm512_setr_epi32(0x00090000, 0x001B0012, 0x002D0024, 0x003F0036, 0, 0, 0, 0, 0,
+                                                        0, 0, 0, 0, 0, 0, 0);
+            const __m128i dh = _mm512_castsi512_si128(_mm512_permutex2var_epi16(lo64, scale_idx, hi64));
+            const __m256i q = _mm256_sub_epi32(dots, in->off[g]);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_cvtph_ps(dh), in->dx[g]), acc);
+        } else { /* Q4_1: {d, m} of block k at dword 5 k, block 7's (byte 140) apart, as q4_1_pairs_group */
+            const __m512i words = _mm512_permutex2var_epi32(
+                lo64, _mm512_setr_epi32(0, 5, 10, 15, 20, 25, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0), hi64);
+            int32_t last;
+            memcpy(&last, p + 7 * bsz, sizeof last);
+            const __m256i dm = _mm256_mask_set1_epi32(_mm512_castsi512_si256(words), 0x80, last);
+            const __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
+            const __m256 mw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, in->dx[g]), acc);
+            acc = _mm256_add_ps(acc, _mm256_mul_ps(mw, in->dsx[g]));
+        }
     }
+    if (in->tail_n > 0) acc = FN(q4x_tail_group)(kind, row + ng * 8 * bsz, in->tail_n, in->tail, acc);
     return FN(hsum256)(acc);
 }
 
-/* One input's activations as the rows kernel reads them: elements 0-15 (xl) and 16-31 (xh) of blocks 4i .. 4i + 3 in
- * vector i, and per group of 8 blocks their d_x (dx) and 8 sum(x) (off) */
-typedef struct {
-    __m512i xl[ROWS_Q4_0_MAX_K / 128], xh[ROWS_Q4_0_MAX_K / 128];
-    __m256 dx[ROWS_Q4_0_MAX_K / 256];
-    __m256i off[ROWS_Q4_0_MAX_K / 256];
-} FN(rows_q4_0_input);
-
-TARGET_INLINE void FN(rows_q4_0_prepare)(const act_q8 *a, FN(rows_q4_0_input) *in) {
+TARGET_INLINE void FN(rows_q4x_prepare)(const int kind, const act_q8 *a, FN(rows_q4x_input) *in) {
     const int64_t ng = a->nb / 8;
     for (int64_t i = 0; i < 2 * ng; i++) { /* blocks 4i .. 4i + 3: qs units [b0 0-15 | b0 16-31 | b1 0-15 | ...] */
         const __m512i q0 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK));
@@ -540,55 +560,69 @@ TARGET_INLINE void FN(rows_q4_0_prepare)(const act_q8 *a, FN(rows_q4_0_input) *i
     }
     for (int64_t g = 0; g < ng; g++) {
         in->dx[g] = FN(act_pairs)(a->ds + 2 * 8 * g, 0);
-        in->off[g] = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->isum + 8 * g)), 3);
+        if (kind == PI_TYPE_Q4_0)
+            in->off[g] = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->isum + 8 * g)), 3);
+        else
+            in->dsx[g] = FN(act_pairs)(a->ds + 2 * 8 * g, 1);
     }
+    in->tail = a->tail;
+    in->tail_n = (int)(a->nb % 8);
 }
 
-TARGET_INLINE void FN(rows_q4_0_n)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
-                                   const FN(rows_q4_0_input) *in, const FN(rows_q4_0_input) *in2, const act_q8 *a,
-                                   float *y, float *y2, const int64_t ng) {
+TARGET_INLINE void FN(rows_q4x_n)(const int kind, const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2,
+                                  int64_t n, const FN(rows_q4x_input) *in, const FN(rows_q4x_input) *in2,
+                                  const act_q8 *a, float *y, float *y2, const int64_t ng) {
     if (w2 == NULL) { /* one matrix: its two halves read in turns (two streams in flight) */
         const int64_t h = n >= ROWS_Q4_0_SPLIT_MIN ? n / 2 : 0;
         for (int64_t r = 0; r < h; r++) {
-            y[r] = FN(row_q4_0_x1)(w + r * stride, in->xl, in->xh, in->dx, in->off, a, ng);
-            y[h + r] = FN(row_q4_0_x1)(w + (h + r) * stride, in->xl, in->xh, in->dx, in->off, a, ng);
+            y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng);
+            y[h + r] = FN(row_q4x_x1)(kind, w + (h + r) * stride, in, a, ng);
         }
-        for (int64_t r = 2 * h; r < n; r++)
-            y[r] = FN(row_q4_0_x1)(w + r * stride, in->xl, in->xh, in->dx, in->off, a, ng);
+        for (int64_t r = 2 * h; r < n; r++) y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng);
         return;
     }
     for (int64_t r0 = 0; r0 < n; r0 += ROWS_Q4_0_PAIR_RUN) {
         const int64_t r1 = min_i64(r0 + ROWS_Q4_0_PAIR_RUN, n);
-        for (int64_t r = r0; r < r1; r++) y[r] = FN(row_q4_0_x1)(w + r * stride, in->xl, in->xh, in->dx, in->off, a, ng);
-        for (int64_t r = r0; r < r1; r++)
-            y2[r] = FN(row_q4_0_x1)(w2 + r * stride2, in2->xl, in2->xh, in2->dx, in2->off, a, ng);
+        for (int64_t r = r0; r < r1; r++) y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng);
+        for (int64_t r = r0; r < r1; r++) y2[r] = FN(row_q4x_x1)(kind, w2 + r * stride2, in2, a, ng);
     }
 }
 
 /* y[r] = row r . x for r < n, the rows stride bytes apart, one token in the q8 precision (a: act_q8_prepare's):
- * the bits of tile_q4_0 at ntok = 1 (a->ahead: its prefetch), without its per-row work on the activations: they are
- * rearranged once per call (rows_q4_0_input); w2 (or NULL): a second matrix's rows of the same length against a2
- * (NULL: a) into y2, read in turns with w's (two streams in flight). Rows of a multiple of 8 blocks up to
- * ROWS_Q4_0_MAX_K; others row by row through tile_q4_0. */
-TARGET static void FN(rows_q4_0)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
-                                 const act_q8 *a, const act_q8 *a2, float *y, float *y2) {
+ * the bits of tile_q4_0 / tile_q4_1 at ntok = 1 (a->ahead: its prefetch), without its per-row work on the
+ * activations: they are rearranged once per call (rows_q4x_input); w2 (or NULL): a second matrix's rows of the same
+ * length against a2 (NULL: a) into y2, read in turns with w's (two streams in flight). Rows up to ROWS_Q4_0_MAX_K,
+ * a last partial group of 8 blocks where the activations have its act_tail (as the tile: matmul.h); others row by
+ * row through the tile. */
+TARGET_INLINE void FN(rows_q4x)(const int kind, tile_quant_fn tile, const uint8_t *w, int64_t stride, const uint8_t *w2,
+                                int64_t stride2, int64_t n, const act_q8 *a, const act_q8 *a2, float *y, float *y2) {
     const int64_t nb = a->nb, ng = nb / 8;
     if (a2 == NULL) a2 = a;
-    if (nb % 8 != 0 || a->K > ROWS_Q4_0_MAX_K || a2->K != a->K) {
-        for (int64_t r = 0; r < n; r++) FN(tile_q4_0)(w + r * stride, a, 0, 1, y + r);
-        for (int64_t r = 0; w2 != NULL && r < n; r++) FN(tile_q4_0)(w2 + r * stride2, a2, 0, 1, y2 + r);
+    if ((nb % 8 != 0 && (a->tail == NULL || a2->tail == NULL)) || a->K > ROWS_Q4_0_MAX_K || a2->K != a->K) {
+        for (int64_t r = 0; r < n; r++) tile(w + r * stride, a, 0, 1, y + r);
+        for (int64_t r = 0; w2 != NULL && r < n; r++) tile(w2 + r * stride2, a2, 0, 1, y2 + r);
         return;
     }
-    FN(rows_q4_0_input) in[2];
-    FN(rows_q4_0_prepare)(a, &in[0]);
-    if (w2 != NULL && a2 != a) FN(rows_q4_0_prepare)(a2, &in[1]);
-    const FN(rows_q4_0_input) *in2 = a2 != a ? &in[1] : &in[0];
+    FN(rows_q4x_input) in[2];
+    FN(rows_q4x_prepare)(kind, a, &in[0]);
+    if (w2 != NULL && a2 != a) FN(rows_q4x_prepare)(kind, a2, &in[1]);
+    const FN(rows_q4x_input) *in2 = a2 != a ? &in[1] : &in[0];
     switch (ng) { /* the common row lengths with a constant group count */
-        case 2: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 2); break;
-        case 4: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 4); break;
-        case 8: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 8); break;
-        default: FN(rows_q4_0_n)(w, stride, w2, stride2, n, &in[0], in2, a, y, y2, ng); break;
+        case 2: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 2); break;
+        case 4: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 4); break;
+        case 8: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 8); break;
+        default: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, ng); break;
     }
+}
+
+TARGET static void FN(rows_q4_0)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
+                                 const act_q8 *a, const act_q8 *a2, float *y, float *y2) {
+    FN(rows_q4x)(PI_TYPE_Q4_0, FN(tile_q4_0), w, stride, w2, stride2, n, a, a2, y, y2);
+}
+
+TARGET static void FN(rows_q4_1)(const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2, int64_t n,
+                                 const act_q8 *a, const act_q8 *a2, float *y, float *y2) {
+    FN(rows_q4x)(PI_TYPE_Q4_1, FN(tile_q4_1), w, stride, w2, stride2, n, a, a2, y, y2);
 }
 #endif
 
@@ -882,7 +916,6 @@ TARGET static void FN(r8_q4_0)(const uint8_t *g, const act_q8 *a, float *y) {
 
 DEFINE_TILE_QUANT_BODY(q5_0, tile_q4x_n, PI_TYPE_Q5_0)
 DEFINE_TILE_QUANT_BODY(q5_1, tile_q4x_n, PI_TYPE_Q5_1)
-DEFINE_TILE_QUANT_BODY(q4_1, tile_q4x_n, PI_TYPE_Q4_1)
 
 /* Q8_0 rows in 8-block groups (tile_q8_0_n: what the prompt panels repeat), a last partial group in the low lanes:
  * the form depends on nothing but the row, so a token's result does not depend on its batch. */
