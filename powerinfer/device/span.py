@@ -1,5 +1,5 @@
-"""A span of device-resident layers for one token: the residual stream stays on the device from the first layer
-of the span to its last, and on CUDA the span's device work is a few captured graphs replayed per token.
+"""A span of device-resident layers for a decode step: the residual stream stays on the device from the first layer
+of the span to its last, and on CUDA the span's device work is a few captured graphs replayed per step.
 
 A layer is resident when its attention's matrices live on the pool device (`-ngl`, or the attention a sparse plan
 moves): its norms, q/k/v, RoPE, attention over its KV cache on the device and output projection run there. Its FFN
@@ -8,25 +8,36 @@ pool computes the hot ones (`HotRows.compute`) while the CPU's C kernels compute
 outputs merge once per layer. The traffic between the two per hybrid layer is the FFN input and the mask to the
 host and the CPU's partial output back (pinned buffers on CUDA), never weights.
 
-On CUDA attention is computed for a position held in a device tensor (`masked_attention`): RoPE rotates by the
-row of a device copy of the layer's (cos, sin) table picked with that tensor, the token's key and value are written
-into row `pos` of the cache with index_copy_, and attention reads the whole cache (n_ctx rows) with the rows after
-`pos` masked out, so every shape is fixed. The KV rows past a sequence's length must hold finite values (masked
-scores are dropped, but 0 * NaN is NaN in the product with V): the engine allocates device-resident caches zeroed.
-The CPU standing in computes attention with the CPU's one-token kernel instead (the kernel its prompts use, so a
-token's bits do not depend on how it arrived); tests check masked_attention against that kernel directly.
+A `DeviceSpan` runs B rows over static buffers: the residual (B, D), and as device tensors each row's sequence (a
+row of the layers' stacked caches, (n_seq, n_ctx, H_kv, D)) and position. B = 1 over a stack of one sequence's
+cache is a single sequence's decode token (`Transformer.spans_for`); a `BatchSpan` holds one DeviceSpan per batch
+size (the powers of two below n_seq, and n_seq) over every sequence's cache for the server's and `batched`'s
+decode steps (`Transformer.step_spans_for`): a step of n tokens runs in the smallest size >= n, the rows past n
+repeating row 0 (its sequence, position and input), so they compute and write row 0's keys and values again and
+their outputs are dropped; nothing else in any cache changes.
+
+On CUDA attention is computed for positions held in device tensors (`masked_attention`): RoPE rotates by the rows
+of a device copy of the layer's (cos, sin) table picked with them, each token's key and value are written into the
+stacked cache at (sequence, position) through one flat row index with index_copy_, and each row reads its
+sequence's whole cache (n_ctx rows) with the rows after its position masked out, so every shape is fixed. The KV
+rows past a sequence's length must hold finite values (masked scores are dropped, but 0 * NaN is NaN in the product
+with V): the engine allocates device-resident caches zeroed. The CPU standing in computes attention with the CPU's
+one-token kernel instead, once for all rows (`ops.attend_batch`: the kernel its prompts use, so a token's bits do
+not depend on how it arrived, nor on the other rows of its step); tests check masked_attention against that kernel
+directly.
 
 The span's work is cut into pieces at each hybrid layer with cold neurons: piece j runs from the merge of the
 previous hybrid layer's outputs to this hybrid layer's predictor and the copies of its FFN input and mask to the
-host; the hot part of that layer is a piece of its own. Per token: replay piece j, record an event, replay the hot
-piece (the device computes the hot neurons), wait for the event, compute the cold neurons on the CPU into the
-pinned buffer the next piece copies in. Fixed shapes and a device-side position are what CUDA graphs need: on CUDA
-each piece is captured once (after one eager run on a side stream, which compiles the Triton kernels; the token's
-K/V rows it writes are written again, with the same values, by the replay) with torch.cuda.CUDAGraph, rather than
-torch.compile(mode="reduce-overhead"): the pieces call Triton kernels and C-kernel stand-ins that compile would have
-to trace or break around, and a graph needs nothing but static buffers, which the span has anyway. Python work per
-token is then a few calls per hybrid layer and one replay per stretch of device-only layers. The CPU stand-in runs
-the same pieces eagerly (no capture, the copies are plain), so CI tests the span's pieces, links and order.
+host; the hot part of that layer is a piece of its own. Per step: replay piece j, record an event, replay the hot
+piece (the device computes the hot neurons), wait for the event, compute the cold neurons of the real rows on the
+CPU into the pinned buffer the next piece copies in. Fixed shapes and device-side positions are what CUDA graphs
+need: on CUDA each piece is captured once per batch size (after one eager run on a side stream, which compiles the
+Triton kernels; the K/V rows it writes are written again, with the same values, by the replay) with
+torch.cuda.CUDAGraph, rather than torch.compile(mode="reduce-overhead"): the pieces call Triton kernels and C-kernel
+stand-ins that compile would have to trace or break around, and a graph needs nothing but static buffers, which
+the span has anyway. Python work per step is then a few calls per hybrid layer and one replay per stretch of
+device-only layers, whatever B. The CPU stand-in runs the same pieces eagerly (no capture, the copies are plain),
+so CI tests the span's pieces, links, padding and order.
 """
 
 from __future__ import annotations
