@@ -300,7 +300,8 @@ def test_server_slots_decoding_together_get_their_answers_alone(files):
 @pytest.mark.parametrize("n_gpu_layers", [1, 99])
 def test_batch_span_on_cuda_replays_what_it_runs_eagerly(files, n_gpu_layers):
     """On CUDA each size's span is captured once and replayed per step: batch steps (2, 3 padded to 4, 4 rows)
-    give the eager span's logits (graphs off), and each sequence's the CPU's within the CUDA span tests' bound."""
+    give the eager span's logits (graphs off), and each sequence's the CPU's within the CUDA span tests' bound; a
+    replayed step syncs with nothing."""
     from powerinfer.device.span import SpanMaker
 
     kw = dict(pool_device="cuda", n_seq=N_SEQ, n_gpu_layers=n_gpu_layers)
@@ -321,3 +322,13 @@ def test_batch_span_on_cuda_replays_what_it_runs_eagerly(files, n_gpu_layers):
     for g, c in zip(got, cpu, strict=True):
         # f32 on both sides, summed in other orders: bounded as the CUDA one-token span test bounds it
         assert (g - c).abs().max().item() <= 1e-4 * c.abs().max().item()
+    # a replayed step queues its work and its copies without waiting on the device (STYLE.md 13)
+    seqs, positions = torch.tensor([0, 1, 2]), torch.tensor([graphs.kv.n_past[s] for s in range(3)])
+    x = torch.randn(3, span.spans[4].x.shape[1], device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            out = span(x, seqs, positions)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert out.shape == x.shape and bool(torch.isfinite(out).all())
