@@ -100,7 +100,8 @@ def _hybrid(ffn: object) -> bool:
 
 class SpanMaker:
     """Makes the device spans of one model: which layers a span may hold, and the span of a run of them for one
-    sequence's KV rows. `graphs`: capture CUDA graphs (a CUDA device); False runs the span eagerly (the stand-in)."""
+    sequence's KV rows or for decode steps over every sequence's. `graphs`: capture CUDA graphs (a CUDA device);
+    False runs the spans eagerly (the stand-in)."""
 
     def __init__(self, device: torch.device, n_ctx: int, graphs: bool | None = None) -> None:
         self.device, self.n_ctx = torch.device(device), n_ctx
