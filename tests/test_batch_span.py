@@ -105,6 +105,24 @@ def test_a_batch_step_gives_each_sequence_its_logits_alone(files, placement):
             assert 0 < s.active_gpu.sum() < s.active.sum()
 
 
+@pytest.mark.parametrize("placement", ["ngl-all", "ngl-1", "hybrid"])
+def test_the_cuda_attention_path_of_a_batch_span_on_cpu_tensors(files, placement):
+    """The spans with the attention CUDA runs (masked_attention over the stacked caches from the device tensors of
+    sequence ids and positions, padding rows included) on the stand-in: batch steps give the all-CPU engine's
+    logits within the span tests' bound."""
+    kind, kw = PLACEMENTS[placement]
+    engine = Engine(files[kind], _opts("f32", pool_device="cpu", n_seq=N_SEQ, **kw))
+    maker = engine.model.span_maker
+    assert maker is not None
+    maker.masked = True  # read when the spans are made, on first use
+    got = _decode_steps(engine)
+    assert all(s.masked for s in engine.model.step_spans_for(engine.kv)[-1][2].spans.values())
+    cpu = _alone(Engine(files[kind], _opts("f32", n_seq=N_SEQ)))
+    for g, c in zip(got, cpu, strict=True):
+        # measured: <= 4.1e-7 of the largest logit (the one-token span tests' bound)
+        assert (g - c).abs().max().item() <= 2e-6 * c.abs().max().item()
+
+
 def test_padding_rows_leave_every_cache_as_the_real_rows_write_it(files):
     """A 3-sequence step runs in the 4-row span: the padding row repeats row 0, so it writes row 0's keys and
     values again; every other sequence's rows and every row past a sequence's position are untouched."""

@@ -101,11 +101,15 @@ def _hybrid(ffn: object) -> bool:
 class SpanMaker:
     """Makes the device spans of one model: which layers a span may hold, and the span of a run of them for one
     sequence's KV rows or for decode steps over every sequence's. `graphs`: capture CUDA graphs (a CUDA device);
-    False runs the spans eagerly (the stand-in)."""
+    False runs the spans eagerly (the stand-in). `masked`: attention by masked_attention (off the CPU); False: by
+    the CPU's one-token kernel (the stand-in; tests turn it on there to run the CUDA path on CPU tensors)."""
 
-    def __init__(self, device: torch.device, n_ctx: int, graphs: bool | None = None) -> None:
+    def __init__(
+        self, device: torch.device, n_ctx: int, graphs: bool | None = None, masked: bool | None = None
+    ) -> None:
         self.device, self.n_ctx = torch.device(device), n_ctx
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        self.masked = self.device.type != "cpu" if masked is None else masked
         self._tables: dict[int, torch.Tensor] = {}  # id of a host (cos, sin) table -> its copy on the device
 
     def accepts(self, layer: Layer) -> bool:
@@ -130,12 +134,12 @@ class SpanMaker:
         """The span of `layers` (each accepted) for one token of one sequence over its KV rows `slots`
         ((n_ctx, H_kv, D) each, on the device)."""
         caches = [(k.unsqueeze(0), v.unsqueeze(0)) for k, v in slots]  # a stack of one sequence
-        return DeviceSpan(layers, caches, self._tables_of(layers), self.device, self.graphs)
+        return DeviceSpan(layers, caches, self._tables_of(layers), self.device, self.graphs, self.masked)
 
     def make_batch(self, layers: list[Layer], caches: list[tuple[torch.Tensor, torch.Tensor]]) -> BatchSpan:
         """The span of `layers` (each accepted) for one token of each of several sequences over every sequence's
         KV rows `caches` ((n_seq, n_ctx, H_kv, D) each, on the device)."""
-        return BatchSpan(layers, caches, self._tables_of(layers), self.device, self.graphs)
+        return BatchSpan(layers, caches, self._tables_of(layers), self.device, self.graphs, self.masked)
 
     def _tables_of(self, layers: list[Layer]) -> list[torch.Tensor]:
         """Each layer's (cos, sin) table on the device (one copy per host table)."""
@@ -222,9 +226,10 @@ class DeviceSpan:
         tables: list[torch.Tensor],
         device: torch.device,
         graphs: bool,
+        masked: bool,
         n_rows: int = 1,
     ) -> None:
-        self.device, self.graphs, self.n_rows = device, graphs, n_rows
+        self.device, self.graphs, self.masked, self.n_rows = device, graphs, masked, n_rows
         self.residents: list[_Resident] = []
         for layer, (k, v), table in zip(layers, caches, tables, strict=True):
             if k.device != device or v.device != device:
@@ -445,7 +450,7 @@ class DeviceSpan:
         s = attn.spec
         q, k, v = attn._project(r.attn_norm(x))
         q, k = attn._qk_normed(q, k)
-        if self.device.type == "cpu":
+        if not self.masked:
             pairs = attn.rope_pairs
             assert pairs is not None
             rope = pairs.index_select(0, self.pos)
@@ -467,14 +472,10 @@ class BatchSpan:
         tables: list[torch.Tensor],
         device: torch.device,
         graphs: bool,
+        masked: bool,
     ) -> None:
-        self.layers, self.caches, self.tables, self.device, self.graphs = (
-            layers,
-            caches,
-            tables,
-            device,
-            graphs,
-        )
+        self.layers, self.caches, self.tables = layers, caches, tables
+        self.device, self.graphs, self.masked = device, graphs, masked
         n_seq = caches[0][0].shape[0]
         self.sizes = sorted({min(1 << i, n_seq) for i in range(n_seq.bit_length() + 1)})
         self.size_of = [next(b for b in self.sizes if b >= n) for n in range(n_seq + 1)]  # n tokens -> B
@@ -486,7 +487,9 @@ class BatchSpan:
         size = self.size_of[x.shape[0]]
         span = self.spans.get(size)
         if span is None:
-            span = DeviceSpan(self.layers, self.caches, self.tables, self.device, self.graphs, size)
+            span = DeviceSpan(
+                self.layers, self.caches, self.tables, self.device, self.graphs, self.masked, size
+            )
             self.spans[size] = span
         return span.step(x, seqs, positions)
 
