@@ -187,9 +187,8 @@ class _Link:
         """The CPU's part, once the FFN input and mask are on the host: the active cold neurons of the n real rows
         into self.y (the padding rows a copy of the row they repeat, `fill`), and the layer's counters."""
         ffn = self.ffn
-        if (
-            self.u.shape[0] == 1
-        ):  # one token: the selected rows are exactly the active ones (SparseFFN's decode)
+        # one token: the selected rows are exactly the active ones (SparseFFN's decode)
+        if self.u.shape[0] == 1:
             mask = self.mask[0]
             idx = (mask & ffn.cpu_rows).nonzero().view(-1)
             self.y.copy_(ffn.rows(self.u, idx))
