@@ -2,9 +2,9 @@
 # Issue 47's GPU check in one run of at most ~6 minutes on a fresh CUDA machine without network (docs/gpu.md):
 # install the wheels of wheelhouse/ (scripts/gpu_prepare.sh, run beforehand where there is network), use the
 # carried C kernels or build them, `pytest -m cuda`, make the synthetic 1.1B Q4_0 PowerInfer model and its dense
-# twin, time `powerinfer bench` CPU only, with the pool and with -ngl, compare greedy `main` output, run
-# scripts/bench_pool_kernels.py, then print the acceptance table (scripts/gpu_table.py) and write it to
-# $OUT/table.md. Every step has its own timeout and its log in $OUT; a failing step never stops the rest.
+# twin, time `powerinfer bench` CPU only, with the pool and with -ngl, compare greedy `main` output, decode four
+# sequences together (`powerinfer batched`, the batch span), run scripts/bench_pool_kernels.py, then print the
+# acceptance table (scripts/gpu_table.py) and write it to $OUT/table.md. Every step has its own timeout and its log in $OUT; a failing step never stops the rest.
 # Without CUDA the steps that need it print "skipped: no CUDA" and their cells are "-".
 #
 # Env: OUT (default ./gpu_results), PYTHON (default python3), GPU_CHECK_BUDGET_S (whole run, default 350),
@@ -209,6 +209,18 @@ greedy sparse_vb025 "$SPARSE" 1 --vram-budget 0.25
 greedy dense_cpu "$DENSE" 0
 greedy dense_ngl99 "$DENSE" 1 -ngl 99
 greedy dense_ngl9 "$DENSE" 1 -ngl 9
+
+# ------------------------------------------------------------------------------------------- batched
+# four sequences decoding together: the resident layers' batch span (one graph per batch size), greedy; the
+# speed line is in batched_vb2.log
+if [ ! -f "$SPARSE" ]; then
+  note batched_vb2 - 0 "skipped: no model"
+elif [ "$POOL" = none ]; then
+  note batched_vb2 - 0 "skipped: no CUDA"
+else
+  step batched_vb2 45 "$OUT/batched_vb2.txt" "$PY" -m powerinfer batched -m "$SPARSE" -p "The quick brown fox" \
+    --parallel 4 --n-len 48 --temp 0 -t "$THREADS" --pool-device "$POOL" --vram-budget 2
+fi
 
 # ------------------------------------------------------------------------------------------- kernels
 if [ ! -f scripts/bench_pool_kernels.py ]; then

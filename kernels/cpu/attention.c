@@ -239,12 +239,55 @@ PI_EXPORT int32_t pi_attn_decode(float *q, float *k, const float *v, const float
     return PI_OK;
 }
 
+/* Tokens t < T, token t the query q + t H D (its k and v at t Hkv D, its rope pairs at t D) at position pos[t] over
+ * the cache kr[t], vr[t], each exactly as pi_attn_decode computes it (q and k rotated in place, k and v written to
+ * row pos[t], attention over positions 0..pos[t]). First every token's rotation and cache write, split over the
+ * threads, or (serial) in token order on one thread, for tokens that may repeat a (cache, position): the repeat
+ * writes the same bytes after the first, never beside it. Then the (token, KV head) items, each on one thread with
+ * its own scores: the bits do not depend on the thread count. */
+static int32_t attn_tokens(int32_t level, float *q, float *k, const float *v, const float *rope, const kv_rows *kr,
+                           const kv_rows *vr, const int64_t *pos, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                           float scale, float *out, int serial, int neox, int32_t n_threads) {
+    const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
+    const int64_t G = H / Hkv, row = Hkv * D;
+    int64_t L_max = 0;
+    for (int64_t t = 0; t < T; t++) L_max = pos[t] + 1 > L_max ? pos[t] + 1 : L_max;
+    const int32_t nt = threads_for_work(n_threads, 2 * H * L_max * D * T);
+    const size_t per_thread = align_up((size_t)(G * L_max) * sizeof(float));
+    float *scores = aligned_alloc(64, per_thread * (size_t)nt);
+    if (scores == NULL) return PI_ERR_ALLOC;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+    {
+        float *s = (float *)((uint8_t *)scores + per_thread * (size_t)omp_get_thread_num());
+        if (serial) {
+#pragma omp single
+            for (int64_t t = 0; t < T; t++)
+                attn_decode_heads(level, q + t * H * D, k + t * row, v + t * row, rope + t * D, &kr[t], &vr[t],
+                                  pos[t], H, Hkv, D, scale, NULL, NULL, 0, Hkv, 0, neox);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < T; t++)
+                attn_decode_heads(level, q + t * H * D, k + t * row, v + t * row, rope + t * D, &kr[t], &vr[t],
+                                  pos[t], H, Hkv, D, scale, NULL, NULL, 0, Hkv, 0, neox);
+        }
+        /* tokens at later positions see more rows: dynamic, so the threads end together */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < T * Hkv; i++) {
+            const int64_t t = i / Hkv, kvh = i % Hkv;
+            attend_kv_head(q + t * H * D, &kr[t], &vr[t], kvh, G, pos[t] + 1, D, scale, s, out + t * H * D);
+            if (vr[t].rot)
+                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++) hadamard_rotate(out + t * H * D + h * D, D, vr[t].rot);
+        }
+    }
+    free(scores);
+    return PI_OK;
+}
+
 /* pi_attn_prefill(q, k, v, rope, kc, vc, type_k, type_v, n_ctx, pos, T, H, Hkv, D, scale, out, neox, threads, isa): T consecutive tokens
  * of one sequence at positions pos..pos + T - 1, each exactly as pi_attn_decode computes it at its position (its q
  * and k rotated in place with its rope row, k and v written to its cache row, attention over positions 0 up to its
  * own), so a token's output does not depend on how its prompt was split into batches, nor on the thread count.
- * q (T, H * D), k and v (T, Hkv * D), rope (T, D / 2 pairs), out (T, H * D). First every token's rotation and cache
- * write (rows split over threads), then the (token, KV head) items, each on one thread with its own scores. */
+ * q (T, H * D), k and v (T, Hkv * D), rope (T, D / 2 pairs), out (T, H * D) (attn_tokens). */
 PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const float *rope, void *kc, void *vc,
                                   int32_t type_k, int32_t type_v, int64_t n_ctx, int64_t pos, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                   float scale, float *out, int32_t neox, int32_t n_threads, int32_t isa) {
@@ -254,30 +297,48 @@ PI_EXPORT int32_t pi_attn_prefill(float *q, float *k, const float *v, const floa
     if (q == NULL || k == NULL || v == NULL || rope == NULL || out == NULL) return PI_ERR_SHAPE;
     kv_rows krows, vrows;
     if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
-    const int32_t level = pi_isa_clamp(isa);
-    const attend_kv_head_fn attend_kv_head = attn_variants[level].attend_kv_head;
-    const int64_t G = H / Hkv, row = Hkv * D, L_max = pos + T;
-    const int32_t nt = threads_for_work(n_threads, 2 * H * L_max * D * T);
-    const size_t per_thread = align_up((size_t)(G * L_max) * sizeof(float));
-    float *scores = aligned_alloc(64, per_thread * (size_t)nt);
-    if (scores == NULL) return PI_ERR_ALLOC;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-    {
-        float *s = (float *)((uint8_t *)scores + per_thread * (size_t)omp_get_thread_num());
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < T; t++)
-            attn_decode_heads(level, q + t * H * D, k + t * row, v + t * row, rope + t * D, &krows, &vrows, pos + t,
-                              H, Hkv, D, scale, NULL, NULL, 0, Hkv, 0, neox != 0);
-        /* later tokens see more positions: dynamic, so the threads end together */
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < T * Hkv; i++) {
-            const int64_t t = i / Hkv, kvh = i % Hkv;
-            attend_kv_head(q + t * H * D, &krows, &vrows, kvh, G, pos + t + 1, D, scale, s, out + t * H * D);
-            if (vrows.rot)
-                for (int64_t h = kvh * G; h < (kvh + 1) * G; h++)
-                    hadamard_rotate(out + t * H * D + h * D, D, vrows.rot);
-        }
+    kv_rows *rows = malloc((size_t)T * (2 * sizeof(kv_rows) + sizeof(int64_t)));
+    if (rows == NULL) return PI_ERR_ALLOC;
+    int64_t *positions = (int64_t *)(rows + 2 * T);
+    for (int64_t t = 0; t < T; t++) {
+        rows[t] = krows;
+        rows[T + t] = vrows;
+        positions[t] = pos + t;
     }
-    free(scores);
-    return PI_OK;
+    const int32_t status = attn_tokens(pi_isa_clamp(isa), q, k, v, rope, rows, rows + T, positions, T, H, Hkv, D,
+                                       scale, out, 0, neox != 0, n_threads);
+    free(rows);
+    return status;
+}
+
+/* pi_attn_decode_batch(q, k, v, rope, kc, vc, type_k, type_v, n_seq, n_ctx, seqs, pos, B, H, Hkv, D, scale, out, neox,
+ * threads, isa): B tokens, token b of sequence seqs[b] at position pos[b], each exactly as pi_attn_decode computes it
+ * over that sequence's cache, in one call (a decode step of several sequences: a token's output does not depend on
+ * the others). kc, vc: the caches of n_seq sequences, each n_ctx rows as pi_attn_decode's, one after the other;
+ * q (B, H * D), k and v (B, Hkv * D), rope (B, D / 2 pairs), out (B, H * D). A token may repeat an earlier one's
+ * (sequence, position) with the same q, k, v (a padded batch): it writes the same row again, after the first. */
+PI_EXPORT int32_t pi_attn_decode_batch(float *q, float *k, const float *v, const float *rope, void *kc, void *vc,
+                                       int32_t type_k, int32_t type_v, int64_t n_seq, int64_t n_ctx, const int64_t *seqs,
+                                       const int64_t *pos, int64_t B, int64_t H, int64_t Hkv, int64_t D, float scale,
+                                       float *out, int32_t neox, int32_t n_threads, int32_t isa) {
+    if (B <= 0 || n_seq <= 0 || n_ctx <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0)
+        return PI_ERR_SHAPE;
+    if (q == NULL || k == NULL || v == NULL || rope == NULL || out == NULL || seqs == NULL || pos == NULL)
+        return PI_ERR_SHAPE;
+    for (int64_t b = 0; b < B; b++)
+        if (seqs[b] < 0 || seqs[b] >= n_seq || pos[b] < 0 || pos[b] >= n_ctx) return PI_ERR_SHAPE;
+    kv_rows krows, vrows;
+    if (!kv_rows_make(&krows, kc, type_k, Hkv, D, 0) || !kv_rows_make(&vrows, vc, type_v, Hkv, D, 1)) return PI_ERR_SHAPE;
+    kv_rows *rows = malloc((size_t)B * 2 * sizeof(kv_rows));
+    if (rows == NULL) return PI_ERR_ALLOC;
+    for (int64_t b = 0; b < B; b++) {
+        rows[b] = krows;
+        rows[b].data += seqs[b] * n_ctx * krows.row_bytes;
+        rows[B + b] = vrows;
+        rows[B + b].data += seqs[b] * n_ctx * vrows.row_bytes;
+    }
+    const int32_t status = attn_tokens(pi_isa_clamp(isa), q, k, v, rope, rows, rows + B, pos, B, H, Hkv, D, scale,
+                                       out, 1, neox != 0, n_threads);
+    free(rows);
+    return status;
 }

@@ -35,6 +35,10 @@ class KVLayer(Protocol):
         """Keys and values of sequence seq: (n_ctx, H_kv, D) contiguous buffers."""
         ...
 
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every sequence: (n_seq, n_ctx, H_kv, D) contiguous buffers."""
+        ...
+
     def update(
         self, seq: int, pos: int, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -41,17 +41,31 @@ class DeviceSpan(Protocol):
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor: ...
 
 
+class BatchSpan(Protocol):
+    """The same layers for one token of each of several sequences (powerinfer.device.span): the residual x (B, D)
+    of the sequences seqs (B,) at positions (B,) in, the residual after the span's last layer out, on the device."""
+
+    def __call__(self, x: torch.Tensor, seqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor: ...
+
+
 class SpanMaker(Protocol):
-    """Which layers run whole on the pool device for one token, and their span (powerinfer.device.span)."""
+    """Which layers run whole on the pool device, and their span for one token of one sequence or for one token
+    of each of several sequences (powerinfer.device.span)."""
 
     def accepts(self, layer: Layer) -> bool: ...
 
     def make(self, layers: list[Layer], slots: list[tuple[torch.Tensor, torch.Tensor]]) -> DeviceSpan: ...
 
+    def make_batch(
+        self, layers: list[Layer], caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> BatchSpan: ...
+
 
 # layers start..stop-1 of one token's step: CPU layers as one kernel call (a stack), device layers as one device
 # span, or (None) each layer by itself
 Span = tuple[int, int, "ops.DecodeStack | DeviceSpan | None"]
+# layers start..stop-1 of a decode step of several sequences: a batch span, or (None) each layer op by op
+StepSpan = tuple[int, int, "BatchSpan | None"]
 
 
 # a run of at most this many tokens of one sequence (a speculative step's, a short chunk) goes through the sequence's
@@ -115,6 +129,8 @@ class Transformer:
         self.span_maker: SpanMaker | None = None
         # the spans made, per (KV store, sequence): the store, the fused blocks they chain, the spans
         self._spans: dict[tuple[int, int], tuple[KVStore, tuple[object, ...], list[Span]]] = {}
+        # the batch spans of a decode step of several sequences, per KV store: the store, the spans
+        self._step_spans: dict[int, tuple[KVStore, list[StepSpan]]] = {}
 
     @property
     def ffns(self) -> list[FFN]:
@@ -128,6 +144,7 @@ class Transformer:
         device weights and pool parts)."""
         self.placed = placed
         self._spans.clear()
+        self._step_spans.clear()
         ropes: dict[object, Rope | None] = {}
         identities: dict[int, torch.Tensor] = {}
         for bid, layer in enumerate(self.layers):
@@ -187,6 +204,8 @@ class Transformer:
                     x = _host(x).contiguous()
                     stack.tokens(x, batch.segments[0].pos)
                     return x
+        elif batch.kind == "decode" and not self.observers and self.span_maker is not None:
+            return self._forward_decode(x, batch, kv)
         for bid, layer in enumerate(self.layers):
             x = self._layer(bid, layer, x, batch, kv.layer_view(bid))
         return x
@@ -221,6 +240,51 @@ class Transformer:
             for bid in range(start, stop):
                 x = self._one(bid, self.layers[bid], x, batch, kv, seq, pos)
         return x
+
+    def _forward_decode(self, x: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        """The residual stream of one token of each of several sequences: each run of resident layers as one batch
+        span (step_spans_for), every other layer op by op."""
+        for start, stop, span in self.step_spans_for(kv):
+            if span is not None:
+                x = span(x, batch.seq_ids, batch.positions)
+                continue
+            for bid in range(start, stop):
+                x = self._layer(bid, self.layers[bid], x, batch, kv.layer_view(bid))
+        return x
+
+    def step_spans_for(self, kv: KVStore) -> list[StepSpan]:
+        """The layers of a decode step of several sequences: each longest run of layers the span maker accepts as
+        one batch span over every sequence's KV rows, every other layer by itself (None). Made on first use; none
+        where spans_for makes none (recall tracked, stack_decode False)."""
+        if self._op_by_op():
+            return [(bid, bid + 1, None) for bid in range(len(self.layers))]
+        entry = self._step_spans.get(id(kv))
+        if entry is None or entry[0] is not kv:
+            entry = (kv, self._make_step_spans(kv))
+            self._step_spans[id(kv)] = entry
+        return entry[1]
+
+    def _make_step_spans(self, kv: KVStore) -> list[StepSpan]:
+        maker = self.span_maker
+        assert maker is not None
+        spans: list[StepSpan] = []
+        resident: list[int] = []
+
+        def close() -> None:
+            if resident:
+                caches = [kv.layer_view(bid).stacked() for bid in resident]
+                span = maker.make_batch([self.layers[bid] for bid in resident], caches)
+                spans.append((resident[0], resident[-1] + 1, span))
+                resident.clear()
+
+        for bid, layer in enumerate(self.layers):
+            if maker.accepts(layer):
+                resident.append(bid)
+                continue
+            close()
+            spans.append((bid, bid + 1, None))
+        close()
+        return spans
 
     def _one(
         self, bid: int, layer: Layer, x: torch.Tensor, batch: StepBatch, kv: KVStore, seq: int, pos: int
@@ -285,13 +349,17 @@ class Transformer:
         if entry is None or entry[0] is not kv or entry[1] != blocks:
             entry = (kv, blocks, self._make_spans(kv, seq))
             self._spans[key] = entry
-        spans = entry[2]
-        if not self.stack_decode or any(
-            isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None
-            for ffn in blocks[1::4]
-        ):
+        if self._op_by_op():
             return [(bid, bid + 1, None) for bid in range(len(self.layers))]
-        return spans
+        return entry[2]
+
+    def _op_by_op(self) -> bool:
+        """No stack and no span: stack_decode is off, or recall is tracked (the sparse FFNs count their truly
+        active neurons op by op)."""
+        return not self.stack_decode or any(
+            isinstance(ffn, FusedSparseFFN | FusedThresholdFFN) and ffn.ffn.stats.true_active is not None
+            for ffn in (layer.fused_ffn for layer in self.layers)
+        )
 
     def _make_spans(self, kv: KVStore, seq: int) -> list[Span]:
         spans: list[Span] = []

@@ -3,7 +3,7 @@
 `attn_decode` is the kernel (kernels/cpu/attention.c: RoPE, KV write, grouped-query softmax attention);
 `decode_attention` and `apply_rope` are the tensor ops; `attend_one` picks between them the way the Llama
 forward does for one token: the kernel while the cache is on the CPU and pos < ATTN_KERNEL_MAX_POS, else the
-tensor ops.
+tensor ops. `attend_batch` is one token of each of several sequences, each as `attend_one` computes it.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from powerinfer.ops.library import check_status
 __all__ = [
     "ATTN_KERNEL_MAX_POS",
     "apply_rope",
+    "attend_batch",
     "attend_one",
     "attn_decode",
     "attn_prefill",
@@ -241,3 +242,82 @@ def attend_one(
     v_cache[pos : pos + 1] = kv_encode(v.view(1, n_head_kv, head_dim), type_v, rot_v)
     keys, values = kv_decode(k_cache[: pos + 1], rot_k), kv_decode(v_cache[: pos + 1], rot_v)
     return decode_attention(q, keys, values)
+
+
+def attend_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqs: torch.Tensor,
+    positions: torch.Tensor,
+    kc: KernelContext | None = None,
+    *,
+    neox: bool = False,
+) -> torch.Tensor:
+    """One token of each of B sequences, row b of sequence seqs[b] at positions[b], each the same bits as
+    `attend_one` gives it alone (its rotated k and v written to that sequence's row): (B, H * D) on the CPU.
+
+    q (B, H * D), k and v (B, H_kv * D); rope (B, D / 2, 2): each token's (cos, sin) pairs; k_cache, v_cache
+    (n_seq, n_ctx, H_kv, D) of any cache type, contiguous; seqs, positions (B,) int64 on the CPU. A row may repeat an
+    earlier row's (sequence, position, q, k, v) (a padded batch): it writes the same row again. One kernel call
+    (`attn_decode_batch` in kernels/cpu/attention.c) where it applies, else attend_one row by row.
+    """
+    if kc is None:
+        kc = default_context()
+    kernel = kc.kernels.attn_decode_batch
+    type_k, type_v = kv_type_of(k_cache[0]), kv_type_of(v_cache[0])
+    n_seq = k_cache.shape[0]
+    n_ctx, n_head_kv, head_dim = kv_dims(k_cache[0])
+    B = q.shape[0]
+    n_head = q.shape[-1] // head_dim
+    if (
+        kernel is not None
+        and type_k is not None
+        and type_v is not None
+        and q.is_cpu
+        and k_cache.is_cpu
+        and v_cache.is_cpu
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and kv_dims(v_cache[0]) == (n_ctx, n_head_kv, head_dim)
+        and positions.dtype is torch.int64
+        and seqs.dtype is torch.int64
+    ):
+        if q.shape != (B, n_head * head_dim) or k.shape != (B, n_head_kv * head_dim) or v.shape != k.shape:
+            raise ValueError(
+                f"attend_batch: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not match the "
+                f"cache {tuple(k_cache.shape)}"
+            )
+        q = q.to(torch.float32).contiguous().clone()  # rotated in place by the kernel
+        k = k.to(torch.float32).contiguous().clone()
+        v = v.to(torch.float32).contiguous()
+        rope = rope.to(torch.float32).contiguous()
+        seqs, positions = seqs.contiguous(), positions.contiguous()
+        out = torch.empty(B, n_head * head_dim, dtype=torch.float32)
+        status = kernel(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            type_k.ggml_type, type_v.ggml_type, n_seq, n_ctx, seqs.data_ptr(), positions.data_ptr(), B, n_head,
+            n_head_kv, head_dim, head_dim**-0.5, out.data_ptr(), int(neox), kc.threads_now, kc.level,
+        )  # fmt: skip
+        if status:
+            check_status(status, "attn_decode_batch")
+        return out
+    rows = []
+    for b, (seq, pos) in enumerate(zip(seqs.tolist(), positions.tolist(), strict=True)):
+        rows.append(
+            attend_one(
+                q[b : b + 1],
+                k[b : b + 1],
+                v[b : b + 1],
+                rope[b],
+                k_cache[seq],
+                v_cache[seq],
+                pos,
+                kc,
+                neox=neox,
+            )
+        )
+    return torch.cat(rows)

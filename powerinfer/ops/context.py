@@ -63,6 +63,7 @@ class _Resolved:
     cats_ffn: Any
     attn_decode: Any
     attn_prefill: Any
+    attn_decode_batch: Any
     ffn_kinds: Mapping[GGMLType, int]  # weight kind codes of ffn_rows / predict_ffn
     attn_block: Any  # fused decode blocks (one token)
     ffn_block: Any
@@ -78,7 +79,7 @@ class _Resolved:
 
 
 _NONE = _Resolved(
-    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, _EMPTY, None, None, None, None, None, None, None,
+    _EMPTY, _EMPTY, _EMPTY, _EMPTY, None, None, None, None, None, None, _EMPTY, None, None, None, None, None, None, None,
     None, None, None, None,
 )  # fmt: skip
 
@@ -98,6 +99,7 @@ def _resolve(lib: library.Library | None, enabled: bool, act_precision: str) -> 
         cats_ffn=lib.cats_ffn,
         attn_decode=lib.attn_decode,
         attn_prefill=lib.attn_prefill,
+        attn_decode_batch=lib.attn_decode_batch,
         ffn_kinds=library.FFN_KINDS,
         attn_block=lib.attn_block,
         ffn_block=lib.ffn_block,

@@ -94,6 +94,14 @@ _CATS_FFN_ARGTYPES = (
 # attn_prefill (q, k, v, rope, k_cache, v_cache, type_k, type_v, n_ctx, pos, T, H, H_kv, D, scale, out, neox,
 #               n_threads, isa)
 _ATTN_PREFILL_ARGTYPES = (_ptr,) * 6 + (_i32, _i32) + (_i64,) * 6 + (ctypes.c_float, _ptr, _i32, _i32, _i32)
+# attn_decode_batch (q, k, v, rope, k_cache, v_cache, type_k, type_v, n_seq, n_ctx, seqs, pos, B, H, H_kv, D, scale,
+#                    out, neox, n_threads, isa)
+_ATTN_DECODE_BATCH_ARGTYPES = (
+    (_ptr,) * 6
+    + (_i32, _i32, _i64, _i64, _ptr, _ptr)
+    + (_i64,) * 4
+    + (ctypes.c_float, _ptr, _i32, _i32, _i32)
+)
 # attn_decode (q, k, v, rope, k_cache, v_cache, type_k, type_v, n_ctx, pos, H, H_kv, D, scale, out, scratch,
 #              scratch_bytes, neox, n_threads, isa)
 _ATTN_DECODE_ARGTYPES = (
@@ -159,6 +167,7 @@ class Library:
     cats_ffn: Any  # dense gate, threshold on |act(gate)|, active up/down rows (one token)
     attn_decode: Any  # RoPE + KV write + attention of one token
     attn_prefill: Any  # the same for T consecutive tokens of one sequence, each as attn_decode computes it
+    attn_decode_batch: Any  # the same for one token of each of B sequences
     ffn_rows_scratch_bytes: Any
     predict_ffn_scratch_bytes: Any
     cats_ffn_scratch_bytes: Any
@@ -246,6 +255,7 @@ def _open(path: str) -> Library:
         cats_ffn=_symbol(lib, "pi_cats_ffn", _CATS_FFN_ARGTYPES),
         attn_decode=_symbol(lib, "pi_attn_decode", _ATTN_DECODE_ARGTYPES),
         attn_prefill=_symbol(lib, "pi_attn_prefill", _ATTN_PREFILL_ARGTYPES),
+        attn_decode_batch=_symbol(lib, "pi_attn_decode_batch", _ATTN_DECODE_BATCH_ARGTYPES),
         ffn_rows_scratch_bytes=_symbol(lib, "pi_ffn_rows_scratch_bytes", (_i64, _i64, _i32), _i64),
         predict_ffn_scratch_bytes=_symbol(
             lib, "pi_predict_ffn_scratch_bytes", (_i64, _i64, _i64, _i32), _i64

@@ -102,6 +102,9 @@ class KVLayerView:
     def slot(self, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._slots[seq]
 
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
     def store(
         self, seqs: int | torch.Tensor, positions: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> None:
