@@ -63,3 +63,25 @@ def test_top_k_one_is_greedy_and_temperature_sharpens():
     assert {s(logits) for _ in range(50)} == {1}
     cold = Sampler(SamplingParams(temp=0.05, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, seed=3))
     assert sum(cold(logits) == 1 for _ in range(200)) >= 195
+
+
+def test_top_k_sorted_is_the_exact_top_k_best_first_ties_by_id():
+    """The candidates' fast path (a sampled threshold, ops.top_about_k) against a plain stable sort: the same ids
+    in the same order on rows with ties (few distinct values), banned (-inf) tokens, k at and above the finite
+    count, k <= 0, and vocabularies small enough for the whole-row path."""
+    from powerinfer.sampling import top_k_sorted
+
+    g = torch.Generator().manual_seed(7)
+    for trial in range(60):
+        n = [49152, 4096, 300, 17][trial % 4]
+        levels = [n, 50, 3][trial % 3]  # ties: few distinct values
+        x = torch.randint(0, levels, (n,), generator=g).float() * 0.37 - 5.0
+        if trial % 5 == 0:
+            x[torch.randperm(n, generator=g)[: n // 2]] = float("-inf")
+        for k in (1, 40, 64, n // 3, n, n + 5, 0):
+            values, ids = top_k_sorted(x.contiguous(), k)
+            order = torch.sort(x, descending=True, stable=True).indices
+            order = order[torch.isfinite(x[order])]
+            ref = order if k <= 0 else order[:k]
+            assert torch.equal(ids, ref), (trial, n, k)
+            assert torch.equal(values, x[ref])
