@@ -33,6 +33,18 @@ __all__ = [
 ATTN_KERNEL_MAX_POS = 1 << 16
 
 
+def _kernel_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention kernels' float32 contiguous inputs: q and k copies (the kernels rotate them in place)."""
+    return (
+        q.to(torch.float32).contiguous().clone(),
+        k.to(torch.float32).contiguous().clone(),
+        v.to(torch.float32).contiguous(),
+        rope.to(torch.float32).contiguous(),
+    )
+
+
 def attn_scratch_bytes(n_ctx: int, n_head: int) -> int:
     """Bytes of scratch that serve `attn_decode` at every position below n_ctx with n_head query heads: allocate
     it once per engine. 0 when the kernels are not built."""
@@ -157,10 +169,7 @@ def attn_prefill(
             f"attn_prefill: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} and rope "
             f"{tuple(rope.shape)} do not match the cache {tuple(k_cache.shape)}"
         )
-    q = q.to(torch.float32).contiguous().clone()  # rotated in place by the kernel
-    k = k.to(torch.float32).contiguous().clone()
-    v = v.to(torch.float32).contiguous()
-    rope = rope.to(torch.float32).contiguous()
+    q, k, v, rope = _kernel_inputs(q, k, v, rope)
     out = torch.empty(T, n_head * head_dim, dtype=torch.float32)
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), rope.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
@@ -291,10 +300,7 @@ def attend_batch(
                 f"attend_batch: q {tuple(q.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not match the "
                 f"cache {tuple(k_cache.shape)}"
             )
-        q = q.to(torch.float32).contiguous().clone()  # rotated in place by the kernel
-        k = k.to(torch.float32).contiguous().clone()
-        v = v.to(torch.float32).contiguous()
-        rope = rope.to(torch.float32).contiguous()
+        q, k, v, rope = _kernel_inputs(q, k, v, rope)
         seqs, positions = seqs.contiguous(), positions.contiguous()
         out = torch.empty(B, n_head * head_dim, dtype=torch.float32)
         status = kernel(
