@@ -483,108 +483,142 @@ DEFINE_TILE_QUANT_BODY(q4_1, tile_q4x_n, PI_TYPE_Q4_1)
 
 /* One input's activations as the rows kernel reads them: elements 0-15 (xl) and 16-31 (xh) of blocks 4i .. 4i + 3 in
  * vector i, and per group of 8 blocks their d_x (dx) and the term of the block's offset: Q4_0's 8 sum(x) (off),
- * Q4_1's d_x sum(x) (dsx); a row's last partial group reads the act_tail (tail) */
+ * Q4_1's d_x sum(x) (dsx); a last partial group (tail_n blocks) is one more group, from the act_tail (zero past
+ * its blocks) */
 typedef struct {
     __m512i xl[ROWS_Q4_0_MAX_K / 128], xh[ROWS_Q4_0_MAX_K / 128];
     __m256 dx[ROWS_Q4_0_MAX_K / 256];
     __m256i off[ROWS_Q4_0_MAX_K / 256];
     __m256 dsx[ROWS_Q4_0_MAX_K / 256];
-    const act_tail *tail;
     int tail_n; /* the blocks of the last partial group (0: none) */
 } FN(rows_q4x_input);
 
-/* One row of ng groups of 8 blocks (and a last partial group of in->tail_n blocks) against the rearranged
- * activations: per group, blocks 0-3 and 4-7 of the row as one 512-bit vector each (4 x 16 nibble bytes), two dpbusd
- * per vector (low nibbles with elements 0-15 of each block, high nibbles with 16-31), the 16 lanes' partial sums
- * folded to one exact integer per block in block order, then tile_q4x_n's float steps (Q4_0: q - 8 sum(x), one
- * product d_w d_x and one FMA into lane j; Q4_1: one FMA with d_w d_x, then m_w d_x sum(x) added), the last partial
- * group as the tile's (q4x_tail_group), hsum256 at the end. The integers are exact and every float step is the row
- * tile's, so the result is tile_q4_0's / tile_q4_1's at ntok = 1. */
-TARGET_INLINE float FN(row_q4x_x1)(const int kind, const uint8_t *row, const FN(rows_q4x_input) *in, const act_q8 *a,
-                                   const int64_t ng) {
+/* One group of 8 blocks of a row at p (its last partial group: the first n blocks, zero after, read with masked
+ * loads: nothing past the row) against the rearranged activations of the group (xl, xh: 2 vectors each; dx, and off
+ * (Q4_0) or dsx (Q4_1)): blocks 0-3 and 4-7 as one 512-bit vector each (4 x 16 nibble bytes), two dpbusd per vector
+ * (low nibbles with elements 0-15 of each block, high nibbles with 16-31), the 16 lanes' partial sums folded to one
+ * exact integer per block in block order, then tile_q4x_n's float steps (Q4_0: q - 8 sum(x), one product d_w d_x and
+ * one FMA into lane j; Q4_1: one FMA with d_w d_x, then m_w d_x sum(x) added). A partial group's lanes past n hold
+ * zero integers, scales and sums: what the tile's tail (q4x_tail_group) holds there. */
+TARGET_INLINE __m256 FN(group_q4x_x1)(const int kind, const uint8_t *p, const int n, const __m512i *xl,
+                                      const __m512i *xh, const __m256 dx, const __m256i off, const __m256 dsx,
+                                      __m256 acc) {
     const int64_t bsz = QX_BSZ(kind), qs_off = kind == PI_TYPE_Q4_0 ? 2 : 4;
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const __m512i fold = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; g++) {
-        const uint8_t *p = row + g * 8 * bsz;
-        prefetch_act(a, p, 8 * bsz);
-        __m512i w[2];
-        for (int h = 0; h < 2; h++) {
-            const uint8_t *q = p + h * 4 * bsz + qs_off; /* block 4h's qs */
+    __m512i w[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int h = 0; h < 2 && 4 * h < n; h++) {
+        const uint8_t *q = p + h * 4 * bsz + qs_off; /* block 4h's qs */
+        if (n == 8) {
             __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q));
             v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + bsz)), 1);
             v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 2 * bsz)), 2);
             w[h] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 3 * bsz)), 3);
-        }
-        __m512i s[2];
-        for (int h = 0; h < 2; h++) {
-            const __m512i lo = _mm512_and_si512(w[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(w[h], 4), m4);
-            s[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, in->xl[2 * g + h]), hi,
-                                       in->xh[2 * g + h]);
-        }
-        /* 128-bit lane l of s[h]: block 4h + l's 4 partial sums -> [a_l, a_l, b_l, b_l] per lane -> block order */
-        const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(s[0], s[1]), _mm512_unpackhi_epi64(s[0], s[1]));
-        const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
-        const __m256i dots = _mm512_castsi512_si256(_mm512_permutexvar_epi32(fold, u));
-        const __m512i lo64 = _mm512_loadu_si512((const void *)p), hi64 = _mm512_loadu_si512((const void *)(p + 64));
-        if (kind == PI_TYPE_Q4_0) {
-            const __m512i scale_idx = _mm512_setr_epi32(0x00090000, 0x001B0012, 0x002D0024, 0x003F0036, 0, 0, 0, 0, 0,
-                                                        0, 0, 0, 0, 0, 0, 0);
-            const __m128i dh = _mm512_castsi512_si128(_mm512_permutex2var_epi16(lo64, scale_idx, hi64));
-            const __m256i q = _mm256_sub_epi32(dots, in->off[g]);
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_cvtph_ps(dh), in->dx[g]), acc);
-        } else { /* Q4_1: {d, m} of block k at dword 5 k, block 7's (byte 140) apart, as q4_1_pairs_group */
-            const __m512i words = _mm512_permutex2var_epi32(
-                lo64, _mm512_setr_epi32(0, 5, 10, 15, 20, 25, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0), hi64);
-            int32_t last;
-            memcpy(&last, p + 7 * bsz, sizeof last);
-            const __m256i dm = _mm256_mask_set1_epi32(_mm512_castsi512_si256(words), 0x80, last);
-            const __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
-            const __m256 mw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, in->dx[g]), acc);
-            acc = _mm256_add_ps(acc, _mm256_mul_ps(mw, in->dsx[g]));
+        } else {
+            __m512i v = _mm512_setzero_si512();
+            if (4 * h < n) v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)q));
+            if (4 * h + 1 < n) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + bsz)), 1);
+            if (4 * h + 2 < n) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 2 * bsz)), 2);
+            if (4 * h + 3 < n) v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q + 3 * bsz)), 3);
+            w[h] = v;
         }
     }
-    if (in->tail_n > 0) acc = FN(q4x_tail_group)(kind, row + ng * 8 * bsz, in->tail_n, in->tail, acc);
+    __m512i s[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int h = 0; h < 2 && 4 * h < n; h++) { /* a partial group of at most 4 blocks: blocks 4-7 are 0 */
+        const __m512i lo = _mm512_and_si512(w[h], m4), hi = _mm512_and_si512(_mm512_srli_epi16(w[h], 4), m4);
+        s[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl[h]), hi, xh[h]);
+    }
+    /* 128-bit lane l of s[h]: block 4h + l's 4 partial sums -> [a_l, a_l, b_l, b_l] per lane -> block order */
+    const __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi64(s[0], s[1]), _mm512_unpackhi_epi64(s[0], s[1]));
+    const __m512i u = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_CDAB));
+    const __m256i dots = _mm512_castsi512_si256(_mm512_permutexvar_epi32(fold, u));
+    __m512i lo64, hi64;
+    if (n == 8) {
+        lo64 = _mm512_loadu_si512((const void *)p);
+        hi64 = _mm512_loadu_si512((const void *)(p + 64));
+    } else {
+        const int64_t bytes = n * bsz; /* < 8 * 20 */
+        const __mmask64 m0 = bytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << bytes) - 1);
+        const __mmask64 m1 = bytes >= 128 ? ~(__mmask64)0 : bytes <= 64 ? 0 : (((__mmask64)1 << (bytes - 64)) - 1);
+        lo64 = _mm512_maskz_loadu_epi8(m0, p);
+        hi64 = _mm512_maskz_loadu_epi8(m1, p + 64);
+    }
+    if (kind == PI_TYPE_Q4_0) {
+        const __m512i scale_idx = _mm512_setr_epi32(0x00090000, 0x001B0012, 0x002D0024, 0x003F0036, 0, 0, 0, 0, 0, 0, 0,
+                                                    0, 0, 0, 0, 0);
+        const __m128i dh = _mm512_castsi512_si128(_mm512_permutex2var_epi16(lo64, scale_idx, hi64));
+        const __m256i q = _mm256_sub_epi32(dots, off);
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(_mm256_cvtph_ps(dh), dx), acc);
+    }
+    /* Q4_1: {d, m} of block k at dword 5 k; block 7's (byte 140) apart, as q4_1_pairs_group (0 in a partial group) */
+    const __m512i words =
+        _mm512_permutex2var_epi32(lo64, _mm512_setr_epi32(0, 5, 10, 15, 20, 25, 30, 0, 0, 0, 0, 0, 0, 0, 0, 0), hi64);
+    int32_t last = 0;
+    if (n == 8) memcpy(&last, p + 7 * bsz, sizeof last);
+    const __m256i dm = _mm256_mask_set1_epi32(_mm512_castsi512_si256(words), 0x80, last);
+    const __m256 dw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(dm));
+    const __m256 mw = _mm256_cvtph_ps(_mm256_cvtepi32_epi16(_mm256_srli_epi32(dm, 16)));
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_mul_ps(dw, dx), acc);
+    return _mm256_add_ps(acc, _mm256_mul_ps(mw, dsx));
+}
+
+/* One row of ng groups of 8 blocks and a last partial group of tn blocks (0: none) against the rearranged
+ * activations (group_q4x_x1 each), hsum256 at the end: every integer exact and every float step the row tile's, so
+ * the result is tile_q4_0's / tile_q4_1's at ntok = 1. */
+TARGET_INLINE float FN(row_q4x_x1)(const int kind, const uint8_t *row, const FN(rows_q4x_input) *in, const act_q8 *a,
+                                   const int64_t ng, const int tn) {
+    const int64_t bsz = QX_BSZ(kind);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        const uint8_t *p = row + g * 8 * bsz;
+        prefetch_act(a, p, 8 * bsz);
+        acc = FN(group_q4x_x1)(kind, p, 8, in->xl + 2 * g, in->xh + 2 * g, in->dx[g], in->off[g], in->dsx[g], acc);
+    }
+    if (tn > 0)
+        acc = FN(group_q4x_x1)(kind, row + ng * 8 * bsz, tn, in->xl + 2 * ng, in->xh + 2 * ng, in->dx[ng],
+                               in->off[ng], in->dsx[ng], acc);
     return FN(hsum256)(acc);
+}
+
+/* group g's activations from qs (8 blocks of int8 elements), ds ({d, d sum} per block) and isum (sums) */
+TARGET_INLINE void FN(rows_q4x_group_input)(const int kind, const int8_t *qs, const float *ds, const int32_t *isum,
+                                            FN(rows_q4x_input) *in, const int64_t g) {
+    for (int64_t h = 0; h < 2; h++) { /* blocks 4h .. 4h + 3: qs units [b0 0-15 | b0 16-31 | b1 0-15 | ...] */
+        const __m512i q0 = _mm512_loadu_si512((const void *)(qs + h * 4 * QK));
+        const __m512i q1 = _mm512_loadu_si512((const void *)(qs + h * 4 * QK + 64));
+        in->xl[2 * g + h] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0));
+        in->xh[2 * g + h] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+    in->dx[g] = FN(act_pairs)(ds, 0);
+    in->off[g] = kind == PI_TYPE_Q4_0 ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)isum), 3)
+                                      : _mm256_setzero_si256();
+    in->dsx[g] = kind == PI_TYPE_Q4_0 ? _mm256_setzero_ps() : FN(act_pairs)(ds, 1);
 }
 
 TARGET_INLINE void FN(rows_q4x_prepare)(const int kind, const act_q8 *a, FN(rows_q4x_input) *in) {
     const int64_t ng = a->nb / 8;
-    for (int64_t i = 0; i < 2 * ng; i++) { /* blocks 4i .. 4i + 3: qs units [b0 0-15 | b0 16-31 | b1 0-15 | ...] */
-        const __m512i q0 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK));
-        const __m512i q1 = _mm512_loadu_si512((const void *)(a->qs + i * 4 * QK + 64));
-        in->xl[i] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(2, 0, 2, 0));
-        in->xh[i] = _mm512_shuffle_i32x4(q0, q1, _MM_SHUFFLE(3, 1, 3, 1));
-    }
-    for (int64_t g = 0; g < ng; g++) {
-        in->dx[g] = FN(act_pairs)(a->ds + 2 * 8 * g, 0);
-        if (kind == PI_TYPE_Q4_0)
-            in->off[g] = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(a->isum + 8 * g)), 3);
-        else
-            in->dsx[g] = FN(act_pairs)(a->ds + 2 * 8 * g, 1);
-    }
-    in->tail = a->tail;
+    for (int64_t g = 0; g < ng; g++)
+        FN(rows_q4x_group_input)(kind, a->qs + g * 8 * QK, a->ds + 2 * 8 * g, a->isum + 8 * g, in, g);
     in->tail_n = (int)(a->nb % 8);
+    if (in->tail_n > 0) FN(rows_q4x_group_input)(kind, a->tail->qs, a->tail->ds, a->tail->isum, in, ng);
 }
 
 TARGET_INLINE void FN(rows_q4x_n)(const int kind, const uint8_t *w, int64_t stride, const uint8_t *w2, int64_t stride2,
                                   int64_t n, const FN(rows_q4x_input) *in, const FN(rows_q4x_input) *in2,
-                                  const act_q8 *a, float *y, float *y2, const int64_t ng) {
+                                  const act_q8 *a, float *y, float *y2, const int64_t ng, const int tn) {
     if (w2 == NULL) { /* one matrix: its two halves read in turns (two streams in flight) */
         const int64_t h = n >= ROWS_Q4_0_SPLIT_MIN ? n / 2 : 0;
         for (int64_t r = 0; r < h; r++) {
-            y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng);
-            y[h + r] = FN(row_q4x_x1)(kind, w + (h + r) * stride, in, a, ng);
+            y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng, tn);
+            y[h + r] = FN(row_q4x_x1)(kind, w + (h + r) * stride, in, a, ng, tn);
         }
-        for (int64_t r = 2 * h; r < n; r++) y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng);
+        for (int64_t r = 2 * h; r < n; r++) y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng, tn);
         return;
     }
     for (int64_t r0 = 0; r0 < n; r0 += ROWS_Q4_0_PAIR_RUN) {
         const int64_t r1 = min_i64(r0 + ROWS_Q4_0_PAIR_RUN, n);
-        for (int64_t r = r0; r < r1; r++) y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng);
-        for (int64_t r = r0; r < r1; r++) y2[r] = FN(row_q4x_x1)(kind, w2 + r * stride2, in2, a, ng);
+        for (int64_t r = r0; r < r1; r++) y[r] = FN(row_q4x_x1)(kind, w + r * stride, in, a, ng, tn);
+        for (int64_t r = r0; r < r1; r++) y2[r] = FN(row_q4x_x1)(kind, w2 + r * stride2, in2, a, ng, tn);
     }
 }
 
@@ -607,11 +641,12 @@ TARGET_INLINE void FN(rows_q4x)(const int kind, tile_quant_fn tile, const uint8_
     FN(rows_q4x_prepare)(kind, a, &in[0]);
     if (w2 != NULL && a2 != a) FN(rows_q4x_prepare)(kind, a2, &in[1]);
     const FN(rows_q4x_input) *in2 = a2 != a ? &in[1] : &in[0];
-    switch (ng) { /* the common row lengths with a constant group count */
-        case 2: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 2); break;
-        case 4: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 4); break;
-        case 8: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 8); break;
-        default: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, ng); break;
+    switch (nb) { /* the common row lengths with constant group counts (576 wide: 2 groups and 2 blocks) */
+        case 16: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 2, 0); break;
+        case 18: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 2, 2); break;
+        case 32: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 4, 0); break;
+        case 64: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, 8, 0); break;
+        default: FN(rows_q4x_n)(kind, w, stride, w2, stride2, n, &in[0], in2, a, y, y2, ng, (int)(nb % 8)); break;
     }
 }
 
