@@ -159,18 +159,8 @@ def step_call_counts() -> dict[str, list[int]]:
 def test_python_calls_of_a_step_do_not_grow_with_experts_or_k():
     """A decode step and a 4-token step of the pooled experts make the same number of Python-level calls with
     8 or 32 experts, k = 2 or 4, and 2 or 6 of them in the pool (whole), or partial experts besides: no
-    per-expert work, no `.tolist()` of the routing. Counted in a fresh interpreter: in the whole suite the step
-    under sys.setprofile spun without end after tests/test_chat_template_bounds.py (its hostile template's render
-    interrupted by an async exception, server/chat.py; an open bug), and a profile hook should not see the
-    suite's state anyway."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_moe_pool_grouped as m; "
-        "print(json.dumps(m.step_call_counts()))"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(TESTS)], capture_output=True, text=True, timeout=300, check=True
-    )
-    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    per-expert work, no `.tolist()` of the routing."""
+    counts = step_call_counts()
     for with_partial in ("0", "1"):
         seen = {tuple(v) for key, v in counts.items() if key.endswith(with_partial)}
         assert len(seen) == 1, counts
