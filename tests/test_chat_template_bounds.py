@@ -105,11 +105,11 @@ def test_a_timed_out_render_leaves_a_profiled_engine_step_working(engine, monkey
         real_timer = threading.Timer
 
         class LateTimer(real_timer):
-            def cancel(self) -> None:  # the limit passes now, from the watchdog's own thread
+            def cancel(self) -> None:  # too late: the limit passed just now, the watchdog's call runs
+                super().cancel()
                 other = threading.Thread(target=self.function, args=self.args)
                 other.start()
                 other.join()
-                super().cancel()
 
         monkeypatch.setattr(chat.threading, "Timer", LateTimer)
     else:
@@ -121,7 +121,10 @@ def test_a_timed_out_render_leaves_a_profiled_engine_step_working(engine, monkey
     with pytest.raises(InputError, match="longer than"):
         fmt.render(MESSAGES)
     monkeypatch.undo()
-    time.sleep(0.05)
+    for t in threading.enumerate():  # no watchdog outlives its render (one could fire into later code)
+        if isinstance(t, threading.Timer):
+            t.join(2)
+            assert not t.is_alive()
     assert sum(range(1000)) == 499500  # nothing lands later
     engine.free(0)
     logits = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,9 +13,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    BackgroundCheck,
     random_llama_state,
     random_predictors,
     random_tq2_0,
+    run_background,
     write_activation_stats,
     write_llama_gguf,
     write_relu_sparse_model,
@@ -282,20 +283,19 @@ def test_pool_bytes_for_the_same_neurons(tmp_path):
     assert n_bytes[GGMLType.F16] / n_bytes[GGMLType.Q4_0] == pytest.approx(384 / 108)
 
 
+INTERPRETER_CHECK = BackgroundCheck(
+    (sys.executable, str(TESTS / "triton_interpret_check.py")), (("TRITON_INTERPRET", "1"),)
+)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_kernels_in_the_interpreter():
+@pytest.mark.background(INTERPRETER_CHECK)
+def test_triton_kernels_in_the_interpreter(request):
     """The CUDA pool's kernels (every pool type, K-quants included; odd N, K 32..1024, T 1/3, split sums; T = 17
     is test_triton_kernels.py's) and whole models with every pool weight on the Triton path, run on the CPU by
     TRITON_INTERPRET=1 (see the script)."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, str(TESTS / "triton_interpret_check.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = run_background(request, INTERPRETER_CHECK)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not report["failures"], report["failures"]

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import BackgroundCheck, run_background
 
 from powerinfer import ops
 from powerinfer.device.pool import PoolExperts
@@ -232,6 +231,9 @@ out["pool_alone"] = all(
 out["seconds"] = time.time() - start
 print(json.dumps(out))
 """
+TRITON_CHECK = BackgroundCheck(
+    (sys.executable, "-c", CHECK, str(TESTS)), (("TRITON_INTERPRET", "1"), ("OMP_NUM_THREADS", "1"))
+)
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -243,16 +245,14 @@ PAIR_TOL = 1e-6
 
 @needs_triton
 @pytest.mark.slow  # about 11 s on a busy 2-core machine (the interpreter runs every program in numpy)
-def test_triton_pair_kernel_every_type():
+@pytest.mark.background(TRITON_CHECK)
+def test_triton_pair_kernel_every_type(request):
     """The CUDA pool's pair kernel in the Triton interpreter: every pool type, rows of a pair's slot times its
     token's input against float64, pairs outside the pool exactly 0, and each pair's row alone the same bits as
     in the batch. Then a layer's pooled experts (whole and partial, ReLU) through the Triton kernels against the
     C kernels' stand-in (measured 1.1e-7 relative, the partial experts' pairs alone 1.1e-7; bound 1e-6), each token's sum alone the same bits as in the
     step."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(TESTS)], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_background(request, TRITON_CHECK)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     from powerinfer.ops import triton_quant
