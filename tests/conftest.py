@@ -450,6 +450,8 @@ _BACKGROUND = pytest.StashKey[tuple[ThreadPoolExecutor, dict, list]]()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
     checks: list[BackgroundCheck] = []
     for item in session.items:
         marker = item.get_closest_marker("background")
