@@ -310,7 +310,7 @@ def hf_model():
 
 @pytest.fixture(scope="session")
 def smollm2_sparsified(tmp_path_factory):
-    """SmolLM2 made sparse once per session by the CLI, `sparsify -t 1 --sparsity 0.5 --allocation greedy
+    """SmolLM2 made sparse once per session by the CLI, `sparsify -t 2 --sparsity 0.5 --allocation greedy
     --max-tokens 512` on the first 12000 characters of the prose (its head's screen written too). Returns
     (calibration text, output file, the CLI's result); its users only read them (test_sparsify.py checks the file
     and the thresholds, test_sparse_head.py the screen)."""
@@ -326,7 +326,7 @@ def smollm2_sparsified(tmp_path_factory):
     out = folder / "out" / "smollm2.powerinfer.gguf"
     out.parent.mkdir()
     args = ["-m", str(model), "-f", str(text), "--sparsity", "0.5", "-o", str(out), "--max-tokens", "512"]
-    result = CliRunner().invoke(app, ["sparsify", "-t", "1", *args, "--allocation", "greedy"])
+    result = CliRunner().invoke(app, ["sparsify", "-t", "2", *args, "--allocation", "greedy"])
     return text, out, result
 
 

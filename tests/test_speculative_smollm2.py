@@ -26,7 +26,7 @@ pytestmark = [
 
 N_PREDICT = 128
 # the F32 target carries the full length; F16 and Q8_0 (the same speculative loop over other row types) the first
-# 64 tokens: greedy tokens are a prefix of the longer run's
+# 64 tokens: greedy tokens are a prefix of the longer run's (plain decoding runs each target for its own length)
 N_OF = {"F32": N_PREDICT, "F16": 64, "Q8_0": 64}
 PROMPTS = [
     "The history of the printing press",
@@ -86,7 +86,9 @@ def _text(tok, tokens: list[int]) -> str:
 def test_main_greedy_is_plain_decoding(smol_quants, plain, target):
     tok = plain["tokenizer"]
     drafted = accepted = 0
-    for prompt, want in zip(PROMPTS, plain[target], strict=True):
+    # F32 runs every prompt; F16 and Q8_0 the first three here (the server test runs all five for every target)
+    n = len(PROMPTS) if target == "F32" else 3
+    for prompt, want in zip(PROMPTS[:n], plain[target][:n], strict=True):
         result = runner.invoke(
             app,
             [
