@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import sys
+import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
@@ -304,6 +308,28 @@ def hf_model():
     return tok, model
 
 
+@pytest.fixture(scope="session")
+def smollm2_sparsified(tmp_path_factory):
+    """SmolLM2 made sparse once per session by the CLI, `sparsify -t 2 --sparsity 0.5 --allocation greedy
+    --max-tokens 512` on the first 12000 characters of the prose (its head's screen written too). Returns
+    (calibration text, output file, the CLI's result); its users only read them (test_sparsify.py checks the file
+    and the thresholds, test_sparse_head.py the screen)."""
+    from typer.testing import CliRunner
+
+    from powerinfer.cli import app
+
+    model = smollm2_path()
+    folder = tmp_path_factory.mktemp("smollm2-sparse")
+    text = folder / "calib.txt"
+    prose = (REPO / "tests" / "data" / "python-reference-prose.txt").read_text(encoding="utf-8")
+    text.write_text(prose[:12000], encoding="utf-8")
+    out = folder / "out" / "smollm2.powerinfer.gguf"
+    out.parent.mkdir()
+    args = ["-m", str(model), "-f", str(text), "--sparsity", "0.5", "-o", str(out), "--max-tokens", "512"]
+    result = CliRunner().invoke(app, ["sparsify", "-t", "2", *args, "--allocation", "greedy"])
+    return text, out, result
+
+
 def write_relu_sparse_model(
     path: Path,
     *,
@@ -389,3 +415,71 @@ def isa(request) -> str:
     if ops.ISA_NAMES.index(request.param) > ops.ISA_NAMES.index(best):
         pytest.skip(f"this CPU has no {request.param} (best SIMD variant: {best})")
     return request.param
+
+
+# ---------------------------------------------------------------------------------------------- background checks
+
+
+@dataclass(frozen=True)
+class BackgroundCheck:
+    """A script some tests read the output of, run in its own interpreter (the Triton interpreter checks:
+    TRITON_INTERPRET must be set before triton is imported). Tests marked `background(check)` get it started
+    once collection ends, one at a time in a helper thread, so that it runs beside the rest of the suite on the
+    other core; `run_background(request, check)` waits for it (or runs it there if it was not started)."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    timeout_s: float = 600.0
+
+    def run(self, started: list[subprocess.Popen]) -> subprocess.CompletedProcess:
+        env = dict(os.environ, **dict(self.env))
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen(self.argv, env=env, stdout=out, stderr=err, text=True)
+            started.append(proc)
+            try:
+                proc.wait(self.timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            return subprocess.CompletedProcess(self.argv, proc.returncode, out.read(), err.read())
+
+
+_BACKGROUND = pytest.StashKey[tuple[ThreadPoolExecutor, dict, list]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly:
+        return
+    checks: list[BackgroundCheck] = []
+    for item in session.items:
+        marker = item.get_closest_marker("background")
+        skipped = any(m.args and m.args[0] is True for m in item.iter_markers("skipif"))
+        if marker is not None and not skipped and marker.args[0] not in checks:
+            checks.append(marker.args[0])
+    if not checks:
+        return
+    pool, started = ThreadPoolExecutor(1, thread_name_prefix="background-check"), []
+    futures = {check: pool.submit(check.run, started) for check in checks}  # in the order the tests need them
+    session.config.stash[_BACKGROUND] = (pool, futures, started)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _BACKGROUND not in session.config.stash:
+        return
+    pool, _, started = session.config.stash[_BACKGROUND]
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in started:  # a run cut short (-x, Ctrl-C) does not outlive the session
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def run_background(request: pytest.FixtureRequest, check: BackgroundCheck) -> subprocess.CompletedProcess:
+    """The finished run of check: the one started after collection, else one run now."""
+    futures: dict[BackgroundCheck, Future] = request.config.stash.get(_BACKGROUND, (None, {}, []))[1]
+    future = futures.get(check)
+    if future is None or future.cancelled():
+        return check.run([])
+    return future.result()

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import BackgroundCheck, run_background
 
 from powerinfer import ops
 from powerinfer.device.pool import PoolExperts
@@ -159,18 +158,8 @@ def step_call_counts() -> dict[str, list[int]]:
 def test_python_calls_of_a_step_do_not_grow_with_experts_or_k():
     """A decode step and a 4-token step of the pooled experts make the same number of Python-level calls with
     8 or 32 experts, k = 2 or 4, and 2 or 6 of them in the pool (whole), or partial experts besides: no
-    per-expert work, no `.tolist()` of the routing. Counted in a fresh interpreter: in the whole suite the step
-    under sys.setprofile spun without end after tests/test_chat_template_bounds.py (its hostile template's render
-    interrupted by an async exception, server/chat.py; an open bug), and a profile hook should not see the
-    suite's state anyway."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]); import test_moe_pool_grouped as m; "
-        "print(json.dumps(m.step_call_counts()))"
-    )
-    r = subprocess.run(
-        [sys.executable, "-c", code, str(TESTS)], capture_output=True, text=True, timeout=300, check=True
-    )
-    counts = json.loads(r.stdout.strip().splitlines()[-1])
+    per-expert work, no `.tolist()` of the routing."""
+    counts = step_call_counts()
     for with_partial in ("0", "1"):
         seen = {tuple(v) for key, v in counts.items() if key.endswith(with_partial)}
         assert len(seen) == 1, counts
@@ -242,6 +231,9 @@ out["pool_alone"] = all(
 out["seconds"] = time.time() - start
 print(json.dumps(out))
 """
+TRITON_CHECK = BackgroundCheck(
+    (sys.executable, "-c", CHECK, str(TESTS)), (("TRITON_INTERPRET", "1"), ("OMP_NUM_THREADS", "1"))
+)
 
 needs_triton = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="triton is not installed"
@@ -253,16 +245,14 @@ PAIR_TOL = 1e-6
 
 @needs_triton
 @pytest.mark.slow  # about 11 s on a busy 2-core machine (the interpreter runs every program in numpy)
-def test_triton_pair_kernel_every_type():
+@pytest.mark.background(TRITON_CHECK)
+def test_triton_pair_kernel_every_type(request):
     """The CUDA pool's pair kernel in the Triton interpreter: every pool type, rows of a pair's slot times its
     token's input against float64, pairs outside the pool exactly 0, and each pair's row alone the same bits as
     in the batch. Then a layer's pooled experts (whole and partial, ReLU) through the Triton kernels against the
     C kernels' stand-in (measured 1.1e-7 relative, the partial experts' pairs alone 1.1e-7; bound 1e-6), each token's sum alone the same bits as in the
     step."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(TESTS)], env=env, capture_output=True, text=True, timeout=600
-    )
+    proc = run_background(request, TRITON_CHECK)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     from powerinfer.ops import triton_quant

@@ -236,21 +236,11 @@ def test_sparse_head_refused_with_a_pool_device():
     assert r.output.strip().count("\n") == 0
 
 
-def test_sparsify_writes_the_screen(tmp_path: Path):
-    """Written by sparsify into the PWRI file; the engine loads it by default and --no-sparse-head skips it."""
-    from powerinfer.sparsify import SparsifyOptions, run_sparsify
-
-    out = tmp_path / "s.powerinfer.gguf"
-    run_sparsify(
-        SparsifyOptions(
-            model=smollm2_path(),
-            corpus=CALIBRATION_TEXT,
-            output=out,
-            sparsity=0.3,
-            max_tokens=512,
-            n_threads=2,
-        )
-    )
+def test_sparsify_writes_the_screen(smollm2_sparsified, tmp_path: Path):
+    """Written by sparsify into the PWRI file (the session's greedy run, conftest.py); the engine loads it by
+    default and --no-sparse-head skips it."""
+    _, out, result = smollm2_sparsified
+    assert result.exit_code == 0, result.stderr
     tensors = read_gguf(out).tensors
     assert tensors[SCREEN_PROJ].shape == (256, 576) and tensors[SCREEN].shape == (49152, 256)
     assert isinstance(

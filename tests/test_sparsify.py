@@ -209,15 +209,11 @@ def check_neuron_scales(neurons: np.ndarray, layer_t: np.ndarray, up_mean: np.nd
         assert np.allclose(neurons[bid], want, rtol=2e-4), bid
 
 
-def test_smollm2_greedy(tmp_path: Path):
-    model = smollm2_path()  # Q4_1 FFN matrices
-    text = calibration_text(tmp_path, 12000)
-    out = tmp_path / "out" / "smollm2.powerinfer.gguf"
-    out.parent.mkdir()
-    r = sparsify(
-        "-m", str(model), "-f", str(text), "--sparsity", "0.5", "-o", str(out), "--max-tokens", "512",
-        "--allocation", "greedy",
-    )  # fmt: skip
+def test_smollm2_greedy(smollm2_sparsified):
+    """SmolLM2 (Q4_1 FFN matrices) at S = 0.5, greedy, 512 tokens (the session's run, conftest.py; the sparse
+    head's tests read its screen)."""
+    model = smollm2_path()
+    text, out, r = smollm2_sparsified
     assert r.exit_code == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     thresholds, layer_sparsity, outs = check_file(model, out, 0.5)

@@ -25,6 +25,9 @@ pytestmark = [
 ]
 
 N_PREDICT = 128
+# the F32 target carries the full length; F16 and Q8_0 (the same speculative loop over other row types) the first
+# 64 tokens: greedy tokens are a prefix of the longer run's (plain decoding runs each target for its own length)
+N_OF = {"F32": N_PREDICT, "F16": 64, "Q8_0": 64}
 PROMPTS = [
     "The history of the printing press",
     "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n",
@@ -59,7 +62,7 @@ def plain(smol_quants) -> dict[str, list[list[int]]]:
         tok = engine.tokenizer
         gen = Generator(engine)
         out: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
-        params = GenParams(sampling=SamplingParams(temp=0.0), n_predict=N_PREDICT, ignore_eos=True)
+        params = GenParams(sampling=SamplingParams(temp=0.0), n_predict=N_OF[name], ignore_eos=True)
         events = [
             ev
             for i, p in enumerate(PROMPTS)
@@ -83,12 +86,14 @@ def _text(tok, tokens: list[int]) -> str:
 def test_main_greedy_is_plain_decoding(smol_quants, plain, target):
     tok = plain["tokenizer"]
     drafted = accepted = 0
-    for prompt, want in zip(PROMPTS, plain[target], strict=True):
+    # F32 runs every prompt; F16 and Q8_0 the first three here (the server test runs all five for every target)
+    n = len(PROMPTS) if target == "F32" else 3
+    for prompt, want in zip(PROMPTS[:n], plain[target][:n], strict=True):
         result = runner.invoke(
             app,
             [
                 "main", "-m", str(smol_quants[target]), "-md", str(smol_quants["Q4_0"]), "-p", prompt,
-                "-n", str(N_PREDICT), "--temp", "0", "--ignore-eos", "-t", "2", "-c", "512",
+                "-n", str(N_OF[target]), "--temp", "0", "--ignore-eos", "-t", "2", "-c", "512",
             ],
         )  # fmt: skip
         assert result.exit_code == 0, result.stderr
@@ -119,7 +124,7 @@ def test_server_greedy_is_plain_decoding(smol_quants, plain, target):
     with live_server(opts) as srv:
 
         def ask(prompt: list[int]):
-            body = {"prompt": prompt, "n_predict": N_PREDICT, "temperature": 0, "ignore_eos": True}
+            body = {"prompt": prompt, "n_predict": N_OF[target], "temperature": 0, "ignore_eos": True}
             return request(srv, "POST", "/completion", body, timeout=600)
 
         with ThreadPoolExecutor(len(ids)) as pool:
@@ -128,6 +133,6 @@ def test_server_greedy_is_plain_decoding(smol_quants, plain, target):
         assert status == 200, out
         assert out["content"] == _text(tok, want)
         t = out["timings"]
-        assert t["predicted_n"] == N_PREDICT
+        assert t["predicted_n"] == N_OF[target]
         assert 0 <= t["draft_n_accepted"] <= t["draft_n"]
     assert sum(a[1]["timings"]["draft_n_accepted"] for a in answers) > 0

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import BackgroundCheck, run_background
 
 from powerinfer import quant
 from powerinfer.gguf import GGMLType
@@ -88,18 +87,21 @@ print(json.dumps(out))
 """
 
 
+INTERPRETER_CHECK = BackgroundCheck(
+    (sys.executable, "-c", CHECK, str(TESTS)), (("TRITON_INTERPRET", "1"), ("OMP_NUM_THREADS", "1"))
+)
+
+
 @pytest.fixture(scope="module")
-def report() -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-c", CHECK, str(TESTS)], env=env, capture_output=True, text=True, timeout=600
-    )
+def report(request) -> dict:
+    proc = run_background(request, INTERPRETER_CHECK)
     assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @needs_triton
 @pytest.mark.slow
+@pytest.mark.background(INTERPRETER_CHECK)
 def test_every_type_equals_the_float64_product(report):
     errors = report["errors"]
     assert {e[0] for e in errors} == {t.name for t in quant.POOL_TYPES}
@@ -113,6 +115,7 @@ def test_every_type_equals_the_float64_product(report):
 
 @needs_triton
 @pytest.mark.slow
+@pytest.mark.background(INTERPRETER_CHECK)
 def test_a_tokens_bits_do_not_depend_on_the_batch(report):
     """Row t of a 17-token (or 3-token) call is bit for bit the 1-token call on that row: matmul and axpy."""
     bad = {key: v for key, v in report["invariant"].items() if v != [True, True]}
@@ -121,6 +124,7 @@ def test_a_tokens_bits_do_not_depend_on_the_batch(report):
 
 @needs_triton
 @pytest.mark.slow
+@pytest.mark.background(INTERPRETER_CHECK)
 def test_axpy_of_an_all_zero_token_is_exactly_zero(report):
     bad = [key for key, ok in report["zero_rows"].items() if not ok]
     assert not bad, bad

@@ -35,8 +35,10 @@ RENDER_MAX_EXPONENT = 4096  # x ** n with |n| above this is refused (big-integer
 RENDER_SECONDS = 5.0  # wall-clock limit of one render
 
 
-class RenderTimeout(Exception):
-    """Raised inside a render that ran past RENDER_SECONDS (delivered to its thread by the watchdog)."""
+class RenderTimeout(BaseException):
+    """Raised inside a render that ran past RENDER_SECONDS (sent to its thread by the watchdog). A BaseException,
+    as KeyboardInterrupt is: an interrupt, not the template's error, so no `except Exception` on its way out
+    swallows it."""
 
 
 class _Budget:
@@ -76,21 +78,44 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+def _send_timeout(thread_id: int) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(RenderTimeout))
+
+
 def _interrupt(thread_id: int, budget: _Budget) -> None:
+    """The watchdog: RenderTimeout into the render's thread, once, unless the render is done."""
     with budget.lock:
         if budget.done:
             return
         budget.fired = True
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(RenderTimeout))
+        _send_timeout(thread_id)
+
+
+def _land_timeout(thread_id: int) -> None:
+    """Raises here the RenderTimeout sent to this thread that has not landed yet: sent again from this thread
+    (one pending exception per thread: this replaces it) and raised at the loop's first eval-breaker check."""
+    _send_timeout(thread_id)
+    for _ in range(1 << 24):
+        pass
 
 
 def render_bounded(template: jinja2.Template, **variables: Any) -> str:
-    """template.render(**variables) within the bounds of this module (SecurityError or RenderTimeout)."""
+    """template.render(**variables) within the bounds of this module (SecurityError or RenderTimeout).
+
+    The time limit interrupts the render's thread with an asynchronous exception (the only way to stop pure
+    Python, e.g. an empty loop of 1e10 items, without a hook in it). It is never taken back: clearing it with
+    PyThreadState_SetAsyncExc(id, NULL) leaves CPython 3.11's eval breaker set for good (its async flag is
+    cleared only when an exception lands), and then every profiled or traced function call spins without end.
+    An exception sent lands in this function, whatever the race: in the render, in the `finally`, or in
+    _land_timeout when it was still pending once the render ended. Renders of one process run one at a time
+    (the server's event loop, the interactive loop): on CPython 3.11 two threads with pending async exceptions
+    can lose one's signal."""
     budget = _Budget()
     thread_id = threading.get_ident()
     watchdog = threading.Timer(RENDER_SECONDS, _interrupt, (thread_id, budget))
     watchdog.daemon = True
     watchdog.start()
+    landed = False
     try:
         pieces, n = [], 0
         for piece in template.generate(**variables, range=budget.range):
@@ -99,12 +124,15 @@ def render_bounded(template: jinja2.Template, **variables: Any) -> str:
                 raise SecurityError(f"the rendered prompt passed {RENDER_MAX_CHARS} characters")
             pieces.append(piece)
         return "".join(pieces)
+    except RenderTimeout:
+        landed = True
+        raise
     finally:
-        with budget.lock:
-            budget.done = True
-            if budget.fired:  # the timeout raced the end: take back an exception not delivered yet
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), None)
         watchdog.cancel()
+        with budget.lock:
+            budget.done = True  # no exception is sent after this
+        if budget.fired and not landed:
+            _land_timeout(thread_id)
 
 
 def _raise_exception(message: str) -> None:
