@@ -34,7 +34,9 @@ def test_governor_drops_probes_and_backs_off(keep_torch_threads) -> None:
     g = ThreadGovernor(kc)
     g.judge(0.99, 0.0)  # a quiet machine: nothing changes
     assert kc.threads_now == 2
-    g.judge(0.66, 1.0)  # 3 busy threads on 2 cores: each gets two thirds
+    g.judge(0.66, 0.95)  # 3 busy threads on 2 cores: each gets two thirds; one window could be a transient
+    assert kc.threads_now == 2
+    g.judge(0.66, 1.0)  # the next one too: a busy process
     assert kc.threads_now == 1 and torch.get_num_threads() == before  # torch's pool: the steps' business
     g.judge(1.0, 1.0 + th.PROBE_S / 2)  # too early to try again
     assert kc.threads_now == 1
@@ -55,18 +57,34 @@ def test_governor_steps_down_by_the_share(keep_torch_threads) -> None:
     kc = KernelContext(n_threads=8)
     g = ThreadGovernor(kc)
     g.judge(0.5, 0.0)
+    g.judge(0.5, 0.05)
     assert kc.threads_now == 4
-    g.judge(0.79, 0.1)  # at least one less each time
+    g.judge(0.79, 0.1)
+    g.judge(0.79, 0.15)  # at least one less each time
     assert kc.threads_now == 3
     for _ in range(5):
         g.judge(0.1, 0.2)
     assert kc.threads_now == 1  # never below one
 
 
+def test_one_low_window_is_not_a_busy_process(keep_torch_threads) -> None:
+    """A single low window between quiet ones (the VM host's: 0.74 once in ~30 runs of a -t 2 benchmark) keeps
+    every thread; two in a row lower the count."""
+    kc = KernelContext(n_threads=2)
+    g = ThreadGovernor(kc)
+    for i in range(20):
+        g.judge(0.74 if i % 3 == 0 else 0.99, 0.05 * i)
+        assert kc.threads_now == 2
+    g.judge(0.74, 1.0)
+    g.judge(0.7, 1.05)
+    assert kc.threads_now == 1
+
+
 def test_backoff_is_capped(keep_torch_threads) -> None:
     kc = KernelContext(n_threads=2)
     g = ThreadGovernor(kc)
     now = 0.0
+    g.judge(0.5, now)
     g.judge(0.5, now)
     for _ in range(10):
         now += g.probe_wait
@@ -91,6 +109,7 @@ def test_engine_governs_unless_fixed(tmp_path, keep_torch_threads) -> None:
     assert engine.governor is not None and engine.governor.kc is engine.kc
     before = engine.step([0, 0, 0], [1, 2, 3], [0, 1, 2])
     engine.governor.judge(0.5, 0.0)  # as if the cores were shared: one thread, the same logits
+    engine.governor.judge(0.5, 0.05)
     assert engine.kc.threads_now == 1
     engine.reset()
     inside = []

@@ -6,12 +6,15 @@ waits for it: on a 2-core machine with one competing process, -t 2 decoded at 29
 (docs/benchmarks.md, "Shared cores"). Such a stall shows in the thread that runs the steps: it gets less CPU time than
 wall time (our threads never sleep inside a step). So after each step the governor adds up both, and once a
 window of WINDOW_S seconds is full:
-- if the calling thread had less than LOW_SHARE of the wall time, the kernels run fewer threads from the next
-  step on (about the share of the cores they got, at least one less);
+- if the calling thread had less than LOW_SHARE of the wall time in LOW_WINDOWS windows in a row, the kernels run
+  fewer threads from the next step on (about the share of the cores they got, at least one less);
 - at fewer threads than the context's n_threads it tries all of them again after PROBE_S seconds; a probe
-  that finds the cores still shared doubles the wait (up to PROBE_MAX_S), one that finds them free restores
-  the first wait.
-A quiet machine sees shares of 0.97-1.0 and never leaves n_threads. Front ends that wait inside a step (a
+  that finds the cores still shared (one low window) doubles the wait (up to PROBE_MAX_S), one that finds them
+  free restores the first wait.
+A quiet machine sees shares of 0.97-1.0 and never leaves n_threads. One low window alone is not a busy process:
+on the quiet 2-core VM a single window of 0.74 now and then (the host's) dropped a benchmark's engine to one
+thread, and since its runs came less than FRESH_S apart it stayed there until the probe, 2 s then: its -t 2 runs
+fell to the -t 1 rate for seconds at a time, the "bimodal -t 2 series" of docs/sparsity.md. Front ends that wait inside a step (a
 CUDA pool, pipeline stages receiving from other ranks) do not use it.
 
 A window is judged only after steps ran, so a prompt (one step) and the first decode steps would be unprotected
@@ -44,6 +47,7 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 0.05  # steps are judged over at least this much wall time
 LOW_SHARE = 0.8  # CPU time / wall time of the stepping thread below this: the cores are shared
+LOW_WINDOWS = 2  # low windows in a row that lower the count (a probe's one low window lowers it again)
 PROBE_S = 2.0  # first wait before trying all threads again
 PROBE_MAX_S = 32.0
 FRESH_S = 0.5  # a step starting this long after the last one ended looks at the load first
@@ -115,6 +119,7 @@ class ThreadGovernor:
     probe_wait: float = PROBE_S
     changed_at: float = 0.0
     probing: bool = False
+    low: int = 0  # low windows in a row so far
     # the step being timed: (perf_counter, thread_time) at its start
     _start: tuple[float, float] | None = None
     _last_end: float | None = None  # perf_counter when the last step ended
@@ -147,6 +152,7 @@ class ThreadGovernor:
             self._set(n, now, f"{others} other runnable tasks")
         self.probing = False
         self.probe_wait = PROBE_S
+        self.low = 0
         self.wall = self.cpu = 0.0
 
     def end(self) -> None:
@@ -165,11 +171,15 @@ class ThreadGovernor:
         """One full window: `share` = CPU time / wall time of the stepping thread over it."""
         cell = self.kc.threads
         n = cell.n
-        if share < LOW_SHARE and n > 1:
-            if self.probing:  # all threads were tried again and the cores are still shared
-                self.probe_wait = min(self.probe_wait * 2, PROBE_MAX_S)
-            self._set(max(1, min(n - 1, int(share * n))), now, f"CPU share {share:.2f}")
-            self.probing = False
+        low = share < LOW_SHARE
+        self.low = self.low + 1 if low else 0
+        if low:  # one low window alone may be a transient: a busy process shows in the next one too
+            if n > 1 and (self.probing or self.low >= LOW_WINDOWS):
+                if self.probing:  # all threads were tried again and the cores are still shared
+                    self.probe_wait = min(self.probe_wait * 2, PROBE_MAX_S)
+                self._set(max(1, min(n - 1, int(share * n))), now, f"CPU share {share:.2f}")
+                self.probing = False
+                self.low = 0
         elif self.probing:
             self.probing = False
             self.probe_wait = PROBE_S
